@@ -1,0 +1,39 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Each builds .venv itself.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# CPU builds for this kind of machine; on a GPU server: make CONSTRAINTS= install
+CONSTRAINTS ?= constraints/cpu.txt
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint format bench clean
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[dev,ray]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/gpuyard demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy src/gpuyard
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix src tests benchmarks
+	$(BIN)/ruff format src tests benchmarks
+
+bench: $(STAMP)
+	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b --quick || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

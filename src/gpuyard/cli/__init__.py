@@ -1,0 +1,1 @@
+"""Command line: `gpuyard <noun> <verb>`; one module per noun, each with a ``register(app)`` function."""

@@ -1,0 +1,77 @@
+"""Entry point of the `gpuyard` command: finds the noun modules, runs them, turns errors into one line."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+import traceback
+
+import typer
+from rich.console import Console
+
+import gpuyard
+from gpuyard.errors import GpuyardError
+
+app = typer.Typer(
+    name="gpuyard",
+    help="gpuyard: a GPU backend for AI (hardware, fabric, data, training, jobs, models, serving).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+err = Console(stderr=True, highlight=False)
+_state = {"debug": False}
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"gpuyard {gpuyard.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show the full traceback when a command fails."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    _state["debug"] = debug
+
+
+def _register_commands() -> None:
+    # Every module in gpuyard.cli but this one contributes its commands through register(app).
+    import gpuyard.cli as pkg
+
+    for mod in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if mod.name in ("main",) or mod.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"gpuyard.cli.{mod.name}")
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(app)
+
+
+_register_commands()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI; user errors print one line on stderr and exit 2 (a traceback with --debug)."""
+    args = sys.argv[1:] if argv is None else argv
+    _state["debug"] = "--debug" in args
+    try:
+        # Standalone mode: usage errors print themselves and exit 2, as click does.
+        app(args=args, prog_name="gpuyard")
+    except GpuyardError as exc:
+        if _state["debug"]:
+            traceback.print_exc()
+        err.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

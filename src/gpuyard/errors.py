@@ -1,0 +1,49 @@
+"""Exception types a user may see; the CLI prints them in one line and exits 2, the API answers 4xx."""
+
+
+class GpuyardError(Exception):
+    """Base of every error gpuyard reports to a user (never a bug)."""
+
+    http_status = 400
+
+
+class ConfigError(GpuyardError):
+    """A setting, spec or file given by the user is invalid; the message names the field."""
+
+    http_status = 422
+
+
+class NotFoundError(GpuyardError):
+    """A named thing (preset, dataset, job, model version, ...) does not exist."""
+
+    http_status = 404
+
+
+class ConflictError(GpuyardError):
+    """The request contradicts the current state (already exists, wrong stage, ...)."""
+
+    http_status = 409
+
+
+class StoreError(GpuyardError):
+    """The state or artifact store cannot be reached or refused an operation."""
+
+    http_status = 503
+
+
+class IntegrityError(GpuyardError):
+    """Stored content does not match its recorded hash, or a file is truncated or corrupt."""
+
+    http_status = 500
+
+
+class CapacityError(GpuyardError):
+    """The request can never be satisfied by the resources that exist (e.g. more GPUs than the cluster has)."""
+
+    http_status = 422
+
+
+class PermissionDenied(GpuyardError):
+    """The caller is authenticated but not allowed to do this."""
+
+    http_status = 403

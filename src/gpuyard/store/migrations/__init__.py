@@ -1,0 +1,1 @@
+"""Alembic migrations of the state store (applied by Store.migrate on first use)."""

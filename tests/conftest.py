@@ -78,15 +78,20 @@ def postgres_server() -> Iterator[str]:
     )
     opts = f"-c listen_addresses=127.0.0.1 -p {port} -k {sock} -c fsync=off -c max_connections=200"
     subprocess.run(
-        _as_postgres([pg_ctl, "-D", str(data), "-o", opts, "-l", str(root / "log"), "-w", "-t", "60", "start"]),
+        _as_postgres(
+            [pg_ctl, "-D", str(data), "-o", opts, "-l", str(root / "log"), "-w", "-t", "60", "start"]
+        ),
         check=True,
         capture_output=True,
     )
     try:
         yield f"postgresql+psycopg://postgres@127.0.0.1:{port}"
     finally:
-        subprocess.run(_as_postgres([pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop"]), check=False,
-                       capture_output=True)
+        subprocess.run(
+            _as_postgres([pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop"]),
+            check=False,
+            capture_output=True,
+        )
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -38,7 +38,7 @@ class IntegrityError(GpuyardError):
 
 
 class CapacityError(GpuyardError):
-    """The request can never be satisfied by the resources that exist (e.g. more GPUs than the cluster has)."""
+    """The request can never be met by the resources that exist (e.g. more GPUs than the cluster has)."""
 
     http_status = 422
 

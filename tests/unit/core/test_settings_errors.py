@@ -1,0 +1,61 @@
+"""Settings resolution and the CLI's error contract."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuyard.errors import ConfigError
+from gpuyard.settings import load_settings
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults_live_in_home(tmp_path: Path) -> None:
+    s = load_settings({"GPUYARD_HOME": str(tmp_path / "h")})
+    assert s.home == (tmp_path / "h").resolve()
+    assert s.database_url == f"sqlite:///{(tmp_path / 'h').resolve() / 'gpuyard.db'}"
+    assert s.artifact_root == str((tmp_path / "h").resolve() / "artifacts")
+    assert s.is_sqlite
+
+
+def test_home_defaults_to_dot_gpuyard(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_settings({}).home == (tmp_path / ".gpuyard").resolve()
+
+
+def test_postgres_url_gets_the_psycopg_driver() -> None:
+    s = load_settings({"GPUYARD_DATABASE_URL": "postgresql://u@db.example/gy", "GPUYARD_HOME": "/tmp/x"})
+    assert s.database_url == "postgresql+psycopg://u@db.example/gy"
+    assert not s.is_sqlite
+
+
+def test_unknown_database_scheme_is_refused() -> None:
+    with pytest.raises(ConfigError, match="unsupported database"):
+        load_settings({"GPUYARD_DATABASE_URL": "mysql://x/y"})
+
+
+def test_cli_user_error_is_one_line_exit_2(tmp_path: Path) -> None:
+    env = {"GPUYARD_DATABASE_URL": "mysql://x/y", "GPUYARD_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    code = "from gpuyard.cli.main import main; from gpuyard.settings import load_settings\n"
+    code += "import gpuyard.cli.main as m\n@m.app.command('boom')\ndef boom():\n    load_settings()\nmain()"
+    out = subprocess.run([sys.executable, "-c", code, "boom"], env=env, capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().count("\n") == 0 and "unsupported database" in out.stderr
+    dbg = subprocess.run(
+        [sys.executable, "-c", code, "--debug", "boom"], env=env, capture_output=True, text=True
+    )
+    assert dbg.returncode == 2 and "Traceback" in dbg.stderr
+
+
+def test_version_flag() -> None:
+    import gpuyard
+
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuyard.cli.main", "--version"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.strip() == f"gpuyard {gpuyard.__version__}"

@@ -1,0 +1,159 @@
+"""`gpuyard runs`: list, show and compare tracked runs; draw their metric curves as PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+runs_app = typer.Typer(
+    help="Tracked runs: parameters, metric series, artifacts, lineage.", no_args_is_help=True
+)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _duration(doc: dict[str, Any]) -> str:
+    from datetime import datetime
+
+    if not doc.get("ended_at"):
+        return "-"
+    seconds = (
+        datetime.fromisoformat(doc["ended_at"]) - datetime.fromisoformat(doc["started_at"])
+    ).total_seconds()
+    return f"{seconds:.1f}s"
+
+
+@runs_app.command("ls")
+def ls(
+    experiment: str | None = typer.Option(None, "--experiment", "-e", help="Only this experiment."),
+    status: str | None = typer.Option(None, "--status", help="running, finished, failed or pruned."),
+    kind: str | None = typer.Option(None, "--kind", help="train, tune, trial, cv, fold, eval, retrain."),
+    parent: str | None = typer.Option(None, "--parent", help="Only children of this run (trials, folds)."),
+    metric: list[str] = typer.Option([], "--metric", "-m", help="Metric columns to show (default: up to 4)."),
+    limit: int = typer.Option(30, "--limit", "-n", help="How many runs, newest first."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """List runs, newest first, with their latest metrics."""
+    from gpuyard.models.runs import list_runs, resolve_run_id
+
+    parent_id = resolve_run_id(parent) if parent else None
+    runs = list_runs(experiment=experiment, status=status, kind=kind, parent_id=parent_id, limit=limit)
+    if as_json:
+        typer.echo(json.dumps([r.to_json() for r in runs]))
+        return
+    keys = metric or sorted({k for r in runs for k in r.latest})[:4]
+    table = Table(show_lines=False)
+    for col in ("id", "name", "experiment", "kind", "status", "dataset", "started"):
+        table.add_column(col, no_wrap=True)
+    for col in keys:
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in runs:
+        table.add_row(
+            r.id[:8],
+            r.name,
+            r.experiment,
+            r.kind,
+            r.status,
+            r.dataset_version or "-",
+            r.started_at.strftime("%m-%d %H:%M:%S"),
+            *(_fmt(r.latest.get(k)) for k in keys),
+        )
+    Console().print(table)
+
+
+@runs_app.command("show")
+def show(
+    run: str = typer.Argument(..., help="Run id or a unique prefix of it."),
+    plot: Path | None = typer.Option(None, "--plot", help="Also draw its metric curves into this PNG."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show one run: lineage, parameters, latest metrics, evaluations, artifacts."""
+    from gpuyard.models.runs import plot_curves, run_details
+
+    doc = run_details(run)
+    if plot is not None:
+        doc["plot"] = str(plot_curves([doc["id"]], plot))
+    if as_json:
+        typer.echo(json.dumps(doc))
+        return
+    console = Console()
+    for key in ("id", "name", "experiment", "kind", "status", "parent_id", "dataset_version", "code_version"):
+        console.print(f"[bold]{key:>16}[/bold]  {_fmt(doc[key])}")
+    console.print(f"[bold]{'duration':>16}[/bold]  {_duration(doc)}")
+    if doc["error"]:
+        console.print(f"[bold]{'error':>16}[/bold]  [red]{doc['error']}[/red]")
+    for title, mapping in (
+        ("params", doc["params"]),
+        ("tags", doc["tags"]),
+        ("latest metrics", doc["latest"]),
+    ):
+        if mapping:
+            table = Table(title=title, title_justify="left")
+            table.add_column("key")
+            table.add_column("value", justify="right")
+            for k, v in sorted(mapping.items()):
+                table.add_row(k, _fmt(v))
+            console.print(table)
+    for ev in doc["evaluations"]:
+        console.print(
+            f"[bold]evaluation[/bold] {ev['split']} ({ev['n']} samples, {ev['dataset_version'] or '-'}): "
+            + ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(ev["metrics"].items()))
+        )
+    for art in doc["artifacts"]:
+        console.print(f"[bold]artifact[/bold] {art['name']}  {art['size']} B  sha256:{art['sha256'][:12]}")
+    if doc["children"]:
+        console.print(
+            f"[bold]children[/bold] {len(doc['children'])} runs (gpuyard runs ls --parent {doc['id'][:8]})"
+        )
+    if plot is not None:
+        console.print(f"curves written to {doc['plot']}")
+
+
+@runs_app.command("compare")
+def compare(
+    runs: list[str] = typer.Argument(..., help="Two or more run ids (or unique prefixes)."),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Draw the runs' curves side by side into this PNG."
+    ),
+    metric: list[str] = typer.Option([], "--metric", "-m", help="Only these metrics in the plot."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Compare runs: parameters (differences marked) and latest metrics side by side."""
+    from gpuyard.models.runs import compare_runs, plot_curves
+
+    doc = compare_runs(runs)
+    if plot is not None:
+        doc["plot"] = str(plot_curves(doc["runs"], plot, keys=metric or None))
+    if as_json:
+        typer.echo(json.dumps(doc))
+        return
+    table = Table()
+    table.add_column("")
+    for run_id, name in zip(doc["runs"], doc["names"], strict=True):
+        table.add_column(f"{run_id[:8]}\n{name}", justify="right")
+    table.add_row("dataset", *(_fmt(v) for v in doc["dataset_versions"]))
+    for key, values in doc["params"].items():
+        mark = "[yellow]*[/yellow] " if key in doc["differs"] else ""
+        table.add_row(f"{mark}param {key}", *(_fmt(v) for v in values))
+    for key, values in doc["metrics"].items():
+        table.add_row(f"metric {key}", *(_fmt(v) for v in values))
+    console = Console()
+    console.print(table)
+    if plot is not None:
+        console.print(f"curves written to {doc['plot']}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `gpuyard runs` to the CLI."""
+    app.add_typer(runs_app, name="runs")

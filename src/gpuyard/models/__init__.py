@@ -1,0 +1,1 @@
+"""Model management: tracking, evaluation and cross-validation, search, registry, optimization, retraining."""

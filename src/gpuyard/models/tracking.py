@@ -1,0 +1,313 @@
+"""Run tracking in the state store: parameters, metric series, tags, artifacts, system metrics, lineage.
+
+:class:`DbTracker` has the three methods the training runtime's tracking interface asks for
+(``log_params``, ``log_metrics(step, dict)``, ``finish``), so a trainer handed one records straight into
+the database instead of JSON lines. Metric points are buffered and written in batches: one SQLite
+transaction per training step would cost more than the step of a small model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import re
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from gpuyard.errors import ConfigError, ConflictError
+from gpuyard.store import get_artifacts, get_store
+from gpuyard.store.base import utcnow
+from gpuyard.store.db import Store
+from gpuyard.store.tables.models import RunArtifactRow, RunMetricRow, RunRow
+
+RUN_KINDS = ("train", "tune", "trial", "cv", "fold", "eval", "retrain")
+RUN_STATUSES = ("running", "finished", "failed", "pruned")
+_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-/ ]{1,200}$")
+FLUSH_EVERY_POINTS = 200
+FLUSH_EVERY_S = 2.0
+
+
+def code_version(cwd: str | Path | None = None) -> str | None:
+    """The git commit of ``cwd`` (suffixed ``-dirty`` when there are uncommitted changes), or None."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}-dirty" if dirty else head or None
+
+
+def system_info() -> dict[str, Any]:
+    """Where the run ran: host, Python, library versions, CPUs, memory and GPUs when torch sees any."""
+    import psutil
+
+    info: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "pid": os.getpid(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        pass
+    return info
+
+
+def check_metric_key(key: object) -> str:
+    """Return ``key`` when it is a usable metric or parameter name, else raise ConfigError."""
+    if not isinstance(key, str) or not _KEY_RE.match(key):
+        raise ConfigError(
+            f"metric name {key!r} is invalid: use 1-200 characters among letters, digits, '_', '-', '.', '/'"
+        )
+    return key
+
+
+def _as_float(key: str, value: object) -> float | None:
+    if isinstance(value, bool) or (not isinstance(value, int | float) and not hasattr(value, "item")):
+        raise ConfigError(f"metric {key!r}: value {value!r} is not a number")
+    number = float(value.item() if hasattr(value, "item") else value)  # type: ignore[union-attr,arg-type]
+    return number if math.isfinite(number) else None
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+class DbTracker:
+    """One run recorded in the state store. Create with :func:`start_run`.
+
+    Thread-safe: the system-metrics sampler logs from its own thread.
+    """
+
+    def __init__(self, store: Store, run_id: str, system_interval_s: float | None = 10.0) -> None:
+        self.store = store
+        self.run_id = run_id
+        self._buffer: list[RunMetricRow] = []
+        self._lock = threading.Lock()
+        self._last_flush = time.monotonic()
+        self._finished = False
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+        self._sys_step = 0
+        self._sample_system()
+        if system_interval_s:
+            self._sampler = threading.Thread(
+                target=self._sample_loop,
+                args=(system_interval_s,),
+                name=f"sysmetrics-{run_id[:8]}",
+                daemon=True,
+            )
+            self._sampler.start()
+
+    # -- the training runtime's tracking interface --------------------------------------------------
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Merge ``params`` into the run's parameters (later calls override earlier keys)."""
+        for key in params:
+            check_metric_key(key)
+        with self.store.session() as s:
+            row = self._row(s)
+            row.params = {**row.params, **_jsonable(params)}
+
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record ``metrics`` at ``step``; written in batches, always by :meth:`flush` or :meth:`finish`."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"metric step {step!r} must be a non-negative integer")
+        now = utcnow()
+        rows = [
+            RunMetricRow(
+                run_id=self.run_id, key=check_metric_key(k), step=step, value=_as_float(k, v), logged_at=now
+            )
+            for k, v in metrics.items()
+        ]
+        with self._lock:
+            self._buffer.extend(rows)
+            due = (
+                len(self._buffer) >= FLUSH_EVERY_POINTS or time.monotonic() - self._last_flush > FLUSH_EVERY_S
+            )
+        if due:
+            self.flush()
+
+    def finish(self, status: str = "finished", error: str | None = None) -> None:
+        """Flush, stop the system sampler and close the run with ``status`` (finished, failed, pruned)."""
+        if status not in RUN_STATUSES[1:]:
+            raise ConfigError(f"run status {status!r} must be one of {', '.join(RUN_STATUSES[1:])}")
+        if self._finished:
+            return
+        self._finished = True
+        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.join(timeout=5)
+        self._sample_system()
+        self.flush()
+        with self.store.session() as s:
+            row = self._row(s)
+            row.status, row.error, row.ended_at = status, error, utcnow()
+
+    # -- more than the interface --------------------------------------------------------------------
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        """Merge ``tags`` (free-form labels) into the run."""
+        with self.store.session() as s:
+            row = self._row(s)
+            row.tags = {**row.tags, **_jsonable(tags)}
+
+    def set_dataset_version(self, dataset_version: str) -> None:
+        """Record the dataset version (``name@version``) the run used."""
+        with self.store.session() as s:
+            self._row(s).dataset_version = dataset_version
+
+    def log_artifact(self, name: str, src: bytes | str | Path) -> RunArtifactRow:
+        """Store a file (or bytes) as artifact ``name`` of the run; replaces an artifact of that name."""
+        if not name or name.startswith("/") or ".." in name.split("/"):
+            raise ConfigError(f"artifact name {name!r} must be a relative path without '..'")
+        info = get_artifacts().put(f"runs/{self.run_id}/{name}", src)
+        with self.store.session() as s:
+            old = s.query(RunArtifactRow).filter_by(run_id=self.run_id, name=name).one_or_none()
+            if old is not None:
+                s.delete(old)
+                s.flush()
+            row = RunArtifactRow(
+                run_id=self.run_id, name=name, key=info.key, sha256=info.sha256, size=info.size
+            )
+            s.add(row)
+        return row
+
+    def flush(self) -> None:
+        """Write buffered metric points now."""
+        with self._lock:
+            rows, self._buffer = self._buffer, []
+            self._last_flush = time.monotonic()
+        if rows:
+            with self.store.session() as s:
+                s.add_all(rows)
+
+    def __enter__(self) -> DbTracker:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.finish("finished")
+        else:
+            self.finish("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _row(self, s: Any) -> RunRow:
+        row = s.get(RunRow, self.run_id)
+        if row is None:
+            raise ConflictError(f"run {self.run_id} was deleted while it was being tracked")
+        return row  # type: ignore[no-any-return]
+
+    def _sample_system(self) -> None:
+        import psutil
+
+        proc = psutil.Process()
+        points: dict[str, float] = {
+            "sys/cpu_percent": psutil.cpu_percent(interval=None),
+            "sys/memory_percent": psutil.virtual_memory().percent,
+            "sys/process_rss_mb": proc.memory_info().rss / 2**20,
+        }
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                for i in range(torch.cuda.device_count()):
+                    points[f"sys/gpu{i}_memory_mb"] = torch.cuda.memory_allocated(i) / 2**20
+        except ImportError:
+            pass
+        self._sys_step += 1
+        with self._lock:
+            now = utcnow()
+            self._buffer.extend(
+                RunMetricRow(run_id=self.run_id, key=k, step=self._sys_step, value=v, logged_at=now)
+                for k, v in points.items()
+            )
+
+    def _sample_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self._sample_system()
+
+
+def start_run(
+    name: str,
+    *,
+    experiment: str = "default",
+    kind: str = "train",
+    params: dict[str, Any] | None = None,
+    tags: dict[str, Any] | None = None,
+    dataset_version: str | None = None,
+    parent_id: str | None = None,
+    system_interval_s: float | None = 10.0,
+    store: Store | None = None,
+) -> DbTracker:
+    """Open a new run in the state store and return its tracker.
+
+    Args:
+        name: a human-readable name (several runs may share it).
+        experiment: group of runs compared together.
+        kind: one of train, tune, trial, cv, fold, eval, retrain.
+        params: hyperparameters and settings.
+        tags: free-form labels.
+        dataset_version: the ``name@version`` of the data the run reads.
+        parent_id: the tuning study or cross-validation this run belongs to.
+        system_interval_s: seconds between CPU/memory/GPU samples; None samples only at start and end.
+        store: the state store (default: the configured one).
+
+    Raises:
+        ConfigError: bad kind or names.
+    """
+    if kind not in RUN_KINDS:
+        raise ConfigError(f"run kind {kind!r} must be one of {', '.join(RUN_KINDS)}")
+    if not name or len(name) > 200 or not experiment or len(experiment) > 200:
+        raise ConfigError("run name and experiment must be 1-200 characters")
+    for key in params or {}:
+        check_metric_key(key)
+    store = store or get_store()
+    run_id = uuid.uuid4().hex
+    with store.session() as s:
+        s.add(
+            RunRow(
+                id=run_id,
+                name=name,
+                experiment=experiment,
+                kind=kind,
+                status="running",
+                parent_id=parent_id,
+                params=_jsonable(params or {}),
+                tags=_jsonable(tags or {}),
+                system=system_info(),
+                code_version=code_version(),
+                dataset_version=dataset_version,
+            )
+        )
+    return DbTracker(store, run_id, system_interval_s=system_interval_s)

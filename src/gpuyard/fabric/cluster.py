@@ -1,0 +1,207 @@
+"""Cluster description: nodes of accelerators, the fabric inside a node, NICs and the network between nodes.
+
+Users write these as YAML or JSON (see ``presets/``), so the schema is pydantic: a wrong field is
+reported by name. Bandwidths are **unidirectional per GPU** (what one ring step can push), in GB/s
+(1e9 bytes/s); NIC speeds are the line rate in Gb/s as sold (HDR = 200, NDR = 400).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpuyard.errors import CapacityError, ConfigError, NotFoundError
+from gpuyard.hardware.catalog import AcceleratorSpec, get_spec
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Device(_Frozen):
+    """An accelerator that is not in the catalog (e.g. the CPU of a GPU-less machine)."""
+
+    name: str = Field(description="Free-form device name.")
+    memory_bytes: int = Field(gt=0, description="Memory usable by one device.")
+    memory_bw_GBps: float = Field(gt=0, description="Memory bandwidth of one device.")
+    bf16_tflops: float = Field(gt=0, description="Peak dense matrix TFLOP/s of one device.")
+
+
+class IntraNode(_Frozen):
+    """How accelerators inside one NVLink domain (usually one server) talk."""
+
+    kind: Literal["nvswitch", "nvlink-bridge", "pcie", "loopback"]
+    nvlink_generation: int | None = Field(default=None, description="NVLink generation, None without NVLink.")
+    bw_GBps: float = Field(gt=0, description="Per-GPU unidirectional bandwidth into the intra-node fabric.")
+    latency_us: float = Field(gt=0, description="Latency of one hop (one ring step), microseconds.")
+    bw_efficiency: float = Field(
+        default=0.78, gt=0, le=1, description="Share of bw_GBps that NCCL rings reach."
+    )
+    nvls: bool = Field(
+        default=False, description="NVSwitch in-network reduction (NVLink SHARP, NVSwitch gen 3+)."
+    )
+    nvls_efficiency: float = Field(default=0.61, gt=0, le=1, description="Share of bw_GBps NVLS reaches.")
+    domain_size: int | None = Field(
+        default=None, gt=0, description="GPUs sharing one NVLink fabric (72 for NVL72)."
+    )
+
+
+class Nic(_Frozen):
+    """The network adapters of one node."""
+
+    count: int = Field(ge=0, description="NICs per node.")
+    gbps: float = Field(gt=0, description="Line rate of one NIC, Gb/s.")
+    kind: Literal["infiniband", "roce", "ethernet", "loopback"]
+    gpudirect_rdma: bool = Field(
+        default=True, description="NIC reads GPU memory directly (no bounce through host)."
+    )
+    latency_us: float = Field(gt=0, description="Latency of one network hop, microseconds.")
+    bw_efficiency: float = Field(default=0.9, gt=0, le=1, description="Share of the line rate NCCL reaches.")
+
+
+class Network(_Frozen):
+    """The switch fabric between nodes."""
+
+    rail_optimized: bool = Field(default=True, description="NIC i of every node on the same leaf (rail).")
+    leaf_size: int = Field(default=32, gt=0, description="Nodes reachable without crossing the spine.")
+    oversubscription: float = Field(
+        default=1.0, ge=1, description="Leaf downlink : uplink ratio (1 = non-blocking)."
+    )
+    spine_latency_us: float = Field(
+        default=1.0, ge=0, description="Extra latency of a hop through the spine."
+    )
+
+
+class Cluster(_Frozen):
+    """A cluster: identical nodes, each with ``gpus_per_node`` accelerators, joined by a network."""
+
+    name: str
+    description: str = ""
+    accelerator: str = Field(description="Name in gpuyard.hardware.catalog, or 'custom' with `device`.")
+    device: Device | None = Field(default=None, description="Figures of a device that is not in the catalog.")
+    gpus_per_node: int = Field(gt=0)
+    nodes: int | None = Field(default=None, gt=0, description="Node count; None = as many as a plan needs.")
+    intra: IntraNode
+    nic: Nic
+    network: Network = Field(default_factory=Network)
+    sources: list[str] = Field(default_factory=list, description="Where the figures come from.")
+
+    @property
+    def spec(self) -> AcceleratorSpec | None:
+        """The catalog entry of the accelerator, None for a custom device."""
+        return None if self.device is not None else get_spec(self.accelerator)
+
+    @property
+    def domain(self) -> int:
+        """GPUs that share the fast intra-node fabric (the NVLink domain)."""
+        return self.intra.domain_size or self.gpus_per_node
+
+    @property
+    def device_memory_bytes(self) -> int:
+        """Memory of one accelerator (bytes)."""
+        return self.device.memory_bytes if self.device else get_spec(self.accelerator).memory_bytes
+
+    @property
+    def peak_tflops(self) -> float:
+        """Peak dense BF16 TFLOP/s of one accelerator (the dtype large models train in)."""
+        return self.device.bf16_tflops if self.device else get_spec(self.accelerator).peak_tflops("bf16")
+
+    @property
+    def memory_bw_GBps(self) -> float:
+        """Memory bandwidth of one accelerator."""
+        return self.device.memory_bw_GBps if self.device else get_spec(self.accelerator).memory_bw_GBps
+
+    @property
+    def nic_GBps_per_node(self) -> float:
+        """Unidirectional network bandwidth of one node, GB/s, before efficiency."""
+        return self.nic.count * self.nic.gbps / 8
+
+    def check_gpus(self, gpus: int) -> None:
+        """Check that ``gpus`` can be placed: whole nodes beyond one node, within the node count.
+
+        Raises:
+            ConfigError: gpus < 1, or more than one node's worth that does not fill nodes evenly.
+            CapacityError: more GPUs than a fixed-size cluster has.
+        """
+        if gpus < 1:
+            raise ConfigError(f"gpus must be at least 1, got {gpus}")
+        if gpus > self.gpus_per_node and gpus % self.gpus_per_node:
+            raise ConfigError(
+                f"gpus={gpus} does not fill {self.gpus_per_node}-GPU nodes of cluster {self.name!r} evenly"
+            )
+        if self.nodes is not None and gpus > self.nodes * self.gpus_per_node:
+            raise CapacityError(
+                f"cluster {self.name!r} has {self.nodes * self.gpus_per_node} GPUs, {gpus} were asked for"
+            )
+
+
+def list_presets() -> list[str]:
+    """Names of the built-in cluster presets (files in presets/ plus ``local``)."""
+    files = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    return [*files, "local"]
+
+
+def _parse(data: object, where: str) -> Cluster:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: a cluster must be a mapping, got {type(data).__name__}")
+    try:
+        cluster = Cluster.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"{where}: field {field!r}: {first['msg']}") from None
+    if cluster.device is None:
+        try:
+            get_spec(cluster.accelerator)
+        except NotFoundError as exc:
+            raise ConfigError(f"{where}: field 'accelerator': {exc}") from None
+    return cluster
+
+
+def read_cluster_file(path: Path) -> Cluster:
+    """Read a cluster from a YAML or JSON file.
+
+    Raises:
+        ConfigError: the file cannot be parsed or a field is invalid (the message names it).
+    """
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read cluster file {path}: {exc}") from None
+    return _parse(data, str(path))
+
+
+def load_cluster(name_or_path: str) -> Cluster:
+    """Load a preset by name (``dgx-a100``, ..., ``local``) or a cluster file by path.
+
+    Raises:
+        NotFoundError: neither a preset nor an existing file; the message lists the presets.
+        ConfigError: the file is invalid.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.suffix in (".yaml", ".yml", ".json") and path.is_file():
+        return read_cluster_file(path)
+    if name_or_path == "local":
+        from gpuyard.fabric.local import local_cluster
+
+        return local_cluster()
+    preset = PRESET_DIR / f"{name_or_path}.yaml"
+    if preset.is_file():
+        return read_cluster_file(preset)
+    raise NotFoundError(
+        f"unknown cluster {name_or_path!r}: not a preset ({', '.join(list_presets())}) nor a YAML/JSON file"
+    )
+
+
+def save_cluster(cluster: Cluster, path: Path) -> None:
+    """Write a cluster as YAML (or JSON when the path ends in .json) that :func:`load_cluster` reads."""
+    data = cluster.model_dump(mode="json", exclude_none=True)
+    text = json.dumps(data, indent=2) if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+    path.write_text(text)

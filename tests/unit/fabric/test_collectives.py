@@ -1,0 +1,93 @@
+"""Collective cost model against published nccl-tests figures, and its structural properties.
+
+Published figures (nccl-tests all_reduce_perf, 8x A100 SXM4 80GB with NVSwitch, out-of-place busbw):
+about 18-36 GB/s at 1 MiB, 167-172 GB/s at 64 MiB and 228-229 GB/s at 1 GiB; sources:
+stas00/ml-engineering (network/benchmarks) and Azure/AI-benchmarking-guide (ND A100 v4).
+The issue asks for the model to stay within 15% of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuyard.errors import CapacityError, ConfigError
+from gpuyard.fabric.cluster import load_cluster
+from gpuyard.fabric.collectives import OPS, bus_factor, collective_time, estimate
+
+pytestmark = pytest.mark.unit
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@pytest.mark.parametrize(("size", "low", "high"), [(MiB, 18, 36), (64 * MiB, 167, 172), (GiB, 228, 229)])
+def test_dgx_a100_all_reduce_matches_published_nccl_tests(size: int, low: float, high: float) -> None:
+    est = estimate(load_cluster("dgx-a100"), "all_reduce", 8, size)
+    assert low * 0.85 <= est.busbw_GBps <= high * 1.15
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_busbw_follows_nccl_tests_definitions(op: str) -> None:
+    est = estimate(load_cluster("dgx-a100"), op, 16, 64 * MiB)
+    assert est.algbw_GBps == pytest.approx(est.size_bytes / est.time_s / 1e9)
+    assert est.busbw_GBps == pytest.approx(est.algbw_GBps * bus_factor(op, 16))
+    expected = {"all_reduce": 2 * 15 / 16, "broadcast": 1.0, "send_recv": 1.0}.get(op, 15 / 16)
+    assert bus_factor(op, 16) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_time_grows_with_size_and_bandwidth_saturates(op: str) -> None:
+    cluster = load_cluster("dgx-h100")
+    times = [estimate(cluster, op, 32, s).time_s for s in (MiB, 16 * MiB, 256 * MiB, 4 * GiB)]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    busbw = [estimate(cluster, op, 32, s).busbw_GBps for s in (MiB, 4 * GiB)]
+    assert busbw[1] > busbw[0]
+
+
+def test_crossing_nodes_is_bounded_by_the_nics() -> None:
+    cluster = load_cluster("dgx-a100")
+    one = estimate(cluster, "all_reduce", 8, GiB)
+    two = estimate(cluster, "all_reduce", 16, GiB)
+    assert two.busbw_GBps < one.busbw_GBps
+    # 8x HDR 200 Gb/s = 200 GB/s per node and direction: a ring cannot beat it.
+    assert two.busbw_GBps <= 200
+
+
+def test_nvls_is_used_only_where_the_switch_reduces() -> None:
+    assert estimate(load_cluster("dgx-h100"), "all_reduce", 8, GiB).algorithm == "nvls"
+    assert estimate(load_cluster("dgx-a100"), "all_reduce", 8, GiB).algorithm == "ring"
+    with pytest.raises(ConfigError, match="nvls"):
+        estimate(load_cluster("dgx-a100"), "all_reduce", 8, GiB, algorithm="nvls")
+
+
+def test_tree_wins_small_messages_at_scale_and_forced_algorithms_cost_more() -> None:
+    cluster = load_cluster("dgx-a100")
+    best = estimate(cluster, "all_reduce", 512, MiB)
+    assert best.algorithm in ("tree", "hierarchical")
+    ring = estimate(cluster, "all_reduce", 512, MiB, algorithm="ring")
+    assert ring.time_s > best.time_s
+
+
+def test_pcie_box_is_much_slower_than_nvswitch() -> None:
+    l40s = estimate(load_cluster("pcie-l40s"), "all_reduce", 8, GiB)
+    a100 = estimate(load_cluster("dgx-a100"), "all_reduce", 8, GiB)
+    assert l40s.busbw_GBps < a100.busbw_GBps / 5
+
+
+def test_group_spread_one_rank_per_node_shares_the_nic() -> None:
+    cluster = load_cluster("dgx-a100")
+    packed = collective_time(cluster, "all_reduce", GiB, 16)
+    spread = collective_time(cluster, "all_reduce", GiB, 16, per_domain=1)
+    assert spread > packed
+
+
+def test_bad_input_is_rejected_with_a_reason() -> None:
+    cluster = load_cluster("dgx-a100")
+    with pytest.raises(ConfigError, match="unknown op"):
+        estimate(cluster, "all_sum", 8, MiB)
+    with pytest.raises(ConfigError, match="evenly"):
+        estimate(cluster, "all_reduce", 12, MiB)
+    with pytest.raises(ConfigError, match="at least 1 byte"):
+        estimate(cluster, "all_reduce", 8, 0)
+    fixed = load_cluster("dgx-a100").model_copy(update={"nodes": 2})
+    with pytest.raises(CapacityError):
+        estimate(fixed, "all_reduce", 24, MiB)

@@ -1,0 +1,236 @@
+"""A recorded node for tests and what-if studies: :class:`FakeNvml` answers NVML calls from a JSON
+description, and :func:`write_host_tree` lays out the matching /proc and /sys files.
+
+The description (see ``tests/unit/hardware/fixtures/*.json``) has three parts:
+
+* ``nvml``: ``driver_version``, ``cuda_driver_version``, ``gpu_defaults`` (fields shared by every
+  GPU) and ``gpus`` (per-GPU fields, which override the defaults). A field that is absent or null
+  answers like NVML's ``NOT_SUPPORTED``; ``"lost": true`` makes every call of that GPU fail like
+  ``GPU_IS_LOST``.
+* ``host``: CPU model/flags/sockets/cores/threads, NUMA CPU lists, memory, and the PCI paths of the
+  GPUs and NICs (``pci``) with their NUMA nodes.
+* ``infiniband``: RDMA devices with their PCI address, ports (rate, link layer, state) and netdevs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gpuyard.errors import ConfigError
+from gpuyard.hardware.inventory import parse_cpu_list
+from gpuyard.hardware.nvml import EccCounts, NvLinkRemote, NvmlCallError, PcieLink, RemappedRows, RetiredPages
+
+
+def load_description(path: Path) -> dict[str, Any]:
+    """Read a node description file.
+
+    Raises:
+        ConfigError: the file is missing or is not a JSON object.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"node description {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"node description {path}: expected a JSON object")
+    return data
+
+
+class FakeNvml:
+    """An :class:`gpuyard.hardware.nvml.NvmlBackend` that replays a node description."""
+
+    def __init__(self, description: dict[str, Any]) -> None:
+        nvml = description.get("nvml") or {}
+        self._nvml = nvml
+        defaults = nvml.get("gpu_defaults") or {}
+        self._gpus = [{**defaults, **g} for g in nvml.get("gpus") or []]
+
+    @classmethod
+    def from_file(cls, path: Path) -> FakeNvml:
+        """Build the fake from a description file."""
+        return cls(load_description(path))
+
+    def _field(self, i: int, name: str) -> Any:
+        if i >= len(self._gpus):
+            raise NvmlCallError(f"{name}: Invalid Argument (GPU {i})")
+        gpu = self._gpus[i]
+        if gpu.get("lost"):
+            raise NvmlCallError(f"{name}: GPU is lost")
+        value = gpu.get(name)
+        if value is None:
+            raise NvmlCallError(f"{name}: Not Supported", not_supported=True)
+        return value
+
+    def _system(self, name: str) -> Any:
+        if self._nvml.get("unavailable"):
+            raise NvmlCallError(f"{name}: {self._nvml['unavailable']}")
+        value = self._nvml.get(name)
+        if value is None:
+            raise NvmlCallError(f"{name}: Not Supported", not_supported=True)
+        return value
+
+    def driver_version(self) -> str:
+        return str(self._system("driver_version"))
+
+    def cuda_driver_version(self) -> int:
+        return int(self._system("cuda_driver_version"))
+
+    def device_count(self) -> int:
+        if self._nvml.get("unavailable"):
+            raise NvmlCallError(f"nvmlDeviceGetCount: {self._nvml['unavailable']}")
+        return len(self._gpus)
+
+    def name(self, i: int) -> str:
+        return str(self._field(i, "name"))
+
+    def uuid(self, i: int) -> str:
+        return str(self._field(i, "uuid"))
+
+    def pci_bus_id(self, i: int) -> str:
+        return str(self._field(i, "bus_id"))
+
+    def memory(self, i: int) -> tuple[int, int]:
+        m = self._field(i, "memory")
+        return int(m["total"]), int(m["used"])
+
+    def compute_capability(self, i: int) -> tuple[int, int]:
+        major, minor = self._field(i, "compute_capability")
+        return int(major), int(minor)
+
+    def power_draw_w(self, i: int) -> float:
+        return float(self._field(i, "power_draw_w"))
+
+    def power_limit_w(self, i: int) -> float:
+        return float(self._field(i, "power_limit_w"))
+
+    def temperature_c(self, i: int) -> int:
+        return int(self._field(i, "temperature_c"))
+
+    def slowdown_temperature_c(self, i: int) -> int:
+        return int(self._field(i, "slowdown_temperature_c"))
+
+    def utilization(self, i: int) -> tuple[int, int]:
+        u = self._field(i, "utilization")
+        return int(u["gpu"]), int(u["memory"])
+
+    def ecc_enabled(self, i: int) -> bool:
+        return bool(self._field(i, "ecc_enabled"))
+
+    def ecc_counts(self, i: int) -> EccCounts:
+        return EccCounts(**self._field(i, "ecc"))
+
+    def retired_pages(self, i: int) -> RetiredPages:
+        return RetiredPages(**self._field(i, "retired_pages"))
+
+    def remapped_rows(self, i: int) -> RemappedRows:
+        return RemappedRows(**self._field(i, "remapped_rows"))
+
+    def clock_event_reasons(self, i: int) -> int:
+        return int(self._field(i, "clock_event_reasons"))
+
+    def mig_mode(self, i: int) -> tuple[bool, bool]:
+        m = self._field(i, "mig_mode")
+        return bool(m["current"]), bool(m["pending"])
+
+    def pcie_link(self, i: int) -> PcieLink:
+        return PcieLink(**self._field(i, "pcie"))
+
+    def cpu_affinity(self, i: int) -> list[int]:
+        return parse_cpu_list(str(self._field(i, "cpu_affinity")))
+
+    def nvlink_max_links(self) -> int:
+        return int(self._nvml.get("nvlink_max_links", 18))
+
+    def _links(self, i: int) -> list[dict[str, Any]]:
+        # "nvlink": {"version": 4, "remote_kind": "switch", "peers": {"00000000:05:00.0": 4, ...},
+        #            "down": 0} expands to one entry per link, peers in the order given.
+        spec = self._field(i, "nvlink")
+        links: list[dict[str, Any]] = []
+        for bus, count in spec["peers"].items():
+            links += [{"bus": bus, "kind": spec.get("remote_kind", "gpu"), "up": True}] * int(count)
+        links += [{"bus": None, "kind": "unknown", "up": False}] * int(spec.get("down", 0))
+        return [{**link, "version": spec.get("version")} for link in links]
+
+    def _link(self, i: int, link: int) -> dict[str, Any]:
+        links = self._links(i)
+        if link >= len(links):
+            raise NvmlCallError(f"nvlink {link}: Invalid Argument")
+        return links[link]
+
+    def nvlink_active(self, i: int, link: int) -> bool:
+        return bool(self._link(i, link)["up"])
+
+    def nvlink_version(self, i: int, link: int) -> int:
+        version = self._link(i, link)["version"]
+        if version is None:
+            raise NvmlCallError("nvmlDeviceGetNvLinkVersion: Not Supported", not_supported=True)
+        return int(version)
+
+    def nvlink_remote(self, i: int, link: int) -> NvLinkRemote:
+        entry = self._link(i, link)
+        return NvLinkRemote(bus_id=str(entry["bus"]), kind=str(entry["kind"]))
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
+def _cpuinfo(host: dict[str, Any]) -> str:
+    cpu = host["cpu"]
+    sockets, cores, threads = int(cpu["sockets"]), int(cpu["cores_per_socket"]), int(cpu["threads_per_core"])
+    # "socket-major" numbers every thread of socket 0 first (cpus 0-79 on node 0); "thread-major"
+    # numbers first threads of all sockets, then the siblings (0-95,192-287 on node 0).
+    if cpu.get("numbering", "socket-major") == "thread-major":
+        order = [(s, t, c) for t in range(threads) for s in range(sockets) for c in range(cores)]
+    else:
+        order = [(s, t, c) for s in range(sockets) for t in range(threads) for c in range(cores)]
+    blocks = []
+    for n, (s, _t, c) in enumerate(order):
+        blocks.append(
+            f"processor\t: {n}\nvendor_id\t: {cpu['vendor_id']}\nmodel name\t: {cpu['model']}\n"
+            f"physical id\t: {s}\ncore id\t\t: {c}\ncpu cores\t: {cores}\nflags\t\t: {cpu['flags']}\n"
+        )
+    return "\n".join(blocks)
+
+
+def write_host_tree(description: dict[str, Any], root: Path) -> Path:
+    """Lay out ``root/proc`` and ``root/sys`` for a node description; returns ``root``.
+
+    Use with ``HostRoots.under(root)``. Logical CPU numbering follows the NUMA ``cpus`` lists of the
+    description, so a GPU's CPU affinity lines up with its node as in the recorded output.
+    """
+    host = description.get("host") or {}
+    sysd = root / "sys"
+    if "cpu" in host:
+        _write(root / "proc" / "cpuinfo", _cpuinfo(host))
+    if "memory_kb" in host:
+        _write(root / "proc" / "meminfo", f"MemTotal:       {int(host['memory_kb'])} kB")
+    for node, spec in (host.get("numa") or {}).items():
+        d = sysd / "devices" / "system" / "node" / f"node{node}"
+        _write(d / "cpulist", spec["cpus"])
+        _write(d / "meminfo", f"Node {node} MemTotal:       {int(spec['memory_kb'])} kB")
+    for bus_id, spec in (host.get("pci") or {}).items():
+        real = sysd / "devices" / spec["path"]
+        _write(real / "numa_node", str(spec.get("numa_node", -1)))
+        link = sysd / "bus" / "pci" / "devices" / bus_id
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.exists():
+            link.symlink_to(real)
+    for name, spec in (description.get("infiniband") or {}).items():
+        dev = sysd / "class" / "infiniband" / name
+        dev.mkdir(parents=True, exist_ok=True)
+        (dev / "device").symlink_to(sysd / "bus" / "pci" / "devices" / spec["bus_id"])
+        for key in ("hca_type", "fw_ver"):
+            if key in spec:
+                _write(dev / key, spec[key])
+        for netdev in spec.get("netdevs", []):
+            (sysd / "bus" / "pci" / "devices" / spec["bus_id"] / "net" / netdev).mkdir(
+                parents=True, exist_ok=True
+            )
+        for port, fields in spec.get("ports", {}).items():
+            for key, value in fields.items():
+                _write(dev / "ports" / str(port) / key, value)
+    return root

@@ -1,0 +1,67 @@
+"""`gpuyard sim`: replay a job trace on a virtual cluster under one scheduling policy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from gpuyard.scheduler.policies import POLICIES
+
+_POLICY_HELP = "Scheduling policy: " + "; ".join(f"{name} ({cls.summary})" for name, cls in POLICIES.items())
+
+
+def sim(
+    trace: Path = typer.Option(..., "--trace", help="Trace CSV (generic or Philly)."),
+    nodes: int = typer.Option(..., "--nodes", min=1, help="Nodes of the virtual cluster."),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", min=1, help="GPUs per node."),
+    policy: str = typer.Option("fifo", "--policy", help=_POLICY_HELP),
+    nodes_per_leaf: int = typer.Option(16, "--nodes-per-leaf", min=1, help="Nodes under one leaf switch."),
+    nodes_per_domain: int = typer.Option(1, "--nodes-per-domain", min=1, help="Nodes per NVLink domain."),
+    team_weight: list[str] = typer.Option([], "--team-weight", help="TEAM=WEIGHT quota for the fair policy."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+) -> None:
+    """Replay a trace through the scheduler's policy and placement code; print JCT, queueing, utilization."""
+    from gpuyard.scheduler.placement import uniform_cluster
+    from gpuyard.scheduler.policies import make_policy
+    from gpuyard.scheduler.simulator import simulate
+    from gpuyard.scheduler.spec import parse_team_weights
+    from gpuyard.scheduler.trace import load_trace
+
+    jobs = load_trace(trace)
+    cluster = uniform_cluster(
+        nodes, gpus_per_node, nodes_per_leaf=nodes_per_leaf, nodes_per_domain=nodes_per_domain
+    )
+    result = simulate(jobs, cluster, make_policy(policy, weights=parse_team_weights(team_weight)))
+    doc = result.to_dict()
+    if as_json:
+        typer.echo(json.dumps(doc))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(
+        f"[bold]{policy}[/bold] on {nodes}x{gpus_per_node} GPUs: {result.jobs} jobs"
+        f" ({result.rejected} larger than the cluster), {result.preemptions} preemptions"
+    )
+    for key in ("avg_jct_s", "median_jct_s", "p99_jct_s", "avg_queue_s", "makespan_s"):
+        console.print(f"  {key:>14}  {doc[key]:,.0f}")
+    console.print(f"  {'utilization':>14}  {result.utilization:.1%}")
+    console.print(f"  {'fairness_jain':>14}  {result.fairness_jain:.3f}  (per-team bounded slowdown)")
+    table = Table("team", "jobs", "avg JCT s", "avg queue s", "GPU hours")
+    for team, t in result.teams.items():
+        table.add_row(
+            team,
+            str(t["jobs"]),
+            f"{t['avg_jct_s']:,.0f}",
+            f"{t['avg_queue_s']:,.0f}",
+            f"{t['gpu_hours']:,.0f}",
+        )
+    console.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `gpuyard sim` to the CLI."""
+    app.command("sim")(sim)

@@ -1,0 +1,1 @@
+"""Jobs: specs, queue and policies, gang and topology-aware placement, executors, server loop, simulator."""

@@ -1,0 +1,79 @@
+"""Run-time estimates from history (no oracle): what jobs like this one took before.
+
+A job is described by (team, user, GPU count). The estimate backs off from the most specific class
+that has history to the least: (team, user, gpus) -> (team, user) -> (team, gpus) -> (team) ->
+(gpus) -> everything. Inside a class it blends the recent past (the median of the last few finished
+jobs: people submit bursts of similar jobs, a sweep or a retry) with the long-run mean of the
+class, geometrically, because run times are heavy-tailed and spread over orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+RECENT = 5  # finished jobs kept per class for the recent median
+MIN_HISTORY = 2  # a class needs this many finished jobs before it is trusted over a coarser one
+DEFAULT_S = 3600.0  # the guess before anything has finished
+
+
+@dataclass
+class _ClassStats:
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    count: int = 0
+    log_sum: float = 0.0
+
+    def add(self, duration: float) -> None:
+        self.recent.append(duration)
+        self.count += 1
+        self.log_sum += math.log(max(duration, 1.0))
+
+    def estimate(self) -> float:
+        recent = sorted(self.recent)
+        median = recent[len(recent) // 2]
+        geo_mean = math.exp(self.log_sum / self.count)
+        # Mostly the recent median (bursts of similar jobs), tempered by the class's typical size.
+        return math.exp(0.75 * math.log(max(median, 1.0)) + 0.25 * math.log(geo_mean))
+
+
+class RuntimeEstimator:
+    """Learns run times of finished jobs and estimates new ones; see the module docstring."""
+
+    def __init__(self, default_s: float = DEFAULT_S) -> None:
+        self.default_s = default_s
+        self._stats: dict[tuple[object, ...], _ClassStats] = {}
+
+    @staticmethod
+    def _keys(team: str, user: str, gpus: int) -> tuple[tuple[object, ...], ...]:
+        return (
+            ("tug", team, user, gpus),
+            ("tu", team, user),
+            ("tg", team, gpus),
+            ("t", team),
+            ("g", gpus),
+            ("all",),
+        )
+
+    def observe(self, team: str, user: str, gpus: int, duration_s: float) -> None:
+        """Record a finished job's run time (seconds of running, not of waiting)."""
+        for key in self._keys(team, user, gpus):
+            stats = self._stats.get(key)
+            if stats is None:
+                stats = self._stats[key] = _ClassStats()
+            stats.add(duration_s)
+
+    def estimate(self, team: str, user: str, gpus: int) -> float:
+        """Expected run time in seconds of a new job of this class."""
+        for key in self._keys(team, user, gpus):
+            stats = self._stats.get(key)
+            if stats is not None and stats.count >= MIN_HISTORY:
+                return stats.estimate()
+        stats = self._stats.get(("all",))
+        return stats.estimate() if stats is not None else self.default_s
+
+    @property
+    def observed(self) -> int:
+        """Finished jobs seen so far."""
+        stats = self._stats.get(("all",))
+        return stats.count if stats is not None else 0

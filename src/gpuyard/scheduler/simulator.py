@@ -1,0 +1,222 @@
+"""Trace replay on a virtual cluster with a virtual clock, through the server's policies and placement.
+
+Events are submissions and completions; after each instant's events the policy decides once.
+Preemption is modelled as the real thing behaves: the victim checkpoints on SIGTERM, but work since
+its last periodic checkpoint is lost, and it pays a restart overhead (grace period, process start,
+checkpoint load) when it runs again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gpuyard.errors import CapacityError
+from gpuyard.scheduler.estimator import RuntimeEstimator
+from gpuyard.scheduler.placement import ClusterState, NodeSpec
+from gpuyard.scheduler.policies import Policy
+from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
+from gpuyard.scheduler.trace import TraceJob
+
+BOUNDED_SLOWDOWN_S = 10.0  # floor on run time in the slowdown (Feitelson's bounded slowdown)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Knobs of the virtual cluster's behaviour (not of the policy).
+
+    Attributes:
+        checkpoint_interval_s: a preempted job loses the work done since its last periodic checkpoint.
+        restart_overhead_s: grace period + restart + checkpoint load, paid by a resumed job.
+        preempt_check_s: a preemptive policy is asked at least this often even when nothing frees up.
+    """
+
+    checkpoint_interval_s: float = 600.0
+    restart_overhead_s: float = 60.0
+    preempt_check_s: float = 60.0
+
+
+@dataclass
+class _Run:
+    job: TraceJob
+    remaining: float  # work left, seconds
+    first_start: float = math.nan
+    finish: float = math.nan
+    busy: float = 0.0  # GPU-holding seconds, for utilization
+    preemptions: int = 0
+    attained: float = 0.0
+    started_at: float = 0.0
+    version: int = 0
+
+
+@dataclass
+class SimResult:
+    """What a replay measured; ``to_dict`` is the `gpuyard sim --json` document."""
+
+    policy: str
+    jobs: int
+    avg_jct_s: float
+    median_jct_s: float
+    p99_jct_s: float
+    avg_queue_s: float
+    makespan_s: float
+    utilization: float
+    preemptions: int
+    rejected: int
+    fairness_jain: float
+    teams: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return dict(self.__dict__)
+
+
+def simulate(
+    trace: list[TraceJob], nodes: list[NodeSpec], policy: Policy, config: SimConfig | None = None
+) -> SimResult:
+    """Replay ``trace`` on ``nodes`` under ``policy``.
+
+    Jobs larger than the whole cluster are counted as rejected (the server refuses them at submit).
+
+    Raises:
+        CapacityError: no job of the trace fits on the cluster.
+    """
+    config = config or SimConfig()
+    state = ClusterState(nodes)
+    total = state.total_gpus
+    runs = {j.id: _Run(j, j.duration) for j in trace if 0 < j.gpus <= total}
+    if not runs:
+        raise CapacityError(f"no job of the trace fits on {total} GPUs")
+    arrivals = sorted(runs.values(), key=lambda r: (r.job.submit, r.job.id))
+    queue = JobQueue(policy.key)
+    estimator = RuntimeEstimator()
+    running: dict[int, RunningJob] = {}
+    ends: list[tuple[float, int, int]] = []  # (time, job id, version): lazy deletion on preemption
+    preemptions, nxt, next_check = 0, 0, 0.0
+    now = 0.0
+    while nxt < len(arrivals) or ends:
+        now = min(
+            arrivals[nxt].job.submit if nxt < len(arrivals) else math.inf, ends[0][0] if ends else math.inf
+        )
+        while ends and ends[0][0] <= now:
+            _, jid, version = heapq.heappop(ends)
+            run = runs[jid]
+            if version != run.version:
+                continue
+            state.release(running.pop(jid).placement)
+            run.busy += now - run.started_at
+            run.finish = now
+            estimator.observe(run.job.team, run.job.user, run.job.gpus, run.job.duration)
+        while nxt < len(arrivals) and arrivals[nxt].job.submit <= now:
+            queue.add(_queued(arrivals[nxt], estimator, now))
+            nxt += 1
+        if not queue:
+            continue
+        check = policy.preemptive and now >= next_check
+        if state.free_gpus < queue.min_gpus() and not check:
+            continue
+        if check:
+            next_check = now + config.preempt_check_s
+        decision = policy.decide(state, queue, list(running.values()), now)
+        for jid in decision.preempt:
+            preemptions += 1
+            _preempt(runs[jid], running.pop(jid), state, queue, estimator, now, config)
+        for qjob, placement in decision.starts:
+            queue.remove(qjob.id)
+            state.take(placement)
+            run = runs[qjob.id]
+            if math.isnan(run.first_start):
+                run.first_start = now
+            run.started_at, run.version = now, run.version + 1
+            running[qjob.id] = RunningJob(
+                qjob.id,
+                qjob.gpus,
+                qjob.team,
+                qjob.priority,
+                now,
+                now + max(qjob.estimate - qjob.attained, 1.0),
+                placement,
+                attained=qjob.attained,
+            )
+            heapq.heappush(ends, (now + run.remaining, qjob.id, run.version))
+    return _result(policy.name, list(runs.values()), len(trace) - len(runs), total, preemptions)
+
+
+def _queued(run: _Run, estimator: RuntimeEstimator, now: float) -> QueuedJob:
+    j = run.job
+    return QueuedJob(
+        id=j.id,
+        gpus=j.gpus,
+        team=j.team,
+        user=j.user,
+        priority=j.priority,
+        submit_time=j.submit,
+        estimate=estimator.estimate(j.team, j.user, j.gpus),
+        duration=run.remaining + run.attained,
+        attained=run.attained,
+        enqueued_at=now,
+    )
+
+
+def _preempt(
+    run: _Run,
+    held: RunningJob,
+    state: ClusterState,
+    queue: JobQueue,
+    estimator: RuntimeEstimator,
+    now: float,
+    config: SimConfig,
+) -> None:
+    state.release(held.placement)
+    ran = now - run.started_at
+    run.busy += ran
+    overhead = config.restart_overhead_s if run.preemptions else 0.0
+    progress = max(0.0, ran - overhead)
+    saved = progress - progress % config.checkpoint_interval_s
+    run.remaining = run.remaining - saved + config.restart_overhead_s
+    run.attained += saved
+    run.preemptions += 1
+    run.version += 1  # its pending completion event no longer counts
+    queue.add(_queued(run, estimator, now))
+
+
+def _result(name: str, runs: list[_Run], rejected: int, total_gpus: int, preemptions: int) -> SimResult:
+    submit = np.array([r.job.submit for r in runs])
+    finish = np.array([r.finish for r in runs])
+    jct = finish - submit
+    duration = np.array([r.job.duration for r in runs])
+    queue_s = jct - np.array([r.busy for r in runs])
+    makespan = float(finish.max() - submit.min())
+    gpu_s = float(sum(r.busy * r.job.gpus for r in runs))
+    slowdown = jct / np.maximum(duration, BOUNDED_SLOWDOWN_S)
+    teams: dict[str, dict[str, float]] = {}
+    team_of = np.array([r.job.team for r in runs])
+    for team in sorted(set(team_of.tolist())):
+        m = team_of == team
+        teams[team] = {
+            "jobs": int(m.sum()),
+            "avg_jct_s": float(jct[m].mean()),
+            "avg_queue_s": float(queue_s[m].mean()),
+            "avg_slowdown": float(slowdown[m].mean()),
+            "gpu_hours": float(sum(r.busy * r.job.gpus for r, k in zip(runs, m, strict=True) if k) / 3600.0),
+        }
+    per_team = np.array([t["avg_slowdown"] for t in teams.values()])
+    jain = float(per_team.sum() ** 2 / (len(per_team) * (per_team**2).sum())) if per_team.size else 1.0
+    return SimResult(
+        policy=name,
+        jobs=len(runs),
+        avg_jct_s=float(jct.mean()),
+        median_jct_s=float(np.median(jct)),
+        p99_jct_s=float(np.percentile(jct, 99)),
+        avg_queue_s=float(queue_s.mean()),
+        makespan_s=makespan,
+        utilization=gpu_s / (total_gpus * makespan) if makespan > 0 else 0.0,
+        preemptions=preemptions,
+        rejected=rejected,
+        fairness_jain=jain,
+        teams=teams,
+    )

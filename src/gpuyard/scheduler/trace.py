@@ -1,0 +1,82 @@
+"""Job traces for the simulator: the generic CSV and the Philly trace, read into plain records."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from gpuyard.errors import ConfigError, NotFoundError
+
+GENERIC_COLUMNS = ("submit_time", "duration", "num_gpus")
+PHILLY_COLUMNS = ("timestamp", "duration", "num_gpus", "cluster")
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    """One job of a trace: submitted at ``submit`` (s), runs ``duration`` s on ``gpus`` GPUs."""
+
+    id: int
+    submit: float
+    duration: float
+    gpus: int
+    team: str = "default"
+    priority: int = 0
+    user: str = ""
+
+
+def _number(row: dict[str, str], column: str, where: str) -> float:
+    try:
+        return float(row[column])
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: column {column!r} is {row.get(column)!r}, not a number") from None
+
+
+def load_trace(path: str | Path) -> list[TraceJob]:
+    """Read a trace CSV, sorted by submit time, times made relative to the first submission.
+
+    Two formats, told apart by the header: generic ``submit_time,duration,num_gpus[,team][,priority]``
+    (seconds) and Philly ``timestamp,duration,num_gpus,gpu_time,cluster`` (the cluster is the team).
+
+    Raises:
+        NotFoundError: the file does not exist.
+        ConfigError: the header or a value is not of either format; the message names row and column.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise NotFoundError(f"trace {path}: no such file")
+    with path.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        header = set(reader.fieldnames or [])
+        philly = set(PHILLY_COLUMNS) <= header
+        if not philly and not set(GENERIC_COLUMNS) <= header:
+            raise ConfigError(
+                f"trace {path}: header {sorted(header)} has neither "
+                f"{','.join(GENERIC_COLUMNS)}[,team][,priority]"
+                f" nor the Philly columns {','.join(PHILLY_COLUMNS)}"
+            )
+        rows = []
+        for i, row in enumerate(reader, start=2):
+            where = f"trace {path} line {i}"
+            if philly:
+                try:
+                    submit = datetime.fromisoformat(row["timestamp"]).timestamp()
+                except ValueError:
+                    raise ConfigError(f"{where}: timestamp {row['timestamp']!r} is not a date") from None
+                team = row["cluster"] or "default"
+                priority = 0
+            else:
+                submit = _number(row, "submit_time", where)
+                team = row.get("team") or "default"
+                priority = int(_number(row, "priority", where)) if row.get("priority") else 0
+            duration = _number(row, "duration", where)
+            gpus = int(_number(row, "num_gpus", where))
+            if duration < 0 or gpus < 0:
+                raise ConfigError(f"{where}: duration and num_gpus must be >= 0")
+            rows.append((submit, duration, gpus, team, priority))
+    if not rows:
+        raise ConfigError(f"trace {path}: no jobs")
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    return [TraceJob(i, s - t0, d, g, t, p) for i, (s, d, g, t, p) in enumerate(rows)]

@@ -1,0 +1,175 @@
+"""`gpuyard train`: check the spec, start torchrun (elastic, restarts, rendezvous) and map the outcome.
+
+The launcher splits a dry run (:func:`torchrun_command`, inspectable) from carrying it out
+(:func:`launch`). Workers report how the run ended in ``<run_dir>/status.json``; the launcher turns
+it into the exit code the scheduler understands (see ``gpuyard.exitcodes``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuyard import exitcodes
+from gpuyard.errors import ConfigError
+from gpuyard.train.spec import TrainSpec, load_entrypoint, load_plan, load_spec
+from gpuyard.train.trainer import STATUS_FILE
+from gpuyard.train.worker import LAUNCHED_ENV, STATUS_CODES
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How to start a training job.
+
+    Attributes:
+        spec_path: the SPEC.yaml.
+        nproc: processes (ranks) per node.
+        nnodes: nodes taking part (>1 needs rdzv).
+        rdzv: HOST:PORT of the c10d rendezvous (same on every node).
+        max_restarts: worker-group restarts after a failure (None: the spec's max_restarts).
+        run_dir: overrides spec.run_dir.
+        plan_path: a `gpuyard plan --json` file whose {dp, tp, pp} override spec.parallel.
+    """
+
+    spec_path: Path
+    nproc: int = 1
+    nnodes: int = 1
+    rdzv: str | None = None
+    max_restarts: int | None = None
+    run_dir: str | None = None
+    plan_path: Path | None = None
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """Outcome of a launched job: the exit code for the scheduler and what the workers reported."""
+
+    exit_code: int
+    status: dict[str, Any]
+    run_dir: Path
+
+
+def prepare(cfg: LaunchConfig) -> tuple[TrainSpec, dict[str, Any]]:
+    """Validate everything checkable before starting processes: fields, entrypoints, mesh layout.
+
+    Returns:
+        The spec (with overrides applied) and the overrides to hand to the workers.
+
+    Raises:
+        ConfigError: naming the field, entrypoint or option at fault.
+    """
+    from gpuyard.train.parallel import resolve_layout
+
+    if cfg.nproc < 1 or cfg.nnodes < 1:
+        raise ConfigError(f"--nproc {cfg.nproc} / --nnodes {cfg.nnodes}: must be at least 1")
+    if cfg.nnodes > 1 and not cfg.rdzv:
+        raise ConfigError("--rdzv HOST:PORT is required with --nnodes > 1 (every node uses the same one)")
+    overrides: dict[str, Any] = {}
+    if cfg.run_dir:
+        overrides["run_dir"] = str(Path(cfg.run_dir).expanduser().resolve())
+    if cfg.plan_path:
+        overrides["parallel"] = load_plan(cfg.plan_path)
+    spec = load_spec(cfg.spec_path, overrides)
+    for field, ref in _entrypoints(spec):
+        load_entrypoint(ref, field)
+    resolve_layout(spec.parallel, cfg.nproc * cfg.nnodes)
+    return spec, overrides
+
+
+def _entrypoints(spec: TrainSpec) -> list[tuple[str, str]]:
+    refs = []
+    if spec.model:
+        refs.append(("model.entrypoint", spec.model.entrypoint))
+    if spec.data.train:
+        refs.append(("data.train.entrypoint", spec.data.train.entrypoint))
+    if spec.data.val:
+        refs.append(("data.val.entrypoint", spec.data.val.entrypoint))
+    if ":" in spec.loss:
+        refs.append(("loss", spec.loss))
+    refs.extend(("callbacks", c) for c in spec.callbacks)
+    return refs
+
+
+def torchrun_command(cfg: LaunchConfig, spec: TrainSpec, overrides: dict[str, Any]) -> list[str]:
+    """The torchrun (torch.distributed.run) command line for this job, without running it."""
+    restarts = spec.max_restarts if cfg.max_restarts is None else cfg.max_restarts
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={cfg.nproc}",
+        f"--max-restarts={restarts}",
+    ]
+    if cfg.rdzv:
+        cmd += [
+            f"--nnodes={cfg.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={cfg.rdzv}",
+            f"--rdzv-id={spec.name}",
+        ]
+    else:
+        cmd += ["--standalone", "--nnodes=1"]
+    cmd += [
+        "-m",
+        "gpuyard.train.worker",
+        str(Path(cfg.spec_path).resolve()),
+        "--run-dir",
+        str(spec.resolved_run_dir()),
+    ]
+    if "parallel" in overrides:
+        cmd += ["--parallel", json.dumps(overrides["parallel"])]
+    return cmd
+
+
+def read_status(run_dir: str | Path) -> dict[str, Any]:
+    """What the workers reported in status.json ({} when they did not get that far)."""
+    path = Path(run_dir) / STATUS_FILE
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def launch(cfg: LaunchConfig, stdout: Any = None, stderr: Any = None) -> LaunchResult:
+    """Start torchrun, forward SIGTERM/SIGINT to it, wait, and map the outcome to an exit code.
+
+    Exit codes: 0 completed (or early-stopped); PREEMPTED (75) stopped by SIGTERM after a checkpoint;
+    DIVERGED (76) non-finite loss; otherwise torchrun's own failure code (restarts exhausted).
+    """
+    spec, overrides = prepare(cfg)
+    run_dir = spec.resolved_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / STATUS_FILE).unlink(missing_ok=True)
+    env = {**os.environ, LAUNCHED_ENV: "1"}
+    # A session of its own: a signal reaches torchrun once (through us), which then stops its workers.
+    proc = subprocess.Popen(
+        torchrun_command(cfg, spec, overrides), env=env, stdout=stdout, stderr=stderr, start_new_session=True
+    )
+
+    signalled = []
+
+    def forward(signum: int, frame: Any) -> None:
+        signalled.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    status = read_status(run_dir)
+    if status.get("status") in STATUS_CODES:
+        return LaunchResult(STATUS_CODES[status["status"]], status, run_dir)
+    if signalled:
+        # Stopped before the workers could report (e.g. during start-up): resumable from the last
+        # checkpoint, or from the start.
+        return LaunchResult(exitcodes.PREEMPTED, {"status": "preempted", "signal": signalled[0]}, run_dir)
+    return LaunchResult(code if code > 0 else 1, status, run_dir)

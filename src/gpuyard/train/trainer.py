@@ -1,0 +1,512 @@
+"""The training loop: accumulation, clipping, schedules, validation, early stopping, checkpoints, signals."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpuyard.errors import ConfigError
+from gpuyard.train import components as comp
+from gpuyard.train.checkpoint import Checkpointer, latest_checkpoint
+from gpuyard.train.data import DataSource, call_factory, count_batch, make_source, split_batch, to_device
+from gpuyard.train.metrics import DeviceStats, JsonlTracker, NullTracker, Progress, Tracker
+from gpuyard.train.parallel import (
+    build_pipeline,
+    clip_grad_norm,
+    gradient_sync,
+    init_distributed,
+    parallelize,
+)
+from gpuyard.train.spec import TrainSpec, load_entrypoint
+
+STATUS_FILE = "status.json"
+
+
+@dataclass
+class TrainResult:
+    """How a run ended."""
+
+    status: str  # completed | early_stopped | preempted | diverged
+    step: int
+    epoch: int
+    run_dir: Path
+    checkpoint: Path | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    """Runs one training job described by a TrainSpec, on one process or as one rank of many.
+
+    Objects may be given directly (Python API) instead of the spec's entrypoints: `model` a factory
+    or an nn.Module, `train_data`/`val_data` a map-style Dataset or a resumable loader.
+    """
+
+    def __init__(
+        self,
+        spec: TrainSpec,
+        *,
+        model: Any = None,
+        train_data: Any = None,
+        val_data: Any = None,
+        loss: Callable[[Any, Any], torch.Tensor] | None = None,
+        tracker: Tracker | None = None,
+        callbacks: list[Callable[[Trainer, str], None]] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.run_dir = spec.resolved_run_dir()
+        self._model_arg, self._train_arg, self._val_arg = model, train_data, val_data
+        self.loss_fn = loss or comp.build_loss(spec.loss)
+        self.callbacks = list(callbacks or []) + [load_entrypoint(c, "callbacks") for c in spec.callbacks]
+        self._tracker_arg = tracker
+        self.step = 0
+        self.epoch = 0
+        self.batches_in_epoch = 0  # micro-batches consumed in the current epoch
+        self.best: float | None = None
+        self.bad_validations = 0
+        self.last_metrics: dict[str, float] = {}
+        self.stop_requested = False
+        self.resumed_from: Path | None = None
+
+    # ----- set-up -------------------------------------------------------------------------------
+    def _build_model(self) -> nn.Module:
+        arg = self._model_arg
+        if arg is None:
+            if self.spec.model is None:
+                raise ConfigError("model: required (an entrypoint in the spec, or model= in the Python API)")
+            arg = load_entrypoint(self.spec.model.entrypoint, "model.entrypoint")
+            built = arg(**self.spec.model.kwargs)
+        else:
+            built = arg if isinstance(arg, nn.Module) else arg()
+        if not isinstance(built, nn.Module):
+            raise ConfigError(f"model: the factory returned a {type(built).__name__}, not a torch.nn.Module")
+        return built
+
+    def _build_source(self, which: str) -> DataSource | None:
+        arg = self._train_arg if which == "train" else self._val_arg
+        entry = self.spec.data.train if which == "train" else self.spec.data.val
+        ctx, d = self.ctx, self.spec.data
+        if arg is None:
+            if entry is None:
+                if which == "train":
+                    raise ConfigError(
+                        "data.train: required (an entrypoint, or train_data= in the Python API)"
+                    )
+                return None
+            factory = load_entrypoint(entry.entrypoint, f"data.{which}.entrypoint")
+            arg = call_factory(factory, entry.kwargs, ctx.dp_rank, ctx.layout.dp)
+        train = which == "train"
+        return make_source(
+            arg,
+            f"data.{which}",
+            d.batch_size,
+            ctx.dp_rank,
+            ctx.layout.dp,
+            shuffle=d.shuffle and train,
+            seed=self.spec.seed,
+            drop_last=d.drop_last or not train,
+            num_workers=d.num_workers,
+        )
+
+    def setup(self) -> None:
+        """Join the process group, build and parallelize the model, optimizer, data and checkpointer."""
+        spec = self.spec
+        self.ctx = ctx = init_distributed(spec.parallel)
+        if ctx.layout.pp > 1 and spec.grad_accum > 1:
+            raise ConfigError(
+                "grad_accum: must be 1 with pipeline parallel; raise parallel.microbatches instead"
+            )
+        # Same seed on every rank so replicas (and tensor-parallel shards) start from one model.
+        comp.seed_everything(spec.seed)
+        full = self._build_model()
+        self.pipeline = None
+        if ctx.layout.pp > 1:
+            self.pipeline = build_pipeline(full, ctx, spec.parallel, self.loss_fn)
+            self.model = self.pipeline.module
+        else:
+            self.model = parallelize(full, ctx, spec.parallel)
+            if spec.compile:
+                self.model.compile()  # in place: parameter names (and checkpoints) stay the same
+        # Different randomness per data shard (dropout), same within a tensor-parallel group.
+        comp.seed_everything(spec.seed + 1000 * ctx.dp_rank + ctx.coord("pp"))
+        self.optimizer = comp.build_optimizer(self.model.parameters(), spec.optimizer)
+        train_source = self._build_source("train")
+        if train_source is None:  # _build_source raises for missing training data; this keeps types exact
+            raise ConfigError("data.train: required")
+        self.train_source: DataSource = train_source
+        self.val_source = self._build_source("val")
+        self.total_steps = self._total_steps()
+        self.scheduler = comp.build_scheduler(self.optimizer, spec.schedule, self.total_steps)
+        self.use_bf16 = spec.precision == "bf16" or (spec.precision == "auto" and ctx.device.type == "cuda")
+        self.checkpointer = Checkpointer(
+            self.run_dir / "checkpoints", spec.checkpoint.keep, ctx.rank, spec.checkpoint.async_save
+        )
+        main = ctx.rank == 0
+        if self._tracker_arg is not None:
+            self.tracker: Any = self._tracker_arg if main else NullTracker()
+        else:
+            self.tracker = JsonlTracker(self.run_dir) if main else NullTracker()
+        self.device_stats = DeviceStats(ctx.device)
+        if spec.checkpoint.resume:
+            self._resume()
+
+    def _total_steps(self) -> int:
+        if self.spec.max_steps:
+            return self.spec.max_steps
+        source = self.train_source
+        per_epoch = (
+            len(source.loader) if hasattr(source, "loader") and hasattr(source.loader, "__len__") else 0
+        )
+        if not per_epoch:  # a loader without a length: schedules need max_steps
+            return max(1, self.spec.max_steps or 1)
+        return max(1, per_epoch // self.spec.grad_accum * self.spec.epochs)
+
+    # ----- checkpoint state ---------------------------------------------------------------------
+    def _app_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _rank_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batches_in_epoch": self.batches_in_epoch,
+            "best": self.best,
+            "bad_validations": self.bad_validations,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": comp.rng_state(),
+            "data": self.train_source.state_dict(),
+        }
+
+    def save_checkpoint(self, reason: str) -> Path:
+        """Write a checkpoint of the current step on every rank (collective)."""
+        meta = {
+            "epoch": self.epoch,
+            "reason": reason,
+            "world_size": self.ctx.world_size,
+            "layout": [self.ctx.layout.pp, self.ctx.layout.dp, self.ctx.layout.tp],
+        }
+        path = self.checkpointer.save(self.step, self._app_state(), self._rank_state(), meta)
+        self._event("checkpoint", step=self.step, path=str(path), reason=reason)
+        self._callback("checkpoint")
+        return path
+
+    def _resume(self) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        path = latest_checkpoint(self.checkpointer.root)
+        if path is None:
+            return
+        app = self._app_state()
+        state = self.checkpointer.load(path, app)
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=app["model"], optim_state_dict=app["optim"]
+        )
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.batches_in_epoch = int(state["batches_in_epoch"])
+        self.best, self.bad_validations = state["best"], int(state["bad_validations"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        comp.set_rng_state(state["rng"])
+        self.train_source.load_state_dict(state["data"])
+        self.resumed_from = path
+        self._event("resume", step=self.step, epoch=self.epoch, path=str(path))
+
+    # ----- events -------------------------------------------------------------------------------
+    def _event(self, name: str, **fields: Any) -> None:
+        log = getattr(self.tracker, "log_event", None)
+        if log is not None:
+            log(name, **fields)
+
+    def _callback(self, event: str) -> None:
+        for cb in self.callbacks:
+            cb(self, event)
+
+    def request_stop(self) -> None:
+        """Ask the loop to checkpoint and stop at the next step boundary (what SIGTERM does)."""
+        self.stop_requested = True
+
+    # ----- one step -----------------------------------------------------------------------------
+    def _autocast(self) -> Any:
+        if not self.use_bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16)
+
+    def _train_step(self, micro: list[Any]) -> tuple[torch.Tensor, int, int]:
+        """Forward, backward and update over `micro` batches; returns (loss, samples, tokens) of this rank."""
+        d = self.spec.data
+        total = torch.zeros((), device=self.ctx.device)
+        samples = tokens = 0
+        for i, batch in enumerate(micro):
+            inputs, targets = split_batch(batch, d.input_key, d.target_key)
+            n, t = count_batch(inputs)
+            samples, tokens = samples + n, tokens + t
+            inputs, targets = to_device(inputs, self.ctx.device), to_device(targets, self.ctx.device)
+            if self.pipeline is not None:
+                total = total + self._pipeline_step(inputs, targets)
+                continue
+            with gradient_sync(self.model, i == len(micro) - 1), self._autocast():
+                loss = self.loss_fn(self.model(inputs), targets) / len(micro)
+            loss.backward()
+            total = total + loss.detach()
+        if self.spec.clip_grad_norm:
+            self.last_grad_norm = clip_grad_norm(
+                list(self.model.parameters()), self.spec.clip_grad_norm, self.ctx
+            )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, samples, tokens
+
+    def _pipeline_step(self, inputs: Any, targets: Any) -> torch.Tensor:
+        pipe = self.pipeline
+        if pipe is None:
+            raise RuntimeError("_pipeline_step without a pipeline")
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            if pipe.is_first:
+                pipe.schedule.step(inputs)
+            elif pipe.is_last:
+                pipe.schedule.step(target=targets, losses=losses)
+            else:
+                pipe.schedule.step()
+        if not losses:
+            return torch.zeros((), device=self.ctx.device)
+        return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+    def _agree(self, loss: torch.Tensor) -> tuple[float, bool, bool]:
+        """One all-reduce: mean loss over loss-owning ranks, and whether any rank diverged or must stop."""
+        owner = 1.0 if self.ctx.is_loss_owner else 0.0
+        value = loss.detach().float()
+        bad = float(owner and not math.isfinite(value.item()))
+        stop = 1.0 if self.stop_requested else 0.0
+        vec = torch.tensor([0.0 if bad else value.item() * owner, owner, bad, stop])
+        if self.ctx.world_size > 1:
+            vec = vec.to(self.ctx.device)
+            dist.all_reduce(vec)
+            vec = vec.cpu()
+        mean = vec[0].item() / max(vec[1].item(), 1.0)
+        return (float("nan") if vec[2] else mean), bool(vec[2]), bool(vec[3])
+
+    # ----- validation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Mean loss over the validation data (all data-parallel shards); {} without validation data."""
+        if self.val_source is None:
+            return {}
+        d = self.spec.data
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        self.val_source.set_epoch(0)
+        # A map-style source is read whole, from its DataLoader; a loader restarts on each iteration.
+        batches = self.val_source.loader if hasattr(self.val_source, "sampler") else self.val_source
+        for batch in batches:
+            inputs, targets = split_batch(batch, d.input_key, d.target_key)
+            inputs, targets = to_device(inputs, self.ctx.device), to_device(targets, self.ctx.device)
+            n = count_batch(inputs)[0]
+            with self._autocast():
+                if self.pipeline is not None:
+                    losses: list[torch.Tensor] = []
+                    pipe = self.pipeline
+                    if pipe.is_first:
+                        pipe.schedule.eval(inputs)
+                    elif pipe.is_last:
+                        pipe.schedule.eval(target=targets, losses=losses)
+                    else:
+                        pipe.schedule.eval()
+                    loss = torch.stack(losses).float().mean() if losses else torch.zeros(())
+                else:
+                    loss = self.loss_fn(self.model(inputs), targets)
+            if self.ctx.is_loss_owner:
+                total += torch.tensor([float(loss) * n, n], dtype=torch.float64)
+        self.model.train()
+        if self.ctx.world_size > 1:
+            dev = total.to(self.ctx.device) if self.ctx.device.type == "cuda" else total
+            dist.all_reduce(dev)
+            total = dev.cpu()
+        return {"val_loss": float(total[0] / max(total[1].item(), 1.0))}
+
+    def _after_validation(self, metrics: dict[str, float]) -> bool:
+        """Record validation metrics; True when early stopping says stop."""
+        if not metrics:
+            return False
+        self.tracker.log_metrics(self.step, metrics)
+        self.last_metrics.update(metrics)
+        self._callback("validation")
+        es = self.spec.early_stopping
+        if es is None:
+            return False
+        if es.metric not in metrics:
+            raise ConfigError(f"early_stopping.metric: {es.metric!r} is not one of {sorted(metrics)}")
+        value = metrics[es.metric]
+        better = self.best is None or (
+            value < self.best - es.min_delta if es.mode == "min" else value > self.best + es.min_delta
+        )
+        if better:
+            self.best, self.bad_validations = value, 0
+        else:
+            self.bad_validations += 1
+        return self.bad_validations >= es.patience
+
+    # ----- the loop -----------------------------------------------------------------------------
+    def _install_sigterm(self) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self.stop_requested = True  # acted on at the next step boundary, agreed by all ranks
+
+        return signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _log_step(self, loss: float, samples: int, tokens: int, seconds: float) -> None:
+        dp = self.ctx.layout.dp
+        metrics: dict[str, float] = {
+            "loss": loss,
+            "lr": float(self.scheduler.get_last_lr()[0]),
+            "step_time": seconds,
+            "samples_per_s": samples * dp / seconds if seconds > 0 else 0.0,
+            "tokens_per_s": tokens * dp / seconds if seconds > 0 else 0.0,
+            "epoch": float(self.epoch),
+        }
+        if getattr(self, "last_grad_norm", None) is not None:
+            metrics["grad_norm"] = self.last_grad_norm
+        metrics.update(self.device_stats.sample())
+        self.last_metrics.update(metrics)
+        if self.step % self.spec.log_every_steps == 0:
+            self.tracker.log_metrics(self.step, metrics)
+
+    def _next_micro(self, it: Any) -> list[Any] | None:
+        micro = []
+        for _ in range(self.spec.grad_accum):
+            try:
+                micro.append(next(it))
+            except StopIteration:
+                return None  # epoch over; a partial accumulation is dropped, consistently on resume
+            self.batches_in_epoch += 1
+        return micro
+
+    def _run_epoch(self, progress: Progress) -> str | None:
+        """Train until the epoch ends; returns a stop status, or None to continue."""
+        spec = self.spec
+        if self.batches_in_epoch == 0:
+            self.train_source.set_epoch(self.epoch)
+        it = iter(self.train_source)
+        tick = time.perf_counter()
+        while True:
+            micro = self._next_micro(it)
+            if micro is None:
+                return None
+            loss_t, samples, tokens = self._train_step(micro)
+            self.step += 1
+            loss, diverged, stop = self._agree(loss_t)
+            now = time.perf_counter()
+            if diverged:
+                return "diverged"
+            self._log_step(loss, samples, tokens, now - tick)
+            progress.update(self.step, f"loss {loss:.4f}")
+            self._callback("step")
+            tick = now
+            if spec.checkpoint.every_steps and self.step % spec.checkpoint.every_steps == 0:
+                self.save_checkpoint("every_steps")
+            if (
+                spec.val_every_steps
+                and self.step % spec.val_every_steps == 0
+                and self._after_validation(self.validate())
+            ):
+                return "early_stopped"
+            if spec.max_steps and self.step >= spec.max_steps:
+                return "completed"
+            if stop:
+                return "preempted"
+            tick = time.perf_counter()  # checkpoint and validation time is not step time
+
+    def fit(self) -> TrainResult:
+        """Train to the end (or until stopped); every rank calls it. Returns how the run ended."""
+        self.setup()
+        spec = self.spec
+        previous = self._install_sigterm()
+        if self.ctx.rank == 0:
+            self.tracker.log_params(spec.model_dump(mode="json"))
+        progress = Progress(self.total_steps, enabled=self.ctx.rank == 0 and sys.stdout.isatty())
+        progress.update(self.step, "")
+        status = "completed"
+        try:
+            status = self._loop(progress)
+        finally:
+            progress.close()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        return self._finish(status)
+
+    def _loop(self, progress: Progress) -> str:
+        spec = self.spec
+        if spec.max_steps and self.step >= spec.max_steps:
+            return "completed"
+        while self.epoch < spec.epochs:
+            status = self._run_epoch(progress)
+            if status == "diverged":
+                return status
+            if status is None:  # the epoch ended
+                self.epoch += 1
+                self.batches_in_epoch = 0
+                stop_early = not spec.val_every_steps and self._after_validation(self.validate())
+                if spec.checkpoint.at_epoch_end or stop_early:
+                    self.save_checkpoint("epoch_end")
+                if stop_early:
+                    return "early_stopped"
+                if self.stop_requested:
+                    return "preempted"
+                continue
+            self.save_checkpoint(status)
+            return status
+        return "completed"
+
+    def _finish(self, status: str) -> TrainResult:
+        self.checkpointer.wait()
+        last = latest_checkpoint(self.checkpointer.root)
+        if status == "completed" and (last is None or int(last.name.split("-")[1]) != self.step):
+            self.save_checkpoint("final")
+            self.checkpointer.wait()
+            last = latest_checkpoint(self.checkpointer.root)
+        if status == "diverged":
+            msg = (
+                f"loss became non-finite at step {self.step}; stopped. Last good checkpoint: "
+                f"{last or 'none'} (kept)"
+            )
+            self._event("diverged", step=self.step, checkpoint=str(last) if last else None)
+            if self.ctx.rank == 0:
+                print(f"gpuyard train: {msg}", file=sys.stderr, flush=True)
+        self._callback("end")
+        self.tracker.finish(status)
+        if self.ctx.rank == 0:
+            doc = {
+                "status": status,
+                "step": self.step,
+                "epoch": self.epoch,
+                "checkpoint": str(last) if last else None,
+                "metrics": {k: v for k, v in self.last_metrics.items() if math.isfinite(v)},
+            }
+            tmp = self.run_dir / f".{STATUS_FILE}.tmp"
+            tmp.write_text(json.dumps(doc))
+            tmp.replace(self.run_dir / STATUS_FILE)
+        if self.ctx.world_size > 1:
+            dist.barrier()
+        return TrainResult(status, self.step, self.epoch, self.run_dir, last, dict(self.last_metrics))
+
+    def close(self) -> None:
+        """Leave the process group (after fit)."""
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,65 @@
+"""What each rank runs under torchrun: `python -m gpuyard.train.worker SPEC.yaml [--run-dir D]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from gpuyard import exitcodes
+from gpuyard.errors import GpuyardError
+
+# Set by `gpuyard train`: the launcher reads status.json, so workers exit 0 on preemption and
+# divergence; otherwise torchrun would count their exit as a failure and restart them.
+LAUNCHED_ENV = "GPUYARD_TRAIN_LAUNCHED"
+
+STATUS_CODES = {
+    "completed": exitcodes.SUCCESS,
+    "early_stopped": exitcodes.SUCCESS,
+    "preempted": exitcodes.PREEMPTED,
+    "diverged": exitcodes.DIVERGED,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one rank of the job; returns the process exit code."""
+    parser = argparse.ArgumentParser(prog="gpuyard.train.worker")
+    parser.add_argument("spec")
+    parser.add_argument("--run-dir", default=None)
+    parser.add_argument("--parallel", default=None, help="JSON {dp, tp, pp} overriding spec.parallel")
+    args = parser.parse_args(argv)
+
+    from gpuyard.train.spec import load_spec
+    from gpuyard.train.trainer import Trainer
+
+    trainer = None
+    try:
+        spec = load_spec(args.spec, overrides=_overrides(args))
+        trainer = Trainer(spec)
+        result = trainer.fit()
+    except GpuyardError as exc:
+        print(
+            f"gpuyard train (rank {os.environ.get('RANK', '0')}): error: {exc}", file=sys.stderr, flush=True
+        )
+        return exitcodes.USAGE
+    finally:
+        if trainer is not None:
+            trainer.close()
+    code = STATUS_CODES[result.status]
+    if os.environ.get(LAUNCHED_ENV) == "1" and code in (exitcodes.PREEMPTED, exitcodes.DIVERGED):
+        return exitcodes.SUCCESS
+    return code
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    out: dict[str, object] = {}
+    if args.run_dir:
+        out["run_dir"] = args.run_dir
+    if args.parallel:
+        out["parallel"] = json.loads(args.parallel)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

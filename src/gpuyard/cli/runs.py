@@ -15,6 +15,13 @@ runs_app = typer.Typer(
 )
 
 
+def console() -> Console:
+    """A console that does not squeeze tables to 80 columns when output goes to a file or a pipe."""
+    import sys
+
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
 def _fmt(value: Any) -> str:
     if value is None:
         return "-"
@@ -32,6 +39,17 @@ def _duration(doc: dict[str, Any]) -> str:
         datetime.fromisoformat(doc["ended_at"]) - datetime.fromisoformat(doc["started_at"])
     ).total_seconds()
     return f"{seconds:.1f}s"
+
+
+def _default_columns(runs: list[Any]) -> list[str]:
+    # The objective metric of the runs (their "metric" tag) on validation and test, else the first keys.
+    objective = [r.tags.get("metric") for r in runs if r.tags.get("metric")]
+    if objective:
+        m = max(set(objective), key=objective.count)
+        return [
+            k for k in (f"validation/{m}", f"test/{m}", f"cv/{m}_mean") if any(k in r.latest for r in runs)
+        ]
+    return sorted({k for r in runs for k in r.latest})[:3]
 
 
 @runs_app.command("ls")
@@ -52,9 +70,9 @@ def ls(
     if as_json:
         typer.echo(json.dumps([r.to_json() for r in runs]))
         return
-    keys = metric or sorted({k for r in runs for k in r.latest})[:4]
+    keys = metric or _default_columns(runs)
     table = Table(show_lines=False)
-    for col in ("id", "name", "experiment", "kind", "status", "dataset", "started"):
+    for col in ("id", "name", "kind", "status", "dataset", "started"):
         table.add_column(col, no_wrap=True)
     for col in keys:
         table.add_column(col, justify="right", no_wrap=True)
@@ -62,14 +80,13 @@ def ls(
         table.add_row(
             r.id[:8],
             r.name,
-            r.experiment,
             r.kind,
             r.status,
             r.dataset_version or "-",
             r.started_at.strftime("%m-%d %H:%M:%S"),
             *(_fmt(r.latest.get(k)) for k in keys),
         )
-    Console().print(table)
+    console().print(table)
 
 
 @runs_app.command("show")
@@ -87,12 +104,12 @@ def show(
     if as_json:
         typer.echo(json.dumps(doc))
         return
-    console = Console()
+    con = console()
     for key in ("id", "name", "experiment", "kind", "status", "parent_id", "dataset_version", "code_version"):
-        console.print(f"[bold]{key:>16}[/bold]  {_fmt(doc[key])}")
-    console.print(f"[bold]{'duration':>16}[/bold]  {_duration(doc)}")
+        con.print(f"[bold]{key:>16}[/bold]  {_fmt(doc[key])}")
+    con.print(f"[bold]{'duration':>16}[/bold]  {_duration(doc)}")
     if doc["error"]:
-        console.print(f"[bold]{'error':>16}[/bold]  [red]{doc['error']}[/red]")
+        con.print(f"[bold]{'error':>16}[/bold]  [red]{doc['error']}[/red]")
     for title, mapping in (
         ("params", doc["params"]),
         ("tags", doc["tags"]),
@@ -104,20 +121,20 @@ def show(
             table.add_column("value", justify="right")
             for k, v in sorted(mapping.items()):
                 table.add_row(k, _fmt(v))
-            console.print(table)
+            con.print(table)
     for ev in doc["evaluations"]:
-        console.print(
+        con.print(
             f"[bold]evaluation[/bold] {ev['split']} ({ev['n']} samples, {ev['dataset_version'] or '-'}): "
             + ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(ev["metrics"].items()))
         )
     for art in doc["artifacts"]:
-        console.print(f"[bold]artifact[/bold] {art['name']}  {art['size']} B  sha256:{art['sha256'][:12]}")
+        con.print(f"[bold]artifact[/bold] {art['name']}  {art['size']} B  sha256:{art['sha256'][:12]}")
     if doc["children"]:
-        console.print(
+        con.print(
             f"[bold]children[/bold] {len(doc['children'])} runs (gpuyard runs ls --parent {doc['id'][:8]})"
         )
     if plot is not None:
-        console.print(f"curves written to {doc['plot']}")
+        con.print(f"curves written to {doc['plot']}")
 
 
 @runs_app.command("compare")
@@ -148,10 +165,10 @@ def compare(
         table.add_row(f"{mark}param {key}", *(_fmt(v) for v in values))
     for key, values in doc["metrics"].items():
         table.add_row(f"metric {key}", *(_fmt(v) for v in values))
-    console = Console()
-    console.print(table)
+    con = console()
+    con.print(table)
     if plot is not None:
-        console.print(f"curves written to {doc['plot']}")
+        con.print(f"curves written to {doc['plot']}")
 
 
 def register(app: typer.Typer) -> None:

@@ -27,7 +27,9 @@ from gpuyard.store.db import Store
 from gpuyard.store.tables.models import RunArtifactRow, RunMetricRow, RunRow
 
 RUN_KINDS = ("train", "tune", "trial", "cv", "fold", "eval", "retrain")
-RUN_STATUSES = ("running", "finished", "failed", "pruned")
+RUN_STATUSES = ("running", "finished", "failed", "pruned", "preempted", "diverged")
+# The training runtime closes runs with its own words; these are the ones that mean the same as ours.
+_STATUS_ALIASES = {"completed": "finished", "succeeded": "finished", "error": "failed"}
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.\-/ ]{1,200}$")
 FLUSH_EVERY_POINTS = 200
 FLUSH_EVERY_S = 2.0
@@ -158,7 +160,8 @@ class DbTracker:
             self.flush()
 
     def finish(self, status: str = "finished", error: str | None = None) -> None:
-        """Flush, stop the system sampler and close the run with ``status`` (finished, failed, pruned)."""
+        """Flush, stop the system sampler and close the run with ``status`` (finished, failed, pruned...)."""
+        status = _STATUS_ALIASES.get(status, status)
         if status not in RUN_STATUSES[1:]:
             raise ConfigError(f"run status {status!r} must be one of {', '.join(RUN_STATUSES[1:])}")
         if self._finished:
@@ -174,6 +177,14 @@ class DbTracker:
             row.status, row.error, row.ended_at = status, error, utcnow()
 
     # -- more than the interface --------------------------------------------------------------------
+
+    def log_event(self, event: str, **fields: Any) -> None:
+        """Record a free-form event (resume, checkpoint, stop) in the run's ``events`` tag (last 100 kept)."""
+        with self.store.session() as s:
+            row = self._row(s)
+            events = list(row.tags.get("events", []))[-99:]
+            events.append({"event": event, "at": utcnow().isoformat(), **_jsonable(fields)})
+            row.tags = {**row.tags, "events": events}
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         """Merge ``tags`` (free-form labels) into the run."""

@@ -1,0 +1,142 @@
+"""Train one model from a spec as a tracked run: fit, evaluate validation and test apart, store the model."""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuyard.models.builtin import Pruned, TrainContext
+from gpuyard.models.datasets import Dataset, Splits, load_dataset, split_dataset
+from gpuyard.models.evaluate import Evaluation, evaluate, log_evaluation
+from gpuyard.models.flavors import as_predictor, import_ref, save_model
+from gpuyard.models.signature import infer_signature
+from gpuyard.models.spec import ModelSpec
+from gpuyard.models.tracking import DbTracker, start_run
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """A finished fit: its run, and its metrics per split."""
+
+    run_id: str
+    status: str
+    evaluations: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def score(self, split: str, metric: str) -> float | None:
+        """The value of ``metric`` on ``split``, when evaluated."""
+        return self.evaluations.get(split, {}).get(metric)
+
+
+@functools.lru_cache(maxsize=8)
+def cached_dataset(ref: str) -> Dataset:
+    """Load a dataset once per process (trials and folds of one search share it)."""
+    return load_dataset(ref)
+
+
+def spec_splits(spec: ModelSpec) -> tuple[Dataset, Splits]:
+    """The spec's dataset and its train / validation / test split."""
+    ds = cached_dataset(spec.dataset)
+    return ds, split_dataset(ds, spec.split.to_spec())
+
+
+def fold_splits(spec: ModelSpec, fold: int, folds: int) -> tuple[Dataset, Splits]:
+    """Fold ``fold`` of ``folds`` over train+validation (the test split never enters cross-validation)."""
+    from sklearn.model_selection import KFold, StratifiedKFold
+
+    ds, sp = spec_splits(spec)
+    X = np.concatenate([sp.X_train, sp.X_val])
+    y = np.concatenate([sp.y_train, sp.y_val])
+    classify = spec.resolved_task == "classification"
+    kf = (StratifiedKFold if classify and spec.split.stratify else KFold)(
+        n_splits=folds, shuffle=True, random_state=spec.split.seed
+    )
+    train_idx, val_idx = list(kf.split(X, y))[fold]
+    empty_x, empty_y = X[:0], y[:0]
+    return ds, Splits(X[train_idx], y[train_idx], X[val_idx], y[val_idx], empty_x, empty_y)
+
+
+def log_model(tracker: DbTracker, model: Any, task: str, signature: dict[str, Any]) -> dict[str, Any]:
+    """Store the model's flavor files, config and signature as the run's ``model/`` artifacts."""
+    with tempfile.TemporaryDirectory(prefix="gpuyard-model-") as tmp:
+        flavor, config = save_model(model, tmp, task)
+        (Path(tmp) / "signature.json").write_text(json.dumps(signature))
+        for path in sorted(Path(tmp).iterdir()):
+            tracker.log_artifact(f"model/{path.name}", path)
+    tracker.set_tags({"model_flavor": flavor})
+    return config
+
+
+def fit(
+    spec: ModelSpec,
+    params: dict[str, Any] | None = None,
+    *,
+    kind: str = "train",
+    parent_id: str | None = None,
+    name: str | None = None,
+    fold: tuple[int, int] | None = None,
+    evaluate_test: bool = True,
+    keep_model: bool = True,
+    reporter: Any = None,
+) -> tuple[FitResult, Any]:
+    """Train ``spec.trainer`` with ``spec.params`` updated by ``params``, as one tracked run.
+
+    Args:
+        spec: the model spec.
+        params: overrides of ``spec.params`` (a trial's sampled values, a tuned best).
+        kind: run kind (train, trial, fold, retrain).
+        parent_id: the search or cross-validation run this belongs to.
+        name: run name (default: the spec's name).
+        fold: ``(index, count)`` to train on one cross-validation fold instead of the fixed split.
+        evaluate_test: also evaluate on the held-out test split (never during a search).
+        keep_model: store the model as the run's artifact.
+        reporter: ``(step, value) -> None`` that may raise :class:`Pruned` (search pruning).
+
+    Returns:
+        The result and the trained model (None when the trial was pruned).
+    """
+    merged = {**spec.params, **(params or {})}
+    task = spec.resolved_task
+    ds, data = fold_splits(spec, *fold) if fold else spec_splits(spec)
+    tags = {"trainer": spec.trainer, "metric": spec.metric, "direction": spec.resolved_direction}
+    if fold:
+        tags["fold"] = f"{fold[0]}/{fold[1]}"
+    tracker = start_run(
+        name or spec.name,
+        experiment=spec.experiment,
+        kind=kind,
+        params={**merged, "trainer": spec.trainer},
+        tags=tags | {"split": spec.split.model_dump()},
+        dataset_version=ds.version,
+        parent_id=parent_id,
+        system_interval_s=None if kind in ("trial", "fold") else 10.0,
+    )
+    ctx = TrainContext(
+        task=task, metric=spec.metric, seed=spec.seed, reporter=reporter, log=tracker.log_metrics
+    )
+    try:
+        model = import_ref(spec.trainer)(merged, data, ctx)
+        evals: dict[str, Evaluation] = {}
+        if len(data.X_val):
+            evals["validation"] = evaluate(model, data.X_val, data.y_val, task, "validation")
+        if evaluate_test and len(data.X_test):
+            evals["test"] = evaluate(model, data.X_test, data.y_test, task, "test")
+        for ev in evals.values():
+            log_evaluation(tracker, ev, ds.version, step=int(merged.get("epochs", 1)))
+        if keep_model:
+            y_pred = as_predictor(model, task).predict(data.X_train[:256])
+            sig = infer_signature(data.X_train, y_pred, task, ds.feature_names)
+            log_model(tracker, model, task, sig)
+    except Pruned:
+        tracker.finish("pruned")
+        return FitResult(tracker.run_id, "pruned"), None
+    except BaseException as exc:
+        tracker.finish("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+        raise
+    tracker.finish("finished")
+    return FitResult(tracker.run_id, "finished", {k: v.metrics for k, v in evals.items()}), model

@@ -88,7 +88,7 @@ def mlp(
             self.register_buffer("std", torch.ones(n))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return (x - self.mean) / self.std
+            return (x - self.mean) / self.std  # type: ignore[operator]
 
     mods: list[nn.Module] = [Standardize(in_features)]
     width = in_features
@@ -99,7 +99,9 @@ def mlp(
         width = hidden
     mods.append(nn.Linear(width, out_features))
     net = nn.Sequential(*mods)
-    kwargs = dict(in_features=in_features, out_features=out_features, hidden=hidden, layers=layers)
+    kwargs: dict[str, Any] = dict(
+        in_features=in_features, out_features=out_features, hidden=hidden, layers=layers
+    )
     kwargs |= dict(dropout=dropout, activation=activation)
     setattr(net, FACTORY_ATTR, {"factory": "gpuyard.models.builtin:mlp", "kwargs": kwargs})
     return net

@@ -44,10 +44,10 @@ class SearchSpec(_Strict):
 
     sampler: Literal["tpe", "random", "grid"] = "tpe"
     pruner: Literal["none", "median", "successive_halving"] = "none"
-    n_trials: int = Field(8, ge=1, le=10_000)
-    parallel: int = Field(1, ge=1, le=64)
+    n_trials: int = Field(default=8, ge=1, le=10_000)
+    parallel: int = Field(default=1, ge=1, le=64)
     # Trials that must complete before the median pruner starts stopping others.
-    startup_trials: int = Field(2, ge=0)
+    startup_trials: int = Field(default=2, ge=0)
     space: dict[str, SearchParam]
 
     @model_validator(mode="after")
@@ -64,15 +64,15 @@ class SearchSpec(_Strict):
 class CVSpec(_Strict):
     """k-fold cross-validation on the train+validation part (the test split stays out)."""
 
-    folds: int = Field(5, ge=2, le=100)
-    parallel: int = Field(1, ge=1, le=64)
+    folds: int = Field(default=5, ge=2, le=100)
+    parallel: int = Field(default=1, ge=1, le=64)
 
 
 class SplitModel(_Strict):
     """Fractions and seed of the train / validation / test split."""
 
-    val: float = Field(0.2, ge=0, lt=1)
-    test: float = Field(0.2, gt=0, lt=1)
+    val: float = Field(default=0.2, ge=0, lt=1)
+    test: float = Field(default=0.2, gt=0, lt=1)
     seed: int = 0
     stratify: bool = True
 
@@ -85,7 +85,7 @@ class ModelSpec(_Strict):
     """Everything needed to train, evaluate, cross-validate and tune one kind of model."""
 
     name: str = Field(min_length=1, max_length=200)
-    experiment: str = Field("default", min_length=1, max_length=200)
+    experiment: str = Field(default="default", min_length=1, max_length=200)
     dataset: str = Field(min_length=1)
     task: Literal["classification", "regression"] | None = None
     trainer: str = "gpuyard.models.builtin:train_mlp"
@@ -93,7 +93,7 @@ class ModelSpec(_Strict):
     metric: str = "accuracy"
     direction: Literal["maximize", "minimize"] | None = None
     seed: int = 0
-    split: SplitModel = Field(default_factory=SplitModel)
+    split: SplitModel = Field(default_factory=lambda: SplitModel())
     search: SearchSpec | None = None
     cv: CVSpec | None = None
 

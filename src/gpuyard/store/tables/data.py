@@ -29,7 +29,7 @@ class DatasetVersionRow(Base):
         String(128), ForeignKey("datasets.name", ondelete="CASCADE"), primary_key=True
     )
     version: Mapped[str] = mapped_column(String(64), primary_key=True)
-    parent: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    parent: Mapped[str | None] = mapped_column(String(200), nullable=True)
     kind: Mapped[str] = mapped_column(String(16))
     num_rows: Mapped[int] = mapped_column(BigInteger)
     num_shards: Mapped[int] = mapped_column(Integer)

@@ -31,7 +31,7 @@ def upgrade() -> None:
             primary_key=True,
         ),
         sa.Column("version", sa.String(64), primary_key=True),
-        sa.Column("parent", sa.String(64), nullable=True),
+        sa.Column("parent", sa.String(200), nullable=True),
         sa.Column("kind", sa.String(16), nullable=False),
         sa.Column("num_rows", sa.BigInteger(), nullable=False),
         sa.Column("num_shards", sa.Integer(), nullable=False),

@@ -1,0 +1,155 @@
+"""The dataset catalog in the state store: record versions, resolve ``name[@version]``, list them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+from sqlalchemy import select
+
+from gpuyard.errors import ConfigError, NotFoundError
+from gpuyard.store import get_artifacts, get_store
+from gpuyard.store.tables.data import DatasetRow, DatasetVersionRow
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+VERSION_CHARS = 12
+# Fields that define a version's content; timestamps are left out so equal content gives an equal id.
+_IDENTITY_FIELDS = ("schema", "shards", "parent", "recipe", "fitted", "label_column", "kind")
+
+
+def check_name(name: str) -> str:
+    """Return ``name`` or raise ConfigError when it is not a valid dataset name."""
+    if not NAME_RE.match(name):
+        raise ConfigError(
+            f"dataset name {name!r}: use letters, digits, '.', '_' or '-' (at most 128, no '@' or '/')"
+        )
+    return name
+
+
+def canonical_json(doc: Any) -> bytes:
+    """Deterministic JSON bytes (sorted keys, no spaces) used for hashing."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def version_id(manifest: dict[str, Any]) -> str:
+    """The content address of a version: a SHA-256 prefix over its identity fields."""
+    ident = {k: manifest.get(k) for k in _IDENTITY_FIELDS}
+    return hashlib.sha256(canonical_json(ident)).hexdigest()[:VERSION_CHARS]
+
+
+def parse_ref(ref: str) -> tuple[str, str | None]:
+    """Split ``name`` / ``name@version`` / ``name@latest`` into (name, version or None)."""
+    name, _, version = ref.partition("@")
+    check_name(name)
+    if version in ("", "latest"):
+        return name, None
+    if not re.fullmatch(r"[0-9a-f]{4,64}", version):
+        raise ConfigError(f"dataset reference {ref!r}: version must be 4-64 hex digits or 'latest'")
+    return name, version
+
+
+def record_version(manifest: dict[str, Any]) -> DatasetVersionRow:
+    """Store the manifest (content-addressed) and add the version to the catalog; idempotent."""
+    name, version = manifest["name"], manifest["version"]
+    store = get_store()
+    with store.read() as s:
+        existing = s.get(DatasetVersionRow, (name, version))
+    if existing is not None:
+        return existing
+    info = get_artifacts().put_blob(canonical_json(manifest))
+    q = manifest["quarantine"]
+    row = DatasetVersionRow(
+        dataset=name,
+        version=version,
+        parent=manifest.get("parent"),
+        kind=manifest["kind"],
+        num_rows=manifest["num_rows"],
+        num_shards=len(manifest["shards"]),
+        num_bytes=sum(s["bytes"] for s in manifest["shards"]),
+        rows_in=q["rows_in"],
+        rows_quarantined=q["rows_quarantined"],
+        quarantine_counts=q["by_reason"],
+        manifest_key=info.key,
+        manifest_sha256=info.sha256,
+        quarantine_key=q.get("key"),
+        source=str(manifest["source"].get("uri", "")),
+    )
+    with store.session() as s:
+        if s.get(DatasetRow, name) is None:
+            s.add(DatasetRow(name=name))
+            s.flush()
+        if s.get(DatasetVersionRow, (name, version)) is None:
+            s.add(row)
+    return row
+
+
+def resolve(ref: str) -> DatasetVersionRow:
+    """The catalog row of ``name`` (latest version), ``name@latest`` or ``name@VERSION`` (a unique prefix).
+
+    Raises:
+        NotFoundError: no such dataset or version; the message lists what exists.
+        ConfigError: the version prefix matches more than one version.
+    """
+    name, version = parse_ref(ref)
+    with get_store().read() as s:
+        stmt = select(DatasetVersionRow).where(DatasetVersionRow.dataset == name)
+        if version is not None:
+            stmt = stmt.where(DatasetVersionRow.version.startswith(version))
+        rows = list(s.scalars(stmt.order_by(DatasetVersionRow.created_at.desc())))
+        if not rows:
+            known = list(s.scalars(select(DatasetRow.name).order_by(DatasetRow.name)))
+    if not rows:
+        if version is None or name not in known:
+            raise NotFoundError(f"dataset {name!r} not found (known: {', '.join(known) or 'none'})")
+        raise NotFoundError(f"dataset {name!r} has no version {version!r}")
+    if version is not None and len({r.version for r in rows}) > 1:
+        raise ConfigError(f"version prefix {version!r} of {name!r} is ambiguous; give more digits")
+    return rows[0]
+
+
+def load_manifest(row: DatasetVersionRow) -> dict[str, Any]:
+    """The manifest of a catalog row, checked against its recorded hash."""
+    data = get_artifacts().get_bytes(row.manifest_key, sha256=row.manifest_sha256)
+    return dict(json.loads(data))
+
+
+def _version_doc(r: DatasetVersionRow) -> dict[str, Any]:
+    return {
+        "dataset": r.dataset,
+        "version": r.version,
+        "parent": r.parent,
+        "kind": r.kind,
+        "rows": r.num_rows,
+        "shards": r.num_shards,
+        "bytes": r.num_bytes,
+        "rows_in": r.rows_in,
+        "rows_quarantined": r.rows_quarantined,
+        "quarantine": r.quarantine_counts,
+        "source": r.source,
+        "created_at": r.created_at.isoformat(),
+    }
+
+
+def list_versions(name: str) -> list[dict[str, Any]]:
+    """Every version of ``name``, newest first (catalog fields only; open one for its manifest)."""
+    check_name(name)
+    with get_store().read() as s:
+        stmt = select(DatasetVersionRow).where(DatasetVersionRow.dataset == name)
+        rows = list(s.scalars(stmt.order_by(DatasetVersionRow.created_at.desc())))
+    if not rows:
+        raise NotFoundError(f"dataset {name!r} not found")
+    return [_version_doc(r) for r in rows]
+
+
+def list_datasets() -> list[dict[str, Any]]:
+    """One entry per dataset: its latest version's catalog fields and how many versions it has."""
+    with get_store().read() as s:
+        rows = list(s.scalars(select(DatasetVersionRow).order_by(DatasetVersionRow.created_at.desc())))
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r.dataset not in out:
+            out[r.dataset] = {**_version_doc(r), "versions": 0}
+        out[r.dataset]["versions"] += 1
+    return [out[k] for k in sorted(out)]

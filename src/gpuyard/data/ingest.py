@@ -1,0 +1,96 @@
+"""Ingest: read a source, clean it, cut it into Parquet shards and record an immutable version."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuyard.data.catalog import check_name, record_version
+from gpuyard.data.dataset import DatasetVersion, open_dataset
+from gpuyard.data.manifest import build_manifest, store_quarantine
+from gpuyard.data.shards import DEFAULT_SHARD_BYTES, split_table, store_shard
+from gpuyard.data.sources import Progress, detect_format, read_source
+from gpuyard.data.stats import finish, merge, partial_stats
+from gpuyard.data.validate import ValidationSpec, check_schema, clean
+from gpuyard.errors import ConfigError
+from gpuyard.store import get_artifacts
+
+
+@dataclass(frozen=True)
+class IngestOptions:
+    """How to ingest a source.
+
+    Attributes:
+        format: csv, parquet, jsonl, npy, npz or images; None guesses from the path.
+        label_column: the column holding labels (recorded in the manifest; checked against ``labels``).
+        labels: the declared label set; rows with other labels are quarantined.
+        checks: validation rules (types, nulls, ranges, allowed values, duplicates).
+        shard_bytes: target shard size in bytes (in memory, before compression).
+        image_size: (height, width) to resize every image of an image folder to.
+    """
+
+    format: str | None = None
+    label_column: str | None = None
+    labels: list[Any] | None = None
+    checks: ValidationSpec = field(default_factory=ValidationSpec)
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    image_size: tuple[int, int] | None = None
+
+
+def ingest(
+    src: str | Path, name: str, options: IngestOptions | None = None, progress: Progress | None = None
+) -> DatasetVersion:
+    """Ingest ``src`` as a new version of dataset ``name`` and return it (the same version if unchanged).
+
+    Raises:
+        ConfigError: bad name, format, or checks naming columns the source lacks.
+        NotFoundError: ``src`` does not exist.
+    """
+    opts = options or IngestOptions()
+    check_name(name)
+    if opts.shard_bytes <= 0:
+        raise ConfigError(f"shard_bytes must be positive, got {opts.shard_bytes}")
+    path = Path(src)
+    fmt = opts.format or detect_format(path)
+    spec = opts.checks
+    label = opts.label_column or spec.label_column
+    if label is None and fmt == "images":
+        label = "label"
+    spec = spec.model_copy(update={"label_column": label, "labels": opts.labels or spec.labels})
+    source = read_source(path, fmt, opts.image_size, progress)
+    check_schema(source.table.schema, spec)
+    cleaned = clean(source.table, spec, source.bad)
+    artifacts = get_artifacts()
+    shards, parts = [], []
+    pieces = list(split_table(cleaned.kept, opts.shard_bytes))
+    for i, piece in enumerate(pieces):
+        shards.append(store_shard(piece, artifacts))
+        parts.append(partial_stats(piece))
+        if progress is not None:
+            progress("shards", i + 1, len(pieces))
+    quarantine = {
+        "rows_in": cleaned.rows_in,
+        "rows_kept": cleaned.kept.num_rows,
+        "rows_quarantined": cleaned.quarantine.num_rows,
+        "by_reason": cleaned.by_reason,
+        "key": store_quarantine(cleaned.quarantine),
+    }
+    manifest = build_manifest(
+        name=name,
+        kind="ingest",
+        schema=cleaned.kept.schema,
+        shards=shards,
+        stats=finish(merge(parts)),
+        source={"uri": str(path.resolve()), "format": fmt},
+        recipe={
+            "checks": spec.model_dump(mode="json"),
+            "shard_bytes": opts.shard_bytes,
+            "image_size": list(opts.image_size) if opts.image_size else None,
+            "imputed": cleaned.imputed,
+        },
+        quarantine=quarantine,
+        label_column=label,
+    )
+    row = record_version(manifest)
+    return open_dataset(f"{row.dataset}@{row.version}")

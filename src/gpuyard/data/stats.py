@@ -1,0 +1,129 @@
+"""Per-column statistics computed shard by shard and merged, so parallel workers agree with one pass.
+
+A partial is a plain dict (picklable, JSON-able); :func:`finish` turns merged partials into the
+figures stored in the manifest (count, nulls, min, max, mean, std, top values).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from gpuyard.data.columns import column_kind, tensor_spec, tensor_to_numpy
+
+# Beyond this many distinct values a column is treated as free text: only the count is kept.
+MAX_DISTINCT = 1000
+TOP_VALUES = 20
+
+
+def partial_stats(table: pa.Table) -> dict[str, dict[str, Any]]:
+    """Mergeable statistics of every column of ``table``."""
+    return {field.name: _partial(table.column(field.name), field) for field in table.schema}
+
+
+def _partial(col: pa.ChunkedArray, field: pa.Field) -> dict[str, Any]:
+    kind = column_kind(field)
+    out: dict[str, Any] = {"kind": kind, "count": len(col), "nulls": col.null_count}
+    if kind == "tensor":
+        spec = tensor_spec(field)
+        assert spec is not None  # kind == "tensor" guarantees it
+        arr = tensor_to_numpy(col, spec).astype(np.float64, copy=False) if len(col) else np.zeros(0)
+        out.update(_moments(arr.ravel()))
+        out["shape"] = list(spec.shape)
+        out["dtype"] = spec.dtype
+    elif kind in ("int", "float", "bool"):
+        valid = pc.drop_null(col)
+        nums = valid.to_numpy(zero_copy_only=False).astype(np.float64) if len(valid) else np.zeros(0)
+        out.update(_moments(nums[np.isfinite(nums)]))
+    if kind in ("string", "int", "bool"):
+        counts = pc.value_counts(pc.drop_null(col).combine_chunks()) if len(col) else []
+        values: dict[str, int] = {}
+        for item in counts:
+            values[str(item["values"].as_py())] = int(item["counts"].as_py())
+            if len(values) > MAX_DISTINCT:
+                values = {}
+                out["many_values"] = True
+                break
+        out["values"] = values
+    return out
+
+
+def _moments(values: np.ndarray) -> dict[str, Any]:
+    if values.size == 0:
+        return {"n": 0, "sum": 0.0, "sumsq": 0.0, "min": None, "max": None}
+    return {
+        "n": int(values.size),
+        "sum": float(values.sum()),
+        "sumsq": float(np.square(values).sum()),
+        "min": float(values.min()),
+        "max": float(values.max()),
+    }
+
+
+def merge(parts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Merge partial statistics of the same columns (from several shards)."""
+    out: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for name, p in part.items():
+            acc = out.get(name)
+            if acc is None:
+                out[name] = {**p, "values": dict(p["values"])} if "values" in p else dict(p)
+                continue
+            acc["count"] += p["count"]
+            acc["nulls"] += p["nulls"]
+            if "n" in p:
+                acc["n"] += p["n"]
+                acc["sum"] += p["sum"]
+                acc["sumsq"] += p["sumsq"]
+                acc["min"] = _opt(min, acc["min"], p["min"])
+                acc["max"] = _opt(max, acc["max"], p["max"])
+            if "values" in p and not acc.get("many_values"):
+                if p.get("many_values"):
+                    acc["values"], acc["many_values"] = {}, True
+                else:
+                    merged = Counter(acc["values"])
+                    merged.update(p["values"])
+                    acc["values"] = dict(merged) if len(merged) <= MAX_DISTINCT else {}
+                    acc["many_values"] = len(merged) > MAX_DISTINCT
+    return out
+
+
+def _opt(fn: Any, a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return float(fn(a, b))
+
+
+def finish(merged: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The manifest form: count, nulls, min, max, mean, std (population), distinct and top values."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, p in merged.items():
+        doc: dict[str, Any] = {"kind": p["kind"], "count": p["count"], "nulls": p["nulls"]}
+        if "n" in p:
+            n = p["n"]
+            mean = p["sum"] / n if n else None
+            var = max(0.0, p["sumsq"] / n - mean * mean) if n and mean is not None else None
+            doc.update(min=p["min"], max=p["max"], mean=mean, std=math.sqrt(var) if var is not None else None)
+        if "shape" in p:
+            doc.update(shape=p["shape"], dtype=p["dtype"])
+        if "values" in p:
+            if p.get("many_values"):
+                doc["distinct"] = f">{MAX_DISTINCT}"
+            else:
+                doc["distinct"] = len(p["values"])
+                top = sorted(p["values"].items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_VALUES]
+                doc["top"] = dict(top)
+        out[name] = doc
+    return out
+
+
+def table_stats(table: pa.Table) -> dict[str, dict[str, Any]]:
+    """Finished statistics of one table."""
+    return finish(merge([partial_stats(table)]))

@@ -1,0 +1,235 @@
+"""Cleaning and validation: schema, types, nulls, duplicates, ranges and label sets.
+
+Nothing is dropped silently: each failing row goes to the quarantine with the first reason it failed
+(``null:age``, ``range:age``, ``type:age``, ``label``, ``duplicate``, ``image``), and
+``rows_in == rows_kept + rows_quarantined`` always holds (checked before a version is recorded).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpuyard.data.columns import column_kind
+from gpuyard.errors import ConfigError, IntegrityError
+
+_NUMBER_RE = r"^\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$"
+_TYPES = {"int": pa.int64(), "float": pa.float64(), "str": pa.string(), "bool": pa.bool_()}
+QUARANTINE_SCHEMA = pa.schema([("row", pa.int64()), ("reason", pa.string()), ("values", pa.string())])
+
+
+class ColumnCheck(BaseModel):
+    """Checks on one column (YAML: ``columns: {age: {type: float, min: 0, impute: median}}``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["int", "float", "str", "bool"] | None = None
+    nullable: bool = False
+    min: float | None = None
+    max: float | None = None
+    allowed: list[Any] | None = None
+    impute: Literal["mean", "median", "mode"] | float | int | str | None = None
+
+
+class ValidationSpec(BaseModel):
+    """What a clean row looks like. Columns not named here are only checked for nulls (``nulls``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    columns: dict[str, ColumnCheck] = Field(default_factory=dict)
+    required: list[str] = Field(default_factory=list, description="columns that must exist")
+    nulls: Literal["quarantine", "keep"] = "quarantine"
+    duplicates: Literal["quarantine", "keep"] = "quarantine"
+    label_column: str | None = None
+    labels: list[Any] | None = Field(default=None, description="the declared label set")
+
+
+@dataclass
+class Cleaned:
+    """Result of validation: kept rows, quarantined rows (row, reason, values) and counts."""
+
+    kept: pa.Table
+    quarantine: pa.Table
+    rows_in: int
+    by_reason: dict[str, int]
+    imputed: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def check_schema(schema: pa.Schema, spec: ValidationSpec) -> None:
+    """Fail before any work when the spec names a column the data does not have."""
+    names = set(schema.names)
+    wanted = set(spec.required) | set(spec.columns) | ({spec.label_column} if spec.label_column else set())
+    missing = sorted(wanted - names)
+    if missing:
+        raise ConfigError(
+            f"column(s) {', '.join(missing)} not in the data (columns: {', '.join(schema.names)})"
+        )
+
+
+def clean(table: pa.Table, spec: ValidationSpec, extra_bad: dict[int, str] | None = None) -> Cleaned:
+    """Apply ``spec`` to ``table``; ``extra_bad`` maps row indices already known bad to a reason."""
+    check_schema(table.schema, spec)
+    n = table.num_rows
+    reasons = _Reasons(n)
+    for idx, why in (extra_bad or {}).items():
+        reasons.mark_one(idx, why)
+    table = _coerce_types(table, spec, reasons)
+    table, imputed = _impute(table, spec)
+    for name in table.column_names:
+        check = spec.columns.get(name)
+        _check_column(table, name, check, spec, reasons)
+    if spec.label_column and spec.labels is not None:
+        allowed = pa.array([str(v) for v in spec.labels])
+        ok = pc.is_in(pc.cast(table.column(spec.label_column), pa.string()), value_set=allowed)
+        _mark(reasons, ~_np(ok), "label")
+    if spec.duplicates == "quarantine" and n:
+        _mark_duplicates(table, reasons)
+    bad = reasons.codes > 0
+    kept = table.filter(pa.array(~bad))
+    quarantine = _quarantine_table(table, bad, reasons)
+    by_reason = reasons.counts()
+    if kept.num_rows + quarantine.num_rows != n:
+        raise IntegrityError(f"row accounting broke: {n} in, {kept.num_rows} kept, {quarantine.num_rows} out")
+    return Cleaned(kept=kept, quarantine=quarantine, rows_in=n, by_reason=by_reason, imputed=imputed)
+
+
+def _np(mask: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    # Nulls in a boolean mask mean "not this reason"; they are caught by the null check.
+    return np.asarray(pc.fill_null(mask, True).to_numpy(zero_copy_only=False), dtype=bool)
+
+
+class _Reasons:
+    """First failure reason per row, as small integer codes (fast on millions of rows)."""
+
+    def __init__(self, n: int) -> None:
+        self.codes = np.zeros(n, dtype=np.int32)
+        self.names: list[str] = []
+
+    def _code(self, why: str) -> int:
+        if why not in self.names:
+            self.names.append(why)
+        return self.names.index(why) + 1
+
+    def mark(self, bad: np.ndarray, why: str) -> None:
+        fresh = bad & (self.codes == 0)
+        if fresh.any():
+            self.codes[fresh] = self._code(why)
+
+    def mark_one(self, idx: int, why: str) -> None:
+        if self.codes[idx] == 0:
+            self.codes[idx] = self._code(why)
+
+    def reason(self, idx: int) -> str:
+        return self.names[self.codes[idx] - 1]
+
+    def counts(self) -> dict[str, int]:
+        found = np.bincount(self.codes, minlength=len(self.names) + 1)
+        return {name: int(found[i + 1]) for i, name in enumerate(self.names) if found[i + 1]}
+
+
+def _mark(reasons: _Reasons, bad: np.ndarray, why: str) -> None:
+    reasons.mark(bad, why)
+
+
+def _coerce_types(table: pa.Table, spec: ValidationSpec, reasons: _Reasons) -> pa.Table:
+    for name, check in spec.columns.items():
+        if check.type is None:
+            continue
+        col, target = table.column(name), _TYPES[check.type]
+        if col.type == target:
+            continue
+        if column_kind(table.schema.field(name)) == "string" and check.type in ("int", "float"):
+            # Text in a numeric column (a CSV cell like "n/a"): quarantine the row, keep the rest.
+            ok = _np(pc.match_substring_regex(col, _NUMBER_RE))
+            is_null = np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+            _mark(reasons, ~ok & ~is_null, f"type:{name}")
+            col = pc.if_else(pa.array(ok), col, pa.scalar(None, col.type))
+            col = pc.cast(pc.cast(col, pa.float64()), target, safe=check.type == "float")
+        else:
+            try:
+                col = pc.cast(col, target)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise ConfigError(
+                    f"column {name!r} ({col.type}) cannot be read as {check.type}: {exc}"
+                ) from exc
+        table = table.set_column(table.schema.get_field_index(name), name, col)
+    return table
+
+
+def _impute(table: pa.Table, spec: ValidationSpec) -> tuple[pa.Table, dict[str, dict[str, Any]]]:
+    imputed: dict[str, dict[str, Any]] = {}
+    for name, check in spec.columns.items():
+        col = table.column(name)
+        if check.impute is None or col.null_count == 0:
+            continue
+        how = check.impute
+        if how == "mean":
+            value: Any = pc.mean(col).as_py()
+        elif how == "median":
+            value = pc.approximate_median(col).as_py()
+        elif how == "mode":
+            modes = pc.mode(col)
+            value = modes[0]["mode"].as_py() if len(modes) else None
+        else:
+            value = how
+        if value is None:
+            raise ConfigError(f"column {name!r}: cannot impute {how!r}, every value is null")
+        if pa.types.is_integer(col.type) and isinstance(value, float):
+            value = round(value)
+        imputed[name] = {"how": str(how), "value": value, "rows": col.null_count}
+        filled = pc.fill_null(col, pa.scalar(value).cast(col.type))
+        table = table.set_column(table.schema.get_field_index(name), name, filled)
+    return table, imputed
+
+
+def _check_column(
+    table: pa.Table, name: str, check: ColumnCheck | None, spec: ValidationSpec, reasons: _Reasons
+) -> None:
+    col = table.column(name)
+    nullable = check.nullable if check is not None else spec.nulls == "keep"
+    if not nullable and col.null_count:
+        _mark(reasons, np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=bool), f"null:{name}")
+    if check is None:
+        return
+    if check.min is not None:
+        _mark(reasons, ~_np(pc.greater_equal(col, check.min)), f"range:{name}")
+    if check.max is not None:
+        _mark(reasons, ~_np(pc.less_equal(col, check.max)), f"range:{name}")
+    if check.allowed is not None:
+        allowed = pa.array([str(v) for v in check.allowed])
+        _mark(reasons, ~_np(pc.is_in(pc.cast(col, pa.string()), value_set=allowed)), f"allowed:{name}")
+
+
+def _mark_duplicates(table: pa.Table, reasons: _Reasons) -> None:
+    # The first occurrence is kept; later copies are quarantined as "duplicate".
+    idx = pa.array(np.arange(table.num_rows, dtype=np.int64))
+    keys = [c for c in table.column_names if column_kind(table.schema.field(c)) != "other"]
+    if not keys:
+        return
+    grouped = table.select(keys).append_column("__row", idx).group_by(keys, use_threads=False)
+    first = grouped.aggregate([("__row", "min")]).column("__row_min").to_numpy()
+    dup = np.ones(table.num_rows, dtype=bool)
+    dup[first] = False
+    _mark(reasons, dup, "duplicate")
+
+
+def _quarantine_table(table: pa.Table, bad: np.ndarray, reasons: _Reasons) -> pa.Table:
+    rows = np.flatnonzero(bad)
+    if rows.size == 0:
+        return QUARANTINE_SCHEMA.empty_table()
+    plain = [c for c in table.column_names if column_kind(table.schema.field(c)) != "tensor"]
+    values = table.select(plain).take(pa.array(rows)).to_pylist()
+    return pa.table(
+        {
+            "row": pa.array(rows, pa.int64()),
+            "reason": pa.array([reasons.reason(int(i)) for i in rows], pa.string()),
+            "values": pa.array([json.dumps(v, default=str) for v in values], pa.string()),
+        },
+        schema=QUARANTINE_SCHEMA,
+    )

@@ -111,7 +111,7 @@ def fit(
         experiment=spec.experiment,
         kind=kind,
         params={**merged, "trainer": spec.trainer},
-        tags=tags | {"split": spec.split.model_dump()},
+        tags=tags | {"split": spec.split.model_dump(), "dataset_ref": spec.dataset, "task": task},
         dataset_version=ds.version,
         parent_id=parent_id,
         system_interval_s=None if kind in ("trial", "fold") else 10.0,

@@ -1,0 +1,44 @@
+"""`python -m gpuyard.models.worker TASK.json RESULT.json`: run one trial or fold as its own process.
+
+This is the command a scheduled job runs for a model-management task. The result file is written
+only on success (``{"result": ...}``); on failure the process prints one line and exits non-zero
+(2 for a user error, 1 for anything else).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from gpuyard.errors import GpuyardError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the task in ``argv[0]`` and write its result to ``argv[1]``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m gpuyard.models.worker TASK.json RESULT.json", file=sys.stderr)
+        return 2
+    import torch
+
+    from gpuyard.models.executor import run_task
+
+    torch.set_num_threads(1)
+    try:
+        result = run_task(Path(args[0]).read_text())
+    except GpuyardError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    out = Path(args[1])
+    tmp = out.with_suffix(".part")
+    tmp.write_text(json.dumps({"result": result}))
+    tmp.replace(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""The loader: a torch IterableDataset that streams a version's Parquet shards into training.
+
+Each epoch, the shard order is shuffled (seeded by seed and epoch) and the rows, in that order, are cut
+into one contiguous range per (rank, DataLoader worker): the ranges are disjoint, every rank gets the
+same number of rows (up to ``world_size - 1`` rows per epoch are left out so DDP ranks stay in step),
+and a worker only reads the row groups of its own range. Inside a range, blocks of
+``shuffle_buffer`` rows are read (the next block in a background thread), permuted with a seeded
+generator and cut into batches, so a batch costs a few NumPy slices and no per-sample Python.
+
+Because blocks and permutations depend only on (seed, epoch, rank, worker, block), a position is just
+"rows emitted so far" per worker: :class:`ShardLoader` records it from every batch, and a run resumed
+from :meth:`ShardLoader.state_dict` yields exactly the batches the interrupted run would have.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from gpuyard.data.augment import augment, batch_generator
+from gpuyard.data.cache import ShardCache
+from gpuyard.data.columns import tensor_to_numpy
+from gpuyard.data.dataset import DatasetVersion, open_dataset, shard_location
+from gpuyard.data.recipe import Augment
+from gpuyard.data.shards import open_parquet, row_group_bounds
+from gpuyard.errors import ConfigError, IntegrityError
+from gpuyard.store import get_artifacts
+
+POSITION_KEY = "_position"
+Batch = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """How the loader reads a version.
+
+    Attributes:
+        batch_size: rows per batch.
+        shuffle: shuffle shard order and rows within blocks (seeded); False keeps the stored order.
+        shuffle_buffer: rows permuted together; larger mixes better and uses more memory.
+        seed: base seed of shard order, permutations and augmentation.
+        columns: columns to load (default: all).
+        split: only rows of this split (``train``, ``val``, ...), from a recipe's split step.
+        augment: apply the version's ``augment`` recipe step (turn off for evaluation).
+        drop_last: drop each worker's last, partial batch.
+    """
+
+    batch_size: int = 256
+    shuffle: bool = True
+    shuffle_buffer: int = 16384
+    seed: int = 0
+    columns: tuple[str, ...] | None = None
+    split: str | None = None
+    augment: bool = True
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.shuffle_buffer < 1:
+            raise ConfigError(
+                f"batch_size and shuffle_buffer must be >= 1, got {self.batch_size}, {self.shuffle_buffer}"
+            )
+
+
+def topology(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """(rank, world size): explicit arguments, else torch.distributed when initialised, else the env."""
+    if rank is not None and world_size is not None:
+        found = (rank, world_size)
+    elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        found = (torch.distributed.get_rank(), torch.distributed.get_world_size())
+    else:
+        found = (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+    if not 0 <= found[0] < found[1]:
+        raise ConfigError(f"rank {found[0]} is outside world size {found[1]}")
+    return found
+
+
+class ShardDataset(IterableDataset[Batch]):
+    """Batches of a version as dicts of tensors (strings as lists), for ``DataLoader(batch_size=None)``.
+
+    Each batch also carries ``_position`` = (worker, rows emitted, epoch), which :class:`ShardLoader`
+    removes and uses for :meth:`ShardLoader.state_dict`. Use :class:`ShardLoader` unless you need
+    your own DataLoader.
+    """
+
+    def __init__(
+        self,
+        dataset: DatasetVersion | str,
+        config: LoaderConfig | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        cache: ShardCache | None = None,
+    ) -> None:
+        self.version = open_dataset(dataset) if isinstance(dataset, str) else dataset
+        self.config = config or LoaderConfig()
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.start_positions: dict[int, int] = {}
+        self.worker_offset = 0
+        self._cache = cache
+        self._shards = self.version.shards
+        self._specs = self.version.tensor_specs()
+        cols = list(self.config.columns or self.version.columns)
+        self.version._check_columns(cols)
+        self._columns = cols
+        recipe = self.version.manifest.get("recipe") or {}
+        aug = recipe.get("augment") if self.version.manifest["kind"] == "transform" else None
+        self._augment = Augment.model_validate(aug) if aug and self.config.augment else None
+        if self._augment is not None and self._augment.column not in cols:
+            self._augment = None
+        self._selected: list[np.ndarray] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` (new shard order and permutations) from its beginning."""
+        self.epoch = int(epoch)
+        self.start_positions = {}
+
+    # -- planning ----------------------------------------------------------------------------------
+
+    def _rows_per_shard(self) -> list[np.ndarray | None]:
+        if self.config.split is None:
+            return [None] * len(self._shards)
+        if self._selected is None:
+            if "split" not in self.version.columns:
+                raise ConfigError(f"{self.version.ref} has no split column; run a recipe with a split step")
+            sel = []
+            for i in range(len(self._shards)):
+                table = self._file(i).read(columns=["split"])
+                sel.append(np.flatnonzero(np.asarray(pc.equal(table.column("split"), self.config.split))))
+            self._selected = sel
+        return list(self._selected)
+
+    def consumer_range(
+        self, rank: int, world: int, worker: int, workers: int
+    ) -> list[tuple[int, np.ndarray]]:
+        """The (shard, row indices) pieces that one (rank, worker) reads this epoch, in order."""
+        selected = self._rows_per_shard()
+        counts = np.array(
+            [s.rows if sel is None else len(sel) for s, sel in zip(self._shards, selected, strict=True)]
+        )
+        order = np.arange(len(counts))
+        if self.config.shuffle:
+            order = np.random.default_rng([self.config.seed, self.epoch]).permutation(len(counts))
+        cum = np.concatenate([[0], np.cumsum(counts[order])])
+        per_rank = int(cum[-1]) // world
+        lo = rank * per_rank + per_rank * worker // workers
+        hi = rank * per_rank + per_rank * (worker + 1) // workers
+        pieces = []
+        for j, shard in enumerate(order):
+            a, b = max(lo, int(cum[j])), min(hi, int(cum[j + 1]))
+            if a < b:
+                local = np.arange(a - cum[j], b - cum[j])
+                sel = selected[shard]
+                pieces.append((int(shard), local if sel is None else sel[local]))
+        return pieces
+
+    def num_rows(self, rank: int | None = None, world_size: int | None = None, workers: int = 1) -> int:
+        """Rows this rank reads per epoch (all workers together)."""
+        r, w = topology(
+            rank if rank is not None else self.rank, world_size if world_size is not None else self.world_size
+        )
+        return sum(len(idx) for k in range(workers) for _, idx in self.consumer_range(r, w, k, workers))
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def _file(self, shard: int) -> Any:
+        files = self.__dict__.setdefault("_files", {})
+        if shard not in files:
+            info = self._shards[shard]
+            path = shard_location(get_artifacts(), info, self._cache)
+            pf = open_parquet(path, path)
+            files[shard] = (pf, row_group_bounds(pf), path)
+        return files[shard][0]
+
+    def _read(self, shard: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        self._file(shard)
+        pf, bounds, path = self.__dict__["_files"][shard]
+        groups: OrderedDict[tuple[int, int], pa.Table] = self.__dict__.setdefault("_groups", OrderedDict())
+        starts = np.array([s for s, _ in bounds])
+        first, last = (int(np.searchsorted(starts, x, side="right") - 1) for x in (rows[0], rows[-1]))
+        parts = []
+        for g in range(first, last + 1):
+            if (shard, g) not in groups:
+                try:
+                    groups[(shard, g)] = pf.read_row_group(g, columns=self._columns, use_threads=False)
+                except (pa.ArrowException, OSError) as exc:
+                    raise IntegrityError(f"shard {path} is truncated or corrupt: {exc}") from exc
+                while len(groups) > 4:  # a few decoded row groups: blocks often straddle one
+                    groups.popitem(last=False)
+            parts.append(groups[(shard, g)])
+        table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+        table = table.take(pa.array(rows - bounds[first][0]))
+        return {c: self._to_numpy(table, c) for c in self._columns}
+
+    def _to_numpy(self, table: pa.Table, name: str) -> np.ndarray:
+        col = table.column(name)
+        if name in self._specs:
+            return tensor_to_numpy(col, self._specs[name])
+        return np.asarray(col.to_numpy(zero_copy_only=False))
+
+    def _block(
+        self, pieces: list[tuple[int, np.ndarray]], k: int, key: tuple[int, ...]
+    ) -> dict[str, np.ndarray]:
+        size = self.config.shuffle_buffer
+        lo, hi, pos, parts = k * size, (k + 1) * size, 0, []
+        for shard, rows in pieces:
+            a, b = max(lo, pos), min(hi, pos + len(rows))
+            if a < b:
+                parts.append(self._read(shard, rows[a - pos : b - pos]))
+            pos += len(rows)
+        n = sum(len(next(iter(p.values()))) for p in parts) if parts else 0
+        perm = np.random.default_rng([*key, k]).permutation(n) if self.config.shuffle else np.arange(n)
+        return {
+            c: (np.concatenate([p[c] for p in parts]) if len(parts) > 1 else parts[0][c])[perm]
+            for c in self._columns
+        }
+
+    # -- iteration ---------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        rank, world = topology(self.rank, self.world_size)
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        logical = (worker + self.worker_offset) % workers
+        yield from self._iterate(rank, world, logical, workers, self.start_positions.get(logical, 0))
+
+    def _iterate(self, rank: int, world: int, worker: int, workers: int, start: int) -> Iterator[Batch]:
+        pieces = self.consumer_range(rank, world, worker, workers)
+        total = sum(len(r) for _, r in pieces)
+        size, bs = self.config.shuffle_buffer, self.config.batch_size
+        key = (self.config.seed, self.epoch, rank, worker)
+        nblocks = -(-total // size)
+        pos, k = start, start // size
+        if k >= nblocks:
+            return
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuyard-prefetch")
+        try:
+            ahead: Future[dict[str, np.ndarray]] = pool.submit(self._block, pieces, k, key)
+            carry: dict[str, np.ndarray] | None = None
+            skip = start - k * size
+            while ahead is not None:
+                block = ahead.result()
+                k += 1
+                ahead = pool.submit(self._block, pieces, k, key) if k < nblocks else None  # type: ignore[assignment]
+                if skip:
+                    block, skip = {c: a[skip:] for c, a in block.items()}, 0
+                if carry is not None:
+                    block = {c: np.concatenate([carry[c], block[c]]) for c in self._columns}
+                n = len(block[self._columns[0]])
+                full = n // bs * bs
+                for s in range(0, full, bs):
+                    pos += bs
+                    yield self._batch({c: a[s : s + bs] for c, a in block.items()}, worker, pos, key)
+                carry = {c: a[full:] for c, a in block.items()} if full < n else None
+            if carry is not None and not self.config.drop_last:
+                pos += len(carry[self._columns[0]])
+                yield self._batch(carry, worker, pos, key)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _batch(self, arrays: dict[str, np.ndarray], worker: int, pos: int, key: tuple[int, ...]) -> Batch:
+        out: Batch = {}
+        for name, arr in arrays.items():
+            out[name] = arr.tolist() if arr.dtype == object else torch.from_numpy(np.ascontiguousarray(arr))
+        if self._augment is not None:
+            gen = batch_generator(*key, pos)
+            out[self._augment.column] = augment(out[self._augment.column], self._augment, gen)
+        out[POSITION_KEY] = torch.tensor([worker, pos, self.epoch], dtype=torch.int64)
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open files and decoded row groups stay in the process that opened them.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_files", "_groups")}
+
+
+class ShardLoader:
+    """A DataLoader over a :class:`ShardDataset` with a resumable position.
+
+    ``for batch in loader`` yields dicts of tensors. ``state_dict()`` at any point, saved with a
+    checkpoint and given to ``load_state_dict()`` of a new loader with the same settings, makes the
+    new loader continue with exactly the batches the old one had not yet yielded.
+    """
+
+    def __init__(
+        self,
+        dataset: DatasetVersion | str,
+        config: LoaderConfig | None = None,
+        *,
+        num_workers: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        pin_memory: bool | None = None,
+        prefetch_factor: int = 2,
+        cache: ShardCache | None = None,
+        multiprocessing_context: str | None = None,
+    ) -> None:
+        self.dataset = ShardDataset(dataset, config, rank=rank, world_size=world_size, cache=cache)
+        self.num_workers = num_workers
+        # Pinned host memory lets copies to the GPU run asynchronously; pointless without CUDA.
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.prefetch_factor = prefetch_factor
+        self.multiprocessing_context = multiprocessing_context
+        self._positions: dict[int, int] = {}
+        self._consumed = 0
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        return self.dataset.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning (call before each epoch, as with DistributedSampler)."""
+        self.dataset.set_epoch(epoch)
+        self._positions, self._consumed = {}, 0
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch."""
+        workers = max(1, self.num_workers)
+        r, w = topology(self.dataset.rank, self.dataset.world_size)
+        bs, drop = self.dataset.config.batch_size, self.dataset.config.drop_last
+        sizes = [
+            sum(len(x) for _, x in self.dataset.consumer_range(r, w, k, workers)) for k in range(workers)
+        ]
+        return sum(n // bs if drop else -(-n // bs) for n in sizes)
+
+    def __iter__(self) -> Iterator[Batch]:
+        ds = self.dataset
+        ds.rank, ds.world_size = topology(
+            ds.rank, ds.world_size
+        )  # resolved here: workers lack the process group
+        ds._rows_per_shard()  # read split membership once, before workers copy the dataset
+        workers = max(1, self.num_workers)
+        ds.start_positions = dict(self._positions)
+        # DataLoader asks workers for batches round-robin from worker 0; start the cycle where it stopped.
+        ds.worker_offset = self._consumed % workers
+        loader = DataLoader(
+            ds,
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            prefetch_factor=self.prefetch_factor if self.num_workers else None,
+            multiprocessing_context=self.multiprocessing_context if self.num_workers else None,
+        )
+        for batch in loader:
+            worker, pos, _ = (int(x) for x in batch.pop(POSITION_KEY))
+            self._positions[worker] = pos
+            self._consumed += 1
+            yield batch
+        self._positions, self._consumed = {}, 0
+        ds.start_positions, ds.worker_offset = {}, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position to resume from: epoch, per-worker rows emitted, and the settings they depend on."""
+        ds = self.dataset
+        rank, world = topology(ds.rank, ds.world_size)
+        return {
+            "dataset": ds.version.ref,
+            "epoch": ds.epoch,
+            "seed": ds.config.seed,
+            "batch_size": ds.config.batch_size,
+            "shuffle_buffer": ds.config.shuffle_buffer,
+            "num_workers": self.num_workers,
+            "rank": rank,
+            "world_size": world,
+            "consumed_batches": self._consumed,
+            "positions": {str(k): v for k, v in sorted(self._positions.items())},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` of a loader with the same dataset version and settings.
+
+        Raises:
+            ConfigError: the state was taken with another version, seed, batch size, buffer, worker
+                count or world size (the position would not mean the same rows).
+        """
+        ds = self.dataset
+        _, world = topology(ds.rank, ds.world_size)
+        mine = {
+            "dataset": ds.version.ref,
+            "seed": ds.config.seed,
+            "batch_size": ds.config.batch_size,
+            "shuffle_buffer": ds.config.shuffle_buffer,
+            "num_workers": self.num_workers,
+            "world_size": world,
+        }
+        for key, value in mine.items():
+            if state.get(key) != value:
+                raise ConfigError(f"loader state has {key}={state.get(key)!r}, this loader has {value!r}")
+        ds.set_epoch(int(state["epoch"]))
+        self._positions = {int(k): int(v) for k, v in state["positions"].items()}
+        self._consumed = int(state["consumed_batches"])

@@ -376,8 +376,19 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str, weights: dict[str, float] | None = None, allow_oracle: bool = True) -> Policy:
-    """The policy called ``name`` (see ``POLICIES``); ``weights`` are team quotas for ``fair``.
+def make_policy(
+    name: str,
+    weights: dict[str, float] | None = None,
+    allow_oracle: bool = True,
+    min_run_s: float | None = None,
+) -> Policy:
+    """The policy called ``name`` (see ``POLICIES``).
+
+    Args:
+        name: policy name.
+        weights: team quotas for ``fair``.
+        allow_oracle: False where true run times are unknown (the server).
+        min_run_s: for preemptive policies, how long a job keeps its GPUs before it may be preempted.
 
     Raises:
         ConfigError: unknown name, or an oracle policy where true run times are unknown.
@@ -388,5 +399,9 @@ def make_policy(name: str, weights: dict[str, float] | None = None, allow_oracle
     if cls.needs_oracle and not allow_oracle:
         raise ConfigError(f"policy {name!r} needs true run times; only the simulator can run it")
     if cls is FairShare:
-        return FairShare(weights)
+        return (
+            FairShare(weights) if min_run_s is None else FairShare(weights, min_run_s, min(min_run_s, 60.0))
+        )
+    if cls is LeastAttainedService and min_run_s is not None:
+        return LeastAttainedService(min_run_s=min_run_s)
     return cls()

@@ -1,0 +1,1 @@
+"""The REST API (FastAPI): thin routes over the library's services."""

@@ -1,0 +1,52 @@
+"""`gpuyard server`: the API (uvicorn) and the scheduling loop (a thread) in one process."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from gpuyard.scheduler.service import JobService
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Where the API listens."""
+
+    host: str = "127.0.0.1"
+    port: int = 8765
+    log_level: str = "warning"
+
+
+def run_server(service: JobService, options: ServerOptions) -> None:
+    """Recover the jobs of a previous run, start the scheduling thread, serve the API until stopped.
+
+    Jobs keep running when the server stops (each is its own process group); the next server adopts
+    them.
+    """
+    import uvicorn
+
+    from gpuyard.api.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    counts = service.recover()
+    logging.getLogger("gpuyard.server").info(
+        "recovered: %d adopted, %d requeued; policy %s, executor %s, %d nodes",
+        counts["adopted"],
+        counts["requeued"],
+        service.policy.name,
+        service.executor.name,
+        len(service.nodes),
+    )
+    stop = threading.Event()
+    loop = threading.Thread(target=service.run, args=(stop,), name="gpuyard-scheduler", daemon=True)
+    loop.start()
+    try:
+        uvicorn.run(
+            create_app(jobs=service), host=options.host, port=options.port, log_level=options.log_level
+        )
+    finally:
+        stop.set()
+        service.wake.set()
+        loop.join(timeout=5)
+        service.executor.close()

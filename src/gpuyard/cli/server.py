@@ -1,0 +1,48 @@
+"""`gpuyard server`: the API and the scheduling loop on this machine (SQLite, local executor) or on Ray."""
+
+from __future__ import annotations
+
+import typer
+
+from gpuyard.scheduler.policies import POLICIES
+
+_SERVER_POLICIES = ", ".join(name for name, cls in POLICIES.items() if not cls.needs_oracle)
+
+
+def server(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8765, "--port", help="Port to listen on."),
+    policy: str = typer.Option("fifo", "--policy", help=f"Scheduling policy: {_SERVER_POLICIES}."),
+    team: list[str] = typer.Option(
+        [], "--team", help="TEAM[=WEIGHT]: a team that may submit, and its quota."
+    ),
+    gpus: int = typer.Option(
+        None, "--gpus", help="Pretend this machine has N GPUs (testing placement; fake)."
+    ),
+    cpus: int = typer.Option(None, "--cpus", help="CPU slots for CPU-only jobs (default: the cores)."),
+    grace: float = typer.Option(
+        10.0, "--grace", help="Seconds from SIGTERM to SIGKILL on cancel/preemption."
+    ),
+    min_run: float = typer.Option(300.0, "--min-run", help="Seconds a job runs before it may be preempted."),
+    ray: str = typer.Option(None, "--ray", help="Run jobs on the Ray cluster at ADDRESS instead of here."),
+) -> None:
+    """Serve the job API and run the scheduler (state in GPUYARD_HOME or GPUYARD_DATABASE_URL)."""
+    from gpuyard.api.server import ServerOptions, run_server
+    from gpuyard.scheduler.setup import build_service
+    from gpuyard.scheduler.spec import parse_team_weights
+
+    service = build_service(
+        policy=policy,
+        teams=parse_team_weights(team),
+        fake_gpus=gpus,
+        cpus=cpus,
+        grace_s=grace,
+        min_run_s=min_run,
+        ray_address=ray,
+    )
+    run_server(service, ServerOptions(host=host, port=port))
+
+
+def register(app: typer.Typer) -> None:
+    """Add `gpuyard server` to the CLI."""
+    app.command("server")(server)

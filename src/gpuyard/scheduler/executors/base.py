@@ -1,0 +1,121 @@
+"""The executor seam: a dry run builds an inspectable LaunchPlan; launch carries it out."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuyard import exitcodes
+from gpuyard.scheduler.spec import JobSpec
+
+
+@dataclass(frozen=True)
+class NodeSlots:
+    """The part of a job on one node: its host name, GPU indices and CPU slots."""
+
+    node: str
+    gpus: tuple[int, ...]
+    cpus: int = 0
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a launch will do, computed without doing it (the dry run).
+
+    Attributes:
+        job_id: the job.
+        attempt: 1 for the first run, +1 per restart or resume.
+        argv: the command each worker runs.
+        env: variables added to the server's environment (CUDA_VISIBLE_DEVICES, GPUYARD_*).
+        cwd: working directory.
+        log_path: file that gets stdout and stderr (appended across attempts).
+        nodes: where it runs.
+        executor: name of the executor that made the plan.
+        extra: executor-specific details (Ray bundles, rendezvous).
+    """
+
+    job_id: int
+    attempt: int
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    log_path: str
+    nodes: list[NodeSlots]
+    executor: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """How a job's process ended: an exit code, or killed by a signal, or lost (no trace left)."""
+
+    code: int | None
+    killed: bool = False
+    lost: bool = False
+
+    @property
+    def preempted(self) -> bool:
+        """The job checkpointed after SIGTERM and asked to be resumed."""
+        return self.code == exitcodes.PREEMPTED
+
+
+def job_argv(spec: JobSpec) -> list[str]:
+    """The command of a job: its own argv, or ``gpuyard train SPEC --nproc N`` for a training spec."""
+    if spec.command is not None:
+        return list(spec.command)
+    nproc = spec.nproc or max(1, spec.resources.gpus)
+    exe = shutil.which("gpuyard", path=str(Path(sys.executable).parent))
+    base = [exe] if exe else [sys.executable, "-m", "gpuyard.cli.main"]
+    return [*base, "train", str(spec.train), "--nproc", str(nproc)]
+
+
+def job_env(job_id: int, spec: JobSpec, attempt: int, gpus: tuple[int, ...]) -> dict[str, str]:
+    """Variables a job gets: its GPUs (none visible for a CPU-only job), identity and checkpoint folder."""
+    env = {
+        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus),
+        "GPUYARD_JOB_ID": str(job_id),
+        "GPUYARD_JOB_NAME": spec.name,
+        "GPUYARD_ATTEMPT": str(attempt),
+    }
+    if spec.checkpoint_dir:
+        env["GPUYARD_CHECKPOINT_DIR"] = spec.checkpoint_dir
+    env.update(spec.env)
+    return env
+
+
+class Executor(ABC):
+    """Runs jobs. ``plan`` is pure (the dry run); the other methods act on processes."""
+
+    name = "base"
+    multi_node = False  # can one job span several nodes
+
+    @abstractmethod
+    def plan(self, job_id: int, spec: JobSpec, nodes: list[NodeSlots], attempt: int) -> LaunchPlan:
+        """Build the launch plan for a placed job, without launching anything."""
+
+    @abstractmethod
+    def launch(self, plan: LaunchPlan) -> dict[str, Any]:
+        """Start the plan; return a JSON-able handle that finds the job again after a server restart."""
+
+    @abstractmethod
+    def poll(self, handle: dict[str, Any]) -> ExitStatus | None:
+        """None while the job runs; its ExitStatus once it has ended."""
+
+    @abstractmethod
+    def stop(self, handle: dict[str, Any], kill: bool) -> None:
+        """Ask the job to stop (SIGTERM: checkpoint and exit) or, with ``kill``, end it (SIGKILL)."""
+
+    def recover(self, job_id: int, plan_hint: dict[str, Any] | None) -> dict[str, Any] | None:
+        """After a crash between placing and recording a launch: the handle of a job that did start."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - most executors hold nothing to release
+        """Release resources held by the executor (connections)."""

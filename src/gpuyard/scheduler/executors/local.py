@@ -1,0 +1,144 @@
+"""The local executor: each job a process group on this machine, logs to files, exit codes kept on disk.
+
+Each job runs under a small shim (``shim.py``) that leads the process group, writes its pid at start
+and the command's exit code at the end. The files make the server restart-safe: a new server reads
+the pid back (adopting a job still running) or the exit code (of a job that ended meanwhile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from gpuyard.scheduler.executors.base import Executor, ExitStatus, LaunchPlan, NodeSlots, job_argv, job_env
+from gpuyard.scheduler.spec import JobSpec
+
+SHIM = Path(__file__).with_name("shim.py")
+
+
+class LocalExecutor(Executor):
+    """Runs jobs as local process groups; ``jobs_dir`` holds one folder per job (log, pid, exit files)."""
+
+    name = "local"
+    multi_node = False
+
+    def __init__(self, jobs_dir: Path) -> None:
+        self.jobs_dir = Path(jobs_dir)
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+
+    def plan(self, job_id: int, spec: JobSpec, nodes: list[NodeSlots], attempt: int) -> LaunchPlan:
+        """The command, environment and files of one attempt (nothing is started)."""
+        folder = self.jobs_dir / str(job_id)
+        gpus = nodes[0].gpus if nodes else ()
+        return LaunchPlan(
+            job_id=job_id,
+            attempt=attempt,
+            argv=job_argv(spec),
+            env=job_env(job_id, spec, attempt, gpus),
+            cwd=spec.workdir or os.getcwd(),
+            log_path=str(folder / "output.log"),
+            nodes=nodes,
+            executor=self.name,
+            extra={
+                "pid_file": str(folder / f"attempt-{attempt}.pid"),
+                "exit_file": str(folder / f"attempt-{attempt}.exit"),
+            },
+        )
+
+    def launch(self, plan: LaunchPlan) -> dict[str, Any]:
+        """Start the shim (and through it the command) in a new session; stdout+stderr to the log."""
+        Path(plan.log_path).parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **plan.env}
+        cmd = [
+            sys.executable,
+            "-S",
+            str(SHIM),
+            plan.extra["pid_file"],
+            plan.extra["exit_file"],
+            "--",
+            *plan.argv,
+        ]
+        with open(plan.log_path, "ab") as log:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=plan.cwd,
+                env=env,
+                start_new_session=True,
+            )
+        self._children[proc.pid] = proc
+        return {**plan.extra, "pid": proc.pid, "create_time": _create_time(proc.pid), "log": plan.log_path}
+
+    def poll(self, handle: dict[str, Any]) -> ExitStatus | None:
+        """None while the shim lives; then the command's exit code from the exit file (none: killed)."""
+        handle = self._resolve(handle)
+        pid = handle.get("pid")
+        if pid is None:
+            return _from_files(handle, lost=True)
+        child = self._children.get(pid)
+        if child is not None:
+            if child.poll() is None:
+                return None
+            del self._children[pid]
+        elif _alive(pid, handle.get("create_time")):
+            return None
+        return _from_files(handle, lost=False)
+
+    def stop(self, handle: dict[str, Any], kill: bool) -> None:
+        """SIGTERM (or SIGKILL) to the job's whole process group."""
+        pid = self._resolve(handle).get("pid")
+        if pid is None or not _alive(pid, handle.get("create_time")):
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL if kill else signal.SIGTERM)
+
+    def recover(self, job_id: int, plan_hint: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A handle for a job whose launch the server did not get to record (its pid file tells)."""
+        if not plan_hint:
+            return None
+        handle = self._resolve(plan_hint)
+        return handle if "pid" in handle or Path(handle.get("exit_file", "/nonexistent")).exists() else None
+
+    def _resolve(self, handle: dict[str, Any]) -> dict[str, Any]:
+        if handle.get("pid") is None and handle.get("pid_file"):
+            try:
+                pid = int(Path(handle["pid_file"]).read_text())
+            except (OSError, ValueError):
+                return handle
+            handle = {**handle, "pid": pid, "create_time": _create_time(pid)}
+        return handle
+
+
+def _create_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _alive(pid: int, create_time: float | None) -> bool:
+    # The create time tells our process from a new one that got the same pid after a reboot.
+    try:
+        proc = psutil.Process(pid)
+        if create_time is not None and abs(proc.create_time() - create_time) > 1.0:
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _from_files(handle: dict[str, Any], lost: bool) -> ExitStatus:
+    try:
+        return ExitStatus(code=int(Path(handle["exit_file"]).read_text()))
+    except (OSError, ValueError, KeyError):
+        # No exit code written: the group was SIGKILLed, or (lost) it never started.
+        return ExitStatus(code=None, killed=not lost, lost=lost)

@@ -1,0 +1,85 @@
+"""Where the scheduler's node list comes from: this machine's inventory, or a fabric cluster description."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from gpuyard.errors import ConfigError
+from gpuyard.scheduler.placement import NodeSpec
+
+FAKE_GPU_TYPE = "fake-gpu"
+
+
+def node_from_inventory(
+    doc: dict[str, Any], fake_gpus: int | None = None, cpus: int | None = None
+) -> NodeSpec:
+    """One node from a `gpuyard hw --json` document; GPUs whose health is "fail" are excluded.
+
+    Args:
+        doc: the inventory (``probe_node().to_dict()``).
+        fake_gpus: pretend the node has this many GPUs of type ``fake-gpu`` (to try placement on a
+            GPU-less machine; the jobs get ``CUDA_VISIBLE_DEVICES`` but there is no device behind it).
+        cpus: CPU slots for CPU-only jobs (default: the node's cores).
+    """
+    node = doc.get("node", doc)
+    cores = (node.get("cpu") or {}).get("cores") or os.cpu_count() or 1
+    name = node.get("hostname") or socket.gethostname()
+    if fake_gpus is not None:
+        if fake_gpus < 0:
+            raise ConfigError(f"--gpus {fake_gpus}: must be >= 0")
+        return NodeSpec(
+            name=name,
+            gpus=fake_gpus,
+            gpu_type=FAKE_GPU_TYPE if fake_gpus else "",
+            nvlink_domain=name,
+            leaf="local",
+            cpus=cpus or cores,
+        )
+    accels = node.get("accelerators") or []
+    excluded = frozenset(i for i, a in enumerate(accels) if a.get("health") == "fail")
+    gpu_type = str(accels[0].get("name") or accels[0].get("kind") or "gpu") if accels else ""
+    return NodeSpec(
+        name=name,
+        gpus=len(accels),
+        gpu_type=gpu_type,
+        nvlink_domain=name,
+        leaf="local",
+        excluded=excluded,
+        cpus=cpus or cores,
+    )
+
+
+def local_node(fake_gpus: int | None = None, cpus: int | None = None) -> NodeSpec:
+    """This machine as one node, from the hardware probe."""
+    from gpuyard.hardware.probe import probe_node
+
+    return node_from_inventory(probe_node().to_dict(), fake_gpus=fake_gpus, cpus=cpus)
+
+
+def nodes_from_fabric(cluster: Any, nodes: int | None = None) -> list[NodeSpec]:
+    """Nodes of a :class:`gpuyard.fabric.cluster.Cluster`: NVLink domains and leaf switches from its model.
+
+    Args:
+        cluster: the fabric cluster (``gpuyard.fabric.cluster.load_cluster(name)``).
+        nodes: node count when the description leaves it open.
+
+    Raises:
+        ConfigError: the description has no node count and none was given.
+    """
+    count = nodes or cluster.nodes
+    if not count:
+        raise ConfigError(f"cluster {cluster.name!r} does not fix its node count; give --nodes")
+    per_domain = max(1, cluster.domain // cluster.gpus_per_node)
+    per_leaf = max(1, cluster.network.leaf_size)
+    return [
+        NodeSpec(
+            name=f"{cluster.name}-{i:04d}",
+            gpus=cluster.gpus_per_node,
+            gpu_type=cluster.accelerator,
+            nvlink_domain=f"nvl{i // per_domain}",
+            leaf=f"leaf{i // per_leaf}",
+        )
+        for i in range(count)
+    ]

@@ -1,0 +1,514 @@
+"""The job service: submit, cancel and inspect jobs, and the scheduling loop, all over the state store.
+
+Every state change is one transaction that also writes a job event, so the store is the only truth:
+a server killed at any moment restarts from it (``recover``), adopts the jobs still running (their
+pid and exit files outlive it) and requeues those whose launch it never saw.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpuyard.errors import CapacityError, ConfigError, ConflictError, NotFoundError
+from gpuyard.scheduler.estimator import RuntimeEstimator
+from gpuyard.scheduler.executors.base import Executor, ExitStatus, NodeSlots
+from gpuyard.scheduler.placement import ClusterState, NodeSpec, Placement, place
+from gpuyard.scheduler.policies import make_policy
+from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
+from gpuyard.scheduler.spec import TRANSITIONS, JobSpec, JobState
+from gpuyard.store.base import utcnow
+from gpuyard.store.db import Store
+from gpuyard.store.tables.jobs import JobEventRow, JobRow
+
+log = logging.getLogger(__name__)
+ACTIVE = (JobState.SCHEDULED.value, JobState.RUNNING.value)
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """How the server schedules.
+
+    Attributes:
+        policy: policy name (see ``gpuyard.scheduler.policies.POLICIES``; no oracle here).
+        teams: known teams and their fair-share weights; jobs of other teams are refused.
+        grace_s: after SIGTERM (cancel, preemption) a job has this long to checkpoint before SIGKILL.
+        tick_s: the loop runs at least this often (and at once after a submit or cancel).
+        min_run_s: a job keeps its GPUs at least this long before a preemptive policy may take them.
+    """
+
+    policy: str = "fifo"
+    teams: dict[str, float] = field(default_factory=lambda: {"default": 1.0})
+    grace_s: float = 10.0
+    tick_s: float = 0.2
+    min_run_s: float = 300.0
+
+
+def job_doc(row: JobRow) -> dict[str, Any]:
+    """The JSON view of a job (API and CLI)."""
+    iso = lambda d: d.isoformat() if d else None  # noqa: E731
+    return {
+        "id": row.id,
+        "name": row.name,
+        "team": row.team,
+        "user": row.user,
+        "priority": row.priority,
+        "gpus": row.gpus,
+        "state": row.state,
+        "placement": row.placement,
+        "attempts": row.attempts,
+        "failures": row.failures,
+        "preemptions": row.preemptions,
+        "exit_code": row.exit_code,
+        "reason": row.reason,
+        "stop_requested": row.stop_requested,
+        "log_path": row.log_path,
+        "submitted_at": iso(row.submitted_at),
+        "started_at": iso(row.started_at),
+        "finished_at": iso(row.finished_at),
+        "spec": row.spec,
+    }
+
+
+def _move(
+    s: Session, row: JobRow, to: JobState, reason: str | None = None, data: dict[str, Any] | None = None
+) -> None:
+    frm = JobState(row.state)
+    if to not in TRANSITIONS[frm]:
+        raise ConflictError(f"job {row.id} is {frm.value}; it cannot become {to.value}")
+    row.state, row.reason = to.value, reason
+    if to is JobState.QUEUED:
+        row.queued_at = utcnow()
+    if to.terminal:
+        row.finished_at = utcnow()
+    s.add(JobEventRow(job_id=row.id, from_state=frm.value, to_state=to.value, reason=reason, data=data))
+
+
+class JobService:
+    """Jobs on one cluster view, one policy and one executor, recorded in ``store``."""
+
+    def __init__(
+        self, store: Store, nodes: list[NodeSpec], executor: Executor, config: ServiceConfig
+    ) -> None:
+        self.store, self.nodes, self.executor, self.config = store, nodes, executor, config
+        self.policy = make_policy(
+            config.policy, weights=config.teams, allow_oracle=False, min_run_s=config.min_run_s
+        )
+        self.state = ClusterState(nodes)
+        self._node_index = {n.name: i for i, n in enumerate(nodes)}
+        self.estimator = RuntimeEstimator()
+        self._lock = threading.RLock()
+        self.wake = threading.Event()
+        self._learn_history()
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def check(self, spec: JobSpec) -> None:
+        """Refuse a job that can never run here: unknown team, GPU type or more than the cluster has.
+
+        Raises:
+            ConfigError: unknown team.
+            CapacityError: the request exceeds what the cluster could ever give one job (says why).
+        """
+        if spec.team not in self.config.teams:
+            known = ", ".join(sorted(self.config.teams))
+            raise ConfigError(f"team: {spec.team!r} is unknown; known teams: {known} (server option --team)")
+        res = spec.resources
+        if res.gpus == 0:
+            most = int(self.state.cpu_capacity.max()) if self.nodes else 0
+            if res.cpus > most:
+                raise CapacityError(
+                    f"resources.cpus: {res.cpus} CPU slots asked, the largest node has {most}"
+                )
+            return
+        types = sorted(t for t in self.state.types if t)
+        if res.gpu_type and res.gpu_type not in types:
+            raise CapacityError(
+                f"resources.gpu_type: no node has {res.gpu_type!r}; GPU types here: {types or 'none'}"
+            )
+        most = self.state.max_gpus(res.gpu_type, self.executor.multi_node)
+        if res.gpus > most:
+            where = (
+                "one node (the local executor does not span nodes)"
+                if not self.executor.multi_node
+                else "the cluster"
+            )
+            raise CapacityError(
+                f"resources.gpus: {res.gpus} GPUs asked, but {where} has at most {most} healthy"
+                f"{' ' + res.gpu_type if res.gpu_type else ''} GPUs: it could never start"
+            )
+
+    def submit(self, spec: JobSpec) -> dict[str, Any]:
+        """Queue a job after :meth:`check`; returns its document."""
+        self.check(spec)
+        with self.store.session() as s:
+            row = JobRow(
+                name=spec.name,
+                team=spec.team,
+                user=spec.user,
+                priority=spec.priority,
+                gpus=spec.resources.gpus,
+                spec=spec.model_dump(mode="json"),
+                state=JobState.QUEUED.value,
+                attempts=0,
+                failures=0,
+                preemptions=0,
+                attained_s=0.0,
+                killed=False,
+            )
+            s.add(row)
+            s.flush()
+            s.add(
+                JobEventRow(
+                    job_id=row.id, from_state=None, to_state=JobState.QUEUED.value, reason="submitted"
+                )
+            )
+            doc = job_doc(row)
+        self.wake.set()
+        return doc
+
+    def cancel(self, job_id: int) -> dict[str, Any]:
+        """Cancel a job: at once when queued; a running one gets SIGTERM, then SIGKILL after the grace."""
+        with self._lock, self.store.session() as s:
+            row = self._row(s, job_id)
+            if JobState(row.state).terminal:
+                raise ConflictError(f"job {job_id} is already {row.state}")
+            if row.state in (JobState.QUEUED.value, JobState.PREEMPTED.value):
+                _move(s, row, JobState.CANCELLED, "cancelled by user")
+            else:
+                self._request_stop(row, "cancel")
+            doc = job_doc(row)
+        self.wake.set()
+        return doc
+
+    def get(self, job_id: int) -> dict[str, Any]:
+        """One job's document."""
+        with self.store.read() as s:
+            return job_doc(self._row(s, job_id))
+
+    def list_jobs(
+        self, state: str | None = None, team: str | None = None, limit: int = 200
+    ) -> list[dict[str, Any]]:
+        """Jobs, newest first, optionally of one state or team."""
+        q = select(JobRow).order_by(JobRow.id.desc()).limit(limit)
+        if state:
+            q = q.where(JobRow.state == state)
+        if team:
+            q = q.where(JobRow.team == team)
+        with self.store.read() as s:
+            return [job_doc(r) for r in s.scalars(q)]
+
+    def events(self, job_id: int) -> list[dict[str, Any]]:
+        """A job's state changes, oldest first."""
+        with self.store.read() as s:
+            self._row(s, job_id)
+            rows = s.scalars(select(JobEventRow).where(JobEventRow.job_id == job_id).order_by(JobEventRow.id))
+            return [
+                {
+                    "at": e.at.isoformat(),
+                    "from": e.from_state,
+                    "to": e.to_state,
+                    "reason": e.reason,
+                    "data": e.data,
+                }
+                for e in rows
+            ]
+
+    def read_log(self, job_id: int, offset: int = 0, limit: int = 1 << 16) -> dict[str, Any]:
+        """Up to ``limit`` bytes of a job's log from ``offset``; ``done`` once the job is over and read."""
+        doc = self.get(job_id)
+        data = b""
+        if doc["log_path"]:
+            try:
+                with open(doc["log_path"], "rb") as fh:
+                    fh.seek(offset)
+                    data = fh.read(limit)
+            except FileNotFoundError:
+                pass
+        done = JobState(doc["state"]).terminal and len(data) < limit
+        return {
+            "text": data.decode("utf-8", "replace"),
+            "offset": offset + len(data),
+            "done": done,
+            "state": doc["state"],
+        }
+
+    def dry_run(self, spec: JobSpec) -> dict[str, Any]:
+        """What launching ``spec`` would do now: checks, placement on the current free GPUs, launch plan."""
+        self.check(spec)
+        with self._lock, self.store.read() as s:
+            self._refresh_state(s)
+        p = place(
+            self.state,
+            spec.resources.gpus,
+            spec.resources.gpu_type,
+            spec.resources.cpus,
+            self.executor.multi_node,
+        )
+        if p is None:
+            return {"fits_now": False, "placement": None, "plan": None}
+        slots = self._slots(p, self._used_indices())
+        plan = self.executor.plan(0, spec, slots, 1)
+        return {"fits_now": True, "placement": p.how, "plan": plan.to_dict()}
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Tick until ``stop`` is set (the server's scheduling thread)."""
+        while not stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # the loop must outlive one bad tick; the error is logged
+                log.exception("scheduling tick failed")
+            self.wake.wait(self.config.tick_s)
+            self.wake.clear()
+
+    def tick(self) -> None:
+        """Reap ended jobs, enforce stop deadlines, then let the policy start and preempt jobs."""
+        with self._lock:
+            self._reap()
+            self._schedule()
+
+    def recover(self) -> dict[str, int]:
+        """After a (re)start: adopt jobs still running (reaped as usual if they ended), requeue the rest."""
+        counts = {"adopted": 0, "requeued": 0}
+        with self._lock, self.store.session() as s:
+            for row in s.scalars(select(JobRow).where(JobRow.state.in_(ACTIVE))):
+                handle = row.handle or {}
+                if "pid" not in handle and "node" not in handle:
+                    found = self.executor.recover(row.id, handle)
+                    if found is None:
+                        row.handle, row.placement = None, None
+                        _move(s, row, JobState.QUEUED, "server restarted before the launch was recorded")
+                        counts["requeued"] += 1
+                        continue
+                    row.handle = found
+                    if row.state == JobState.SCHEDULED.value:
+                        row.started_at = row.started_at or utcnow()
+                        _move(s, row, JobState.RUNNING, "launched before the server restarted")
+                s.add(
+                    JobEventRow(
+                        job_id=row.id,
+                        from_state=row.state,
+                        to_state=row.state,
+                        reason="adopted after a server restart",
+                    )
+                )
+                counts["adopted"] += 1
+        self.wake.set()
+        return counts
+
+    def _reap(self) -> None:
+        now = utcnow()
+        with self.store.session() as s:
+            for row in s.scalars(select(JobRow).where(JobRow.state == JobState.RUNNING.value)):
+                status = self.executor.poll(row.handle or {})
+                if status is None:
+                    if (
+                        row.stop_requested
+                        and row.stop_deadline
+                        and now >= row.stop_deadline
+                        and not row.killed
+                    ):
+                        self.executor.stop(row.handle or {}, kill=True)
+                        row.killed = True
+                        s.add(
+                            JobEventRow(
+                                job_id=row.id,
+                                from_state=row.state,
+                                to_state=row.state,
+                                reason=f"no exit {self.config.grace_s:g} s after SIGTERM: SIGKILL",
+                            )
+                        )
+                    continue
+                self._finish(s, row, status)
+
+    def _finish(self, s: Session, row: JobRow, status: ExitStatus) -> None:
+        ran = (utcnow() - row.started_at).total_seconds() if row.started_at else 0.0
+        request = row.stop_requested
+        row.exit_code, row.attained_s = status.code, row.attained_s + ran
+        row.stop_requested, row.stop_deadline, row.killed, row.handle, row.placement = (
+            None,
+            None,
+            False,
+            None,
+            None,
+        )
+        how = f"exit code {status.code}" if status.code is not None else "killed (SIGKILL)"
+        if status.code == 0:
+            _move(s, row, JobState.SUCCEEDED, "exit code 0")
+            self.estimator.observe(row.team, row.user, row.gpus, row.attained_s)
+        elif request == "cancel":
+            _move(s, row, JobState.CANCELLED, f"cancelled by user ({how})")
+        elif request == "preempt" or status.preempted:
+            row.preemptions += 1
+            _move(s, row, JobState.PREEMPTED, f"preempted ({how}); resumes from its checkpoint")
+            _move(s, row, JobState.QUEUED, "requeued after preemption")
+        elif status.lost:
+            _move(s, row, JobState.QUEUED, "process lost (never started); requeued")
+        else:
+            row.failures += 1
+            max_restarts = int(row.spec.get("max_restarts", 0))
+            if row.failures <= max_restarts:
+                _move(s, row, JobState.QUEUED, f"failed ({how}); restart {row.failures} of {max_restarts}")
+            else:
+                _move(s, row, JobState.FAILED, f"failed ({how})")
+
+    def _request_stop(self, row: JobRow, why: str) -> None:
+        if row.stop_requested:
+            return
+        row.stop_requested = why
+        row.stop_deadline = utcnow() + timedelta(seconds=self.config.grace_s)
+        if row.handle:
+            self.executor.stop(row.handle, kill=False)
+
+    def _schedule(self) -> None:
+        with self.store.read() as s:
+            self._refresh_state(s)
+            queued = list(s.scalars(select(JobRow).where(JobRow.state == JobState.QUEUED.value)))
+            active = list(s.scalars(select(JobRow).where(JobRow.state.in_(ACTIVE))))
+        if not queued:
+            return
+        now = time.time()
+        queue = JobQueue(self.policy.key)
+        for row in queued:
+            queue.add(self._queued(row))
+        running = [self._running(r) for r in active if r.placement]
+        decision = self.policy.decide(self.state, queue, running, now, multi_node=self.executor.multi_node)
+        if decision.preempt:
+            with self.store.session() as s:
+                for jid in decision.preempt:
+                    row = self._row(s, jid)
+                    if row.state == JobState.RUNNING.value:
+                        self._request_stop(row, "preempt")
+                        s.add(
+                            JobEventRow(
+                                job_id=jid,
+                                from_state=row.state,
+                                to_state=row.state,
+                                reason=f"preemption requested by policy {self.policy.name}",
+                            )
+                        )
+        used = self._used_indices()
+        for qjob, placement in decision.starts:
+            slots = self._slots(placement, used)
+            for sl in slots:
+                used.setdefault(sl.node, set()).update(sl.gpus)
+            self._start(qjob.id, placement, slots)
+
+    def _start(self, job_id: int, placement: Placement, slots: list[NodeSlots]) -> None:
+        with self.store.session() as s:
+            row = self._row(s, job_id)
+            if row.state != JobState.QUEUED.value:
+                return
+            spec = JobSpec.model_validate(row.spec)
+            plan = self.executor.plan(job_id, spec, slots, row.attempts + 1)
+            row.attempts += 1
+            row.placement = {
+                "how": placement.how,
+                "nodes": [{"node": sl.node, "gpus": list(sl.gpus), "cpus": sl.cpus} for sl in slots],
+            }
+            row.handle, row.log_path = dict(plan.extra), plan.log_path
+            _move(s, row, JobState.SCHEDULED, placement.how)
+        try:
+            handle = self.executor.launch(plan)
+        except Exception as exc:  # any launch failure is the job's failure, recorded with why
+            with self.store.session() as s:
+                row = self._row(s, job_id)
+                row.placement, row.handle = None, None
+                _move(s, row, JobState.FAILED, f"launch failed: {exc}")
+            return
+        with self.store.session() as s:
+            row = self._row(s, job_id)
+            row.handle, row.started_at = handle, utcnow()
+            _move(s, row, JobState.RUNNING, f"attempt {plan.attempt}", data={"handle": handle})
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _row(self, s: Session, job_id: int) -> JobRow:
+        row = s.get(JobRow, job_id)
+        if row is None:
+            raise NotFoundError(f"job {job_id} does not exist")
+        return row
+
+    def _learn_history(self) -> None:
+        with self.store.read() as s:
+            rows = s.scalars(
+                select(JobRow).where(JobRow.state == JobState.SUCCEEDED.value).order_by(JobRow.id)
+            )
+            for r in rows:
+                self.estimator.observe(r.team, r.user, r.gpus, r.attained_s)
+
+    def _refresh_state(self, s: Session) -> None:
+        self.state.free = self.state.capacity.copy()
+        self.state.free_cpus = self.state.cpu_capacity.copy()
+        for row in s.scalars(select(JobRow).where(JobRow.state.in_(ACTIVE))):
+            for part in (row.placement or {}).get("nodes", []):
+                i = self._node_index.get(part["node"])
+                if i is not None:
+                    self.state.free[i] -= len(part["gpus"])
+                    self.state.free_cpus[i] -= part.get("cpus", 0) if not part["gpus"] else 0
+
+    def _used_indices(self) -> dict[str, set[int]]:
+        used: dict[str, set[int]] = {}
+        with self.store.read() as s:
+            for row in s.scalars(select(JobRow).where(JobRow.state.in_(ACTIVE))):
+                for part in (row.placement or {}).get("nodes", []):
+                    used.setdefault(part["node"], set()).update(part["gpus"])
+        return used
+
+    def _slots(self, placement: Placement, used: dict[str, set[int]]) -> list[NodeSlots]:
+        slots = []
+        for idx, count in placement.nodes:
+            node = self.nodes[idx]
+            taken = used.get(node.name, set())
+            free = [g for g in node.healthy_gpus if g not in taken][:count]
+            slots.append(NodeSlots(node.name, tuple(free), placement.cpus if count == 0 else 0))
+        return slots
+
+    def _queued(self, row: JobRow) -> QueuedJob:
+        res = row.spec.get("resources", {})
+        return QueuedJob(
+            id=row.id,
+            gpus=row.gpus,
+            team=row.team,
+            user=row.user,
+            priority=row.priority,
+            submit_time=row.submitted_at.timestamp(),
+            estimate=self.estimator.estimate(row.team, row.user, row.gpus),
+            gpu_type=res.get("gpu_type"),
+            cpus=int(res.get("cpus", 1)),
+            attained=row.attained_s,
+            enqueued_at=row.queued_at.timestamp(),
+        )
+
+    def _running(self, row: JobRow) -> RunningJob:
+        parts = (row.placement or {}).get("nodes", [])
+        nodes = tuple((self._node_index.get(p["node"], 0), len(p["gpus"])) for p in parts)
+        started = (row.started_at or utcnow()).timestamp()
+        estimate = self.estimator.estimate(row.team, row.user, row.gpus)
+        return RunningJob(
+            id=row.id,
+            gpus=row.gpus,
+            team=row.team,
+            priority=row.priority,
+            started_at=started,
+            expected_end=started + max(estimate - row.attained_s, 1.0),
+            placement=Placement(nodes, "running"),
+            gpu_type=row.spec.get("resources", {}).get("gpu_type"),
+            preemptible=not row.stop_requested,
+            attained=row.attained_s,
+        )
+
+
+def active_gpus(docs: Iterable[dict[str, Any]]) -> int:
+    """GPUs held by the jobs among ``docs`` that are scheduled or running."""
+    return sum(d["gpus"] for d in docs if d["state"] in ACTIVE)

@@ -1,0 +1,48 @@
+"""Assemble a JobService from options: the store, this machine or a Ray cluster, a policy, teams."""
+
+from __future__ import annotations
+
+from gpuyard.scheduler.executors.base import Executor
+from gpuyard.scheduler.service import JobService, ServiceConfig
+from gpuyard.settings import load_settings
+from gpuyard.store.db import get_store
+
+
+def build_service(
+    policy: str = "fifo",
+    teams: dict[str, float] | None = None,
+    fake_gpus: int | None = None,
+    cpus: int | None = None,
+    grace_s: float = 10.0,
+    min_run_s: float = 300.0,
+    ray_address: str | None = None,
+) -> JobService:
+    """The job service of `gpuyard server`.
+
+    Args:
+        policy: scheduling policy name.
+        teams: team -> fair-share weight; "default" (weight 1) is always known.
+        fake_gpus: pretend this machine has N GPUs (placement tests on a GPU-less machine).
+        cpus: CPU slots for CPU-only jobs (default: the machine's cores).
+        grace_s: seconds between SIGTERM and SIGKILL on cancel and preemption.
+        min_run_s: how long a job runs before a preemptive policy may take its GPUs.
+        ray_address: run jobs on this Ray cluster instead of this machine.
+    """
+    settings = load_settings()
+    store = get_store(settings)
+    executor: Executor
+    if ray_address:
+        from gpuyard.scheduler.executors.ray import RayExecutor
+
+        ray_executor = RayExecutor(ray_address, settings.ensure_home() / "jobs")
+        nodes, executor = ray_executor.nodes(), ray_executor
+    else:
+        from gpuyard.scheduler.executors.local import LocalExecutor
+        from gpuyard.scheduler.nodes import local_node
+
+        executor = LocalExecutor(settings.ensure_home() / "jobs")
+        nodes = [local_node(fake_gpus=fake_gpus, cpus=cpus)]
+    config = ServiceConfig(
+        policy=policy, teams={"default": 1.0, **(teams or {})}, grace_s=grace_s, min_run_s=min_run_s
+    )
+    return JobService(store, nodes, executor, config)

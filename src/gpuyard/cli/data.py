@@ -1,0 +1,275 @@
+"""`gpuyard data`: ingest, transform, list and inspect dataset versions and their quarantine."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gpuyard.errors import ConfigError
+
+data_app = typer.Typer(help="Versioned sharded datasets: ingest, transform, list, show, quarantine.")
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+}
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(
+            f"--shard-size {text!r}: use a number with an optional unit (KiB, MiB, GiB, MB, ...)"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _hw(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    m = re.fullmatch(r"(\d+)x(\d+)", text.strip())
+    if not m:
+        raise ConfigError(f"--image-size {text!r}: use HEIGHTxWIDTH, e.g. 28x28")
+    return int(m.group(1)), int(m.group(2))
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool) -> Iterator[Callable[[str, int, int], None] | None]:
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bars: dict[str, Any] = {}
+    with Progress(
+        TextColumn("{task.description:>8}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    ) as prog:
+
+        def report(stage: str, done: int, total: int) -> None:
+            if stage not in bars:
+                bars[stage] = prog.add_task(stage, total=total)
+            prog.update(bars[stage], completed=done, total=total)
+
+        yield report
+
+
+def _summary(manifest: dict[str, Any]) -> dict[str, Any]:
+    q = manifest["quarantine"]
+    return {
+        "dataset": manifest["name"],
+        "version": manifest["version"],
+        "ref": f"{manifest['name']}@{manifest['version']}",
+        "kind": manifest["kind"],
+        "parent": manifest.get("parent"),
+        "rows": manifest["num_rows"],
+        "shards": len(manifest["shards"]),
+        "bytes": sum(s["bytes"] for s in manifest["shards"]),
+        "rows_in": q["rows_in"],
+        "rows_quarantined": q["rows_quarantined"],
+        "quarantine": q["by_reason"],
+        "splits": manifest.get("splits") or {},
+    }
+
+
+def _print_summary(doc: dict[str, Any]) -> None:
+    console = Console()
+    console.print(
+        f"[bold]{doc['ref']}[/bold]  {doc['rows']} rows in {doc['shards']} shard(s), {doc['bytes']} bytes; "
+        f"{doc['rows_in']} in, {doc['rows_quarantined']} quarantined {doc['quarantine'] or ''}".rstrip()
+    )
+    if doc["splits"]:
+        console.print("splits: " + ", ".join(f"{k}={v}" for k, v in doc["splits"].items()))
+
+
+@data_app.command("ingest")
+def ingest_cmd(
+    src: Path = typer.Argument(
+        ..., help="CSV, Parquet, JSONL, .npy/.npz file, or an image folder (one folder per class)."
+    ),
+    name: str = typer.Option(..., "--name", help="Dataset name."),
+    fmt: str | None = typer.Option(
+        None, "--format", help="csv, parquet, jsonl, npy, npz or images (default: guessed)."
+    ),
+    label_column: str | None = typer.Option(None, "--label-column", help="Column holding the labels."),
+    labels: str | None = typer.Option(None, "--labels", help="Declared label set, comma-separated."),
+    checks: Path | None = typer.Option(None, "--checks", help="Validation rules (YAML)."),
+    shard_size: str = typer.Option("128MiB", "--shard-size", help="Target shard size."),
+    image_size: str | None = typer.Option(None, "--image-size", help="Resize images to HEIGHTxWIDTH."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Ingest a source into a new immutable version (bad rows go to the quarantine, with reasons)."""
+    import yaml
+
+    from gpuyard.data import IngestOptions, ValidationSpec, ingest
+
+    spec = ValidationSpec()
+    if checks is not None:
+        try:
+            spec = ValidationSpec.model_validate(yaml.safe_load(checks.read_text()) or {})
+        except FileNotFoundError as exc:
+            raise ConfigError(f"--checks {checks}: file not found") from exc
+        except Exception as exc:  # pydantic or YAML: one line naming the file
+            raise ConfigError(f"--checks {checks}: {exc}".splitlines()[0]) from exc
+    label_set: list[Any] | None = None
+    if labels:
+        label_set = [x.strip() for x in labels.split(",") if x.strip()]
+    opts = IngestOptions(
+        format=fmt,
+        label_column=label_column,
+        labels=label_set,
+        checks=spec,
+        shard_bytes=_size(shard_size),
+        image_size=_hw(image_size),
+    )
+    with _progress(not as_json) as report:
+        version = ingest(src, name, opts, progress=report)
+    doc = _summary(version.manifest)
+    if as_json:
+        typer.echo(json.dumps(doc))
+    else:
+        _print_summary(doc)
+
+
+@data_app.command("transform")
+def transform_cmd(
+    ref: str = typer.Argument(..., help="Input dataset: NAME or NAME@VERSION."),
+    recipe: Path = typer.Option(..., "--recipe", help="Recipe (YAML)."),
+    output: str | None = typer.Option(
+        None, "--output", help="Name of the result (default: a new version of NAME)."
+    ),
+    engine: str = typer.Option("pool", "--engine", help="pool (local processes), ray (Ray tasks) or serial."),
+    workers: int | None = typer.Option(None, "--workers", help="Process-pool size (default: CPU count)."),
+    ray_address: str | None = typer.Option(None, "--ray", help="Ray cluster address for --engine ray."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Run a recipe (features, split, normalize, encode) over a version; the result is a new version."""
+    from gpuyard.data import load_recipe, transform
+
+    rec = load_recipe(recipe)
+    with _progress(not as_json) as report:
+        version = transform(
+            ref, rec, output=output, engine=engine, workers=workers, ray_address=ray_address, progress=report
+        )
+    doc = _summary(version.manifest)
+    doc["fitted"] = version.fitted
+    if as_json:
+        typer.echo(json.dumps(doc))
+    else:
+        _print_summary(doc)
+
+
+@data_app.command("ls")
+def ls_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """List datasets with their latest version."""
+    from gpuyard.data import list_datasets
+
+    rows = list_datasets()
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    table = Table("dataset", "latest", "versions", "rows", "shards", "quarantined", "created")
+    for r in rows:
+        table.add_row(
+            r["dataset"], r["version"], str(r["versions"]), str(r["rows"]), str(r["shards"]),
+            str(r["rows_quarantined"]), r["created_at"][:19],
+        )  # fmt: skip
+    Console().print(table)
+
+
+@data_app.command("show")
+def show_cmd(
+    ref: str = typer.Argument(..., help="NAME or NAME@VERSION."),
+    as_json: bool = typer.Option(False, "--json", help="Print the whole manifest as JSON."),
+) -> None:
+    """Show a version: schema, statistics, lineage, recipe and quarantine counts."""
+    from gpuyard.data import list_versions, open_dataset
+
+    version = open_dataset(ref)
+    if as_json:
+        typer.echo(json.dumps(version.manifest))
+        return
+    _print_summary(_summary(version.manifest))
+    console = Console()
+    lineage = [f"{version.ref} ({version.manifest['kind']} of {version.manifest['source'].get('uri')})"]
+    parent = version.manifest.get("parent")
+    if parent:
+        lineage.append(f"parent {parent}")
+    console.print("lineage: " + "; ".join(lineage))
+    console.print(
+        f"versions of {version.name}: " + ", ".join(v["version"] for v in list_versions(version.name))
+    )
+    table = Table("column", "type", "count", "nulls", "min", "max", "mean", "std", "distinct")
+    stats = version.stats
+    for col in version.manifest["schema"]:
+        s = stats.get(col["name"], {})
+        kind = col["kind"] + (f" {tuple(col['tensor']['shape'])}" if "tensor" in col else "")
+        table.add_row(
+            col["name"], kind, str(s.get("count", "")), str(s.get("nulls", "")),
+            _fmt(s.get("min")), _fmt(s.get("max")), _fmt(s.get("mean")), _fmt(s.get("std")),
+            str(s.get("distinct", "")),
+        )  # fmt: skip
+    console.print(table)
+    if version.fitted:
+        console.print("fitted: " + json.dumps(version.fitted)[:2000])
+
+
+def _fmt(x: Any) -> str:
+    return "" if x is None else f"{x:.4g}"
+
+
+@data_app.command("quarantine")
+def quarantine_cmd(
+    ref: str = typer.Argument(..., help="NAME@VERSION (or NAME for the latest)."),
+    limit: int = typer.Option(20, "--limit", help="Rows to print (0: all)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show the rows quarantined when a version was made, with the reason for each."""
+    from gpuyard.data import open_dataset
+
+    version = open_dataset(ref)
+    table = version.quarantine()
+    rows = table.to_pylist() if limit == 0 else table.slice(0, limit).to_pylist()
+    q = version.manifest["quarantine"]
+    doc = {
+        "ref": version.ref,
+        "rows_in": q["rows_in"],
+        "rows_kept": q["rows_kept"],
+        "rows_quarantined": q["rows_quarantined"],
+        "by_reason": q["by_reason"],
+        "rows": [{**r, "values": json.loads(r["values"])} for r in rows],
+    }
+    if as_json:
+        typer.echo(json.dumps(doc))
+        return
+    console = Console()
+    console.print(
+        f"[bold]{version.ref}[/bold]: {q['rows_in']} in = {q['rows_kept']} kept"
+        f" + {q['rows_quarantined']} quarantined"
+    )
+    out = Table("row", "reason", "values")
+    for r in rows:
+        out.add_row(str(r["row"]), r["reason"], r["values"][:100])
+    console.print(out)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `gpuyard data` to the CLI."""
+    app.add_typer(data_app, name="data")

@@ -4,7 +4,8 @@ description, and :func:`write_host_tree` lays out the matching /proc and /sys fi
 The description (see ``tests/unit/hardware/fixtures/*.json``) has three parts:
 
 * ``nvml``: ``driver_version``, ``cuda_driver_version``, ``gpu_defaults`` (fields shared by every
-  GPU) and ``gpus`` (per-GPU fields, which override the defaults). A field that is absent or null
+  GPU), ``gpus`` (per-GPU fields, which override the defaults) and optionally ``topology``
+  (``{"0,1": "PIX"}``: NVML's common-ancestor answer per GPU pair). A field that is absent or null
   answers like NVML's ``NOT_SUPPORTED``; ``"lost": true`` makes every call of that GPU fail like
   ``GPU_IS_LOST``.
 * ``host``: CPU model/flags/sockets/cores/threads, NUMA CPU lists, memory, and the PCI paths of the
@@ -167,6 +168,14 @@ class FakeNvml:
         if version is None:
             raise NvmlCallError("nvmlDeviceGetNvLinkVersion: Not Supported", not_supported=True)
         return int(version)
+
+    def common_ancestor(self, i: int, j: int) -> str:
+        # "topology": {"0,1": "PIX", ...}: what NVML says when sysfs cannot be read.
+        table = self._nvml.get("topology") or {}
+        value = table.get(f"{min(i, j)},{max(i, j)}")
+        if value is None:
+            raise NvmlCallError("nvmlDeviceGetTopologyCommonAncestor: Not Supported", not_supported=True)
+        return str(value)
 
     def nvlink_remote(self, i: int, link: int) -> NvLinkRemote:
         entry = self._link(i, link)

@@ -26,6 +26,10 @@ CLOCK_EVENT_REASONS: dict[int, str] = {
     0x100: "display_clock_setting",
 }
 
+# nvmlGpuTopologyLevel_t (nvml.h) in nvidia-smi's words: INTERNAL and SINGLE are one switch (PIX),
+# MULTIPLE several switches (PXB), then HOSTBRIDGE, NODE and SYSTEM.
+TOPOLOGY_LEVELS = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+
 # nvmlNvLinkDeviceType values (nvml.h): what sits at the far end of an NVLink.
 NVLINK_REMOTE_TYPES = {0: "gpu", 1: "ibmnpu", 2: "switch", 255: "unknown"}
 
@@ -114,6 +118,7 @@ class NvmlBackend(Protocol):
     def nvlink_active(self, i: int, link: int) -> bool: ...
     def nvlink_version(self, i: int, link: int) -> int: ...
     def nvlink_remote(self, i: int, link: int) -> NvLinkRemote: ...
+    def common_ancestor(self, i: int, j: int) -> str: ...
 
 
 def normalize_bus_id(bus_id: str | bytes) -> str:
@@ -274,6 +279,12 @@ class PynvmlBackend:
         except NvmlCallError:
             kind = "unknown"
         return NvLinkRemote(bus_id=bus, kind=kind)
+
+    def common_ancestor(self, i: int, j: int) -> str:
+        level = int(self._call("nvmlDeviceGetTopologyCommonAncestor", self._h(i), self._h(j)))
+        if level not in TOPOLOGY_LEVELS:
+            raise NvmlCallError(f"nvmlDeviceGetTopologyCommonAncestor: unknown level {level}")
+        return TOPOLOGY_LEVELS[level]
 
 
 def open_nvml() -> tuple[NvmlBackend | None, str | None]:

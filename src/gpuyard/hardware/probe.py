@@ -7,6 +7,7 @@ a clean, smaller inventory.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from datetime import datetime, timezone
 
@@ -16,7 +17,7 @@ from gpuyard.hardware.health import HealthThresholds
 from gpuyard.hardware.inventory import Accelerator, Nic, NodeInventory, Topology
 from gpuyard.hardware.nics import list_nics
 from gpuyard.hardware.nvidia import probe_nvidia
-from gpuyard.hardware.nvml import NvmlBackend, close_nvml, open_nvml
+from gpuyard.hardware.nvml import NvmlBackend, NvmlCallError, close_nvml, open_nvml
 from gpuyard.hardware.sysfs import HostRoots, pci_chain, pci_device_dir
 from gpuyard.hardware.topology import Endpoint, build_topology
 
@@ -34,6 +35,26 @@ def _endpoints(
     ]
     n_ends = [Endpoint(f"NIC{k}", n.bus_id, chain(n.bus_id), n.numa) for k, n in enumerate(nics)]
     return g_ends, n_ends
+
+
+def _nvml_relations(
+    nvml: NvmlBackend, g_ends: list[Endpoint], gpus: list[Accelerator]
+) -> dict[frozenset[str], str]:
+    # Without a sysfs path (a container hiding /sys/devices) ask NVML, as nvidia-smi does, which PCIe
+    # level two GPUs share. NICs have no NVML handle, so they keep the NUMA-based fallback.
+    nvml_index = {f"GPU{g.index}": g.index for g in gpus if g.source == "nvml"}
+    known: dict[frozenset[str], str] = {}
+    for k, a in enumerate(g_ends):
+        for b in g_ends[k + 1 :]:
+            has_paths = a.chain is not None and b.chain is not None
+            if has_paths or a.label not in nvml_index or b.label not in nvml_index:
+                continue
+            try:
+                level = nvml.common_ancestor(nvml_index[a.label], nvml_index[b.label])
+            except NvmlCallError:
+                continue
+            known[frozenset((a.label, b.label))] = level
+    return known
 
 
 def probe_node(
@@ -60,6 +81,7 @@ def probe_node(
     """
     roots = roots or HostRoots()
     cpu = probe_cpu(roots)
+    nics = list_nics(roots)
     owned = nvml is None
     reason = None
     if owned:
@@ -68,21 +90,19 @@ def probe_node(
         if nvml is not None:
             gpus, driver = probe_nvidia(nvml, roots, cpu, thresholds)
         else:
-            gpus, driver = (
-                [],
-                {"nvml": False, "driver_version": None, "cuda_driver_version": None, "error": reason},
-            )
+            gpus = []
+            driver = {"nvml": False, "driver_version": None, "cuda_driver_version": None, "error": reason}
+        driver["frameworks"] = []
+        if frameworks or (frameworks is None and not gpus):
+            others, looked = framework_accelerators(roots, force=bool(frameworks))
+            gpus = [*gpus, *[_renumber(a, len(gpus) + k) for k, a in enumerate(others)]]
+            driver["frameworks"] = looked
+        g_ends, n_ends = _endpoints(gpus, nics, roots)
+        known = _nvml_relations(nvml, g_ends, gpus) if nvml is not None else {}
     finally:
         if owned:
             close_nvml(nvml)
-    driver["frameworks"] = []
-    if frameworks or (frameworks is None and not gpus):
-        others, looked = framework_accelerators(roots, force=bool(frameworks))
-        gpus = [*gpus, *[_renumber(a, len(gpus) + k) for k, a in enumerate(others)]]
-        driver["frameworks"] = looked
-    nics = list_nics(roots)
-    g_ends, n_ends = _endpoints(gpus, nics, roots)
-    topology: Topology = build_topology(g_ends, n_ends, [n.name for n in nics])
+    topology: Topology = build_topology(g_ends, n_ends, [n.name for n in nics], known)
     return NodeInventory(
         hostname=hostname or socket.gethostname(),
         cpu=cpu,
@@ -95,6 +115,4 @@ def probe_node(
 
 
 def _renumber(a: Accelerator, index: int) -> Accelerator:
-    import dataclasses
-
     return a if a.index == index else dataclasses.replace(a, index=index)

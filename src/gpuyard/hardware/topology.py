@@ -17,7 +17,7 @@ node, the NV# counts from the NVLink peers NVML reports; nothing is asked of ``n
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuyard.hardware.inventory import NvLinkInfo, Topology, cpu_list
@@ -84,16 +84,32 @@ def nvlink_count(a: Endpoint, b: Endpoint) -> int:
     return direct + switched
 
 
-def relation(a: Endpoint, b: Endpoint) -> str:
-    """The ``nvidia-smi topo -m`` entry between two endpoints."""
+def relation(a: Endpoint, b: Endpoint, known: Mapping[frozenset[str], str] | None = None) -> str:
+    """The ``nvidia-smi topo -m`` entry between two endpoints.
+
+    Args:
+        a: one endpoint.
+        b: the other.
+        known: PCIe relations already known per pair of labels (NVML's answer when sysfs has no
+            path for a GPU); used only when a path is missing.
+    """
     if a.label == b.label:
         return "X"
     links = nvlink_count(a, b)
-    return f"NV{links}" if links else pcie_relation(a, b)
+    if links:
+        return f"NV{links}"
+    if (a.chain is None or b.chain is None) and known:
+        pair = known.get(frozenset((a.label, b.label)))
+        if pair is not None:
+            return pair
+    return pcie_relation(a, b)
 
 
 def build_topology(
-    gpus: Sequence[Endpoint], nics: Sequence[Endpoint], nic_names: Sequence[str] = ()
+    gpus: Sequence[Endpoint],
+    nics: Sequence[Endpoint],
+    nic_names: Sequence[str] = (),
+    known: Mapping[frozenset[str], str] | None = None,
 ) -> Topology:
     """The full matrix, GPUs first then NICs, as nvidia-smi orders it.
 
@@ -101,9 +117,10 @@ def build_topology(
         gpus: GPU endpoints, labelled ``GPU<n>``.
         nics: NIC endpoints, labelled ``NIC<n>``.
         nic_names: device names for the NIC legend (``mlx5_0``), in the order of ``nics``.
+        known: PCIe relations per label pair to use where a PCI path is missing (see :func:`relation`).
     """
     devices = [*gpus, *nics]
-    matrix = tuple(tuple(relation(a, b) for b in devices) for a in devices)
+    matrix = tuple(tuple(relation(a, b, known) for b in devices) for a in devices)
     return Topology(
         devices=tuple(d.label for d in devices),
         matrix=matrix,

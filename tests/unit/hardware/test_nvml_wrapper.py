@@ -104,6 +104,7 @@ def fake_pynvml(gpus: int = 2) -> types.ModuleType:
         "nvmlDeviceGetNvLinkVersion": lambda h, link: 3,
         "nvmlDeviceGetNvLinkRemotePciInfo": remote,
         "nvmlDeviceGetNvLinkRemoteDeviceType": lambda h, link: 2,
+        "nvmlDeviceGetTopologyCommonAncestor": lambda a, b: 20 if {a, b} == {0, 1} else 70,
     }
     for name, fn in functions.items():
         setattr(m, name, fn)
@@ -138,7 +139,10 @@ def test_wrapper_maps_every_call(tmp_path: Path) -> None:
 
 
 def test_not_supported_is_flagged() -> None:
-    nv = PynvmlBackend(fake_pynvml())
+    nv = PynvmlBackend(fake_pynvml(gpus=3))
+    assert nv.common_ancestor(0, 1) == "PXB"
+    with pytest.raises(NvmlCallError, match="unknown level"):
+        nv.common_ancestor(0, 2)
     with pytest.raises(NvmlCallError) as info:
         nv.retired_pages(0)
     assert info.value.not_supported

@@ -122,3 +122,18 @@ def test_parse_topo_matrix_reads_public_layout() -> None:
     devices, matrix = parse_topo_matrix(text)
     assert devices == ["GPU0", "GPU1", "NIC0"]
     assert matrix == [["X", "NV4", "PHB"], ["NV4", "X", "SYS"], ["PHB", "SYS", "X"]]
+
+
+def test_without_sysfs_paths_nvml_common_ancestor_is_used(probe_fixture) -> None:
+    # A container that hides /sys/devices: GPU-GPU relations come from NVML, as in nvidia-smi.
+    def hide_gpu_paths(desc: dict) -> None:
+        pci = desc["host"]["pci"]
+        for gpu in desc["nvml"]["gpus"]:
+            pci.pop(gpu["bus_id"][4:].lower())
+        desc["nvml"]["topology"] = {"0,1": "PXB", "2,3": "NODE"}
+
+    topo = probe_fixture("l40s_pcie", hide_gpu_paths).topology
+    assert topo.link("GPU0", "GPU1") == "PXB" and topo.link("GPU2", "GPU3") == "NODE"
+    # No NVML answer for this pair: NUMA nodes still tell SYS; same node without a path says NODE.
+    assert topo.link("GPU1", "GPU2") == "SYS"
+    assert topo.link("GPU2", "NIC0") == "NODE" and topo.link("NIC0", "NIC1") == "PIX"

@@ -78,6 +78,17 @@ class Network(_Frozen):
     )
 
 
+class Compute(_Frozen):
+    """How close kernels get to the datasheet peak (measured, not on datasheets)."""
+
+    gemm_efficiency: float = Field(
+        default=0.75, gt=0, le=1, description="Share of peak BF16 that large GEMMs reach in training."
+    )
+    attention_efficiency: float = Field(
+        default=0.75, gt=0, le=1, description="FlashAttention throughput relative to a GEMM."
+    )
+
+
 class Cluster(_Frozen):
     """A cluster: identical nodes, each with ``gpus_per_node`` accelerators, joined by a network."""
 
@@ -90,7 +101,8 @@ class Cluster(_Frozen):
     intra: IntraNode
     nic: Nic
     network: Network = Field(default_factory=Network)
-    sources: list[str] = Field(default_factory=list, description="Where the figures come from.")
+    compute: Compute = Field(default_factory=Compute)
+    sources: tuple[str, ...] = Field(default=(), description="Where the figures come from.")
 
     @property
     def spec(self) -> AcceleratorSpec | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from gpuyard.errors import ConfigError
 from gpuyard.fabric.cluster import Cluster
@@ -211,6 +212,7 @@ def _time(
     return min(cands)
 
 
+@lru_cache(maxsize=1 << 16)
 def collective_time(
     cluster: Cluster, op: str, size_bytes: float, gpus: int, per_domain: int | None = None
 ) -> float:
@@ -222,6 +224,8 @@ def collective_time(
         size_bytes: nccl-tests' size (the full buffer: output of all_gather, input of reduce_scatter).
         gpus: ranks in the group.
         per_domain: ranks of the group inside one NVLink domain (default: as packed as possible).
+
+    Memoised: the planner asks for the same few collectives across thousands of layouts.
     """
     p = place(cluster, gpus, per_domain)
     return _time(op, size_bytes, p, links(cluster, p))[0]

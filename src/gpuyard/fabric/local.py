@@ -26,8 +26,12 @@ def _cpu_device(cpu: dict[str, Any]) -> Device:
     per_cycle = next((v for k, v in _FLOPS_PER_CYCLE.items() if any(i.startswith(k) for i in isa)), 16)
     tflops = cores * per_cycle * _NOMINAL_GHZ * 1e9 / 1e12
     memory = int(cpu.get("memory_bytes") or 1 << 30)
-    return Device(name=f"cpu ({cpu.get('model') or 'unknown'})", memory_bytes=memory,
-                  memory_bw_GBps=20.0, bf16_tflops=tflops)  # fmt: skip
+    return Device(
+        name=f"cpu ({cpu.get('model') or 'unknown'})",
+        memory_bytes=memory,
+        memory_bw_GBps=20.0,
+        bf16_tflops=tflops,
+    )
 
 
 def _nics(node: dict[str, Any]) -> Nic:
@@ -51,8 +55,9 @@ def _intra(spec: AcceleratorSpec, accelerators: list[dict[str, Any]]) -> IntraNo
             latency_us=2.7,
         )
     pcie_gen = spec.pcie_gen or 4
-    return IntraNode(kind="pcie", bw_GBps=_PCIE_X16_GBPS.get(pcie_gen, 32.0), latency_us=4.0,
-                     bw_efficiency=0.65)  # fmt: skip
+    return IntraNode(
+        kind="pcie", bw_GBps=_PCIE_X16_GBPS.get(pcie_gen, 32.0), latency_us=4.0, bw_efficiency=0.65
+    )
 
 
 def cluster_from_inventory(inventory: dict[str, Any]) -> Cluster:
@@ -66,12 +71,17 @@ def cluster_from_inventory(inventory: dict[str, Any]) -> Cluster:
     hostname = node.get("hostname") or "localhost"
     if not accelerators:
         return Cluster(
-            name="local", description=f"{hostname}: CPU only (one CPU device, loopback links)",
-            accelerator="custom", device=_cpu_device(node.get("cpu") or {}), gpus_per_node=1, nodes=1,
+            name="local",
+            description=f"{hostname}: CPU only (one CPU device, loopback links)",
+            accelerator="custom",
+            device=_cpu_device(node.get("cpu") or {}),
+            gpus_per_node=1,
+            nodes=1,
             intra=IntraNode(kind="loopback", bw_GBps=10.0, latency_us=20.0),
-            nic=_nics(node), network=Network(rail_optimized=False, leaf_size=1),
-            sources=["gpuyard.hardware.probe (this machine); CPU TFLOP/s estimated from cores and ISA"],
-        )  # fmt: skip
+            nic=_nics(node),
+            network=Network(rail_optimized=False, leaf_size=1),
+            sources=("gpuyard.hardware.probe (this machine); CPU TFLOP/s estimated from cores and ISA",),
+        )
     name = str(accelerators[0].get("name", ""))
     spec = match_spec(name)
     if spec is None:
@@ -80,10 +90,15 @@ def cluster_from_inventory(inventory: dict[str, Any]) -> Cluster:
             "with a `device:` section and pass --cluster FILE"
         )
     return Cluster(
-        name="local", description=f"{hostname}: {len(accelerators)}x {spec.name}", accelerator=spec.name,
-        gpus_per_node=len(accelerators), nodes=1, intra=_intra(spec, accelerators), nic=_nics(node),
-        sources=["gpuyard.hardware.probe (this machine)", *spec.sources],
-    )  # fmt: skip
+        name="local",
+        description=f"{hostname}: {len(accelerators)}x {spec.name}",
+        accelerator=spec.name,
+        gpus_per_node=len(accelerators),
+        nodes=1,
+        intra=_intra(spec, accelerators),
+        nic=_nics(node),
+        sources=("gpuyard.hardware.probe (this machine)", *spec.sources),
+    )
 
 
 def _minimal_inventory() -> dict[str, Any]:
@@ -94,8 +109,12 @@ def _minimal_inventory() -> dict[str, Any]:
 
     import psutil
 
-    cpu = {"model": platform.processor() or platform.machine(), "cores": os.cpu_count() or 1,
-           "memory_bytes": psutil.virtual_memory().total, "isa": []}  # fmt: skip
+    cpu = {
+        "model": platform.processor() or platform.machine(),
+        "cores": os.cpu_count() or 1,
+        "memory_bytes": psutil.virtual_memory().total,
+        "isa": [],
+    }
     return {"node": {"hostname": socket.gethostname(), "cpu": cpu, "accelerators": [], "nics": []}}
 
 

@@ -63,9 +63,16 @@ def test_sizes() -> None:
 
 
 def test_local_cluster_from_cpu_only_and_gpu_inventories() -> None:
-    cpu = cluster_from_inventory({"node": {"hostname": "h", "accelerators": [], "nics": [],
-                                           "cpu": {"model": "x", "cores": 4, "memory_bytes": 8 << 30,
-                                                   "isa": ["avx2", "fma"]}}})  # fmt: skip
+    cpu = cluster_from_inventory(
+        {
+            "node": {
+                "hostname": "h",
+                "accelerators": [],
+                "nics": [],
+                "cpu": {"model": "x", "cores": 4, "memory_bytes": 8 << 30, "isa": ["avx2", "fma"]},
+            }
+        }
+    )
     assert cpu.gpus_per_node == 1 and cpu.intra.kind == "loopback" and cpu.device is not None
     assert cpu.device_memory_bytes == 8 << 30 and cpu.peak_tflops == pytest.approx(4 * 32 * 2.5e-3)
     gpu = {"name": "NVIDIA H100 80GB HBM3", "kind": "gpu", "memory_bytes": 80 << 30, "nvlink": [{"link": 0}]}

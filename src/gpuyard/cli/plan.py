@@ -1,0 +1,116 @@
+"""`gpuyard plan`: search parallel layouts for training a transformer on a cluster."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+
+def plan_command(
+    model: str = typer.Option(
+        ..., "--model", help="Preset (gpt3-175b, llama3-8b/70b/405b, ...) or YAML/JSON."
+    ),
+    cluster: str = typer.Option(
+        ..., "--cluster", help="Cluster preset or file (see `gpuyard fabric clusters`)."
+    ),
+    gpus: int = typer.Option(..., "--gpus", help="GPUs to train on."),
+    global_batch: int = typer.Option(..., "--global-batch", help="Sequences per optimizer step."),
+    seq_len: int = typer.Option(None, "--seq-len", help="Tokens per sequence (default: the model's)."),
+    tp: int = typer.Option(None, "--tp", help="Hold tensor-parallel size."),
+    pp: int = typer.Option(None, "--pp", help="Hold pipeline-parallel size."),
+    cp: int = typer.Option(None, "--cp", help="Hold context-parallel size."),
+    micro_batch: int = typer.Option(None, "--micro-batch", help="Hold the micro-batch size."),
+    virtual_stages: int = typer.Option(None, "--virtual-stages", help="Hold interleaved stages per GPU."),
+    recompute: str = typer.Option(None, "--recompute", help="Hold recomputation: none, selective or full."),
+    sequence_parallel: bool = typer.Option(
+        None, "--sequence-parallel/--no-sequence-parallel", help="Hold sequence parallelism on or off."
+    ),
+    zero: int = typer.Option(None, "--zero", help="Hold the ZeRO stage (0-3; 3 = FSDP)."),
+    top: int = typer.Option(5, "--top", help="Plans to show."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Plan tp x pp x dp x cp and memory knobs for a model; plans that do not fit are dropped."""
+    from gpuyard.fabric.cluster import load_cluster
+    from gpuyard.fabric.models import load_model
+    from gpuyard.fabric.planner import Knobs, plan
+
+    knobs = Knobs(
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        micro_batch=micro_batch,
+        virtual_stages=virtual_stages,
+        recompute=recompute,
+        zero=zero,
+        sequence_parallel=sequence_parallel,
+    )
+    spec, fabric = load_model(model), load_cluster(cluster)
+    result = plan(spec, fabric, gpus, global_batch, seq_len, knobs, top)
+    if as_json:
+        doc = {
+            "model": spec.name,
+            "cluster": fabric.name,
+            "gpus": gpus,
+            "global_batch": global_batch,
+            "seq_len": seq_len or spec.seq_len,
+            "considered": result.considered,
+            "fitting": result.fitting,
+            "plans": [p.to_dict() for p in result.plans],
+        }
+        typer.echo(json.dumps(doc))
+        return
+    _print_table(
+        result, f"{spec.name} on {gpus} x {fabric.accelerator} ({fabric.name}), batch {global_batch}"
+    )
+
+
+def _print_table(result: object, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from gpuyard.fabric.planner import PlanResult
+
+    assert isinstance(result, PlanResult)  # narrowing for mypy; plan() always returns one
+    table = Table(title=title)
+    for col in (
+        "#",
+        "tp.pp.dp.cp",
+        "mb",
+        "vp",
+        "recomp",
+        "zero",
+        "sp",
+        "step s",
+        "tokens/s",
+        "MFU",
+        "GiB/GPU",
+        "bubble s",
+        "comm s",
+    ):
+        table.add_column(col, justify="right")
+    for i, p in enumerate(result.plans, 1):
+        c, b = p.config, p.breakdown
+        table.add_row(
+            str(i),
+            f"{c.tp}.{c.pp}.{c.dp}.{c.cp}",
+            str(c.micro_batch),
+            str(c.virtual_stages),
+            c.recompute,
+            str(c.zero),
+            "yes" if c.sequence_parallel else "no",
+            f"{p.step_time_s:.2f}",
+            f"{p.tokens_per_s:,.0f}",
+            f"{p.mfu:.1%}",
+            f"{p.memory_gib_per_gpu:.1f}",
+            f"{b.bubble_s:.2f}",
+            f"{b.exposed_comm_s:.2f}",
+        )
+    console = Console(width=max(Console().width, 120))
+    console.print(table)
+    console.print(f"{result.fitting} of {result.considered} layouts fit in memory. {result.explain()}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `gpuyard plan` to the root command."""
+    app.command("plan")(plan_command)

@@ -1,0 +1,157 @@
+"""Transformer shapes for the step model: presets of published models, or a YAML/JSON file.
+
+A file holds ``layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq_len`` and optionally
+``gated_mlp`` (SwiGLU: three FFN matrices) and ``tied_embeddings``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpuyard.errors import ConfigError, NotFoundError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer.
+
+    Attributes:
+        name: preset or file name.
+        layers: transformer blocks.
+        hidden: model width h.
+        heads: attention (query) heads a.
+        kv_heads: key/value heads (grouped-query attention when below ``heads``).
+        ffn_hidden: FFN inner width f.
+        vocab: vocabulary size V.
+        seq_len: default training sequence length s.
+        gated_mlp: SwiGLU-style FFN with three matrices (Llama) instead of two (GPT).
+        tied_embeddings: input embedding and output projection share weights (GPT-3, Megatron).
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    seq_len: int
+    gated_mlp: bool = False
+    tied_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one block (attention + FFN; norms and biases are negligible)."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        attention = 2 * h * h + 2 * h * kv
+        ffn = (3 if self.gated_mlp else 2) * h * self.ffn_hidden
+        return attention + ffn
+
+    @property
+    def embedding_params(self) -> int:
+        """Embedding and output-projection parameters."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    @property
+    def params(self) -> int:
+        """Total parameters."""
+        return self.layers * self.layer_params + self.embedding_params
+
+    def model_flops_per_token(self, seq_len: int, causal: bool = False) -> float:
+        """Training FLOPs per token (forward + backward, no recomputation), PaLM's MFU convention.
+
+        ``6 x (block + output-projection parameters) + 12 x layers x hidden x seq_len``: the attention
+        term counts the full score matrix, as PaLM and Megatron do; ``causal=True`` counts half of it
+        (the products a causal kernel really performs), as some reports do.
+        """
+        dense = self.layers * self.layer_params + self.vocab * self.hidden
+        return 6.0 * dense + (6.0 if causal else 12.0) * self.layers * self.hidden * seq_len
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain-JSON form with the parameter count."""
+        return {**asdict(self), "params": self.params}
+
+
+# Shapes from the papers and released configs named on each line.
+PRESETS: dict[str, ModelSpec] = {
+    # GPT-3 175B: Brown et al. 2020, Table 2.1 (96 x 12288, 96 heads, 2048 ctx); Megatron's 51,200 vocab.
+    "gpt3-175b": ModelSpec("gpt3-175b", 96, 12288, 96, 96, 49152, 51200, 2048, tied_embeddings=True),
+    # Megatron-LM weak-scaling models: Narayanan et al. SC'21, Table 1.
+    "gpt-145b": ModelSpec("gpt-145b", 80, 12288, 96, 96, 49152, 51200, 2048, tied_embeddings=True),
+    "gpt-1t": ModelSpec("gpt-1t", 128, 25600, 160, 160, 102400, 51200, 2048, tied_embeddings=True),
+    # MT-NLG 530B: Smith et al. 2022 (105 layers, hidden 20480, 128 heads, 2048 ctx).
+    "mt-nlg-530b": ModelSpec("mt-nlg-530b", 105, 20480, 128, 128, 81920, 51200, 2048, tied_embeddings=True),
+    # BLOOM 176B: BigScience 2022 (70 layers, hidden 14336, 112 heads, 250,880 vocab, 2048 ctx).
+    "bloom-176b": ModelSpec("bloom-176b", 70, 14336, 112, 112, 57344, 250880, 2048, tied_embeddings=True),
+    # Llama 3: Dubey et al. 2024, Table 3 (GQA with 8 KV heads, SwiGLU, 128K vocab, 8K pre-training ctx).
+    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, gated_mlp=True),
+    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, gated_mlp=True),
+    "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, gated_mlp=True),
+}
+
+
+class _ModelFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = None
+    layers: int = Field(gt=0)
+    hidden: int = Field(gt=0)
+    heads: int = Field(gt=0)
+    kv_heads: int | None = Field(default=None, gt=0)
+    ffn_hidden: int = Field(gt=0)
+    vocab: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    gated_mlp: bool = False
+    tied_embeddings: bool = False
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A preset by name or a model file (YAML/JSON).
+
+    Raises:
+        NotFoundError: neither a preset nor a file; the message lists the presets.
+        ConfigError: the file is unreadable, a field is invalid, or the heads do not divide the width.
+    """
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path).expanduser()
+    if not (path.suffix in (".yaml", ".yml", ".json") and path.is_file()):
+        raise NotFoundError(
+            f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) nor a YAML/JSON file"
+        )
+    try:
+        text = path.read_text()
+        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = _ModelFile.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ConfigError(f"{path}: field {'.'.join(map(str, first['loc']))!r}: {first['msg']}") from None
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read model file {path}: {exc}") from None
+    kv = data.kv_heads or data.heads
+    if data.hidden % data.heads or data.heads % kv:
+        raise ConfigError(
+            f"{path}: heads={data.heads} must divide hidden={data.hidden} and be a multiple of kv_heads"
+        )
+    return ModelSpec(
+        data.name or path.stem,
+        data.layers,
+        data.hidden,
+        data.heads,
+        kv,
+        data.ffn_hidden,
+        data.vocab,
+        data.seq_len,
+        data.gated_mlp,
+        data.tied_embeddings,
+    )

@@ -1,0 +1,356 @@
+"""Training-step model for transformers under tensor, pipeline, context and data parallelism.
+
+Rank order follows Megatron-LM (tensor fastest, then context, then data, then pipeline), so tensor
+groups sit inside the NVLink domain and pipeline stages usually sit on different nodes.
+
+Per micro-batch and pipeline stage the model adds: GEMM time at an efficiency that falls for small
+matrices; FlashAttention time; memory-bound time (norms, residuals, activations, dropout) at the
+device's memory bandwidth; tensor-parallel collectives (all-reduce, or all-gather + reduce-scatter
+with sequence parallelism) and context-parallel ring exchanges. A step is
+``micro-batches x per-micro-batch time + bubble + exposed pipeline, data-parallel and optimizer time``.
+Memory follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models", section 4) generalised to grouped-query attention and gated FFNs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+from gpuyard.errors import ConfigError
+from gpuyard.fabric.cluster import Cluster
+from gpuyard.fabric.collectives import collective_time
+from gpuyard.fabric.models import ModelSpec
+
+GIB = 1024**3
+RECOMPUTE = ("none", "selective", "full")
+# A GEMM dimension of this size reaches half of the large-GEMM efficiency (tile quantisation, launch
+# overhead and poor wave occupancy on small matrices); fitted with the published runs in tests/.
+GEMM_HALF_DIM = 48.0
+# Bytes each token moves through memory-bound kernels per layer in the forward pass, per unit of
+# hidden width: two norms (read+write, 4h), two residual adds (6h), two dropouts with masks (5h each).
+ELEMENTWISE_BYTES_PER_H = 30.0
+# Bytes per parameter: bf16 weights, fp32 gradients, fp32 master weights + Adam m and v.
+WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 2, 4, 12
+# Adam reads and writes master weights, m, v, the gradient and the bf16 copy: bytes per owned parameter.
+OPTIMIZER_TRAFFIC_BYTES = 30
+# CUDA context, NCCL buffers and workspace kept aside on every device, plus allocator fragmentation.
+RESERVED_BYTES, FRAGMENTATION = 2 * GIB, 1.05
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """One parallel layout and its memory knobs."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    micro_batch: int = 1
+    virtual_stages: int = 1
+    recompute: str = "none"
+    zero: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the layout uses."""
+        return self.tp * self.pp * self.dp * self.cp
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Where a step's time goes (seconds). step = compute + bubble + exposed_comm."""
+
+    compute_s: float
+    tp_comm_s: float
+    cp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    bubble_s: float
+    exposed_comm_s: float
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """The modelled step of one layout."""
+
+    config: ParallelConfig
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    hardware_tflops_per_gpu: float
+    mfu: float
+    memory_gib_per_gpu: float
+    fits: bool
+    breakdown: Breakdown
+    memory_gib: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        """The issue's plan shape: the layout's knobs, then figures, then the breakdown."""
+        out: dict[str, object] = dict(asdict(self.config))
+        out.update(
+            {
+                k: getattr(self, k)
+                for k in (
+                    "step_time_s",
+                    "tokens_per_s",
+                    "model_tflops_per_gpu",
+                    "hardware_tflops_per_gpu",
+                    "mfu",
+                    "memory_gib_per_gpu",
+                    "fits",
+                )
+            }
+        )
+        out["breakdown"] = asdict(self.breakdown)
+        out["memory_breakdown_gib"] = dict(self.memory_gib)
+        return out
+
+
+def validate(model: ModelSpec, gpus: int, global_batch: int, seq_len: int, cfg: ParallelConfig) -> int:
+    """Check a layout against the model and batch; return the number of micro-batches per step.
+
+    Raises:
+        ConfigError: the message says which constraint fails.
+    """
+    if cfg.recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {cfg.recompute!r}")
+    if cfg.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"zero must be 0, 1, 2 or 3, got {cfg.zero}")
+    if min(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.micro_batch, cfg.virtual_stages) < 1:
+        raise ConfigError(f"every parallel size must be at least 1: {cfg}")
+    if model.heads % cfg.tp or (model.kv_heads % cfg.tp and cfg.tp % model.kv_heads):
+        raise ConfigError(
+            f"tensor-parallel size {cfg.tp} does not divide the {model.heads} heads "
+            f"({model.kv_heads} KV heads) of {model.name}"
+        )
+    if cfg.gpus != gpus:
+        raise ConfigError(f"tp x pp x dp x cp = {cfg.gpus}, not the {gpus} GPUs asked for")
+    if seq_len % (2 * cfg.cp) and cfg.cp > 1:
+        raise ConfigError(f"context-parallel size {cfg.cp} needs seq_len {seq_len} divisible by {2 * cfg.cp}")
+    if cfg.pp * cfg.virtual_stages > model.layers:
+        raise ConfigError(
+            f"pp x virtual_stages = {cfg.pp * cfg.virtual_stages} exceeds {model.layers} layers"
+        )
+    if global_batch % (cfg.dp * cfg.micro_batch):
+        raise ConfigError(
+            f"global batch {global_batch} is not a multiple of dp x micro_batch = "
+            f"{cfg.dp} x {cfg.micro_batch}"
+        )
+    micro_batches = global_batch // (cfg.dp * cfg.micro_batch)
+    if cfg.virtual_stages > 1 and (cfg.pp == 1 or micro_batches % cfg.pp):
+        raise ConfigError(
+            f"the interleaved schedule needs pp > 1 and micro-batches ({micro_batches}) "
+            f"divisible by pp ({cfg.pp})"
+        )
+    return micro_batches
+
+
+def _sat(x: float) -> float:
+    return x / (x + GEMM_HALF_DIM)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """Seconds for one layer and one micro-batch on one GPU."""
+
+    fwd: float
+    bwd: float
+    recompute: float
+    attention_fwd: float
+    tp_comm: float
+    cp_comm: float
+
+
+def _layer_times(model: ModelSpec, cluster: Cluster, seq: int, cfg: ParallelConfig) -> _Layer:
+    return _layer_times_cached(
+        model, cluster, seq, cfg.tp, cfg.cp, cfg.micro_batch, cfg.recompute, cfg.sequence_parallel
+    )
+
+
+@lru_cache(maxsize=1 << 14)
+def _layer_times_cached(
+    model: ModelSpec,
+    cluster: Cluster,
+    seq: int,
+    tp: int,
+    cp: int,
+    micro_batch: int,
+    recompute: str,
+    seqpar: bool,
+) -> _Layer:
+    h = model.hidden
+    tokens = micro_batch * seq / cp  # rows of every GEMM on this GPU
+    peak = cluster.peak_tflops * 1e12
+    eff = cluster.compute.gemm_efficiency * _sat(tokens) * _sat(h / tp) * _sat(model.ffn_hidden / tp)
+    gemm = 2 * tokens * model.layer_params / tp / (peak * eff)
+    # Causal FlashAttention: half of the 4 x s x h score and value products per token.
+    attention = 2 * tokens * seq * h / tp / (peak * eff * cluster.compute.attention_efficiency)
+    sp = tp if seqpar else 1
+    act_bytes = (6 if model.gated_mlp else 4) * model.ffn_hidden / tp
+    elementwise = tokens * (ELEMENTWISE_BYTES_PER_H * h / sp + act_bytes) / (cluster.memory_bw_GBps * 1e9)
+    fwd = gemm + attention + elementwise
+    bwd = 2 * gemm + 2.5 * attention + 2 * elementwise
+    recompute_s = {"none": 0.0, "selective": elementwise, "full": fwd}[recompute]
+    tp_comm = 0.0
+    if tp > 1:
+        size = tokens * h * 2  # bf16 activations of the micro-batch
+        passes = 3 if recompute == "full" else 2  # forward, backward (and the recomputed forward)
+        if seqpar:
+            one = collective_time(cluster, "all_gather", size, tp)
+            one += collective_time(cluster, "reduce_scatter", size, tp)
+        else:
+            one = collective_time(cluster, "all_reduce", size, tp)
+        tp_comm = 2 * passes * one
+    cp_comm = 0.0
+    if cp > 1:
+        kv_bytes = 2 * tokens * model.kv_heads * model.head_dim * 2 / min(tp, model.kv_heads)
+        per_domain = max(1, min(cp, cluster.domain // tp))
+        # Ring attention: cp - 1 exchanges of K and V forward, twice that (K, V, dK, dV) backward.
+        cp_comm = 3 * (cp - 1) * collective_time(cluster, "send_recv", kv_bytes, cp, per_domain)
+    return _Layer(fwd, bwd, recompute_s, attention, tp_comm, cp_comm)
+
+
+def _stage_layers(model: ModelSpec, pp: int) -> tuple[int, int]:
+    """(layers on the busiest stage, layers on the last stage, which also holds the output layer)."""
+    per_stage = math.ceil(model.layers / pp)
+    return per_stage, max(1, model.layers - (pp - 1) * per_stage) if pp > 1 else per_stage
+
+
+def _activation_bytes_per_token(model: ModelSpec, cfg: ParallelConfig) -> float:
+    """Activation bytes one layer keeps per token for the backward pass (Korthikanti et al. 2022)."""
+    h, tp = model.hidden, cfg.tp
+    sp = tp if cfg.sequence_parallel else 1
+    if cfg.recompute == "full":
+        return 2 * h / sp  # only the layer input
+    shared = 10 * h / sp  # norm inputs, GEMM inputs, dropout masks: replicated unless sequence-parallel
+    qkv = 2 * (h + 2 * model.kv_heads * model.head_dim)
+    ffn = 2 * model.ffn_hidden * (2 if model.gated_mlp else 1) + 2 * model.ffn_hidden
+    split = (qkv + 2 * h + ffn) / tp
+    if cfg.recompute == "selective":  # norms and the FFN activation are recomputed, not stored
+        shared -= 4 * h / sp
+        split -= 2 * model.ffn_hidden / tp
+    return shared + split
+
+
+def memory_per_gpu(model: ModelSpec, seq: int, cfg: ParallelConfig, micro_batches: int) -> dict[str, float]:
+    """Bytes per GPU on the busiest pipeline stage, by kind (weights, grads, optimizer, activations)."""
+    per_stage, last = _stage_layers(model, cfg.pp)
+    emb = model.vocab * model.hidden
+    stage_params = max(per_stage * model.layer_params + emb, last * model.layer_params + emb)
+    if cfg.pp == 1:
+        stage_params = model.params
+    params = stage_params / cfg.tp
+    shard = cfg.dp * cfg.cp  # Megatron shards optimizer state over data and context parallel ranks
+    weights = params * WEIGHT_BYTES / (shard if cfg.zero >= 3 else 1)
+    grads = params * GRAD_BYTES / (shard if cfg.zero >= 2 else 1)
+    optim = params * OPTIM_BYTES / (shard if cfg.zero >= 1 else 1)
+    tokens = cfg.micro_batch * seq / cfg.cp
+    if cfg.virtual_stages == 1:
+        in_flight: float = min(cfg.pp, micro_batches) * per_stage
+    else:  # Megatron's interleaved warm-up on the first stage, counted in model chunks
+        chunks = 2 * (cfg.pp - 1) + (cfg.virtual_stages - 1) * cfg.pp + 1
+        in_flight = min(chunks, micro_batches * cfg.virtual_stages) * per_stage / cfg.virtual_stages
+    acts = in_flight * tokens * _activation_bytes_per_token(model, cfg)
+    if cfg.recompute == "full":  # one layer is rebuilt in full during its backward
+        acts += tokens * _activation_bytes_per_token(
+            model, ParallelConfig(**{**asdict(cfg), "recompute": "none"})
+        )
+    logits = tokens * model.vocab * 4 / cfg.tp  # fp32 logits of the output layer (last stage)
+    return {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts + logits}
+
+
+def _dp_comm(
+    model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, micro_batches: int
+) -> tuple[float, float]:
+    """(gradient-side, parameter-side) data-parallel communication seconds per step."""
+    group = cfg.dp * cfg.cp
+    if group == 1:
+        return 0.0, 0.0
+    per_stage, _ = _stage_layers(model, cfg.pp)
+    params = (per_stage * model.layer_params + model.vocab * model.hidden / max(1, cfg.pp)) / cfg.tp
+    per_domain = max(1, min(group, cluster.domain // cfg.tp))
+
+    def t(op: str, size: float) -> float:
+        return collective_time(cluster, op, size, group, per_domain)
+
+    if cfg.zero == 0:
+        return t("all_reduce", params * GRAD_BYTES), 0.0
+    if cfg.zero in (1, 2):
+        return t("reduce_scatter", params * GRAD_BYTES), t("all_gather", params * WEIGHT_BYTES)
+    # ZeRO-3 / FSDP: parameters gathered for forward and backward and gradients scattered per micro-batch.
+    return micro_batches * t("reduce_scatter", params * GRAD_BYTES), 2 * micro_batches * t(
+        "all_gather", params * WEIGHT_BYTES
+    )
+
+
+def estimate_step(
+    model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int, seq_len: int, cfg: ParallelConfig
+) -> StepEstimate:
+    """Model one training step of ``model`` on ``gpus`` GPUs of ``cluster`` with layout ``cfg``.
+
+    Args:
+        model: the transformer.
+        cluster: the cluster (accelerator figures and fabric).
+        gpus: GPUs used (must equal tp x pp x dp x cp).
+        global_batch: sequences per step.
+        seq_len: tokens per sequence.
+        cfg: the parallel layout.
+
+    Raises:
+        ConfigError: the layout does not apply to this model, batch or GPU count.
+    """
+    m = validate(model, gpus, global_batch, seq_len, cfg)
+    layer = _layer_times(model, cluster, seq_len, cfg)
+    per_stage, last = _stage_layers(model, cfg.pp)
+    peak = cluster.peak_tflops * 1e12
+    tokens = cfg.micro_batch * seq_len / cfg.cp
+    # The output projection and loss on the last stage, at the same GEMM efficiency as a layer.
+    head = 6 * tokens * model.vocab * model.hidden / cfg.tp / (peak * cluster.compute.gemm_efficiency)
+    layer_compute = layer.fwd + layer.bwd + layer.recompute
+    layer_comm = layer.tp_comm + max(0.0, layer.cp_comm - 3.5 * layer.attention_fwd)
+    busiest = max(per_stage * (layer_compute + layer_comm), last * (layer_compute + layer_comm) + head)
+    if cfg.pp == 1:
+        busiest = model.layers * (layer_compute + layer_comm) + head
+    compute_share = layer_compute / (layer_compute + layer_comm)
+    t_mb = busiest
+    # Pipeline: activations cross to the next stage forward and gradients come back, per model chunk.
+    pp_comm = 0.0
+    if cfg.pp > 1:
+        act = tokens * model.hidden * 2 / (cfg.tp if cfg.sequence_parallel else 1)
+        same_domain = cfg.tp * cfg.cp * cfg.dp < cluster.domain
+        p2p = collective_time(cluster, "send_recv", act, 2, 2 if same_domain else 1)
+        pp_comm = 2 * (m * cfg.virtual_stages + cfg.pp - 1) * p2p
+    grad_comm, param_comm = _dp_comm(model, cluster, cfg, m)
+    mb_fwd = per_stage * layer.fwd
+    if cfg.zero == 3:  # prefetched a layer ahead: hidden behind each micro-batch's compute
+        exposed_dp = max(0.0, grad_comm + param_comm - 0.9 * m * t_mb)
+    else:  # bucketed gradient reduction overlaps the last backward; parameter gather the first forward
+        exposed_dp = max(0.0, grad_comm - (t_mb - mb_fwd)) + max(0.0, param_comm - mb_fwd)
+    params_owned = per_stage * model.layer_params / cfg.tp / (cfg.dp * cfg.cp if cfg.zero >= 1 else 1)
+    optimizer = params_owned * OPTIMIZER_TRAFFIC_BYTES / (cluster.memory_bw_GBps * 1e9)
+    bubble = (cfg.pp - 1) / cfg.virtual_stages * t_mb
+    tp_total = m * per_stage * layer.tp_comm
+    cp_total = m * per_stage * layer.cp_comm
+    compute = m * t_mb * compute_share + optimizer
+    exposed = m * t_mb * (1 - compute_share) + pp_comm + exposed_dp
+    step = compute + bubble + exposed
+    mem = memory_per_gpu(model, seq_len, cfg, m)
+    needed = sum(mem.values()) * FRAGMENTATION + RESERVED_BYTES
+    model_flops = model.model_flops_per_token(seq_len) * global_batch * seq_len
+    recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[cfg.recompute]
+    hw_flops = model_flops + recompute_extra * 6 * model.layers * model.layer_params * global_batch * seq_len
+    return StepEstimate(
+        config=cfg,
+        step_time_s=step,
+        tokens_per_s=global_batch * seq_len / step,
+        model_tflops_per_gpu=model_flops / step / gpus / 1e12,
+        hardware_tflops_per_gpu=hw_flops / step / gpus / 1e12,
+        mfu=model_flops / step / gpus / peak,
+        memory_gib_per_gpu=needed / GIB,
+        fits=needed <= cluster.device_memory_bytes,
+        breakdown=Breakdown(compute, tp_total, cp_total, pp_comm, grad_comm + param_comm, bubble, exposed),
+        memory_gib={k: v / GIB for k, v in mem.items()},
+    )

@@ -77,7 +77,7 @@ def test_unknown_column_fails_before_any_work(gpuyard_home: Path, digits_npz: Pa
 
 
 def test_recipe_errors_name_the_field(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="normalize.0.method"):
+    with pytest.raises(ConfigError, match=r"normalize\.0\.method"):
         load_recipe("normalize: [{columns: [a], method: robust}]")
     with pytest.raises(ConfigError, match="split"):
         load_recipe("split: {fractions: {train: 0.5, test: 0.2}}")

@@ -60,7 +60,8 @@ def test_reasons_types_and_imputation() -> None:
         labels=["y", "n"],
     )
     out = clean(table, spec)
-    reasons = dict(zip(out.quarantine.column("row").to_pylist(), out.quarantine.column("reason").to_pylist()))
+    q = out.quarantine
+    reasons = dict(zip(q.column("row").to_pylist(), q.column("reason").to_pylist(), strict=True))
     assert reasons == {1: "type:age", 3: "range:age", 4: "null:age", 5: "label"}
     assert out.kept.column("age").type == pa.float64()
     assert out.kept.column("height").null_count == 0

@@ -78,7 +78,7 @@ def _devices(console: Console, accels: list[dict[str, Any]]) -> None:
             f"{power:.0f}/{limit:.0f} W" if power is not None and limit is not None else "-",
             _dash(a.get("temperature_c"), "{} C"),
             f"{util['gpu']}%" if util else "-",
-            _status(a["health"]["status"]),
+            _status(a["health"]),
         )
     console.print(t)
 
@@ -129,9 +129,8 @@ def _health(console: Console, accels: list[dict[str, Any]]) -> None:
     for col in ("#", "status", "reasons"):
         t.add_column(col)
     for a in accels:
-        h = a["health"]
-        reasons = "; ".join(f"{r['level']}: {r['message']}" for r in h["reasons"]) or "-"
-        t.add_row(str(a["index"]), _status(h["status"]), reasons)
+        reasons = "; ".join(f"{r['level']}: {r['message']}" for r in a.get("health_reasons") or []) or "-"
+        t.add_row(str(a["index"]), _status(a["health"]), reasons)
     console.print(t)
 
 

@@ -118,11 +118,9 @@ class Health:
     status: str
     reasons: tuple[HealthReason, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "status": self.status,
-            "reasons": [{"level": r.level, "code": r.code, "message": r.message} for r in self.reasons],
-        }
+    def reasons_dicts(self) -> list[dict[str, str]]:
+        """The reasons as plain JSON objects (``level``, ``code``, ``message``)."""
+        return [{"level": r.level, "code": r.code, "message": r.message} for r in self.reasons]
 
 
 @dataclass(frozen=True)
@@ -200,7 +198,9 @@ class Accelerator:
             "nvlink": self.nvlink.to_dict() if self.nvlink else None,
             "mig": self.mig,
             **self.telemetry,
-            "health": self.health.to_dict(),
+            # A plain string so consumers can test `== "fail"`; the why is beside it.
+            "health": self.health.status,
+            "health_reasons": self.health.reasons_dicts(),
             "spec": self.spec,
             "source": self.source,
             "unavailable": dict(self.unavailable),
@@ -238,6 +238,7 @@ class Nic:
 
     def to_dict(self) -> dict[str, Any]:
         active = [p for p in self.ports if p.state.upper().endswith("ACTIVE")]
+        best = max(active, key=lambda p: p.rate_gbps or 0.0, default=self.ports[0] if self.ports else None)
         return {
             "name": self.name,
             "bus_id": self.bus_id,
@@ -246,6 +247,8 @@ class Nic:
             "hca_type": self.hca_type,
             "fw_ver": self.fw_ver,
             "rate_gbps": max((p.rate_gbps or 0.0 for p in active), default=0.0),
+            "link_layer": best.link_layer if best else None,
+            "transport": best.transport if best else None,
             "ports": [
                 {
                     "port": p.port,

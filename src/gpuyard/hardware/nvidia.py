@@ -54,7 +54,10 @@ def _nvlinks(nv: NvmlBackend, i: int, f: _Fields) -> NvLinkInfo | None:
         if remote is not None:
             key = (normalize_bus_id(remote.bus_id), remote.kind)
             peers[key] = peers.get(key, 0) + 1
-    if not (active or inactive):
+    if not active:
+        if inactive:
+            # e.g. a PCIe A100 without its bridge: links exist but none is up; report no NVLink.
+            f.missing["nvlink"] = f"{inactive} links, none active"
         return None
     return NvLinkInfo(
         version=version,

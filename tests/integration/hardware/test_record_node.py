@@ -75,7 +75,7 @@ def test_record_inventory_of_a_replayed_node(store_env: str, tmp_path: Path) -> 
     record_inventory(inv)
     nodes = recorded_nodes()
     assert [n["hostname"] for n in nodes] == ["hgx-07"] and nodes[0]["health"] == "fail"
-    assert nodes[0]["inventory"]["node"]["accelerators"][6]["health"]["status"] == "fail"
+    assert nodes[0]["inventory"]["node"]["accelerators"][6]["health"] == "fail"
     reset_store_cache()
 
 

@@ -55,7 +55,8 @@ def test_failing_gpu_is_marked_fail(probe_fixture, fields: dict, code: str) -> N
     assert inv.health == "fail"
     assert all(a.health.status == "pass" for a in inv.accelerators if a.index != 3)
     doc = inv.to_dict()["node"]
-    assert doc["health"] == "fail" and doc["accelerators"][3]["health"]["reasons"][0]["level"] == "fail"
+    assert doc["health"] == "fail" and doc["accelerators"][3]["health"] == "fail"
+    assert doc["accelerators"][3]["health_reasons"][0]["level"] == "fail"
 
 
 @pytest.mark.parametrize(

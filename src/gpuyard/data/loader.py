@@ -232,9 +232,15 @@ class ShardDataset(IterableDataset[Batch]):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         logical = (worker + self.worker_offset) % workers
-        yield from self._iterate(rank, world, logical, workers, self.start_positions.get(logical, 0))
+        yield from self.iter_consumer(rank, world, logical, workers, self.start_positions.get(logical, 0))
 
-    def _iterate(self, rank: int, world: int, worker: int, workers: int, start: int) -> Iterator[Batch]:
+    def iter_consumer(
+        self, rank: int, world: int, worker: int, workers: int, start: int = 0
+    ) -> Iterator[Batch]:
+        """Batches of one (rank, worker) consumer this epoch, from row position ``start``."""
+        # Reopen shards each epoch: remote ones then go through the cache again (and refresh its LRU).
+        self.__dict__.pop("_files", None)
+        self.__dict__.pop("_groups", None)
         pieces = self.consumer_range(rank, world, worker, workers)
         total = sum(len(r) for _, r in pieces)
         size, bs = self.config.shuffle_buffer, self.config.batch_size

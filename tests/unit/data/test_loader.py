@@ -1,0 +1,144 @@
+"""The streaming loader: disjoint and complete per rank and worker, seeded, resumable, cached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpuyard.data import IngestOptions, ingest, load_recipe, transform
+from gpuyard.data.cache import ShardCache
+from gpuyard.data.dataset import DatasetVersion
+from gpuyard.data.loader import POSITION_KEY, LoaderConfig, ShardDataset, ShardLoader, topology
+from gpuyard.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+N = 1000
+
+
+@pytest.fixture
+def ids_version(gpuyard_home: Path, tmp_path: Path) -> DatasetVersion:
+    """1000 rows (id, 6x6 image, label) in about 9 shards."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "ids.npz"
+    np.savez(
+        path, id=np.arange(N), image=rng.integers(0, 255, (N, 6, 6), dtype=np.uint8), label=np.arange(N) % 4
+    )
+    return ingest(path, "ids", IngestOptions(shard_bytes=5000))
+
+
+def _ids(batches: list[dict]) -> list[int]:
+    return [int(x) for b in batches for x in b["id"]]
+
+
+def test_ranks_and_workers_get_disjoint_complete_ranges(ids_version: DatasetVersion) -> None:
+    assert len(ids_version.shards) >= 8
+    cfg = LoaderConfig(batch_size=32, shuffle_buffer=100, seed=3)
+    for world, workers in [(1, 1), (2, 3), (3, 2)]:
+        ds = ShardDataset(ids_version, cfg)
+        seen = [
+            _ids(list(ds.iter_consumer(r, world, w, workers))) for r in range(world) for w in range(workers)
+        ]
+        flat = [i for part in seen for i in part]
+        assert len(flat) == len(set(flat)) == N // world * world  # disjoint; at most world-1 rows left out
+        per_rank = [sum(len(seen[r * workers + w]) for w in range(workers)) for r in range(world)]
+        assert len(set(per_rank)) == 1  # ranks stay in step under DDP
+
+
+def test_seeded_shuffle_changes_with_epoch_not_with_rerun(ids_version: DatasetVersion) -> None:
+    cfg = LoaderConfig(batch_size=50, shuffle_buffer=200, seed=1)
+    first = _ids(list(ShardLoader(ids_version, cfg)))
+    assert sorted(first) == list(range(N)) and first != list(range(N))
+    assert _ids(list(ShardLoader(ids_version, cfg))) == first
+    loader = ShardLoader(ids_version, cfg)
+    loader.set_epoch(1)
+    second = _ids(list(loader))
+    assert sorted(second) == list(range(N)) and second != first
+    plain = _ids(list(ShardLoader(ids_version, LoaderConfig(batch_size=50, shuffle=False))))
+    assert plain == list(range(N))
+
+
+def test_resume_yields_exactly_the_remaining_batches(ids_version: DatasetVersion) -> None:
+    cfg = LoaderConfig(batch_size=24, shuffle_buffer=150, seed=5)
+    loader = ShardLoader(ids_version, cfg)
+    loader.set_epoch(2)
+    full = [b["id"].clone() for b in loader]
+    interrupted = ShardLoader(ids_version, cfg)
+    interrupted.set_epoch(2)
+    it = iter(interrupted)
+    head = [next(it)["id"].clone() for _ in range(13)]
+    state = interrupted.state_dict()
+    assert state["epoch"] == 2 and state["positions"] == {"0": 13 * 24}
+    resumed = ShardLoader(ids_version, cfg)
+    resumed.load_state_dict(state)
+    rest = [b["id"].clone() for b in resumed]
+    assert len(head) + len(rest) == len(full) == len(loader)
+    assert all(torch.equal(a, b) for a, b in zip(full, head + rest, strict=True))
+    other = ShardLoader(ids_version, LoaderConfig(batch_size=25, shuffle_buffer=150, seed=5))
+    with pytest.raises(ConfigError, match="batch_size"):
+        other.load_state_dict(state)
+
+
+def test_batches_are_tensors_and_positions_are_reported(ids_version: DatasetVersion) -> None:
+    ds = ShardDataset(ids_version, LoaderConfig(batch_size=64, columns=("image", "label")))
+    batch = next(iter(ds))
+    assert batch["image"].dtype == torch.uint8 and batch["image"].shape == (64, 6, 6)
+    assert batch["label"].dtype == torch.int64 and set(batch) == {"image", "label", POSITION_KEY}
+    assert batch[POSITION_KEY].tolist() == [0, 64, 0]
+    with pytest.raises(ConfigError, match="nope"):
+        ShardDataset(ids_version, LoaderConfig(columns=("nope",)))
+
+
+def test_split_filter_and_seeded_augmentation(ids_version: DatasetVersion) -> None:
+    recipe = load_recipe(
+        "split: {seed: 0}\naugment: {column: image, hflip: 1.0, rotate: 20, brightness: 0.3}"
+    )
+    out = transform("ids", recipe, engine="serial")
+    train = set(out.to_numpy(["id"], split="train")["id"].tolist())
+    cfg = LoaderConfig(batch_size=40, split="train", seed=9)
+    batches = list(ShardLoader(out, cfg))
+    assert set(_ids(batches)) == train
+    again = list(ShardLoader(out, cfg))
+    assert all(torch.equal(a["image"], b["image"]) for a, b in zip(batches, again, strict=True))
+    raw = {
+        int(i): img
+        for b in ShardLoader(out, LoaderConfig(batch_size=40, split="train", augment=False))
+        for i, img in zip(b["id"], b["image"], strict=True)
+    }
+    changed = sum(
+        not torch.equal(raw[int(i)], img) for b in batches for i, img in zip(b["id"], b["image"], strict=True)
+    )
+    assert changed > len(train) * 0.9 and batches[0]["image"].dtype == torch.uint8
+    flips = ShardLoader(out, LoaderConfig(batch_size=40, split="train"))
+    flips.dataset._augment = flips.dataset._augment.model_copy(update={"rotate": 0.0, "brightness": 0.0})  # type: ignore[union-attr]
+    for b in flips:
+        for i, img in zip(b["id"], b["image"], strict=True):
+            assert torch.equal(img, raw[int(i)].flip(-1))
+
+
+def test_remote_store_reads_through_a_bounded_cache(
+    gpuyard_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUYARD_ARTIFACTS", f"memory://gy-cache-{tmp_path.name}")
+    path = tmp_path / "r.npz"
+    np.savez(path, id=np.arange(600), x=np.ones((600, 10, 10), dtype=np.uint8))
+    v = ingest(path, "remote", IngestOptions(shard_bytes=12_000))
+    cache = ShardCache(tmp_path / "cache", max_bytes=10**9)
+    loader = ShardLoader(v, LoaderConfig(batch_size=100), cache=cache)
+    assert len(_ids(list(loader))) == 600 and cache.misses == len(v.shards) and cache.hits == 0
+    loader.set_epoch(1)
+    assert len(_ids(list(loader))) == 600 and cache.misses == len(v.shards) and cache.hits >= len(v.shards)
+    small = ShardCache(tmp_path / "small", max_bytes=2 * v.shards[0].bytes + 10)
+    assert sorted(_ids(list(ShardLoader(v, LoaderConfig(batch_size=100), cache=small)))) == list(range(600))
+    assert small.used_bytes() <= small.max_bytes
+
+
+def test_topology_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert topology(1, 4) == (1, 4)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert topology() == (2, 3)
+    with pytest.raises(ConfigError):
+        topology(3, 3)

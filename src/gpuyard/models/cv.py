@@ -84,10 +84,15 @@ def cross_validate(
     try:
         doc = spec.model_dump(mode="json")
         futures = [
-            ex.submit(Task("gpuyard.models.cv:run_fold", dict(spec=doc, params=params, fold=i, folds=k,
-                                                              parent_id=tracker.run_id), name=f"fold {i}"))
+            ex.submit(
+                Task(
+                    "gpuyard.models.cv:run_fold",
+                    dict(spec=doc, params=params, fold=i, folds=k, parent_id=tracker.run_id),
+                    name=f"fold {i}",
+                )
+            )
             for i in range(k)
-        ]  # fmt: skip
+        ]
         results = [f.result() for f in futures]
     except BaseException as exc:
         tracker.finish("failed", error=str(exc)[:2000])

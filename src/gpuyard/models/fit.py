@@ -140,3 +140,30 @@ def fit(
         raise
     tracker.finish("finished")
     return FitResult(tracker.run_id, "finished", {k: v.metrics for k, v in evals.items()}), model
+
+
+def load_run_model(run_ref: str) -> Any:
+    """The model a run stored (its ``model/`` artifacts), loaded with its flavor.
+
+    Raises:
+        NotFoundError: the run stored no model.
+    """
+    from sqlalchemy import select
+
+    from gpuyard.errors import NotFoundError
+    from gpuyard.models.flavors import load_model
+    from gpuyard.models.runs import resolve_run_id
+    from gpuyard.store import get_artifacts, get_store
+    from gpuyard.store.tables.models import RunArtifactRow
+
+    run_id = resolve_run_id(run_ref)
+    with get_store().read() as s:
+        arts = list(s.scalars(select(RunArtifactRow).where(RunArtifactRow.run_id == run_id)))
+    arts = [a for a in arts if a.name.startswith("model/")]
+    if not arts:
+        raise NotFoundError(f"run {run_id[:8]} stored no model")
+    with tempfile.TemporaryDirectory(prefix="gpuyard-run-model-") as tmp:
+        for a in arts:
+            get_artifacts().get_file(a.key, Path(tmp) / a.name.split("/", 1)[1], sha256=a.sha256)
+        model, _ = load_model(tmp)
+    return model

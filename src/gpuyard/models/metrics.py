@@ -79,11 +79,17 @@ METRICS: dict[str, Metric] = {
 
 DEFAULT_METRICS = {
     "classification": (
-        "accuracy", "precision_macro", "precision_weighted", "recall_macro", "recall_weighted",
-        "f1_macro", "f1_weighted", "roc_auc",
+        "accuracy",
+        "precision_macro",
+        "precision_weighted",
+        "recall_macro",
+        "recall_weighted",
+        "f1_macro",
+        "f1_weighted",
+        "roc_auc",
     ),
     "regression": ("mse", "rmse", "mae", "r2"),
-}  # fmt: skip
+}
 
 
 def check_task(task: str) -> str:

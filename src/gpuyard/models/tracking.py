@@ -322,3 +322,16 @@ def start_run(
             )
         )
     return DbTracker(store, run_id, system_interval_s=system_interval_s)
+
+
+def append_metrics(run_id: str, step: int, metrics: dict[str, Any], store: Store | None = None) -> None:
+    """Add metric points to an existing (possibly finished) run, e.g. its test score chosen afterwards."""
+    store = store or get_store()
+    now = utcnow()
+    with store.session() as s:
+        s.add_all(
+            RunMetricRow(
+                run_id=run_id, key=check_metric_key(k), step=step, value=_as_float(k, v), logged_at=now
+            )
+            for k, v in metrics.items()
+        )

@@ -335,13 +335,8 @@ class JobService:
         ran = (utcnow() - row.started_at).total_seconds() if row.started_at else 0.0
         request = row.stop_requested
         row.exit_code, row.attained_s = status.code, row.attained_s + ran
-        row.stop_requested, row.stop_deadline, row.killed, row.handle, row.placement = (
-            None,
-            None,
-            False,
-            None,
-            None,
-        )
+        # The placement stays on record (where it last ran); only scheduled/running ones hold GPUs.
+        row.stop_requested, row.stop_deadline, row.killed, row.handle = None, None, False, None
         how = f"exit code {status.code}" if status.code is not None else "killed (SIGKILL)"
         if status.code == 0:
             _move(s, row, JobState.SUCCEEDED, "exit code 0")

@@ -1,0 +1,93 @@
+"""Fixtures for scheduler integration tests: a job service on this machine, and a checkpointing job."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+# A job that counts, checkpoints its counter on SIGTERM and exits with PREEMPTED (75); started again it
+# resumes from the checkpoint. argv: CHECKPOINT_FILE STEPS.
+CHECKPOINTING_JOB = r"""
+import os, signal, sys, time
+ckpt, steps = sys.argv[1], int(sys.argv[2])
+start = int(open(ckpt).read()) if os.path.exists(ckpt) else 0
+print(f"start at {start}", flush=True)
+state = {"i": start}
+def on_term(*_):
+    open(ckpt, "w").write(str(state["i"]))
+    print(f"checkpointed at {state['i']}", flush=True)
+    sys.exit(75)
+signal.signal(signal.SIGTERM, on_term)
+while state["i"] < steps:
+    time.sleep(0.05)
+    state["i"] += 1
+    if state["i"] % 5 == 0:
+        print(f"step {state['i']}", flush=True)
+print("finished", flush=True)
+"""
+
+
+@pytest.fixture
+def job_script(tmp_path: Path) -> Path:
+    """Path of the checkpointing job script."""
+    path = tmp_path / "ckpt_job.py"
+    path.write_text(CHECKPOINTING_JOB)
+    return path
+
+
+@pytest.fixture
+def python() -> str:
+    """The interpreter jobs run with."""
+    return sys.executable
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 30.0, every: float = 0.05) -> object:
+    """Poll ``cond`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+@pytest.fixture
+def make_service(gpuyard_home: Path) -> Iterator[Callable[..., object]]:
+    """Build JobServices on the local executor with fake GPUs; their jobs are killed at the end."""
+    from gpuyard.scheduler.executors.local import LocalExecutor
+    from gpuyard.scheduler.placement import NodeSpec
+    from gpuyard.scheduler.service import JobService, ServiceConfig
+    from gpuyard.store import get_store
+
+    made: list[JobService] = []
+
+    def make(gpus: int = 2, cpus: int = 2, **config: object) -> JobService:
+        node = NodeSpec("local", gpus, "fake-gpu" if gpus else "", "local", "local", cpus=cpus)
+        defaults: dict[str, object] = {"tick_s": 0.05, "grace_s": 2.0, "min_run_s": 0.0}
+        service = JobService(
+            get_store(), [node], LocalExecutor(gpuyard_home / "jobs"), ServiceConfig(**{**defaults, **config})
+        )  # type: ignore[arg-type]
+        made.append(service)
+        return service
+
+    yield make
+    for service in made:
+        for doc in service.list_jobs():
+            if doc["state"] == "running" and doc["spec"]:
+                with contextlib.suppress(Exception):
+                    service.cancel(doc["id"])
+        for doc in service.list_jobs(state="running"):
+            from sqlalchemy import select
+
+            from gpuyard.store.tables.jobs import JobRow
+
+            with service.store.read() as s:
+                row = s.scalars(select(JobRow).where(JobRow.id == doc["id"])).one()
+                if row.handle:
+                    service.executor.stop(row.handle, kill=True)

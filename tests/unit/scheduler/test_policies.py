@@ -1,0 +1,137 @@
+"""Policies: FIFO blocking, backfill behind a reservation, fair share with preemption, SEF, LAS, oracle."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuyard.errors import ConfigError
+from gpuyard.scheduler.placement import ClusterState, Placement, uniform_cluster
+from gpuyard.scheduler.policies import POLICIES, FairShare, make_policy
+from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
+
+pytestmark = pytest.mark.unit
+
+
+def _queue(policy_name: str, jobs: list[QueuedJob]) -> tuple[object, JobQueue]:
+    policy = make_policy(policy_name)
+    q = JobQueue(policy.key)
+    for j in jobs:
+        q.add(j)
+    return policy, q
+
+
+def _running(
+    state: ClusterState,
+    jid: int,
+    node: int,
+    gpus: int,
+    team: str = "a",
+    end: float = 100.0,
+    started: float = 0.0,
+) -> RunningJob:
+    p = Placement(((node, gpus),), "test")
+    state.take(p)
+    return RunningJob(jid, gpus, team, 0, started, end, p)
+
+
+def test_fifo_blocks_behind_the_head_job() -> None:
+    state = ClusterState(uniform_cluster(1, 8))
+    run = [_running(state, 99, 0, 6)]
+    policy, q = _queue("fifo", [QueuedJob(1, 4, submit_time=0), QueuedJob(2, 1, submit_time=1)])
+    d = policy.decide(state, q, run, now=10)  # type: ignore[attr-defined]
+    assert d.starts == []
+
+
+def test_backfill_never_delays_the_reserved_head_job() -> None:
+    state = ClusterState(uniform_cluster(1, 8))
+    run = [_running(state, 99, 0, 6, end=100.0)]  # 2 GPUs free now, 8 at t=100
+    jobs = [
+        QueuedJob(1, 8, priority=5, submit_time=0, estimate=50),  # head: waits for t=100
+        QueuedJob(2, 1, submit_time=1, estimate=500),  # would still run at t=100: must not start
+        QueuedJob(3, 1, submit_time=2, estimate=50),  # ends by t=60 < 100: backfills
+    ]
+    policy, q = _queue("priority", jobs)
+    d = policy.decide(state, q, run, now=10)  # type: ignore[attr-defined]
+    assert [j.id for j, _ in d.starts] == [3]
+    assert d.reservation == (1, 100.0)
+
+
+def test_backfill_may_use_gpus_the_reserved_job_does_not_need() -> None:
+    state = ClusterState(uniform_cluster(2, 8))
+    run = [_running(state, 99, 0, 8, end=100.0), _running(state, 98, 1, 4, end=1000.0)]
+    jobs = [QueuedJob(1, 8, priority=5, estimate=10), QueuedJob(2, 4, estimate=5000)]
+    policy, q = _queue("priority", jobs)
+    d = policy.decide(state, q, run, now=0)  # type: ignore[attr-defined]
+    # At t=100 node 0 frees 8 for the head; the 4 free on node 1 are extra: the long job may use them.
+    assert [j.id for j, _ in d.starts] == [2]
+
+
+def test_fair_share_serves_the_most_under_served_team_first() -> None:
+    state = ClusterState(uniform_cluster(1, 4))
+    run = [_running(state, 90, 0, 2, team="a")]
+    jobs = [
+        QueuedJob(1, 1, team="a", submit_time=0),
+        QueuedJob(2, 1, team="b", submit_time=5),
+        QueuedJob(3, 1, team="b", submit_time=6),
+    ]
+    policy, q = _queue("fair", jobs)
+    d = policy.decide(state, q, run, now=10)  # type: ignore[attr-defined]
+    assert [j.id for j, _ in d.starts] == [2, 3]  # b is at 0 of its 2, a already has its 2
+
+
+def test_fair_share_lends_idle_gpus_and_reclaims_them_by_preemption() -> None:
+    state = ClusterState(uniform_cluster(1, 4))
+    policy = FairShare({"a": 1, "b": 1}, min_run_s=60, min_wait_s=0)
+    q = JobQueue(policy.key)
+    q.add(QueuedJob(1, 4, team="a"))
+    d = policy.decide(state, q, [], now=0)
+    assert [j.id for j, _ in d.starts] == [1]  # b is idle: a may borrow the whole node
+    run = [_running(state, 1, 0, 4, team="a", started=0)]
+    q = JobQueue(policy.key)
+    q.add(QueuedJob(2, 2, team="b", enqueued_at=100))
+    assert policy.decide(state, q, run, now=30).preempt == []  # a's job has not run min_run_s yet
+    assert policy.decide(state, q, run, now=200).preempt == [1]
+
+
+def test_fair_share_weights_set_the_shares() -> None:
+    policy = FairShare({"a": 3, "b": 1})
+    shares = policy.shares(ClusterState(uniform_cluster(1, 8)), ["a", "b"])
+    assert shares == {"a": 6.0, "b": 2.0}
+
+
+def test_shortest_expected_first_orders_by_estimate() -> None:
+    state = ClusterState(uniform_cluster(1, 1))
+    jobs = [QueuedJob(1, 1, submit_time=0, estimate=900), QueuedJob(2, 1, submit_time=5, estimate=30)]
+    policy, q = _queue("sef", jobs)
+    d = policy.decide(state, q, [], now=10)  # type: ignore[attr-defined]
+    assert [j.id for j, _ in d.starts] == [2]
+
+
+def test_las_preempts_jobs_that_have_run_long_for_new_ones() -> None:
+    state = ClusterState(uniform_cluster(1, 2))
+    run = [_running(state, 1, 0, 2, started=0)]
+    policy, q = _queue("las", [QueuedJob(2, 1, submit_time=50_000)])
+    d = policy.decide(state, q, run, now=50_000)  # type: ignore[attr-defined]
+    assert d.preempt == [1]  # 100,000 GPU-seconds attained: a lower level than the new job
+    fresh = [RunningJob(1, 2, "a", 0, 49_990, 60_000, run[0].placement)]
+    assert policy.decide(state, q, fresh, now=50_000).preempt == []  # type: ignore[attr-defined]
+
+
+def test_oracle_is_refused_where_run_times_are_unknown() -> None:
+    assert "sjf-oracle" in POLICIES and POLICIES["sjf-oracle"].needs_oracle
+    with pytest.raises(ConfigError, match="only the simulator"):
+        make_policy("sjf-oracle", allow_oracle=False)
+    with pytest.raises(ConfigError, match="choose one of"):
+        make_policy("lottery")
+
+
+def test_policies_do_not_change_their_inputs() -> None:
+    for name in POLICIES:
+        state = ClusterState(uniform_cluster(2, 8))
+        run = [_running(state, 99, 0, 4)]
+        before = state.free.copy()
+        policy, q = _queue(
+            name, [QueuedJob(i, 1 + i % 3, team=f"t{i % 2}", duration=10.0 * i) for i in range(6)]
+        )
+        policy.decide(state, q, run, now=1000)  # type: ignore[attr-defined]
+        assert (state.free == before).all() and len(q) == 6

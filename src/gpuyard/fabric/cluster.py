@@ -104,6 +104,14 @@ class Cluster(_Frozen):
     compute: Compute = Field(default_factory=Compute)
     sources: tuple[str, ...] = Field(default=(), description="Where the figures come from.")
 
+    def __hash__(self) -> int:
+        # The cost model memoises on the cluster; hashing every nested field each call is slow.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(self.model_dump_json())
+            self.__dict__["_hash"] = cached
+        return int(cached)
+
     @property
     def spec(self) -> AcceleratorSpec | None:
         """The catalog entry of the accelerator, None for a custom device."""

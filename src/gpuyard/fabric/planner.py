@@ -8,7 +8,7 @@ search for a 405B model on 16,384 GPUs under two seconds.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from gpuyard.errors import CapacityError, ConfigError
 from gpuyard.fabric.cluster import Cluster
@@ -132,7 +132,9 @@ def _memory_knobs(base: ParallelConfig, knobs: Knobs) -> Iterator[ParallelConfig
         for zero in [knobs.zero] if knobs.zero is not None else (0, 1, 2, 3):
             sps = [knobs.sequence_parallel] if knobs.sequence_parallel is not None else [False, True]
             for sp in sps if base.tp > 1 else [False]:
-                yield replace(base, recompute=rc, zero=zero, sequence_parallel=sp)
+                yield ParallelConfig(
+                    base.tp, base.pp, base.dp, base.cp, base.micro_batch, base.virtual_stages, rc, zero, sp
+                )
 
 
 def _check_fixed(model: ModelSpec, cluster: Cluster, gpus: int, seq_len: int, knobs: Knobs) -> None:
@@ -189,10 +191,11 @@ def plan(
     for cfg in layouts(model, cluster, gpus, global_batch, seq, knobs):
         considered += 1
         m = global_batch // (cfg.dp * cfg.micro_batch)
-        need = sum(memory_per_gpu(model, seq, cfg, m).values()) * FRAGMENTATION + RESERVED_BYTES
+        mem = memory_per_gpu(model, seq, cfg, m)
+        need = sum(mem.values()) * FRAGMENTATION + RESERVED_BYTES
         smallest = min(smallest, need)
         if need <= limit:
-            plans.append(estimate_step(model, cluster, gpus, global_batch, seq, cfg))
+            plans.append(estimate_step(model, cluster, gpus, global_batch, seq, cfg, mem))
     if not considered:
         if knobs.fixed():  # the fixed layout's own check says precisely what is wrong
             dp = gpus // ((knobs.tp or 1) * (knobs.pp or 1) * (knobs.cp or 1))

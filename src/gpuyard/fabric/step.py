@@ -219,17 +219,17 @@ def _stage_layers(model: ModelSpec, pp: int) -> tuple[int, int]:
     return per_stage, max(1, model.layers - (pp - 1) * per_stage) if pp > 1 else per_stage
 
 
-def _activation_bytes_per_token(model: ModelSpec, cfg: ParallelConfig) -> float:
+def _activation_bytes_per_token(model: ModelSpec, tp: int, seqpar: bool, recompute: str) -> float:
     """Activation bytes one layer keeps per token for the backward pass (Korthikanti et al. 2022)."""
-    h, tp = model.hidden, cfg.tp
-    sp = tp if cfg.sequence_parallel else 1
-    if cfg.recompute == "full":
+    h = model.hidden
+    sp = tp if seqpar else 1
+    if recompute == "full":
         return 2 * h / sp  # only the layer input
     shared = 10 * h / sp  # norm inputs, GEMM inputs, dropout masks: replicated unless sequence-parallel
     qkv = 2 * (h + 2 * model.kv_heads * model.head_dim)
     ffn = 2 * model.ffn_hidden * (2 if model.gated_mlp else 1) + 2 * model.ffn_hidden
     split = (qkv + 2 * h + ffn) / tp
-    if cfg.recompute == "selective":  # norms and the FFN activation are recomputed, not stored
+    if recompute == "selective":  # norms and the FFN activation are recomputed, not stored
         shared -= 4 * h / sp
         split -= 2 * model.ffn_hidden / tp
     return shared + split
@@ -253,11 +253,11 @@ def memory_per_gpu(model: ModelSpec, seq: int, cfg: ParallelConfig, micro_batche
     else:  # Megatron's interleaved warm-up on the first stage, counted in model chunks
         chunks = 2 * (cfg.pp - 1) + (cfg.virtual_stages - 1) * cfg.pp + 1
         in_flight = min(chunks, micro_batches * cfg.virtual_stages) * per_stage / cfg.virtual_stages
-    acts = in_flight * tokens * _activation_bytes_per_token(model, cfg)
+    acts = (
+        in_flight * tokens * _activation_bytes_per_token(model, cfg.tp, cfg.sequence_parallel, cfg.recompute)
+    )
     if cfg.recompute == "full":  # one layer is rebuilt in full during its backward
-        acts += tokens * _activation_bytes_per_token(
-            model, ParallelConfig(**{**asdict(cfg), "recompute": "none"})
-        )
+        acts += tokens * _activation_bytes_per_token(model, cfg.tp, cfg.sequence_parallel, "none")
     logits = tokens * model.vocab * 4 / cfg.tp  # fp32 logits of the output layer (last stage)
     return {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts + logits}
 
@@ -287,7 +287,13 @@ def _dp_comm(
 
 
 def estimate_step(
-    model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int, seq_len: int, cfg: ParallelConfig
+    model: ModelSpec,
+    cluster: Cluster,
+    gpus: int,
+    global_batch: int,
+    seq_len: int,
+    cfg: ParallelConfig,
+    memory: dict[str, float] | None = None,
 ) -> StepEstimate:
     """Model one training step of ``model`` on ``gpus`` GPUs of ``cluster`` with layout ``cfg``.
 
@@ -298,6 +304,7 @@ def estimate_step(
         global_batch: sequences per step.
         seq_len: tokens per sequence.
         cfg: the parallel layout.
+        memory: :func:`memory_per_gpu` of this layout when the caller has it already.
 
     Raises:
         ConfigError: the layout does not apply to this model, batch or GPU count.
@@ -337,7 +344,7 @@ def estimate_step(
     compute = m * t_mb * compute_share + optimizer
     exposed = m * t_mb * (1 - compute_share) + pp_comm + exposed_dp
     step = compute + bubble + exposed
-    mem = memory_per_gpu(model, seq_len, cfg, m)
+    mem = memory or memory_per_gpu(model, seq_len, cfg, m)
     needed = sum(mem.values()) * FRAGMENTATION + RESERVED_BYTES
     model_flops = model.model_flops_per_token(seq_len) * global_batch * seq_len
     recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[cfg.recompute]

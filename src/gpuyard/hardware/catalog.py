@@ -185,6 +185,8 @@ _SPECS: tuple[AcceleratorSpec, ...] = (
         sources=("tpu_v6e",), aliases=("v6e", "trillium", "tpu-v6-lite")),
 )  # fmt: skip
 
+_BY_NAME = {key: s for s in _SPECS for key in (s.name.lower(), *s.aliases)}
+
 # NVML / torch / JAX device names -> catalog name. Order matters: the first pattern that matches wins,
 # so the PCIe and NVL variants come before the generic names.
 _MATCH_RULES: tuple[tuple[str, str | None], ...] = (
@@ -221,10 +223,9 @@ def get_spec(name: str) -> AcceleratorSpec:
     Raises:
         NotFoundError: no entry has that name; the message lists the known names.
     """
-    key = name.strip().lower()
-    for spec in _SPECS:
-        if key == spec.name.lower() or key in spec.aliases:
-            return spec
+    spec = _BY_NAME.get(name.strip().lower())
+    if spec is not None:
+        return spec
     known = ", ".join(s.name for s in _SPECS)
     raise NotFoundError(f"unknown accelerator {name!r}; known: {known}")
 

@@ -9,7 +9,15 @@ from typing import Any, TypeVar
 from gpuyard.hardware.cpu import numa_of_cpus
 from gpuyard.hardware.health import GpuSignals, HealthThresholds, assess, decode_clock_events
 from gpuyard.hardware.inventory import Accelerator, CpuInfo, NvLinkInfo, NvLinkPeer
-from gpuyard.hardware.nvml import NvmlBackend, NvmlCallError, normalize_bus_id
+from gpuyard.hardware.nvml import (
+    EccCounts,
+    NvmlBackend,
+    NvmlCallError,
+    PcieLink,
+    RemappedRows,
+    RetiredPages,
+    normalize_bus_id,
+)
 from gpuyard.hardware.sysfs import HostRoots, pci_device_dir, read_int
 
 T = TypeVar("T")
@@ -99,6 +107,89 @@ def _spec(name: str) -> dict[str, Any] | None:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class _Readings:
+    """The moment's counters of one GPU, each None when NVML could not give it."""
+
+    power_w: float | None
+    power_limit_w: float | None
+    temperature_c: int | None
+    slowdown_c: int | None
+    utilization: tuple[int, int] | None
+    ecc_enabled: bool | None
+    ecc: EccCounts | None
+    retired: RetiredPages | None
+    remapped: RemappedRows | None
+    events: tuple[str, ...]
+
+    def to_dict(self, memory_used: int | None) -> dict[str, Any]:
+        util = self.utilization
+        return {
+            "memory_used_bytes": memory_used,
+            "power_w": self.power_w,
+            "power_limit_w": self.power_limit_w,
+            "temperature_c": self.temperature_c,
+            "slowdown_temperature_c": self.slowdown_c,
+            "utilization": {"gpu": util[0], "memory": util[1]} if util else None,
+            "ecc_enabled": self.ecc_enabled,
+            "ecc": dataclasses.asdict(self.ecc) if self.ecc else None,
+            "retired_pages": dataclasses.asdict(self.retired) if self.retired else None,
+            "remapped_rows": dataclasses.asdict(self.remapped) if self.remapped else None,
+            "clock_event_reasons": list(self.events),
+        }
+
+
+def _readings(nv: NvmlBackend, i: int, f: _Fields) -> _Readings:
+    mask = f.get("clock_event_reasons", nv.clock_event_reasons, i)
+    return _Readings(
+        power_w=f.get("power_w", nv.power_draw_w, i),
+        power_limit_w=f.get("power_limit_w", nv.power_limit_w, i),
+        temperature_c=f.get("temperature_c", nv.temperature_c, i),
+        slowdown_c=f.get("slowdown_temperature_c", nv.slowdown_temperature_c, i),
+        utilization=f.get("utilization", nv.utilization, i),
+        ecc_enabled=f.get("ecc_enabled", nv.ecc_enabled, i),
+        ecc=f.get("ecc", nv.ecc_counts, i),
+        retired=f.get("retired_pages", nv.retired_pages, i),
+        remapped=f.get("remapped_rows", nv.remapped_rows, i),
+        events=decode_clock_events(mask) if mask is not None else (),
+    )
+
+
+def _signals(
+    r: _Readings, pcie: PcieLink | None, nvlink: NvLinkInfo | None, mig: tuple[bool, bool] | None
+) -> GpuSignals:
+    return GpuSignals(
+        ecc_enabled=r.ecc_enabled,
+        ecc=r.ecc,
+        retired=r.retired,
+        remapped=r.remapped,
+        clock_events=r.events,
+        temperature_c=r.temperature_c,
+        slowdown_temperature_c=r.slowdown_c,
+        pcie_width=pcie.width if pcie else None,
+        pcie_max_width=pcie.max_width if pcie else None,
+        nvlink_active=nvlink.active_links if nvlink else 0,
+        nvlink_inactive=nvlink.inactive_links if nvlink else 0,
+        mig_pending_change=bool(mig and mig[0] != mig[1]),
+    )
+
+
+def _unreachable(i: int, f: _Fields) -> Accelerator:
+    why = f.missing.get("name", "no answer")
+    health = assess(GpuSignals(reachable=False, unreachable_reason=f"NVML cannot query GPU {i}: {why}"))
+    return Accelerator(
+        index=i,
+        kind="cuda",
+        vendor="nvidia",
+        name="unknown",
+        uuid=None,
+        memory_bytes=None,
+        compute_capability=None,
+        health=health,
+        unavailable=dict(f.missing),
+    )
+
+
 def probe_gpu(
     nv: NvmlBackend, i: int, roots: HostRoots, cpu: CpuInfo, thresholds: HealthThresholds | None = None
 ) -> Accelerator:
@@ -106,19 +197,7 @@ def probe_gpu(
     f = _Fields()
     name, uuid = f.get("name", nv.name, i), f.get("uuid", nv.uuid, i)
     if name is None and uuid is None:
-        why = f.missing.get("name", "no answer")
-        health = assess(GpuSignals(reachable=False, unreachable_reason=f"NVML cannot query GPU {i}: {why}"))
-        return Accelerator(
-            index=i,
-            kind="cuda",
-            vendor="nvidia",
-            name="unknown",
-            uuid=None,
-            memory_bytes=None,
-            compute_capability=None,
-            health=health,
-            unavailable=dict(f.missing),
-        )
+        return _unreachable(i, f)
     raw_bus = f.get("bus_id", nv.pci_bus_id, i)
     bus_id = normalize_bus_id(raw_bus) if raw_bus else None
     memory = f.get("memory", nv.memory, i)
@@ -126,43 +205,8 @@ def probe_gpu(
     affinity = f.get("cpu_affinity", nv.cpu_affinity, i) or []
     pcie = f.get("pcie", nv.pcie_link, i)
     mig = f.get("mig", nv.mig_mode, i)
-    util = f.get("utilization", nv.utilization, i)
-    ecc = f.get("ecc", nv.ecc_counts, i)
-    retired = f.get("retired_pages", nv.retired_pages, i)
-    remapped = f.get("remapped_rows", nv.remapped_rows, i)
-    mask = f.get("clock_event_reasons", nv.clock_event_reasons, i)
-    events = decode_clock_events(mask) if mask is not None else ()
     nvlink = _nvlinks(nv, i, f)
-    ecc_enabled = f.get("ecc_enabled", nv.ecc_enabled, i)
-    temp = f.get("temperature_c", nv.temperature_c, i)
-    slowdown = f.get("slowdown_temperature_c", nv.slowdown_temperature_c, i)
-    telemetry = {
-        "memory_used_bytes": memory[1] if memory else None,
-        "power_w": f.get("power_w", nv.power_draw_w, i),
-        "power_limit_w": f.get("power_limit_w", nv.power_limit_w, i),
-        "temperature_c": temp,
-        "slowdown_temperature_c": slowdown,
-        "utilization": {"gpu": util[0], "memory": util[1]} if util else None,
-        "ecc_enabled": ecc_enabled,
-        "ecc": dataclasses.asdict(ecc) if ecc else None,
-        "retired_pages": dataclasses.asdict(retired) if retired else None,
-        "remapped_rows": dataclasses.asdict(remapped) if remapped else None,
-        "clock_event_reasons": list(events),
-    }
-    signals = GpuSignals(
-        ecc_enabled=ecc_enabled,
-        ecc=ecc,
-        retired=retired,
-        remapped=remapped,
-        clock_events=events,
-        temperature_c=temp,
-        slowdown_temperature_c=slowdown,
-        pcie_width=pcie.width if pcie else None,
-        pcie_max_width=pcie.max_width if pcie else None,
-        nvlink_active=nvlink.active_links if nvlink else 0,
-        nvlink_inactive=nvlink.inactive_links if nvlink else 0,
-        mig_pending_change=bool(mig and mig[0] != mig[1]),
-    )
+    readings = _readings(nv, i, f)
     return Accelerator(
         index=i,
         kind="cuda",
@@ -177,8 +221,8 @@ def probe_gpu(
         pcie=dataclasses.asdict(pcie) if pcie else None,
         nvlink=nvlink,
         mig={"enabled": mig[0], "pending": mig[1]} if mig else None,
-        telemetry=telemetry,
-        health=assess(signals, thresholds),
+        telemetry=readings.to_dict(memory[1] if memory else None),
+        health=assess(_signals(readings, pcie, nvlink, mig), thresholds),
         spec=_spec(name) if name else None,
         source="nvml",
         unavailable=dict(f.missing),

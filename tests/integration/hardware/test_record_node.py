@@ -79,6 +79,33 @@ def test_record_inventory_of_a_replayed_node(store_env: str, tmp_path: Path) -> 
     reset_store_cache()
 
 
+def _record_many(url: str, times: int) -> None:
+    from gpuyard.hardware.probe import probe_node
+    from gpuyard.hardware.record import record_inventory
+
+    inv = probe_node(frameworks=False, hostname="shared-host")
+    store = get_store(url=url)
+    for _ in range(times):
+        record_inventory(inv, store)
+
+
+def test_concurrent_recorders_of_one_host_all_succeed(store_env: str) -> None:
+    # Two processes upsert the same hostname at once: no "database is locked", no duplicate key.
+    import multiprocessing as mp
+
+    get_store(url=store_env)  # migrate once, up front
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_record_many, args=(store_env, 10)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    with get_store(url=store_env).read() as s:
+        assert [r.hostname for r in s.query(NodeRow).all()] == ["shared-host"]
+    reset_store_cache()
+
+
 def test_cli_start_up_does_not_import_torch(gpuyard_home: Path) -> None:
     code = (
         "import sys\n"

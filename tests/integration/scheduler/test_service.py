@@ -147,3 +147,25 @@ def test_dry_run_shows_the_launch_without_launching(make_service: Callable[..., 
     assert out["fits_now"] and out["plan"]["argv"] == ["echo", "hi"]
     assert out["plan"]["env"]["CUDA_VISIBLE_DEVICES"] == "0"
     assert service.list_jobs() == []
+
+
+def test_recover_requeues_a_job_whose_launch_was_never_recorded(
+    make_service: Callable[..., Any], gpuyard_home: Path
+) -> None:
+    from gpuyard.store.tables.jobs import JobRow
+
+    service = make_service(gpus=1)
+    job = service.submit(parse_spec({"name": "r", "command": ["true"], "resources": {"gpus": 1}}))
+    with service.store.session() as s:  # as if the server died between placing and launching
+        row = s.get(JobRow, job["id"])
+        row.state, row.attempts = "scheduled", 1
+        row.placement = {"how": "test", "nodes": [{"node": "local", "gpus": [0], "cpus": 0}]}
+        row.handle = {
+            "pid_file": str(gpuyard_home / "none.pid"),
+            "exit_file": str(gpuyard_home / "none.exit"),
+        }
+    again = make_service(gpus=1)
+    assert again.recover() == {"adopted": 0, "requeued": 1}
+    doc = _run_until(again, job["id"], {"succeeded"})
+    assert doc["attempts"] == 2
+    assert [e["to"] for e in again.events(job["id"])][-4:] == ["queued", "scheduled", "running", "succeeded"]

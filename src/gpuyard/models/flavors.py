@@ -274,11 +274,13 @@ def check_model_file(path: str | Path) -> str:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"model file {p} does not exist")
-    head = p.read_bytes()[:16] if p.stat().st_size < 16 else p.open("rb").read(16)
-    if head[:1] == b"\x80" and len(head) > 1 and head[1] <= 5:
-        raise ConfigError(f"{p} is a pickle file; gpuyard never loads pickle: use safetensors, skops or ONNX")
+    # safetensors first: its 8-byte header length may well start with the byte pickle starts with.
     if _is_safetensors(p):
         return "torch"
+    with p.open("rb") as fh:
+        head = fh.read(2)
+    if len(head) == 2 and head[0] == 0x80 and head[1] <= 5:  # PROTO opcode + protocol 2..5
+        raise ConfigError(f"{p} is a pickle file; gpuyard never loads pickle: use safetensors, skops or ONNX")
     if zipfile.is_zipfile(p):
         with zipfile.ZipFile(p) as zf:
             names = zf.namelist()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 
@@ -71,6 +72,92 @@ def collective(
         f"{est.algorithm}/{est.protocol}, {est.time_s * 1e6:.1f} us, "
         f"algbw {est.algbw_GBps:.1f} GB/s, busbw {est.busbw_GBps:.1f} GB/s"
     )
+
+
+@fabric_app.command("bench")
+def bench(
+    nproc: int = typer.Option(2, "--nproc", help="Ranks to spawn on this host (ignored under torchrun)."),
+    ops: str = typer.Option(
+        "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,send_recv",
+        "--ops",
+        help="Comma-separated ops.",
+    ),
+    sizes: str = typer.Option(
+        "1KiB:64MiB", "--sizes", help="A size or MIN:MAX, doubling (nccl-tests -b/-e -f 2)."
+    ),
+    iters: int = typer.Option(
+        10, "--iters", help="Timed iterations per size (fewer when one takes > 0.5 s)."
+    ),
+    warmup: int = typer.Option(2, "--warmup", help="Untimed iterations per size."),
+    backend: str = typer.Option("auto", "--backend", help="auto (nccl with CUDA, else gloo), nccl or gloo."),
+    calibrate: Path = typer.Option(
+        None, "--calibrate", help="Fit latency and bandwidth; write a cluster file."
+    ),
+    cluster: str = typer.Option("local", "--cluster", help="Cluster the calibration starts from."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Measure collectives across processes with torch.distributed, nccl-tests style; check every result."""
+    from gpuyard.fabric.bench import BenchConfig, calibrated_cluster, run_bench
+    from gpuyard.fabric.cluster import load_cluster, save_cluster
+    from gpuyard.fabric.units import parse_size_range
+
+    cfg = BenchConfig(
+        nproc=nproc,
+        ops=tuple(o.strip() for o in ops.split(",") if o.strip()),
+        sizes=tuple(parse_size_range(sizes)),
+        warmup=warmup,
+        iters=iters,
+        backend=backend,
+    )
+    base = load_cluster(cluster) if calibrate else None
+    result = run_bench(cfg)
+    if result.rank != 0:
+        return
+    doc = result.to_dict()
+    if calibrate and base is not None:
+        fitted = calibrated_cluster(base, result)
+        save_cluster(fitted, calibrate)
+        doc["calibration"] = {
+            "file": str(calibrate),
+            "intra": fitted.intra.model_dump(),
+            "nic": fitted.nic.model_dump(),
+        }
+    if as_json:
+        typer.echo(json.dumps(doc))
+        return
+    _print_bench(result, calibrate)
+
+
+def _print_bench(result: object, calibrate: Path | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from gpuyard.fabric.bench import BenchResult
+    from gpuyard.fabric.units import format_size
+
+    assert isinstance(result, BenchResult)  # narrowing for mypy: run_bench returns one
+    table = Table(
+        title=f"{result.backend}, {result.world_size} ranks (float32, out-of-place except all_reduce)"
+    )
+    for col in ("op", "size", "count", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "iters", "correct"):
+        table.add_column(col, justify="right")
+    for r in result.rows:
+        table.add_row(
+            r.op,
+            format_size(r.size_bytes),
+            str(r.count),
+            f"{r.time_s * 1e6:.1f}",
+            f"{r.algbw_GBps:.3f}",
+            f"{r.busbw_GBps:.3f}",
+            str(r.iters),
+            "yes" if r.correct else "NO",
+        )
+    console = Console(width=max(Console().width, 100))
+    console.print(table)
+    wrong = [r for r in result.rows if not r.correct]
+    console.print(f"{len(result.rows) - len(wrong)} of {len(result.rows)} results correct")
+    if calibrate:
+        console.print(f"calibrated cluster written to {calibrate}")
 
 
 def register(app: typer.Typer) -> None:

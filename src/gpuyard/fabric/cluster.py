@@ -102,6 +102,10 @@ class Cluster(_Frozen):
     nic: Nic
     network: Network = Field(default_factory=Network)
     compute: Compute = Field(default_factory=Compute)
+    collective_model: Literal["nccl", "alpha-beta"] = Field(
+        default="nccl",
+        description="nccl: NCCL's protocols (LL, Simple); alpha-beta: one latency, one bandwidth.",
+    )
     sources: tuple[str, ...] = Field(default=(), description="Where the figures come from.")
 
     def __hash__(self) -> int:

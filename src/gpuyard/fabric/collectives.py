@@ -57,6 +57,8 @@ class Protocol:
 # Base latencies are NCCL's tuner values for ring (6.6 us LL, 8.4 us Simple); the hop multiplier
 # keeps NCCL's ratio between Simple and LL hop latency on NVLink (about 4x).
 PROTOCOLS = (Protocol("LL", 6.6e-6, 1.0, 1 / 3, 0.0), Protocol("Simple", 8.4e-6, 4.0, 1.0, SIMPLE_RAMP_BYTES))
+# Clusters calibrated by `gpuyard fabric bench` (gloo and the like): one hop latency, one bandwidth.
+ALPHA_BETA = (Protocol("alpha-beta", 0.0, 1.0, 1.0, 0.0),)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Links:
     alpha_net: float
     bw_net: float
     bw_nvls: float
+    protocols: tuple[Protocol, ...] = PROTOCOLS
 
 
 @dataclass(frozen=True)
@@ -139,13 +142,16 @@ def links(cluster: Cluster, p: Placement) -> Links:
         alpha_net=alpha_net,
         bw_net=max(nic_bytes * share, 1.0),
         bw_nvls=intra.bw_GBps * 1e9 * intra.nvls_efficiency if intra.nvls else 0.0,
+        protocols=ALPHA_BETA if cluster.collective_model == "alpha-beta" else PROTOCOLS,
     )
 
 
-def _best(steps: float, hop: float, wire: float, bw: float, eff: float = 1.0) -> tuple[float, str]:
+def _best(
+    steps: float, hop: float, wire: float, bw: float, protocols: tuple[Protocol, ...], eff: float = 1.0
+) -> tuple[float, str]:
     """Cheapest protocol for a pipeline of ``steps`` hops moving ``wire`` bytes per rank."""
     best = (math.inf, "")
-    for pr in PROTOCOLS:
+    for pr in protocols:
         t = pr.base_s + steps * hop * pr.hop_mult + (wire + pr.ramp_bytes) / (bw * pr.bw_frac * eff)
         best = min(best, (t, pr.name))
     return best
@@ -166,16 +172,18 @@ def _candidates(op: str, size: float, p: Placement, lk: Links) -> list[tuple[flo
     hop, bw = _ring_link(p, lk)
     out: list[tuple[float, str, str]] = []
     if op == "all_reduce":
-        out.append((*_best(2 * (n - 1), hop, 2 * (n - 1) / n * size, bw), "ring"))
+        out.append((*_best(2 * (n - 1), hop, 2 * (n - 1) / n * size, bw, lk.protocols), "ring"))
         if m == 1 and lk.bw_nvls > 0 and n > 2:
-            out.append((*_best(2, lk.alpha_intra, size, lk.bw_nvls), "nvls"))
+            out.append((*_best(2, lk.alpha_intra, size, lk.bw_nvls, lk.protocols), "nvls"))
         if m > 1:
             depth = (k - 1) * lk.alpha_intra + math.ceil(math.log2(m)) * lk.alpha_net
-            out.append((*_best(2, depth, 2 * size, min(bw, lk.bw_net), TREE_EFFICIENCY), "tree"))
+            out.append(
+                (*_best(2, depth, 2 * size, min(bw, lk.bw_net), lk.protocols, TREE_EFFICIENCY), "tree")
+            )
         if m > 1 and k > 1:
             inner = Placement(k, k, 1)
             outer = Placement(m, 1, m)
-            outer_links = Links(lk.alpha_intra, lk.bw_intra, lk.alpha_net, lk.bw_net / k, 0.0)
+            outer_links = Links(lk.alpha_intra, lk.bw_intra, lk.alpha_net, lk.bw_net / k, 0.0, lk.protocols)
             t = (
                 _time("reduce_scatter", size, inner, lk)[0]
                 + _time("all_reduce", size / k, outer, outer_links)[0]
@@ -183,19 +191,19 @@ def _candidates(op: str, size: float, p: Placement, lk: Links) -> list[tuple[flo
             )
             out.append((t, "Simple", "hierarchical"))
     elif op in ("all_gather", "reduce_scatter"):
-        out.append((*_best(n - 1, hop, (n - 1) / n * size, bw), "ring"))
+        out.append((*_best(n - 1, hop, (n - 1) / n * size, bw, lk.protocols), "ring"))
     elif op == "broadcast":
-        out.append((*_best(n - 1, hop, size, bw), "ring"))
+        out.append((*_best(n - 1, hop, size, bw, lk.protocols), "ring"))
     elif op == "all_to_all":
         intra_t = (k - 1) / n * size / lk.bw_intra if k > 1 else 0.0
         net_t = (n - k) / n * size / (lk.bw_net / k) if m > 1 else 0.0
         alpha = lk.alpha_net if m > 1 else lk.alpha_intra
-        simple = PROTOCOLS[-1]
+        simple = lk.protocols[-1]
         t = simple.base_s + alpha + (n - 1) * PEER_OVERHEAD_S + max(intra_t, net_t) + simple.ramp_bytes / bw
         out.append((t, "Simple", "direct"))
     elif op == "send_recv":
         alpha, link_bw = (lk.alpha_intra, lk.bw_intra) if m == 1 else (lk.alpha_net, lk.bw_net / k)
-        out.append((*_best(1, alpha, size, link_bw), "direct"))
+        out.append((*_best(1, alpha, size, link_bw, lk.protocols), "direct"))
     return out
 
 

@@ -1,0 +1,162 @@
+"""Drift references and alerts in the state store, and the hook from an alert to the retraining policy."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+import numpy as np
+from sqlalchemy import select
+
+from gpuyard.errors import GpuyardError
+from gpuyard.serve.drift import build_reference
+from gpuyard.serve.model import ServedModel
+from gpuyard.store import get_store
+from gpuyard.store.tables.serve import DriftAlertRow, DriftReferenceRow
+
+log = logging.getLogger("gpuyard.serve")
+REFERENCE_ROWS = 2000  # training rows sampled to build a reference
+# The retraining policy's entry point (model-management area); looked up when an alert fires.
+RETRAIN_HOOK = "gpuyard.models.retrain:on_drift_alert"
+
+
+def save_reference(name: str, version: int, reference: dict[str, Any]) -> None:
+    """Store (or replace) the drift reference of ``name:version``."""
+    with get_store().session() as s:
+        row = s.get(DriftReferenceRow, (name, version))
+        if row is None:
+            s.add(
+                DriftReferenceRow(
+                    model_name=name, model_version=version, source=reference["source"], reference=reference
+                )
+            )
+        else:
+            row.source, row.reference = reference["source"], reference
+
+
+def load_reference(name: str, version: int) -> dict[str, Any] | None:
+    """The stored drift reference of ``name:version``, or None."""
+    with get_store().read() as s:
+        row = s.get(DriftReferenceRow, (name, version))
+        return dict(row.reference) if row is not None else None
+
+
+def reference_from_array(model: ServedModel, X: np.ndarray, source: str = "array") -> dict[str, Any]:
+    """Build and store the reference of ``model`` from training inputs ``X`` (library use, tests)."""
+    X = np.asarray(X, dtype=np.float32).reshape(len(X), *model.spec.shape)
+    if len(X) > REFERENCE_ROWS:
+        X = X[np.random.default_rng(0).choice(len(X), REFERENCE_ROWS, replace=False)]
+    preds = model.forward(X)["predictions"]
+    ref = build_reference(X, preds, model.task, model.spec.feature_names(), source)
+    save_reference(model.name, model.version, ref)
+    return ref
+
+
+def reference_for(model: ServedModel) -> tuple[dict[str, Any] | None, str]:
+    """The reference for ``model``: stored, else built from the training dataset in its lineage.
+
+    Returns:
+        (reference or None, a one-line reason saying where it came from or why there is none).
+    """
+    ref = load_reference(model.name, model.version)
+    if ref is not None:
+        return ref, f"stored reference ({ref['source']})"
+    record = model.record
+    lineage = getattr(record, "lineage", {}) or {}
+    dataset = lineage.get("dataset_ref") or getattr(record, "dataset_version", None)
+    if not dataset:
+        return None, "no training dataset in the model's lineage; set one with reference_from_array()"
+    from gpuyard.models.datasets import load_dataset
+
+    try:
+        ds = load_dataset(str(dataset))
+        return reference_from_array(model, ds.X, source=f"dataset:{dataset}"), f"built from {dataset}"
+    except (GpuyardError, ValueError, OSError) as exc:
+        return None, f"training dataset {dataset!r} could not be loaded: {exc}"
+
+
+def record_alerts(model: ServedModel, alerts: list[dict[str, Any]], deployment_id: int | None) -> list[int]:
+    """Write ``alerts`` (from :class:`~gpuyard.serve.drift.DriftMonitor`) and run the retraining hook."""
+    ids: list[int] = []
+    with get_store().session() as s:
+        for a in alerts:
+            row = DriftAlertRow(
+                deployment_id=deployment_id,
+                model_name=model.name,
+                model_version=model.version,
+                kind=a["kind"],
+                feature=a["feature"],
+                metric=a["metric"],
+                value=float(a["value"]),
+                threshold=float(a["threshold"]),
+                window_rows=int(a["window"]),
+                detail=_jsonable(a["detail"]),
+            )
+            s.add(row)
+            s.flush()
+            ids.append(row.id)
+    outcome = run_retrain_hook(model, alerts)
+    if outcome is not None:
+        with get_store().session() as s:
+            for row in s.scalars(select(DriftAlertRow).where(DriftAlertRow.id.in_(ids))):
+                row.retrain = outcome
+    return ids
+
+
+def run_retrain_hook(model: ServedModel, alerts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Call the retraining policy with the alerts, if the model-management area provides one.
+
+    Returns:
+        None when there is no policy function; else ``{"hook": ..., "result": ...}`` or ``{"error": ...}``.
+    """
+    module_name, _, attr = RETRAIN_HOOK.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr, None)
+    except ImportError:
+        return None
+    if fn is None:
+        return None
+    try:
+        result = fn(model_name=model.name, version=model.version, alerts=_jsonable(alerts))
+        return {"hook": RETRAIN_HOOK, "result": _jsonable(result)}
+    except Exception as exc:  # the policy's failure is recorded with the alert, never fatal to serving
+        log.warning("retraining hook %s failed: %s", RETRAIN_HOOK, exc)
+        return {"hook": RETRAIN_HOOK, "error": str(exc)[:500]}
+
+
+def list_alerts(model_name: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+    """Newest alerts first, optionally of one model."""
+    q = select(DriftAlertRow).order_by(DriftAlertRow.id.desc()).limit(limit)
+    if model_name:
+        q = q.where(DriftAlertRow.model_name == model_name)
+    with get_store().read() as s:
+        return [
+            {
+                "id": r.id,
+                "deployment_id": r.deployment_id,
+                "model": r.model_name,
+                "version": r.model_version,
+                "kind": r.kind,
+                "feature": r.feature,
+                "metric": r.metric,
+                "value": r.value,
+                "threshold": r.threshold,
+                "window": r.window_rows,
+                "retrain": r.retrain,
+                "created_at": r.created_at.isoformat(),
+            }
+            for r in s.scalars(q)
+        ]
+
+
+def _jsonable(doc: Any) -> Any:
+    if isinstance(doc, dict):
+        return {str(k): _jsonable(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [_jsonable(v) for v in doc]
+    if isinstance(doc, np.generic):
+        return doc.item()
+    if isinstance(doc, float) and not np.isfinite(doc):
+        return None
+    return doc

@@ -1,0 +1,297 @@
+"""Drift: served inputs and predictions over a sliding window, against the training data's reference.
+
+Two tests per feature, both standard in model monitoring:
+
+- PSI (population stability index) over the reference's decile bins,
+  ``sum((a - e) * ln(a / e))``. The usual reading (Siddiqi, *Credit Risk Scorecards*, 2006):
+  below 0.1 stable, 0.1-0.25 some shift, above 0.25 a significant shift; 0.25 is the default alert.
+- Kolmogorov-Smirnov two-sample test (``scipy.stats.ks_2samp``) between the window and a reference
+  sample; the p-value threshold is divided by the number of features (Bonferroni), so a model with
+  64 features does not alert on chance alone.
+
+Predictions drift the same way: class proportions (PSI) for a classifier, values (PSI and KS) for a
+regressor, against the model's own predictions on the reference sample.
+
+The reference (bin edges, expected proportions, a sample of at most ``SAMPLE`` values per feature)
+comes from the training dataset recorded in the model version's lineage: the dataset manifests keep
+count/mean/std/min/max per column, which is not enough for KS, so the reference is computed once from
+the dataset itself and cached in the ``serve_drift_references`` table for every replica and restart.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpuyard.errors import ConfigError
+
+SAMPLE = 500  # reference values kept per feature for KS (JSON in the store; ~4 kB per feature)
+MAX_FEATURES = 64  # the first features monitored; wider inputs (images) are summarised by these
+BINS = 10
+EPS = 1e-4  # floor of a bin's share, so an empty bin does not make PSI infinite
+
+
+@dataclass(frozen=True)
+class DriftConfig:
+    """Drift monitoring settings.
+
+    Attributes:
+        window: served samples in the sliding window.
+        min_rows: samples needed in the window before any test runs.
+        interval_s: seconds between evaluations (a background thread; the model thread only copies rows).
+        psi_threshold: PSI at or above which a feature alerts.
+        ks_alpha: family-wise KS significance (divided by the number of features).
+        cooldown_s: a feature that alerted stays quiet for this long (one alert per episode).
+    """
+
+    window: int = 1000
+    min_rows: int = 200
+    interval_s: float = 5.0
+    psi_threshold: float = 0.25
+    ks_alpha: float = 0.001
+    cooldown_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.window < 10 or not 10 <= self.min_rows <= self.window:
+            raise ConfigError(
+                f"drift window={self.window}, min_rows={self.min_rows}: need 10 <= min_rows <= window"
+            )
+        if self.interval_s <= 0 or self.psi_threshold <= 0 or not 0 < self.ks_alpha < 1:
+            raise ConfigError("drift interval_s and psi_threshold must be > 0, ks_alpha in (0, 1)")
+
+
+def _edges(values: np.ndarray) -> list[float]:
+    qs = np.quantile(values, np.linspace(0, 1, BINS + 1)[1:-1])
+    return [float(x) for x in np.unique(qs)]
+
+
+def _shares(values: np.ndarray, edges: list[float]) -> np.ndarray:
+    counts = np.bincount(np.searchsorted(np.asarray(edges), values, side="right"), minlength=len(edges) + 1)
+    return counts / max(len(values), 1)
+
+
+def psi(expected: np.ndarray, actual: np.ndarray) -> float:
+    """Population stability index of two share vectors (each summing to 1)."""
+    e = np.clip(np.asarray(expected, dtype=np.float64), EPS, None)
+    a = np.clip(np.asarray(actual, dtype=np.float64), EPS, None)
+    return float(np.sum((a - e) * np.log(a / e)))
+
+
+def ks(sample: np.ndarray, values: np.ndarray) -> tuple[float, float]:
+    """KS two-sample statistic and p-value."""
+    from scipy.stats import ks_2samp
+
+    res = ks_2samp(sample, values)
+    return float(res.statistic), float(res.pvalue)
+
+
+def build_reference(
+    X: np.ndarray, predictions: np.ndarray, task: str, names: list[str], source: str, seed: int = 0
+) -> dict[str, Any]:
+    """The reference document for inputs ``X`` (training data) and the model's predictions on them."""
+    rng = np.random.default_rng(seed)
+    flat = np.asarray(X, dtype=np.float64).reshape(len(X), -1)[:, :MAX_FEATURES]
+    features = []
+    for j in range(flat.shape[1]):
+        col = flat[:, j]
+        edges = _edges(col)
+        sample = np.sort(rng.choice(col, size=min(SAMPLE, len(col)), replace=False))
+        features.append(
+            {
+                "name": names[j],
+                "edges": edges,
+                "expected": _shares(col, edges).tolist(),
+                "sample": sample.tolist(),
+            }
+        )
+    preds = np.asarray(predictions).reshape(len(predictions))
+    if task == "classification":
+        labels, counts = np.unique(preds, return_counts=True)
+        pred_ref = {
+            "kind": "classes",
+            "labels": labels.tolist(),
+            "expected": (counts / counts.sum()).tolist(),
+        }
+    else:
+        vals = preds.astype(np.float64)
+        edges = _edges(vals)
+        sample = np.sort(rng.choice(vals, size=min(SAMPLE, len(vals)), replace=False))
+        pred_ref = {
+            "kind": "values",
+            "edges": edges,
+            "expected": _shares(vals, edges).tolist(),
+            "sample": sample.tolist(),
+        }
+    return {"source": source, "rows": len(flat), "features": features, "predictions": pred_ref}
+
+
+def compare(
+    reference: dict[str, Any], inputs: np.ndarray, predictions: np.ndarray, cfg: DriftConfig
+) -> dict[str, Any]:
+    """Every drift figure of a window against ``reference``; ``drifted`` lists what crossed a threshold."""
+    feats = reference["features"]
+    ks_p = cfg.ks_alpha / max(len(feats), 1)
+    out: list[dict[str, Any]] = []
+    for j, f in enumerate(feats):
+        col = inputs[:, j].astype(np.float64)
+        p = psi(np.asarray(f["expected"]), _shares(col, f["edges"]))
+        stat, pvalue = ks(np.asarray(f["sample"]), col)
+        out.append(
+            {
+                "feature": f["name"],
+                "psi": round(p, 5),
+                "ks": round(stat, 5),
+                "ks_pvalue": pvalue,
+                "drift_psi": p >= cfg.psi_threshold,
+                "drift_ks": pvalue < ks_p,
+            }
+        )
+    pred = _prediction_drift(reference["predictions"], predictions, ks_p, cfg)
+    return {
+        "rows": len(inputs),
+        "ks_pvalue_threshold": ks_p,
+        "psi_threshold": cfg.psi_threshold,
+        "features": out,
+        "predictions": pred,
+    }
+
+
+def _prediction_drift(
+    ref: dict[str, Any], preds: np.ndarray, ks_p: float, cfg: DriftConfig
+) -> dict[str, Any]:
+    if ref["kind"] == "classes":
+        labels = list(ref["labels"])
+        index = {str(v): i for i, v in enumerate(labels)}
+        counts = np.zeros(len(labels) + 1)  # last bin: labels never seen in training
+        for v, c in zip(*np.unique(preds, return_counts=True), strict=True):
+            counts[index.get(str(v.item() if hasattr(v, "item") else v), len(labels))] += c
+        p = psi(np.append(ref["expected"], 0.0), counts / max(counts.sum(), 1))
+        return {"psi": round(p, 5), "drift_psi": p >= cfg.psi_threshold}
+    vals = preds.astype(np.float64)
+    p = psi(np.asarray(ref["expected"]), _shares(vals, ref["edges"]))
+    stat, pvalue = ks(np.asarray(ref["sample"]), vals)
+    return {
+        "psi": round(p, 5),
+        "ks": round(stat, 5),
+        "ks_pvalue": pvalue,
+        "drift_psi": p >= cfg.psi_threshold,
+        "drift_ks": pvalue < ks_p,
+    }
+
+
+class DriftMonitor:
+    """A ring buffer of served rows and predictions, evaluated by a background thread.
+
+    Args:
+        reference: from :func:`build_reference`.
+        config: window and thresholds.
+        on_alert: called (in the evaluator thread) with the list of new alerts.
+        on_report: called with every report (metrics gauges hang here).
+    """
+
+    def __init__(
+        self,
+        reference: dict[str, Any],
+        config: DriftConfig,
+        on_alert: Callable[[list[dict[str, Any]]], None] | None = None,
+        on_report: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.reference, self.config = reference, config
+        self.on_alert, self.on_report = on_alert, on_report
+        self.n_features = len(reference["features"])
+        self._x = np.zeros((config.window, self.n_features), dtype=np.float32)
+        self._p = np.zeros(config.window, dtype=np.float64)
+        self._pos = self._count = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_alert: dict[tuple[str, str], float] = {}
+        self.last_report: dict[str, Any] | None = None
+
+    def observe(self, inputs: np.ndarray, predictions: np.ndarray) -> None:
+        """Copy a batch into the window (called from the model thread: a copy, no statistics)."""
+        x = inputs.reshape(len(inputs), -1)[:, : self.n_features]
+        p = np.asarray(predictions, dtype=np.float64).reshape(len(inputs))
+        w = self.config.window
+        with self._lock:
+            for start in range(0, len(x), w):
+                chunk, pchunk = x[start : start + w], p[start : start + w]
+                idx = (self._pos + np.arange(len(chunk))) % w
+                self._x[idx], self._p[idx] = chunk, pchunk
+                self._pos = (self._pos + len(chunk)) % w
+                self._count = min(self._count + len(chunk), w)
+
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        """The window's rows and predictions (copies)."""
+        with self._lock:
+            return self._x[: self._count].copy(), self._p[: self._count].copy()
+
+    def evaluate(self) -> dict[str, Any] | None:
+        """Run the tests on the current window; return the report (None below ``min_rows``)."""
+        x, p = self.snapshot()
+        if len(x) < self.config.min_rows:
+            return None
+        report = compare(self.reference, x, p, self.config)
+        report["at"] = time.time()
+        self.last_report = report
+        if self.on_report is not None:
+            self.on_report(report)
+        alerts = self._new_alerts(report)
+        if alerts and self.on_alert is not None:
+            self.on_alert(alerts)
+        return report
+
+    def _new_alerts(self, report: dict[str, Any]) -> list[dict[str, Any]]:
+        now, alerts = time.monotonic(), []
+        rows = [("input_drift", f) for f in report["features"]] + [
+            ("prediction_drift", report["predictions"])
+        ]
+        for kind, fig in rows:
+            for metric, threshold in (
+                ("psi", report["psi_threshold"]),
+                ("ks", report["ks_pvalue_threshold"]),
+            ):
+                if not fig.get(f"drift_{metric}"):
+                    continue
+                key = (str(fig.get("feature", "")), metric)
+                if now - self._last_alert.get(key, -np.inf) < self.config.cooldown_s:
+                    continue
+                self._last_alert[key] = now
+                value = fig["psi"] if metric == "psi" else fig["ks_pvalue"]
+                alerts.append(
+                    {
+                        "kind": kind,
+                        "feature": fig.get("feature"),
+                        "metric": metric,
+                        "value": value,
+                        "threshold": threshold,
+                        "window": report["rows"],
+                        "detail": fig,
+                    }
+                )
+        return alerts
+
+    def start(self) -> None:
+        """Evaluate every ``interval_s`` seconds in a daemon thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="gpuyard-drift", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the evaluator thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.config.interval_s):
+            try:
+                self.evaluate()
+            except Exception:  # a failed evaluation is retried next interval; serving goes on
+                continue

@@ -1,0 +1,79 @@
+"""Two reference models for the server's tests, benchmark and docs: a tiny MLP and a small CNN.
+
+They are factories (``gpuyard.serve.examples:tiny_mlp``) so the registry can store their weights as
+safetensors and rebuild them in any replica process. The MLP is so small that HTTP handling dominates
+its cost; the CNN's single-sample forward pass takes a few milliseconds on a laptop core, so
+batching decides its throughput.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def tiny_mlp(in_features: int = 16, hidden: int = 32, classes: int = 4) -> Any:
+    """Linear -> ReLU -> Linear."""
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+
+def small_cnn(channels: int = 32, classes: int = 10, size: int = 28) -> Any:
+    """Three 3x3 conv blocks (1 -> c -> 2c -> 2c), pooling, a linear head; input ``(1, size, size)``."""
+    from torch import nn
+
+    c = channels
+    return nn.Sequential(
+        nn.Conv2d(1, c, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(c, 2 * c, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(2 * c, 2 * c, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(2 * c * (size // 4) ** 2, classes),
+    )
+
+
+def register_example(name: str, kind: str = "mlp", seed: int = 0, **kwargs: Any) -> Any:
+    """Register ``tiny_mlp`` or ``small_cnn`` with random weights, fitted to N(0, 1) inputs.
+
+    The signature is inferred from those inputs, and they become the model's drift reference.
+
+    Returns:
+        (the ModelVersion, the reference inputs ``X`` the signature was inferred from).
+    """
+    import torch
+
+    from gpuyard.models.registry import register_model
+    from gpuyard.models.signature import infer_signature
+
+    torch.manual_seed(seed)
+    factory = {"mlp": tiny_mlp, "cnn": small_cnn}[kind]
+    module = factory(**kwargs).eval()
+    rng = np.random.default_rng(seed)
+    if kind == "mlp":
+        X = rng.normal(size=(512, kwargs.get("in_features", 16))).astype(np.float32)
+    else:
+        size = kwargs.get("size", 28)
+        X = rng.normal(size=(64, 1, size, size)).astype(np.float32)
+    with torch.inference_mode():
+        preds = module(torch.from_numpy(X)).argmax(1).numpy()
+    signature = infer_signature(X, preds, "classification")
+    mv = register_model(
+        name,
+        module,
+        "classification",
+        signature,
+        factory=f"gpuyard.serve.examples:{factory.__name__}",
+        factory_kwargs=kwargs,
+    )
+    from gpuyard.serve.alerts import reference_from_array
+    from gpuyard.serve.model import load_served
+
+    reference_from_array(load_served(mv.ref), X, source="example:N(0,1)")
+    return mv, X

@@ -1,0 +1,272 @@
+"""Running a model server: one process per replica, all accepting on one listening socket.
+
+The parent binds the socket (so ``--port 0`` works and the URL is known before any replica is up),
+then either serves in-process (one replica) or starts R replica processes that inherit the socket's
+file descriptor; the kernel hands each new connection to one of them. Each replica loads the model,
+warms it up, runs ``gc.collect(); gc.freeze()`` (a full collection of a big heap stalls every request
+in flight for ~100 ms on this kind of machine) and serves with uvicorn on uvloop + httptools.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gpuyard.errors import ConfigError
+from gpuyard.serve.batching import BatchConfig
+from gpuyard.serve.drift import DriftConfig
+
+log = logging.getLogger("gpuyard.serve")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Everything ``gpuyard serve`` takes besides the model reference.
+
+    Attributes:
+        host: interface to bind (127.0.0.1 unless you mean to expose the model).
+        port: TCP port; 0 picks a free one.
+        replicas: server processes sharing the port (one per GPU where there are GPUs).
+        device: auto, cpu, cuda or cuda:N.
+        batch: batching settings (``threads`` 0 means cores / replicas).
+        max_body_bytes: bodies above this get 413.
+        max_rows: most samples per request.
+        drift: monitor drift when the model has a reference.
+        drift_config: window and thresholds.
+        deployment_id: the store record to keep up to date (set by ``gpuyard deploy``).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    replicas: int = 1
+    device: str = "auto"
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    max_body_bytes: int = 4 << 20
+    max_rows: int = 1024
+    drift: bool = True
+    drift_config: DriftConfig = field(default_factory=DriftConfig)
+    deployment_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.replicas <= 64:
+            raise ConfigError(f"--replicas {self.replicas}: must be between 1 and 64")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port}: must be between 0 and 65535")
+        if self.max_body_bytes < 1024 or self.max_rows < 1:
+            raise ConfigError("max_body_bytes must be >= 1024 and max_rows >= 1")
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict (nested configs included)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> ServeOptions:
+        """Inverse of :meth:`to_json`."""
+        doc = dict(doc)
+        doc["batch"] = BatchConfig(**doc["batch"])
+        doc["drift_config"] = DriftConfig(**doc["drift_config"])
+        return cls(**doc)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (inheritable, so replica processes can accept on it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    """``http://host:port`` of a bound socket."""
+    host, port = sock.getsockname()[:2]
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int = 0) -> None:
+    """Load ``ref`` and serve it on ``sock`` until SIGTERM/SIGINT (runs in the replica's process)."""
+    import uvicorn
+
+    from gpuyard.serve.alerts import reference_for
+    from gpuyard.serve.batching import Batcher
+    from gpuyard.serve.drift import DriftMonitor
+    from gpuyard.serve.model import load_served, resolve_device, warm_up
+    from gpuyard.serve.monitor import ServeMetrics
+    from gpuyard.serve.server import AppConfig, create_app
+
+    threads = opts.batch.threads or max(1, (os.cpu_count() or 1) // opts.replicas)
+    model = load_served(ref, resolve_device(opts.device, index), opts.max_rows)
+    warm_up(model)
+    metrics = ServeMetrics(model.name, model.version)
+    monitor, note = None, "disabled (--no-drift)"
+    if opts.drift:
+        reference, note = reference_for(model)
+        if reference is not None:
+            monitor = DriftMonitor(
+                reference,
+                opts.drift_config,
+                on_alert=lambda alerts: _record(model, alerts, opts.deployment_id),
+                on_report=lambda rep: _publish(metrics, rep),
+            )
+
+    def on_batch(inputs: Any, outputs: dict[str, Any], _requests: int, seconds: float) -> None:
+        metrics.observe_batch(len(inputs), seconds)
+        if monitor is not None:
+            monitor.observe(inputs, outputs["predictions"])
+
+    def setup() -> None:
+        import torch
+
+        torch.set_num_threads(threads)  # per thread: this is the thread that runs the model
+
+    batcher = Batcher(
+        model.forward, BatchConfig(**{**asdict(opts.batch), "threads": threads}), on_batch, setup
+    )
+    app = create_app(
+        model, batcher, metrics, monitor, note, AppConfig(opts.max_body_bytes, opts.deployment_id)
+    )
+    batcher.start()
+    if monitor is not None:
+        monitor.start()
+    gc.collect()
+    gc.freeze()  # everything loaded so far is never scanned again by the collector
+    config = uvicorn.Config(
+        app,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        log_level="warning",
+        lifespan="off",
+        timeout_keep_alive=30,
+        backlog=2048,
+    )
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        batcher.stop()
+        if monitor is not None:
+            monitor.stop()
+
+
+def _record(model: Any, alerts: list[dict[str, Any]], deployment_id: int | None) -> None:
+    from gpuyard.serve.alerts import record_alerts
+
+    record_alerts(model, alerts, deployment_id)
+
+
+def _publish(metrics: Any, report: dict[str, Any]) -> None:
+    for f in report["features"]:
+        metrics.set_drift(f["feature"], "psi", f["psi"])
+        metrics.set_drift(f["feature"], "ks", f["ks"])
+    metrics.set_drift("__predictions__", "psi", report["predictions"]["psi"])
+
+
+def serve(ref: str, opts: ServeOptions, on_ready: Any = None) -> None:
+    """Serve ``ref`` with ``opts.replicas`` processes until SIGTERM/SIGINT.
+
+    Args:
+        ref: ``NAME``, ``NAME:V`` or ``NAME@ALIAS``.
+        opts: server options.
+        on_ready: called with (url, pids) once ``/ready`` answers 200.
+    """
+    sock = bind(opts.host, opts.port)
+    url = url_of(sock)
+    pids = {"server": os.getpid(), "replicas": [os.getpid()]}
+    if opts.replicas == 1:
+        _watch_ready(url, lambda: on_ready(url, pids) if on_ready else None)
+        print(f"serving {ref} at {url} (1 replica)", flush=True)
+        serve_replica(ref, opts, sock, 0)
+        return
+    _serve_many(ref, opts, sock, url, on_ready)
+
+
+def _serve_many(ref: str, opts: ServeOptions, sock: socket.socket, url: str, on_ready: Any) -> None:
+    prom_dir = tempfile.mkdtemp(prefix="gpuyard-prom-")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": prom_dir}
+    payload = json.dumps(opts.to_json())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "gpuyard.serve.replica", ref, str(sock.fileno()), str(i), payload],
+            pass_fds=(sock.fileno(),),
+            env=env,
+        )
+        for i in range(opts.replicas)
+    ]
+    pids = {"server": os.getpid(), "replicas": [p.pid for p in procs]}
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    _watch_ready(url, lambda: on_ready(url, pids) if on_ready else None, expect=opts.replicas)
+    print(f"serving {ref} at {url} ({opts.replicas} replicas: pids {pids['replicas']})", flush=True)
+    try:
+        while not stop.wait(0.5):
+            if any(p.poll() is not None for p in procs):
+                dead = [p.pid for p in procs if p.poll() is not None]
+                raise ConfigError(f"replica process(es) {dead} exited; see the log above")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        sock.close()
+
+
+def _watch_ready(url: str, callback: Any, expect: int = 1, timeout_s: float = 300.0) -> None:
+    """In a daemon thread: poll ``/ready`` until it answers 200 ``expect`` times in a row, then call back."""
+
+    def poll() -> None:
+        import httpx
+
+        deadline, streak = time.monotonic() + timeout_s, 0
+        while time.monotonic() < deadline and streak < expect * 2:
+            try:  # a fresh connection each time: the kernel may hand it to any replica
+                streak = streak + 1 if httpx.get(f"{url}/ready", timeout=2.0).status_code == 200 else 0
+            except httpx.HTTPError:
+                streak = 0
+            if streak < expect * 2:
+                time.sleep(0.1)
+        if streak >= expect * 2:
+            try:
+                callback()
+            except Exception as exc:  # a store hiccup must not stop the server from serving
+                log.warning("could not record readiness: %s", exc)
+
+    threading.Thread(target=poll, name="gpuyard-ready", daemon=True).start()
+
+
+def serve_with_record(ref: str, opts: ServeOptions) -> None:
+    """:func:`serve`, keeping the deployment record (when ``opts.deployment_id``) up to date."""
+    if opts.deployment_id is None:
+        serve(ref, opts)
+        return
+    from gpuyard.serve.deploy import mark
+
+    def ready(url: str, pids: dict[str, Any]) -> None:
+        mark(opts.deployment_id, "running", url=url, pids=pids)  # type: ignore[arg-type]
+
+    try:
+        serve(ref, opts, on_ready=ready)
+    except BaseException as exc:
+        mark(opts.deployment_id, "failed", error=str(exc)[:1000] or type(exc).__name__)
+        raise
+    mark(opts.deployment_id, "stopped")

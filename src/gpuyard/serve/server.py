@@ -1,0 +1,249 @@
+"""The model server's HTTP app (FastAPI): predict with dynamic batching, health, readiness, metrics, drift.
+
+Routes:
+  ``POST /v1/models/{name}/predict``  JSON (``{"inputs": [...]}``) or ``application/x-safetensors``
+  ``GET  /v1/models``, ``/v1/models/{name}``  what is served (version, signature, batching)
+  ``GET  /v1/models/{name}/stats``  p50/p95/p99 latency, throughput, batch sizes, errors (this process)
+  ``GET  /v1/models/{name}/drift``  the latest drift report; ``/alerts`` the alerts in the store
+  ``GET  /health`` (the process answers), ``/ready`` (the model thread is up), ``/metrics`` (Prometheus)
+
+The predict route reads the raw body itself (no pydantic model on the hot path) and documents the
+request schema through ``openapi_extra``, so fuzzers and clients still see it in ``/openapi.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from gpuyard.errors import GpuyardError
+from gpuyard.serve.batching import BatchConfig, Batcher
+from gpuyard.serve.codec import (
+    JSON_MEDIA,
+    TENSOR_MEDIA,
+    decode_json,
+    decode_tensor,
+    encode_json,
+    encode_tensor,
+)
+from gpuyard.serve.drift import DriftMonitor
+from gpuyard.serve.model import ServedModel
+from gpuyard.serve.monitor import ServeMetrics
+
+PROM_MEDIA = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """HTTP-level limits.
+
+    Attributes:
+        max_body_bytes: larger bodies get 413 before they are read in full.
+        deployment_id: the deployment record this server belongs to (alerts point at it).
+    """
+
+    max_body_bytes: int = 4 << 20
+    deployment_id: int | None = None
+
+
+class NotServed(GpuyardError):
+    """The URL names a model this server does not serve."""
+
+    http_status = 404
+
+
+class TooLarge(GpuyardError):
+    """The body exceeds ``max_body_bytes``."""
+
+    http_status = 413
+
+
+def _request_schema(model: ServedModel) -> dict[str, Any]:
+    sample_shape = list(model.spec.shape)
+    number = {"type": "number"}
+    sample: dict[str, Any] = number
+    for dim in reversed(sample_shape):
+        sample = {"type": "array", "items": sample, "minItems": dim, "maxItems": dim}
+    batch = {"type": "array", "items": sample, "minItems": 1, "maxItems": model.spec.max_rows}
+    return {
+        "required": True,
+        "content": {
+            JSON_MEDIA: {
+                "schema": {
+                    "type": "object",
+                    "required": ["inputs"],
+                    "properties": {"inputs": {"oneOf": [batch, sample]}},
+                }
+            },
+            TENSOR_MEDIA: {
+                "schema": {
+                    "type": "string",
+                    "format": "binary",
+                    "description": "safetensors file with a float tensor named 'inputs'",
+                }
+            },
+        },
+    }
+
+
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"description": "unreadable body"},
+    404: {"description": "no such model on this server"},
+    413: {"description": "body too large"},
+    422: {"description": "input does not match the model's signature"},
+    503: {"description": "overloaded or not ready"},
+}
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise TooLarge(f"body of {length} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error(exc: GpuyardError) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, status_code=exc.http_status)
+
+
+_REASONS = {400: "bad_body", 404: "unknown_model", 413: "too_large", 422: "signature", 503: "overloaded"}
+
+
+def create_app(
+    model: ServedModel,
+    batcher: Batcher,
+    metrics: ServeMetrics,
+    drift: DriftMonitor | None = None,
+    drift_note: str = "",
+    config: AppConfig = AppConfig(),
+) -> FastAPI:
+    """Build the app for one model; the caller starts/stops ``batcher`` and ``drift`` (see :mod:`runner`)."""
+    app = FastAPI(title=f"gpuyard model server: {model.name}:{model.version}", version="1")
+
+    def info() -> dict[str, Any]:
+        cfg: BatchConfig = batcher.config
+        return {
+            "name": model.name,
+            "version": model.version,
+            "task": model.task,
+            "device": model.device,
+            "signature": model.signature,
+            "max_batch": cfg.max_batch,
+            "max_wait_ms": cfg.max_wait_ms,
+            "max_rows_per_request": model.spec.max_rows,
+            "max_body_bytes": config.max_body_bytes,
+        }
+
+    def check_name(name: str) -> None:
+        if name != model.name:
+            raise NotServed(f"model {name!r} is not served here (this server: {model.name})")
+
+    @app.post(
+        "/v1/models/{name}/predict",
+        openapi_extra={"requestBody": _request_schema(model)},
+        responses=_RESPONSES,
+    )
+    async def predict(name: str, request: Request) -> Response:
+        """Predict a batch (or one sample); answers in the request's format (JSON or safetensors)."""
+        t0 = time.perf_counter()
+        try:
+            check_name(name)
+            body = await _read_body(request, config.max_body_bytes)
+            tensor = request.headers.get("content-type", "").startswith(TENSOR_MEDIA)
+            batch = decode_tensor(body, model.spec) if tensor else decode_json(body, model.spec)
+            outputs = await batcher.submit(batch)
+        except GpuyardError as exc:
+            metrics.observe_error(exc.http_status, _REASONS.get(exc.http_status, "error"))
+            return _error(exc)
+        if tensor:
+            resp = Response(encode_tensor(outputs), media_type=TENSOR_MEDIA)
+        else:
+            resp = Response(encode_json(outputs, model.name, model.version), media_type=JSON_MEDIA)
+        metrics.observe_ok(time.perf_counter() - t0)
+        return resp
+
+    @app.get("/v1/models")
+    async def models() -> list[dict[str, Any]]:
+        """The model this server answers for."""
+        return [info()]
+
+    @app.get("/v1/models/{name}", responses=_RESPONSES)
+    async def model_info(name: str) -> Response:
+        """Version, signature and batching settings."""
+        try:
+            check_name(name)
+        except GpuyardError as exc:
+            return _error(exc)
+        return JSONResponse(info())
+
+    @app.get("/v1/models/{name}/stats", responses=_RESPONSES)
+    async def stats(name: str) -> Response:
+        """Latency percentiles, throughput, batch sizes and error counts over the last minute."""
+        try:
+            check_name(name)
+        except GpuyardError as exc:
+            return _error(exc)
+        return JSONResponse({**metrics.stats(), "queue_depth": batcher.depth})
+
+    @app.get("/v1/models/{name}/drift", responses=_RESPONSES)
+    async def drift_report(name: str) -> Response:
+        """The latest drift report over the sliding window (``enabled: false`` with the reason if off)."""
+        try:
+            check_name(name)
+        except GpuyardError as exc:
+            return _error(exc)
+        if drift is None:
+            return JSONResponse({"enabled": False, "reason": drift_note})
+        report = await asyncio.to_thread(drift.evaluate)
+        if report is None:
+            rows = len(drift.snapshot()[0])
+            return JSONResponse(
+                {
+                    "enabled": True,
+                    "reference": drift_note,
+                    "report": None,
+                    "reason": f"{rows} samples in the window; tests start at {drift.config.min_rows}",
+                }
+            )
+        return JSONResponse({"enabled": True, "reference": drift_note, "report": report})
+
+    @app.get("/v1/models/{name}/alerts", responses=_RESPONSES)
+    async def alerts(name: str) -> Response:
+        """Drift alerts of this model recorded in the state store, newest first."""
+        from gpuyard.serve.alerts import list_alerts
+
+        try:
+            check_name(name)
+            return JSONResponse(await asyncio.to_thread(list_alerts, model.name))
+        except GpuyardError as exc:
+            return _error(exc)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """The process is up."""
+        return {"status": "ok"}
+
+    @app.get("/ready", responses=_RESPONSES)
+    async def ready() -> Response:
+        """200 when the model thread is running and can take requests, else 503."""
+        if batcher.alive:
+            return JSONResponse({"status": "ready", "model": model.name, "version": model.version})
+        return JSONResponse({"status": "not ready"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        """Prometheus text format."""
+        return Response(metrics.exposition(), media_type=PROM_MEDIA)
+
+    return app

@@ -145,7 +145,8 @@ class FakeNvml:
         return int(self._nvml.get("nvlink_max_links", 18))
 
     def _links(self, i: int) -> list[dict[str, Any]]:
-        # "nvlink": {"version": 4, "remote_kind": "switch", "peers": {"00000000:05:00.0": 4, ...},
+        # "version" is NVML's raw nvmlNvlinkVersion_t code (6 = NVLink 4.0 on H100).
+        # "nvlink": {"version": 6, "remote_kind": "switch", "peers": {"00000000:05:00.0": 4, ...},
         #            "down": 0} expands to one entry per link, peers in the order given.
         spec = self._field(i, "nvlink")
         links: list[dict[str, Any]] = []

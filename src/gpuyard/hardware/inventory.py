@@ -135,9 +135,9 @@ class NvLinkPeer:
 
 @dataclass(frozen=True)
 class NvLinkInfo:
-    """The NVLinks of one GPU."""
+    """The NVLinks of one GPU; ``version`` is NVLink's own numbering (``"4.0"`` on H100)."""
 
-    version: int | None
+    version: str | None
     active_links: int
     inactive_links: int
     peers: tuple[NvLinkPeer, ...]
@@ -145,6 +145,7 @@ class NvLinkInfo:
     def to_dict(self) -> dict[str, Any]:
         return {
             "version": self.version,
+            "generation": int(self.version.split(".")[0]) if self.version else None,
             "active_links": self.active_links,
             "inactive_links": self.inactive_links,
             "peers": [

@@ -10,6 +10,7 @@ from gpuyard.hardware.cpu import numa_of_cpus
 from gpuyard.hardware.health import GpuSignals, HealthThresholds, assess, decode_clock_events
 from gpuyard.hardware.inventory import Accelerator, CpuInfo, NvLinkInfo, NvLinkPeer
 from gpuyard.hardware.nvml import (
+    NVLINK_VERSIONS,
     EccCounts,
     NvmlBackend,
     NvmlCallError,
@@ -39,7 +40,7 @@ class _Fields:
 
 def _nvlinks(nv: NvmlBackend, i: int, f: _Fields) -> NvLinkInfo | None:
     active = inactive = 0
-    version: int | None = None
+    version: str | None = None
     peers: dict[tuple[str, str], int] = {}
     try:
         max_links = nv.nvlink_max_links()
@@ -57,7 +58,9 @@ def _nvlinks(nv: NvmlBackend, i: int, f: _Fields) -> NvLinkInfo | None:
             inactive += 1
             continue
         active += 1
-        version = f.get("nvlink.version", nv.nvlink_version, i, link) or version
+        code = f.get("nvlink.version", nv.nvlink_version, i, link)
+        if code is not None:
+            version = NVLINK_VERSIONS.get(code, version)
         remote = f.get("nvlink.peers", nv.nvlink_remote, i, link)
         if remote is not None:
             key = (normalize_bus_id(remote.bus_id), remote.kind)

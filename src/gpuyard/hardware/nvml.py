@@ -30,6 +30,10 @@ CLOCK_EVENT_REASONS: dict[int, str] = {
 # MULTIPLE several switches (PXB), then HOSTBRIDGE, NODE and SYSTEM.
 TOPOLOGY_LEVELS = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 
+# nvmlDeviceGetNvLinkVersion returns an nvmlNvlinkVersion_t code, not the generation: an A100
+# answers 5 (NVLink 3.1) and an H100 6 (NVLink 4.0). hwloc was bitten by this (open-mpi/hwloc #658).
+NVLINK_VERSIONS = {1: "1.0", 2: "2.0", 3: "2.2", 4: "3.0", 5: "3.1", 6: "4.0", 7: "5.0", 8: "6.0"}
+
 # nvmlNvLinkDeviceType values (nvml.h): what sits at the far end of an NVLink.
 NVLINK_REMOTE_TYPES = {0: "gpu", 1: "ibmnpu", 2: "switch", 255: "unknown"}
 
@@ -116,7 +120,7 @@ class NvmlBackend(Protocol):
     def cpu_affinity(self, i: int) -> list[int]: ...
     def nvlink_max_links(self) -> int: ...
     def nvlink_active(self, i: int, link: int) -> bool: ...
-    def nvlink_version(self, i: int, link: int) -> int: ...
+    def nvlink_version(self, i: int, link: int) -> int: ...  # the raw nvmlNvlinkVersion_t code
     def nvlink_remote(self, i: int, link: int) -> NvLinkRemote: ...
     def common_ancestor(self, i: int, j: int) -> str: ...
 

@@ -37,7 +37,7 @@ def test_nic_level_transport_and_inactive_nvlinks(probe_fixture) -> None:
     assert [(n["link_layer"], n["transport"]) for n in doc["nics"]] == [("Ethernet", "RoCE")] * 2
 
     def bridge_missing(desc: dict) -> None:
-        desc["nvml"]["gpus"][0]["nvlink"] = {"version": 3, "peers": {}, "down": 12}
+        desc["nvml"]["gpus"][0]["nvlink"] = {"version": 4, "peers": {}, "down": 12}
 
     gpu0 = probe_fixture("l40s_pcie", bridge_missing).to_dict()["node"]["accelerators"][0]
     assert gpu0["nvlink"] is None and gpu0["unavailable"]["nvlink"] == "12 links, none active"

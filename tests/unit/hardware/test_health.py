@@ -90,7 +90,7 @@ def test_failing_gpu_is_marked_fail(probe_fixture, fields: dict, code: str) -> N
         ({"temperature_c": 86}, "hot"),
         ({"pcie": {"gen": 5, "width": 8, "max_gen": 5, "max_width": 16}}, "pcie_degraded"),
         (
-            {"nvlink": {"version": 4, "remote_kind": "switch", "peers": {"00000000:05:00.0": 4}, "down": 14}},
+            {"nvlink": {"version": 6, "remote_kind": "switch", "peers": {"00000000:05:00.0": 4}, "down": 14}},
             "nvlink_down",
         ),
         ({"mig_mode": {"current": False, "pending": True}}, "mig_pending"),

@@ -101,7 +101,7 @@ def fake_pynvml(gpus: int = 2) -> types.ModuleType:
         "nvmlDeviceGetMaxPcieLinkWidth": lambda h: 16,
         "nvmlDeviceGetCpuAffinity": lambda h, words: [0b1111 << (4 * h)],
         "nvmlDeviceGetNvLinkState": state,
-        "nvmlDeviceGetNvLinkVersion": lambda h, link: 3,
+        "nvmlDeviceGetNvLinkVersion": lambda h, link: 5,  # what an A100 answers: NVLink 3.1
         "nvmlDeviceGetNvLinkRemotePciInfo": remote,
         "nvmlDeviceGetNvLinkRemoteDeviceType": lambda h, link: 2,
         "nvmlDeviceGetTopologyCommonAncestor": lambda a, b: 20 if {a, b} == {0, 1} else 70,
@@ -130,7 +130,11 @@ def test_wrapper_maps_every_call(tmp_path: Path) -> None:
     assert g["remapped_rows"] == {"corrected": 1, "uncorrected": 0, "pending": False, "failed": False}
     assert g["clock_event_reasons"] == ["gpu_idle"] and g["mig"] == {"enabled": True, "pending": True}
     assert g["cpu_affinity"] == "4-7"
-    assert g["nvlink"]["version"] == 3 and g["nvlink"]["active_links"] == 12
+    assert (
+        g["nvlink"]["version"] == "3.1"
+        and g["nvlink"]["generation"] == 3
+        and g["nvlink"]["active_links"] == 12
+    )
     assert [p["links"] for p in g["nvlink"]["peers"]] == [2] * 6
     assert inv.topology.link("GPU0", "GPU1") == "NV12"
     # One remapped row (warn) on each GPU.

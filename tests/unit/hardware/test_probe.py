@@ -49,7 +49,9 @@ def test_h100_node_every_issue_field(probe_fixture) -> None:
     assert g["memory_bytes"] == 81559 * 2**20 and g["compute_capability"] == "9.0"
     assert g["pcie"] == {"gen": 5, "width": 16, "max_gen": 5, "max_width": 16}
     assert g["numa"] == 1 and g["cpu_affinity"] == "80-159" and g["bus_id"] == "0000:ab:00.0"
-    assert g["nvlink"]["version"] == 4 and g["nvlink"]["active_links"] == 18
+    # NVML answers code 6 for NVLink 4.0; the document carries the NVLink version, not the code.
+    assert g["nvlink"]["version"] == "4.0" and g["nvlink"]["generation"] == 4
+    assert g["nvlink"]["active_links"] == 18
     assert {p["kind"] for p in g["nvlink"]["peers"]} == {"switch"}
     assert sorted(p["links"] for p in g["nvlink"]["peers"]) == [4, 4, 5, 5]
     assert (

@@ -45,7 +45,7 @@ def test_losing_nvlinks_changes_the_matrix(probe_fixture) -> None:
     # The matrix is derived, not copied: GPU3 with only its first two NVSwitches (9 links) shows NV9.
     def drop_links(desc: dict) -> None:
         desc["nvml"]["gpus"][3]["nvlink"] = {
-            "version": 4,
+            "version": 6,
             "remote_kind": "switch",
             "peers": {"00000000:05:00.0": 4, "00000000:06:00.0": 5},
         }
@@ -102,10 +102,10 @@ def test_direct_gpu_links_count_per_peer() -> None:
     # A 4-GPU board wired GPU-to-GPU (no NVSwitch): 4 links to each neighbour, none to the far one.
     chains = {i: f"pci0000:00/0000:00:0{i}.0/0000:0{i}:00.0" for i in range(3)}
     bus = {i: chains[i].split("/")[-1] for i in range(3)}
-    nv0 = NvLinkInfo(3, 4, 0, (NvLinkPeer(bus[1], "gpu", 4),))
-    nv1 = NvLinkInfo(3, 4, 0, (NvLinkPeer(bus[0], "gpu", 4),))
+    nv0 = NvLinkInfo("3.0", 4, 0, (NvLinkPeer(bus[1], "gpu", 4),))
+    nv1 = NvLinkInfo("3.0", 4, 0, (NvLinkPeer(bus[0], "gpu", 4),))
     g0, g1 = _ep("GPU0", chains[0], nvlink=nv0), _ep("GPU1", chains[1], nvlink=nv1)
-    g2 = _ep("GPU2", chains[2], nvlink=NvLinkInfo(3, 0, 4, ()))
+    g2 = _ep("GPU2", chains[2], nvlink=NvLinkInfo("3.0", 0, 4, ()))
     topo = build_topology([g0, g1, g2], [])
     assert topo.link("GPU0", "GPU1") == "NV4"
     assert topo.link("GPU0", "GPU2") == "PHB"

@@ -88,6 +88,21 @@ class PlanResult:
         return text
 
 
+def _rank_key(e: StepEstimate) -> tuple[float, ...]:
+    """Throughput first (4 significant digits: closer is noise); ties go to less memory, then to the
+    simpler layout (less context parallelism, fewer virtual stages, shorter pipelines, narrower tensor).
+    """
+    c = e.config
+    return (
+        -float(f"{e.tokens_per_s:.4g}"),
+        round(e.memory_gib_per_gpu, 1),
+        c.cp,
+        c.virtual_stages,
+        c.pp,
+        c.tp,
+    )
+
+
 def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
@@ -213,5 +228,5 @@ def plan(
         raise CapacityError(
             f"{what} {smallest / GIB:.1f} GiB per GPU; {cluster.accelerator} has {limit / GIB:.1f} GiB"
         )
-    plans.sort(key=lambda e: (-e.tokens_per_s, e.memory_gib_per_gpu))
+    plans.sort(key=_rank_key)
     return PlanResult(plans=plans[:top], considered=considered, fitting=len(plans))

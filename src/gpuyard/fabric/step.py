@@ -332,8 +332,9 @@ def estimate_step(
         pp_comm = 2 * (m * cfg.virtual_stages + cfg.pp - 1) * p2p
     grad_comm, param_comm = _dp_comm(model, cluster, cfg, m)
     mb_fwd = per_stage * layer.fwd
-    if cfg.zero == 3:  # prefetched a layer ahead: hidden behind each micro-batch's compute
-        exposed_dp = max(0.0, grad_comm + param_comm - 0.9 * m * t_mb)
+    if cfg.zero == 3:  # prefetched a layer ahead: hidden behind compute, except the first gather and last
+        # reduce-scatter of every micro-batch, which have no layer to hide behind
+        exposed_dp = max(grad_comm + param_comm - 0.9 * m * t_mb, (grad_comm + param_comm) / per_stage)
     else:  # bucketed gradient reduction overlaps the last backward; parameter gather the first forward
         exposed_dp = max(0.0, grad_comm - (t_mb - mb_fwd)) + max(0.0, param_comm - mb_fwd)
     params_owned = per_stage * model.layer_params / cfg.tp / (cfg.dp * cfg.cp if cfg.zero >= 1 else 1)

@@ -66,9 +66,8 @@ def _model_and_vendor(blocks: list[dict[str, str]], arch: str) -> tuple[str, str
     # ARM kernels print no model name: name the implementer/part so two machines can still be told apart.
     for b in blocks:
         if "cpu implementer" in b:
-            return f"{arch} (implementer {b['cpu implementer']}, part {b.get('cpu part', '?')})", b[
-                "cpu implementer"
-            ]
+            impl = b["cpu implementer"]
+            return f"{arch} (implementer {impl}, part {b.get('cpu part', '?')})", impl
     return platform.processor() or arch or "unknown", "unknown"
 
 

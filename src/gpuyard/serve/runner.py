@@ -108,7 +108,7 @@ def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int 
     from gpuyard.serve.drift import DriftMonitor
     from gpuyard.serve.model import load_served, resolve_device, warm_up
     from gpuyard.serve.monitor import ServeMetrics
-    from gpuyard.serve.server import AppConfig, create_app
+    from gpuyard.serve.server import AppConfig, FastPredict, create_app
 
     threads = opts.batch.threads or max(1, (os.cpu_count() or 1) // opts.replicas)
     model = load_served(ref, resolve_device(opts.device, index), opts.max_rows)
@@ -147,7 +147,7 @@ def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int 
     gc.collect()
     gc.freeze()  # everything loaded so far is never scanned again by the collector
     config = uvicorn.Config(
-        app,
+        FastPredict(app, model.name, opts.max_body_bytes),
         loop="uvloop",
         http="httptools",
         access_log=False,
@@ -185,18 +185,23 @@ def serve(ref: str, opts: ServeOptions, on_ready: Any = None) -> None:
         opts: server options.
         on_ready: called with (url, pids) once ``/ready`` answers 200.
     """
+    from gpuyard.serve.model import resolve_device
+
+    devices = [resolve_device(opts.device, i) for i in range(opts.replicas)]  # fail before binding
     sock = bind(opts.host, opts.port)
     url = url_of(sock)
-    pids = {"server": os.getpid(), "replicas": [os.getpid()]}
+    pids: dict[str, Any] = {"server": os.getpid(), "replicas": [os.getpid()], "devices": devices}
     if opts.replicas == 1:
         _watch_ready(url, lambda: on_ready(url, pids) if on_ready else None)
         print(f"serving {ref} at {url} (1 replica)", flush=True)
         serve_replica(ref, opts, sock, 0)
         return
-    _serve_many(ref, opts, sock, url, on_ready)
+    _serve_many(ref, opts, sock, url, devices, on_ready)
 
 
-def _serve_many(ref: str, opts: ServeOptions, sock: socket.socket, url: str, on_ready: Any) -> None:
+def _serve_many(
+    ref: str, opts: ServeOptions, sock: socket.socket, url: str, devices: list[str], on_ready: Any
+) -> None:
     prom_dir = tempfile.mkdtemp(prefix="gpuyard-prom-")
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": prom_dir}
     payload = json.dumps(opts.to_json())
@@ -208,7 +213,7 @@ def _serve_many(ref: str, opts: ServeOptions, sock: socket.socket, url: str, on_
         )
         for i in range(opts.replicas)
     ]
-    pids = {"server": os.getpid(), "replicas": [p.pid for p in procs]}
+    pids = {"server": os.getpid(), "replicas": [p.pid for p in procs], "devices": devices}
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -262,7 +267,8 @@ def serve_with_record(ref: str, opts: ServeOptions) -> None:
     from gpuyard.serve.deploy import mark
 
     def ready(url: str, pids: dict[str, Any]) -> None:
-        mark(opts.deployment_id, "running", url=url, pids=pids)  # type: ignore[arg-type]
+        device = ",".join(sorted(set(pids["devices"])))
+        mark(opts.deployment_id, "running", url=url, pids=pids, device=device)  # type: ignore[arg-type]
 
     try:
         serve(ref, opts, on_ready=ready)

@@ -14,6 +14,7 @@ request schema through ``openapi_extra``, so fuzzers and clients still see it in
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -149,6 +150,8 @@ def create_app(
         if name != model.name:
             raise NotServed(f"model {name!r} is not served here (this server: {model.name})")
 
+    handler = PredictHandler(model, batcher, metrics)
+
     @app.post(
         "/v1/models/{name}/predict",
         openapi_extra={"requestBody": _request_schema(model)},
@@ -160,18 +163,11 @@ def create_app(
         try:
             check_name(name)
             body = await _read_body(request, config.max_body_bytes)
-            tensor = request.headers.get("content-type", "").startswith(TENSOR_MEDIA)
-            batch = decode_tensor(body, model.spec) if tensor else decode_json(body, model.spec)
-            outputs = await batcher.submit(batch)
         except GpuyardError as exc:
             metrics.observe_error(exc.http_status, _REASONS.get(exc.http_status, "error"))
             return _error(exc)
-        if tensor:
-            resp = Response(encode_tensor(outputs), media_type=TENSOR_MEDIA)
-        else:
-            resp = Response(encode_json(outputs, model.name, model.version), media_type=JSON_MEDIA)
-        metrics.observe_ok(time.perf_counter() - t0)
-        return resp
+        status, media, payload = await handler(body, request.headers.get("content-type", ""), t0)
+        return Response(payload, status_code=status, media_type=media)
 
     @app.get("/v1/models")
     async def models() -> list[dict[str, Any]]:
@@ -246,4 +242,88 @@ def create_app(
         """Prometheus text format."""
         return Response(metrics.exposition(), media_type=PROM_MEDIA)
 
+    app.state.predict_handler = handler
     return app
+
+
+class PredictHandler:
+    """Body in, answer out: decode, check, batch, encode, count. Shared by the route and the fast path."""
+
+    def __init__(self, model: ServedModel, batcher: Batcher, metrics: ServeMetrics) -> None:
+        self.model, self.batcher, self.metrics = model, batcher, metrics
+
+    async def __call__(self, body: bytes, content_type: str, t0: float) -> tuple[int, str, bytes]:
+        """Return (status, media type, body) for one predict request whose body was read at ``t0``."""
+        tensor = content_type.startswith(TENSOR_MEDIA)
+        try:
+            batch = decode_tensor(body, self.model.spec) if tensor else decode_json(body, self.model.spec)
+            outputs = await self.batcher.submit(batch)
+        except GpuyardError as exc:
+            self.metrics.observe_error(exc.http_status, _REASONS.get(exc.http_status, "error"))
+            return exc.http_status, JSON_MEDIA, json.dumps({"detail": str(exc)}).encode()
+        if tensor:
+            out = (200, TENSOR_MEDIA, encode_tensor(outputs))
+        else:
+            out = (200, JSON_MEDIA, encode_json(outputs, self.model.name, self.model.version))
+        self.metrics.observe_ok(time.perf_counter() - t0)
+        return out
+
+
+class FastPredict:
+    """ASGI wrapper answering ``POST /v1/models/<name>/predict`` without FastAPI's per-request machinery.
+
+    Routing, dependency resolution and the Request object cost more than a tiny model's forward pass;
+    this path reads the body straight from ``receive`` (413 past the limit) and calls the same
+    :class:`PredictHandler` as the documented route. Every other request goes to the FastAPI app.
+    """
+
+    def __init__(self, app: FastAPI, model_name: str, max_body_bytes: int) -> None:
+        self.app, self.limit = app, max_body_bytes
+        self.path = f"/v1/models/{model_name}/predict"
+        self.handler: PredictHandler = app.state.predict_handler
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """ASGI entry."""
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        content_type, length = "", None
+        for key, value in scope["headers"]:
+            if key == b"content-type":
+                content_type = value.decode("latin-1")
+            elif key == b"content-length":
+                length = value
+        status, media, payload = 413, JSON_MEDIA, b""
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            payload = _too_large(self.limit)
+        else:
+            body = await _receive_body(receive, self.limit)
+            if body is None:
+                payload = _too_large(self.limit)
+            else:
+                status, media, payload = await self.handler(body, content_type, t0)
+        if status == 413:
+            self.handler.metrics.observe_error(413, "too_large")
+        headers = [(b"content-type", media.encode()), (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+
+async def _receive_body(receive: Any, limit: int) -> bytes | None:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b""
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _too_large(limit: int) -> bytes:
+    return json.dumps({"detail": f"body exceeds the limit of {limit} bytes"}).encode()

@@ -36,6 +36,7 @@ class Policy:
         running: Sequence[RunningJob],
         now: float,
         multi_node: bool = True,
+        preempt: bool = True,
     ) -> Decision:
         """Choose jobs to start now (greedy: every job that fits, in key order)."""
         work = state.copy()
@@ -80,6 +81,7 @@ class Fifo(Policy):
         running: Sequence[RunningJob],
         now: float,
         multi_node: bool = True,
+        preempt: bool = True,
     ) -> Decision:
         """Start jobs in arrival order until one does not fit."""
         work = state.copy()
@@ -124,6 +126,7 @@ class PriorityBackfill(Policy):
         running: Sequence[RunningJob],
         now: float,
         multi_node: bool = True,
+        preempt: bool = True,
     ) -> Decision:
         """Start jobs by priority; backfill behind one reservation."""
         work = state.copy()
@@ -195,7 +198,12 @@ class LeastAttainedService(Policy):
 
     def level(self, gpu_seconds: float) -> int:
         """Queue level of a job that has received ``gpu_seconds``."""
-        return sum(gpu_seconds >= t for t in self.thresholds)
+        level = 0
+        for t in self.thresholds:
+            if gpu_seconds < t:
+                break
+            level += 1
+        return level
 
     def key(self, job: QueuedJob) -> Any:
         """Level, then expected remaining run time, then arrival."""
@@ -208,23 +216,33 @@ class LeastAttainedService(Policy):
         running: Sequence[RunningJob],
         now: float,
         multi_node: bool = True,
+        preempt: bool = True,
     ) -> Decision:
         """Start what fits in key order; then let waiting jobs preempt lower-level running jobs."""
         work = state.copy()
         starts = _greedy(work, queue.ordered(), queue.min_gpus(), multi_node, blocking=False)
+        if not preempt or len(starts) == len(queue):
+            return Decision(starts=starts)
         started = {j.id for j, _ in starts}
+        waiting = next((j for j in queue.ordered() if j.id not in started), None)
+        top = self.level(waiting.attained * waiting.gpus) if waiting is not None else len(self.thresholds)
+        if top >= len(self.thresholds):
+            return Decision(starts=starts)  # the best waiting job is at the bottom level: no one is below it
+        bar = self.thresholds[top]  # running jobs past this many GPU-seconds sit at a lower level
         victims = sorted(
             (
-                (self.level((r.attained + now - r.started_at) * r.gpus), r)
+                (self.level(gs), r)
                 for r in running
-                if r.preemptible and now - r.started_at >= self.min_run_s
+                if r.preemptible
+                and now - r.started_at >= self.min_run_s
+                and (gs := (r.attained + now - r.started_at) * r.gpus) >= bar
             ),
             key=lambda lr: (-lr[0], -lr[1].started_at),
         )
-        preempt: list[int] = []
+        chosen_ids: list[int] = []
         spare = work.free_gpus
         for job in queue.ordered():
-            if not victims or len(preempt) >= self.max_preempt:
+            if not victims or len(chosen_ids) >= self.max_preempt:
                 break
             if job.id in started:
                 continue
@@ -235,10 +253,10 @@ class LeastAttainedService(Policy):
                 chosen += 1
             if got < job.gpus:
                 break  # later jobs are of the same or a lower level: nobody below them either
-            preempt.extend(r.id for _, r in victims[:chosen])
+            chosen_ids.extend(r.id for _, r in victims[:chosen])
             victims = victims[chosen:]
             spare = got - job.gpus
-        return Decision(starts=starts, preempt=preempt)
+        return Decision(starts=starts, preempt=chosen_ids)
 
 
 class SjfOracle(Policy):
@@ -291,6 +309,7 @@ class FairShare(Policy):
         running: Sequence[RunningJob],
         now: float,
         multi_node: bool = True,
+        preempt: bool = True,
     ) -> Decision:
         """Start jobs from the most under-served team first, then preempt to reclaim lent GPUs."""
         work = state.copy()
@@ -321,6 +340,8 @@ class FairShare(Policy):
                 nxt = next(rest, None)
                 if nxt is not None:
                     blocked[team] = nxt
+        if not preempt:
+            return Decision(starts=starts)
         return Decision(starts=starts, preempt=self._reclaim(work, blocked, usage, share, running, now))
 
     def _reclaim(

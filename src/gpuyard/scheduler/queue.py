@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -82,6 +81,7 @@ class JobQueue:
         self.key = key
         self._teams: dict[str, list[tuple[Any, int, QueuedJob]]] = {}
         self._entries: dict[int, tuple[Any, int, QueuedJob]] = {}
+        self._all: list[tuple[Any, int, QueuedJob]] = []  # every team's jobs, in key order
         self._sizes: Counter[int] = Counter()
         self._seq = itertools.count()
 
@@ -95,6 +95,7 @@ class JobQueue:
         """Queue a job (its key is computed once, now)."""
         entry = (self.key(job), next(self._seq), job)
         bisect.insort(self._teams.setdefault(job.team, []), entry)
+        bisect.insort(self._all, entry)
         self._entries[job.id] = entry
         self._sizes[job.gpus] += 1
 
@@ -104,6 +105,7 @@ class JobQueue:
         job = entry[2]
         lst = self._teams[job.team]
         del lst[bisect.bisect_left(lst, entry[:2])]
+        del self._all[bisect.bisect_left(self._all, entry[:2])]
         if not lst:
             del self._teams[job.team]
         self._sizes[job.gpus] -= 1
@@ -112,9 +114,9 @@ class JobQueue:
         return job
 
     def ordered(self) -> Iterator[QueuedJob]:
-        """All queued jobs in key order (lazily merged across teams)."""
-        for _, _, job in heapq.merge(*self._teams.values()):
-            yield job
+        """All queued jobs in key order."""
+        for entry in self._all:
+            yield entry[2]
 
     def team_jobs(self, team: str) -> Iterator[QueuedJob]:
         """One team's queued jobs in key order (lazily)."""

@@ -283,7 +283,7 @@ class JobService:
         with self._lock, self.store.session() as s:
             for row in s.scalars(select(JobRow).where(JobRow.state.in_(ACTIVE))):
                 handle = row.handle or {}
-                if "pid" not in handle and "node" not in handle:
+                if not handle.get("launched"):
                     found = self.executor.recover(row.id, handle)
                     if found is None:
                         row.handle, row.placement = None, None

@@ -32,12 +32,12 @@ class SimConfig:
     Attributes:
         checkpoint_interval_s: a preempted job loses the work done since its last periodic checkpoint.
         restart_overhead_s: grace period + restart + checkpoint load, paid by a resumed job.
-        preempt_check_s: a preemptive policy is asked at least this often even when nothing frees up.
+        preempt_check_s: a preemptive policy may preempt at most this often (its scheduling interval).
     """
 
     checkpoint_interval_s: float = 600.0
     restart_overhead_s: float = 60.0
-    preempt_check_s: float = 60.0
+    preempt_check_s: float = 300.0
 
 
 @dataclass
@@ -121,7 +121,7 @@ def simulate(
             continue
         if check:
             next_check = now + config.preempt_check_s
-        decision = policy.decide(state, queue, list(running.values()), now)
+        decision = policy.decide(state, queue, list(running.values()), now, preempt=check)
         for jid in decision.preempt:
             preemptions += 1
             _preempt(runs[jid], running.pop(jid), state, queue, estimator, now, config)

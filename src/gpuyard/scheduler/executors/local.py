@@ -76,7 +76,13 @@ class LocalExecutor(Executor):
                 start_new_session=True,
             )
         self._children[proc.pid] = proc
-        return {**plan.extra, "pid": proc.pid, "create_time": _create_time(proc.pid), "log": plan.log_path}
+        return {
+            **plan.extra,
+            "pid": proc.pid,
+            "create_time": _create_time(proc.pid),
+            "log": plan.log_path,
+            "launched": True,
+        }
 
     def poll(self, handle: dict[str, Any]) -> ExitStatus | None:
         """None while the shim lives; then the command's exit code from the exit file (none: killed)."""
@@ -106,7 +112,9 @@ class LocalExecutor(Executor):
         if not plan_hint:
             return None
         handle = self._resolve(plan_hint)
-        return handle if "pid" in handle or Path(handle.get("exit_file", "/nonexistent")).exists() else None
+        if "pid" in handle or Path(handle.get("exit_file", "/nonexistent")).exists():
+            return {**handle, "launched": True}
+        return None
 
     def _resolve(self, handle: dict[str, Any]) -> dict[str, Any]:
         if handle.get("pid") is None and handle.get("pid_file"):

@@ -340,6 +340,7 @@ def register_from_run(
     """
     from gpuyard.models.runs import resolve_run_id
 
+    check_model_name(name)
     store = store or get_store()
     run_id = resolve_run_id(run_ref, store)
     with store.read() as s:

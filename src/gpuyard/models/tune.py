@@ -46,6 +46,20 @@ def optuna_storage(settings: Settings | None = None) -> Any:
     return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
 
 
+def _ask_tell_grid_sampler(space: dict[str, list[Any]], seed: int) -> Any:
+    import optuna
+
+    class AskTellGridSampler(optuna.samplers.GridSampler):
+        """GridSampler whose after_trial does not call ``study.stop()``, which only works inside
+        ``study.optimize``; here each trial is its own ask/tell job and the trial count is capped at
+        the grid's size instead."""
+
+        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+            return None
+
+    return AskTellGridSampler(space, seed=seed)
+
+
 def make_sampler(search: SearchSpec, seed: int) -> Any:
     """The Optuna sampler the spec asks for, seeded."""
     import optuna
@@ -53,7 +67,7 @@ def make_sampler(search: SearchSpec, seed: int) -> Any:
     if search.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if search.sampler == "grid":
-        return optuna.samplers.GridSampler(grid_space(search), seed=seed)
+        return _ask_tell_grid_sampler(grid_space(search), seed)
     return optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(2, search.startup_trials))
 
 
@@ -114,10 +128,13 @@ def run_trial(spec: dict[str, Any], study_name: str, parent_id: str, index: int)
     if search is None:
         raise ConfigError("tune trial spec has no search section")
     # Each trial its own sampler seed: parallel workers with one seed would draw the same points.
+    # Except the grid: it shuffles its points by the seed and hands trial N point N, so every
+    # worker must shuffle alike.
+    seed = model_spec.seed if search.sampler == "grid" else model_spec.seed + index
     study = optuna.load_study(
         study_name=study_name,
         storage=optuna_storage(),
-        sampler=make_sampler(search, model_spec.seed + index),
+        sampler=make_sampler(search, seed),
         pruner=make_pruner(search),
     )
     trial = study.ask()

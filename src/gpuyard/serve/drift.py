@@ -165,11 +165,11 @@ def _prediction_drift(
     ref: dict[str, Any], preds: np.ndarray, ks_p: float, cfg: DriftConfig
 ) -> dict[str, Any]:
     if ref["kind"] == "classes":
-        labels = list(ref["labels"])
-        index = {str(v): i for i, v in enumerate(labels)}
-        counts = np.zeros(len(labels) + 1)  # last bin: labels never seen in training
+        # The window stores predictions as float64: match class labels by numeric value.
+        index = {float(v): i for i, v in enumerate(ref["labels"])}
+        counts = np.zeros(len(index) + 1)  # last bin: labels never seen in training
         for v, c in zip(*np.unique(preds, return_counts=True), strict=True):
-            counts[index.get(str(v.item() if hasattr(v, "item") else v), len(labels))] += c
+            counts[index.get(float(v), len(index))] += c
         p = psi(np.append(ref["expected"], 0.0), counts / max(counts.sum(), 1))
         return {"psi": round(p, 5), "drift_psi": p >= cfg.psi_threshold}
     vals = preds.astype(np.float64)

@@ -33,6 +33,35 @@ def clusters(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) 
     Console().print(table)
 
 
+@fabric_app.command("accelerators")
+def accelerators(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """List the accelerator catalog: dense peaks, memory, links, and the datasheets they come from."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from gpuyard.hardware.catalog import list_specs
+
+    specs = list_specs()
+    if as_json:
+        typer.echo(json.dumps({"accelerators": [s.to_dict() for s in specs]}))
+        return
+    table = Table(
+        "name", "memory GB", "HBM GB/s", "fp32", "tf32", "bf16", "fp8", "link GB/s (bidir)", "TDP W"
+    )
+    for s in specs:
+        cells = [s.fp32_tflops, s.tf32_tflops, s.bf16_tflops, s.fp8_tflops]
+        table.add_row(
+            s.name,
+            f"{s.memory_bytes / 1e9:g}",
+            f"{s.memory_bw_GBps:g}",
+            *("-" if c is None else f"{c:g}" for c in cells),
+            f"{s.interconnect_GBps:g} {s.interconnect or ''}".strip(),
+            f"{s.tdp_w or '-'}",
+        )
+    Console(width=max(Console().width, 110)).print(table)
+    typer.echo("Dense TFLOP/s. Sources: gpuyard/hardware/catalog.py (SOURCES).")
+
+
 @fabric_app.command("show")
 def show(
     cluster: str = typer.Argument(..., help="Preset name or YAML/JSON cluster file."),

@@ -9,7 +9,7 @@ Conventions used by every entry:
 * ``interconnect_GBps`` is the **bidirectional** per-accelerator scale-up bandwidth the vendor
   quotes (NVLink for NVIDIA, Infinity Fabric for AMD, ICI for TPU); use
   :attr:`AcceleratorSpec.interconnect_unidir_GBps` for the per-direction figure that collectives see.
-  Google quotes TPU ICI per chip in Gb/s without a direction; it is converted (/8) and taken as the total.
+  Google's TPU pages quote "bidirectional inter-chip interconnect (ICI) bandwidth (per chip)" in GB/s.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ SOURCES = {
     "a100": "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-nvidia-us-2188504-web.pdf, 2021)",
     "h100": "NVIDIA H100 Tensor Core GPU datasheet (h100-datasheet, 2023; SXM and PCIe columns)",
     "h200": "NVIDIA H200 Tensor Core GPU product page / datasheet (nvidia.com/en-us/data-center/h200, 2024)",
-    "b200": "NVIDIA HGX B200 platform spec table (nvidia.com/en-us/data-center/hgx, 8-GPU figures / 8, "
-    "sparse figures / 2) and DGX B200 datasheet (1,440 GB total HBM3e)",
-    "gb200": "NVIDIA GB200 NVL72 spec table (nvidia.com/en-us/data-center/gb200-nvl72, rack figures / 72, "
+    "b200": "NVIDIA HGX B200 spec table, individual Blackwell GPU column (nvidia.com/en-us/data-center/hgx; "
     "sparse figures / 2)",
+    "gb200": "NVIDIA GB200 NVL72 spec table, individual Blackwell GPU column "
+    "(nvidia.com/en-us/data-center/gb200-nvl72; sparse figures / 2)",
     "l40s": "NVIDIA L40S datasheet (l40s-datasheet, 2023)",
     "mi300x": "AMD Instinct MI300X accelerator data sheet (amd.com, 2023)",
     "tpu_v5e": "Google Cloud TPU v5e documentation (cloud.google.com/tpu/docs/v5e, system architecture)",
@@ -142,17 +142,16 @@ _SPECS: tuple[AcceleratorSpec, ...] = (
     _nv("H200-SXM-141GB", memory_bytes=141 * GB, memory_bw_GBps=4800, fp32_tflops=67, tf32_tflops=494.5,
         bf16_tflops=989.5, fp16_tflops=989.5, fp8_tflops=1979, interconnect="nvlink", interconnect_GBps=900,
         nvlink_generation=4, pcie_gen=5, tdp_w=700, sources=("h200",), aliases=("h200",)),
-    # B200 (HGX B200 8-GPU: FP32 600 TF, TF32 18 PF, BF16 36 PF, FP8 72 PF sparse, 64 TB/s HBM, 1.4 TB):
-    # per GPU 75 TF FP32, dense 1,125 / 2,250 / 4,500 TF; 180 GB at 8 TB/s; NVLink5 1.8 TB/s; 1,000 W.
-    _nv("B200-SXM-180GB", memory_bytes=180 * GB, memory_bw_GBps=8000, fp32_tflops=75, tf32_tflops=1125,
+    # B200 (HGX): FP32 75 TF; TF32 2.2 / BF16 4.5 / FP8 9 PF sparse -> 1,100 / 2,250 / 4,500 dense;
+    # 180 GB HBM3e at 7.7 TB/s; NVLink5 1.8 TB/s; configurable up to 1,000 W.
+    _nv("B200-SXM-180GB", memory_bytes=180 * GB, memory_bw_GBps=7700, fp32_tflops=75, tf32_tflops=1100,
         bf16_tflops=2250, fp16_tflops=2250, fp8_tflops=4500, interconnect="nvlink", interconnect_GBps=1800,
         nvlink_generation=5, pcie_gen=5, tdp_w=1000, sources=("b200",), aliases=("b200",)),
-    # GB200 (NVL72 rack: FP32 5,760 TF, TF32 180 PF, BF16 360 PF, FP8 720 PF sparse, 13.4 TB HBM3e at
-    # 576 TB/s over 72 GPUs): per GPU 80 TF FP32, dense 1,250 / 2,500 / 5,000 TF, 186 GB at 8 TB/s;
-    # NVLink5 1.8 TB/s. NVIDIA publishes power per rack, not per GPU.
+    # GB200 (NVL72): FP32 80 TF; TF32 2.5 / BF16 5 / FP8 10 PF sparse -> 1,250 / 2,500 / 5,000 dense;
+    # 186 GB HBM3e at 8 TB/s; NVLink5 1.8 TB/s; configurable up to 1,200 W.
     _nv("GB200-186GB", memory_bytes=186 * GB, memory_bw_GBps=8000, fp32_tflops=80, tf32_tflops=1250,
         bf16_tflops=2500, fp16_tflops=2500, fp8_tflops=5000, interconnect="nvlink", interconnect_GBps=1800,
-        nvlink_generation=5, pcie_gen=None, tdp_w=None, sources=("gb200",), aliases=("gb200",)),
+        nvlink_generation=5, pcie_gen=None, tdp_w=1200, sources=("gb200",), aliases=("gb200",)),
     # L40S: FP32 91.6, TF32 183, BF16/FP16 362.05, FP8 733 (dense); 48 GB GDDR6 864 GB/s; no NVLink;
     # PCIe Gen4 x16; 350 W.
     _nv("L40S-48GB", memory_bytes=48 * GB, memory_bw_GBps=864, fp32_tflops=91.6, tf32_tflops=183,
@@ -165,23 +164,24 @@ _SPECS: tuple[AcceleratorSpec, ...] = (
         fp32_tflops=163.4, tf32_tflops=653.7, bf16_tflops=1307.4, fp16_tflops=1307.4, fp8_tflops=2614.9,
         interconnect="infinity-fabric", interconnect_GBps=896, nvlink_generation=None, pcie_gen=5, tdp_w=750,
         sources=("mi300x",), aliases=("mi300x",)),
-    # TPU v5e: 197 TF BF16, 394 TOPS INT8 (no FP8/FP32 matrix figure); 16 GB HBM2 819 GB/s; ICI 1,600 Gb/s.
+    # TPU v5e: 197 TF BF16, 393 TOPS INT8 (no FP8/FP32 figure); 16 GB HBM2 819 GB/s; ICI 400 GB/s bidir.
     AcceleratorSpec(
         name="TPU-v5e", vendor="google", kind="tpu", memory_bytes=16 * GB, memory_bw_GBps=819,
         fp32_tflops=None, tf32_tflops=None, bf16_tflops=197, fp16_tflops=None, fp8_tflops=None,
-        interconnect="ici", interconnect_GBps=200, nvlink_generation=None, pcie_gen=None, tdp_w=None,
+        interconnect="ici", interconnect_GBps=400, nvlink_generation=None, pcie_gen=None, tdp_w=None,
         sources=("tpu_v5e",), aliases=("v5e", "v5litepod", "tpu-v5-lite")),
-    # TPU v5p: 459 TF BF16; 95 GB HBM2e 2,765 GB/s; ICI 4,800 Gb/s.
+    # TPU v5p: 459 TF BF16 (Google lists FP8 at the same 459: no faster FP8 path, so left None);
+    # 95 GB HBM2e 2,765 GB/s; ICI 1,200 GB/s bidirectional.
     AcceleratorSpec(
         name="TPU-v5p", vendor="google", kind="tpu", memory_bytes=95 * GB, memory_bw_GBps=2765,
         fp32_tflops=None, tf32_tflops=None, bf16_tflops=459, fp16_tflops=None, fp8_tflops=None,
-        interconnect="ici", interconnect_GBps=600, nvlink_generation=None, pcie_gen=None, tdp_w=None,
+        interconnect="ici", interconnect_GBps=1200, nvlink_generation=None, pcie_gen=None, tdp_w=None,
         sources=("tpu_v5p",), aliases=("v5p",)),
-    # TPU v6e (Trillium): 918 TF BF16; 32 GB HBM 1,640 GB/s; ICI 3,584 Gb/s.
+    # TPU v6e (Trillium): 918 TF BF16, 1,836 TOPS INT8; 32 GB HBM 1,638 GB/s; ICI 800 GB/s bidirectional.
     AcceleratorSpec(
-        name="TPU-v6e", vendor="google", kind="tpu", memory_bytes=32 * GB, memory_bw_GBps=1640,
+        name="TPU-v6e", vendor="google", kind="tpu", memory_bytes=32 * GB, memory_bw_GBps=1638,
         fp32_tflops=None, tf32_tflops=None, bf16_tflops=918, fp16_tflops=None, fp8_tflops=None,
-        interconnect="ici", interconnect_GBps=448, nvlink_generation=None, pcie_gen=None, tdp_w=None,
+        interconnect="ici", interconnect_GBps=800, nvlink_generation=None, pcie_gen=None, tdp_w=None,
         sources=("tpu_v6e",), aliases=("v6e", "trillium", "tpu-v6-lite")),
 )  # fmt: skip
 

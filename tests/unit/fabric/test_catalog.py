@@ -77,7 +77,8 @@ def test_dense_peaks_are_ordered_as_the_hardware_doubles_them() -> None:
     # Tensor-core generations double throughput as precision halves; a typo in one figure breaks this.
     for spec in list_specs():
         if spec.tf32_tflops and spec.bf16_tflops:
-            assert spec.bf16_tflops == pytest.approx(2 * spec.tf32_tflops, rel=0.02), spec.name
+            # 3%: NVIDIA rounds B200's TF32 to 2.2 PF sparse against 4.5 PF BF16
+            assert spec.bf16_tflops == pytest.approx(2 * spec.tf32_tflops, rel=0.03), spec.name
         if spec.fp8_tflops and spec.bf16_tflops:
             assert spec.fp8_tflops == pytest.approx(2 * spec.bf16_tflops, rel=0.02), spec.name
 

@@ -92,6 +92,26 @@ class DistContext:
         return self.coord("tp") == 0 and self.coord("pp") == self.layout.pp - 1
 
 
+def _attempt_store(world: int) -> Any:
+    """The rendezvous store, under a prefix of its own for each torchrun restart attempt.
+
+    torchrun (agent store) hands restarted workers the same TCPStore; gloo would then find the
+    addresses the killed attempt published there and wait forever to connect to dead ranks.
+    """
+    from datetime import timedelta
+
+    base = dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        int(os.environ.get("MASTER_PORT", "29500")),
+        world_size=world,
+        is_master=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        and int(os.environ.get("RANK", "0")) == 0,
+        timeout=timedelta(minutes=10),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"gpuyard/attempt{attempt}/", base)
+
+
 def init_distributed(spec: ParallelSpec) -> DistContext:
     """Join the process group torchrun prepared (if any) and build the named device mesh."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -108,7 +128,8 @@ def init_distributed(spec: ParallelSpec) -> DistContext:
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=None)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, store=_attempt_store(world), rank=rank, world_size=world)
     mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
     return DistContext(rank, world, local_rank, device, layout, mesh)
 

@@ -178,7 +178,13 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        return {"model": model_sd, self._optim_key: optim_sd}
+
+    @property
+    def _optim_key(self) -> str:
+        # Optimizer param_groups are keyed by group index, so pipeline stages (different groups at the
+        # same index) would overwrite each other in the checkpoint: give each stage a namespace.
+        return "optim" if self.ctx.layout.pp == 1 else f"optim_stage{self.ctx.coord('pp')}"
 
     def _rank_state(self) -> dict[str, Any]:
         return {
@@ -214,7 +220,7 @@ class Trainer:
         app = self._app_state()
         state = self.checkpointer.load(path, app)
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=app["model"], optim_state_dict=app["optim"]
+            self.model, self.optimizer, model_state_dict=app["model"], optim_state_dict=app[self._optim_key]
         )
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.batches_in_epoch = int(state["batches_in_epoch"])

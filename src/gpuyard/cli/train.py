@@ -1,0 +1,49 @@
+"""`gpuyard train SPEC.yaml`: run a training job under torchrun (restarts, rendezvous, exit codes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def train(
+    spec: Path = typer.Argument(..., help="The training spec (YAML)."),
+    nproc: int = typer.Option(1, "--nproc", help="Processes (ranks) on this node."),
+    nnodes: int = typer.Option(1, "--nnodes", help="Nodes taking part (needs --rdzv when > 1)."),
+    rdzv: Optional[str] = typer.Option(
+        None, "--rdzv", help="HOST:PORT of the rendezvous, same on every node."
+    ),
+    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", help="Overrides spec.max_restarts."),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Overrides spec.run_dir."),
+    plan: Optional[Path] = typer.Option(None, "--plan", help="A `gpuyard plan --json` file: its dp/tp/pp."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the spec and print the torchrun command."),
+    as_json: bool = typer.Option(False, "--json", help="Print the outcome as JSON."),
+) -> None:
+    """Train: exit 0 done, 75 preempted (SIGTERM, checkpoint written), 76 diverged (NaN/inf loss)."""
+    from gpuyard.train.launch import LaunchConfig, launch, prepare, torchrun_command
+
+    cfg = LaunchConfig(spec, nproc, nnodes, rdzv, max_restarts, run_dir, plan)
+    if dry_run:
+        parsed, overrides = prepare(cfg)
+        cmd = torchrun_command(cfg, parsed, overrides)
+        typer.echo(json.dumps({"command": cmd}) if as_json else " ".join(cmd))
+        return
+    result = launch(cfg)
+    doc = {"exit_code": result.exit_code, "run_dir": str(result.run_dir), **result.status}
+    if as_json:
+        typer.echo(json.dumps(doc))
+    else:
+        status = result.status.get("status", "failed")
+        where = result.status.get("checkpoint") or "no checkpoint"
+        typer.echo(
+            f"{status} at step {result.status.get('step', '?')} ({where}); exit {result.exit_code}", err=True
+        )
+    raise typer.Exit(result.exit_code)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `gpuyard train` to the CLI."""
+    app.command("train")(train)

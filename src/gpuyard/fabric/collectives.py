@@ -19,7 +19,9 @@ x 1 for broadcast and send/recv.
 Calibration (A100 NVLink3 + NVSwitch, preset ``dgx-a100``): nccl-tests all_reduce_perf on 8x A100
 SXM4 reports busbw of about 18-36 GB/s at 1 MiB, 167-172 GB/s at 64 MiB and 228-229 GB/s at 1 GiB
 (stas00/ml-engineering, network/benchmarks; Azure/AI-benchmarking-guide, ND A100 v4 results). With
-the preset's 2.7 us hop latency and 78% of 300 GB/s, this model gives 27, 171 and 229 GB/s.
+the preset's 2.7 us hop latency and 78% of 300 GB/s, this model gives 27, 170 and 229 GB/s.
+NVLS (``dgx-h100``): 8x H100 SXM5 all_reduce reaches 460-480 GB/s busbw at large sizes (Alaya NeW,
+"NCCL-tests in practice", reference table); 61% of 450 GB/s gives 474 GB/s at 1 GiB.
 """
 
 from __future__ import annotations

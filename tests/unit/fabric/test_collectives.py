@@ -91,3 +91,27 @@ def test_bad_input_is_rejected_with_a_reason() -> None:
     fixed = load_cluster("dgx-a100").model_copy(update={"nodes": 2})
     with pytest.raises(CapacityError):
         estimate(fixed, "all_reduce", 24, MiB)
+
+
+def test_dgx_h100_nvls_all_reduce_matches_published_range() -> None:
+    # 8x H100 SXM5 nccl-tests all_reduce busbw at large sizes: 460-480 GB/s with NVLS
+    # (Alaya NeW, "NCCL-tests in practice", reference numbers table, 2026).
+    est = estimate(load_cluster("dgx-h100"), "all_reduce", 8, 4 * GiB)
+    assert est.algorithm == "nvls"
+    assert 460 * 0.85 <= est.busbw_GBps <= 480 * 1.15
+
+
+def test_an_nvl72_domain_keeps_64_gpus_on_nvlink() -> None:
+    nvl72 = estimate(load_cluster("gb200-nvl72"), "all_reduce", 64, GiB)
+    hgx = estimate(load_cluster("dgx-h100"), "all_reduce", 64, GiB)
+    assert nvl72.algorithm == "nvls" and hgx.algorithm in ("ring", "tree", "hierarchical")
+    assert nvl72.busbw_GBps > 2 * hgx.busbw_GBps
+
+
+def test_hierarchical_can_be_forced_across_nodes() -> None:
+    cluster = load_cluster("dgx-a100")
+    est = estimate(cluster, "all_reduce", 32, 64 * MiB, algorithm="hierarchical")
+    assert (
+        est.algorithm == "hierarchical"
+        and est.time_s > estimate(cluster, "all_reduce", 32, 64 * MiB).time_s * 0.99
+    )

@@ -61,7 +61,7 @@ def plan_command(
         typer.echo(json.dumps(doc))
         return
     _print_table(
-        result, f"{spec.name} on {gpus} x {fabric.accelerator} ({fabric.name}), batch {global_batch}"
+        result, f"{spec.name} on {gpus} x {fabric.device_name} ({fabric.name}), batch {global_batch}"
     )
 
 

@@ -299,8 +299,11 @@ def fit_link(rows: list[BenchRow], world: int) -> tuple[float, float]:
         (hop latency in seconds, bandwidth in bytes/s), by least squares on relative error so that
         small messages (latency) and large ones (bandwidth) both count.
 
+        When noise hides the trend (a non-positive slope or latency), the bandwidth of the largest
+        messages and the latency of the smallest are used instead.
+
     Raises:
-        ConfigError: fewer than two distinct sizes, or the fit gives no positive bandwidth.
+        ConfigError: fewer than two distinct sizes were measured correctly.
     """
     import numpy as np
 
@@ -312,9 +315,13 @@ def fit_link(rows: list[BenchRow], world: int) -> tuple[float, float]:
     weights = 1.0 / times
     coef, *_ = np.linalg.lstsq(design * weights[:, None], times * weights, rcond=None)
     hop, inv_bw = float(coef[0]), float(coef[1])
-    if inv_bw <= 0:
-        raise ConfigError("the measurements show no bandwidth trend; add larger sizes (e.g. up to 64MiB)")
-    return max(hop, 1e-7), 1.0 / inv_bw
+    if inv_bw > 0 and hop > 0:
+        return hop, 1.0 / inv_bw
+    largest = max(r.size_bytes for r, _, _ in points)
+    smallest = min(r.size_bytes for r, _, _ in points)
+    bw = max(wire / r.time_s for r, _, wire in points if r.size_bytes == largest)
+    hop = min(r.time_s / steps for r, steps, _ in points if r.size_bytes == smallest)
+    return max(hop, 1e-7), bw
 
 
 def calibrated_cluster(base: Cluster, result: BenchResult) -> Cluster:

@@ -122,6 +122,11 @@ class Cluster(_Frozen):
         return None if self.device is not None else get_spec(self.accelerator)
 
     @property
+    def device_name(self) -> str:
+        """The accelerator's catalog name, or the custom device's name."""
+        return self.device.name if self.device else self.accelerator
+
+    @property
     def domain(self) -> int:
         """GPUs that share the fast intra-node fabric (the NVLink domain)."""
         return self.intra.domain_size or self.gpus_per_node

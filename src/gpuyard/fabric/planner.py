@@ -144,7 +144,9 @@ def layouts(
 
 def _memory_knobs(base: ParallelConfig, knobs: Knobs) -> Iterator[ParallelConfig]:
     for rc in [knobs.recompute] if knobs.recompute is not None else RECOMPUTE:
-        for zero in [knobs.zero] if knobs.zero is not None else (0, 1, 2, 3):
+        # Without data-parallel peers every ZeRO stage is the same layout: search only stage 0.
+        zeros = (0, 1, 2, 3) if base.dp * base.cp > 1 else (0,)
+        for zero in [knobs.zero] if knobs.zero is not None else zeros:
             sps = [knobs.sequence_parallel] if knobs.sequence_parallel is not None else [False, True]
             for sp in sps if base.tp > 1 else [False]:
                 yield ParallelConfig(
@@ -226,7 +228,7 @@ def plan(
             else f"none of {considered} layouts fits: the smallest needs"
         )
         raise CapacityError(
-            f"{what} {smallest / GIB:.1f} GiB per GPU; {cluster.accelerator} has {limit / GIB:.1f} GiB"
+            f"{what} {smallest / GIB:.1f} GiB per GPU; {cluster.device_name} has {limit / GIB:.1f} GiB"
         )
     plans.sort(key=_rank_key)
     return PlanResult(plans=plans[:top], considered=considered, fitting=len(plans))

@@ -58,6 +58,16 @@ def test_fit_recovers_latency_and_bandwidth() -> None:
         fit_link(rows[:1], world)
 
 
+def test_fit_falls_back_when_noise_hides_the_trend() -> None:
+    # Big messages measured faster than small ones (a loaded machine): no negative bandwidth.
+    rows = [
+        BenchRow("all_reduce", 1 << 10, 256, 2e-3, 0, 0, True, 1),
+        BenchRow("all_reduce", 1 << 20, 1 << 18, 1e-3, 0, 0, True, 1),
+    ]
+    hop, bw = fit_link(rows, 2)
+    assert hop == pytest.approx(2e-3 / 2) and bw == pytest.approx((1 << 20) / 1e-3)
+
+
 @pytest.mark.parametrize(
     ("cfg", "words"),
     [

@@ -146,22 +146,14 @@ def create_app(
             "max_body_bytes": config.max_body_bytes,
         }
 
-    def check_name(name: str) -> None:
-        if name != model.name:
-            raise NotServed(f"model {name!r} is not served here (this server: {model.name})")
-
     handler = PredictHandler(model, batcher, metrics)
+    base = f"/v1/models/{model.name}"
 
-    @app.post(
-        "/v1/models/{name}/predict",
-        openapi_extra={"requestBody": _request_schema(model)},
-        responses=_RESPONSES,
-    )
-    async def predict(name: str, request: Request) -> Response:
+    @app.post(f"{base}/predict", openapi_extra={"requestBody": _request_schema(model)}, responses=_RESPONSES)
+    async def predict(request: Request) -> Response:
         """Predict a batch (or one sample); answers in the request's format (JSON or safetensors)."""
         t0 = time.perf_counter()
         try:
-            check_name(name)
             body = await _read_body(request, config.max_body_bytes)
         except GpuyardError as exc:
             metrics.observe_error(exc.http_status, _REASONS.get(exc.http_status, "error"))
@@ -174,56 +166,41 @@ def create_app(
         """The model this server answers for."""
         return [info()]
 
-    @app.get("/v1/models/{name}", responses=_RESPONSES)
-    async def model_info(name: str) -> Response:
+    @app.get(base)
+    async def model_info() -> dict[str, Any]:
         """Version, signature and batching settings."""
-        try:
-            check_name(name)
-        except GpuyardError as exc:
-            return _error(exc)
-        return JSONResponse(info())
+        return info()
 
-    @app.get("/v1/models/{name}/stats", responses=_RESPONSES)
-    async def stats(name: str) -> Response:
+    @app.get(f"{base}/stats")
+    async def stats() -> dict[str, Any]:
         """Latency percentiles, throughput, batch sizes and error counts over the last minute."""
-        try:
-            check_name(name)
-        except GpuyardError as exc:
-            return _error(exc)
-        return JSONResponse({**metrics.stats(), "queue_depth": batcher.depth})
+        return {**metrics.stats(), "queue_depth": batcher.depth}
 
-    @app.get("/v1/models/{name}/drift", responses=_RESPONSES)
-    async def drift_report(name: str) -> Response:
+    @app.get(f"{base}/drift")
+    async def drift_report() -> dict[str, Any]:
         """The latest drift report over the sliding window (``enabled: false`` with the reason if off)."""
-        try:
-            check_name(name)
-        except GpuyardError as exc:
-            return _error(exc)
         if drift is None:
-            return JSONResponse({"enabled": False, "reason": drift_note})
+            return {"enabled": False, "reason": drift_note}
         report = await asyncio.to_thread(drift.evaluate)
         if report is None:
             rows = len(drift.snapshot()[0])
-            return JSONResponse(
-                {
-                    "enabled": True,
-                    "reference": drift_note,
-                    "report": None,
-                    "reason": f"{rows} samples in the window; tests start at {drift.config.min_rows}",
-                }
-            )
-        return JSONResponse({"enabled": True, "reference": drift_note, "report": report})
+            reason = f"{rows} samples in the window; tests start at {drift.config.min_rows}"
+            return {"enabled": True, "reference": drift_note, "report": None, "reason": reason}
+        return {"enabled": True, "reference": drift_note, "report": report}
 
-    @app.get("/v1/models/{name}/alerts", responses=_RESPONSES)
-    async def alerts(name: str) -> Response:
+    @app.get(f"{base}/alerts")
+    async def alerts() -> list[dict[str, Any]]:
         """Drift alerts of this model recorded in the state store, newest first."""
         from gpuyard.serve.alerts import list_alerts
 
-        try:
-            check_name(name)
-            return JSONResponse(await asyncio.to_thread(list_alerts, model.name))
-        except GpuyardError as exc:
-            return _error(exc)
+        return await asyncio.to_thread(list_alerts, model.name)
+
+    @app.api_route("/v1/models/{name}/{rest:path}", methods=["GET", "POST"], include_in_schema=False)
+    @app.api_route("/v1/models/{name}", methods=["GET", "POST"], include_in_schema=False)
+    async def not_served(name: str, request: Request) -> Response:
+        if name == model.name:
+            return _error(NotServed(f"no route {request.method} {request.url.path}; see /docs"))
+        return _error(NotServed(f"model {name!r} is not served here (this server: {model.name})"))
 
     @app.get("/health")
     async def health() -> dict[str, str]:

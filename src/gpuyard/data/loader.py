@@ -37,6 +37,10 @@ from gpuyard.errors import ConfigError, IntegrityError
 from gpuyard.store import get_artifacts
 
 POSITION_KEY = "_position"
+SIZES_KEY = "_sizes"
+# Rows a DataLoader worker sends per transfer: moving a tensor between processes has a fixed cost of
+# about a millisecond, so workers ship several batches at once and the main process slices them apart.
+SHIPMENT_ROWS = 8192
 Batch = dict[str, Any]
 
 
@@ -107,6 +111,8 @@ class ShardDataset(IterableDataset[Batch]):
         self.epoch = 0
         self.start_positions: dict[int, int] = {}
         self.worker_offset = 0
+        self.ship_batches = 1
+        self._shared: torch.Tensor | None = None
         self._cache = cache
         self._shards = self.version.shards
         self._specs = self.version.tensor_specs()
@@ -199,7 +205,11 @@ class ShardDataset(IterableDataset[Batch]):
                     groups.popitem(last=False)
             parts.append(groups[(shard, g)])
         table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-        table = table.take(pa.array(rows - bounds[first][0]))
+        local = rows - bounds[first][0]
+        if local[-1] - local[0] + 1 == len(local):  # a contiguous run: slice, no copy
+            table = table.slice(int(local[0]), len(local))
+        else:
+            table = table.take(pa.array(local))
         return {c: self._to_numpy(table, c) for c in self._columns}
 
     def _to_numpy(self, table: pa.Table, name: str) -> np.ndarray:
@@ -231,62 +241,141 @@ class ShardDataset(IterableDataset[Batch]):
         rank, world = topology(self.rank, self.world_size)
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if self._shared is not None:
+            self.epoch, self.worker_offset = int(self._shared[0]), int(self._shared[1])
+            self.start_positions = {k: int(v) for k, v in enumerate(self._shared[2:].tolist())}
         logical = (worker + self.worker_offset) % workers
-        yield from self.iter_consumer(rank, world, logical, workers, self.start_positions.get(logical, 0))
+        start = self.start_positions.get(logical, 0)
+        if self.ship_batches <= 1:
+            yield from self.iter_consumer(rank, world, logical, workers, start)
+            return
+        # Shipments end at fixed row positions (multiples of ship_batches * batch_size), so a run
+        # resumed mid-shipment ships the rest of it first and the batch order stays exactly the same.
+        span = self.ship_batches * self.config.batch_size
+        key = (self.config.seed, self.epoch, rank, logical)
+        for arrays, pos in self._chunks(rank, world, logical, workers, start, span):
+            yield self._shipment(arrays, logical, pos, key)
 
     def iter_consumer(
         self, rank: int, world: int, worker: int, workers: int, start: int = 0
     ) -> Iterator[Batch]:
         """Batches of one (rank, worker) consumer this epoch, from row position ``start``."""
+        key = (self.config.seed, self.epoch, rank, worker)
+        for arrays, pos in self._chunks(rank, world, worker, workers, start, self.config.batch_size):
+            yield self._batch(arrays, worker, pos, key)
+
+    def _chunks(
+        self, rank: int, world: int, worker: int, workers: int, start: int, span: int
+    ) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+        """Rows of one consumer from ``start``, cut where the position is a multiple of ``span``.
+
+        Yields (column arrays, position after them). Blocks are read one ahead in a thread.
+        """
         # Reopen shards each epoch: remote ones then go through the cache again (and refresh its LRU).
         self.__dict__.pop("_files", None)
         self.__dict__.pop("_groups", None)
         pieces = self.consumer_range(rank, world, worker, workers)
         total = sum(len(r) for _, r in pieces)
-        size, bs = self.config.shuffle_buffer, self.config.batch_size
+        if self.config.drop_last:
+            total -= total % self.config.batch_size
+        size = self.config.shuffle_buffer
         key = (self.config.seed, self.epoch, rank, worker)
         nblocks = -(-total // size)
         pos, k = start, start // size
-        if k >= nblocks:
+        if start >= total:
             return
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuyard-prefetch")
         try:
-            ahead: Future[dict[str, np.ndarray]] = pool.submit(self._block, pieces, k, key)
+            ahead: Future[dict[str, np.ndarray]] | None = pool.submit(self._block, pieces, k, key)
             carry: dict[str, np.ndarray] | None = None
             skip = start - k * size
             while ahead is not None:
                 block = ahead.result()
                 k += 1
-                ahead = pool.submit(self._block, pieces, k, key) if k < nblocks else None  # type: ignore[assignment]
+                ahead = pool.submit(self._block, pieces, k, key) if k < nblocks else None
                 if skip:
                     block, skip = {c: a[skip:] for c, a in block.items()}, 0
                 if carry is not None:
                     block = {c: np.concatenate([carry[c], block[c]]) for c in self._columns}
-                n = len(block[self._columns[0]])
-                full = n // bs * bs
-                for s in range(0, full, bs):
-                    pos += bs
-                    yield self._batch({c: a[s : s + bs] for c, a in block.items()}, worker, pos, key)
-                carry = {c: a[full:] for c, a in block.items()} if full < n else None
-            if carry is not None and not self.config.drop_last:
+                n = min(len(block[self._columns[0]]), total - pos)
+                s = 0
+                while True:
+                    cut = (pos // span + 1) * span - pos  # rows up to the next multiple of span
+                    if s + cut > n:
+                        break
+                    pos += cut
+                    yield {c: a[s : s + cut] for c, a in block.items()}, pos
+                    s += cut
+                carry = {c: a[s:n] for c, a in block.items()} if s < n else None
+            if carry is not None:
                 pos += len(carry[self._columns[0]])
-                yield self._batch(carry, worker, pos, key)
+                yield carry, pos
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def _augment_batch(self, images: torch.Tensor, pos: int, key: tuple[int, ...]) -> torch.Tensor:
+        assert self._augment is not None  # callers check
+        return augment(images, self._augment, batch_generator(*key, pos))
 
     def _batch(self, arrays: dict[str, np.ndarray], worker: int, pos: int, key: tuple[int, ...]) -> Batch:
         out: Batch = {}
         for name, arr in arrays.items():
             out[name] = arr.tolist() if arr.dtype == object else torch.from_numpy(np.ascontiguousarray(arr))
         if self._augment is not None:
-            gen = batch_generator(*key, pos)
-            out[self._augment.column] = augment(out[self._augment.column], self._augment, gen)
+            col = self._augment.column
+            out[col] = self._augment_batch(out[col], pos, key)
         out[POSITION_KEY] = torch.tensor([worker, pos, self.epoch], dtype=torch.int64)
+        return out
+
+    def _shipment(self, arrays: dict[str, np.ndarray], worker: int, pos: int, key: tuple[int, ...]) -> Batch:
+        # Tensors are allocated in shared memory and filled once, so sending them to the main process
+        # copies nothing more; batch boundaries and augmentation seeds match iter_consumer exactly.
+        n = len(arrays[self._columns[0]])
+        bs = self.config.batch_size
+        first = pos - n
+        sizes = []
+        at = first
+        while at < pos:
+            step = min((at // bs + 1) * bs, pos) - at
+            sizes.append(step)
+            at += step
+        out: Batch = {}
+        for name, arr in arrays.items():
+            if arr.dtype == object:
+                out[name] = arr.tolist()
+                continue
+            t = torch.empty(arr.shape, dtype=torch.from_numpy(arr[:0]).dtype).share_memory_()
+            t.numpy()[...] = arr
+            out[name] = t
+        if self._augment is not None:
+            col, at = self._augment.column, 0
+            for step in sizes:
+                out[col][at : at + step] = self._augment_batch(
+                    out[col][at : at + step], first + at + step, key
+                )
+                at += step
+        out[POSITION_KEY] = torch.tensor([worker, pos, self.epoch], dtype=torch.int64)
+        out[SIZES_KEY] = torch.tensor(sizes, dtype=torch.int64)
         return out
 
     def __getstate__(self) -> dict[str, Any]:
         # Open files and decoded row groups stay in the process that opened them.
         return {k: v for k, v in self.__dict__.items() if k not in ("_files", "_groups")}
+
+
+def _unpack(shipment: Batch) -> Iterator[tuple[Batch, int, int]]:
+    """(batch, worker, position after it) for each batch of a shipment."""
+    worker, end, _ = (int(x) for x in shipment.pop(POSITION_KEY))
+    sizes = shipment.pop(SIZES_KEY, None)
+    if sizes is None:
+        yield shipment, worker, end
+        return
+    counts = sizes.tolist()
+    start, pos = 0, end - sum(counts)
+    for n in counts:
+        pos += n
+        yield {k: v[start : start + n] for k, v in shipment.items()}, worker, pos
+        start += n
 
 
 class ShardLoader:
@@ -309,15 +398,18 @@ class ShardLoader:
         prefetch_factor: int = 2,
         cache: ShardCache | None = None,
         multiprocessing_context: str | None = None,
+        persistent_workers: bool = False,
     ) -> None:
         self.dataset = ShardDataset(dataset, config, rank=rank, world_size=world_size, cache=cache)
         self.num_workers = num_workers
+        self.persistent_workers = persistent_workers and num_workers > 0
+        self._loader: DataLoader[Batch] | None = None
         # Pinned host memory lets copies to the GPU run asynchronously; pointless without CUDA.
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.prefetch_factor = prefetch_factor
         self.multiprocessing_context = multiprocessing_context
         self._positions: dict[int, int] = {}
-        self._consumed = 0
+        self._next_worker = 0
 
     @property
     def epoch(self) -> int:
@@ -327,7 +419,7 @@ class ShardLoader:
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning (call before each epoch, as with DistributedSampler)."""
         self.dataset.set_epoch(epoch)
-        self._positions, self._consumed = {}, 0
+        self._positions, self._next_worker = {}, 0
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch."""
@@ -341,28 +433,43 @@ class ShardLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         ds = self.dataset
-        ds.rank, ds.world_size = topology(
-            ds.rank, ds.world_size
-        )  # resolved here: workers lack the process group
+        # Resolved here, in the main process: DataLoader workers have no process group.
+        ds.rank, ds.world_size = topology(ds.rank, ds.world_size)
         ds._rows_per_shard()  # read split membership once, before workers copy the dataset
         workers = max(1, self.num_workers)
         ds.start_positions = dict(self._positions)
-        # DataLoader asks workers for batches round-robin from worker 0; start the cycle where it stopped.
-        ds.worker_offset = self._consumed % workers
-        loader = DataLoader(
-            ds,
-            batch_size=None,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            prefetch_factor=self.prefetch_factor if self.num_workers else None,
-            multiprocessing_context=self.multiprocessing_context if self.num_workers else None,
+        # DataLoader asks workers round-robin from worker 0; start the cycle at the worker that is due.
+        ds.worker_offset = self._next_worker % workers
+        ds.ship_batches = max(1, SHIPMENT_ROWS // ds.config.batch_size) if self.num_workers else 1
+        span = ds.ship_batches * ds.config.batch_size
+        if self.persistent_workers and ds._shared is None:
+            ds._shared = torch.zeros(2 + workers, dtype=torch.int64).share_memory_()
+        if ds._shared is not None:
+            # Persistent workers keep their copy of the dataset: they read epoch and positions from here.
+            ds._shared[0], ds._shared[1] = ds.epoch, ds.worker_offset
+            ds._shared[2:] = torch.tensor([ds.start_positions.get(k, 0) for k in range(workers)])
+        loader = (
+            self._loader
+            if self._loader is not None
+            else DataLoader(
+                ds,
+                batch_size=None,
+                num_workers=self.num_workers,
+                pin_memory=self.pin_memory,
+                prefetch_factor=self.prefetch_factor if self.num_workers else None,
+                multiprocessing_context=self.multiprocessing_context if self.num_workers else None,
+                persistent_workers=self.persistent_workers,
+            )
         )
-        for batch in loader:
-            worker, pos, _ = (int(x) for x in batch.pop(POSITION_KEY))
-            self._positions[worker] = pos
-            self._consumed += 1
-            yield batch
-        self._positions, self._consumed = {}, 0
+        if self.persistent_workers:
+            self._loader = loader
+        for shipment in loader:
+            for batch, worker, pos in _unpack(shipment):
+                self._positions[worker] = pos
+                # The next batch comes from this worker until its shipment is done, then from the next.
+                self._next_worker = worker if pos % span else (worker + 1) % workers
+                yield batch
+        self._positions, self._next_worker = {}, 0
         ds.start_positions, ds.worker_offset = {}, 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -378,7 +485,7 @@ class ShardLoader:
             "num_workers": self.num_workers,
             "rank": rank,
             "world_size": world,
-            "consumed_batches": self._consumed,
+            "next_worker": self._next_worker,
             "positions": {str(k): v for k, v in sorted(self._positions.items())},
         }
 
@@ -404,4 +511,4 @@ class ShardLoader:
                 raise ConfigError(f"loader state has {key}={state.get(key)!r}, this loader has {value!r}")
         ds.set_epoch(int(state["epoch"]))
         self._positions = {int(k): int(v) for k, v in state["positions"].items()}
-        self._consumed = int(state["consumed_batches"])
+        self._next_worker = int(state["next_worker"])

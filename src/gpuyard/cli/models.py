@@ -255,6 +255,42 @@ def promote_cmd(
         raise typer.Exit(1)
 
 
+@models_app.command("optimize")
+def optimize_cmd(
+    ref: str = typer.Argument(..., help="A torch model: NAME:VERSION or NAME@ALIAS."),
+    holdout: str | None = typer.Option(
+        None, "--holdout", help="Dataset to measure on (default: its test split)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """ONNX export checked against onnxruntime, int8 dynamic quantization, torch.export: size, latency."""
+    from gpuyard.models.optimize import optimize_version
+
+    report = optimize_version(ref, holdout=holdout)
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    metric = report["metric"]
+    table = Table(
+        title=f"{report['model']} on {report['holdout']} ({report['rows']} rows)", title_justify="left"
+    )
+    for col in ("variant", "size (KiB)", "batch 1 (ms)", "batch 64 (ms)", metric, "max |diff|"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for v in report["variants"]:
+        size = "-" if v["size_bytes"] is None else f"{v['size_bytes'] / 1024:.1f}"
+        diff = v.get("max_abs_diff_vs_torch")
+        table.add_row(
+            v["variant"],
+            size,
+            f"{v['latency_ms_batch1']:.3f}",
+            f"{v['latency_ms_batch64']:.3f}",
+            f"{v[metric]:.4f}",
+            "-" if diff is None else f"{diff:.1e}",
+        )
+    _console().print(table)
+    typer.echo("stored with the version: model.onnx, model.int8.onnx, optimize.json")
+
+
 @models_app.command("export")
 def export_cmd(
     ref: str = typer.Argument(..., help="NAME, NAME:VERSION or NAME@ALIAS."),

@@ -130,7 +130,10 @@ def train_mlp(params: dict[str, Any], data: Splits, ctx: TrainContext) -> Any:
         activation=str(params.get("activation", "relu")),
     )
     net[0].mean.copy_(X.mean(0))
-    net[0].std.copy_(X.std(0).clamp_min(1e-6))
+    std = X.std(0)
+    # Constant features (digits' blank border pixels) keep scale 1: dividing by ~0 would blow up any
+    # value the training set never showed.
+    net[0].std.copy_(torch.where(std < 1e-3, torch.ones_like(std), std))
     opt = torch.optim.AdamW(
         net.parameters(),
         lr=float(params.get("lr", 1e-2)),

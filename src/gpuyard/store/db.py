@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import fcntl
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuyard.errors import StoreError
 from gpuyard.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 SQLITE_BUSY_TIMEOUT_S = 60
 # Any constant works; it only has to be the same in every gpuyard process.
@@ -59,7 +59,32 @@ def _make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
 
 
+_VERSIONS_DIR = Path(__file__).parent / "migrations" / "versions"
+
+
+def shipped_heads() -> set[str]:
+    """Head revisions of the migrations shipped with this gpuyard.
+
+    Read from the migration files' ``revision`` / ``down_revision`` assignments with ``ast``: a
+    process that finds its database current then never imports Alembic (about half a second).
+    """
+    revisions: set[str] = set()
+    parents: set[str] = set()
+    for path in _VERSIONS_DIR.glob("*.py"):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+                continue
+            target = node.targets[0]
+            if isinstance(target, ast.Name) and target.id in ("revision", "down_revision"):
+                value = ast.literal_eval(node.value)
+                values = value if isinstance(value, tuple | list) else [value]
+                (revisions if target.id == "revision" else parents).update(v for v in values if v)
+    return revisions - parents
+
+
 def _alembic_config(engine: Engine) -> Config:
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", "gpuyard.store:migrations")
     cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
@@ -114,11 +139,12 @@ class Store:
 
     def revision_status(self) -> tuple[set[str], set[str]]:
         """Return (revisions applied in the database, head revisions shipped with this gpuyard)."""
-        script = ScriptDirectory.from_config(_alembic_config(self.engine))
         with self._wrap_errors(), self.engine.connect() as conn:
-            current = set(MigrationContext.configure(conn).get_current_heads())
+            current: set[str] = set()
+            if inspect(conn).has_table("alembic_version"):
+                current = {r[0] for r in conn.execute(text("SELECT version_num FROM alembic_version"))}
             conn.rollback()
-        return current, set(script.get_heads())
+        return current, shipped_heads()
 
     def migrate(self) -> None:
         """Apply every pending migration, once, even when several processes start together."""
@@ -129,6 +155,8 @@ class Store:
             current, heads = self.revision_status()
             if current == heads:
                 return
+            from alembic import command
+
             with self.engine.connect() as conn:
                 cfg = _alembic_config(self.engine)
                 cfg.attributes["connection"] = conn

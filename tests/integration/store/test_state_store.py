@@ -123,3 +123,15 @@ def test_default_store_is_sqlite_in_home(gpuyard_home: Path) -> None:
     assert (gpuyard_home / "gpuyard.db").exists()
     with store.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+
+
+def test_shipped_heads_agree_with_alembic() -> None:
+    # The fast head reader (no Alembic import) must see what Alembic sees.
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    from gpuyard.store.db import shipped_heads
+
+    cfg = Config()
+    cfg.set_main_option("script_location", "gpuyard.store:migrations")
+    assert shipped_heads() == set(ScriptDirectory.from_config(cfg).get_heads())

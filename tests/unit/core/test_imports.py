@@ -32,7 +32,8 @@ def _modules() -> list[str]:
 # heavy libraries are paid for once.
 _CHILD_SCRIPT = r"""
 import importlib, os, sys, traceback
-for lib in ("torch", "numpy", "pyarrow", "sqlalchemy", "alembic", "fastapi", "typer", "sklearn"):
+for lib in ("torch", "torch.distributed.checkpoint", "torch.distributed.run", "numpy", "pyarrow",
+            "sqlalchemy", "alembic", "fastapi", "typer", "sklearn", "optuna", "ray"):
     try:
         importlib.import_module(lib)
     except ImportError:

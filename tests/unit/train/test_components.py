@@ -45,7 +45,7 @@ def test_map_source_resumes_mid_epoch() -> None:
     b.load_state_dict(a.state_dict())
     rest_b = [y for _, y in b]
     rest_a = [y for _, y in it]
-    assert len(rest_b) == 5 and all(torch.equal(x, y) for x, y in zip(rest_a, rest_b))
+    assert len(rest_b) == 5 and all(torch.equal(x, y) for x, y in zip(rest_a, rest_b, strict=True))
     assert not any(torch.equal(seen[0], y) for y in rest_b[:1])
 
 
@@ -55,7 +55,7 @@ def test_make_source_accepts_datasets_and_protocol_loaders_only() -> None:
     )
     loader = ex.classification_loader(32, batch_size=4)
     assert make_source(loader, "data.train", 4, 0, 1, True, 0, True).loader is loader
-    with pytest.raises(ConfigError, match="data.train: a generator has no resumable position"):
+    with pytest.raises(ConfigError, match=r"data\.train: a generator has no resumable position"):
         make_source((i for i in range(3)), "data.train", 4, 0, 1, True, 0, True)
     with pytest.raises(ConfigError, match="fewer than the 4 data-parallel ranks"):
         make_source(ex.classification_data(3), "data.train", 1, 0, 4, True, 0, True)
@@ -64,7 +64,7 @@ def test_make_source_accepts_datasets_and_protocol_loaders_only() -> None:
 def test_split_batch_handles_tuples_and_mappings() -> None:
     assert split_batch((1, 2), "inputs", "targets") == (1, 2)
     assert split_batch({"x": 1, "y": 2}, "x", "y") == (1, 2)
-    with pytest.raises(ConfigError, match="data.input_key/target_key"):
+    with pytest.raises(ConfigError, match=r"data\.input_key/target_key"):
         split_batch({"x": 1}, "inputs", "targets")
 
 

@@ -57,7 +57,7 @@ def test_missing_model_and_bad_yaml_are_reported(tmp_path: Path) -> None:
 
 def test_pipeline_batch_must_split_into_microbatches(tmp_path: Path) -> None:
     doc = {**GOOD, "data": {**GOOD["data"], "batch_size": 10}, "parallel": {"pp": 2, "microbatches": 4}}
-    with pytest.raises(ConfigError, match="parallel.microbatches=4"):
+    with pytest.raises(ConfigError, match=r"parallel\.microbatches=4"):
         load_spec(_write(tmp_path, doc))
 
 
@@ -82,7 +82,7 @@ def test_entrypoint_errors_say_which_and_why(tmp_path: Path, monkeypatch: pytest
 
 def test_prepare_checks_entrypoints_and_layout_before_starting(tmp_path: Path) -> None:
     doc = {**GOOD, "data": {"train": {"entrypoint": "gpuyard.train.examples:no_data"}}}
-    with pytest.raises(ConfigError, match="data.train.entrypoint"):
+    with pytest.raises(ConfigError, match=r"data\.train\.entrypoint"):
         prepare(LaunchConfig(_write(tmp_path, doc), nproc=2))
     with pytest.raises(ConfigError, match="does not divide the world size 3"):
         prepare(LaunchConfig(_write(tmp_path, {**GOOD, "parallel": {"tp": 2}}), nproc=3))

@@ -1,0 +1,90 @@
+"""Deployments: background servers with replica processes, recorded in the store, listed, stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from gpuyard.errors import ConfigError, ConflictError, NotFoundError
+from gpuyard.serve.batching import BatchConfig
+from gpuyard.serve.deploy import deploy, get_deployment, list_deployments, undeploy
+from gpuyard.serve.runner import ServeOptions
+
+pytestmark = pytest.mark.integration
+
+
+def _gone(pids: list[int], timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [
+            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpuyard.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
+    )
+
+
+def test_deploy_two_replicas_serve_list_and_undeploy(serve_home: Path) -> None:
+    doc = deploy("mlp", ServeOptions(port=0, replicas=2, device="auto", batch=BatchConfig(max_batch=8)))
+    assert doc["status"] == "running" and doc["url"].startswith("http://127.0.0.1:")
+    assert doc["device"] == "cpu" and doc["pids"]["devices"] == ["cpu", "cpu"]
+    replicas = doc["pids"]["replicas"]
+    assert len(replicas) == 2 and all(psutil.pid_exists(p) for p in replicas)
+    url = f"{doc['url']}/v1/models/mlp/predict"
+    with httpx.Client(timeout=10) as client:  # fresh connections: the kernel spreads them over replicas
+        for _ in range(20):
+            assert httpx.post(url, json={"inputs": [[0.1] * 8]}).status_code == 200
+        text = client.get(f"{doc['url']}/metrics").text
+    # Metrics aggregate every replica (prometheus multiprocess mode): all 20 answers are counted.
+    line = next(x for x in text.splitlines() if x.startswith('gpuyard_serve_requests_total{code="200"'))
+    assert float(line.split()[-1]) == 20
+    listed = json.loads(cli("deployments", "ls", "--json").stdout)
+    assert [d["id"] for d in listed] == [doc["id"]] and listed[0]["status"] == "running"
+    out = cli("undeploy", str(doc["id"]), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)[0]["status"] == "stopped"
+    assert _gone([doc["pids"]["server"], *replicas])
+    assert list_deployments() == [] and get_deployment(doc["id"])["stopped_at"] is not None
+    with pytest.raises(ConflictError, match="already stopped"):
+        undeploy(str(doc["id"]))
+
+
+def test_a_server_that_dies_is_marked_dead(serve_home: Path) -> None:
+    doc = deploy("mlp", ServeOptions(port=0, drift=False))
+    os.killpg(doc["pids"]["server"], signal.SIGKILL)
+    assert _gone([doc["pids"]["server"]])
+    assert [d["status"] for d in list_deployments(all_=True) if d["id"] == doc["id"]] == ["dead"]
+    assert list_deployments() == []
+
+
+def test_failures_are_recorded_and_named(serve_home: Path) -> None:
+    with pytest.raises(NotFoundError, match="not registered"):
+        deploy("nope", ServeOptions(port=0))
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        deploy("mlp", ServeOptions(port=0, device="cuda"))
+    failed = list_deployments(all_=True)[0]
+    assert failed["status"] == "failed" and "exited with code" in failed["error"]
+    with pytest.raises(NotFoundError, match="no active deployment"):
+        undeploy("mlp")
+    bad = cli("deploy", "mlp", "--replicas", "0")
+    assert bad.returncode == 2 and "--replicas 0" in bad.stderr

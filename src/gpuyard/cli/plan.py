@@ -27,6 +27,7 @@ def plan_command(
         None, "--sequence-parallel/--no-sequence-parallel", help="Hold sequence parallelism on or off."
     ),
     zero: int = typer.Option(None, "--zero", help="Hold the ZeRO stage (0-3; 3 = FSDP)."),
+    ep: int = typer.Option(None, "--ep", help="Hold expert-parallel size (mixture-of-experts models)."),
     top: int = typer.Option(5, "--top", help="Plans to show."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
@@ -44,6 +45,7 @@ def plan_command(
         recompute=recompute,
         zero=zero,
         sequence_parallel=sequence_parallel,
+        ep=ep,
     )
     spec, fabric = load_model(model), load_cluster(cluster)
     result = plan(spec, fabric, gpus, global_batch, seq_len, knobs, top)
@@ -76,6 +78,7 @@ def _print_table(result: object, title: str) -> None:
     for col in (
         "#",
         "tp.pp.dp.cp",
+        "ep",
         "mb",
         "vp",
         "recomp",
@@ -94,6 +97,7 @@ def _print_table(result: object, title: str) -> None:
         table.add_row(
             str(i),
             f"{c.tp}.{c.pp}.{c.dp}.{c.cp}",
+            str(c.ep),
             str(c.micro_batch),
             str(c.virtual_stages),
             c.recompute,

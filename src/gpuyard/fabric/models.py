@@ -1,7 +1,9 @@
 """Transformer shapes for the step model: presets of published models, or a YAML/JSON file.
 
 A file holds ``layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq_len`` and optionally
-``gated_mlp`` (SwiGLU: three FFN matrices) and ``tied_embeddings``.
+``gated_mlp`` (SwiGLU: three FFN matrices), ``tied_embeddings``, and for mixture-of-experts models
+``experts`` and ``top_k`` (every layer's FFN becomes ``experts`` FFNs of width ``ffn_hidden``, each
+token routed to ``top_k`` of them).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class ModelSpec:
         seq_len: default training sequence length s.
         gated_mlp: SwiGLU-style FFN with three matrices (Llama) instead of two (GPT).
         tied_embeddings: input embedding and output projection share weights (GPT-3, Megatron).
+        experts: FFN experts per layer (0 = dense model).
+        top_k: experts each token is routed to.
     """
 
     name: str
@@ -43,6 +47,35 @@ class ModelSpec:
     seq_len: int
     gated_mlp: bool = False
     tied_embeddings: bool = False
+    experts: int = 0
+    top_k: int = 1
+
+    @property
+    def is_moe(self) -> bool:
+        """True for a mixture-of-experts model."""
+        return self.experts > 0
+
+    @property
+    def attention_params(self) -> int:
+        """Q, K, V and output projections of one block."""
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * self.head_dim
+
+    @property
+    def ffn_params(self) -> int:
+        """One FFN (one expert in a mixture-of-experts model)."""
+        return (3 if self.gated_mlp else 2) * self.hidden * self.ffn_hidden
+
+    @property
+    def expert_params(self) -> int:
+        """All experts of one block plus the router (0 for a dense model)."""
+        return self.experts * self.ffn_params + self.experts * self.hidden if self.is_moe else 0
+
+    @property
+    def active_layer_params(self) -> int:
+        """Parameters one token passes through in a block (top_k experts and the router for MoE)."""
+        if not self.is_moe:
+            return self.layer_params
+        return self.attention_params + self.top_k * self.ffn_params + self.experts * self.hidden
 
     @property
     def head_dim(self) -> int:
@@ -51,11 +84,8 @@ class ModelSpec:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one block (attention + FFN; norms and biases are negligible)."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        attention = 2 * h * h + 2 * h * kv
-        ffn = (3 if self.gated_mlp else 2) * h * self.ffn_hidden
-        return attention + ffn
+        """Parameters of one block (attention + FFN or all experts; norms and biases are negligible)."""
+        return self.attention_params + (self.expert_params if self.is_moe else self.ffn_params)
 
     @property
     def embedding_params(self) -> int:
@@ -74,7 +104,7 @@ class ModelSpec:
         term counts the full score matrix, as PaLM and Megatron do; ``causal=True`` counts half of it
         (the products a causal kernel really performs), as some reports do.
         """
-        dense = self.layers * self.layer_params + self.vocab * self.hidden
+        dense = self.layers * self.active_layer_params + self.vocab * self.hidden
         return 6.0 * dense + (6.0 if causal else 12.0) * self.layers * self.hidden * seq_len
 
     def to_dict(self) -> dict[str, object]:
@@ -97,6 +127,10 @@ PRESETS: dict[str, ModelSpec] = {
     "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, gated_mlp=True),
     "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, gated_mlp=True),
     "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, gated_mlp=True),
+    # Mixtral 8x7B: Jiang et al. 2024 (32 layers, hidden 4096, 8 experts of 14336, top-2, 32K vocab).
+    "mixtral-8x7b": ModelSpec(
+        "mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 4096, gated_mlp=True, experts=8, top_k=2
+    ),
 }
 
 
@@ -113,6 +147,8 @@ class _ModelFile(BaseModel):
     seq_len: int = Field(gt=0)
     gated_mlp: bool = False
     tied_embeddings: bool = False
+    experts: int = Field(default=0, ge=0)
+    top_k: int = Field(default=1, ge=1)
 
 
 def load_model(name_or_path: str) -> ModelSpec:
@@ -143,6 +179,8 @@ def load_model(name_or_path: str) -> ModelSpec:
         raise ConfigError(
             f"{path}: heads={data.heads} must divide hidden={data.hidden} and be a multiple of kv_heads"
         )
+    if data.experts and data.top_k > data.experts:
+        raise ConfigError(f"{path}: top_k={data.top_k} exceeds experts={data.experts}")
     return ModelSpec(
         data.name or path.stem,
         data.layers,
@@ -154,4 +192,6 @@ def load_model(name_or_path: str) -> ModelSpec:
         data.seq_len,
         data.gated_mlp,
         data.tied_embeddings,
+        data.experts,
+        data.top_k,
     )

@@ -42,10 +42,11 @@ class Knobs:
     recompute: str | None = None
     zero: int | None = None
     sequence_parallel: bool | None = None
+    ep: int | None = None
 
     def fixed(self) -> bool:
-        """True when every knob is given (a single layout to check)."""
-        return all(getattr(self, k) is not None for k in self.__dataclass_fields__)
+        """True when every knob is given (a single layout to check); ep may stay unset (it defaults to 1)."""
+        return all(getattr(self, k) is not None for k in self.__dataclass_fields__ if k != "ep")
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,19 @@ def layouts(
                     for v in [knobs.virtual_stages] if knobs.virtual_stages is not None else VIRTUAL_STAGES:
                         if v > 1 and (pp == 1 or m % pp or pp * v > model.layers):
                             continue
-                        base = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=mb, virtual_stages=v)
-                        yield from _memory_knobs(base, knobs)
+                        for ep in _expert_sizes(model, dp, knobs):
+                            base = ParallelConfig(
+                                tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=mb, virtual_stages=v, ep=ep
+                            )
+                            yield from _memory_knobs(base, knobs)
+
+
+def _expert_sizes(model: ModelSpec, dp: int, knobs: Knobs) -> list[int]:
+    if knobs.ep is not None:
+        return [knobs.ep] if knobs.ep == 1 or (model.is_moe and dp % knobs.ep == 0) else []
+    if not model.is_moe:
+        return [1]
+    return [e for e in (1, 2, 4, 8, 16, 32, 64) if model.experts % e == 0 and dp % e == 0]
 
 
 def _memory_knobs(base: ParallelConfig, knobs: Knobs) -> Iterator[ParallelConfig]:
@@ -150,7 +162,16 @@ def _memory_knobs(base: ParallelConfig, knobs: Knobs) -> Iterator[ParallelConfig
             sps = [knobs.sequence_parallel] if knobs.sequence_parallel is not None else [False, True]
             for sp in sps if base.tp > 1 else [False]:
                 yield ParallelConfig(
-                    base.tp, base.pp, base.dp, base.cp, base.micro_batch, base.virtual_stages, rc, zero, sp
+                    base.tp,
+                    base.pp,
+                    base.dp,
+                    base.cp,
+                    base.micro_batch,
+                    base.virtual_stages,
+                    rc,
+                    zero,
+                    sp,
+                    base.ep,
                 )
 
 
@@ -166,6 +187,11 @@ def _check_fixed(model: ModelSpec, cluster: Cluster, gpus: int, seq_len: int, kn
         raise ConfigError(f"{gpus} GPUs are not divisible by tp x pp x cp = {fixed}")
     if knobs.recompute is not None and knobs.recompute not in RECOMPUTE:
         raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {knobs.recompute!r}")
+    if knobs.ep is not None and knobs.ep > 1 and (not model.is_moe or model.experts % knobs.ep):
+        raise ConfigError(
+            f"expert-parallel size {knobs.ep} needs a mixture-of-experts model with experts divisible by it"
+            f" ({model.name} has {model.experts})"
+        )
     if knobs.zero is not None and knobs.zero not in (0, 1, 2, 3):
         raise ConfigError(f"zero must be 0, 1, 2 or 3, got {knobs.zero}")
     if knobs.cp is not None and knobs.cp > 1 and seq_len % (2 * knobs.cp):
@@ -216,7 +242,9 @@ def plan(
     if not considered:
         if knobs.fixed():  # the fixed layout's own check says precisely what is wrong
             dp = gpus // ((knobs.tp or 1) * (knobs.pp or 1) * (knobs.cp or 1))
-            validate(model, gpus, global_batch, seq, ParallelConfig(dp=dp, **vars(knobs)))
+            validate(
+                model, gpus, global_batch, seq, ParallelConfig(dp=dp, **{**vars(knobs), "ep": knobs.ep or 1})
+            )
         raise ConfigError(
             f"no tp x pp x dp x cp layout of {gpus} GPUs divides global batch {global_batch} "
             f"with the knobs given"

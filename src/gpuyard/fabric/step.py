@@ -52,6 +52,7 @@ class ParallelConfig:
     recompute: str = "none"
     zero: int = 1
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallelism (mixture of experts), carved out of the data-parallel ranks
 
     @property
     def gpus(self) -> int:
@@ -70,6 +71,7 @@ class Breakdown:
     dp_comm_s: float
     bubble_s: float
     exposed_comm_s: float
+    ep_comm_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,11 @@ def validate(model: ModelSpec, gpus: int, global_batch: int, seq_len: int, cfg: 
             f"global batch {global_batch} is not a multiple of dp x micro_batch = "
             f"{cfg.dp} x {cfg.micro_batch}"
         )
+    if cfg.ep > 1 and (not model.is_moe or model.experts % cfg.ep or cfg.dp % cfg.ep):
+        raise ConfigError(
+            f"expert-parallel size {cfg.ep} needs a mixture-of-experts model whose experts "
+            f"({model.experts}) and data-parallel size ({cfg.dp}) it divides"
+        )
     micro_batches = global_batch // (cfg.dp * cfg.micro_batch)
     if cfg.virtual_stages > 1 and (cfg.pp == 1 or micro_batches % cfg.pp):
         raise ConfigError(
@@ -162,11 +169,12 @@ class _Layer:
     attention_fwd: float
     tp_comm: float
     cp_comm: float
+    ep_comm: float
 
 
 def _layer_times(model: ModelSpec, cluster: Cluster, seq: int, cfg: ParallelConfig) -> _Layer:
     return _layer_times_cached(
-        model, cluster, seq, cfg.tp, cfg.cp, cfg.micro_batch, cfg.recompute, cfg.sequence_parallel
+        model, cluster, seq, cfg.tp, cfg.cp, cfg.micro_batch, cfg.recompute, cfg.sequence_parallel, cfg.ep
     )
 
 
@@ -180,16 +188,26 @@ def _layer_times_cached(
     micro_batch: int,
     recompute: str,
     seqpar: bool,
+    ep: int = 1,
 ) -> _Layer:
     h = model.hidden
     tokens = micro_batch * seq / cp  # rows of every GEMM on this GPU
     peak = cluster.peak_tflops * 1e12
     eff = cluster.compute.gemm_efficiency * _sat(tokens) * _sat(h / tp) * _sat(model.ffn_hidden / tp)
-    gemm = 2 * tokens * model.layer_params / tp / (peak * eff)
+    gemm = 2 * tokens * model.attention_params / tp / (peak * eff)
+    routed = model.top_k if model.is_moe else 1  # FFN passes per token
+    if model.is_moe:  # each expert sees its share of the tokens routed by the ep group: smaller GEMMs
+        expert_rows = tokens * model.top_k * ep / model.experts
+        expert_eff = (
+            cluster.compute.gemm_efficiency * _sat(expert_rows) * _sat(h / tp) * _sat(model.ffn_hidden / tp)
+        )
+        gemm += 2 * tokens * (routed * model.ffn_params / tp + h * model.experts) / (peak * expert_eff)
+    else:
+        gemm += 2 * tokens * model.ffn_params / tp / (peak * eff)
     # Causal FlashAttention: half of the 4 x s x h score and value products per token.
     attention = 2 * tokens * seq * h / tp / (peak * eff * cluster.compute.attention_efficiency)
     sp = tp if seqpar else 1
-    act_bytes = (6 if model.gated_mlp else 4) * model.ffn_hidden / tp
+    act_bytes = routed * (6 if model.gated_mlp else 4) * model.ffn_hidden / tp
     elementwise = tokens * (ELEMENTWISE_BYTES_PER_H * h / sp + act_bytes) / (cluster.memory_bw_GBps * 1e9)
     fwd = gemm + attention + elementwise
     bwd = 2 * gemm + 2.5 * attention + 2 * elementwise
@@ -210,7 +228,14 @@ def _layer_times_cached(
         per_domain = max(1, min(cp, cluster.domain // tp))
         # Ring attention: cp - 1 exchanges of K and V forward, twice that (K, V, dK, dV) backward.
         cp_comm = 3 * (cp - 1) * collective_time(cluster, "send_recv", kv_bytes, cp, per_domain)
-    return _Layer(fwd, bwd, recompute_s, attention, tp_comm, cp_comm)
+    ep_comm = 0.0
+    if model.is_moe and ep > 1:
+        # Token dispatch and combine: two all-to-alls of the routed activations per pass, not overlapped.
+        passes = 3 if recompute == "full" else 2
+        per_domain = max(1, min(ep, cluster.domain // (tp * cp)))
+        routed_bytes = tokens * model.top_k * h * 2 / (tp if seqpar else 1)
+        ep_comm = 2 * passes * collective_time(cluster, "all_to_all", routed_bytes, ep, per_domain)
+    return _Layer(fwd, bwd, recompute_s, attention, tp_comm, cp_comm, ep_comm)
 
 
 def _stage_layers(model: ModelSpec, pp: int) -> tuple[int, int]:
@@ -227,26 +252,35 @@ def _activation_bytes_per_token(model: ModelSpec, tp: int, seqpar: bool, recompu
         return 2 * h / sp  # only the layer input
     shared = 10 * h / sp  # norm inputs, GEMM inputs, dropout masks: replicated unless sequence-parallel
     qkv = 2 * (h + 2 * model.kv_heads * model.head_dim)
-    ffn = 2 * model.ffn_hidden * (2 if model.gated_mlp else 1) + 2 * model.ffn_hidden
+    routed = model.top_k if model.is_moe else 1  # each token passes through top_k experts
+    ffn = routed * (2 * model.ffn_hidden * (2 if model.gated_mlp else 1) + 2 * model.ffn_hidden)
     split = (qkv + 2 * h + ffn) / tp
     if recompute == "selective":  # norms and the FFN activation are recomputed, not stored
         shared -= 4 * h / sp
-        split -= 2 * model.ffn_hidden / tp
+        split -= routed * 2 * model.ffn_hidden / tp
     return shared + split
+
+
+def _stage_params(model: ModelSpec, cfg: ParallelConfig) -> tuple[float, float]:
+    """(dense, expert) parameters one GPU of the busiest stage holds."""
+    per_stage, _ = _stage_layers(model, cfg.pp)
+    layers = model.layers if cfg.pp == 1 else per_stage
+    emb = model.embedding_params if cfg.pp == 1 else model.vocab * model.hidden
+    dense_layer = model.layer_params - model.expert_params
+    return (layers * dense_layer + emb) / cfg.tp, layers * model.expert_params / (cfg.tp * cfg.ep)
 
 
 def memory_per_gpu(model: ModelSpec, seq: int, cfg: ParallelConfig, micro_batches: int) -> dict[str, float]:
     """Bytes per GPU on the busiest pipeline stage, by kind (weights, grads, optimizer, activations)."""
-    per_stage, last = _stage_layers(model, cfg.pp)
-    emb = model.vocab * model.hidden
-    stage_params = max(per_stage * model.layer_params + emb, last * model.layer_params + emb)
-    if cfg.pp == 1:
-        stage_params = model.params
-    params = stage_params / cfg.tp
-    shard = cfg.dp * cfg.cp  # Megatron shards optimizer state over data and context parallel ranks
-    weights = params * WEIGHT_BYTES / (shard if cfg.zero >= 3 else 1)
-    grads = params * GRAD_BYTES / (shard if cfg.zero >= 2 else 1)
-    optim = params * OPTIM_BYTES / (shard if cfg.zero >= 1 else 1)
+    per_stage, _ = _stage_layers(model, cfg.pp)
+    dense, experts = _stage_params(model, cfg)
+    weights = grads = optim = 0.0
+    # Megatron shards optimizer state over data and context parallel ranks; expert weights over the
+    # ranks that hold the same experts (dp x cp / ep).
+    for params, shard in ((dense, cfg.dp * cfg.cp), (experts, cfg.dp * cfg.cp // cfg.ep)):
+        weights += params * WEIGHT_BYTES / (shard if cfg.zero >= 3 else 1)
+        grads += params * GRAD_BYTES / (shard if cfg.zero >= 2 else 1)
+        optim += params * OPTIM_BYTES / (shard if cfg.zero >= 1 else 1)
     tokens = cfg.micro_batch * seq / cfg.cp
     if cfg.virtual_stages == 1:
         in_flight: float = min(cfg.pp, micro_batches) * per_stage
@@ -266,24 +300,25 @@ def _dp_comm(
     model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, micro_batches: int
 ) -> tuple[float, float]:
     """(gradient-side, parameter-side) data-parallel communication seconds per step."""
-    group = cfg.dp * cfg.cp
-    if group == 1:
-        return 0.0, 0.0
-    per_stage, _ = _stage_layers(model, cfg.pp)
-    params = (per_stage * model.layer_params + model.vocab * model.hidden / max(1, cfg.pp)) / cfg.tp
-    per_domain = max(1, min(group, cluster.domain // cfg.tp))
+    dense, experts = _stage_params(model, cfg)
+    grad_s = param_s = 0.0
+    for params, group in ((dense, cfg.dp * cfg.cp), (experts, cfg.dp * cfg.cp // cfg.ep)):
+        if group == 1 or params == 0:
+            continue
+        per_domain = max(1, min(group, cluster.domain // cfg.tp))
 
-    def t(op: str, size: float) -> float:
-        return collective_time(cluster, op, size, group, per_domain)
+        def t(op: str, size: float, group: int = group, per_domain: int = per_domain) -> float:
+            return collective_time(cluster, op, size, group, per_domain)
 
-    if cfg.zero == 0:
-        return t("all_reduce", params * GRAD_BYTES), 0.0
-    if cfg.zero in (1, 2):
-        return t("reduce_scatter", params * GRAD_BYTES), t("all_gather", params * WEIGHT_BYTES)
-    # ZeRO-3 / FSDP: parameters gathered for forward and backward and gradients scattered per micro-batch.
-    return micro_batches * t("reduce_scatter", params * GRAD_BYTES), 2 * micro_batches * t(
-        "all_gather", params * WEIGHT_BYTES
-    )
+        if cfg.zero == 0:
+            grad_s += t("all_reduce", params * GRAD_BYTES)
+        elif cfg.zero in (1, 2):
+            grad_s += t("reduce_scatter", params * GRAD_BYTES)
+            param_s += t("all_gather", params * WEIGHT_BYTES)
+        else:  # ZeRO-3 / FSDP: gathered for forward and backward, gradients scattered, per micro-batch
+            grad_s += micro_batches * t("reduce_scatter", params * GRAD_BYTES)
+            param_s += 2 * micro_batches * t("all_gather", params * WEIGHT_BYTES)
+    return grad_s, param_s
 
 
 def estimate_step(
@@ -317,7 +352,7 @@ def estimate_step(
     # The output projection and loss on the last stage, at the same GEMM efficiency as a layer.
     head = 6 * tokens * model.vocab * model.hidden / cfg.tp / (peak * cluster.compute.gemm_efficiency)
     layer_compute = layer.fwd + layer.bwd + layer.recompute
-    layer_comm = layer.tp_comm + max(0.0, layer.cp_comm - 3.5 * layer.attention_fwd)
+    layer_comm = layer.tp_comm + layer.ep_comm + max(0.0, layer.cp_comm - 3.5 * layer.attention_fwd)
     busiest = max(per_stage * (layer_compute + layer_comm), last * (layer_compute + layer_comm) + head)
     if cfg.pp == 1:
         busiest = model.layers * (layer_compute + layer_comm) + head
@@ -337,11 +372,14 @@ def estimate_step(
         exposed_dp = max(grad_comm + param_comm - 0.9 * m * t_mb, (grad_comm + param_comm) / per_stage)
     else:  # bucketed gradient reduction overlaps the last backward; parameter gather the first forward
         exposed_dp = max(0.0, grad_comm - (t_mb - mb_fwd)) + max(0.0, param_comm - mb_fwd)
-    params_owned = per_stage * model.layer_params / cfg.tp / (cfg.dp * cfg.cp if cfg.zero >= 1 else 1)
+    dense, experts = _stage_params(model, cfg)
+    shard = cfg.dp * cfg.cp if cfg.zero >= 1 else 1
+    params_owned = dense / shard + experts / max(1, shard // cfg.ep)
     optimizer = params_owned * OPTIMIZER_TRAFFIC_BYTES / (cluster.memory_bw_GBps * 1e9)
     bubble = (cfg.pp - 1) / cfg.virtual_stages * t_mb
     tp_total = m * per_stage * layer.tp_comm
     cp_total = m * per_stage * layer.cp_comm
+    ep_total = m * per_stage * layer.ep_comm
     compute = m * t_mb * compute_share + optimizer
     exposed = m * t_mb * (1 - compute_share) + pp_comm + exposed_dp
     step = compute + bubble + exposed
@@ -349,7 +387,8 @@ def estimate_step(
     needed = sum(mem.values()) * FRAGMENTATION + RESERVED_BYTES
     model_flops = model.model_flops_per_token(seq_len) * global_batch * seq_len
     recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[cfg.recompute]
-    hw_flops = model_flops + recompute_extra * 6 * model.layers * model.layer_params * global_batch * seq_len
+    recomputed = recompute_extra * 6 * model.layers * model.active_layer_params * global_batch * seq_len
+    hw_flops = model_flops + recomputed
     return StepEstimate(
         config=cfg,
         step_time_s=step,
@@ -359,6 +398,8 @@ def estimate_step(
         mfu=model_flops / step / gpus / peak,
         memory_gib_per_gpu=needed / GIB,
         fits=needed <= cluster.device_memory_bytes,
-        breakdown=Breakdown(compute, tp_total, cp_total, pp_comm, grad_comm + param_comm, bubble, exposed),
+        breakdown=Breakdown(
+            compute, tp_total, cp_total, pp_comm, grad_comm + param_comm, bubble, exposed, ep_total
+        ),
         memory_gib={k: v / GIB for k, v in mem.items()},
     )

@@ -176,3 +176,36 @@ def test_cli_plan_bad_input_is_one_line_and_exit_2(
         main(["plan", "--cluster", "dgx-a100", "--gpus", "8", "--global-batch", "8", *extra])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_mixture_of_experts_counts_active_params_and_expert_parallelism() -> None:
+    mixtral = PRESETS["mixtral-8x7b"]
+    # Mixtral 8x7B: 46.7B parameters, 12.9B active per token (Jiang et al. 2024).
+    assert mixtral.params / 1e9 == pytest.approx(46.7, rel=0.01)
+    active = mixtral.layers * mixtral.active_layer_params + mixtral.embedding_params
+    assert active / 1e9 == pytest.approx(12.9, rel=0.01)
+    cluster = load_cluster("dgx-h100")
+
+    def est(ep: int) -> StepEstimate:
+        cfg = ParallelConfig(tp=1, pp=1, dp=64, micro_batch=1, zero=1, ep=ep)
+        return estimate_step(mixtral, cluster, 64, 256, 4096, cfg)
+
+    one, eight = est(1), est(8)
+    assert eight.memory_gib["weights"] < one.memory_gib["weights"] / 4
+    assert one.breakdown.ep_comm_s == 0 and eight.breakdown.ep_comm_s > 0
+    result = plan(mixtral, cluster, 64, 256, knobs=Knobs(tp=1, pp=1, cp=1), top=50)
+    assert {p.config.ep for p in result.plans} > {1}
+
+
+def test_expert_parallel_on_a_dense_model_is_refused() -> None:
+    with pytest.raises(ConfigError, match="expert-parallel"):
+        plan(PRESETS["gpt3-175b"], load_cluster("dgx-a100"), 64, 64, knobs=Knobs(ep=2))
+    with pytest.raises(ConfigError, match="expert-parallel"):
+        estimate_step(
+            PRESETS["gpt3-175b"],
+            load_cluster("dgx-a100"),
+            64,
+            64,
+            2048,
+            ParallelConfig(tp=8, pp=8, dp=1, ep=2),
+        )

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +56,39 @@ def test_two_ranks_measure_every_op_correctly_and_calibrate(
     assert doc["calibration"]["intra"]["bw_GBps"] == pytest.approx(fitted.intra.bw_GBps)
     est = estimate(fitted, "all_reduce", 2, 1 << 18)
     assert est.algorithm == "ring" and est.protocol == "alpha-beta" and est.time_s > 0
+
+
+def test_under_torchrun_the_same_command_joins_the_rendezvous(tmp_path: Path) -> None:
+    # What a multi-host run does (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR); here on one host.
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "gpuyard.cli.main",
+        "fabric",
+        "bench",
+        "--sizes",
+        "4KiB:8KiB",
+        "--ops",
+        "all_reduce,send_recv",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+    ]
+    env = {**os.environ, "GPUYARD_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    docs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(docs) == 1, "only rank 0 prints"
+    doc = docs[0]
+    assert doc["nproc"] == 2 and doc["local_nproc"] == 2
+    assert [(r["op"], r["size_bytes"]) for r in doc["results"]] == [
+        (op, s) for op in ("all_reduce", "send_recv") for s in (4096, 8192)
+    ]
+    assert all(r["correct"] for r in doc["results"])

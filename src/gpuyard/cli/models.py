@@ -291,6 +291,38 @@ def optimize_cmd(
     typer.echo("stored with the version: model.onnx, model.int8.onnx, optimize.json")
 
 
+@models_app.command("retrain")
+def retrain_cmd(
+    policy: Path = typer.Argument(..., help="Retraining policy YAML (model, spec, triggers)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only print the decision."),
+    watch: float | None = typer.Option(
+        None, "--watch", help="Check again every this many seconds until Ctrl-C."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (one document per pass)."),
+) -> None:
+    """Apply a retraining policy: new data / drift / schedule -> train -> evaluate -> register -> promote."""
+    import time
+
+    from gpuyard.models.retrain import run_policy
+
+    while True:
+        out = run_policy(policy, dry_run=dry_run)
+        if as_json:
+            typer.echo(json.dumps(out))
+        else:
+            d = out["decision"]
+            typer.echo(("retrain: " + "; ".join(d["reasons"])) if d["retrain"] else "no retrain due")
+            if "challenger" in out:
+                p = out["promotion"]
+                verdict = "promoted" if p["promoted"] else "not promoted"
+                typer.echo(
+                    f"run {out['run_id'][:8]} -> {out['challenger']} (staging) -> {verdict}: {p['reason']}"
+                )
+        if watch is None:
+            return
+        time.sleep(watch)  # a polling loop the user asked for, not a wait for a condition
+
+
 @models_app.command("export")
 def export_cmd(
     ref: str = typer.Argument(..., help="NAME, NAME:VERSION or NAME@ALIAS."),

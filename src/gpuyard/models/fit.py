@@ -34,8 +34,22 @@ class FitResult:
 
 
 @functools.lru_cache(maxsize=8)
+def _cached(ref: str, stamp: tuple[int, int] | None) -> Dataset:
+    return load_dataset(ref)
+
+
 def cached_dataset(ref: str) -> Dataset:
-    """Load a dataset once per process (trials and folds of one search share it)."""
+    """Load a dataset once per process (trials and folds of one search share it).
+
+    A file-backed reference is keyed by the file's size and modification time too, and an unpinned
+    catalog name is not cached: either may point at new data later in the same process.
+    """
+    if ref.startswith("npz:"):
+        path = Path(ref[4:])
+        st = path.stat() if path.is_file() else None
+        return _cached(ref, (st.st_mtime_ns, st.st_size) if st else None)
+    if ref.startswith("sklearn:") or ("@" in ref and not ref.endswith("@latest")):
+        return _cached(ref, None)
     return load_dataset(ref)
 
 

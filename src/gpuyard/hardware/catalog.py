@@ -197,6 +197,7 @@ _MATCH_RULES: tuple[tuple[str, str | None], ...] = (
     (r"h100.*pcie", "H100-PCIe-80GB"),
     (r"h100.*nvl", None),  # H100 NVL (94 GB) is a different board
     (r"h100", "H100-SXM5-80GB"),
+    (r"gh200", None),  # Grace Hopper superchip: its own memory and power figures
     (r"h200.*nvl", None),
     (r"h200", "H200-SXM-141GB"),
     (r"gb200", "GB200-186GB"),

@@ -56,7 +56,10 @@ def test_match_spec_maps_driver_names(device: str, expected: str) -> None:
     assert spec is not None and spec.name == expected
 
 
-@pytest.mark.parametrize("device", ["NVIDIA A100-PCIE-40GB", "NVIDIA H100 NVL", "Intel Xeon", "cpu", ""])
+@pytest.mark.parametrize(
+    "device",
+    ["NVIDIA A100-PCIE-40GB", "NVIDIA H100 NVL", "NVIDIA GH200 480GB", "NVIDIA L40", "Intel Xeon", "cpu", ""],
+)
 def test_match_spec_returns_none_for_parts_not_in_catalog(device: str) -> None:
     assert match_spec(device) is None
 

@@ -106,3 +106,25 @@ def test_cli_collective_json_and_errors(capsys: pytest.CaptureFixture[str]) -> N
         main(["fabric", "collective", "--cluster", "nope", "--gpus", "8"])
     assert info.value.code == 2
     assert "unknown cluster" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("fixture", "expected"),
+    [
+        ("h100_hgx", ("H100-SXM5-80GB", 8, "nvswitch", 8, 400.0, "infiniband")),
+        ("l40s_pcie", ("L40S-48GB", 4, "pcie", 2, 100.0, "roce")),
+    ],
+)
+def test_local_cluster_from_the_hardware_fixtures(
+    tmp_path: Path, fixture: str, expected: tuple[object, ...]
+) -> None:
+    # The recorded nodes of the hardware tests (public nvidia-smi outputs), probed through the real prober.
+    from gpuyard.hardware.fake import FakeNvml, load_description, write_host_tree
+    from gpuyard.hardware.probe import probe_node
+    from gpuyard.hardware.sysfs import HostRoots
+
+    desc = load_description(Path(__file__).parents[1] / "hardware" / "fixtures" / f"{fixture}.json")
+    root = write_host_tree(desc, tmp_path / "host")
+    inventory = probe_node(FakeNvml(desc), roots=HostRoots.under(root), frameworks=False, hostname="fx")
+    c = cluster_from_inventory(inventory.to_dict())
+    assert (c.accelerator, c.gpus_per_node, c.intra.kind, c.nic.count, c.nic.gbps, c.nic.kind) == expected

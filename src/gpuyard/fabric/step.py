@@ -353,11 +353,15 @@ def estimate_step(
     head = 6 * tokens * model.vocab * model.hidden / cfg.tp / (peak * cluster.compute.gemm_efficiency)
     layer_compute = layer.fwd + layer.bwd + layer.recompute
     layer_comm = layer.tp_comm + layer.ep_comm + max(0.0, layer.cp_comm - 3.5 * layer.attention_fwd)
-    busiest = max(per_stage * (layer_compute + layer_comm), last * (layer_compute + layer_comm) + head)
+    # The busiest stage sets the pace: a full stage, or the last one with fewer layers plus the head.
+    full_stage = per_stage * (layer_compute + layer_comm)
+    last_stage = last * (layer_compute + layer_comm) + head
     if cfg.pp == 1:
-        busiest = model.layers * (layer_compute + layer_comm) + head
-    compute_share = layer_compute / (layer_compute + layer_comm)
-    t_mb = busiest
+        t_mb, comm_mb = model.layers * (layer_compute + layer_comm) + head, model.layers * layer_comm
+    elif full_stage >= last_stage:
+        t_mb, comm_mb = full_stage, per_stage * layer_comm
+    else:
+        t_mb, comm_mb = last_stage, last * layer_comm
     # Pipeline: activations cross to the next stage forward and gradients come back, per model chunk.
     pp_comm = 0.0
     if cfg.pp > 1:
@@ -380,8 +384,8 @@ def estimate_step(
     tp_total = m * per_stage * layer.tp_comm
     cp_total = m * per_stage * layer.cp_comm
     ep_total = m * per_stage * layer.ep_comm
-    compute = m * t_mb * compute_share + optimizer
-    exposed = m * t_mb * (1 - compute_share) + pp_comm + exposed_dp
+    compute = m * (t_mb - comm_mb) + optimizer
+    exposed = m * comm_mb + pp_comm + exposed_dp
     step = compute + bubble + exposed
     mem = memory or memory_per_gpu(model, seq_len, cfg, m)
     needed = sum(mem.values()) * FRAGMENTATION + RESERVED_BYTES

@@ -1,0 +1,59 @@
+"""Properties of the step model over many random layouts (hypothesis)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpuyard.fabric.cluster import load_cluster
+from gpuyard.fabric.models import PRESETS
+from gpuyard.fabric.step import ParallelConfig, estimate_step
+
+pytestmark = pytest.mark.unit
+
+CLUSTERS = {name: load_cluster(name) for name in ("dgx-a100", "dgx-h100", "gb200-nvl72", "pcie-l40s")}
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> tuple[str, str, int, int, ParallelConfig]:
+    model = draw(st.sampled_from(["llama3-8b", "llama3-70b", "gpt3-175b", "mixtral-8x7b"]))
+    spec = PRESETS[model]
+    tp = draw(st.sampled_from([t for t in (1, 2, 4, 8) if spec.heads % t == 0 and spec.kv_heads % t == 0]))
+    pp = draw(st.sampled_from([1, 2, 4, 8]))
+    cp = draw(st.sampled_from([1, 2]))
+    dp = draw(st.sampled_from([1, 2, 4, 8]))
+    mb = draw(st.sampled_from([1, 2]))
+    m = draw(st.sampled_from([8, 16]))
+    v = draw(st.sampled_from([1, 2])) if pp > 1 else 1
+    ep = draw(st.sampled_from([e for e in (1, 2, 4, 8) if dp % e == 0])) if spec.is_moe else 1
+    cfg = ParallelConfig(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        cp=cp,
+        micro_batch=mb,
+        virtual_stages=v,
+        recompute=draw(st.sampled_from(["none", "selective", "full"])),
+        zero=draw(st.integers(0, 3)),
+        sequence_parallel=tp > 1 and draw(st.booleans()),
+        ep=ep,
+    )
+    return model, draw(st.sampled_from(sorted(CLUSTERS))), cfg.gpus, dp * mb * m, cfg
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts())
+def test_step_time_adds_up_and_figures_agree(case: tuple[str, str, int, int, ParallelConfig]) -> None:
+    model_name, cluster_name, gpus, batch, cfg = case
+    model, cluster = PRESETS[model_name], CLUSTERS[cluster_name]
+    est = estimate_step(model, cluster, gpus, batch, model.seq_len, cfg)
+    b = est.breakdown
+    assert min(b.compute_s, b.bubble_s, b.exposed_comm_s, b.tp_comm_s, b.pp_comm_s, b.dp_comm_s) >= 0
+    assert est.step_time_s == pytest.approx(b.compute_s + b.bubble_s + b.exposed_comm_s)
+    assert b.exposed_comm_s <= b.tp_comm_s + b.cp_comm_s + b.pp_comm_s + b.dp_comm_s + b.ep_comm_s + 1e-9
+    assert est.tokens_per_s == pytest.approx(batch * model.seq_len / est.step_time_s)
+    assert est.hardware_tflops_per_gpu >= est.model_tflops_per_gpu * (1 - 1e-9)
+    assert est.fits == (est.memory_gib_per_gpu * 2**30 <= cluster.device_memory_bytes)
+    if cfg.pp == 1:
+        assert b.bubble_s == 0 and b.pp_comm_s == 0

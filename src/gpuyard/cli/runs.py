@@ -171,6 +171,33 @@ def compare(
         con.print(f"curves written to {doc['plot']}")
 
 
+@runs_app.command("best")
+def best(
+    metric: str = typer.Option(..., "--metric", "-m", help="accuracy, f1_macro, mse, ... or a logged key."),
+    direction: str | None = typer.Option(
+        None, "--direction", help="maximize or minimize (default: the metric's)."
+    ),
+    split: str = typer.Option("validation", "--split", help="Which split's value to compare."),
+    experiment: str | None = typer.Option(None, "--experiment", "-e", help="Only this experiment."),
+    parent: str | None = typer.Option(
+        None, "--parent", help="Only children of this run (a search's trials)."
+    ),
+    kind: str | None = typer.Option(None, "--kind", help="Only this kind (train, trial, ...)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Select the best finished run by a declared metric and direction."""
+    from gpuyard.models.runs import best_run, resolve_run_id
+
+    parent_id = resolve_run_id(parent) if parent else None
+    run, value = best_run(
+        metric, direction, split=split, experiment=experiment, parent_id=parent_id, kind=kind
+    )
+    if as_json:
+        typer.echo(json.dumps({"run": run.to_json(), "value": value}))
+        return
+    typer.echo(f"{run.id[:8]} {run.name} ({run.kind}) {metric}={value:.4f} params {json.dumps(run.params)}")
+
+
 def register(app: typer.Typer) -> None:
     """Add `gpuyard runs` to the CLI."""
     app.add_typer(runs_app, name="runs")

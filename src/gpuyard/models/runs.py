@@ -238,3 +238,55 @@ def plot_curves(
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+def best_run(
+    metric: str,
+    direction: str | None = None,
+    *,
+    split: str = "validation",
+    experiment: str | None = None,
+    parent_id: str | None = None,
+    kind: str | None = None,
+    store: Store | None = None,
+) -> tuple[RunSummary, float]:
+    """The finished run with the best ``<split>/<metric>`` among those selected.
+
+    Args:
+        metric: a metric name (``accuracy``, ``mse``...) or any logged key (``cv/accuracy_mean``).
+        direction: maximize or minimize (default: the metric's own; required for a free-form key).
+        split: the prefix the metric was logged under (validation by default: never select on test).
+        experiment, parent_id, kind: which runs to consider.
+
+    Raises:
+        ConfigError: unknown metric or direction. NotFoundError: no finished run has that metric.
+    """
+    from gpuyard.models.metrics import METRICS, check_direction
+
+    if metric in METRICS:
+        direction = check_direction(direction or METRICS[metric].direction, metric)
+        key = f"{split}/{metric}"
+    elif "/" in metric:
+        if direction is None:
+            raise ConfigError(
+                f"metric key {metric!r} is not a known metric: give --direction maximize|minimize"
+            )
+        direction = check_direction(direction)
+        key = metric
+    else:
+        raise ConfigError(
+            f"unknown metric {metric!r}: use one of {', '.join(sorted(METRICS))} or a logged key"
+        )
+    runs = list_runs(
+        experiment=experiment, status="finished", kind=kind, parent_id=parent_id, limit=10_000, store=store
+    )
+    if kind is None:  # folds store no model: they are evidence for a cv run, not candidates
+        runs = [r for r in runs if r.kind != "fold"]
+    scored = [(r, r.latest[key]) for r in runs if r.latest.get(key) is not None]
+    if not scored:
+        raise NotFoundError(
+            f"no finished run has {key!r}" + (f" in experiment {experiment!r}" if experiment else "")
+        )
+    pick = max if direction == "maximize" else min
+    run, value = pick(scored, key=lambda rv: rv[1])  # type: ignore[arg-type,return-value]
+    return run, float(value)  # type: ignore[arg-type]

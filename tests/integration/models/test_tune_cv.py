@@ -13,7 +13,7 @@ from gpuyard.cli.main import app
 from gpuyard.errors import ConfigError
 from gpuyard.models.cv import cross_validate
 from gpuyard.models.executor import InlineExecutor, Task, TaskFailed, get_executor
-from gpuyard.models.runs import get_run, list_runs, run_details
+from gpuyard.models.runs import best_run, get_run, list_runs, run_details
 from gpuyard.models.spec import parse_spec
 from gpuyard.models.tune import tune
 
@@ -53,6 +53,12 @@ def test_grid_search_covers_the_grid_and_picks_the_best(any_db: str) -> None:
     assert result.test_metrics["f1_macro"] == pytest.approx(
         next(e for e in best["evaluations"] if e["split"] == "test")["metrics"]["f1_macro"]
     )
+    picked, value = best_run("f1_macro", parent_id=result.run_id)  # selection by declared metric
+    assert picked.id == result.best_run_id and value == pytest.approx(result.best_value)
+    with pytest.raises(ConfigError, match="unknown metric"):
+        best_run("f1", parent_id=result.run_id)
+    with pytest.raises(ConfigError, match="better when maximized"):
+        best_run("f1_macro", "minimize")
     trials = list_runs(parent_id=result.run_id)
     assert len(trials) == 3 and all(t.kind == "trial" for t in trials)
     assert not any(

@@ -9,6 +9,8 @@ The issue asks for the model to stay within 15% of them.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuyard.errors import CapacityError, ConfigError
 from gpuyard.fabric.cluster import load_cluster
@@ -115,3 +117,21 @@ def test_hierarchical_can_be_forced_across_nodes() -> None:
         est.algorithm == "hierarchical"
         and est.time_s > estimate(cluster, "all_reduce", 32, 64 * MiB).time_s * 0.99
     )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cluster=st.sampled_from(["dgx-a100", "dgx-h100", "gb200-nvl72", "pcie-l40s"]),
+    op=st.sampled_from(OPS),
+    nodes=st.integers(1, 64),
+    small=st.integers(1, 1 << 30),
+    factor=st.floats(1.0, 64.0),
+)
+def test_time_never_falls_as_messages_grow(
+    cluster: str, op: str, nodes: int, small: int, factor: float
+) -> None:
+    c = load_cluster(cluster)
+    gpus = c.gpus_per_node * nodes
+    a, b = estimate(c, op, gpus, small), estimate(c, op, gpus, int(small * factor))
+    assert b.time_s >= a.time_s * (1 - 1e-12)
+    assert a.time_s > 0 and a.busbw_GBps == pytest.approx(a.algbw_GBps * bus_factor(op, gpus))

@@ -88,6 +88,7 @@ class CheckpointSpec(_Strict):
     every_steps: int = Field(0, ge=0, description="0: only at epoch end and on stop")
     at_epoch_end: bool = True
     keep: int = Field(3, gt=0, description="how many complete checkpoints to keep")
+    final: bool = Field(True, description="checkpoint the final step when training completes")
     async_save: bool = False
     resume: bool = Field(True, description="resume from the newest complete checkpoint in run_dir")
 

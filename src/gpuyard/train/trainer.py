@@ -265,9 +265,11 @@ class Trainer:
                 total = total + self._pipeline_step(inputs, targets)
                 continue
             with gradient_sync(self.model, i == len(micro) - 1), self._autocast():
-                loss = self.loss_fn(self.model(inputs), targets) / len(micro)
+                loss = self.loss_fn(self.model(inputs), targets)
+                if len(micro) > 1:  # the mean over the accumulated micro-batches
+                    loss = loss / len(micro)
             loss.backward()
-            total = total + loss.detach()
+            total = loss.detach() if len(micro) == 1 else total + loss.detach()
         if self.spec.clip_grad_norm:
             self.last_grad_norm = clip_grad_norm(
                 list(self.model.parameters()), self.spec.clip_grad_norm, self.ctx
@@ -295,17 +297,16 @@ class Trainer:
 
     def _agree(self, loss: torch.Tensor) -> tuple[float, bool, bool]:
         """One all-reduce: mean loss over loss-owning ranks, and whether any rank diverged or must stop."""
+        value = float(loss.item())  # one device sync per step: the loss is logged every step anyway
+        if self.ctx.world_size == 1:
+            return value, not math.isfinite(value), self.stop_requested
         owner = 1.0 if self.ctx.is_loss_owner else 0.0
-        value = loss.detach().float()
-        bad = float(owner and not math.isfinite(value.item()))
+        bad = float(owner and not math.isfinite(value))
         stop = 1.0 if self.stop_requested else 0.0
-        vec = torch.tensor([0.0 if bad else value.item() * owner, owner, bad, stop])
-        if self.ctx.world_size > 1:
-            vec = vec.to(self.ctx.device)
-            dist.all_reduce(vec)
-            vec = vec.cpu()
-        mean = vec[0].item() / max(vec[1].item(), 1.0)
-        return (float("nan") if vec[2] else mean), bool(vec[2]), bool(vec[3])
+        vec = torch.tensor([0.0 if bad else value * owner, owner, bad, stop], device=self.ctx.device)
+        dist.all_reduce(vec)
+        total, owners, any_bad, any_stop = vec.tolist()
+        return (float("nan") if any_bad else total / max(owners, 1.0)), bool(any_bad), bool(any_stop)
 
     # ----- validation ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -476,14 +477,16 @@ class Trainer:
                 if self.stop_requested:
                     return "preempted"
                 continue
-            self.save_checkpoint(status)
+            if status != "completed":  # a completed run gets its final checkpoint in _finish
+                self.save_checkpoint(status)
             return status
         return "completed"
 
     def _finish(self, status: str) -> TrainResult:
         self.checkpointer.wait()
         last = latest_checkpoint(self.checkpointer.root)
-        if status == "completed" and (last is None or int(last.name.split("-")[1]) != self.step):
+        at_last = last is not None and int(last.name.split("-")[1]) == self.step
+        if status == "completed" and self.spec.checkpoint.final and not at_last:
             self.save_checkpoint("final")
             self.checkpointer.wait()
             last = latest_checkpoint(self.checkpointer.root)

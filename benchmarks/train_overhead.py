@@ -1,0 +1,111 @@
+"""gpuyard's Trainer vs a hand-written PyTorch loop: same model, data, seed, batch and optimizer (CPU).
+
+Both run one process with one intra-op thread; the Trainer runs with its per-step work on (loss
+agreement, NaN check, metrics to metrics.jsonl each step, LR schedule) and checkpoints off (they
+are I/O, measured elsewhere). The baseline is the loop a careful user writes: DataLoader (no
+workers: on this machine the main process is faster for in-memory tensors) over a
+DistributedSampler (so both see the same order and end with the same loss), AdamW, LambdaLR,
+`loss.item()` every step for logging. Runs alternate and the median wall time of each is compared.
+Last line: `train_overhead: slowdown=<trainer/baseline - 1> ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from gpuyard.train import components as comp
+from gpuyard.train import examples as ex
+from gpuyard.train.spec import TrainSpec
+from gpuyard.train.trainer import Trainer
+
+SEED, LR, BATCH, IN, HIDDEN, CLASSES = 0, 1e-3, 64, 256, 512, 10
+
+
+def make_model() -> nn.Module:
+    return ex.mlp(in_features=IN, hidden=HIDDEN, out_features=CLASSES, layers=3)
+
+
+def make_data(n: int) -> TensorDataset:
+    return ex.classification_data(n, in_features=IN, classes=CLASSES, seed=SEED)
+
+
+def baseline(n: int, epochs: int) -> tuple[float, float]:
+    """The hand-written loop; returns (seconds, final loss)."""
+    start = time.perf_counter()
+    torch.manual_seed(SEED)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    data = make_data(n)
+    # The sampler a DDP-ready loop uses (one replica here): the same order as gpuyard's.
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED, drop_last=True)
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler, drop_last=True)
+    loss_value = float("nan")
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            loss_value = loss.item()
+    return time.perf_counter() - start, loss_value
+
+
+def gpuyard_run(n: int, epochs: int, run_dir: Path) -> tuple[float, float]:
+    """The same training through gpuyard's Trainer; returns (seconds, final loss)."""
+    start = time.perf_counter()
+    spec = TrainSpec.model_validate(
+        {
+            "run_dir": str(run_dir),
+            "seed": SEED,
+            "epochs": epochs,
+            "data": {"batch_size": BATCH},
+            "optimizer": {"name": "adamw", "lr": LR, "weight_decay": 0.0},
+            "checkpoint": {"at_epoch_end": False, "final": False, "resume": False},
+        }
+    )
+    result = Trainer(spec, model=make_model, train_data=make_data(n)).fit()
+    return time.perf_counter() - start, result.metrics["loss"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="about a minute")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    n, epochs, repeats = (4096, 3, 5) if args.quick else (8192, 4, 9)
+    base_t, ours_t = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        baseline(1024, 1)  # warm-up (allocator, kernels) for both
+        gpuyard_run(1024, 1, Path(tmp) / "warm")
+        for i in range(repeats):
+            t, base_loss = baseline(n, epochs)
+            base_t.append(t)
+            t, our_loss = gpuyard_run(n, epochs, Path(tmp) / f"run{i}")
+            ours_t.append(t)
+    steps = n // BATCH * epochs
+    b, o = statistics.median(base_t), statistics.median(ours_t)
+    print(
+        f"model {comp.count_parameters(make_model())} params, {steps} steps x batch {BATCH}, "
+        f"{repeats} alternating runs, 1 thread"
+    )
+    print(f"baseline  median {b:.3f} s  ({steps / b:.0f} steps/s)  final loss {base_loss:.4f}")
+    print(f"gpuyard   median {o:.3f} s  ({steps / o:.0f} steps/s)  final loss {our_loss:.4f}")
+    print(
+        f"train_overhead: slowdown={o / b - 1:.4f} gpuyard_s={o:.3f} baseline_s={b:.3f} steps={steps} "
+        f"same_final_loss={abs(base_loss - our_loss) < 1e-5}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -76,6 +76,12 @@ class Network(_Frozen):
     spine_latency_us: float = Field(
         default=1.0, ge=0, description="Extra latency of a hop through the spine."
     )
+    spine_size: int | None = Field(
+        default=None, gt=0, description="Nodes reachable through one spine layer (None: the whole cluster)."
+    )
+    core_oversubscription: float = Field(
+        default=1.0, ge=1, description="Spine uplink ratio to the core tier, beyond spine_size nodes."
+    )
 
 
 class Compute(_Frozen):

@@ -137,6 +137,10 @@ def links(cluster: Cluster, p: Placement) -> Links:
         alpha_net += 2 * net.spine_latency_us * 1e-6
         if crosses_spine:
             nic_bytes /= net.oversubscription
+        if net.spine_size is not None and p.domains * nodes_per_domain > net.spine_size:
+            # Beyond one spine group (a three-tier Clos): two more switch hops and the core's ratio.
+            alpha_net += 2 * net.spine_latency_us * 1e-6
+            nic_bytes /= net.core_oversubscription
     share = min(1.0, p.per_domain / cluster.domain)
     return Links(
         alpha_intra=intra.latency_us * 1e-6,

@@ -135,3 +135,15 @@ def test_time_never_falls_as_messages_grow(
     a, b = estimate(c, op, gpus, small), estimate(c, op, gpus, int(small * factor))
     assert b.time_s >= a.time_s * (1 - 1e-12)
     assert a.time_s > 0 and a.busbw_GBps == pytest.approx(a.algbw_GBps * bus_factor(op, gpus))
+
+
+def test_leaf_spine_and_core_tiers_cost_latency_and_bandwidth() -> None:
+    base = load_cluster("pcie-l40s")  # 16-node leaves, 2:1 oversubscribed to the spine
+    net = base.network.model_copy(update={"spine_size": 64, "core_oversubscription": 2.0})
+    tiers = base.model_copy(update={"network": net})
+    inside_leaf = estimate(tiers, "all_reduce", 8 * 16, GiB)
+    across_spine = estimate(tiers, "all_reduce", 8 * 32, GiB)
+    across_core = estimate(tiers, "all_reduce", 8 * 128, GiB)
+    assert inside_leaf.busbw_GBps > across_spine.busbw_GBps > across_core.busbw_GBps
+    small = [estimate(tiers, "all_reduce", 8 * n, 1024, algorithm="tree").time_s for n in (16, 32, 128)]
+    assert small == sorted(small)

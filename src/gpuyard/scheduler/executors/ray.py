@@ -68,6 +68,9 @@ class RayExecutor(Executor):
 
     def __init__(self, address: str, jobs_dir: Path) -> None:
         self.jobs_dir = Path(jobs_dir)
+        # A cluster on loopback (tests, one machine): join it on loopback too, not on the host's address.
+        local = address.split("://")[-1].rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
+        extra: dict[str, Any] = {"_node_ip_address": "127.0.0.1"} if local else {}
         try:
             ray.init(
                 address=address,
@@ -75,6 +78,7 @@ class RayExecutor(Executor):
                 ignore_reinit_error=True,
                 logging_level=logging.WARNING,
                 log_to_driver=False,
+                **extra,
             )
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise StoreError(f"cannot reach the Ray cluster at {address}: {exc}") from None

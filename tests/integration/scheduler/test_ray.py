@@ -1,0 +1,115 @@
+"""The Ray executor on a simulated cluster of two nodes x 4 GPUs (one module-scoped cluster)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuyard.scheduler.spec import parse_spec
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.integration
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """Two Ray nodes with 4 fake GPUs each, on 127.0.0.1; yields the address."""
+    import ray._private.ray_constants as ray_constants
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    # Ray turns a loopback address into the host's own address unless clusters are "disabled" (its
+    # macOS default); this sandbox only lets 127.0.0.1 through, so keep every connection on loopback.
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "num_gpus": 4,
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+        },
+    )
+    cluster.add_node(num_cpus=2, num_gpus=4, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes()
+    yield cluster.address
+    ray.shutdown()
+    cluster.shutdown()
+    ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+@pytest.fixture
+def ray_service(ray_cluster: str, gpuyard_home: Path) -> Iterator[Any]:
+    from gpuyard.scheduler.executors.ray import RayExecutor
+    from gpuyard.scheduler.service import JobService, ServiceConfig
+    from gpuyard.store import get_store
+
+    executor = RayExecutor(ray_cluster, gpuyard_home / "jobs")
+    service = JobService(get_store(), executor.nodes(), executor, ServiceConfig(tick_s=0.1, grace_s=2.0))
+    yield service
+
+
+def _wait_state(service: Any, job_id: int, states: set[str], timeout: float = 90.0) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        service.tick()
+        doc = service.get(job_id)
+        return doc if doc["state"] in states else None
+
+    return wait_for(check, timeout=timeout, every=0.2)  # type: ignore[return-value]
+
+
+PRINT_ENV = (
+    "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'master', "
+    "os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'], 'gpus', os.environ['CUDA_VISIBLE_DEVICES'], flush=True)"
+)
+
+
+def test_nodes_come_from_the_ray_cluster(ray_service: Any) -> None:
+    assert [n.gpus for n in ray_service.nodes] == [4, 4]
+    assert len({n.name for n in ray_service.nodes}) == 2
+
+
+def test_eight_gpu_job_spans_both_nodes_with_a_rendezvous(ray_service: Any, python: str) -> None:
+    import sys
+
+    spec = parse_spec(
+        {"name": "dist", "command": [sys.executable, "-c", PRINT_ENV], "resources": {"gpus": 8}}
+    )
+    job = ray_service.submit(spec)
+    ray_service.tick()
+    doc = ray_service.get(job["id"])
+    assert doc["state"] in ("running", "succeeded")
+    assert sorted(len(p["gpus"]) for p in doc["placement"]["nodes"]) == [4, 4]
+    assert {p["node"] for p in doc["placement"]["nodes"]} == {n.name for n in ray_service.nodes}
+    doc = _wait_state(ray_service, job["id"], {"succeeded", "failed"})
+    assert doc["state"] == "succeeded", ray_service.read_log(job["id"])["text"]
+    rank0 = Path(doc["log_path"]).read_text().split()
+    rank1 = Path(doc["log_path"].replace(".log", "-rank1.log")).read_text().split()
+    assert rank0[:4] == ["rank", "0", "of", "2"] and rank1[:4] == ["rank", "1", "of", "2"]
+    assert rank0[5:7] == rank1[5:7]  # the same MASTER_ADDR and MASTER_PORT
+    assert len(rank0[8].split(",")) == 4 and len(rank1[8].split(",")) == 4  # 4 GPUs per worker, from Ray
+
+
+def test_placement_group_follows_the_placement_and_cancel_stops_it(ray_service: Any, python: str) -> None:
+    from ray.util import placement_group_table
+    from ray.util.placement_group import get_placement_group
+
+    spec = parse_spec(
+        {"name": "one", "command": [python, "-c", "import time; time.sleep(60)"], "resources": {"gpus": 3}}
+    )
+    job = ray_service.submit(spec)
+    doc = _wait_state(ray_service, job["id"], {"running"})
+    chosen = doc["placement"]["nodes"]
+    assert len(chosen) == 1 and len(chosen[0]["gpus"]) == 3  # fits one node: stays on one node
+    table = placement_group_table(get_placement_group(f"gpuyard-job-{job['id']}-1"))
+    assert table["bundles"] == {0: {"GPU": 3.0, "CPU": 1.0}}
+    assert table["bundles_to_node_id"][0] == chosen[0]["node"]
+    ray_service.cancel(job["id"])
+    assert _wait_state(ray_service, job["id"], {"cancelled"})["state"] == "cancelled"

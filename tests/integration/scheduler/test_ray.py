@@ -67,7 +67,8 @@ def _wait_state(service: Any, job_id: int, states: set[str], timeout: float = 90
 
 PRINT_ENV = (
     "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'master', "
-    "os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'], 'gpus', os.environ['CUDA_VISIBLE_DEVICES'], flush=True)"
+    "os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'], 'gpus', os.environ['CUDA_VISIBLE_DEVICES'], "
+    "flush=True)"
 )
 
 

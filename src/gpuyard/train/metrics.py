@@ -120,6 +120,33 @@ class DeviceStats:
         return out
 
 
+def catalog_peak_tflops(device: Any, dtype: str) -> float | None:
+    """Dense peak TFLOP/s of a CUDA device from gpuyard's accelerator catalog (None: unknown or CPU)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    import torch
+
+    from gpuyard.errors import NotFoundError
+    from gpuyard.hardware.catalog import match_spec
+
+    spec = match_spec(torch.cuda.get_device_name(device))
+    if spec is None:
+        return None
+    try:
+        return spec.peak_tflops(dtype)
+    except NotFoundError:
+        return None
+
+
+def model_flops_utilization(params: int, tokens_per_s: float, devices: int, peak_tflops: float) -> float:
+    """MFU: achieved training FLOP/s over the peak, with 6 x params FLOPs per token (forward + backward).
+
+    The 6N rule (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", section 2.1) leaves
+    out attention's sequence-length term, as PaLM's MFU definition does for short sequences.
+    """
+    return 6.0 * params * tokens_per_s / (devices * peak_tflops * 1e12)
+
+
 class Progress:
     """A rich progress bar for interactive runs on rank 0; does nothing when stdout is not a terminal."""
 

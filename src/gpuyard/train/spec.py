@@ -114,6 +114,9 @@ class TrainSpec(_Strict):
     early_stopping: EarlyStoppingSpec | None = None
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 on CUDA, else fp32")
     compile: bool = False
+    peak_tflops: float | None = Field(
+        None, gt=0, description="per-device peak for MFU; default: the catalog's peak of the detected GPU"
+    )
     parallel: ParallelSpec = Field(default_factory=lambda: ParallelSpec.model_validate({}))
     checkpoint: CheckpointSpec = Field(default_factory=lambda: CheckpointSpec.model_validate({}))
     max_restarts: int = Field(3, ge=0, description="torchrun worker restarts after a failure")

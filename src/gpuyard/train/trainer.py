@@ -22,7 +22,15 @@ from gpuyard.errors import ConfigError
 from gpuyard.train import components as comp
 from gpuyard.train.checkpoint import Checkpointer, latest_checkpoint
 from gpuyard.train.data import DataSource, call_factory, count_batch, make_source, split_batch, to_device
-from gpuyard.train.metrics import DeviceStats, JsonlTracker, NullTracker, Progress, Tracker
+from gpuyard.train.metrics import (
+    DeviceStats,
+    JsonlTracker,
+    NullTracker,
+    Progress,
+    Tracker,
+    catalog_peak_tflops,
+    model_flops_utilization,
+)
 from gpuyard.train.parallel import (
     build_pipeline,
     clip_grad_norm,
@@ -131,6 +139,7 @@ class Trainer:
         # Same seed on every rank so replicas (and tensor-parallel shards) start from one model.
         comp.seed_everything(spec.seed)
         full = self._build_model()
+        self.num_params = comp.count_parameters(full)  # before sharding: the whole model
         self.pipeline = None
         if ctx.layout.pp > 1:
             self.pipeline = build_pipeline(full, ctx, spec.parallel, self.loss_fn)
@@ -159,6 +168,9 @@ class Trainer:
         else:
             self.tracker = JsonlTracker(self.run_dir) if main else NullTracker()
         self.device_stats = DeviceStats(ctx.device)
+        self.peak_tflops = spec.peak_tflops or catalog_peak_tflops(
+            ctx.device, "bf16" if self.use_bf16 else "fp32"
+        )
         if spec.checkpoint.resume:
             self._resume()
 
@@ -390,6 +402,10 @@ class Trainer:
         }
         if getattr(self, "last_grad_norm", None) is not None:
             metrics["grad_norm"] = self.last_grad_norm
+        if self.peak_tflops and tokens:
+            metrics["mfu"] = model_flops_utilization(
+                self.num_params, metrics["tokens_per_s"], self.ctx.world_size, self.peak_tflops
+            )
         metrics.update(self.device_stats.sample())
         self.last_metrics.update(metrics)
         if self.step % self.spec.log_every_steps == 0:

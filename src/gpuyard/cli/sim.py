@@ -20,6 +20,11 @@ def sim(
     nodes_per_leaf: int = typer.Option(16, "--nodes-per-leaf", min=1, help="Nodes under one leaf switch."),
     nodes_per_domain: int = typer.Option(1, "--nodes-per-domain", min=1, help="Nodes per NVLink domain."),
     team_weight: list[str] = typer.Option([], "--team-weight", help="TEAM=WEIGHT quota for the fair policy."),
+    cluster: str = typer.Option(
+        None,
+        "--cluster",
+        help="Fabric preset or file (gpuyard.fabric): GPUs per node, NVLink domain, leaf size.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Replay a trace through the scheduler's policy and placement code; print JCT, queueing, utilization."""
@@ -30,10 +35,16 @@ def sim(
     from gpuyard.scheduler.trace import load_trace
 
     jobs = load_trace(trace)
-    cluster = uniform_cluster(
-        nodes, gpus_per_node, nodes_per_leaf=nodes_per_leaf, nodes_per_domain=nodes_per_domain
-    )
-    result = simulate(jobs, cluster, make_policy(policy, weights=parse_team_weights(team_weight)))
+    if cluster:
+        from gpuyard.fabric.cluster import load_cluster
+        from gpuyard.scheduler.nodes import nodes_from_fabric
+
+        node_list = nodes_from_fabric(load_cluster(cluster), nodes)
+    else:
+        node_list = uniform_cluster(
+            nodes, gpus_per_node, nodes_per_leaf=nodes_per_leaf, nodes_per_domain=nodes_per_domain
+        )
+    result = simulate(jobs, node_list, make_policy(policy, weights=parse_team_weights(team_weight)))
     doc = result.to_dict()
     if as_json:
         typer.echo(json.dumps(doc))
@@ -43,7 +54,7 @@ def sim(
 
     console = Console()
     console.print(
-        f"[bold]{policy}[/bold] on {nodes}x{gpus_per_node} GPUs: {result.jobs} jobs"
+        f"[bold]{policy}[/bold] on {len(node_list)}x{node_list[0].gpus} GPUs: {result.jobs} jobs"
         f" ({result.rejected} larger than the cluster), {result.preemptions} preemptions"
     )
     for key in ("avg_jct_s", "median_jct_s", "p99_jct_s", "avg_queue_s", "makespan_s"):

@@ -6,15 +6,35 @@ whichever runs them (a test compares the pool and Ray byte for byte through the 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
 
 from gpuyard.errors import ConfigError, GpuyardError
 
 ENGINES = ("pool", "ray", "serial")
+START_METHOD_ENV = "GPUYARD_DATA_START_METHOD"
+
+
+def start_method() -> str:
+    """How pool workers start: ``fork`` on Linux (no re-import, no ``__main__`` guard needed), else ``spawn``.
+
+    The tasks use Arrow single-threaded and never touch torch, and Arrow re-creates its thread pool
+    after a fork, so forking is safe here; set GPUYARD_DATA_START_METHOD=spawn to choose otherwise.
+    """
+    default = "fork" if sys.platform.startswith("linux") else "spawn"
+    method = os.environ.get(START_METHOD_ENV, default)
+    if method not in mp.get_all_start_methods():
+        raise ConfigError(
+            f"{START_METHOD_ENV}={method!r}: use one of {', '.join(mp.get_all_start_methods())}"
+        )
+    return method
+
+
 Progress = Callable[[str, int, int], None]
 
 
@@ -27,6 +47,7 @@ def run_tasks(
     ray_address: str | None = None,
     progress: Progress | None = None,
     stage: str = "",
+    executor: ProcessPoolExecutor | None = None,
 ) -> list[Any]:
     """``[fn(t) for t in tasks]``, run by ``engine``; results keep the order of ``tasks``.
 
@@ -38,6 +59,7 @@ def run_tasks(
         ray_address: Ray cluster to join when Ray is not initialised yet (default: start a local one).
         progress: called with (stage, done, total) as tasks finish.
         stage: label passed to ``progress``.
+        executor: a pool from :func:`open_pool` to reuse (saves starting processes for each pass).
 
     Raises:
         ConfigError: unknown engine, or Ray not installed.
@@ -48,6 +70,8 @@ def run_tasks(
         return []
     if engine == "ray":
         return _run_ray(fn, tasks, ray_address, progress, stage)
+    if executor is not None:
+        return _run_pool(fn, tasks, executor, progress, stage)
     size = min(workers or os.cpu_count() or 1, len(tasks))
     if engine == "serial" or size <= 1:
         results = []
@@ -56,28 +80,38 @@ def run_tasks(
             if progress is not None:
                 progress(stage, i + 1, len(tasks))
         return results
-    return _run_pool(fn, tasks, size, progress, stage)
+    with ProcessPoolExecutor(max_workers=size, mp_context=mp.get_context(start_method())) as pool:
+        return _run_pool(fn, tasks, pool, progress, stage)
+
+
+@contextlib.contextmanager
+def open_pool(engine: str, workers: int | None, tasks: int) -> Iterator[ProcessPoolExecutor | None]:
+    """A process pool to share between passes of one job; None when the engine does not use one."""
+    size = min(workers or os.cpu_count() or 1, tasks)
+    if engine != "pool" or size <= 1:
+        yield None
+        return
+    with ProcessPoolExecutor(max_workers=size, mp_context=mp.get_context(start_method())) as pool:
+        yield pool
 
 
 def _run_pool(
     fn: Callable[[dict[str, Any]], Any],
     tasks: list[dict[str, Any]],
-    size: int,
+    pool: ProcessPoolExecutor,
     progress: Progress | None,
     stage: str,
 ) -> list[Any]:
-    # spawn, not fork: the parent may hold Arrow/torch thread pools that a forked child would inherit locked.
     results: list[Any] = [None] * len(tasks)
-    with ProcessPoolExecutor(max_workers=size, mp_context=mp.get_context("spawn")) as pool:
-        pending = {pool.submit(fn, t): i for i, t in enumerate(tasks)}
-        done_count = 0
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in done:
-                results[pending.pop(fut)] = fut.result()
-                done_count += 1
-                if progress is not None:
-                    progress(stage, done_count, len(tasks))
+    pending = {pool.submit(fn, t): i for i, t in enumerate(tasks)}
+    done_count = 0
+    while pending:
+        done, _ = wait(pending, return_when=FIRST_COMPLETED)
+        for fut in done:
+            results[pending.pop(fut)] = fut.result()
+            done_count += 1
+            if progress is not None:
+                progress(stage, done_count, len(tasks))
     return results
 
 

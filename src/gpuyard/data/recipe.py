@@ -162,6 +162,18 @@ class Recipe(BaseModel):
             need(self.augment.column, "augment", ("tensor",))
         return cols
 
+    def input_columns(self) -> list[str]:
+        """Input columns that derive, image, text_hash, normalize and encode steps may read.
+
+        Columns these steps create are listed too (harmless: a fit pass reads only what exists).
+        """
+        cols: set[str] = set()
+        for d in self.derive:
+            cols |= expr.names(d.expr)
+        cols |= {im.column for im in self.image} | {th.column for th in self.text_hash}
+        cols |= {c for n in self.normalize for c in n.columns} | {e.column for e in self.encode}
+        return sorted(cols)
+
     def to_json(self) -> dict[str, Any]:
         """The form stored in manifests (defaults included, so the recipe is explicit)."""
         return self.model_dump(mode="json")

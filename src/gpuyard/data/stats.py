@@ -36,21 +36,54 @@ def _partial(col: pa.ChunkedArray, field: pa.Field) -> dict[str, Any]:
         out.update(_moments(arr.ravel()))
         out["shape"] = list(spec.shape)
         out["dtype"] = spec.dtype
-    elif kind in ("int", "float", "bool"):
-        valid = pc.drop_null(col)
-        nums = valid.to_numpy(zero_copy_only=False).astype(np.float64) if len(valid) else np.zeros(0)
+    elif kind in ("int", "bool"):
+        valid = col if col.null_count == 0 else pc.drop_null(col)
+        ints = np.asarray(valid.to_numpy(zero_copy_only=False)) if len(valid) else np.zeros(0, np.int64)
+        if ints.dtype == bool:
+            ints = ints.view(np.uint8)
+        if ints.size and int(ints.min()) >= 0 and int(ints.max()) <= 1 << 16:
+            # Small non-negative integers (labels, flags, codes): one bincount gives moments and counts.
+            found = np.bincount(ints)
+            v = np.arange(len(found), dtype=np.float64)
+            out.update(n=int(ints.size), sum=float(v @ found), sumsq=float((v * v) @ found))
+            out.update(min=float(ints.min()), max=float(ints.max()))
+            nz = np.flatnonzero(found)
+            if len(nz) > MAX_DISTINCT:
+                out["values"], out["many_values"] = {}, True
+            else:
+                name = (lambda x: str(bool(x))) if kind == "bool" else (lambda x: str(int(x)))
+                out["values"] = {name(x): int(found[x]) for x in nz}
+            return out
+        out.update(_moments(ints.astype(np.float64)))
+    elif kind == "float":
+        valid = col if col.null_count == 0 else pc.drop_null(col)
+        nums = (
+            np.asarray(valid.to_numpy(zero_copy_only=False), dtype=np.float64) if len(valid) else np.zeros(0)
+        )
         out.update(_moments(nums[np.isfinite(nums)]))
     if kind in ("string", "int", "bool"):
-        counts = pc.value_counts(pc.drop_null(col).combine_chunks()) if len(col) else []
-        values: dict[str, int] = {}
-        for item in counts:
-            values[str(item["values"].as_py())] = int(item["counts"].as_py())
-            if len(values) > MAX_DISTINCT:
-                values = {}
-                out["many_values"] = True
-                break
+        values, many = _value_counts(col)
         out["values"] = values
+        if many:
+            out["many_values"] = True
     return out
+
+
+def _value_counts(col: pa.ChunkedArray) -> tuple[dict[str, int], bool]:
+    valid = pc.drop_null(col).combine_chunks() if len(col) else pa.array([], col.type)
+    # A sample first: an id-like column shows more than MAX_DISTINCT values early, and we stop there.
+    if (
+        len(valid) > 20 * MAX_DISTINCT
+        and len(pc.value_counts(valid.slice(0, 10 * MAX_DISTINCT))) > MAX_DISTINCT
+    ):
+        return {}, True
+    counts = pc.value_counts(valid) if len(valid) else []
+    values: dict[str, int] = {}
+    for item in counts:
+        values[str(item["values"].as_py())] = int(item["counts"].as_py())
+        if len(values) > MAX_DISTINCT:
+            return {}, True
+    return values, False
 
 
 def _moments(values: np.ndarray) -> dict[str, Any]:
@@ -59,7 +92,7 @@ def _moments(values: np.ndarray) -> dict[str, Any]:
     return {
         "n": int(values.size),
         "sum": float(values.sum()),
-        "sumsq": float(np.square(values).sum()),
+        "sumsq": float(np.dot(values, values)),
         "min": float(values.min()),
         "max": float(values.max()),
     }

@@ -20,7 +20,7 @@ from gpuyard.data.catalog import check_name, record_version
 from gpuyard.data.dataset import DatasetVersion, open_dataset
 from gpuyard.data.features import derive, image_features, numeric, text_hash
 from gpuyard.data.manifest import build_manifest
-from gpuyard.data.parallel import Progress, run_tasks
+from gpuyard.data.parallel import Progress, open_pool, run_tasks
 from gpuyard.data.recipe import Recipe
 from gpuyard.data.split import assign
 
@@ -84,12 +84,24 @@ def _scale(col: pa.ChunkedArray, p: dict[str, Any]) -> pa.Array:
     return pa.array(out.astype(np.float32), pa.float32(), from_pandas=True)
 
 
+def _codes(column: pa.ChunkedArray, categories: list[Any]) -> np.ndarray:
+    """Category index of every row (-1 for unknown or null)."""
+    if pa.types.is_dictionary(column.type):
+        # Shards store text dictionary-encoded: look up the few dictionary entries, then index.
+        parts = []
+        for chunk in column.chunks:
+            lookup = _codes(pa.chunked_array([chunk.dictionary]), categories)
+            idx = chunk.indices.to_numpy(zero_copy_only=False)
+            nulls = np.asarray(chunk.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+            parts.append(np.where(nulls, -1, lookup[np.where(nulls, 0, idx).astype(np.int64)]))
+        return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
+    cats = pa.array(categories).cast(column.type)
+    found = pc.fill_null(pc.index_in(column, value_set=cats), -1)
+    return np.asarray(found.to_numpy(zero_copy_only=False), dtype=np.int32)
+
+
 def _encode(table: pa.Table, col: str, p: dict[str, Any]) -> pa.Table:
-    column = table.column(col)
-    cats = pa.array(p["categories"]).cast(column.type)
-    codes = (
-        pc.fill_null(pc.index_in(column, value_set=cats), -1).to_numpy(zero_copy_only=False).astype(np.int32)
-    )
+    codes = _codes(table.column(col), p["categories"])
     idx = table.schema.get_field_index(col)
     if p["method"] == "ordinal":
         return table.set_column(idx, col, pa.array(codes))
@@ -113,7 +125,9 @@ def _load(task: dict[str, Any]) -> tuple[pa.Table, FittedTransform]:
     artifacts = ArtifactStore(task["root"])
     shard = ShardInfo.from_json(task["shard"])
     cache = ShardCache(Path(task["cache_dir"]), task["cache_bytes"])
-    table = read_shard(shard_location(artifacts, shard, cache), artifacts.url(shard.key))
+    encoded = [e.column for e in Recipe.model_validate(task["recipe"]).encode]
+    path = shard_location(artifacts, shard, cache)
+    table = read_shard(path, artifacts.url(shard.key), columns=task.get("columns"), dictionary=encoded)
     ft = FittedTransform(Recipe.model_validate(task["recipe"]), task.get("fitted", {}))
     return ft.features(table), ft
 
@@ -261,11 +275,21 @@ def transform(
     name = check_name(output or ds.name)
     recipe.check({c["name"]: c["kind"] for c in ds.manifest["schema"]})
     tasks, split_counts = _split_tasks(ds, recipe)
-    run = {"engine": engine, "workers": workers, "ray_address": ray_address, "progress": progress}
     fitted: dict[str, Any] = {}
-    if recipe.needs_fit:
-        fitted = merge_fit(recipe, run_tasks(fit_shard, tasks, stage="fit", **run))  # type: ignore[arg-type]
-    results = run_tasks(apply_shard, [{**t, "fitted": fitted} for t in tasks], stage="apply", **run)  # type: ignore[arg-type]
+    with open_pool(engine, workers, len(tasks)) as pool:
+        run: dict[str, Any] = {
+            "engine": engine,
+            "workers": workers,
+            "ray_address": ray_address,
+            "progress": progress,
+            "executor": pool,
+        }
+        if recipe.needs_fit:
+            # The fit pass reads only the columns the steps use (and the split comes with the task).
+            needed = [c for c in recipe.input_columns() if c in ds.columns]
+            fit_tasks = [{**t, "columns": needed} for t in tasks]
+            fitted = merge_fit(recipe, run_tasks(fit_shard, fit_tasks, stage="fit", **run))
+        results = run_tasks(apply_shard, [{**t, "fitted": fitted} for t in tasks], stage="apply", **run)
     from gpuyard.data.shards import ShardInfo
 
     shards = [ShardInfo.from_json(r["shard"]) for r in results]

@@ -1,0 +1,162 @@
+"""Transform throughput: a normalisation + encoding recipe over 10 million rows, gpuyard vs pandas.
+
+Both start from the same rows in Parquet and end with the transformed rows in Parquet:
+
+- gpuyard: ``transform(ref, recipe, engine="pool")`` over the ingested version (its shards): fit
+  z-score and min-max statistics and the categories, apply them, write new shards and their
+  statistics, record the version. The process pool's start-up is included.
+- pandas: ``read_parquet`` (pyarrow engine), ``mean``/``std(ddof=0)``/``min``/``max``, the same
+  arithmetic, ``get_dummies`` for the one-hot columns (uint8, the same categories), ``to_parquet``.
+
+Each runs in a fresh process; also prints its peak RSS (``ru_maxrss`` of the process and its workers).
+
+Usage: python benchmarks/transform.py [--quick] [--rows N] [--workers W]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+CATEGORIES = [f"c{i:02d}" for i in range(20)]
+RECIPE = {
+    "normalize": [
+        {"columns": ["a", "b"], "method": "zscore"},
+        {"columns": ["c", "d"], "method": "minmax"},
+    ],
+    "encode": [{"column": "cat", "method": "onehot"}],
+}
+
+
+def make_source(path: Path, rows: int) -> None:
+    """Write ``rows`` rows (4 float columns, one 20-value category, an id) in 1M-row groups."""
+    rng = np.random.default_rng(0)
+    writer = None
+    for start in range(0, rows, 1_000_000):
+        n = min(1_000_000, rows - start)
+        table = pa.table(
+            {
+                "id": np.arange(start, start + n, dtype=np.int64),
+                "a": rng.normal(10, 3, n),
+                "b": rng.exponential(2.0, n),
+                "c": rng.uniform(-5, 5, n),
+                "d": rng.integers(0, 1000, n).astype(np.float64),
+                "cat": pa.array(np.array(CATEGORIES)[rng.integers(0, 20, n)]),
+            }
+        )
+        writer = writer or pq.ParquetWriter(path, table.schema)
+        writer.write_table(table)
+    assert writer is not None
+    writer.close()
+
+
+def run_pandas(src: Path, dest: Path) -> float:
+    import pandas as pd
+
+    t0 = time.perf_counter()
+    df = pd.read_parquet(src)
+    for col in ("a", "b"):
+        df[col] = ((df[col] - df[col].mean()) / df[col].std(ddof=0)).astype(np.float32)
+    for col in ("c", "d"):
+        lo, hi = df[col].min(), df[col].max()
+        df[col] = ((df[col] - lo) / (hi - lo)).astype(np.float32)
+    cats = sorted(df["cat"].unique())
+    dummies = pd.get_dummies(
+        pd.Categorical(df["cat"], categories=cats), prefix="cat", prefix_sep="=", dtype=np.uint8
+    )
+    df = pd.concat([df.drop(columns=["cat"]), dummies], axis=1)
+    df.to_parquet(dest, index=False)
+    return time.perf_counter() - t0
+
+
+def run_gpuyard(workers: int) -> float:
+    from gpuyard.data import load_recipe, transform
+
+    t0 = time.perf_counter()
+    transform("bench", load_recipe(RECIPE), engine="pool", workers=workers)
+    return time.perf_counter() - t0
+
+
+def child(which: str, argv: list[str]) -> None:
+    """Run one contender in this (fresh) process; print seconds and peak RSS (KiB, self and children)."""
+    dt = run_pandas(Path(argv[0]), Path(argv[1])) if which == "pandas" else run_gpuyard(int(argv[0]))
+    peak = max(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+    )
+    print(f"{dt} {peak}")
+
+
+def _spawn(*argv: str) -> tuple[float, float]:
+    out = subprocess.run([sys.executable, __file__, *argv], check=True, capture_output=True, text=True)
+    seconds, peak_kib = (float(x) for x in out.stdout.split())
+    return seconds, peak_kib
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="3 million rows instead of 10 million")
+    ap.add_argument("--rows", type=int, default=None)
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args()
+    rows = args.rows or (3_000_000 if args.quick else 10_000_000)
+    root = Path(tempfile.mkdtemp(prefix="gpuyard-bench-transform-"))
+    os.environ["GPUYARD_HOME"] = str(root / "home")
+    os.environ.pop("GPUYARD_DATABASE_URL", None)
+    os.environ.pop("GPUYARD_ARTIFACTS", None)
+    from gpuyard.data import IngestOptions, ValidationSpec, ingest
+
+    src = root / "src.parquet"
+    make_source(src, rows)
+    t0 = time.perf_counter()
+    version = ingest(
+        src, "bench", IngestOptions(shard_bytes=64 << 20, checks=ValidationSpec(duplicates="keep"))
+    )
+    print(f"ingest {rows:,} rows: {time.perf_counter() - t0:.2f} s, {len(version.shards)} shards")
+
+    # Each contender runs in a fresh process of its own: its time excludes Python's start-up and
+    # imports, and its peak memory is its own (for gpuyard: the driver or the largest pool worker).
+    gpuyard_s, rss_kib = _spawn("--child", "gpuyard", str(args.workers))
+    pandas_s, pandas_rss_kib = _spawn("--child", "pandas", str(src), str(root / "pandas.parquet"))
+    from gpuyard.data import open_dataset
+
+    result = open_dataset("bench")
+    # Same answer: compare a slice of the two outputs.
+    mine = result.to_arrow(columns=["id", "a", "d", "cat=c03"]).slice(0, 100_000).to_pandas()
+    theirs = (
+        pq.read_table(root / "pandas.parquet", columns=["id", "a", "d", "cat=c03"])
+        .slice(0, 100_000)
+        .to_pandas()
+    )
+    np.testing.assert_array_equal(mine["id"].to_numpy(), theirs["id"].to_numpy())
+    np.testing.assert_allclose(mine["a"].to_numpy(), theirs["a"].to_numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(mine["d"].to_numpy(), theirs["d"].to_numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(mine["cat=c03"].to_numpy(), theirs["cat=c03"].to_numpy())
+    shards = len(result.shards)
+    rate = rows / gpuyard_s
+    print(f"gpuyard: {gpuyard_s:.2f} s = {rate:,.0f} rows/s ({args.workers} workers, {shards} shards)")
+    print(f"pandas:  {pandas_s:.2f} s = {rows / pandas_s:,.0f} rows/s")
+    mine_mib, theirs_mib = rss_kib / 1024, pandas_rss_kib / 1024
+    print(f"peak RSS: gpuyard {mine_mib:.0f} MiB (driver or largest worker), pandas {theirs_mib:.0f} MiB")
+    print(
+        f"transform: vs_pandas={pandas_s / gpuyard_s:.1f}x gpuyard_s={gpuyard_s:.2f} pandas_s={pandas_s:.2f} "
+        f"rows={rows} workers={args.workers} gpuyard_peak_rss_mib={rss_kib / 1024:.0f} "
+        f"pandas_peak_rss_mib={pandas_rss_kib / 1024:.0f}"
+    )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3:])
+    else:
+        main()

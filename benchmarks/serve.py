@@ -367,7 +367,7 @@ def main() -> None:
             k: max(r["throughput_rps"] for r in v["runs"]) for k, v in results.items() if k.startswith(ref)
         }
         for kind in ("ray", "plain"):
-            if f"{ref}_{kind}" in top and top[f"{ref}_{kind}"]:
+            if top.get(f"{ref}_{kind}"):
                 figures[f"{ref}_vs_{kind}_unbounded"] = f"{top[f'{ref}_gpuyard'] / top[f'{ref}_{kind}']:.1f}x"
     for ref in shapes:
         for kind in ("gpuyard", "plain", "ray"):

@@ -62,12 +62,13 @@ def plan_command(
         }
         typer.echo(json.dumps(doc))
         return
-    _print_table(
+    print_plans(
         result, f"{spec.name} on {gpus} x {fabric.device_name} ({fabric.name}), batch {global_batch}"
     )
 
 
-def _print_table(result: object, title: str) -> None:
+def print_plans(result: object, title: str) -> None:
+    """Print ranked plans as a table, with why the first one wins."""
     from rich.console import Console
     from rich.table import Table
 

@@ -46,7 +46,8 @@ def _fabric() -> None:
     for gpus in (8, 64, 1024):
         est = estimate(cluster, "all_reduce", gpus, 1 << 30)
         console.print(
-            f"  {gpus:>5} GPUs: {est.algorithm:<12} {est.time_s * 1e3:8.2f} ms   busbw {est.busbw_GBps:6.1f} GB/s"
+            f"  {gpus:>5} GPUs: {est.algorithm:<12} {est.time_s * 1e3:8.2f} ms"
+            f"   busbw {est.busbw_GBps:6.1f} GB/s"
         )
     model = load_model("llama3-70b")
     t0 = time.perf_counter()

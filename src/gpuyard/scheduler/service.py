@@ -24,13 +24,13 @@ from gpuyard.scheduler.executors.base import Executor, ExitStatus, NodeSlots
 from gpuyard.scheduler.placement import ClusterState, NodeSpec, Placement, place
 from gpuyard.scheduler.policies import make_policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
-from gpuyard.scheduler.spec import TRANSITIONS, JobSpec, JobState
+from gpuyard.scheduler.records import ACTIVE, job_doc, move
+from gpuyard.scheduler.spec import JobSpec, JobState
 from gpuyard.store.base import utcnow
 from gpuyard.store.db import Store
 from gpuyard.store.tables.jobs import JobEventRow, JobRow
 
 log = logging.getLogger(__name__)
-ACTIVE = (JobState.SCHEDULED.value, JobState.RUNNING.value)
 
 
 @dataclass(frozen=True)
@@ -50,46 +50,6 @@ class ServiceConfig:
     grace_s: float = 10.0
     tick_s: float = 0.2
     min_run_s: float = 300.0
-
-
-def job_doc(row: JobRow) -> dict[str, Any]:
-    """The JSON view of a job (API and CLI)."""
-    iso = lambda d: d.isoformat() if d else None  # noqa: E731
-    return {
-        "id": row.id,
-        "name": row.name,
-        "team": row.team,
-        "user": row.user,
-        "priority": row.priority,
-        "gpus": row.gpus,
-        "state": row.state,
-        "placement": row.placement,
-        "attempts": row.attempts,
-        "failures": row.failures,
-        "preemptions": row.preemptions,
-        "exit_code": row.exit_code,
-        "reason": row.reason,
-        "stop_requested": row.stop_requested,
-        "log_path": row.log_path,
-        "submitted_at": iso(row.submitted_at),
-        "started_at": iso(row.started_at),
-        "finished_at": iso(row.finished_at),
-        "spec": row.spec,
-    }
-
-
-def _move(
-    s: Session, row: JobRow, to: JobState, reason: str | None = None, data: dict[str, Any] | None = None
-) -> None:
-    frm = JobState(row.state)
-    if to not in TRANSITIONS[frm]:
-        raise ConflictError(f"job {row.id} is {frm.value}; it cannot become {to.value}")
-    row.state, row.reason = to.value, reason
-    if to is JobState.QUEUED:
-        row.queued_at = utcnow()
-    if to.terminal:
-        row.finished_at = utcnow()
-    s.add(JobEventRow(job_id=row.id, from_state=frm.value, to_state=to.value, reason=reason, data=data))
 
 
 class JobService:
@@ -182,7 +142,7 @@ class JobService:
             if JobState(row.state).terminal:
                 raise ConflictError(f"job {job_id} is already {row.state}")
             if row.state in (JobState.QUEUED.value, JobState.PREEMPTED.value):
-                _move(s, row, JobState.CANCELLED, "cancelled by user")
+                move(s, row, JobState.CANCELLED, "cancelled by user")
             else:
                 self._request_stop(row, "cancel")
             doc = job_doc(row)
@@ -287,13 +247,13 @@ class JobService:
                     found = self.executor.recover(row.id, handle)
                     if found is None:
                         row.handle, row.placement = None, None
-                        _move(s, row, JobState.QUEUED, "server restarted before the launch was recorded")
+                        move(s, row, JobState.QUEUED, "server restarted before the launch was recorded")
                         counts["requeued"] += 1
                         continue
                     row.handle = found
                     if row.state == JobState.SCHEDULED.value:
                         row.started_at = row.started_at or utcnow()
-                        _move(s, row, JobState.RUNNING, "launched before the server restarted")
+                        move(s, row, JobState.RUNNING, "launched before the server restarted")
                 s.add(
                     JobEventRow(
                         job_id=row.id,
@@ -337,25 +297,25 @@ class JobService:
         row.exit_code, row.attained_s = status.code, row.attained_s + ran
         # The placement stays on record (where it last ran); only scheduled/running ones hold GPUs.
         row.stop_requested, row.stop_deadline, row.killed, row.handle = None, None, False, None
-        how = f"exit code {status.code}" if status.code is not None else "killed (SIGKILL)"
+        how = status.describe()
         if status.code == 0:
-            _move(s, row, JobState.SUCCEEDED, "exit code 0")
+            move(s, row, JobState.SUCCEEDED, "exit code 0")
             self.estimator.observe(row.team, row.user, row.gpus, row.attained_s)
         elif request == "cancel":
-            _move(s, row, JobState.CANCELLED, f"cancelled by user ({how})")
+            move(s, row, JobState.CANCELLED, f"cancelled by user ({how})")
         elif request == "preempt" or status.preempted:
             row.preemptions += 1
-            _move(s, row, JobState.PREEMPTED, f"preempted ({how}); resumes from its checkpoint")
-            _move(s, row, JobState.QUEUED, "requeued after preemption")
+            move(s, row, JobState.PREEMPTED, f"preempted ({how}); resumes from its checkpoint")
+            move(s, row, JobState.QUEUED, "requeued after preemption")
         elif status.lost:
-            _move(s, row, JobState.QUEUED, "process lost (never started); requeued")
+            move(s, row, JobState.QUEUED, "process lost (never started); requeued")
         else:
             row.failures += 1
             max_restarts = int(row.spec.get("max_restarts", 0))
             if row.failures <= max_restarts:
-                _move(s, row, JobState.QUEUED, f"failed ({how}); restart {row.failures} of {max_restarts}")
+                move(s, row, JobState.QUEUED, f"failed ({how}); restart {row.failures} of {max_restarts}")
             else:
-                _move(s, row, JobState.FAILED, f"failed ({how})")
+                move(s, row, JobState.FAILED, f"failed ({how})")
 
     def _request_stop(self, row: JobRow, why: str) -> None:
         if row.stop_requested:
@@ -412,19 +372,19 @@ class JobService:
                 "nodes": [{"node": sl.node, "gpus": list(sl.gpus), "cpus": sl.cpus} for sl in slots],
             }
             row.handle, row.log_path = dict(plan.extra), plan.log_path
-            _move(s, row, JobState.SCHEDULED, placement.how)
+            move(s, row, JobState.SCHEDULED, placement.how)
         try:
             handle = self.executor.launch(plan)
         except Exception as exc:  # any launch failure is the job's failure, recorded with why
             with self.store.session() as s:
                 row = self._row(s, job_id)
                 row.placement, row.handle = None, None
-                _move(s, row, JobState.FAILED, f"launch failed: {exc}")
+                move(s, row, JobState.FAILED, f"launch failed: {exc}")
             return
         with self.store.session() as s:
             row = self._row(s, job_id)
             row.handle, row.started_at = handle, utcnow()
-            _move(s, row, JobState.RUNNING, f"attempt {plan.attempt}", data={"handle": handle})
+            move(s, row, JobState.RUNNING, f"attempt {plan.attempt}", data={"handle": handle})
 
     # -- helpers ----------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -60,6 +61,17 @@ class ExitStatus:
     code: int | None
     killed: bool = False
     lost: bool = False
+
+    def describe(self) -> str:
+        """Short why for events: "exit code 3", "killed by SIGTERM", "killed (SIGKILL)"."""
+        if self.code is None:
+            return "lost (never started)" if self.lost else "killed (SIGKILL)"
+        if self.code < 0:
+            try:
+                return f"killed by {signal.Signals(-self.code).name}"
+            except ValueError:
+                return f"killed by signal {-self.code}"
+        return f"exit code {self.code}"
 
     @property
     def preempted(self) -> bool:

@@ -74,6 +74,8 @@ def tune_cmd(
             executor_name=executor,
             on_progress=lambda rows: live.update(_trial_table(rows, title, model_spec.resolved_direction)),
         )
+    if not console.is_terminal:  # Live leaves its last frame without a line end when not on a terminal
+        console.line()
     console.print(
         f"best trial run {result.best_run_id[:8]}: validation {model_spec.metric}={result.best_value:.4f} "
         f"params {json.dumps(result.best_params)}"

@@ -282,7 +282,8 @@ def best_run(
     )
     if kind is None:  # folds store no model: they are evidence for a cv run, not candidates
         runs = [r for r in runs if r.kind != "fold"]
-    scored = [(r, r.latest[key]) for r in runs if r.latest.get(key) is not None]
+    # Oldest first, so a tie goes to the earliest run, as Optuna's best_trial does.
+    scored = [(r, r.latest[key]) for r in reversed(runs) if r.latest.get(key) is not None]
     if not scored:
         raise NotFoundError(
             f"no finished run has {key!r}" + (f" in experiment {experiment!r}" if experiment else "")

@@ -43,6 +43,12 @@ class CapacityError(GpuyardError):
     http_status = 422
 
 
+class AuthenticationError(GpuyardError):
+    """No API token, or one that is unknown, revoked or expired."""
+
+    http_status = 401
+
+
 class PermissionDenied(GpuyardError):
     """The caller is authenticated but not allowed to do this."""
 

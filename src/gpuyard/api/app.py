@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 import gpuyard
@@ -30,7 +30,23 @@ def create_app(jobs: Any = None) -> FastAPI:
         """Liveness: the version, and whether the job service is attached."""
         return {"status": "ok", "version": gpuyard.__version__, "jobs": app.state.jobs is not None}
 
+    from gpuyard.api.auth import authenticated
+    from gpuyard.api.routes import cluster, datasets, deployments, fabric, models, runs, users
     from gpuyard.api.routes import jobs as job_routes
+    from gpuyard.auth import ensure_admin_token
+    from gpuyard.errors import AuthenticationError
+    from gpuyard.web import mount_dashboard
 
-    app.include_router(job_routes.router)
+    @app.exception_handler(AuthenticationError)
+    async def _unauthenticated(_: Request, exc: AuthenticationError) -> JSONResponse:
+        return JSONResponse(
+            status_code=401, content={"detail": str(exc)}, headers={"WWW-Authenticate": "Bearer"}
+        )
+
+    # Every router needs a token (viewers read only); /health, the dashboard page and /docs do not.
+    app.include_router(job_routes.router, dependencies=[Depends(authenticated)])
+    for module in (cluster, fabric, datasets, runs, models, deployments, users):
+        app.include_router(module.router, dependencies=[Depends(authenticated)])
+    mount_dashboard(app)
+    ensure_admin_token()  # embedded default, first start: user 'admin' and GPUYARD_HOME/token (0600)
     return app

@@ -7,7 +7,15 @@ from typing import Any
 
 import httpx
 
-from gpuyard.errors import ConfigError, ConflictError, GpuyardError, NotFoundError
+from gpuyard.auth import TokenAuth
+from gpuyard.errors import (
+    AuthenticationError,
+    ConfigError,
+    ConflictError,
+    GpuyardError,
+    NotFoundError,
+    PermissionDenied,
+)
 from gpuyard.scheduler.spec import JobSpec
 
 
@@ -17,7 +25,12 @@ class ServerUnreachable(GpuyardError):
     http_status = 503
 
 
-_BY_STATUS: dict[int, type[GpuyardError]] = {404: NotFoundError, 409: ConflictError}
+_BY_STATUS: dict[int, type[GpuyardError]] = {
+    401: AuthenticationError,
+    403: PermissionDenied,
+    404: NotFoundError,
+    409: ConflictError,
+}
 
 
 class JobClient:
@@ -25,7 +38,8 @@ class JobClient:
 
     def __init__(self, url: str, timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        # The token: GPUYARD_TOKEN, else GPUYARD_HOME/token (written by the embedded server's first start).
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, auth=TokenAuth())
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:

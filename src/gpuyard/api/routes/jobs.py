@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 
+from gpuyard.api.auth import authenticated
+from gpuyard.auth import Principal, check_team, visible_team
 from gpuyard.errors import StoreError
 from gpuyard.scheduler.spec import JobSpec
 
@@ -19,16 +21,31 @@ def _service(request: Request) -> Any:
     return service
 
 
+def _own_job(request: Request, principal: Principal, job_id: int) -> Any:
+    # Team scoping: a non-admin reaches only their team's jobs (403 otherwise; 404 if none exists).
+    service = _service(request)
+    check_team(principal, service.get(job_id)["team"], f"job {job_id}")
+    return service
+
+
+def _as_caller(spec: JobSpec, principal: Principal) -> JobSpec:
+    # A non-admin submits as themselves, into their own team.
+    if principal.is_admin:
+        return spec
+    check_team(principal, spec.team, f"a job of team {spec.team!r}")
+    return spec.model_copy(update={"user": principal.user})
+
+
 @router.post("", status_code=201)
-def submit(spec: JobSpec, request: Request) -> dict[str, Any]:
+def submit(spec: JobSpec, request: Request, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
     """Queue a job (422 naming the field when the spec is invalid or can never fit)."""
-    return dict(_service(request).submit(spec))
+    return dict(_service(request).submit(_as_caller(spec, principal)))
 
 
 @router.post("/dry-run")
-def dry_run(spec: JobSpec, request: Request) -> dict[str, Any]:
+def dry_run(spec: JobSpec, request: Request, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
     """Where the job would run now and what would be launched, without launching it."""
-    return dict(_service(request).dry_run(spec))
+    return dict(_service(request).dry_run(_as_caller(spec, principal)))
 
 
 @router.get("")
@@ -37,30 +54,39 @@ def list_jobs(
     state: str | None = None,
     team: str | None = None,
     limit: int = Query(200, ge=1, le=10000),
+    principal: Principal = Depends(authenticated),
 ) -> list[dict[str, Any]]:
-    """Jobs, newest first."""
+    """Jobs, newest first (a non-admin sees only their team's)."""
+    team = visible_team(principal, team)
     return list(_service(request).list_jobs(state=state, team=team, limit=limit))
 
 
 @router.get("/{job_id}")
-def show(job_id: int, request: Request) -> dict[str, Any]:
+def show(job_id: int, request: Request, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
     """One job."""
-    return dict(_service(request).get(job_id))
+    return dict(_own_job(request, principal, job_id).get(job_id))
 
 
 @router.get("/{job_id}/events")
-def events(job_id: int, request: Request) -> list[dict[str, Any]]:
+def events(
+    job_id: int, request: Request, principal: Principal = Depends(authenticated)
+) -> list[dict[str, Any]]:
     """A job's state changes."""
-    return list(_service(request).events(job_id))
+    return list(_own_job(request, principal, job_id).events(job_id))
 
 
 @router.get("/{job_id}/logs")
-def logs(job_id: int, request: Request, offset: int = Query(0, ge=0)) -> dict[str, Any]:
+def logs(
+    job_id: int,
+    request: Request,
+    offset: int = Query(0, ge=0),
+    principal: Principal = Depends(authenticated),
+) -> dict[str, Any]:
     """A chunk of the job's log from ``offset``: ``{"text", "offset", "done", "state"}``."""
-    return dict(_service(request).read_log(job_id, offset))
+    return dict(_own_job(request, principal, job_id).read_log(job_id, offset))
 
 
 @router.post("/{job_id}/cancel")
-def cancel(job_id: int, request: Request) -> dict[str, Any]:
+def cancel(job_id: int, request: Request, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
     """Cancel a job (a running one is stopped: SIGTERM, then SIGKILL after the grace period)."""
-    return dict(_service(request).cancel(job_id))
+    return dict(_own_job(request, principal, job_id).cancel(job_id))

@@ -1,0 +1,73 @@
+"""/runs: tracked runs, their metric series (curves), side-by-side comparison and artifact downloads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query
+from fastapi.responses import Response
+
+from gpuyard.errors import ConfigError, NotFoundError
+
+router = APIRouter(prefix="/runs", tags=["runs"])
+
+
+@router.get("")
+def runs(
+    experiment: str | None = None,
+    status: str | None = None,
+    kind: str | None = None,
+    limit: int = Query(100, ge=1, le=1000),
+) -> list[dict[str, Any]]:
+    """Runs, newest first, with the last value of each metric."""
+    from gpuyard.models.runs import list_runs
+
+    return [r.to_json() for r in list_runs(experiment, status, kind, limit=limit)]
+
+
+@router.get("/compare")
+def compare(ids: list[str] = Query(..., min_length=2, max_length=20)) -> dict[str, Any]:
+    """Params and latest metrics of several runs side by side; ``differs`` names the params that differ."""
+    from gpuyard.models.runs import compare_runs
+
+    return compare_runs(ids)
+
+
+@router.get("/{ref}")
+def run(ref: str) -> dict[str, Any]:
+    """One run in full: params, system info, artifacts, evaluations, children, series lengths."""
+    from gpuyard.models.runs import run_details
+
+    return run_details(ref)
+
+
+@router.get("/{ref}/metrics")
+def metrics(ref: str, keys: list[str] | None = Query(None)) -> dict[str, Any]:
+    """``{"run": id, "series": {key: [[step, value], ...]}}`` (every key unless ``keys`` is given)."""
+    from gpuyard.models.runs import metric_series, resolve_run_id
+
+    run_id = resolve_run_id(ref)
+    return {"run": run_id, "series": metric_series(run_id, keys)}
+
+
+@router.get("/{ref}/artifacts/{name:path}")
+def artifact(ref: str, name: str) -> Response:
+    """Download artifact ``name`` of a run, checked against its recorded SHA-256.
+
+    Only names recorded for the run are served: the name picks a row, never a path on disk.
+    """
+    from gpuyard.models.runs import run_details
+    from gpuyard.store import get_artifacts
+
+    if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/") or "\x00" in name:
+        raise ConfigError(f"artifact name {name!r}: must be a relative name without '..'")
+    found = [a for a in run_details(ref)["artifacts"] if a["name"] == name]
+    if not found:
+        raise NotFoundError(f"run {ref!r} has no artifact {name!r}")
+    data = get_artifacts().get_bytes(found[0]["key"], sha256=found[0]["sha256"])
+    filename = name.rsplit("/", 1)[-1].replace('"', "")
+    return Response(
+        data,
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+    )

@@ -43,7 +43,11 @@ def _trial_table(rows: list[dict[str, Any]], title: str, direction: str) -> Tabl
 
 def tune_cmd(
     spec: Path = typer.Argument(..., help="Model spec YAML with a 'search' section."),
-    executor: str = typer.Option("pool", "--executor", help="pool (worker processes), subprocess or inline."),
+    executor: str = typer.Option(
+        "pool",
+        "--executor",
+        help="pool (worker processes), subprocess, inline, or jobs (the gpuyard server's scheduler).",
+    ),
     trials: int | None = typer.Option(None, "--trials", help="Override search.n_trials."),
     parallel: int | None = typer.Option(None, "--parallel", help="Override search.parallel."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document at the end (no live table)."),
@@ -96,7 +100,7 @@ def cv_cmd(
     parallel: int | None = typer.Option(
         None, "--parallel", help="Folds at once (default: cv.parallel or 1)."
     ),
-    executor: str = typer.Option("pool", "--executor", help="pool, subprocess or inline."),
+    executor: str = typer.Option("pool", "--executor", help="pool, subprocess, inline or jobs (scheduler)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """k-fold cross-validation on train+validation, each fold a job; reports mean and std per metric."""

@@ -7,10 +7,10 @@ reference. It can run three ways, all through :class:`TaskExecutor`:
   torch and the dataset are loaded once per worker);
 - :class:`SubprocessExecutor`: one ``python -m gpuyard.models.worker TASK.json RESULT.json`` process
   per task, which is exactly the command line a scheduled job would run;
-- :class:`InlineExecutor`: in this process, one after another (tests, debugging).
-
-The scheduler replaces the local pool by implementing ``submit`` as "submit a job whose command is
-``task.argv(...)`` and resolve the future from the result file when the job ends".
+- :class:`InlineExecutor`: in this process, one after another (tests, debugging);
+- :class:`JobExecutor`: each task a job of the gpuyard scheduler (``gpuyard server``'s job API, or a
+  ``JobService`` in this process), whose command is ``task.argv(...)``; the future resolves from the
+  result file when the job ends. The scheduler then decides how many run at once and where.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from typing import Any
 
 from gpuyard.errors import ConfigError, GpuyardError
 
-EXECUTORS = ("pool", "subprocess", "inline")
+EXECUTORS = ("pool", "subprocess", "inline", "jobs")
+TERMINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -165,8 +166,66 @@ class SubprocessExecutor(TaskExecutor):
         self._tmp.cleanup()
 
 
+class JobExecutor(TaskExecutor):
+    """Each task a scheduler job running ``python -m gpuyard.models.worker TASK.json RESULT.json``.
+
+    ``jobs`` is anything with ``submit(JobSpec) -> {"id": ...}`` and ``get(id) -> {"state": ...}``:
+    :class:`gpuyard.scheduler.client.JobClient` (a running ``gpuyard server``) or a
+    :class:`gpuyard.scheduler.service.JobService`. Task and result files go to ``folder``, which the
+    job's process must see (local disk for this machine; a shared folder for a cluster).
+    """
+
+    def __init__(self, jobs: Any, folder: str | Path, *, cpus: int = 1, poll_s: float = 0.2) -> None:
+        self.jobs, self.folder, self.cpus, self.poll_s = jobs, Path(folder), cpus, poll_s
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.parallel = 1  # the scheduler decides concurrency; this only bounds the waiting threads
+        self._waiters = ThreadPoolExecutor(64, thread_name_prefix="gpuyard-job-wait")
+
+    def submit(self, task: Task) -> Future[Any]:
+        """Submit ``task`` as a job; the future completes when the job does."""
+        import re
+        import uuid
+
+        from gpuyard.scheduler.spec import JobSpec
+
+        tag = uuid.uuid4().hex[:10]
+        task_file, result_file = self.folder / f"{tag}.task.json", self.folder / f"{tag}.result.json"
+        task_file.write_text(task.to_json())
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"task-{task.name}")[:80].strip("-") + f"-{tag[:6]}"
+        spec = JobSpec.model_validate(
+            {
+                "name": name,
+                "command": task.argv(task_file, result_file),
+                "resources": {"gpus": 0, "cpus": self.cpus},
+                "env": {"OMP_NUM_THREADS": "1"},
+            }
+        )
+        job_id = self.jobs.submit(spec)["id"]
+        return self._waiters.submit(self._wait, task, job_id, result_file)
+
+    def _wait(self, task: Task, job_id: Any, result_file: Path) -> Any:
+        import time
+
+        while True:
+            doc = self.jobs.get(job_id)
+            if doc["state"] in TERMINAL_JOB_STATES:
+                break
+            time.sleep(self.poll_s)  # polling the job's state: the scheduler has no completion callback
+        if doc["state"] != "succeeded" or not result_file.exists():
+            why = doc.get("reason") or f"exit code {doc.get('exit_code')}"
+            raise TaskFailed(f"{task.name}: job {job_id} {doc['state']}: {why}")
+        return json.loads(result_file.read_text())["result"]
+
+    def shutdown(self) -> None:
+        """Stop waiting (jobs already submitted keep running in the scheduler)."""
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+
+
 def get_executor(name: str, parallel: int) -> TaskExecutor:
-    """The executor called ``name`` (pool, subprocess, inline) running ``parallel`` tasks at once.
+    """The executor called ``name`` running ``parallel`` tasks at once.
+
+    ``pool``, ``subprocess`` and ``inline`` run here; ``jobs`` submits each task to the gpuyard server
+    at ``GPUYARD_SERVER`` (``gpuyard server`` must be running), which runs as many as it places.
 
     Raises:
         ConfigError: unknown name or parallel < 1.
@@ -179,4 +238,10 @@ def get_executor(name: str, parallel: int) -> TaskExecutor:
         return SubprocessExecutor(parallel)
     if name == "inline":
         return InlineExecutor()
+    if name == "jobs":
+        from gpuyard.scheduler.client import JobClient
+        from gpuyard.settings import load_settings
+
+        settings = load_settings()
+        return JobExecutor(JobClient(settings.server_url), settings.ensure_home() / "tasks")
     raise ConfigError(f"unknown executor {name!r}: use one of {', '.join(EXECUTORS)}")

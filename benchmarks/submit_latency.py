@@ -64,8 +64,13 @@ def bench_server(n: int, tmp: Path) -> list[float]:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+        from gpuyard.auth import bearer_headers, read_token
+        from gpuyard.settings import load_settings
+
+        # The embedded server writes its admin token into its GPUYARD_HOME on first start.
+        headers = bearer_headers(read_token(load_settings(env)))
         out = []
-        with httpx.Client(base_url=url) as client:
+        with httpx.Client(base_url=url, headers=headers) as client:
             for i in range(n):
                 marker = tmp / f"server-{i}.txt"
                 spec = {"name": f"lat{i}", "command": [sys.executable, "-S", "-c", CMD, str(marker)]}

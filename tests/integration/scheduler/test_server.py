@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gpuyard.auth import TokenAuth
 from gpuyard.scheduler.client import JobClient, ServerUnreachable
 from gpuyard.scheduler.spec import parse_spec
 
@@ -119,13 +120,19 @@ def test_http_api_and_cli_client(
     server: Callable[[], tuple[subprocess.Popen[bytes], str]], tmp_path: Path
 ) -> None:
     _, url = server()
-    bad = httpx.post(f"{url}/jobs", json={"name": "x", "command": ["true"], "resources": {"gpus": "many"}})
+    assert httpx.get(f"{url}/jobs").status_code == 401  # the API wants the token of GPUYARD_HOME
+    auth = TokenAuth()
+    bad = httpx.post(
+        f"{url}/jobs", json={"name": "x", "command": ["true"], "resources": {"gpus": "many"}}, auth=auth
+    )
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "resources", "gpus"]
-    big = httpx.post(f"{url}/jobs", json={"name": "x", "command": ["true"], "resources": {"gpus": 2}})
+    big = httpx.post(
+        f"{url}/jobs", json={"name": "x", "command": ["true"], "resources": {"gpus": 2}}, auth=auth
+    )
     assert big.status_code == 422 and "at most 1" in big.json()["detail"]
-    team = httpx.post(f"{url}/jobs", json={"name": "x", "command": ["true"], "team": "nobody"})
+    team = httpx.post(f"{url}/jobs", json={"name": "x", "command": ["true"], "team": "nobody"}, auth=auth)
     assert team.status_code == 422 and "team" in team.json()["detail"]
-    assert httpx.get(f"{url}/jobs/999").status_code == 404
+    assert httpx.get(f"{url}/jobs/999", auth=auth).status_code == 404
 
     env = {**os.environ, "GPUYARD_SERVER": url}
     cli = [sys.executable, "-m", "gpuyard.cli.main", "jobs"]

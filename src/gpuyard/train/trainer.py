@@ -20,7 +20,7 @@ from torch import nn
 
 from gpuyard.errors import ConfigError
 from gpuyard.train import components as comp
-from gpuyard.train.checkpoint import Checkpointer, latest_checkpoint
+from gpuyard.train.checkpoint import Checkpointer, latest_checkpoint, step_dirname
 from gpuyard.train.data import DataSource, call_factory, count_batch, make_source, split_batch, to_device
 from gpuyard.train.metrics import (
     DeviceStats,
@@ -212,6 +212,9 @@ class Trainer:
 
     def save_checkpoint(self, reason: str) -> Path:
         """Write a checkpoint of the current step on every rank (collective)."""
+        last = latest_checkpoint(self.checkpointer.root)
+        if last is not None and last.name == step_dirname(self.step):
+            return last  # already saved at this step (e.g. every_steps, then the epoch end)
         meta = {
             "epoch": self.epoch,
             "reason": reason,

@@ -37,6 +37,14 @@ WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 2, 4, 12
 OPTIMIZER_TRAFFIC_BYTES = 30
 # CUDA context, NCCL buffers and workspace kept aside on every device, plus allocator fragmentation.
 RESERVED_BYTES, FRAGMENTATION = 2 * GIB, 1.05
+# Compute that runs while a collective is in flight is slower: NCCL kernels hold SMs and memory
+# bandwidth. Hughes et al., "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed
+# Deep Learning" (arXiv:2507.03114) measure an average 18.9% compute slowdown (up to 40%) on A100 and
+# H100 for GPT and Llama layers; each second of hidden communication costs this much compute time.
+OVERLAP_SLOWDOWN = 0.19
+# One ring-attention step (context parallelism): a FlashAttention launch on a K/V block, a P2P post and an
+# event wait. Tens of microseconds on current stacks; it is what separates cp=2 from cp=8 at equal tokens.
+RING_STEP_OVERHEAD_S = 20e-6
 
 
 @dataclass(frozen=True)
@@ -170,6 +178,7 @@ class _Layer:
     tp_comm: float
     cp_comm: float
     ep_comm: float
+    cp_exposed: float = 0.0  # the part of cp_comm (plus ring-step overheads) not hidden by attention
 
 
 def _layer_times(model: ModelSpec, cluster: Cluster, seq: int, cfg: ParallelConfig) -> _Layer:
@@ -206,6 +215,8 @@ def _layer_times_cached(
         gemm += 2 * tokens * model.ffn_params / tp / (peak * eff)
     # Causal FlashAttention: half of the 4 x s x h score and value products per token.
     attention = 2 * tokens * seq * h / tp / (peak * eff * cluster.compute.attention_efficiency)
+    if cp > 1:  # ring attention runs on K/V blocks of seq / 2cp tokens (load-balanced halves): shorter tiles
+        attention /= _sat(seq / (2 * cp)) / _sat(seq)
     sp = tp if seqpar else 1
     act_bytes = routed * (6 if model.gated_mlp else 4) * model.ffn_hidden / tp
     elementwise = tokens * (ELEMENTWISE_BYTES_PER_H * h / sp + act_bytes) / (cluster.memory_bw_GBps * 1e9)
@@ -222,12 +233,20 @@ def _layer_times_cached(
         else:
             one = collective_time(cluster, "all_reduce", size, tp)
         tp_comm = 2 * passes * one
-    cp_comm = 0.0
+    cp_comm = cp_exposed = 0.0
     if cp > 1:
         kv_bytes = 2 * tokens * model.kv_heads * model.head_dim * 2 / min(tp, model.kv_heads)
         per_domain = max(1, min(cp, cluster.domain // tp))
-        # Ring attention: cp - 1 exchanges of K and V forward, twice that (K, V, dK, dV) backward.
-        cp_comm = 3 * (cp - 1) * collective_time(cluster, "send_recv", kv_bytes, cp, per_domain)
+        hop = collective_time(cluster, "send_recv", kv_bytes, cp, per_domain)
+        # Ring attention: cp - 1 exchanges of K and V forward, twice that (K, V, dK, dV) backward; each
+        # step's exchange hides behind that step's attention block (1/cp of the attention) or shows.
+        passes = 2 if recompute == "full" else 1
+        overhead = (passes + 1) * cp * RING_STEP_OVERHEAD_S
+        cp_comm = (passes + 2) * (cp - 1) * hop + overhead
+        step_fwd = attention / cp
+        cp_exposed = (cp - 1) * (
+            passes * max(0.0, hop - step_fwd) + max(0.0, 2 * hop - 2.5 * step_fwd)
+        ) + overhead
     ep_comm = 0.0
     if model.is_moe and ep > 1:
         # Token dispatch and combine: two all-to-alls of the routed activations per pass, not overlapped.
@@ -235,7 +254,7 @@ def _layer_times_cached(
         per_domain = max(1, min(ep, cluster.domain // (tp * cp)))
         routed_bytes = tokens * model.top_k * h * 2 / (tp if seqpar else 1)
         ep_comm = 2 * passes * collective_time(cluster, "all_to_all", routed_bytes, ep, per_domain)
-    return _Layer(fwd, bwd, recompute_s, attention, tp_comm, cp_comm, ep_comm)
+    return _Layer(fwd, bwd, recompute_s, attention, tp_comm, cp_comm, ep_comm, cp_exposed)
 
 
 def _stage_layers(model: ModelSpec, pp: int) -> tuple[int, int]:
@@ -321,6 +340,24 @@ def _dp_comm(
     return grad_s, param_s
 
 
+def _zero3_exposed(layer: _Layer, per_stage: int, m: int, grad_comm: float, param_comm: float) -> float:
+    """Exposed ZeRO-3 / FSDP time per step: each layer's gather is prefetched one layer ahead.
+
+    Per micro-batch a layer's parameters are gathered for the forward and again for the backward, and its
+    gradients reduce-scattered after its backward. A gather hides behind the previous layer's forward,
+    a gather plus a reduce-scatter behind a backward; what exceeds the compute shows, and so do the first
+    gather of each pass (nothing to hide behind) and the last reduce-scatter of the step.
+    """
+    if grad_comm + param_comm == 0:
+        return 0.0
+    gather = param_comm / (2 * m * per_stage)
+    scatter = grad_comm / (m * per_stage)
+    fwd = layer.fwd + layer.tp_comm / 2 + layer.cp_exposed / 2
+    bwd = layer.bwd + layer.recompute + layer.tp_comm / 2 + layer.cp_exposed / 2
+    per_mb = per_stage * (max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd)) + 2 * gather
+    return m * per_mb + scatter
+
+
 def estimate_step(
     model: ModelSpec,
     cluster: Cluster,
@@ -352,7 +389,7 @@ def estimate_step(
     # The output projection and loss on the last stage, at the same GEMM efficiency as a layer.
     head = 6 * tokens * model.vocab * model.hidden / cfg.tp / (peak * cluster.compute.gemm_efficiency)
     layer_compute = layer.fwd + layer.bwd + layer.recompute
-    layer_comm = layer.tp_comm + layer.ep_comm + max(0.0, layer.cp_comm - 3.5 * layer.attention_fwd)
+    layer_comm = layer.tp_comm + layer.ep_comm + layer.cp_exposed
     # The busiest stage sets the pace: a full stage, or the last one with fewer layers plus the head.
     full_stage = per_stage * (layer_compute + layer_comm)
     last_stage = last * (layer_compute + layer_comm) + head
@@ -371,11 +408,14 @@ def estimate_step(
         pp_comm = 2 * (m * cfg.virtual_stages + cfg.pp - 1) * p2p
     grad_comm, param_comm = _dp_comm(model, cluster, cfg, m)
     mb_fwd = per_stage * layer.fwd
-    if cfg.zero == 3:  # prefetched a layer ahead: hidden behind compute, except the first gather and last
-        # reduce-scatter of every micro-batch, which have no layer to hide behind
-        exposed_dp = max(grad_comm + param_comm - 0.9 * m * t_mb, (grad_comm + param_comm) / per_stage)
+    if cfg.zero == 3:
+        exposed_dp = _zero3_exposed(layer, per_stage, m, grad_comm, param_comm)
     else:  # bucketed gradient reduction overlaps the last backward; parameter gather the first forward
         exposed_dp = max(0.0, grad_comm - (t_mb - mb_fwd)) + max(0.0, param_comm - mb_fwd)
+    # Communication hidden behind compute still slows it (SMs and memory bandwidth are shared).
+    hidden_cp = m * per_stage * max(0.0, layer.cp_comm - layer.cp_exposed)
+    overlap = OVERLAP_SLOWDOWN * (max(0.0, grad_comm + param_comm - exposed_dp) + hidden_cp)
+    exposed_dp += overlap
     dense, experts = _stage_params(model, cfg)
     shard = cfg.dp * cfg.cp if cfg.zero >= 1 else 1
     params_owned = dense / shard + experts / max(1, shard // cfg.ep)

@@ -57,3 +57,28 @@ def test_step_time_adds_up_and_figures_agree(case: tuple[str, str, int, int, Par
     assert est.fits == (est.memory_gib_per_gpu * 2**30 <= cluster.device_memory_bytes)
     if cfg.pp == 1:
         assert b.bubble_s == 0 and b.pp_comm_s == 0
+
+
+def _llama70b_fsdp(cluster_name: str, cp: int, mb: int) -> float:
+    cfg = ParallelConfig(tp=1, pp=1, dp=512 // cp, cp=cp, micro_batch=mb, recompute="selective", zero=3)
+    return estimate_step(PRESETS["llama3-70b"], load_cluster(cluster_name), 512, 1024, 8192, cfg).step_time_s
+
+
+def test_context_parallelism_costs_something_at_equal_tokens_per_gpu() -> None:
+    # cp=2/mb=1, cp=4/mb=2 and cp=8/mb=4 give every GPU the same 4,096 tokens per micro-batch and the same
+    # sharding group; more ring steps on shorter K/V blocks must make the step longer, not tie it.
+    times = [_llama70b_fsdp("dgx-h100", cp, mb) for cp, mb in ((2, 1), (4, 2), (8, 4))]
+    assert times[0] < times[1] < times[2]
+
+
+def test_hidden_fsdp_traffic_still_slows_the_step() -> None:
+    # Halving the NIC bandwidth doubles the (mostly overlapped) ZeRO-3 traffic; overlap is not free, so
+    # the step must get longer even where the gathers stay hidden behind compute.
+    base = CLUSTERS["dgx-h100"]
+    slow = base.model_copy(update={"name": "slow-nics", "nic": base.nic.model_copy(update={"gbps": 200})})
+    cfg = ParallelConfig(tp=1, pp=1, dp=256, cp=2, micro_batch=1, recompute="selective", zero=3)
+    fast_est = estimate_step(PRESETS["llama3-70b"], base, 512, 1024, 8192, cfg)
+    slow_est = estimate_step(PRESETS["llama3-70b"], slow, 512, 1024, 8192, cfg)
+    assert slow_est.breakdown.dp_comm_s > 1.5 * fast_est.breakdown.dp_comm_s
+    assert slow_est.step_time_s > fast_est.step_time_s
+    assert slow_est.breakdown.exposed_comm_s > fast_est.breakdown.exposed_comm_s

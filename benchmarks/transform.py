@@ -171,12 +171,12 @@ def main() -> None:
     mine_mib, theirs_mib = rss_kib / 1024, pandas_rss_kib / 1024
     print(f"peak RSS: gpuyard {mine_mib:.0f} MiB (driver or largest worker), pandas {theirs_mib:.0f} MiB")
     print(
-        f"CPU seconds (whole process, imports and workers included): gpuyard {gpuyard_cpu:.1f}, pandas {pandas_cpu:.1f}"
+        f"CPU seconds (whole process, imports, workers): gpuyard {gpuyard_cpu:.1f}, pandas {pandas_cpu:.1f}"
     )
     print(
         f"transform: vs_pandas={pandas_s / gpuyard_s:.1f}x cpu_vs_pandas={pandas_cpu / gpuyard_cpu:.1f}x "
         f"gpuyard_s={gpuyard_s:.2f} pandas_s={pandas_s:.2f} rows={rows} workers={args.workers} "
-        f"rounds={args.rounds} gpuyard_peak_rss_mib={rss_kib / 1024:.0f} pandas_peak_rss_mib={pandas_rss_kib / 1024:.0f}"
+        f"rounds={args.rounds} gpuyard_peak_rss_mib={mine_mib:.0f} pandas_peak_rss_mib={theirs_mib:.0f}"
     )
 
 

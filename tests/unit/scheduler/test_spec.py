@@ -49,7 +49,9 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
 def test_training_spec_becomes_gpuyard_train_with_nproc() -> None:
     spec = parse_spec({"name": "t", "train": "spec.yaml", "resources": {"gpus": 4}, "checkpoint_dir": "/ck"})
     argv = job_argv(spec)
-    assert argv[-4:] == ["train", "spec.yaml", "--nproc", "4"]
+    assert argv[-6:] == ["train", "spec.yaml", "--nproc", "4", "--run-dir", "/ck"]
+    multi = job_argv(spec, nproc=8, nnodes=2, rdzv="10.0.0.1:29500")
+    assert multi[-8:-2] == ["--nproc", "8", "--nnodes", "2", "--rdzv", "10.0.0.1:29500"]
     env = job_env(7, spec, 2, (0, 3))
     assert env["CUDA_VISIBLE_DEVICES"] == "0,3" and env["GPUYARD_CHECKPOINT_DIR"] == "/ck"
     assert job_env(7, parse_spec({"name": "c", "command": "true"}), 1, ())["CUDA_VISIBLE_DEVICES"] == ""

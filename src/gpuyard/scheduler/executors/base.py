@@ -79,14 +79,26 @@ class ExitStatus:
         return self.code == exitcodes.PREEMPTED
 
 
-def job_argv(spec: JobSpec) -> list[str]:
-    """The command of a job: its own argv, or ``gpuyard train SPEC --nproc N`` for a training spec."""
+def job_argv(spec: JobSpec, nproc: int | None = None, nnodes: int = 1, rdzv: str | None = None) -> list[str]:
+    """The command of a job: its own argv, or ``gpuyard train SPEC --nproc N`` for a training spec.
+
+    Args:
+        spec: the job.
+        nproc: processes on this node (default: spec.nproc, else the job's GPUs, else 1).
+        nnodes: nodes taking part; above 1 the training runtime meets its peers at ``rdzv``.
+        rdzv: HOST:PORT of the rendezvous (multi-node jobs).
+    """
     if spec.command is not None:
         return list(spec.command)
-    nproc = spec.nproc or max(1, spec.resources.gpus)
+    n = nproc or spec.nproc or max(1, spec.resources.gpus)
     exe = shutil.which("gpuyard", path=str(Path(sys.executable).parent))
-    base = [exe] if exe else [sys.executable, "-m", "gpuyard.cli.main"]
-    return [*base, "train", str(spec.train), "--nproc", str(nproc)]
+    argv = [*([exe] if exe else [sys.executable, "-m", "gpuyard.cli.main"]), "train", str(spec.train)]
+    argv += ["--nproc", str(n)]
+    if nnodes > 1 and rdzv:
+        argv += ["--nnodes", str(nnodes), "--rdzv", rdzv]
+    if spec.checkpoint_dir:
+        argv += ["--run-dir", spec.checkpoint_dir]  # checkpoints live there: a resumed job finds them
+    return argv
 
 
 def job_env(job_id: int, spec: JobSpec, attempt: int, gpus: tuple[int, ...]) -> dict[str, str]:

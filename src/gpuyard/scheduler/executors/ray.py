@@ -116,10 +116,15 @@ class RayExecutor(Executor):
         master = self._ips.get(nodes[0].node, "127.0.0.1") if nodes else "127.0.0.1"
         env = job_env(job_id, spec, attempt, ())
         env.pop("CUDA_VISIBLE_DEVICES")  # set by each worker from Ray's assignment
+        port = BASE_PORT + job_id % 1000
+        rank_argv = [
+            job_argv(spec, nproc=len(n.gpus) or None, nnodes=len(nodes), rdzv=f"{master}:{port}")
+            for n in nodes
+        ]
         env.update(
             {
                 "MASTER_ADDR": master,
-                "MASTER_PORT": str(BASE_PORT + job_id % 1000),
+                "MASTER_PORT": str(port),
                 "NNODES": str(len(nodes)),
                 "WORLD_SIZE": str(len(nodes)),
             }
@@ -127,7 +132,7 @@ class RayExecutor(Executor):
         return LaunchPlan(
             job_id=job_id,
             attempt=attempt,
-            argv=job_argv(spec),
+            argv=rank_argv[0] if rank_argv else job_argv(spec),
             env=env,
             cwd=spec.workdir or os.getcwd(),
             log_path=str(folder / "output.log"),
@@ -138,6 +143,7 @@ class RayExecutor(Executor):
                 "actors": [f"{tag}-rank{r}" for r in range(len(nodes))],
                 "bundles": bundles,
                 "label_selectors": [{"ray.io/node-id": n.node} for n in nodes],
+                "rank_argv": rank_argv,  # a training job runs `--nproc <its node's GPUs>` on each node
             },
         )
 
@@ -163,7 +169,7 @@ class RayExecutor(Executor):
                 num_gpus=bundle.get("GPU", 0),
                 num_cpus=bundle.get("CPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-            ).remote(plan.argv, env, plan.cwd, log)
+            ).remote(extra["rank_argv"][rank], env, plan.cwd, log)
         return {**extra, "launched": True, "log": plan.log_path}
 
     def poll(self, handle: dict[str, Any]) -> ExitStatus | None:

@@ -142,3 +142,14 @@ def test_topology_sources(monkeypatch: pytest.MonkeyPatch) -> None:
     assert topology() == (2, 3)
     with pytest.raises(ConfigError):
         topology(3, 3)
+
+
+def test_corrupt_shard_stops_the_loader_naming_the_file(ids_version: DatasetVersion) -> None:
+    from gpuyard.errors import IntegrityError
+
+    victim = Path(ids_version.shard_paths()[2])
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte inside a data page: caught by the page checksum
+    victim.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=victim.name):
+        list(ShardLoader(ids_version, LoaderConfig(batch_size=100, shuffle=False)))

@@ -169,3 +169,22 @@ def test_recover_requeues_a_job_whose_launch_was_never_recorded(
     doc = _run_until(again, job["id"], {"succeeded"})
     assert doc["attempts"] == 2
     assert [e["to"] for e in again.events(job["id"])][-4:] == ["queued", "scheduled", "running", "succeeded"]
+
+
+def test_the_service_runs_on_postgresql(pg_url: str, gpuyard_home: Path) -> None:
+    from gpuyard.scheduler.executors.local import LocalExecutor
+    from gpuyard.scheduler.placement import NodeSpec
+    from gpuyard.scheduler.service import JobService, ServiceConfig
+    from gpuyard.store import get_store
+
+    node = NodeSpec("local", 1, "fake-gpu", "local", "local", cpus=1)
+    service = JobService(
+        get_store(url=pg_url), [node], LocalExecutor(gpuyard_home / "jobs"), ServiceConfig(tick_s=0.05)
+    )
+    jobs = [
+        service.submit(parse_spec({"name": f"p{i}", "command": ["true"], "resources": {"gpus": 1}}))
+        for i in range(2)
+    ]
+    for job in jobs:
+        assert _run_until(service, job["id"], {"succeeded"})["state"] == "succeeded"
+    assert [e["to"] for e in service.events(jobs[1]["id"])] == ["queued", "scheduled", "running", "succeeded"]

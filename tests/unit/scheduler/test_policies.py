@@ -99,6 +99,17 @@ def test_fair_share_weights_set_the_shares() -> None:
     assert shares == {"a": 6.0, "b": 2.0}
 
 
+def test_fair_share_starts_jobs_in_proportion_to_weights() -> None:
+    state = ClusterState(uniform_cluster(1, 8))
+    policy = FairShare({"a": 3, "b": 1})
+    q = JobQueue(policy.key)
+    for i in range(20):
+        q.add(QueuedJob(i, 1, team="a" if i % 2 else "b", submit_time=float(i)))
+    d = policy.decide(state, q, [], now=100)
+    started = [j.team for j, _ in d.starts]
+    assert started.count("a") == 6 and started.count("b") == 2
+
+
 def test_shortest_expected_first_orders_by_estimate() -> None:
     state = ClusterState(uniform_cluster(1, 1))
     jobs = [QueuedJob(1, 1, submit_time=0, estimate=900), QueuedJob(2, 1, submit_time=5, estimate=30)]

@@ -99,3 +99,14 @@ def test_estimator_learns_per_class_and_backs_off() -> None:
     assert 4500 < est.estimate("a", "u", 8) < 5500
     assert est.estimate("b", "v", 1) < est.estimate("b", "v", 8)  # new team: falls back to size
     assert est.observed == 5
+
+
+def test_fair_share_weights_divide_a_contended_cluster() -> None:
+    # Two teams flood an 8-GPU cluster with identical 1-GPU jobs; weights 3:1 should split it ~6:2.
+    trace = [TraceJob(i, submit=0.0, duration=600.0, gpus=1, team="a" if i % 2 else "b") for i in range(400)]
+    policy = make_policy("fair", weights={"a": 3.0, "b": 1.0})
+    r = simulate(trace, uniform_cluster(1, 8), policy)
+    # While both teams still wait, a finishes three jobs for each of b's: compare average queueing.
+    assert r.teams["a"]["avg_queue_s"] < r.teams["b"]["avg_queue_s"]
+    even = simulate(trace, uniform_cluster(1, 8), make_policy("fair"))
+    assert abs(even.teams["a"]["avg_queue_s"] - even.teams["b"]["avg_queue_s"]) < 0.1 * even.avg_queue_s

@@ -4,7 +4,8 @@ For each strategy (DDP, FSDP2, tensor parallel, pipeline GPipe, pipeline 1F1B) t
 gpuyard Trainer on a 2-rank gloo mesh, gathers the full weights, and compares them with the same
 model trained by a plain single-process loop on the same global batches; then it trains again, stops
 after step 3 (a stop requested on rank 0 only, agreed by all ranks), resumes from the sharded
-checkpoint in a fresh Trainer, and compares the final weights with the uninterrupted run.
+checkpoint in a fresh Trainer, and compares the final weights with the uninterrupted run. The
+validation loss at the epoch end (pipeline: forward-only schedule) is compared with the reference too.
 SGD with momentum: linear, so the comparison is not blurred by Adam's normalisation of tiny
 gradients. Writes `<out>/rank<r>.json`; the pytest side asserts on it.
 """
@@ -73,7 +74,7 @@ def spec_for(name: str, cfg: dict[str, Any], run_dir: Path) -> TrainSpec:
     )
 
 
-def reference(cfg: dict[str, Any], steps: int) -> dict[str, torch.Tensor]:
+def reference(cfg: dict[str, Any], steps: int) -> tuple[dict[str, torch.Tensor], float]:
     """The same training, written by hand in one process over the same global batches."""
     torch.manual_seed(SEED)
     model = model_factory(cfg["model"])()
@@ -84,7 +85,9 @@ def reference(cfg: dict[str, Any], steps: int) -> dict[str, torch.Tensor]:
         comp.build_loss(cfg["loss"])(model(x[sl]), y[sl]).backward()
         opt.step()
         opt.zero_grad()
-    return {k: v.detach() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        val_loss = float(comp.build_loss(cfg["loss"])(model(x), y))  # validation data = training data
+    return {k: v.detach() for k, v in model.state_dict().items()}, val_loss
 
 
 def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -111,6 +114,7 @@ def train(name: str, cfg: dict[str, Any], run_dir: Path, stop_after: int | None 
         spec,
         model=model_factory(cfg["model"]),
         train_data=dataset(cfg["model"]),
+        val_data=dataset(cfg["model"]),
         callbacks=[stop] if stop_after else [],
     )
     trainer.fit()
@@ -128,9 +132,11 @@ def main(out: Path) -> None:
         whole_w = full_weights(whole)
         first = train(name, cfg, out / name / "stopped", stop_after=2)
         resumed = train(name, cfg, out / name / "stopped")
+        ref_w, ref_val = reference(cfg, whole.step)
         results[name] = {
             "steps": whole.step,
-            "vs_reference": max_diff(whole_w, reference(cfg, whole.step)),
+            "vs_reference": max_diff(whole_w, ref_w),
+            "val_loss_vs_reference": abs(whole.last_metrics["val_loss"] - ref_val),
             "stopped_at": first.step,
             "resumed_from": resumed.resumed_from.name if resumed.resumed_from else None,
             "resumed_steps": resumed.step,

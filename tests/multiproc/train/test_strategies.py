@@ -42,6 +42,7 @@ def test_strategy_matches_single_process_training(results: list[dict[str, Any]],
         found = rank_result[name]
         assert found["steps"] == 6
         assert found["vs_reference"] < 1e-5
+        assert found["val_loss_vs_reference"] < 1e-5
 
 
 @pytest.mark.parametrize("name", STRATEGIES)

@@ -77,9 +77,15 @@ class PlanResult:
             }
             why = max(gaps, key=lambda k: gaps[k])
             lead = second.step_time_s / step - 1
-            if lead < 0.005:
+            if _rank_key(top)[0] == _rank_key(second)[0]:
                 text += (
-                    f" It ties with the next plan (within {lead:.1%}); ties go to the plan using less memory."
+                    f" It ties with the next plan to 4 significant digits ({_differences(top, second)}); "
+                    "the tie goes to the plan using less memory, then to the simpler layout."
+                )
+            elif lead < 0.005:
+                text += (
+                    f" It is only {lead:.1%} faster than the next plan ({_differences(top, second)}), far "
+                    "inside the model's 10% accuracy: either will do."
                 )
             else:
                 text += (
@@ -87,6 +93,23 @@ class PlanResult:
                     f"({gaps[why]:.3f} s per step)."
                 )
         return text
+
+
+def _differences(a: StepEstimate, b: StepEstimate) -> str:
+    """What separates two plans: the knobs that differ and, when the work per GPU is the same, why."""
+    names = {"micro_batch": "micro-batch", "virtual_stages": "virtual stages", "sequence_parallel": "sp"}
+    differ = [k for k in a.config.__dataclass_fields__ if getattr(a.config, k) != getattr(b.config, k)]
+    text = ", ".join(f"{names.get(k, k)} {getattr(a.config, k)} vs {getattr(b.config, k)}" for k in differ)
+    same_tokens = a.config.micro_batch / a.config.cp == b.config.micro_batch / b.config.cp
+    # Trading data for context parallelism at equal tokens per GPU keeps the compute and the sharding
+    # group: only ring-attention traffic separates the two, which is small next to a step.
+    if differ and same_tokens and set(differ) <= {"cp", "dp", "micro_batch"}:
+        text += (
+            "; every GPU runs the same tokens per micro-batch through the same layers, so only the "
+            f"communication differs ({a.breakdown.exposed_comm_s:.2f} vs "
+            f"{b.breakdown.exposed_comm_s:.2f} s exposed)"
+        )
+    return text or "same knobs"
 
 
 def _rank_key(e: StepEstimate) -> tuple[float, ...]:

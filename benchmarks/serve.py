@@ -14,7 +14,7 @@ Baselines, each in its best documented configuration:
 - Ray Serve: one replica with ``@serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)``,
   ``max_ongoing_requests=128`` (>= the batch size: its default of 5 starves batching), access logs off
   via ``serve.start(logging_config=LoggingConfig(enable_access_log=False))``, the replica's torch
-  threads set to the cores, ``RAY_AUTH_MODE=disabled``, HTTP proxy bound to 127.0.0.1.
+  threads set like the others', ``RAY_AUTH_MODE=disabled``, HTTP proxy bound to 127.0.0.1.
 - Plain FastAPI: one ``async def`` endpoint, one forward pass per request, same uvicorn settings as
   gpuyard (uvloop, httptools, access log off).
 
@@ -41,6 +41,8 @@ import numpy as np
 from pydantic import BaseModel
 
 BUDGET_MS = 50.0
+# Torch threads for every server's forward pass: one core stays free for HTTP and the load generator.
+THREADS = max(1, (os.cpu_count() or 1) - 1)
 MAX_BATCH = 32
 WAIT_MS = 2.0
 
@@ -62,11 +64,13 @@ class Body(BaseModel):
 
 def run_plain(ref: str, port: int) -> None:
     """FastAPI without batching: parse, one forward pass, answer."""
+    import torch
     import uvicorn
     from fastapi import FastAPI
 
     from gpuyard.serve.model import load_served
 
+    torch.set_num_threads(THREADS)  # this (main) thread runs the event loop and the forward pass
     model = load_served(ref, "cpu")
     app = FastAPI()
 
@@ -119,7 +123,7 @@ def run_ray(ref: str, port: int) -> None:
             if not self.threads_set:  # torch threads are per thread: set them where the model runs
                 import torch
 
-                torch.set_num_threads(cores)
+                torch.set_num_threads(THREADS)
                 self.threads_set = True
             sizes = [len(x) for x in xs]
             out = self.model.forward(np.concatenate(xs))
@@ -187,6 +191,8 @@ def start(kind: str, ref: str, env: dict[str, str]) -> tuple[subprocess.Popen[by
             str(MAX_BATCH),
             "--max-wait-ms",
             str(WAIT_MS),
+            "--threads",
+            str(THREADS),
         ]
     else:
         cmd = [sys.executable, __file__, "--run-server", kind, ref, str(port)]

@@ -45,7 +45,9 @@ def deploy(
     max_batch: int = typer.Option(32, "--max-batch", help="Most samples in one forward pass."),
     max_wait_ms: float = typer.Option(2.0, "--max-wait-ms", help="Longest wait for a batch to fill (ms)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    threads: int = typer.Option(0, "--threads", help="Torch threads per replica (0: cores / replicas)."),
+    threads: int = typer.Option(
+        0, "--threads", help="Torch threads per replica (0: (cores-1)/replicas, min 1)."
+    ),
     no_drift: bool = typer.Option(False, "--no-drift", help="Do not monitor drift."),
     timeout: float = typer.Option(180.0, "--timeout", help="Seconds to wait for the server to be ready."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),

@@ -15,7 +15,9 @@ def serve(
     max_batch: int = typer.Option(32, "--max-batch", help="Most samples in one forward pass."),
     max_wait_ms: float = typer.Option(2.0, "--max-wait-ms", help="Longest wait for a batch to fill (ms)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    threads: int = typer.Option(0, "--threads", help="Torch threads per replica (0: cores / replicas)."),
+    threads: int = typer.Option(
+        0, "--threads", help="Torch threads per replica (0: (cores-1)/replicas, min 1)."
+    ),
     max_body: int = typer.Option(4 << 20, "--max-body-bytes", help="Larger request bodies get 413."),
     no_drift: bool = typer.Option(False, "--no-drift", help="Do not monitor input/prediction drift."),
     drift_window: int = typer.Option(1000, "--drift-window", help="Samples in the drift window."),

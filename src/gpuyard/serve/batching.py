@@ -3,7 +3,9 @@
 The model runs in one dedicated thread (``torch.set_num_threads`` is per thread, so it is set there).
 That thread takes the oldest request, then keeps taking queued requests until the batch holds
 ``max_batch`` samples or ``max_wait_ms`` have passed *since the oldest request arrived*: a request
-that already waited during the previous forward pass is not made to wait again. Results go back to
+that already waited during the previous forward pass is not made to wait again, and when no other
+request is in the server at all (submitted and unanswered), the batch goes at once: waiting could
+only add latency. Results go back to
 the event loop in one ``call_soon_threadsafe`` per batch.
 """
 
@@ -32,7 +34,7 @@ class BatchConfig:
     Attributes:
         max_batch: most samples in one forward pass.
         max_wait_ms: longest time the oldest request waits for others to join its batch.
-        threads: intra-op threads of the model thread (``torch.set_num_threads``); 0 = cores / replicas.
+        threads: intra-op threads of the model thread (``torch.set_num_threads``); 0: chosen by the runner.
         max_queue: requests waiting beyond this are refused with 503 (back-pressure, bounded memory).
     """
 
@@ -90,6 +92,8 @@ class Batcher:
         self._queue: queue.Queue[_Item | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._carry: _Item | None = None
+        self._inflight = 0  # submitted and not yet answered (written under _count_lock)
+        self._count_lock = threading.Lock()
         self.ready = threading.Event()
 
     def start(self) -> None:
@@ -125,6 +129,8 @@ class Batcher:
             raise Overloaded(f"server overloaded: {self.config.max_queue} requests already queued")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Outputs] = loop.create_future()
+        with self._count_lock:
+            self._inflight += 1
         self._queue.put(_Item(batch, future, loop))
         return await future
 
@@ -148,6 +154,8 @@ class Batcher:
         items, rows = [first], len(first.batch)
         deadline = first.t0 + self.config.max_wait_ms / 1000.0
         while rows < self.config.max_batch:
+            if self._inflight <= len(items) and self._queue.empty():
+                break  # nobody else is in the server: waiting would only add latency
             try:
                 wait = deadline - time.monotonic()
                 nxt = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
@@ -164,6 +172,13 @@ class Batcher:
         return items
 
     def _execute(self, items: list[_Item]) -> None:
+        try:
+            self._forward_and_deliver(items)
+        finally:
+            with self._count_lock:
+                self._inflight -= len(items)
+
+    def _forward_and_deliver(self, items: list[_Item]) -> None:
         t0 = time.perf_counter()
         try:
             inputs = items[0].batch if len(items) == 1 else np.concatenate([it.batch for it in items])

@@ -39,7 +39,7 @@ class ServeOptions:
         port: TCP port; 0 picks a free one.
         replicas: server processes sharing the port (one per GPU where there are GPUs).
         device: auto, cpu, cuda or cuda:N.
-        batch: batching settings (``threads`` 0 means cores / replicas).
+        batch: batching settings (``threads`` 0 means (cores - 1) / replicas, at least 1).
         max_body_bytes: bodies above this get 413.
         max_rows: most samples per request.
         drift: monitor drift when the model has a reference.
@@ -110,7 +110,9 @@ def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int 
     from gpuyard.serve.monitor import ServeMetrics
     from gpuyard.serve.server import AppConfig, FastPredict, create_app
 
-    threads = opts.batch.threads or max(1, (os.cpu_count() or 1) // opts.replicas)
+    # Default: leave one core to the HTTP loops. Intra-op threads that outnumber the free cores stall
+    # at their barriers whenever one is descheduled, which shows up as p99 spikes.
+    threads = opts.batch.threads or max(1, ((os.cpu_count() or 1) - 1) // opts.replicas)
     model = load_served(ref, resolve_device(opts.device, index), opts.max_rows)
     warm_up(model)
     metrics = ServeMetrics(model.name, model.version)

@@ -143,6 +143,12 @@ def test_shifted_inputs_raise_drift_alerts_in_the_store_and_the_api(mlp_server: 
     assert not any(a["feature"] in ("f0", "f5") for a in alerts)
     stored = list_alerts("mlp")
     assert {a["id"] for a in stored} == {a["id"] for a in alerts} and all(a["window"] == 300 for a in stored)
+    # The retraining policy's hook (gpuyard.models.retrain.on_drift_alert) ran and its answer is kept.
+    hooked = _poll(lambda: [a for a in list_alerts("mlp") if a["retrain"] is not None])
+    assert "result" in hooked[0]["retrain"], hooked[0]["retrain"]
+    from gpuyard.models.registry import model_events
+
+    assert any(e["action"] == "drift_alert" for e in model_events("mlp"))
     text = httpx.get(f"{mlp_server.url}/metrics").text
     assert 'gpuyard_serve_drift{feature="f2",metric="psi",model="mlp",version="1"}' in text
     assert json.loads(json.dumps(alerts))  # JSON all the way (no NaN)

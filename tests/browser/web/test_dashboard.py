@@ -1,0 +1,105 @@
+"""The dashboard in Debian's Chromium: every page loads clean, and a job is submitted and cancelled."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from .conftest import Server
+
+pytestmark = pytest.mark.browser
+
+# Each page, and a selector that only appears once its data has been drawn.
+PAGES = {
+    "cluster": "table.heat td",
+    "jobs": "#submit-form",
+    "runs": "#curves .uplot",
+    "models": ".lineage",
+    "deployments": "#alerts",
+    "planner": "#plan-form",
+}
+
+
+class Watched:
+    """A page with every console error, page error and failed request recorded."""
+
+    def __init__(self, page: Any) -> None:
+        self.page = page
+        self.problems: list[str] = []
+        page.on("console", lambda m: m.type == "error" and self.problems.append(f"console: {m.text}"))
+        page.on("pageerror", lambda e: self.problems.append(f"pageerror: {e}"))
+        page.on("requestfailed", lambda r: self.problems.append(f"requestfailed: {r.url} {r.failure}"))
+        page.on(
+            "response",
+            lambda r: r.status >= 400 and self.problems.append(f"HTTP {r.status}: {r.url}"),
+        )
+
+
+@pytest.fixture
+def signed_in(browser: Any, server: Server) -> Iterator[Watched]:
+    """A fresh browser context signed in through the login form with the admin token."""
+    context = browser.new_context(viewport={"width": 1360, "height": 900})
+    page = context.new_page()
+    watched = Watched(page)
+    page.goto(server.url + "/")
+    page.fill("#token-input", server.token)
+    page.click("#login-form button")
+    page.wait_for_selector("#who:has-text('admin')")
+    yield watched
+    context.close()
+
+
+def test_every_page_loads_without_console_errors(
+    signed_in: Watched, server: Server, artifacts_dir: Path
+) -> None:
+    page = signed_in.page
+    for name, ready in PAGES.items():
+        page.goto(f"{server.url}/#/{name}")
+        page.wait_for_selector(ready, timeout=15000)
+        page.wait_for_load_state("networkidle")
+        page.screenshot(path=str(artifacts_dir / f"dashboard-{name}.png"), full_page=True)
+        assert page.locator(f"#nav a[data-page={name}]").get_attribute("class") == "active"
+    # The planner form answers with ranked plans and a breakdown chart.
+    page.click("#plan-form button")
+    page.wait_for_selector("#plans tr:nth-child(2)", timeout=30000)
+    assert page.locator("#breakdown .stack").count() >= 2
+    page.screenshot(path=str(artifacts_dir / "dashboard-planner-result.png"), full_page=True)
+    # The H100 node's topology is drawn: one heatmap cell per pair of devices (8 GPUs and their NICs).
+    nodes = httpx.get(
+        f"{server.url}/cluster/nodes", headers={"Authorization": f"Bearer {server.token}"}
+    ).json()
+    devices = nodes[0]["inventory"]["node"]["topology"]["devices"]
+    assert sum(d.startswith("GPU") for d in devices) == 8
+    page.goto(f"{server.url}/#/cluster")
+    page.wait_for_selector("table.heat td")
+    assert page.locator("table.heat td").count() == len(devices) ** 2
+    assert page.locator("table.heat td", has_text="NV18").count() == 8 * 7
+    assert signed_in.problems == []
+
+
+def test_submit_and_cancel_a_job_through_the_page(
+    signed_in: Watched, server: Server, artifacts_dir: Path
+) -> None:
+    page = signed_in.page
+    page.goto(f"{server.url}/#/jobs")
+    page.fill("#submit-form input[name=name]", "browser-sleeper")
+    page.fill("#submit-form input[name=command]", "sh -c 'echo hello from the browser; sleep 60'")
+    page.fill("#submit-form input[name=gpus]", "1")
+    page.fill("#submit-form input[name=team]", "research")
+    page.click("#submit-form button")
+    row = page.locator("#jobs tr", has_text="browser-sleeper")
+    row.locator(".badge.running").wait_for(timeout=30000)
+    job_id = int(row.get_attribute("data-id") or 0)
+    row.locator("button.logs").click()
+    page.wait_for_selector("#log:has-text('hello from the browser')", timeout=15000)
+    page.screenshot(path=str(artifacts_dir / "dashboard-jobs-running.png"), full_page=True)
+    row.locator("button.cancel").click()
+    row.locator(".badge.cancelled").wait_for(timeout=30000)
+    page.screenshot(path=str(artifacts_dir / "dashboard-jobs-cancelled.png"), full_page=True)
+    job = httpx.get(f"{server.url}/jobs/{job_id}", headers={"Authorization": f"Bearer {server.token}"}).json()
+    assert job["name"] == "browser-sleeper" and job["team"] == "research" and job["state"] == "cancelled"
+    assert signed_in.problems == []

@@ -7,7 +7,8 @@ Per micro-batch and pipeline stage the model adds: GEMM time at an efficiency th
 matrices; FlashAttention time; memory-bound time (norms, residuals, activations, dropout) at the
 device's memory bandwidth; tensor-parallel collectives (all-reduce, or all-gather + reduce-scatter
 with sequence parallelism) and context-parallel ring exchanges. A step is
-``micro-batches x per-micro-batch time + bubble + exposed pipeline, data-parallel and optimizer time``.
+``micro-batches x per-micro-batch time + bubble + exposed pipeline, data-parallel and optimizer time``,
+where ZeRO-3 / FSDP gathers hide layer by layer and communication that hides still slows compute.
 Memory follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models", section 4) generalised to grouped-query attention and gated FFNs.
 """
@@ -38,9 +39,9 @@ OPTIMIZER_TRAFFIC_BYTES = 30
 # CUDA context, NCCL buffers and workspace kept aside on every device, plus allocator fragmentation.
 RESERVED_BYTES, FRAGMENTATION = 2 * GIB, 1.05
 # Compute that runs while a collective is in flight is slower: NCCL kernels hold SMs and memory
-# bandwidth. Hughes et al., "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed
-# Deep Learning" (arXiv:2507.03114) measure an average 18.9% compute slowdown (up to 40%) on A100 and
-# H100 for GPT and Llama layers; each second of hidden communication costs this much compute time.
+# bandwidth. "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning:
+# Performance and Power Implications" (arXiv:2507.03114) measures an average 18.9% compute slowdown (up
+# to 40%) on A100 and H100 for GPT and Llama layers; each second of hidden communication costs this much.
 OVERLAP_SLOWDOWN = 0.19
 # One ring-attention step (context parallelism): a FlashAttention launch on a K/V block, a P2P post and an
 # event wait. Tens of microseconds on current stacks; it is what separates cp=2 from cp=8 at equal tokens.

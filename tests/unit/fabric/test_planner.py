@@ -209,3 +209,29 @@ def test_expert_parallel_on_a_dense_model_is_refused() -> None:
             2048,
             ParallelConfig(tp=8, pp=8, dp=1, ep=2),
         )
+
+
+def _fsdp_70b(cp: int, micro_batch: int) -> StepEstimate:
+    cfg = ParallelConfig(dp=512 // cp, cp=cp, micro_batch=micro_batch, recompute="selective", zero=3)
+    return estimate_step(PRESETS["llama3-70b"], load_cluster("dgx-h100"), 512, 1024, 8192, cfg)
+
+
+def test_explain_names_what_separates_near_tied_plans() -> None:
+    from dataclasses import replace
+
+    from gpuyard.fabric.planner import PlanResult
+
+    top, other = _fsdp_70b(2, 1), _fsdp_70b(4, 2)
+    # Same throughput to 4 digits: a tie, broken by memory, and the note says why the two are equal.
+    tied = replace(other, step_time_s=top.step_time_s, tokens_per_s=top.tokens_per_s)
+    text = PlanResult([top, tied], considered=2, fitting=2).explain()
+    assert "ties with the next plan" in text and "cp 2 vs 4" in text and "micro-batch 1 vs 2" in text
+    assert "same tokens per micro-batch" in text
+    # 0.3% apart: not a tie, but the note must not claim a meaningful lead either.
+    close = replace(other, step_time_s=top.step_time_s * 1.003, tokens_per_s=top.tokens_per_s / 1.003)
+    text = PlanResult([top, close], considered=2, fitting=2).explain()
+    assert "only 0.3% faster" in text and "ties" not in text
+    # A plan that differs in recomputation does not get the "same work" explanation.
+    rc = replace(top, config=replace(top.config, recompute="full"), tokens_per_s=top.tokens_per_s / 1.003)
+    text = PlanResult([top, rc], considered=2, fitting=2).explain()
+    assert "recompute selective vs full" in text and "same tokens" not in text

@@ -204,15 +204,11 @@ class JobService:
     def dry_run(self, spec: JobSpec) -> dict[str, Any]:
         """What launching ``spec`` would do now: checks, placement on the current free GPUs, launch plan."""
         self.check(spec)
-        with self._lock, self.store.read() as s:
-            self._refresh_state(s)
-        p = place(
-            self.state,
-            spec.resources.gpus,
-            spec.resources.gpu_type,
-            spec.resources.cpus,
-            self.executor.multi_node,
-        )
+        with self._lock:
+            with self.store.read() as s:
+                self._refresh_state(s)
+            res = spec.resources
+            p = place(self.state, res.gpus, res.gpu_type, res.cpus, self.executor.multi_node)
         if p is None:
             return {"fits_now": False, "placement": None, "plan": None}
         slots = self._slots(p, self._used_indices())

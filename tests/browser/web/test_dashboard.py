@@ -103,3 +103,47 @@ def test_submit_and_cancel_a_job_through_the_page(
     job = httpx.get(f"{server.url}/jobs/{job_id}", headers={"Authorization": f"Bearer {server.token}"}).json()
     assert job["name"] == "browser-sleeper" and job["team"] == "research" and job["state"] == "cancelled"
     assert signed_in.problems == []
+
+
+@pytest.fixture
+def deployment(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """A real deployment (a tiny MLP with a drift reference) on the server's home; undeployed after."""
+    from gpuyard.serve.deploy import deploy, undeploy
+    from gpuyard.serve.examples import register_example
+    from gpuyard.serve.runner import ServeOptions
+    from gpuyard.store.db import reset_store_cache
+
+    monkeypatch.setenv("GPUYARD_HOME", str(server.home))
+    reset_store_cache()
+    _, X = register_example("tiny-mlp", "mlp", in_features=4)
+    dep = deploy("tiny-mlp", ServeOptions(port=0, device="cpu"))
+    dep["inputs"] = X
+    try:
+        yield dep
+    finally:
+        undeploy(str(dep["id"]))
+        reset_store_cache()
+
+
+def test_deployment_page_charts_live_latency_and_drift(
+    signed_in: Watched, server: Server, deployment: dict[str, Any], artifacts_dir: Path
+) -> None:
+    X = deployment["inputs"]
+    predict = f"{deployment['url']}/v1/models/tiny-mlp/predict"
+    with httpx.Client(timeout=10) as http:
+        for i in range(0, 256, 4):  # 256 rows: past the drift window's 200-row minimum
+            assert http.post(predict, json={"inputs": X[i : i + 4].tolist()}).status_code == 200
+    page = signed_in.page
+    page.goto(f"{server.url}/#/deployments")
+    page.wait_for_selector(f"#dep-table tr[data-id='{deployment['id']}'] .badge.running")
+    page.wait_for_selector("#lat-chart .uplot", timeout=15000)
+    page.wait_for_selector("#tput-chart .uplot")
+    page.wait_for_selector("#drift td:has-text('f3')", timeout=15000)  # one row per input feature
+    assert page.locator("#drift tr").count() == 1 + 4
+    with httpx.Client(timeout=10) as http:  # a second poll adds a point to the live series
+        for i in range(0, 64, 4):
+            http.post(predict, json={"inputs": X[i : i + 4].tolist()})
+    page.wait_for_function("GY.pages.deployments.history.t.length >= 2", timeout=15000)
+    page.screenshot(path=str(artifacts_dir / "dashboard-deployments-live.png"), full_page=True)
+    assert "p99" in page.locator("#lat-chart").inner_text()
+    assert signed_in.problems == []

@@ -29,9 +29,10 @@ def _own_job(request: Request, principal: Principal, job_id: int) -> Any:
 
 
 def _as_caller(spec: JobSpec, principal: Principal) -> JobSpec:
-    # A non-admin submits as themselves, into their own team.
+    # A non-admin submits as themselves, into their own team; an admin as themselves unless the spec
+    # names a user (the spec's default would be the server's OS user).
     if principal.is_admin:
-        return spec
+        return spec if "user" in spec.model_fields_set else spec.model_copy(update={"user": principal.user})
     check_team(principal, spec.team, f"a job of team {spec.team!r}")
     return spec.model_copy(update={"user": principal.user})
 

@@ -62,9 +62,7 @@ def plan_command(
         }
         typer.echo(json.dumps(doc))
         return
-    print_plans(
-        result, f"{spec.name} on {gpus} x {fabric.device_name} ({fabric.name}), batch {global_batch}"
-    )
+    print_plans(result, f"{spec.name} on {gpus} x {fabric.device_name} ({fabric.name}), batch {global_batch}")
 
 
 def print_plans(result: object, title: str) -> None:

@@ -177,6 +177,36 @@ def apply_shard(task: dict[str, Any]) -> dict[str, Any]:
     return {"shard": info.to_json(), "stats": partial_stats(table), "schema": table.schema}
 
 
+def fit_from_stats(recipe: Recipe, ds: DatasetVersion) -> dict[str, Any] | None:
+    """Fitted statistics read from the version's own column statistics, when they are exactly those.
+
+    Without a split the train rows are all rows, and the manifest already holds each input column's
+    count, sum-based mean and std, min, max and (for text with at most 20 values) every category:
+    the fit pass would compute the same figures again. None when a step needs a real fit pass.
+    """
+    if recipe.split is not None or recipe.derive or recipe.image or recipe.text_hash:
+        return None
+    stats = ds.stats
+    fitted: dict[str, Any] = {"normalize": {}, "encode": {}}
+    for step in recipe.normalize:
+        for col in step.columns:
+            st = stats.get(col, {})
+            if st.get("kind") not in ("int", "float") or st.get("mean") is None:
+                return None
+            n = int(st["count"]) - int(st["nulls"])
+            if step.method == "zscore":
+                fitted["normalize"][col] = {"method": "zscore", "mean": st["mean"], "std": st["std"], "n": n}
+            else:
+                fitted["normalize"][col] = {"method": "minmax", "min": st["min"], "max": st["max"], "n": n}
+    for e in recipe.encode:
+        st = stats.get(e.column, {})
+        top = st.get("top")
+        if st.get("kind") != "string" or top is None or st.get("distinct") != len(top):
+            return None
+        fitted["encode"][e.column] = {"method": e.method, "categories": sorted(top), "counts": dict(top)}
+    return fitted
+
+
 def merge_fit(recipe: Recipe, partials: list[dict[str, Any]]) -> dict[str, Any]:
     """Fitted statistics from the shards' partials (z-score: mean/std; min-max: min/max; categories)."""
     fitted: dict[str, Any] = {"normalize": {}, "encode": {}}
@@ -285,6 +315,8 @@ def transform(
             "executor": pool,
         }
         if recipe.needs_fit:
+            fitted = fit_from_stats(recipe, ds) or {}
+        if recipe.needs_fit and not fitted:
             # The fit pass reads only the columns the steps use (and the split comes with the task).
             needed = [c for c in recipe.input_columns() if c in ds.columns]
             fit_tasks = [{**t, "columns": needed} for t in tasks]

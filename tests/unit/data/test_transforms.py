@@ -128,3 +128,31 @@ def test_splits_random_time_and_seeds() -> None:
     when = np.random.default_rng(0).permutation(1000)
     tcodes, _ = assign(1000, Split(method="time", column="t", fractions={"train": 0.7, "test": 0.3}), when)
     assert when[tcodes == 0].max() < when[tcodes == 1].min()
+
+
+def test_without_a_split_fitted_statistics_come_from_the_manifest(gpuyard_home: Path, tmp_path: Path) -> None:
+    from gpuyard.data.transforms import fit_from_stats, fit_shard, merge_fit
+
+    src = tmp_path / "n.csv"
+    rng = np.random.default_rng(0)
+    values = rng.normal(5, 2, 500)
+    src.write_text("v,w,c\n" + "".join(f"{v},{i % 7},{'xyz'[i % 3]}\n" for i, v in enumerate(values)))
+    ds = ingest(src, "nums", IngestOptions(shard_bytes=4000))
+    recipe = load_recipe("normalize: [{columns: [v]}, {columns: [w], method: minmax}]\nencode: [{column: c}]")
+    from_stats = fit_from_stats(recipe, ds)
+    assert from_stats is not None and len(ds.shards) > 1
+    from gpuyard.data.transforms import _split_tasks
+
+    tasks, _ = _split_tasks(ds, recipe)
+    from_pass = merge_fit(recipe, [fit_shard(t) for t in tasks])
+    assert (
+        from_stats["encode"]["c"]["categories"] == from_pass["encode"]["c"]["categories"] == ["x", "y", "z"]
+    )
+    assert from_stats["normalize"]["v"]["mean"] == pytest.approx(
+        from_pass["normalize"]["v"]["mean"], rel=1e-12
+    )
+    assert from_stats["normalize"]["v"]["std"] == pytest.approx(values.std(), rel=1e-9)
+    assert from_stats["normalize"]["w"]["max"] == from_pass["normalize"]["w"]["max"] == 6
+    assert fit_from_stats(load_recipe("split: {}\nnormalize: [{columns: [v]}]"), ds) is None
+    out = transform("nums", recipe, engine="serial")
+    assert out.fitted["normalize"]["v"] == from_stats["normalize"]["v"]

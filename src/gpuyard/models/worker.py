@@ -20,11 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2:
         print("usage: python -m gpuyard.models.worker TASK.json RESULT.json", file=sys.stderr)
         return 2
-    import torch
-
     from gpuyard.models.executor import run_task
 
-    torch.set_num_threads(1)
+    # Threads: the executors set OMP_NUM_THREADS=1 in the job's environment, which torch and BLAS read
+    # when (and if) the task imports them; importing torch here would cost seconds for sklearn tasks.
     try:
         result = run_task(Path(args[0]).read_text())
     except GpuyardError as exc:

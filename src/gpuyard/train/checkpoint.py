@@ -16,9 +16,12 @@ cut short by SIGKILL is never loaded. The folder must be on a filesystem all ran
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -62,6 +65,14 @@ def read_marker(path: str | Path) -> dict[str, Any]:
 def _no_dist() -> bool:
     # A single process without a process group: say so, rather than let DCP warn and guess.
     return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # DCP warns on every call that it "assumes" a single process; here that is the intent.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _barrier() -> None:
@@ -112,12 +123,14 @@ class Checkpointer:
         _barrier()
         torch.save(rank_state, tmp / f"rank{self.rank}.pt")
         if self.async_save:
-            future = dcp.async_save(
-                app_state, checkpoint_id=str(tmp), process_group=self._group, no_dist=_no_dist()
-            )
+            with _quiet_single_process():
+                future = dcp.async_save(
+                    app_state, checkpoint_id=str(tmp), process_group=self._group, no_dist=_no_dist()
+                )
             self._pending = (future, tmp, {"step": step, **meta})  # type: ignore[assignment]
         else:
-            dcp.save(app_state, checkpoint_id=str(tmp), no_dist=_no_dist())
+            with _quiet_single_process():
+                dcp.save(app_state, checkpoint_id=str(tmp), no_dist=_no_dist())
             self._finalize(tmp, {"step": step, **meta})
         return final
 
@@ -157,7 +170,8 @@ class Checkpointer:
         path = Path(path)
         if not (path / MARKER).is_file():
             raise IntegrityError(f"{path}: not a complete checkpoint (no {MARKER})")
-        dcp.load(app_state, checkpoint_id=str(path), no_dist=_no_dist())
+        with _quiet_single_process():
+            dcp.load(app_state, checkpoint_id=str(path), no_dist=_no_dist())
         own = path / f"rank{self.rank}.pt"
         # A different world size on restart (elastic): fall back to rank 0's counters and schedule.
         source = own if own.is_file() else path / "rank0.pt"

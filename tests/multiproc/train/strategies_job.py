@@ -43,6 +43,13 @@ STRATEGIES: dict[str, dict[str, Any]] = {
         "model": "mlp",
         "loss": "cross_entropy",
     },
+    # 2-D: tensor parallel inside FSDP2 data parallel; needs 4 ranks (run by a separate launch).
+    "fsdp_tp": {
+        "parallel": {"dp": 2, "tp": 2, "data_parallel": "fsdp"},
+        "model": "transformer",
+        "loss": "cross_entropy",
+        "world": 4,
+    },
 }
 
 
@@ -126,7 +133,7 @@ def main(out: Path) -> None:
     results: dict[str, Any] = {}
     only = os.environ.get("ONLY")
     for name, cfg in STRATEGIES.items():
-        if only and name != only:
+        if (only and name != only) or cfg.get("world", 2) != int(os.environ["WORLD_SIZE"]):
             continue
         whole = train(name, cfg, out / name / "whole")
         whole_w = full_weights(whole)

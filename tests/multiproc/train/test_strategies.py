@@ -1,4 +1,4 @@
-"""Every parallel strategy with 2 ranks on gloo: same weights as one process, and exact sharded resume."""
+"""Every parallel strategy on gloo (2 ranks; dp x tp with 4): same weights as one process, exact resume."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,23 +18,27 @@ pytestmark = pytest.mark.multiproc
 STRATEGIES = ["ddp", "fsdp", "tp", "pp_gpipe", "pp_1f1b"]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """One torchrun job (2 ranks) runs all strategies; returns each rank's findings."""
-    out = tmp_path_factory.mktemp("strategies")
+def _run_job(out: Path, nproc: int) -> list[dict[str, Any]]:
+    """Run strategies_job.py under torchrun with `nproc` ranks; returns each rank's findings."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        "--nproc-per-node=2",
+        f"--nproc-per-node={nproc}",
         str(HERE / "strategies_job.py"),
         str(out),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One torchrun job (2 ranks) runs all 1-D strategies."""
+    return _run_job(tmp_path_factory.mktemp("strategies"), 2)
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
@@ -62,3 +67,11 @@ def test_pipeline_ranks_hold_different_stages(results: list[dict[str, Any]]) -> 
         assert all(r[name]["keys"] == 4 for r in results)
     # Tensor parallel gathered the full model on each rank.
     assert results[0]["tp"]["keys"] == results[1]["tp"]["keys"] > 4
+
+
+def test_fsdp_with_tensor_parallel_on_a_2d_mesh(tmp_path: Path) -> None:
+    """dp=2 x tp=2 (4 ranks): FSDP2 over tensor-parallel blocks matches one process and resumes exactly."""
+    for found in (r["fsdp_tp"] for r in _run_job(tmp_path, 4)):
+        assert found["steps"] == 6 and found["vs_reference"] < 1e-5
+        assert found["val_loss_vs_reference"] < 1e-5
+        assert found["resumed_from"] == "step-000000003" and found["resume_vs_whole"] <= 1e-6

@@ -3,8 +3,10 @@
 Both start from the same rows in Parquet and end with the transformed rows in Parquet:
 
 - gpuyard: ``transform(ref, recipe, engine="pool")`` over the ingested version (its shards): fit
-  z-score and min-max statistics and the categories, apply them, write new shards and their
-  statistics, record the version. The process pool's start-up is included.
+  z-score and min-max statistics and the categories (here read from the version's manifest: there
+  is no split), apply them, write new shards and their statistics, record the version. The one-hot
+  result is one uint8 vector column (gpuyard's representation) rather than 20 flag columns. The
+  process pool's start-up is included.
 - pandas: ``read_parquet`` (pyarrow engine), ``mean``/``std(ddof=0)``/``min``/``max``, the same
   arithmetic, ``get_dummies`` for the one-hot columns (uint8, the same categories), ``to_parquet``.
 
@@ -87,13 +89,18 @@ def run_gpuyard(workers: int, source_ref: str, pandas_out: Path) -> float:
     result = transform(source_ref, load_recipe(RECIPE), engine="pool", workers=workers, output="bench-out")
     dt = time.perf_counter() - t0
     # Same answer as pandas: compare a slice of the two outputs.
-    cols = ["id", "a", "d", "cat=c03"]
-    mine = result.to_arrow(columns=cols).slice(0, 100_000).to_pandas()
-    theirs = pq.read_table(pandas_out, columns=cols).slice(0, 100_000).to_pandas()
-    np.testing.assert_array_equal(mine["id"].to_numpy(), theirs["id"].to_numpy())
-    np.testing.assert_allclose(mine["a"].to_numpy(), theirs["a"].to_numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(mine["d"].to_numpy(), theirs["d"].to_numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_array_equal(mine["cat=c03"].to_numpy(), theirs["cat=c03"].to_numpy())
+    mine = next(result.iter_tables(["id", "a", "d", "cat"]))
+    from gpuyard.data.columns import tensor_spec, tensor_to_numpy
+
+    spec = tensor_spec(mine.schema.field("cat"))
+    assert spec is not None and spec.shape == (len(CATEGORIES),)
+    n = min(mine.num_rows, 100_000)
+    theirs = pq.read_table(pandas_out, columns=["id", "a", "d", "cat=c03"]).slice(0, n).to_pandas()
+    np.testing.assert_array_equal(mine.column("id").to_numpy()[:n], theirs["id"].to_numpy())
+    np.testing.assert_allclose(mine.column("a").to_numpy()[:n], theirs["a"].to_numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(mine.column("d").to_numpy()[:n], theirs["d"].to_numpy(), rtol=1e-4, atol=1e-5)
+    onehot = tensor_to_numpy(mine.column("cat"), spec)[:n]
+    np.testing.assert_array_equal(onehot[:, 3], theirs["cat=c03"].to_numpy())
     # Shards are content-addressed: a later round would find them stored and skip the writes. Remove
     # them so every round writes its output, as pandas does.
     for shard in result.shards:

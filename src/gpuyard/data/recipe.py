@@ -73,7 +73,12 @@ class Normalize(_Step):
 
 
 class Encode(_Step):
-    """Encode a categorical column with categories seen in the train split (unknown -> -1 / all zeros)."""
+    """Encode a categorical column with categories seen in the train split.
+
+    ``ordinal``: an int32 code per row (-1 for unknown). ``onehot``: the column becomes a uint8 tensor
+    column of shape (number of categories,), all zeros for unknown; the category order is in the
+    manifest's fitted statistics.
+    """
 
     column: str
     method: Literal["onehot", "ordinal"] = "onehot"
@@ -153,8 +158,7 @@ class Recipe(BaseModel):
         for e in self.encode:
             need(e.column, "encode", ("string", "int", "bool"))
         for e in self.encode:
-            if e.method == "ordinal":
-                cols[e.column] = "int"
+            cols[e.column] = "int" if e.method == "ordinal" else "tensor"
         for c in self.drop:
             need(c, "drop")
             del cols[c]

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gpuyard.data.catalog import check_name, record_version
+from gpuyard.data.columns import tensor_array, tensor_field
 from gpuyard.data.dataset import DatasetVersion, open_dataset
 from gpuyard.data.features import derive, image_features, numeric, text_hash
 from gpuyard.data.manifest import build_manifest
@@ -105,10 +106,13 @@ def _encode(table: pa.Table, col: str, p: dict[str, Any]) -> pa.Table:
     idx = table.schema.get_field_index(col)
     if p["method"] == "ordinal":
         return table.set_column(idx, col, pa.array(codes))
-    table = table.remove_column(idx)
-    for k, cat in enumerate(p["categories"]):
-        table = table.add_column(idx + k, f"{col}={cat}", pa.array((codes == k).view(np.uint8)))
-    return table
+    # One uint8 vector per row in a single tensor column: Parquet has no 8-bit integers, so k separate
+    # flag columns would be stored as k int32 values per row; the vector is k bytes, and model-ready.
+    onehot = np.zeros((len(codes), len(p["categories"])), dtype=np.uint8)
+    known = np.flatnonzero(codes >= 0)
+    onehot[known, codes[known]] = 1
+    arr, spec = tensor_array(onehot)
+    return table.set_column(idx, tensor_field(col, spec), arr)
 
 
 # -- tasks run by the pool or by Ray (module-level so they pickle by reference) -----------------------

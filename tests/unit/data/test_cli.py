@@ -52,7 +52,8 @@ def test_ingest_transform_show_ls_quarantine(
     assert code == 0 and t["parent"] == doc["ref"] and t["fitted"]["normalize"]["age"]["max"] == 34.0
     code, out, _ = _run(capsys, "data", "show", "people", "--json")
     manifest = json.loads(out)
-    assert manifest["version"] == t["version"] and "color=red" in [c["name"] for c in manifest["schema"]]
+    assert manifest["version"] == t["version"]
+    assert {c["name"]: c["kind"] for c in manifest["schema"]}["color"] == "tensor"
     code, out, _ = _run(capsys, "data", "ls", "--json")
     assert [d["dataset"] for d in json.loads(out)] == ["people"] and json.loads(out)[0]["versions"] == 2
     code, out, _ = _run(capsys, "data", "show", "people")

@@ -63,10 +63,9 @@ def run_task(task_json: str) -> Any:
 
 
 def _init_worker() -> None:
-    # Two workers on two cores: each gets one intra-op thread instead of fighting over both.
-    import torch
-
-    torch.set_num_threads(1)
+    # Two workers on two cores: each gets one intra-op thread instead of fighting over both. Set in
+    # the environment, read by torch and BLAS when a task imports them (sklearn tasks never pay torch).
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 class TaskExecutor(ABC):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import struct
+import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -120,13 +121,9 @@ def flavor_of(model: Any) -> str:
     Raises:
         ConfigError: anything else.
     """
-    try:
-        import torch
-
-        if isinstance(model, torch.nn.Module):
-            return "torch"
-    except ImportError:
-        pass
+    torch = sys.modules.get("torch")  # a torch module can only exist once torch is imported
+    if torch is not None and isinstance(model, torch.nn.Module):
+        return "torch"
     if hasattr(model, "fit") and hasattr(model, "predict") and hasattr(model, "get_params"):
         return "sklearn"
     raise ConfigError(

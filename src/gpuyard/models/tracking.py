@@ -15,6 +15,7 @@ import platform
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -70,13 +71,14 @@ def system_info() -> dict[str, Any]:
         "pid": os.getpid(),
     }
     try:
-        import torch
+        from importlib.metadata import version
 
-        info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except ImportError:
+        info["torch"] = version("torch")
+    except Exception:  # PackageNotFoundError, or broken metadata: the field is optional
         pass
+    torch = sys.modules.get("torch")  # only when the run already uses torch: importing it costs seconds
+    if torch is not None and torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return info
 
 
@@ -263,14 +265,10 @@ class DbTracker:
             "sys/memory_percent": psutil.virtual_memory().percent,
             "sys/process_rss_mb": proc.memory_info().rss / 2**20,
         }
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                for i in range(torch.cuda.device_count()):
-                    points[f"sys/gpu{i}_memory_mb"] = torch.cuda.memory_allocated(i) / 2**20
-        except ImportError:
-            pass
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                points[f"sys/gpu{i}_memory_mb"] = torch.cuda.memory_allocated(i) / 2**20
         self._sys_step += 1
         with self._lock:
             now = utcnow()

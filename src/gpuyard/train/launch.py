@@ -127,6 +127,18 @@ def torchrun_command(cfg: LaunchConfig, spec: TrainSpec, overrides: dict[str, An
     return cmd
 
 
+def _term_with_parent() -> None:
+    """In the torchrun child, before exec: get SIGTERM when the launcher dies (even by SIGKILL).
+
+    torchrun runs in a session of its own, so without this a launcher killed outright would leave
+    torchrun and its workers running; with it they checkpoint and stop as on preemption.
+    """
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def read_status(run_dir: str | Path) -> dict[str, Any]:
     """What the workers reported in status.json ({} when they did not get that far)."""
     path = Path(run_dir) / STATUS_FILE
@@ -149,7 +161,12 @@ def launch(cfg: LaunchConfig, stdout: Any = None, stderr: Any = None) -> LaunchR
     env = {**os.environ, LAUNCHED_ENV: "1"}
     # A session of its own: a signal reaches torchrun once (through us), which then stops its workers.
     proc = subprocess.Popen(
-        torchrun_command(cfg, spec, overrides), env=env, stdout=stdout, stderr=stderr, start_new_session=True
+        torchrun_command(cfg, spec, overrides),
+        env=env,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=True,
+        preexec_fn=_term_with_parent if sys.platform == "linux" else None,
     )
 
     signalled = []

@@ -84,3 +84,15 @@ def test_non_finite_loss_exits_diverged_without_restarts(tmp_path: Path) -> None
     # Not restarted by torchrun: one params event, no resume.
     events = read_metrics(tmp_path / "run")
     assert sum(e["event"] == "params" for e in events) == 1
+
+
+def test_launcher_killed_outright_still_stops_workers_with_a_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL of `gpuyard train` itself: torchrun gets SIGTERM (parent-death signal), workers checkpoint."""
+    spec = write_spec(tmp_path)
+    proc = start_train(spec, env_for(tmp_path, mode="term", step="6"))
+    wait_for_file(tmp_path / "ready", proc)
+    proc.kill()
+    # torchrun and the workers inherited the output pipes: reading them to the end waits for them all.
+    finish(proc)
+    doc = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert doc["status"] == "preempted" and doc["checkpoint"].endswith("step-000000007")

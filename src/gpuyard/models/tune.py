@@ -10,6 +10,7 @@ next to the state store. Neither is part of gpuyard's migrations.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,13 +26,21 @@ OPTUNA_SCHEMA = "optuna"
 
 
 def optuna_storage(settings: Settings | None = None) -> Any:
-    """Optuna's RDB storage for the configured state store (see the module docstring for where)."""
+    """Optuna's RDB storage for the configured state store (see the module docstring for where).
+
+    One per process and database: a worker running many trials reuses its connections.
+    """
+    settings = settings or load_settings()
+    return _storage_for(settings)
+
+
+@functools.lru_cache(maxsize=4)
+def _storage_for(settings: Settings) -> Any:
     import optuna
     from sqlalchemy import text
 
     from gpuyard.store import get_store
 
-    settings = settings or load_settings()
     if settings.is_sqlite:
         db = settings.database_url.split(":///", 1)[1]
         base = db[:-3] if db.endswith(".db") else db

@@ -289,6 +289,11 @@ class Trainer:
             self.last_grad_norm = clip_grad_norm(
                 list(self.model.parameters()), self.spec.clip_grad_norm, self.ctx
             )
+            if not math.isfinite(self.last_grad_norm):
+                # A finite loss with inf/NaN gradients: do not let the update poison the weights;
+                # report the step as diverged (the loss check below sees the NaN).
+                self.optimizer.zero_grad(set_to_none=True)
+                return torch.full((), float("nan"), device=self.ctx.device), samples, tokens
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -511,8 +516,8 @@ class Trainer:
             last = latest_checkpoint(self.checkpointer.root)
         if status == "diverged":
             msg = (
-                f"loss became non-finite at step {self.step}; stopped. Last good checkpoint: "
-                f"{last or 'none'} (kept)"
+                f"loss (or gradient norm) became non-finite at step {self.step}; stopped. "
+                f"Last good checkpoint: {last or 'none'} (kept)"
             )
             self._event("diverged", step=self.step, checkpoint=str(last) if last else None)
             if self.ctx.rank == 0:

@@ -80,7 +80,7 @@ def test_non_finite_loss_exits_diverged_without_restarts(tmp_path: Path) -> None
     doc = json.loads(out)
     assert doc["status"] == "diverged" and doc["step"] == 11
     assert doc["checkpoint"].endswith("step-000000008")  # the last good one, kept
-    assert "loss became non-finite at step 11" in err
+    assert "became non-finite at step 11" in err
     # Not restarted by torchrun: one params event, no resume.
     events = read_metrics(tmp_path / "run")
     assert sum(e["event"] == "params" for e in events) == 1

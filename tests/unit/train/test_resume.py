@@ -186,3 +186,15 @@ def test_bf16_autocast_and_mfu_with_a_given_peak(spec_factory) -> None:
     m = result.metrics
     expected = 6 * sum(p.numel() for p in trainer.model.parameters()) * m["tokens_per_s"] / 0.5e12
     assert m["tokens_per_s"] > 0 and m["mfu"] == pytest.approx(expected)
+
+
+def test_non_finite_gradients_with_finite_loss_stop_before_the_update(spec_factory) -> None:
+    def nan_grad_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Forward: finite (0 * sqrt(0)); backward: 0 * inf = NaN in every output gradient.
+        return torch.nn.functional.cross_entropy(outputs, targets) + 0 * torch.sqrt((outputs * 0).sum())
+
+    spec = spec_factory("run", grad_accum=1)
+    trainer = Trainer(spec, model=lambda: ex.mlp(), train_data=ex.classification_data(64), loss=nan_grad_loss)
+    result = trainer.fit()
+    assert result.status == "diverged" and result.step == 1
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())  # the update was skipped

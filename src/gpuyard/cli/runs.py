@@ -108,6 +108,14 @@ def show(
     for key in ("id", "name", "experiment", "kind", "status", "parent_id", "dataset_version", "code_version"):
         con.print(f"[bold]{key:>16}[/bold]  {_fmt(doc[key])}")
     con.print(f"[bold]{'duration':>16}[/bold]  {_duration(doc)}")
+    sysinfo = doc["system"]
+    machine = f"{sysinfo.get('host')} python {sysinfo.get('python')} torch {sysinfo.get('torch', '-')}"
+    con.print(
+        f"[bold]{'machine':>16}[/bold]  {machine}, {sysinfo.get('cpus')} CPUs, {sysinfo.get('memory_gb')} GB"
+    )
+    if doc["system_metrics"]:
+        last = ", ".join(f"{k[4:]}={_fmt(v)}" for k, v in sorted(doc["system_metrics"].items()))
+        con.print(f"[bold]{'system (last)':>16}[/bold]  {last}")
     if doc["error"]:
         con.print(f"[bold]{'error':>16}[/bold]  [red]{doc['error']}[/red]")
     for title, mapping in (

@@ -151,6 +151,8 @@ def run_details(ref: str, store: Store | None = None) -> dict[str, Any]:
     doc = run.to_json()
     doc |= {"system": system, "artifacts": artifacts, "evaluations": evaluations, "children": children}
     doc["series"] = {k: len(v) for k, v in series.items()}
+    # The last sample of each system metric (CPU, memory, RSS, GPU memory), next to the run's machine.
+    doc["system_metrics"] = {k: v[-1][1] for k, v in series.items() if k.startswith("sys/") and v}
     return doc
 
 

@@ -251,7 +251,7 @@ def require_admin(principal: Principal) -> None:
         raise PermissionDenied(f"user {principal.user!r} is a {principal.role}: this needs an admin")
 
 
-def check_team(principal: Principal, team: str, what: str = "this") -> None:
+def check_team(principal: Principal, team: str, what: str = "denied") -> None:
     """Refuse a non-admin acting on another team's thing.
 
     Raises:
@@ -259,7 +259,7 @@ def check_team(principal: Principal, team: str, what: str = "this") -> None:
     """
     if not principal.is_admin and team != principal.team:
         raise PermissionDenied(
-            f"{what} belongs to team {team!r}; user {principal.user!r} is in {principal.team!r}"
+            f"{what}: team {team!r} is not yours; user {principal.user!r} is in team {principal.team!r}"
         )
 
 
@@ -272,7 +272,7 @@ def visible_team(principal: Principal, requested: str | None) -> str | None:
     if principal.is_admin:
         return requested
     if requested is not None:
-        check_team(principal, requested, f"team {requested!r}'s list")
+        check_team(principal, requested, "listing")
     return principal.team
 
 

@@ -33,7 +33,7 @@ def _as_caller(spec: JobSpec, principal: Principal) -> JobSpec:
     # names a user (the spec's default would be the server's OS user).
     if principal.is_admin:
         return spec if "user" in spec.model_fields_set else spec.model_copy(update={"user": principal.user})
-    check_team(principal, spec.team, f"a job of team {spec.team!r}")
+    check_team(principal, spec.team, "submitting a job")
     return spec.model_copy(update={"user": principal.user})
 
 

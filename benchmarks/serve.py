@@ -2,9 +2,11 @@
 
 Usage: ``python benchmarks/serve.py [--quick] [--soak SECONDS]``
 
-Two models, registered with gpuyard's registry and loaded the same way by all three servers:
-``mlp`` (16 -> 32 -> 4: HTTP handling dominates) and ``cnn`` (three 3x3 conv blocks on 1x28x28: a
-single-sample forward pass takes a few ms on this CPU, so batching decides throughput). Each server
+Two models by default, registered with gpuyard's registry and loaded the same way by all three
+servers: ``mlp`` (16 -> 32 -> 4: HTTP handling dominates) and ``transformer`` (4 encoder layers,
+d=128, on 16 tokens x 16 features: a single-sample forward pass takes a few ms on this CPU, and a
+batch of 32 costs about a third of that per sample, so batching decides throughput). ``--models
+mlp,cnn`` adds or swaps in a small CNN (three 3x3 conv blocks on 1x28x28). Each server
 runs in its own process tree on 127.0.0.1; one load generator (``gpuyard.serve.loadgen``, a separate
 process: closed loop, keep-alive, one request = one sample as JSON) drives each at several
 concurrency levels. The headline per server is the best throughput among the levels whose p99
@@ -319,6 +321,7 @@ def main() -> None:
         help="64 clients on gpuyard's MLP for this long (default: 60 s, 0 with --quick)",
     )
     ap.add_argument("--skip-ray", action="store_true", help="leave Ray Serve out")
+    ap.add_argument("--models", default="mlp,transformer", help="comma list of mlp, transformer, cnn")
     ap.add_argument("--run-server", nargs=3, metavar=("KIND", "REF", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_server:
@@ -339,9 +342,10 @@ def main() -> None:
     from gpuyard.serve.examples import register_example
 
     rng = np.random.default_rng(0)
-    register_example("mlp", "mlp")
-    register_example("cnn", "cnn")
-    shapes = {"mlp": (16,), "cnn": (1, 28, 28)}
+    all_shapes = {"mlp": (16,), "transformer": (16, 16), "cnn": (1, 28, 28)}
+    shapes = {m: all_shapes[m] for m in args.models.split(",")}
+    for name in shapes:
+        register_example(name, name)
     results: dict[str, dict[str, Any]] = {}
     for ref, shape in shapes.items():
         bodies = tmp / f"{ref}.json"

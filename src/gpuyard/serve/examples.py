@@ -1,9 +1,9 @@
-"""Two reference models for the server's tests, benchmark and docs: a tiny MLP and a small CNN.
+"""Reference models for the server's tests, benchmark and docs: a tiny MLP, a small CNN, a small transformer.
 
 They are factories (``gpuyard.serve.examples:tiny_mlp``) so the registry can store their weights as
 safetensors and rebuild them in any replica process. The MLP is so small that HTTP handling dominates
-its cost; the CNN's single-sample forward pass takes a few milliseconds on a laptop core, so
-batching decides its throughput.
+its cost; the CNN's and the transformer's single-sample forward passes take a few milliseconds on a
+laptop core, so batching decides their throughput.
 """
 
 from __future__ import annotations
@@ -39,8 +39,34 @@ def small_cnn(channels: int = 32, classes: int = 10, size: int = 28) -> Any:
     )
 
 
+def small_transformer(
+    tokens: int = 16, features: int = 16, d_model: int = 128, layers: int = 4, classes: int = 10
+) -> Any:
+    """Linear embedding -> ``layers`` transformer encoder layers (4 heads) -> mean over tokens -> head.
+
+    Input ``(tokens, features)``. Many small operators per layer: a single sample pays their dispatch
+    cost and reads every weight for one row, which a batch shares.
+    """
+    import torch
+    from torch import nn
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(features, d_model)
+            layer = nn.TransformerEncoderLayer(d_model, 4, 4 * d_model, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.head = nn.Linear(d_model, classes)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(self.embed(x)).mean(dim=1))
+
+    del tokens  # the architecture is independent of the sequence length; kept for the signature
+    return Encoder()
+
+
 def register_example(name: str, kind: str = "mlp", seed: int = 0, **kwargs: Any) -> Any:
-    """Register ``tiny_mlp`` or ``small_cnn`` with random weights, fitted to N(0, 1) inputs.
+    """Register ``tiny_mlp``, ``small_cnn`` or ``small_transformer`` (random weights) on N(0, 1) inputs.
 
     The signature is inferred from those inputs, and they become the model's drift reference.
 
@@ -53,11 +79,13 @@ def register_example(name: str, kind: str = "mlp", seed: int = 0, **kwargs: Any)
     from gpuyard.models.signature import infer_signature
 
     torch.manual_seed(seed)
-    factory = {"mlp": tiny_mlp, "cnn": small_cnn}[kind]
+    factory = {"mlp": tiny_mlp, "cnn": small_cnn, "transformer": small_transformer}[kind]
     module = factory(**kwargs).eval()
     rng = np.random.default_rng(seed)
     if kind == "mlp":
         X = rng.normal(size=(512, kwargs.get("in_features", 16))).astype(np.float32)
+    elif kind == "transformer":
+        X = rng.normal(size=(256, kwargs.get("tokens", 16), kwargs.get("features", 16))).astype(np.float32)
     else:
         size = kwargs.get("size", 28)
         X = rng.normal(size=(64, 1, size, size)).astype(np.float32)

@@ -68,6 +68,16 @@ def test_every_page_loads_without_console_errors(
     page.wait_for_selector("#plans tr:nth-child(2)", timeout=30000)
     assert page.locator("#breakdown .stack").count() >= 2
     page.screenshot(path=str(artifacts_dir / "dashboard-planner-result.png"), full_page=True)
+    # Two runs compared: params side by side (lr differs) and both curves overlaid.
+    page.goto(f"{server.url}/#/runs")
+    page.wait_for_selector("#curves .uplot")
+    for box in page.locator("input.pick").all():
+        box.check()
+    page.click("#compare")
+    page.wait_for_selector("h2:has-text('Compare 2 runs')")
+    assert page.locator("tr.differs", has_text="lr").count() == 1
+    assert page.locator("#curves .uplot").first.locator(".u-series").count() == 3  # x + one per run
+    page.screenshot(path=str(artifacts_dir / "dashboard-runs-compare.png"), full_page=True)
     # The H100 node's topology is drawn: one heatmap cell per pair of devices (8 GPUs and their NICs).
     nodes = httpx.get(
         f"{server.url}/cluster/nodes", headers={"Authorization": f"Bearer {server.token}"}
@@ -147,3 +157,17 @@ def test_deployment_page_charts_live_latency_and_drift(
     page.screenshot(path=str(artifacts_dir / "dashboard-deployments-live.png"), full_page=True)
     assert "p99" in page.locator("#lat-chart").inner_text()
     assert signed_in.problems == []
+
+
+def test_a_wrong_token_is_refused_at_sign_in(browser: Any, server: Server, artifacts_dir: Path) -> None:
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        page.goto(server.url + "/#/jobs")
+        page.fill("#token-input", "gy_not-a-real-token")
+        page.click("#login-form button")
+        page.wait_for_selector("#login-error:has-text('invalid API token')")
+        assert page.locator("#jobs").count() == 0 and page.evaluate("localStorage.length") == 0
+        page.screenshot(path=str(artifacts_dir / "dashboard-login-refused.png"))
+    finally:
+        context.close()

@@ -60,8 +60,8 @@ GY.pages.cluster = {
       }).join("");
       return `<div class="card node"><h2>${esc(n.hostname)} ${fmt.badge(n.health)}</h2>
         <p class="muted">${esc(cpu.model)} · ${cpu.cores} cores · ${fmt.gib(cpu.memory_bytes)} · recorded ${fmt.time(n.updated_at)}</p>
-        <div class="row"><div class="card"><h3>Accelerators</h3>${rows ? `<table><tr><th>#</th><th>name</th><th>memory</th><th>utilization</th><th>temp</th><th>power</th><th>health</th></tr>${rows}</table>` : '<p class="muted">No accelerator.</p>'}</div>
-        <div class="card"><h3>Topology</h3><div class="topo" id="topo-${i}"></div></div></div></div>`;
+        <div class="row"><div class="card" style="flex: 1 1 520px"><h3>Accelerators</h3>${rows ? `<table><tr><th>#</th><th>name</th><th>memory</th><th>utilization</th><th>temp</th><th>power</th><th>health</th></tr>${rows}</table>` : '<p class="muted">No accelerator.</p>'}</div>
+        <div class="card" style="flex: 0 1 auto"><h3>Topology</h3><div class="topo" id="topo-${i}"></div></div></div></div>`;
     }).join("");
     nodes.forEach((n, i) => Charts.topology(document.getElementById(`topo-${i}`), (n.inventory.node || n.inventory).topology || {}));
   },

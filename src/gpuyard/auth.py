@@ -202,7 +202,10 @@ def authenticate(token: str | None, store: Store | None = None) -> Principal:
             repeats the token.
     """
     if not token:
-        raise AuthenticationError("an API token is required: send 'Authorization: Bearer <token>'")
+        raise AuthenticationError(
+            "an API token is required: send 'Authorization: Bearer <token>' "
+            "(the CLI sends GPUYARD_TOKEN, else the token file in GPUYARD_HOME)"
+        )
     digest = hash_token(token)
     store = store or get_store()
     with store.read() as s:

@@ -38,6 +38,10 @@ def run_server(service: JobService, options: ServerOptions) -> None:
         service.executor.name,
         len(service.nodes),
     )
+    shown_host = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
+    logging.getLogger("gpuyard.server").info(
+        "dashboard and API at http://%s:%d/ (OpenAPI at /docs)", shown_host, options.port
+    )
     stop = threading.Event()
     loop = threading.Thread(target=service.run, args=(stop,), name="gpuyard-scheduler", daemon=True)
     loop.start()

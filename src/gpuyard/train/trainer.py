@@ -39,6 +39,7 @@ from gpuyard.train.parallel import (
     parallelize,
 )
 from gpuyard.train.spec import TrainSpec, load_entrypoint
+from gpuyard.train.validation import drive_pipeline, early_stopping_update, evaluate
 
 STATUS_FILE = "status.json"
 
@@ -300,17 +301,10 @@ class Trainer:
         return total, samples, tokens
 
     def _pipeline_step(self, inputs: Any, targets: Any) -> torch.Tensor:
-        pipe = self.pipeline
-        if pipe is None:
+        if self.pipeline is None:
             raise RuntimeError("_pipeline_step without a pipeline")
-        losses: list[torch.Tensor] = []
         with self._autocast():
-            if pipe.is_first:
-                pipe.schedule.step(inputs)
-            elif pipe.is_last:
-                pipe.schedule.step(target=targets, losses=losses)
-            else:
-                pipe.schedule.step()
+            losses = drive_pipeline(self.pipeline, inputs, targets, "step")
         if not losses:
             return torch.zeros((), device=self.ctx.device)
         return torch.stack([loss.detach().float() for loss in losses]).mean()
@@ -329,42 +323,14 @@ class Trainer:
         return (float("nan") if any_bad else total / max(owners, 1.0)), bool(any_bad), bool(any_stop)
 
     # ----- validation ---------------------------------------------------------------------------
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Mean loss over the validation data (all data-parallel shards); {} without validation data."""
         if self.val_source is None:
             return {}
-        d = self.spec.data
-        self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64)
-        self.val_source.set_epoch(0)
-        # A map-style source is read whole, from its DataLoader; a loader restarts on each iteration.
-        batches = self.val_source.loader if hasattr(self.val_source, "sampler") else self.val_source
-        for batch in batches:
-            inputs, targets = split_batch(batch, d.input_key, d.target_key)
-            inputs, targets = to_device(inputs, self.ctx.device), to_device(targets, self.ctx.device)
-            n = count_batch(inputs)[0]
-            with self._autocast():
-                if self.pipeline is not None:
-                    losses: list[torch.Tensor] = []
-                    pipe = self.pipeline
-                    if pipe.is_first:
-                        pipe.schedule.eval(inputs)
-                    elif pipe.is_last:
-                        pipe.schedule.eval(target=targets, losses=losses)
-                    else:
-                        pipe.schedule.eval()
-                    loss = torch.stack(losses).float().mean() if losses else torch.zeros(())
-                else:
-                    loss = self.loss_fn(self.model(inputs), targets)
-            if self.ctx.is_loss_owner:
-                total += torch.tensor([float(loss) * n, n], dtype=torch.float64)
-        self.model.train()
-        if self.ctx.world_size > 1:
-            dev = total.to(self.ctx.device) if self.ctx.device.type == "cuda" else total
-            dist.all_reduce(dev)
-            total = dev.cpu()
-        return {"val_loss": float(total[0] / max(total[1].item(), 1.0))}
+        keys = (self.spec.data.input_key, self.spec.data.target_key)
+        return evaluate(
+            self.model, self.val_source, self.loss_fn, self.ctx, self.pipeline, self._autocast, keys
+        )
 
     def _after_validation(self, metrics: dict[str, float]) -> bool:
         """Record validation metrics; True when early stopping says stop."""
@@ -373,20 +339,10 @@ class Trainer:
         self.tracker.log_metrics(self.step, metrics)
         self.last_metrics.update(metrics)
         self._callback("validation")
-        es = self.spec.early_stopping
-        if es is None:
-            return False
-        if es.metric not in metrics:
-            raise ConfigError(f"early_stopping.metric: {es.metric!r} is not one of {sorted(metrics)}")
-        value = metrics[es.metric]
-        better = self.best is None or (
-            value < self.best - es.min_delta if es.mode == "min" else value > self.best + es.min_delta
+        self.best, self.bad_validations, stop = early_stopping_update(
+            self.spec.early_stopping, metrics, self.best, self.bad_validations
         )
-        if better:
-            self.best, self.bad_validations = value, 0
-        else:
-            self.bad_validations += 1
-        return self.bad_validations >= es.patience
+        return stop
 
     # ----- the loop -----------------------------------------------------------------------------
     def _install_sigterm(self) -> Any:

@@ -1,0 +1,88 @@
+"""Validation over all data-parallel shards, pipeline schedules driven per stage, and early stopping."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpuyard.errors import ConfigError
+from gpuyard.train.data import DataSource, count_batch, split_batch, to_device
+from gpuyard.train.parallel import DistContext, Pipeline
+from gpuyard.train.spec import EarlyStoppingSpec
+
+
+def drive_pipeline(pipe: Pipeline, inputs: Any, targets: Any, method: str = "step") -> list[torch.Tensor]:
+    """Run one batch through this rank's stage with the schedule's `step` (train) or `eval`.
+
+    The first stage feeds inputs, the last feeds targets and collects one loss per micro-batch;
+    the returned list is empty on other stages.
+    """
+    run = getattr(pipe.schedule, method)
+    losses: list[torch.Tensor] = []
+    if pipe.is_first:
+        run(inputs)
+    elif pipe.is_last:
+        run(target=targets, losses=losses)
+    else:
+        run()
+    return losses
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    source: DataSource,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    ctx: DistContext,
+    pipeline: Pipeline | None,
+    autocast: Callable[[], Any],
+    keys: tuple[str, str],
+) -> dict[str, float]:
+    """Mean loss over the whole validation data, summed over every data-parallel shard."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    source.set_epoch(0)
+    # A map-style source is read whole, from its DataLoader; a loader restarts on each iteration.
+    batches = source.loader if hasattr(source, "sampler") else source
+    for batch in batches:
+        inputs, targets = split_batch(batch, *keys)
+        inputs, targets = to_device(inputs, ctx.device), to_device(targets, ctx.device)
+        n = count_batch(inputs)[0]
+        with autocast():
+            if pipeline is not None:
+                losses = drive_pipeline(pipeline, inputs, targets, "eval")
+                loss = torch.stack(losses).float().mean() if losses else torch.zeros(())
+            else:
+                loss = loss_fn(model(inputs), targets)
+        if ctx.is_loss_owner:  # the last pipeline stage, tp index 0: each sample counted once
+            total += torch.tensor([float(loss) * n, n], dtype=torch.float64)
+    model.train()
+    if ctx.world_size > 1:
+        dev = total.to(ctx.device) if ctx.device.type == "cuda" else total
+        dist.all_reduce(dev)
+        total = dev.cpu()
+    return {"val_loss": float(total[0] / max(total[1].item(), 1.0))}
+
+
+def early_stopping_update(
+    spec: EarlyStoppingSpec | None, metrics: dict[str, float], best: float | None, bad: int
+) -> tuple[float | None, int, bool]:
+    """One validation's effect: returns the new (best, validations without improvement, stop?).
+
+    Raises:
+        ConfigError: when the watched metric is not among the validation metrics.
+    """
+    if spec is None:
+        return best, bad, False
+    if spec.metric not in metrics:
+        raise ConfigError(f"early_stopping.metric: {spec.metric!r} is not one of {sorted(metrics)}")
+    value = metrics[spec.metric]
+    if spec.mode == "min":
+        better = best is None or value < best - spec.min_delta
+    else:
+        better = best is None or value > best + spec.min_delta
+    best, bad = (value, 0) if better else (best, bad + 1)
+    return best, bad, bad >= spec.patience

@@ -51,11 +51,23 @@ def node_from_inventory(
     )
 
 
-def local_node(fake_gpus: int | None = None, cpus: int | None = None) -> NodeSpec:
-    """This machine as one node, from the hardware probe."""
+def local_node(fake_gpus: int | None = None, cpus: int | None = None, record: bool = False) -> NodeSpec:
+    """This machine as one node, from the hardware probe.
+
+    Args:
+        fake_gpus: GPU slots to pretend this node has (testing placement on a GPU-less machine).
+        cpus: CPU slots (default: the usable cores).
+        record: also store the probed inventory in the state store's ``nodes`` table (the server does,
+            so the dashboard and API show the machine it schedules on).
+    """
     from gpuyard.hardware.probe import probe_node
 
-    return node_from_inventory(probe_node().to_dict(), fake_gpus=fake_gpus, cpus=cpus)
+    inventory = probe_node()
+    if record:
+        from gpuyard.hardware.record import record_inventory
+
+        record_inventory(inventory)
+    return node_from_inventory(inventory.to_dict(), fake_gpus=fake_gpus, cpus=cpus)
 
 
 def nodes_from_fabric(cluster: Any, nodes: int | None = None) -> list[NodeSpec]:

@@ -41,7 +41,7 @@ def build_service(
         from gpuyard.scheduler.nodes import local_node
 
         executor = LocalExecutor(settings.ensure_home() / "jobs")
-        nodes = [local_node(fake_gpus=fake_gpus, cpus=cpus)]
+        nodes = [local_node(fake_gpus=fake_gpus, cpus=cpus, record=True)]
     config = ServiceConfig(
         policy=policy, teams={"default": 1.0, **(teams or {})}, grace_s=grace_s, min_run_s=min_run_s
     )

@@ -1,9 +1,15 @@
-"""`gpuyard demo`: a tour of what gpuyard does, run for real on the embedded default."""
+"""`gpuyard demo`: the whole AI training process on scikit-learn's digits, run for real as a pipeline.
+
+ingest -> clean/validate -> augment + normalize -> stratified split -> hyperparameter search (4 trials,
+2 at a time) -> DDP training on 2 processes -> test accuracy and F1 -> register + promote -> serve ->
+predictions -> drift report -> fabric cost of the same model on a DGX H100 cluster. Every figure printed
+is computed by the stages; the pipeline is ``gpuyard/pipelines/demo.yaml`` (= examples/digits).
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -12,64 +18,45 @@ from rich.rule import Rule
 console = Console()
 
 
-def _machine() -> None:
-    from gpuyard.cli.hw import render
-    from gpuyard.hardware.probe import probe_node
-    from gpuyard.hardware.record import record_inventory
-
-    inventory = probe_node()
-    render(inventory.to_dict(), console)
-    record_inventory(inventory)
-    console.print("Recorded in the state store (table `nodes`), where the scheduler reads GPU health.")
-
-
-def _state() -> None:
+def demo(
+    quick: bool = typer.Option(False, "--quick", help="shorter training (tests); every stage still runs"),
+    no_cache: bool = typer.Option(
+        False, "--no-cache", help="run every stage even if a previous demo cached it"
+    ),
+) -> None:
+    """Run the digits pipeline end to end (about 3-4 minutes on 2 CPU cores); each stage a scheduled job."""
+    from gpuyard.cli.run import print_reports, run_with_view
+    from gpuyard.pipelines.demo import demo_spec
     from gpuyard.settings import load_settings
-    from gpuyard.store import get_store
 
+    spec = demo_spec(quick)
     settings = load_settings()
-    store = get_store(settings)
-    current, heads = store.revision_status()
-    console.print(f"state store  {store.safe_url}  (schema {'current' if current == heads else 'behind'})")
-    console.print(f"artifacts    {settings.artifact_root}")
-
-
-def _fabric() -> None:
-    from gpuyard.cli.plan import print_plans
-    from gpuyard.fabric.cluster import load_cluster
-    from gpuyard.fabric.collectives import estimate
-    from gpuyard.fabric.models import load_model
-    from gpuyard.fabric.planner import plan
-
-    cluster = load_cluster("dgx-h100")
-    console.print("all_reduce of 1 GiB on DGX H100 nodes (NVLink4 + NVSwitch inside, 8x NDR 400G between):")
-    for gpus in (8, 64, 1024):
-        est = estimate(cluster, "all_reduce", gpus, 1 << 30)
-        console.print(
-            f"  {gpus:>5} GPUs: {est.algorithm:<12} {est.time_s * 1e3:8.2f} ms"
-            f"   busbw {est.busbw_GBps:6.1f} GB/s"
-        )
-    model = load_model("llama3-70b")
+    console.print(Rule("[bold]gpuyard demo: digits, from raw images to a monitored model"))
+    console.print(
+        f"state: {settings.database_url.split('?')[0]}  artifacts: {settings.artifact_root}\n"
+        "Each stage below is a job of gpuyard's scheduler (recorded; `gpuyard jobs` lists them later)."
+    )
     t0 = time.perf_counter()
-    result = plan(model, cluster, 512, 1024, top=3)
+    result = run_with_view(spec, Path.cwd(), "jobs", not no_cache)
     took = time.perf_counter() - t0
-    print_plans(result, f"Training {model.name} on 512 H100s, global batch 1024 (searched in {took:.2f} s)")
-
-
-STEPS: list[tuple[str, Callable[[], None]]] = [
-    ("This machine: accelerators, topology, health", _machine),
-    ("Where gpuyard keeps its state", _state),
-    ("The fabric: collective cost model and parallelism planner", _fabric),
-]
-
-
-def demo() -> None:
-    """Run the tour: inventory, state store, fabric model and planner (each step is real work)."""
-    for i, (title, step) in enumerate(STEPS, 1):
-        console.print(Rule(f"[bold]{i}. {title}"))
-        step()
+    console.print(Rule("[bold]What each stage did"))
+    print_reports(result)
+    test = result.outputs("test")["metrics"]
+    reg = result.outputs("register")
     console.print(Rule())
-    console.print("Next: `gpuyard --help` lists every command; docs/ has a page per area.")
+    console.print(
+        f"Done in {took:.0f} s: {reg['model']} test accuracy {test['accuracy']:.4f},"
+        f" F1 (macro) {test['f1_macro']:.4f}; nothing is left running."
+    )
+    console.print(
+        "Dashboard: run `gpuyard server`, then open http://127.0.0.1:8765/"
+        " (jobs, runs, models, deployments).\n"
+        "Next: `gpuyard models show digits`, `gpuyard runs ls --experiment digits`,"
+        " `gpuyard data show digits`,\n"
+        "      `gpuyard deploy digits@production`, `gpuyard run examples/diabetes/pipeline.yaml`,"
+        " `gpuyard plan --help`.\n"
+        "Run `gpuyard demo` again: unchanged stages are skipped (cached by the content hash of their inputs)."
+    )
 
 
 def register(app: typer.Typer) -> None:

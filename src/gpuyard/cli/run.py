@@ -34,6 +34,8 @@ class _View:
             row["log"] = e["line"].strip()[-70:]
         elif kind == "done":
             row.update(state="cached" if e["cached"] else "done", secs=e["seconds"], log="")
+            if e.get("job_id") and not row["job"]:
+                row["job"] = f"({e['job_id']})" if e["cached"] else str(e["job_id"])
         elif kind == "failed":
             row.update(state="failed", log=e["error"].splitlines()[0][-70:])
 
@@ -64,6 +66,7 @@ def run_with_view(spec: Any, base: Path, executor: str = "jobs", use_cache: bool
             live.update(view.table())
 
         result = run_pipeline(spec, base, executor=executor, use_cache=use_cache, on_event=on_event)
+    console.print()
     return result
 
 
@@ -71,7 +74,7 @@ def print_reports(result: Any) -> None:
     """Each stage's report lines under its name."""
     for st in result.stages:
         tag = (
-            " (cached: inputs unchanged)"
+            f" (cached: inputs unchanged since job {st.job_id})"
             if st.cached
             else f" ({st.seconds:.1f} s, job {st.job_id})"
             if st.job_id

@@ -155,7 +155,14 @@ def run_pipeline(
             if hit is not None:
                 res = StageResult(st.name, st.uses, hit["outputs"], True, 0.0, key, hit.get("job_id"))
                 emit(
-                    {"type": "done", "stage": st.name, "cached": True, "seconds": 0.0, "outputs": res.outputs}
+                    {
+                        "type": "done",
+                        "stage": st.name,
+                        "cached": True,
+                        "seconds": 0.0,
+                        "outputs": res.outputs,
+                        "job_id": res.job_id,
+                    }
                 )
             else:
                 emit({"type": "start", "stage": st.name, "uses": st.uses})

@@ -83,8 +83,7 @@ def serve_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     lat = {k: stats.get(k) for k in ("p50_ms", "p95_ms", "p99_ms", "requests", "throughput_rps")}
     lines = [
         f"deployment {dep['id']}: {ref} at {dep['url']} (stopped after this stage)",
-        f"{n} test images sent one per request: served accuracy {served_acc:.4f};"
-        f" latency p50 {lat['p50_ms']} ms, p99 {lat['p99_ms']} ms over {lat['requests']} requests",
+        f"{n} test images sent one per request: served accuracy {served_acc:.4f}",
         f"drift, window of {before['rows']} normal requests:"
         f" {before['features_drifted']} of {before['features']}"
         f" pixels drifted, largest PSI {before['max_psi']} ({before['max_psi_feature']}),"
@@ -94,6 +93,7 @@ def serve_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
         f" {after['features_drifted']} of {after['features']}"
         f" pixels drifted, largest PSI {after['max_psi']} ({after['max_psi_feature']}),"
         f" prediction PSI {after['prediction_psi']}",
+        f"server latency over all {lat['requests']} requests: p50 {lat['p50_ms']} ms, p99 {lat['p99_ms']} ms",
     ]
     return {
         "deployment": dep["id"],

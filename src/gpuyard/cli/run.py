@@ -37,7 +37,7 @@ class _View:
             if e.get("job_id") and not row["job"]:
                 row["job"] = f"({e['job_id']})" if e["cached"] else str(e["job_id"])
         elif kind == "failed":
-            row.update(state="failed", log=e["error"].splitlines()[0][-70:])
+            row.update(state="failed", log=e["error"].splitlines()[0][:70])
 
     def table(self) -> Table:
         t = Table(show_edge=False)
@@ -65,7 +65,10 @@ def run_with_view(spec: Any, base: Path, executor: str = "jobs", use_cache: bool
             view.event(e)
             live.update(view.table())
 
-        result = run_pipeline(spec, base, executor=executor, use_cache=use_cache, on_event=on_event)
+        try:
+            result = run_pipeline(spec, base, executor=executor, use_cache=use_cache, on_event=on_event)
+        finally:
+            live.update(view.table())
     console.print()
     return result
 

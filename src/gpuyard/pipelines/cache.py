@@ -45,13 +45,30 @@ def _files(value: Any, base: Path) -> dict[str, str]:
     return found
 
 
+def code_digest(uses: str, base: Path) -> str | None:
+    """SHA-256 of a pipeline's own stage module (``module:function`` found under ``base``), else None."""
+    module = uses.split(":", 1)[0]
+    path = base / (module.replace(".", "/") + ".py")
+    return _file_digest(path) if path.is_file() else None
+
+
 def stage_key(kind: str, inputs: dict[str, Any], base: Path) -> str:
-    """The content hash of one stage's work: kind, resolved inputs, input files, gpuyard version."""
+    """The content hash of one stage's work: kind, resolved inputs, input files, stage code, gpuyard version.
+
+    A stage from the pipeline's own folder (``uses: friends:train_stage``) is keyed by its module's
+    source too, so editing it re-runs the stage; gpuyard's own kinds are keyed by gpuyard's version.
+    """
     try:
         version = metadata.version("gpuyard")
     except metadata.PackageNotFoundError:
         version = "unknown"
-    doc = {"kind": kind, "inputs": inputs, "files": _files(inputs, base), "gpuyard": version}
+    doc = {
+        "kind": kind,
+        "inputs": inputs,
+        "files": _files(inputs, base),
+        "code": code_digest(kind, base) if ":" in kind else None,
+        "gpuyard": version,
+    }
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -208,7 +208,12 @@ def _run_one(
     st: StageSpec, task: Any, workdir: Path, base: Path, jobs: _JobRunner | None, emit: Any
 ) -> tuple[dict[str, Any], int | None]:
     if jobs is None:
+        import sys
+
         from gpuyard.pipelines.stages import run_stage
+
+        if str(base) not in sys.path:
+            sys.path.insert(0, str(base))  # as PYTHONPATH does for a job: the pipeline's own modules
 
         kw = task.kwargs
         return run_stage(kw["uses"], kw["inputs"], kw["ctx"]), None

@@ -50,13 +50,19 @@ def tensor_spec(field: pa.Field) -> TensorSpec | None:
     return TensorSpec(dtype=str(doc["dtype"]), shape=tuple(int(x) for x in doc["shape"]))
 
 
-def tensor_array(values: np.ndarray) -> tuple[pa.Array, TensorSpec]:
-    """Pack ``values`` of shape ``(N, *shape)`` into a fixed-size binary array (one copy)."""
+def tensor_array(values: np.ndarray, *, copy: bool = True) -> tuple[pa.Array, TensorSpec]:
+    """Pack ``values`` of shape ``(N, *shape)`` into a fixed-size binary array.
+
+    Args:
+        values: the rows.
+        copy: copy the bytes (the default); False shares ``values``' buffer with the Arrow array, for
+            callers that own ``values`` and never change it afterwards.
+    """
     if values.ndim < 2:
         raise ConfigError(f"a tensor column needs at least 2 dimensions, got shape {values.shape}")
     values = np.ascontiguousarray(values)
     spec = TensorSpec(dtype=values.dtype.name, shape=tuple(int(x) for x in values.shape[1:]))
-    buf = pa.py_buffer(values.tobytes())
+    buf = pa.py_buffer(values.tobytes() if copy else values.reshape(-1).view(np.uint8))
     arr = pa.FixedSizeBinaryArray.from_buffers(pa.binary(spec.nbytes), len(values), [None, buf])
     return arr, spec
 

@@ -32,8 +32,8 @@ def _partial(col: pa.ChunkedArray, field: pa.Field) -> dict[str, Any]:
     if kind == "tensor":
         spec = tensor_spec(field)
         assert spec is not None  # kind == "tensor" guarantees it
-        arr = tensor_to_numpy(col, spec).astype(np.float64, copy=False) if len(col) else np.zeros(0)
-        out.update(_moments(arr.ravel()))
+        arr = tensor_to_numpy(col, spec) if len(col) else np.zeros(0)
+        out.update(_tensor_moments(arr.reshape(-1)))
         out["shape"] = list(spec.shape)
         out["dtype"] = spec.dtype
     elif kind in ("int", "bool"):
@@ -54,13 +54,12 @@ def _partial(col: pa.ChunkedArray, field: pa.Field) -> dict[str, Any]:
                 name = (lambda x: str(bool(x))) if kind == "bool" else (lambda x: str(int(x)))
                 out["values"] = {name(x): int(found[x]) for x in nz}
             return out
-        out.update(_moments(ints.astype(np.float64)))
+        out.update(_moments(ints))
     elif kind == "float":
         valid = col if col.null_count == 0 else pc.drop_null(col)
-        nums = (
-            np.asarray(valid.to_numpy(zero_copy_only=False), dtype=np.float64) if len(valid) else np.zeros(0)
-        )
-        out.update(_moments(nums[np.isfinite(nums)]))
+        nums = np.asarray(valid.to_numpy(zero_copy_only=False)) if len(valid) else np.zeros(0)
+        finite = np.isfinite(nums)
+        out.update(_moments(nums if finite.all() else nums[finite]))
     if kind in ("string", "int", "bool"):
         values, many = _value_counts(col)
         out["values"] = values
@@ -86,13 +85,41 @@ def _value_counts(col: pa.ChunkedArray) -> tuple[dict[str, int], bool]:
     return values, False
 
 
-def _moments(values: np.ndarray) -> dict[str, Any]:
-    if values.size == 0:
-        return {"n": 0, "sum": 0.0, "sumsq": 0.0, "min": None, "max": None}
+# Squares of these small integer types fit exactly in the wider type named here.
+_SQUARE_TYPES = {"uint8": pa.uint16(), "int8": pa.int16(), "uint16": pa.uint32(), "int16": pa.int32()}
+
+
+def _tensor_moments(values: np.ndarray) -> dict[str, Any]:
+    """Moments of a flat tensor column: exact integer sums for 8- and 16-bit values, else float64.
+
+    Images and one-hot vectors are uint8; converting every value to float64 first (8 bytes each) cost
+    more than the rest of a transform's statistics together. Arrow sums them as they are, exactly.
+    """
+    square = _SQUARE_TYPES.get(values.dtype.name)
+    if square is None or values.size == 0:
+        return _moments(values)
+    arr = pa.array(values)  # zero-copy view of the NumPy buffer
+    wide = arr.cast(square)
+    lo_hi = pc.min_max(arr)
     return {
         "n": int(values.size),
-        "sum": float(values.sum()),
-        "sumsq": float(np.dot(values, values)),
+        "sum": float(pc.sum(arr).as_py()),
+        "sumsq": float(pc.sum(pc.multiply(wide, wide)).as_py()),
+        "min": float(lo_hi["min"].as_py()),
+        "max": float(lo_hi["max"].as_py()),
+    }
+
+
+def _moments(values: np.ndarray) -> dict[str, Any]:
+    """Count, sum, sum of squares, min and max of a flat numeric array, accumulated in float64."""
+    if values.size == 0:
+        return {"n": 0, "sum": 0.0, "sumsq": 0.0, "min": None, "max": None}
+    # Accumulate in float64 without a float64 copy of the column; einsum rather than np.dot, which
+    # hands large vectors to multi-threaded BLAS (threads that only contend with pool workers here).
+    return {
+        "n": int(values.size),
+        "sum": float(values.sum(dtype=np.float64)),
+        "sumsq": float(np.einsum("i,i->", values, values, dtype=np.float64)),
         "min": float(values.min()),
         "max": float(values.max()),
     }

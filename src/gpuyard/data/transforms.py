@@ -111,7 +111,7 @@ def _encode(table: pa.Table, col: str, p: dict[str, Any]) -> pa.Table:
     onehot = np.zeros((len(codes), len(p["categories"])), dtype=np.uint8)
     known = np.flatnonzero(codes >= 0)
     onehot[known, codes[known]] = 1
-    arr, spec = tensor_array(onehot)
+    arr, spec = tensor_array(onehot, copy=False)  # onehot is ours alone: share, do not copy
     return table.set_column(idx, tensor_field(col, spec), arr)
 
 

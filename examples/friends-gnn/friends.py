@@ -17,10 +17,9 @@ the import path of each stage's job.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
-
-import itertools
 
 import numpy as np
 

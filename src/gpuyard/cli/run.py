@@ -90,7 +90,11 @@ def print_reports(result: Any) -> None:
 
 def run(
     pipeline: Path = typer.Argument(..., help="the pipeline YAML"),
-    executor: str = typer.Option("jobs", help="jobs: each stage a scheduled job; inline: in this process"),
+    executor: str = typer.Option(
+        "jobs",
+        help="jobs: each stage a job of a scheduler in this process; server: of the running"
+        " `gpuyard server`; inline: in this process",
+    ),
     no_cache: bool = typer.Option(
         False, "--no-cache", help="run every stage even if its inputs are unchanged"
     ),

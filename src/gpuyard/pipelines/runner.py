@@ -24,7 +24,7 @@ from gpuyard.pipelines.spec import PipelineSpec, StageSpec, resolve
 from gpuyard.settings import load_settings
 
 Event = dict[str, Any]
-EXECUTORS = ("jobs", "inline")
+EXECUTORS = ("jobs", "server", "inline")
 
 
 class StageFailed(GpuyardError):
@@ -59,15 +59,40 @@ class PipelineResult:
         raise ConfigError(f"pipeline {self.name!r} has no stage {stage!r}")
 
 
-class _JobRunner:
-    """Runs stages as jobs of an in-process JobService and streams their logs."""
+class _ServerJobs:
+    """The job calls the runner needs, against a running ``gpuyard server`` (its HTTP API)."""
 
-    def __init__(self, poll_s: float = 0.2) -> None:
+    def __init__(self) -> None:
+        from gpuyard.scheduler.client import JobClient
+
+        self.client = JobClient(load_settings().server_url)
+        self.client.list_jobs()  # fail now, with the client's message, when no server answers
+
+    def submit(self, spec: Any) -> dict[str, Any]:
+        return self.client.submit(spec)
+
+    def get(self, job_id: int) -> dict[str, Any]:
+        return self.client.get(job_id)
+
+    def read_log(self, job_id: int, offset: int = 0, limit: int = 1 << 16) -> dict[str, Any]:
+        doc: dict[str, Any] = self.client._call("GET", f"/jobs/{job_id}/logs", params={"offset": offset})
+        return doc
+
+
+class _JobRunner:
+    """Runs stages as scheduler jobs (an in-process JobService or a running server); streams their logs."""
+
+    def __init__(self, remote: bool = False, poll_s: float = 0.2) -> None:
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.service: Any
+        if remote:
+            self.service = _ServerJobs()
+            return
         from gpuyard.scheduler.setup import build_service
 
         self.service = build_service()
-        self.poll_s = poll_s
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self.service.run, args=(self._stop,), daemon=True)
         self._thread.start()
 
@@ -110,6 +135,9 @@ class _JobRunner:
         return offset + len(complete.encode())
 
     def close(self) -> None:
+        if self._thread is None:
+            self.service.client.close()
+            return
         self._stop.set()
         self.service.wake.set()
         self._thread.join(timeout=5)
@@ -128,7 +156,8 @@ def run_pipeline(
     Args:
         spec: the pipeline.
         base: folder that relative paths in the spec (and ``module:function`` stages) are resolved from.
-        executor: ``jobs`` (each stage a job of an in-process JobService) or ``inline`` (this process).
+        executor: ``jobs`` (each stage a job of a JobService in this process), ``server`` (each stage a
+            job of the running ``gpuyard server`` at ``GPUYARD_SERVER``) or ``inline`` (this process).
         use_cache: skip stages whose content hash has a cached result.
         on_event: receives ``{"type": "start"|"job"|"log"|"done"|"failed", "stage": ..., ...}``.
 
@@ -145,7 +174,7 @@ def run_pipeline(
     home = load_settings().ensure_home()
     result = PipelineResult(spec.name)
     outputs: dict[str, dict[str, Any]] = {}
-    jobs = _JobRunner() if executor == "jobs" else None
+    jobs = _JobRunner(remote=executor == "server") if executor != "inline" else None
     try:
         for st in spec.stages:
             inputs = resolve(st.inputs, outputs, f"stage {st.name}")

@@ -72,14 +72,15 @@ def fit_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load(inputs: dict[str, Any], stage: str) -> Any:
-    if inputs.get("run"):
-        from gpuyard.models.fit import load_run_model
-
-        return load_run_model(str(inputs["run"]))
+    # A saved folder wins over the run: a DDP training's run records metrics, the folder holds weights.
     if inputs.get("model_dir"):
         from gpuyard.models.flavors import load_model
 
         return load_model(str(inputs["model_dir"]))[0]
+    if inputs.get("run"):
+        from gpuyard.models.fit import load_run_model
+
+        return load_run_model(str(inputs["run"]))
     raise ConfigError(f"stage {stage!r}: give 'run' (a tracked run) or 'model_dir' (a saved model folder)")
 
 
@@ -89,7 +90,7 @@ def evaluate_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any
     Raises:
         ConfigError: a required metric is below (or, for error metrics, above) its threshold.
     """
-    from gpuyard.models.evaluate import evaluate, record_evaluation
+    from gpuyard.models.evaluate import evaluate, log_evaluation
     from gpuyard.models.metrics import METRICS
 
     stage = ctx["stage"]
@@ -99,7 +100,14 @@ def evaluate_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any
     X, y = split_arrays(ref, split)
     ev = evaluate(model, X, y, task, "test" if split == "test" else "holdout", inputs.get("metrics"))
     if inputs.get("run"):
-        record_evaluation(ev, run_id=str(inputs["run"]), dataset_version=f"{ref} split={split}")
+        # On the run's own record (an evaluation row, and `test/<metric>` points that `gpuyard runs`
+        # and the dashboard show); the run itself finished earlier, so it is not finished again.
+        from gpuyard.models.tracking import DbTracker
+        from gpuyard.store import get_store
+
+        tracker = DbTracker(get_store(), str(inputs["run"]), system_interval_s=None)
+        log_evaluation(tracker, ev, dataset_version=f"{ref} split={split}")
+        tracker.flush()
     shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(ev.metrics.items()))
     lines = [f"{split} split of {ref}: {ev.n_samples} rows never seen in search or training", f"  {shown}"]
     for metric, bound in dict(inputs.get("require") or {}).items():
@@ -127,7 +135,7 @@ def register_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any
     test_npz = write_npz(ref, ["test"], work / "holdout.npz")
     train_npz = write_npz(ref, ["train"], work / "train.npz")
     metrics = {"test": dict(inputs.get("metrics") or {})}
-    if inputs.get("run"):
+    if inputs.get("run") and not inputs.get("model_dir"):
         mv = register_from_run(name, str(inputs["run"]))
     else:
         folder = Path(str(need(inputs, "model_dir", stage)))
@@ -141,8 +149,15 @@ def register_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any
             "metric": inputs.get("metric", "accuracy" if task == "classification" else "mse"),
             "pipeline": ctx["pipeline"],
         }
+        run = str(inputs["run"]) if inputs.get("run") else None
         mv = register_folder(
-            name, folder, signature=signature, dataset_version=ref, metrics=metrics, lineage=lineage
+            name,
+            folder,
+            signature=signature,
+            run_id=run,
+            dataset_version=ref,
+            metrics=metrics,
+            lineage=lineage,
         )
     decision = promote(mv.ref, holdout=f"npz:{test_npz}", metric=inputs.get("metric"))
     verdict = "promoted to production" if decision.promoted else "not promoted"

@@ -56,6 +56,44 @@ def train_spec(inputs: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     }
 
 
+def _track(inputs: dict[str, Any], run_dir: Path, nproc: int) -> str:
+    """Record the finished training in the run tracker: params, then every metric line the ranks wrote.
+
+    The trainer of a YAML spec logs to ``metrics.jsonl`` (rank 0); copying it into a tracked run puts
+    the DDP training beside the search trials (``gpuyard runs``, the dashboard's curves).
+    """
+    import json
+
+    from gpuyard.models.tracking import start_run
+
+    p = dict(inputs.get("params") or {})
+    params = {k: p[k] for k in ("lr", "hidden", "activation", "batch_size") if k in p}
+    params |= {
+        "epochs": int(inputs.get("epochs") or p.get("epochs") or 10),
+        "nproc": nproc,
+        "parallel": "ddp",
+    }
+    tracker = start_run(
+        str(inputs.get("run_name", "pipeline-train")),
+        experiment=str(inputs.get("experiment", "default")),
+        kind="train",
+        params=params,
+        dataset_version=str(inputs["dataset"]),
+        system_interval_s=None,
+    )
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        doc = json.loads(line)
+        if doc.get("event") == "metrics":
+            values = {
+                k: v
+                for k, v in doc.items()
+                if k not in ("time", "event", "step") and isinstance(v, (int, float))
+            }
+            tracker.log_metrics(int(doc["step"]), values)
+    tracker.finish("finished")
+    return str(tracker.run_id)
+
+
 def train_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     """Train with DDP on ``nproc`` processes (torchrun via gpuyard.train); outputs the saved model folder.
 
@@ -76,18 +114,21 @@ def train_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"training did not complete: exit {res.exit_code}, status {status} (run folder {run_dir})"
         )
+    run_id = _track(inputs, run_dir, nproc)
     metrics = status.get("metrics") or {}
     shown = ", ".join(
         f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float) and k in ("loss", "val_loss")
     )
     return {
         "model_dir": str(run_dir / "model"),
+        "run": run_id,
         "run_dir": str(run_dir),
         "steps": int(status.get("step") or 0),
         "nproc": nproc,
         "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
         "report": [
-            f"DDP on {nproc} processes (torchrun, gloo): {status.get('step')} steps, {shown}",
+            f"DDP on {nproc} processes (torchrun, gloo): {status.get('step')} steps, {shown};"
+            f" tracked as run {run_id[:8]}",
             f"spec {spec_path}; checkpoints in {run_dir / 'checkpoints'}",
         ],
     }

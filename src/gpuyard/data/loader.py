@@ -31,6 +31,7 @@ from gpuyard.data.augment import augment, batch_generator
 from gpuyard.data.cache import ShardCache
 from gpuyard.data.columns import tensor_to_numpy
 from gpuyard.data.dataset import DatasetVersion, open_dataset, shard_location
+from gpuyard.data.loader_threads import iter_shipments
 from gpuyard.data.recipe import Augment
 from gpuyard.data.shards import open_parquet, row_group_bounds
 from gpuyard.errors import ConfigError, IntegrityError
@@ -41,6 +42,8 @@ SIZES_KEY = "_sizes"
 # Rows a DataLoader worker sends per transfer: moving a tensor between processes has a fixed cost of
 # about a millisecond, so workers ship several batches at once and the main process slices them apart.
 SHIPMENT_ROWS = 8192
+# "process": DataLoader worker processes; "thread": threads in this process (see loader_threads).
+WORKER_MODES = ("process", "thread")
 Batch = dict[str, Any]
 
 
@@ -327,9 +330,13 @@ class ShardDataset(IterableDataset[Batch]):
         out[POSITION_KEY] = torch.tensor([worker, pos, self.epoch], dtype=torch.int64)
         return out
 
-    def _shipment(self, arrays: dict[str, np.ndarray], worker: int, pos: int, key: tuple[int, ...]) -> Batch:
+    def _shipment(
+        self, arrays: dict[str, np.ndarray], worker: int, pos: int, key: tuple[int, ...], shared: bool = True
+    ) -> Batch:
         # Tensors are allocated in shared memory and filled once, so sending them to the main process
         # copies nothing more; batch boundaries and augmentation seeds match iter_consumer exactly.
+        # Thread workers (shared=False) wrap the arrays as they are: they are fresh (the shuffle gather
+        # made them), so augmenting them in place touches nothing else.
         n = len(arrays[self._columns[0]])
         bs = self.config.batch_size
         first = pos - n
@@ -344,8 +351,11 @@ class ShardDataset(IterableDataset[Batch]):
             if arr.dtype == object:
                 out[name] = arr.tolist()
                 continue
-            t = torch.empty(arr.shape, dtype=torch.from_numpy(arr[:0]).dtype).share_memory_()
-            t.numpy()[...] = arr
+            if shared:
+                t = torch.empty(arr.shape, dtype=torch.from_numpy(arr[:0]).dtype).share_memory_()
+                t.numpy()[...] = arr
+            else:
+                t = torch.from_numpy(np.ascontiguousarray(arr))
             out[name] = t
         if self._augment is not None:
             col, at = self._augment.column, 0
@@ -378,12 +388,21 @@ def _unpack(shipment: Batch) -> Iterator[tuple[Batch, int, int]]:
         start += n
 
 
+def _pinned(value: Any) -> Any:
+    return value.pin_memory() if isinstance(value, torch.Tensor) else value
+
+
 class ShardLoader:
     """A DataLoader over a :class:`ShardDataset` with a resumable position.
 
     ``for batch in loader`` yields dicts of tensors. ``state_dict()`` at any point, saved with a
     checkpoint and given to ``load_state_dict()`` of a new loader with the same settings, makes the
     new loader continue with exactly the batches the old one had not yet yielded.
+
+    ``worker_mode="thread"`` runs the ``num_workers`` workers as threads of this process instead of
+    DataLoader processes: the same batches in the same order (states carry over between modes), without
+    the per-shipment cost of shared memory; faster for small samples on few cores (see docs/data.md).
+    Process workers suit augmentation-heavy pipelines whose Python work would contend for the GIL.
     """
 
     def __init__(
@@ -399,7 +418,11 @@ class ShardLoader:
         cache: ShardCache | None = None,
         multiprocessing_context: str | None = None,
         persistent_workers: bool = False,
+        worker_mode: str = "process",
     ) -> None:
+        if worker_mode not in WORKER_MODES:
+            raise ConfigError(f"worker_mode {worker_mode!r} unknown; use one of {', '.join(WORKER_MODES)}")
+        self.worker_mode = worker_mode
         self.dataset = ShardDataset(dataset, config, rank=rank, world_size=world_size, cache=cache)
         self.num_workers = num_workers
         self.persistent_workers = persistent_workers and num_workers > 0
@@ -442,6 +465,18 @@ class ShardLoader:
         ds.worker_offset = self._next_worker % workers
         ds.ship_batches = max(1, SHIPMENT_ROWS // ds.config.batch_size) if self.num_workers else 1
         span = ds.ship_batches * ds.config.batch_size
+        if self.worker_mode == "thread" and self.num_workers:
+            shipments: Iterator[Batch] = iter_shipments(
+                ds,
+                ds.rank,
+                ds.world_size,
+                workers,
+                ds.start_positions,
+                ds.worker_offset,
+                self.prefetch_factor,
+            )
+            yield from self._batches(shipments, span, workers, pin=self.pin_memory)
+            return
         if self.persistent_workers and ds._shared is None:
             ds._shared = torch.zeros(2 + workers, dtype=torch.int64).share_memory_()
         if ds._shared is not None:
@@ -463,14 +498,24 @@ class ShardLoader:
         )
         if self.persistent_workers:
             self._loader = loader
-        for shipment in loader:
+        yield from self._batches(iter(loader), span, workers)
+
+    def _batches(
+        self, shipments: Iterator[Batch], span: int, workers: int, pin: bool = False
+    ) -> Iterator[Batch]:
+        """Batches of ``shipments``, recording each one's worker and position for :meth:`state_dict`."""
+        for shipment in shipments:
             for batch, worker, pos in _unpack(shipment):
                 self._positions[worker] = pos
                 # The next batch comes from this worker until its shipment is done, then from the next.
                 self._next_worker = worker if pos % span else (worker + 1) % workers
+                if pin:  # DataLoader pins in a thread of its own; thread workers' batches are pinned here
+                    batch = {
+                        k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+                    }
                 yield batch
         self._positions, self._next_worker = {}, 0
-        ds.start_positions, ds.worker_offset = {}, 0
+        self.dataset.start_positions, self.dataset.worker_offset = {}, 0
 
     def state_dict(self) -> dict[str, Any]:
         """The position to resume from: epoch, per-worker rows emitted, and the settings they depend on."""

@@ -74,3 +74,25 @@ def test_persistent_workers_follow_set_epoch(version: DatasetVersion) -> None:
         orders.append(_ids(list(loader)))
         assert orders[-1] == _ids(list(fresh))
     assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1]) == list(range(N))
+
+
+def test_thread_workers_yield_what_worker_processes_yield(version: DatasetVersion) -> None:
+    cfg = LoaderConfig(batch_size=16, shuffle_buffer=300, seed=2)
+    procs = ShardLoader(version, cfg, num_workers=2)
+    threads = ShardLoader(version, cfg, num_workers=2, worker_mode="thread")
+    procs.set_epoch(1)
+    threads.set_epoch(1)
+    a = [(b["id"].clone(), b["image"].clone()) for b in procs]
+    b = [(x["id"], x["image"]) for x in threads]
+    assert len(a) == len(b)
+    assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b, strict=True))
+    # A position taken with thread workers resumes with worker processes (and the other way round).
+    half = ShardLoader(version, cfg, num_workers=2, worker_mode="thread")
+    half.set_epoch(1)
+    it = iter(half)
+    head = [next(it)["id"].clone() for _ in range(40)]
+    it.close()
+    resumed = ShardLoader(version, cfg, num_workers=2)
+    resumed.load_state_dict(half.state_dict())
+    rest = [x["id"] for x in resumed]
+    assert all(torch.equal(p[0], q) for p, q in zip(a, head + rest, strict=True))

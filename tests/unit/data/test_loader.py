@@ -153,3 +153,47 @@ def test_corrupt_shard_stops_the_loader_naming_the_file(ids_version: DatasetVers
     victim.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match=victim.name):
         list(ShardLoader(ids_version, LoaderConfig(batch_size=100, shuffle=False)))
+
+
+def _gpuyard_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("gpuyard-loader")]
+
+
+def test_thread_workers_are_disjoint_complete_and_resume_exactly(ids_version: DatasetVersion) -> None:
+    cfg = LoaderConfig(batch_size=16, shuffle_buffer=120, seed=6)
+    loader = ShardLoader(ids_version, cfg, num_workers=3, worker_mode="thread")
+    loader.set_epoch(1)
+    full = [b["id"].clone() for b in loader]
+    ids = [int(x) for b in full for x in b]
+    assert sorted(ids) == list(range(N)) and len(full) == len(loader)
+    # Each worker ships several batches at once; stop inside a shipment and resume from the state.
+    interrupted = ShardLoader(ids_version, cfg, num_workers=3, worker_mode="thread")
+    interrupted.set_epoch(1)
+    it = iter(interrupted)
+    head = [next(it)["id"].clone() for _ in range(7)]
+    state = interrupted.state_dict()
+    it.close()  # an abandoned epoch stops its threads
+    assert _gpuyard_threads() == []
+    resumed = ShardLoader(ids_version, cfg, num_workers=3, worker_mode="thread")
+    resumed.load_state_dict(state)
+    rest = [b["id"].clone() for b in resumed]
+    assert all(torch.equal(a, b) for a, b in zip(full, head + rest, strict=True)) and len(head + rest) == len(
+        full
+    )
+    with pytest.raises(ConfigError, match="worker_mode"):
+        ShardLoader(ids_version, cfg, worker_mode="fiber")
+
+
+def test_thread_workers_raise_a_corrupt_shard_in_the_consumer(ids_version: DatasetVersion) -> None:
+    from gpuyard.errors import IntegrityError
+
+    victim = Path(ids_version.shard_paths()[4])
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    loader = ShardLoader(ids_version, LoaderConfig(batch_size=10), num_workers=2, worker_mode="thread")
+    with pytest.raises(IntegrityError, match=victim.name):
+        list(loader)
+    assert _gpuyard_threads() == []

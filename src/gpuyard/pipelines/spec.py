@@ -121,7 +121,8 @@ def parse_pipeline(doc: Any, source: str = "pipeline") -> PipelineSpec:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise ConfigError(f"{source}: {where}: {first['msg']}") from exc
+        msg = str(first["msg"]).removeprefix("Value error, ")
+        raise ConfigError(f"{source}: {where}: {msg}") from exc
 
 
 def load_pipeline(path: str | Path) -> PipelineSpec:

@@ -20,6 +20,9 @@ console = Console()
 
 def demo(
     quick: bool = typer.Option(False, "--quick", help="shorter training (tests); every stage still runs"),
+    executor: str = typer.Option(
+        "jobs", help="jobs: a scheduler in this process; server: the running `gpuyard server` (same home)"
+    ),
     no_cache: bool = typer.Option(
         False, "--no-cache", help="run every stage even if a previous demo cached it"
     ),
@@ -37,7 +40,7 @@ def demo(
         "Each stage below is a job of gpuyard's scheduler (recorded; `gpuyard jobs` lists them later)."
     )
     t0 = time.perf_counter()
-    result = run_with_view(spec, Path.cwd(), "jobs", not no_cache)
+    result = run_with_view(spec, Path.cwd(), executor, not no_cache)
     took = time.perf_counter() - t0
     console.print(Rule("[bold]What each stage did"))
     print_reports(result)

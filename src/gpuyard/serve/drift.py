@@ -218,13 +218,19 @@ class DriftMonitor:
         x = inputs.reshape(len(inputs), -1)[:, : self.n_features]
         p = np.asarray(predictions, dtype=np.float64).reshape(len(inputs))
         w = self.config.window
+        if len(x) > w:  # only the newest `window` rows can stay
+            x, p = x[-w:], p[-w:]
         with self._lock:
-            for start in range(0, len(x), w):
-                chunk, pchunk = x[start : start + w], p[start : start + w]
-                idx = (self._pos + np.arange(len(chunk))) % w
-                self._x[idx], self._p[idx] = chunk, pchunk
-                self._pos = (self._pos + len(chunk)) % w
-                self._count = min(self._count + len(chunk), w)
+            # At most two slice copies (up to the ring's end, then from its start): cheaper in the
+            # model thread than a fancy-indexed write through an index array.
+            done = 0
+            while done < len(x):
+                n = min(len(x) - done, w - self._pos)
+                self._x[self._pos : self._pos + n] = x[done : done + n]
+                self._p[self._pos : self._pos + n] = p[done : done + n]
+                self._pos = (self._pos + n) % w
+                done += n
+            self._count = min(self._count + len(x), w)
 
     def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
         """The window's rows and predictions (copies)."""
@@ -278,6 +284,10 @@ class DriftMonitor:
 
     def start(self) -> None:
         """Evaluate every ``interval_s`` seconds in a daemon thread."""
+        # Import scipy.stats now, in the caller (before serving): imported lazily by the first
+        # evaluation it took ~1.5 s of CPU holding the GIL, stalling every request in flight.
+        import scipy.stats  # noqa: F401
+
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="gpuyard-drift", daemon=True)
             self._thread.start()

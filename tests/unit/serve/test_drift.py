@@ -64,6 +64,18 @@ def test_the_window_slides_and_alerts_fire_once_per_episode() -> None:
     assert report is not None and not any(f["drift_psi"] for f in report["features"])
 
 
+def test_the_ring_keeps_exactly_the_newest_rows_across_wraps() -> None:
+    mon = DriftMonitor(REF, DriftConfig(window=10, min_rows=10, interval_s=60))
+    rows = np.arange(23 * 3, dtype=np.float32).reshape(23, 3)
+    for a, b in ((0, 4), (4, 11), (11, 12), (12, 23)):  # chunks that wrap the ring at odd places
+        mon.observe(rows[a:b], rows[a:b, 0])
+    x, p = mon.snapshot()
+    assert sorted(x[:, 0].tolist()) == rows[-10:, 0].tolist()
+    assert np.array_equal(np.sort(p), rows[-10:, 0])
+    mon.observe(rows, rows[:, 0])  # more rows than the window in one call
+    assert sorted(mon.snapshot()[0][:, 0].tolist()) == rows[-10:, 0].tolist()
+
+
 def test_regression_predictions_use_psi_and_ks() -> None:
     y = TRAIN[:, 0] * 2.0
     ref = build_reference(TRAIN, y, "regression", ["a", "b", "c"], "test")

@@ -42,6 +42,8 @@ SIZES_KEY = "_sizes"
 # Rows a DataLoader worker sends per transfer: moving a tensor between processes has a fixed cost of
 # about a millisecond, so workers ship several batches at once and the main process slices them apart.
 SHIPMENT_ROWS = 8192
+# Shards a reader keeps open at once (least recently used beyond that are closed).
+OPEN_SHARDS = 4
 # "process": DataLoader worker processes; "thread": threads in this process (see loader_threads).
 WORKER_MODES = ("process", "thread")
 Batch = dict[str, Any]
@@ -183,12 +185,18 @@ class ShardDataset(IterableDataset[Batch]):
     # -- reading -----------------------------------------------------------------------------------
 
     def _file(self, shard: int) -> Any:
-        files = self.__dict__.setdefault("_files", {})
-        if shard not in files:
+        files: OrderedDict[int, tuple[Any, Any, str]] = self.__dict__.setdefault("_files", OrderedDict())
+        if shard in files:
+            files.move_to_end(shard)
+        else:
             info = self._shards[shard]
             path = shard_location(get_artifacts(), info, self._cache)
             pf = open_parquet(path, path)
             files[shard] = (pf, row_group_bounds(pf), path)
+            # A reader walks its shards in order: a few open files suffice, and keeping every shard of a
+            # large dataset open would hold a descriptor and a footer per shard for the whole epoch.
+            while len(files) > OPEN_SHARDS:
+                files.popitem(last=False)[1][0].close()
         return files[shard][0]
 
     def _read(self, shard: int, rows: np.ndarray) -> dict[str, np.ndarray]:

@@ -197,3 +197,30 @@ def test_thread_workers_raise_a_corrupt_shard_in_the_consumer(ids_version: Datas
     with pytest.raises(IntegrityError, match=victim.name):
         list(loader)
     assert _gpuyard_threads() == []
+
+
+def test_memory_while_streaming_does_not_grow_with_the_dataset(
+    gpuyard_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pyarrow as pa
+
+    # Small row groups and shards, so that a 4x larger dataset has 4x as many of each.
+    monkeypatch.setattr("gpuyard.data.shards.ROW_GROUP_BYTES", 8_000)
+    rng = np.random.default_rng(2)
+    peaks, sizes = [], []
+    for n in (6000, 24000):
+        path = tmp_path / f"m{n}.npz"
+        np.savez(path, id=np.arange(n), image=rng.integers(0, 255, (n, 8, 8), dtype=np.uint8))
+        v = ingest(path, f"m{n}", IngestOptions(shard_bytes=40_000))
+        cfg = LoaderConfig(batch_size=50, shuffle_buffer=400)
+        loader = ShardLoader(v, cfg, num_workers=2, worker_mode="thread")
+        base, peak, seen = pa.total_allocated_bytes(), 0, 0
+        for batch in loader:
+            # Decoded Parquet lives in Arrow's pool; NumPy blocks are bounded by shuffle_buffer by design.
+            peak = max(peak, pa.total_allocated_bytes() - base)
+            seen += len(batch["id"])
+        assert seen == n
+        peaks.append(peak)
+        sizes.append(n * (64 + 8))
+    assert peaks[1] < 2 * peaks[0]  # 4x the rows, not 4x the memory
+    assert peaks[1] < sizes[1] / 4  # and far less than the dataset

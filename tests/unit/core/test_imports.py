@@ -32,28 +32,36 @@ def _modules() -> list[str]:
 # heavy libraries are paid for once.
 _CHILD_SCRIPT = r"""
 import importlib, os, sys, traceback
-for lib in ("torch", "torch.distributed.checkpoint", "torch.distributed.run", "numpy", "pyarrow",
-            "sqlalchemy", "alembic", "fastapi", "typer", "sklearn", "optuna", "ray"):
+# A few libraries that most modules use; preloading many more makes every fork slower than it saves.
+for lib in ("torch", "torch.distributed.checkpoint", "numpy", "sqlalchemy", "pydantic", "typer", "fastapi"):
     try:
         importlib.import_module(lib)
     except ImportError:
         pass
-failed = 0
-for name in sys.argv[1:]:
-    pid = os.fork()
-    if pid == 0:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            code = 0 if exc.name and exc.name.split(".")[0] in {optional} else 1
-            if code:
-                traceback.print_exc()
-            os._exit(code)
-        except BaseException:
+def child(name):
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        code = 0 if exc.name and exc.name.split(".")[0] in {optional} else 1
+        if code:
             traceback.print_exc()
-            os._exit(1)
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
+        os._exit(code)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+failed, running, todo = 0, {}, list(sys.argv[1:])
+while todo or running:
+    while todo and len(running) < (os.cpu_count() or 1):
+        name = todo.pop(0)
+        pid = os.fork()
+        if pid == 0:
+            child(name)
+        running[pid] = name
+    pid, status = os.wait()
+    name = running.pop(pid)
     if status != 0:
         print("FAILED", name, file=sys.stderr)
         failed += 1

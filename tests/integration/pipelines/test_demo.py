@@ -39,6 +39,7 @@ def test_demo_pipeline_end_to_end_then_cached(gpuyard_home: Path, tmp_path: Path
     # The server answers with the very model that was tested: same rows, same accuracy.
     assert out["serve"]["served_accuracy"] == pytest.approx(test["accuracy"], abs=1e-9)
     assert out["serve"]["drift_after"]["features_drifted"] > out["serve"]["drift_before"]["features_drifted"]
+    assert out["serve"]["alerts"] > 0  # the shifted window's alerts reached the store
     assert not [d for d in list_deployments(all_=True) if d["status"] == "running"]
     rows = out["plan"]["rows"]
     assert [r["gpus"] for r in rows] == [8, 16, 64, 256] and out["plan"]["params"] > 0

@@ -80,6 +80,12 @@ def serve_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
             stats = client.get(f"{base}/stats").json()
     finally:
         undeploy(str(dep["id"]))
+    from gpuyard.serve.alerts import list_alerts
+
+    # Reading the drift report evaluates the window, and the server records alerts as it does so.
+    alerts = [a for a in list_alerts(name, limit=10_000) if a["deployment_id"] == dep["id"]]
+    answers = [a["retrain"].get("result") for a in alerts if isinstance(a["retrain"], dict)]
+    action = next((r.get("action") for r in answers if isinstance(r, dict) and r.get("action")), None)
     lat = {k: stats.get(k) for k in ("p50_ms", "p95_ms", "p99_ms", "requests", "throughput_rps")}
     lines = [
         f"deployment {dep['id']}: {ref} at {dep['url']} (stopped after this stage)",
@@ -93,6 +99,8 @@ def serve_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
         f" {after['features_drifted']} of {after['features']}"
         f" pixels drifted, largest PSI {after['max_psi']} ({after['max_psi_feature']}),"
         f" prediction PSI {after['prediction_psi']}",
+        f"{len(alerts)} drift alerts recorded (`gpuyard deployments alerts`); the retraining hook answered:"
+        f" {action or 'no answer'} (`gpuyard models retrain POLICY` acts on it)",
         f"server latency over all {lat['requests']} requests: p50 {lat['p50_ms']} ms, p99 {lat['p99_ms']} ms",
     ]
     return {
@@ -103,5 +111,6 @@ def serve_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
         "drift_before": before,
         "drift_after": after,
         "latency": lat,
+        "alerts": len(alerts),
         "report": lines,
     }

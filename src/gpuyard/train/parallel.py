@@ -3,7 +3,12 @@
 Strategies: a single device; DDP or FSDP2 ``fully_shard`` on the ``dp`` dimension; tensor parallel
 (``parallelize_module``) on the ``tp`` dimension with the plan the model gives through
 ``model.tp_plan()``; pipeline parallel (``torch.distributed.pipelining``, GPipe or 1F1B) on the
-``pp`` dimension, splitting an ``nn.Sequential`` into contiguous stages. NCCL on GPUs, gloo on CPU.
+``pp`` dimension, splitting an ``nn.Sequential`` into contiguous stages, each stage replicated (DDP)
+or sharded (FSDP2) over its ``dp`` sub-mesh. NCCL on GPUs, gloo on CPU.
+
+Mesh order is ``("pp", "dp", "tp")``, outermost first: tp (a collective in every layer) takes
+neighbouring ranks, which share a node's fastest links; pp (point-to-point activations, once per
+stage boundary) takes the farthest ranks, which tolerates the slowest links.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -55,8 +60,13 @@ def resolve_layout(spec: ParallelSpec, world_size: int) -> MeshLayout:
             f"parallel: pp={layout.pp} x dp={layout.dp} x tp={layout.tp} = {layout.world_size} ranks, "
             f"but the job has {world_size} (set parallel.dp or --nproc to match)"
         )
-    if layout.pp > 1 and (layout.dp > 1 or layout.tp > 1):
-        raise ConfigError("parallel: pp > 1 is supported with dp = tp = 1 only (pipeline alone)")
+    if layout.pp > 1 and layout.tp > 1:
+        # Stages are slices of an nn.Sequential, while tp plans name paths inside the whole model
+        # (e.g. "blocks.0.attn.q"): the two do not compose yet. pp x dp (DDP or FSDP2) does.
+        raise ConfigError(
+            f"parallel: pp={layout.pp} x tp={layout.tp} is not supported (tensor parallel inside "
+            "pipeline stages); use pp x dp, or dp x tp with data_parallel: fsdp"
+        )
     if layout.tp > 1 and layout.dp > 1 and spec.data_parallel == "ddp":
         raise ConfigError("parallel.data_parallel: use 'fsdp' to combine dp > 1 with tp > 1")
     return layout
@@ -238,11 +248,25 @@ class Pipeline:
 
 
 def build_pipeline(model: nn.Module, ctx: DistContext, spec: ParallelSpec, loss_fn: Any) -> Pipeline:
-    """Split `model` into stages over the pp dimension and build a GPipe or 1F1B schedule."""
+    """Split `model` into stages over the pp dimension and build a GPipe or 1F1B schedule.
+
+    With dp > 1 each stage is wrapped for data parallelism over its dp sub-mesh (the ranks that
+    hold the same stage): the pipeline stage then all-reduces (DDP) or reduce-scatters (FSDP2)
+    the stage's gradients once, after the last micro-batch's backward.
+    """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     pp_rank, pp = ctx.coord("pp"), ctx.layout.pp
     module = stage_module(model, pp_rank, pp).to(ctx.device)
+    if ctx.layout.dp > 1 and spec.data_parallel == "fsdp":
+        module = apply_data_parallel(module, ctx, "fsdp")
+    elif ctx.layout.dp > 1:
+        # Classic DDP's bucket rebuild breaks when the schedule runs several micro-batch backwards
+        # per step (its reducer records each one); the composable replicate (DDP semantics on the
+        # FSDP2 runtime) is the data-parallel wrapper torch.distributed.pipelining drives itself.
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        module = cast(nn.Module, replicate(module, mesh=ctx.mesh["dp"]))
     stage = PipelineStage(module, pp_rank, pp, ctx.device, group=ctx.group("pp"))
     cls = ScheduleGPipe if spec.pp_schedule == "gpipe" else Schedule1F1B
     schedule = cls(stage, n_microbatches=spec.microbatches, loss_fn=loss_fn)

@@ -50,6 +50,19 @@ STRATEGIES: dict[str, dict[str, Any]] = {
         "loss": "cross_entropy",
         "world": 4,
     },
+    # 2-D: pipeline stages, each replicated (DDP) or sharded (FSDP2) over its dp group; 4 ranks.
+    "pp_ddp": {
+        "parallel": {"pp": 2, "dp": 2, "pp_schedule": "gpipe", "microbatches": 4},
+        "model": "mlp",
+        "loss": "cross_entropy",
+        "world": 4,
+    },
+    "pp_fsdp": {
+        "parallel": {"pp": 2, "dp": 2, "data_parallel": "fsdp", "pp_schedule": "1f1b", "microbatches": 4},
+        "model": "mlp",
+        "loss": "cross_entropy",
+        "world": 4,
+    },
 }
 
 
@@ -150,6 +163,8 @@ def main(out: Path) -> None:
             "resume_vs_whole": max_diff(full_weights(resumed), whole_w),
             "keys": len(whole_w),
             "stage": whole.ctx.coord("pp"),
+            "dp_rank": whole.ctx.dp_rank,
+            "micro_batches_seen": whole.train_source.state_dict().get("batches_done"),
         }
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()

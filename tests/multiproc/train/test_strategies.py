@@ -1,4 +1,5 @@
-"""Every parallel strategy on gloo (2 ranks; dp x tp with 4): same weights as one process, exact resume."""
+"""Every parallel strategy on gloo (2 ranks; dp x tp and pp x dp with 4): same weights as one process,
+exact resume from the sharded checkpoint."""
 
 from __future__ import annotations
 
@@ -69,9 +70,35 @@ def test_pipeline_ranks_hold_different_stages(results: list[dict[str, Any]]) -> 
     assert results[0]["tp"]["keys"] == results[1]["tp"]["keys"] > 4
 
 
-def test_fsdp_with_tensor_parallel_on_a_2d_mesh(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def results_4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One torchrun job (4 ranks) runs the 2-D layouts: dp x tp, and pp x dp with DDP and FSDP2."""
+    return _run_job(tmp_path_factory.mktemp("strategies4"), 4)
+
+
+def test_fsdp_with_tensor_parallel_on_a_2d_mesh(results_4: list[dict[str, Any]]) -> None:
     """dp=2 x tp=2 (4 ranks): FSDP2 over tensor-parallel blocks matches one process and resumes exactly."""
-    for found in (r["fsdp_tp"] for r in _run_job(tmp_path, 4)):
+    for found in (r["fsdp_tp"] for r in results_4):
         assert found["steps"] == 6 and found["vs_reference"] < 1e-5
         assert found["val_loss_vs_reference"] < 1e-5
         assert found["resumed_from"] == "step-000000003" and found["resume_vs_whole"] <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["pp_ddp", "pp_fsdp"])
+def test_pipeline_with_data_parallel_on_a_2d_mesh(results_4: list[dict[str, Any]], name: str) -> None:
+    """pp=2 x dp=2: each stage replicated (DDP) or sharded (FSDP2) over its dp group.
+
+    Matching the single-process loop over 32-sample global batches shows that the two dp replicas
+    read different halves of each batch and that each stage's gradients were averaged over them
+    (unsynchronised replicas, or replicas reading the same samples, would drift from the reference).
+    """
+    found = [r[name] for r in results_4]
+    # Mesh ("pp", "dp", "tp"): ranks 0, 1 hold stage 0 (dp 0, 1), ranks 2, 3 stage 1.
+    assert [(f["stage"], f["dp_rank"]) for f in found] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for f in found:
+        assert f["keys"] == 4  # this stage's two linear layers (weight, bias), gathered whole
+        assert f["steps"] == 6 and f["micro_batches_seen"] == 6  # 96 samples per dp shard / 16
+        assert f["vs_reference"] < 1e-6
+        assert f["val_loss_vs_reference"] < 1e-6
+        assert f["stopped_at"] == 3 and f["resumed_from"] == "step-000000003"
+        assert f["resumed_steps"] == 6 and f["resume_vs_whole"] <= 1e-6

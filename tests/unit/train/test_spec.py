@@ -124,6 +124,8 @@ def test_multi_node_command_uses_rendezvous(tmp_path: Path) -> None:
         ({}, 4, (1, 4, 1)),
         ({"tp": 2, "data_parallel": "fsdp"}, 4, (1, 2, 2)),
         ({"pp": 2}, 2, (2, 1, 1)),
+        ({"pp": 2}, 4, (2, 2, 1)),
+        ({"pp": 2, "dp": 2, "data_parallel": "fsdp"}, 4, (2, 2, 1)),
         ({"dp": 1, "tp": 2}, 2, (1, 1, 2)),
     ],
 )
@@ -136,7 +138,7 @@ def test_layout_fills_dp(parallel: dict, world: int, expected: tuple[int, int, i
     ("parallel", "world", "message"),
     [
         ({"dp": 3}, 2, "= 3 ranks, but the job has 2"),
-        ({"pp": 2, "tp": 2}, 4, "pp > 1 is supported with dp = tp = 1"),
+        ({"pp": 2, "tp": 2}, 4, "pp=2 x tp=2 is not supported"),
         ({"tp": 2, "dp": 2}, 4, "data_parallel: use 'fsdp'"),
     ],
 )

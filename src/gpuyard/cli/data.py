@@ -155,7 +155,9 @@ def transform_cmd(
     output: str | None = typer.Option(
         None, "--output", help="Name of the result (default: a new version of NAME)."
     ),
-    engine: str = typer.Option("pool", "--engine", help="pool (local processes), ray (Ray tasks) or serial."),
+    engine: str = typer.Option(
+        "pool", "--engine", help="pool (local processes), thread (local threads), ray (Ray tasks) or serial."
+    ),
     workers: int | None = typer.Option(None, "--workers", help="Process-pool size (default: CPU count)."),
     ray_address: str | None = typer.Option(None, "--ray", help="Ray cluster address for --engine ray."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),

@@ -11,12 +11,12 @@ import multiprocessing as mp
 import os
 import sys
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Executor, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from typing import Any
 
 from gpuyard.errors import ConfigError, GpuyardError
 
-ENGINES = ("pool", "ray", "serial")
+ENGINES = ("pool", "thread", "ray", "serial")
 START_METHOD_ENV = "GPUYARD_DATA_START_METHOD"
 
 
@@ -47,14 +47,16 @@ def run_tasks(
     ray_address: str | None = None,
     progress: Progress | None = None,
     stage: str = "",
-    executor: ProcessPoolExecutor | None = None,
+    executor: Executor | None = None,
 ) -> list[Any]:
     """``[fn(t) for t in tasks]``, run by ``engine``; results keep the order of ``tasks``.
 
     Args:
         fn: a module-level function (it is pickled by reference).
         tasks: one argument dict per shard.
-        engine: ``pool`` (processes on this machine), ``ray`` (tasks on a Ray cluster) or ``serial``.
+        engine: ``pool`` (processes on this machine), ``thread`` (threads of this process: the tasks'
+            heavy work is Arrow and NumPy, which release the GIL, and nothing is pickled or forked),
+            ``ray`` (tasks on a Ray cluster) or ``serial``.
         workers: pool size (default: CPU count); ignored by Ray, which places one CPU per task.
         ray_address: Ray cluster to join when Ray is not initialised yet (default: start a local one).
         progress: called with (stage, done, total) as tasks finish.
@@ -73,6 +75,9 @@ def run_tasks(
     if executor is not None:
         return _run_pool(fn, tasks, executor, progress, stage)
     size = min(workers or os.cpu_count() or 1, len(tasks))
+    if engine == "thread" and size > 1:
+        with ThreadPoolExecutor(max_workers=size, thread_name_prefix="gpuyard-data") as threads:
+            return _run_pool(fn, tasks, threads, progress, stage)
     if engine == "serial" or size <= 1:
         results = []
         for i, task in enumerate(tasks):
@@ -85,11 +90,15 @@ def run_tasks(
 
 
 @contextlib.contextmanager
-def open_pool(engine: str, workers: int | None, tasks: int) -> Iterator[ProcessPoolExecutor | None]:
-    """A process pool to share between passes of one job; None when the engine does not use one."""
+def open_pool(engine: str, workers: int | None, tasks: int) -> Iterator[Executor | None]:
+    """A process (or thread) pool to share between passes of one job; None when the engine uses none."""
     size = min(workers or os.cpu_count() or 1, tasks)
-    if engine != "pool" or size <= 1:
+    if engine not in ("pool", "thread") or size <= 1:
         yield None
+        return
+    if engine == "thread":
+        with ThreadPoolExecutor(max_workers=size, thread_name_prefix="gpuyard-data") as threads:
+            yield threads
         return
     with ProcessPoolExecutor(max_workers=size, mp_context=mp.get_context(start_method())) as pool:
         yield pool
@@ -98,7 +107,7 @@ def open_pool(engine: str, workers: int | None, tasks: int) -> Iterator[ProcessP
 def _run_pool(
     fn: Callable[[dict[str, Any]], Any],
     tasks: list[dict[str, Any]],
-    pool: ProcessPoolExecutor,
+    pool: Executor,
     progress: Progress | None,
     stage: str,
 ) -> list[Any]:

@@ -21,6 +21,8 @@ DEFAULT_SHARD_BYTES = 128 << 20
 # Row groups are the unit a loader can read alone; ~8 MiB keeps partial reads cheap and decoding fast.
 ROW_GROUP_BYTES = 8 << 20
 COMPRESSION = "snappy"
+# Field metadata marking a column with few distinct values (written dictionary-encoded).
+FEW_VALUES_KEY = b"gpuyard.few_values"
 
 
 @dataclass(frozen=True)
@@ -54,14 +56,22 @@ def encode_shard(table: pa.Table) -> bytes:
     """The Parquet bytes of ``table`` (snappy, page checksums, row groups of about 8 MiB)."""
     sink = io.BytesIO()
     group_rows = rows_per_shard(table, ROW_GROUP_BYTES)
-    # Dictionary encoding pays off for text; on numbers and tensors it mostly costs write time.
-    text = [f.name for f in table.schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+    # Dictionary encoding pays off for text and for columns known to hold few distinct values (one-hot
+    # vectors: k + 1 values, so pages of small indices instead of k bytes per row to compress);
+    # on numbers and other tensors it mostly costs write time.
+    few = [
+        f.name
+        for f in table.schema
+        if pa.types.is_string(f.type)
+        or pa.types.is_large_string(f.type)
+        or (f.metadata or {}).get(FEW_VALUES_KEY) is not None
+    ]
     pq.write_table(
         table,
         sink,
         compression=COMPRESSION,
         row_group_size=group_rows,
-        use_dictionary=text,
+        use_dictionary=few,
         write_page_checksum=True,
         write_statistics=False,
     )

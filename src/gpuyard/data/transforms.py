@@ -23,6 +23,7 @@ from gpuyard.data.features import derive, image_features, numeric, text_hash
 from gpuyard.data.manifest import build_manifest
 from gpuyard.data.parallel import Progress, open_pool, run_tasks
 from gpuyard.data.recipe import Recipe
+from gpuyard.data.shards import FEW_VALUES_KEY
 from gpuyard.data.split import assign
 
 
@@ -112,7 +113,9 @@ def _encode(table: pa.Table, col: str, p: dict[str, Any]) -> pa.Table:
     known = np.flatnonzero(codes >= 0)
     onehot[known, codes[known]] = 1
     arr, spec = tensor_array(onehot, copy=False)  # onehot is ours alone: share, do not copy
-    return table.set_column(idx, tensor_field(col, spec), arr)
+    field = tensor_field(col, spec)
+    field = field.with_metadata({**(field.metadata or {}), FEW_VALUES_KEY: b"1"})
+    return table.set_column(idx, field, arr)
 
 
 # -- tasks run by the pool or by Ray (module-level so they pickle by reference) -----------------------

@@ -47,7 +47,9 @@ def test_pool_and_ray_give_the_same_version(ray_cluster: None, gpuyard_home: Pat
     pool = transform(src.ref, recipe, engine="pool", workers=2, output="by-pool")
     ray = transform(src.ref, recipe, engine="ray", output="by-ray")
     serial = transform(src.ref, recipe, engine="serial", output="by-serial")
-    assert pool.version == ray.version == serial.version  # content address: identical shards and stats
+    threads = transform(src.ref, recipe, engine="thread", workers=2, output="by-threads")
+    # Content address: identical shards and stats.
+    assert pool.version == ray.version == serial.version == threads.version
     assert [s.sha256 for s in pool.shards] == [s.sha256 for s in ray.shards]
     assert pool.fitted == ray.fitted and pool.stats == ray.stats
     a, b = pool.to_numpy(["ink", "small", "fold"]), ray.to_numpy(["ink", "small", "fold"])

@@ -163,3 +163,14 @@ def test_without_a_split_fitted_statistics_come_from_the_manifest(gpuyard_home: 
     assert fit_from_stats(load_recipe("split: {}\nnormalize: [{columns: [v]}]"), ds) is None
     out = transform("nums", recipe, engine="serial")
     assert out.fitted["normalize"]["v"] == from_stats["normalize"]["v"]
+    # Threads run the same tasks: the same shards, hence the same content-addressed version.
+    threaded = transform(ds.ref, recipe, engine="thread", workers=3, output="nums-threads")
+    assert threaded.version == out.version and len(threaded.shards) > 1
+    onehot = threaded.to_numpy(["c"])["c"]  # one-hot vectors are stored dictionary-encoded
+    assert onehot.dtype == np.uint8 and onehot.shape == (500, 3)
+    assert onehot.argmax(axis=1).tolist() == [i % 3 for i in range(500)] and onehot.sum() == 500
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(threaded.shard_paths()[0]).metadata
+    column = meta.schema.names.index("c")
+    assert "RLE_DICTIONARY" in meta.row_group(0).column(column).encodings

@@ -2,11 +2,12 @@
 
 Both start from the same rows in Parquet and end with the transformed rows in Parquet:
 
-- gpuyard: ``transform(ref, recipe, engine="pool")`` over the ingested version (its shards): fit
+- gpuyard: ``transform(ref, recipe, engine=...)`` over the ingested version (its shards): fit
   z-score and min-max statistics and the categories (here read from the version's manifest: there
   is no split), apply them, write new shards and their statistics, record the version. The one-hot
-  result is one uint8 vector column (gpuyard's representation) rather than 20 flag columns. The
-  process pool's start-up is included.
+  result is one uint8 vector column (gpuyard's representation) rather than 20 flag columns. Run
+  with ``engine="thread"`` (its best configuration on 2 cores; the headline ``vs_pandas``) and with
+  ``engine="pool"`` (worker processes, start-up included; ``pool_vs_pandas``), same worker count.
 - pandas: ``read_parquet`` (pyarrow engine, all threads; ``read_dictionary=["cat"]`` so the text
   column arrives as a ``Categorical`` straight from Parquet's dictionary pages, as gpuyard reads it),
   ``mean``/``std(ddof=0)``/``min``/``max`` and the same vectorised arithmetic (float32 results, as
@@ -85,12 +86,12 @@ def run_pandas(src: Path, dest: Path) -> float:
     return time.perf_counter() - t0
 
 
-def run_gpuyard(workers: int, source_ref: str, pandas_out: Path) -> float:
+def run_gpuyard(engine: str, workers: int, source_ref: str, pandas_out: Path) -> float:
     from gpuyard.data import load_recipe, transform
     from gpuyard.store import get_artifacts
 
     t0 = time.perf_counter()
-    result = transform(source_ref, load_recipe(RECIPE), engine="pool", workers=workers, output="bench-out")
+    result = transform(source_ref, load_recipe(RECIPE), engine=engine, workers=workers, output="bench-out")
     dt = time.perf_counter() - t0
     # Same answer as pandas: compare a slice of the two outputs.
     mine = next(result.iter_tables(["id", "a", "d", "cat"]))
@@ -117,7 +118,7 @@ def child(which: str, argv: list[str]) -> None:
     if which == "pandas":
         dt = run_pandas(Path(argv[0]), Path(argv[1]))
     else:
-        dt = run_gpuyard(int(argv[0]), argv[1], Path(argv[2]))
+        dt = run_gpuyard(which.split("-")[1], int(argv[0]), argv[1], Path(argv[2]))
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
     print(f"{dt} {max(me.ru_maxrss, kids.ru_maxrss)} {cpu}")
@@ -158,10 +159,12 @@ def main() -> None:
     # alternating, and keeps its best.
     pandas_out = root / "pandas.parquet"
     best: dict[str, tuple[float, float, float]] = {}
+    gpuyard_args = (str(args.workers), version.ref, str(pandas_out))
     for _ in range(args.rounds):
         runs = {
             "pandas": _spawn("--child", "pandas", str(src), str(pandas_out)),
-            "gpuyard": _spawn("--child", "gpuyard", str(args.workers), version.ref, str(pandas_out)),
+            "gpuyard": _spawn("--child", "gpuyard-thread", *gpuyard_args),
+            "gpuyard_pool": _spawn("--child", "gpuyard-pool", *gpuyard_args),
         }
         for name, (sec, peak, cpu) in runs.items():
             old = best.get(name)
@@ -177,7 +180,9 @@ def main() -> None:
     result = open_dataset("bench-out")
     shards = len(result.shards)
     rate = rows / gpuyard_s
-    print(f"gpuyard: {gpuyard_s:.2f} s = {rate:,.0f} rows/s ({args.workers} workers, {shards} shards)")
+    pool_s = best["gpuyard_pool"][0]
+    print(f"gpuyard: {gpuyard_s:.2f} s = {rate:,.0f} rows/s ({args.workers} threads, {shards} shards)")
+    print(f"gpuyard pool: {pool_s:.2f} s = {rows / pool_s:,.0f} rows/s ({args.workers} processes)")
     print(f"pandas:  {pandas_s:.2f} s = {rows / pandas_s:,.0f} rows/s")
     mine_mib, theirs_mib = rss_kib / 1024, pandas_rss_kib / 1024
     print(f"peak RSS: gpuyard {mine_mib:.0f} MiB (driver or largest worker), pandas {theirs_mib:.0f} MiB")
@@ -185,8 +190,10 @@ def main() -> None:
         f"CPU seconds (whole process, imports, workers): gpuyard {gpuyard_cpu:.1f}, pandas {pandas_cpu:.1f}"
     )
     print(
-        f"transform: vs_pandas={pandas_s / gpuyard_s:.1f}x cpu_vs_pandas={pandas_cpu / gpuyard_cpu:.1f}x "
-        f"gpuyard_s={gpuyard_s:.2f} pandas_s={pandas_s:.2f} rows={rows} workers={args.workers} "
+        f"transform: vs_pandas={pandas_s / gpuyard_s:.1f}x pool_vs_pandas={pandas_s / pool_s:.1f}x "
+        f"cpu_vs_pandas={pandas_cpu / gpuyard_cpu:.1f}x "
+        f"gpuyard_s={gpuyard_s:.2f} gpuyard_pool_s={pool_s:.2f} pandas_s={pandas_s:.2f} rows={rows} "
+        f"workers={args.workers} "
         f"rounds={args.rounds} gpuyard_peak_rss_mib={mine_mib:.0f} pandas_peak_rss_mib={theirs_mib:.0f}"
     )
     shutil.rmtree(root, ignore_errors=True)  # 100,000 files or 10M rows per run: leave nothing behind

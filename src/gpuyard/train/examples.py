@@ -3,6 +3,8 @@
 * :func:`mlp` - an ``nn.Sequential`` (pipeline parallel splits it into stages);
 * :class:`TinyTransformer` - embedding, pre-norm blocks (attention + MLP), head; gives ``tp_plan()``
   for tensor parallel and ``fsdp_units()`` for FSDP2;
+* :class:`SequentialTransformer` - the same layers as an ``nn.Sequential`` (embedding, blocks, head)
+  with a ``tp_plan()``: pipeline stages of it can be tensor parallel (pp x tp);
 * :func:`classification_data`, :func:`token_data` - seeded synthetic map-style datasets;
 * :class:`TensorBatchLoader` - a loader following the resumable protocol (state_dict/load_state_dict/
   set_epoch), standing in for ``gpuyard.data.loader``.
@@ -126,6 +128,65 @@ class TinyTransformer(nn.Module):
     def fsdp_units(self) -> list[nn.Module]:
         """One FSDP2 unit per block."""
         return list(self.blocks)
+
+
+class Embed(nn.Module):
+    """Token embedding plus a learned position table (the first layer of a SequentialTransformer)."""
+
+    def __init__(self, vocab: int, dim: int, seq_len: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(seq_len, dim))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens) + self.pos[: tokens.shape[1]]  # type: ignore[no-any-return]
+
+
+class Head(nn.Module):
+    """Final norm and vocabulary projection (the last layer of a SequentialTransformer)."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x))  # type: ignore[no-any-return]
+
+
+class SequentialTransformer(nn.Sequential):
+    """A decoder as an nn.Sequential ``[Embed, Block x layers, Head]``: pipeline parallel splits it,
+    and ``tp_plan()`` names paths (``"1.attn.q"``) that stay valid inside each stage."""
+
+    def __init__(
+        self,
+        vocab: int = 32,
+        dim: int = 32,
+        heads: int = 4,
+        layers: int = 2,
+        seq_len: int = 16,
+        dropout: float = 0.0,
+    ) -> None:
+        blocks = [Block(dim, heads, dropout) for _ in range(layers)]
+        super().__init__(Embed(vocab, dim, seq_len), *blocks, Head(vocab, dim))
+
+    def tp_plan(self) -> dict[str, Any]:
+        """Megatron-style plan per block, keyed by the block's position in the sequence."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan: dict[str, Any] = {}
+        for i, layer in enumerate(self):
+            if isinstance(layer, Block):
+                for name in ("attn.q", "attn.k", "attn.v", "fc1"):
+                    plan[f"{i}.{name}"] = ColwiseParallel()
+                for name in ("attn.out", "fc2"):
+                    plan[f"{i}.{name}"] = RowwiseParallel()
+        return plan
+
+
+def sequential_transformer(**kwargs: Any) -> SequentialTransformer:
+    """Factory for specs: `gpuyard.train.examples:sequential_transformer` (pp, pp x dp, pp x tp)."""
+    return SequentialTransformer(**kwargs)
 
 
 def tiny_transformer(**kwargs: Any) -> TinyTransformer:

@@ -60,15 +60,12 @@ def resolve_layout(spec: ParallelSpec, world_size: int) -> MeshLayout:
             f"parallel: pp={layout.pp} x dp={layout.dp} x tp={layout.tp} = {layout.world_size} ranks, "
             f"but the job has {world_size} (set parallel.dp or --nproc to match)"
         )
-    if layout.pp > 1 and layout.tp > 1:
-        # Stages are slices of an nn.Sequential, while tp plans name paths inside the whole model
-        # (e.g. "blocks.0.attn.q"): the two do not compose yet. pp x dp (DDP or FSDP2) does.
-        raise ConfigError(
-            f"parallel: pp={layout.pp} x tp={layout.tp} is not supported (tensor parallel inside "
-            "pipeline stages); use pp x dp, or dp x tp with data_parallel: fsdp"
-        )
     if layout.tp > 1 and layout.dp > 1 and spec.data_parallel == "ddp":
-        raise ConfigError("parallel.data_parallel: use 'fsdp' to combine dp > 1 with tp > 1")
+        # DDP's reducer does not handle the DTensor parameters tensor parallel leaves behind.
+        raise ConfigError(
+            f"parallel.data_parallel: use 'fsdp' to combine dp={layout.dp} with tp={layout.tp} "
+            f"(with or without pp); 'ddp' works for dp alone and for pp x dp"
+        )
     return layout
 
 
@@ -144,21 +141,43 @@ def init_distributed(spec: ParallelSpec) -> DistContext:
     return DistContext(rank, world, local_rank, device, layout, mesh)
 
 
-def apply_tensor_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """Shard the model's layers over the tp dimension with the plan from `model.tp_plan()`.
+def tp_plan_of(model: nn.Module) -> dict[str, Any]:
+    """The model's tensor-parallel plan, `model.tp_plan()`.
 
     Raises:
-        ConfigError: when tp > 1 and the model gives no plan.
+        ConfigError: when the model gives no plan.
     """
-    from torch.distributed.tensor.parallel import parallelize_module
-
     plan_fn = getattr(model, "tp_plan", None)
     if not callable(plan_fn):
         raise ConfigError(
             f"parallel.tp: {type(model).__name__} has no tp_plan() method returning "
             "{module_path: ColwiseParallel()/RowwiseParallel()}"
         )
-    return parallelize_module(model, ctx.mesh["tp"], plan_fn())
+    return dict(plan_fn())
+
+
+def apply_tensor_parallel(
+    model: nn.Module, ctx: DistContext, plan: dict[str, Any] | None = None
+) -> nn.Module:
+    """Shard the model's layers over the tp dimension with `plan` (default: `model.tp_plan()`).
+
+    Raises:
+        ConfigError: when no plan is given and the model has none.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(model, ctx.mesh["tp"], tp_plan_of(model) if plan is None else plan)
+
+
+def stage_tp_plan(plan: dict[str, Any], stage: nn.Module) -> dict[str, Any]:
+    """The entries of a whole-model plan that fall inside a pipeline stage.
+
+    Stages keep the whole model's child names ("1", "2", ...), so a path such as "1.attn.q" means
+    the same module in the stage as in the whole model. A stage without planned layers (say,
+    embedding and head only) runs replicated on its tp ranks.
+    """
+    names = {name for name, _ in stage.named_children()}
+    return {path: style for path, style in plan.items() if path.split(".", 1)[0] in names}
 
 
 def apply_data_parallel(model: nn.Module, ctx: DistContext, kind: str) -> nn.Module:
@@ -250,14 +269,20 @@ class Pipeline:
 def build_pipeline(model: nn.Module, ctx: DistContext, spec: ParallelSpec, loss_fn: Any) -> Pipeline:
     """Split `model` into stages over the pp dimension and build a GPipe or 1F1B schedule.
 
-    With dp > 1 each stage is wrapped for data parallelism over its dp sub-mesh (the ranks that
-    hold the same stage): the pipeline stage then all-reduces (DDP) or reduce-scatters (FSDP2)
-    the stage's gradients once, after the last micro-batch's backward.
+    With tp > 1 each stage's layers are sharded over the tp sub-mesh with the entries of
+    `model.tp_plan()` that fall in the stage. With dp > 1 each stage is then wrapped for data
+    parallelism over its dp sub-mesh (the ranks that hold the same stage): the pipeline stage
+    all-reduces (DDP) or reduce-scatters (FSDP2) the stage's gradients once, after the last
+    micro-batch's backward.
     """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     pp_rank, pp = ctx.coord("pp"), ctx.layout.pp
+    # The plan is read from the whole model: a stage is a plain nn.Sequential without tp_plan().
+    plan = tp_plan_of(model) if ctx.layout.tp > 1 else {}
     module = stage_module(model, pp_rank, pp).to(ctx.device)
+    if ctx.layout.tp > 1:
+        module = apply_tensor_parallel(module, ctx, stage_tp_plan(plan, module))
     if ctx.layout.dp > 1 and spec.data_parallel == "fsdp":
         module = apply_data_parallel(module, ctx, "fsdp")
     elif ctx.layout.dp > 1:

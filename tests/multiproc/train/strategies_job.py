@@ -57,6 +57,13 @@ STRATEGIES: dict[str, dict[str, Any]] = {
         "loss": "cross_entropy",
         "world": 4,
     },
+    # Tensor parallel inside pipeline stages: the stage's blocks sharded over its tp group.
+    "pp_tp": {
+        "parallel": {"pp": 2, "tp": 2, "pp_schedule": "1f1b", "microbatches": 4},
+        "model": "seq_transformer",
+        "loss": "cross_entropy",
+        "world": 4,
+    },
     "pp_fsdp": {
         "parallel": {"pp": 2, "dp": 2, "data_parallel": "fsdp", "pp_schedule": "1f1b", "microbatches": 4},
         "model": "mlp",
@@ -67,13 +74,15 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 
 
 def model_factory(kind: str) -> Any:
+    if kind == "seq_transformer":  # [Embed, Block, Block, Head]: 2 stages of 2 layers
+        return lambda: ex.SequentialTransformer(vocab=16, dim=16, heads=4, layers=2, seq_len=8)
     if kind == "transformer":
         return lambda: ex.TinyTransformer(vocab=16, dim=16, heads=4, layers=1, seq_len=8)
     return lambda: ex.mlp(in_features=16, hidden=32, out_features=4, layers=3)
 
 
 def dataset(kind: str) -> Any:
-    if kind == "transformer":
+    if kind in ("transformer", "seq_transformer"):
         return ex.token_data(n=192, seq_len=8, vocab=16, seed=1)
     return ex.classification_data(n=192, seed=1)
 
@@ -113,6 +122,21 @@ def reference(cfg: dict[str, Any], steps: int) -> tuple[dict[str, torch.Tensor],
 def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in sd.items()}
+
+
+def tp_sharded(trainer: Trainer) -> int:
+    """Parameters of this rank split over the tp dimension (a DTensor with a Shard placement on tp)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = trainer.ctx.mesh
+    if mesh is None or trainer.ctx.layout.tp == 1:
+        return 0
+    count = 0
+    for p in trainer.model.parameters():
+        if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()):
+            tp_dim = p.device_mesh.mesh_dim_names.index("tp")
+            count += isinstance(p.placements[tp_dim], Shard)
+    return count
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -164,6 +188,8 @@ def main(out: Path) -> None:
             "keys": len(whole_w),
             "stage": whole.ctx.coord("pp"),
             "dp_rank": whole.ctx.dp_rank,
+            "tp_rank": whole.ctx.coord("tp"),
+            "tp_sharded_params": tp_sharded(whole),
             "micro_batches_seen": whole.train_source.state_dict().get("batches_done"),
         }
     (out / f"rank{rank}.json").write_text(json.dumps(results))

@@ -1,5 +1,7 @@
-"""Every parallel strategy on gloo (2 ranks; dp x tp and pp x dp with 4): same weights as one process,
-exact resume from the sharded checkpoint."""
+"""Every parallel strategy on gloo (2 ranks; dp x tp, pp x dp and pp x tp with 4 ranks).
+
+Each matches a single-process reference loop and resumes exactly from its sharded checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ def test_pipeline_ranks_hold_different_stages(results: list[dict[str, Any]]) -> 
 
 @pytest.fixture(scope="module")
 def results_4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """One torchrun job (4 ranks) runs the 2-D layouts: dp x tp, and pp x dp with DDP and FSDP2."""
+    """One torchrun job (4 ranks) runs the 2-D layouts: dp x tp, pp x dp (DDP and FSDP2), pp x tp."""
     return _run_job(tmp_path_factory.mktemp("strategies4"), 4)
 
 
@@ -99,6 +101,20 @@ def test_pipeline_with_data_parallel_on_a_2d_mesh(results_4: list[dict[str, Any]
         assert f["keys"] == 4  # this stage's two linear layers (weight, bias), gathered whole
         assert f["steps"] == 6 and f["micro_batches_seen"] == 6  # 96 samples per dp shard / 16
         assert f["vs_reference"] < 1e-6
+        assert f["val_loss_vs_reference"] < 1e-6
+        assert f["stopped_at"] == 3 and f["resumed_from"] == "step-000000003"
+        assert f["resumed_steps"] == 6 and f["resume_vs_whole"] <= 1e-6
+
+
+def test_pipeline_with_tensor_parallel_stages(results_4: list[dict[str, Any]]) -> None:
+    """pp=2 x tp=2: each stage's transformer block sharded over its tp pair, stages joined by 1F1B."""
+    found = [r["pp_tp"] for r in results_4]
+    # Mesh ("pp", "dp", "tp"): tp pairs are neighbouring ranks (0, 1) and (2, 3).
+    assert [(f["stage"], f["tp_rank"]) for f in found] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for f in found:
+        # One block per stage: q, k, v, fc1 (weight + bias) and out, fc2 (weight) are split on tp.
+        assert f["tp_sharded_params"] == 10
+        assert f["steps"] == 6 and f["vs_reference"] < 1e-6
         assert f["val_loss_vs_reference"] < 1e-6
         assert f["stopped_at"] == 3 and f["resumed_from"] == "step-000000003"
         assert f["resumed_steps"] == 6 and f["resume_vs_whole"] <= 1e-6

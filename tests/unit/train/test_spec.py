@@ -126,6 +126,8 @@ def test_multi_node_command_uses_rendezvous(tmp_path: Path) -> None:
         ({"pp": 2}, 2, (2, 1, 1)),
         ({"pp": 2}, 4, (2, 2, 1)),
         ({"pp": 2, "dp": 2, "data_parallel": "fsdp"}, 4, (2, 2, 1)),
+        ({"pp": 2, "tp": 2}, 4, (2, 1, 2)),
+        ({"pp": 2, "tp": 2, "data_parallel": "fsdp"}, 8, (2, 2, 2)),
         ({"dp": 1, "tp": 2}, 2, (1, 1, 2)),
     ],
 )
@@ -138,7 +140,7 @@ def test_layout_fills_dp(parallel: dict, world: int, expected: tuple[int, int, i
     ("parallel", "world", "message"),
     [
         ({"dp": 3}, 2, "= 3 ranks, but the job has 2"),
-        ({"pp": 2, "tp": 2}, 4, "pp=2 x tp=2 is not supported"),
+        ({"pp": 2, "tp": 2, "dp": 2}, 8, "use 'fsdp' to combine dp=2 with tp=2 (with or without pp)"),
         ({"tp": 2, "dp": 2}, 4, "data_parallel: use 'fsdp'"),
     ],
 )

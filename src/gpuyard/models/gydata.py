@@ -40,10 +40,15 @@ def load_gpuyard_dataset(ref: str) -> Any:
         with artifacts.open(shard["key"]) as fh:
             tables.append(read_shard(fh, shard["key"]))
     table = pa.concat_tables(tables)
+    # A recipe's split step adds "split" (text, skipped below) and, with k-fold, an integer "fold":
+    # bookkeeping that says which rows to use, never a feature a model should learn from.
+    bookkeeping = {"fold"} if "split" in table.column_names else set()
     features: list[np.ndarray] = []
     names: list[str] = []
     y: np.ndarray | None = None
     for fld in table.schema:
+        if fld.name in bookkeeping:
+            continue
         column = table.column(fld.name)
         spec = tensor_spec(fld)
         if spec is not None:

@@ -43,3 +43,22 @@ def test_fit_on_an_ingested_dataset_version(home: Path, tmp_path: Path) -> None:
     from gpuyard.models.runs import get_run
 
     assert get_run(result.run_id).dataset_version == version.ref
+
+
+def test_split_and_fold_columns_are_not_features(home: Path, tmp_path: Path) -> None:
+    # A recipe's k-fold step adds an integer "fold" column: bookkeeping, not something to learn from.
+    from gpuyard.data.ingest import IngestOptions, ingest
+    from gpuyard.data.recipe import load_recipe
+    from gpuyard.data.transforms import transform
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(120, 5)).astype(np.float32)
+    y = (X[:, 0] > 0).astype(np.int64)
+    np.savez(tmp_path / "d.npz", X=X, y=y)
+    version = ingest(tmp_path / "d.npz", "folds", IngestOptions(label_column="y"))
+    recipe = load_recipe({"split": {"method": "stratified", "column": "y", "kfold": 3, "seed": 1}})
+    folded = transform(version.ref, recipe, engine="serial")
+    assert "fold" in folded.columns
+    ds = load_dataset(folded.ref)
+    assert ds.X.shape == (120, 5)
+    assert "fold" not in ds.feature_names and "split" not in ds.feature_names

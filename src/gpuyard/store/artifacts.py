@@ -76,6 +76,26 @@ class ArtifactStore:
     def put(self, key: str, src: bytes | str | Path | IO[bytes]) -> ArtifactInfo:
         """Store ``src`` (bytes, a local file path, or a binary stream) under ``key``, atomically."""
         dest = self._path(key)
+        tmp, sha, size = self._write_tmp(src, key)
+        self._commit(tmp, dest, key)
+        return ArtifactInfo(key=check_key(key), size=size, sha256=sha)
+
+    def put_blob(self, src: bytes | str | Path | IO[bytes]) -> ArtifactInfo:
+        """Store ``src`` content-addressed (``blobs/sha256/ab/abcd...``); identical content is stored once.
+
+        The content is read once: hashed while it is copied to a temporary object, which then becomes
+        the blob, or is dropped when that blob already exists.
+        """
+        tmp, sha, size = self._write_tmp(src, "a blob")
+        key = f"{BLOB_PREFIX}/{sha[:2]}/{sha}"
+        if self.exists(key):
+            self.fs.rm(tmp)
+        else:
+            self._commit(tmp, self._path(key), key)
+        return ArtifactInfo(key=key, size=size, sha256=sha)
+
+    def _write_tmp(self, src: bytes | str | Path | IO[bytes], what: str) -> tuple[str, str, int]:
+        """Copy ``src`` to a fresh temporary object under the root; return (path, sha256, size)."""
         tmp = f"{self.root}/{_TMP}/{uuid.uuid4().hex}"
         self.fs.makedirs(posixpath.dirname(tmp), exist_ok=True)
         digest, size = hashlib.sha256(), 0
@@ -85,28 +105,27 @@ class ArtifactStore:
                     digest.update(chunk)
                     out.write(chunk)
                     size += len(chunk)
+        except FileNotFoundError as exc:
+            self._drop(tmp)
+            raise NotFoundError(f"cannot store {what!r}: source {src!s:.200} does not exist") from exc
+        except OSError as exc:
+            self._drop(tmp)
+            raise StoreError(f"cannot write {what!r} to {self.root_url}: {exc}") from exc
+        return tmp, digest.hexdigest(), size
+
+    def _commit(self, tmp: str, dest: str, key: str) -> None:
+        """Move a finished temporary object into place (a rename on local disk: readers see all or none)."""
+        try:
             self.fs.makedirs(posixpath.dirname(dest), exist_ok=True)
             self.fs.mv(tmp, dest)
-        except FileNotFoundError as exc:
-            raise NotFoundError(f"cannot store {key!r}: source {src!s:.200} does not exist") from exc
         except OSError as exc:
             raise StoreError(f"cannot write artifact {key!r} to {self.root_url}: {exc}") from exc
         finally:
-            if self.fs.exists(tmp):
-                self.fs.rm(tmp)
-        return ArtifactInfo(key=check_key(key), size=size, sha256=digest.hexdigest())
+            self._drop(tmp)
 
-    def put_blob(self, src: bytes | str | Path | IO[bytes]) -> ArtifactInfo:
-        """Store ``src`` content-addressed (``blobs/sha256/ab/abcd...``); identical content is stored once."""
-        data_hash = _hash_source(src)
-        key = f"{BLOB_PREFIX}/{data_hash[:2]}/{data_hash}"
-        if self.exists(key):
-            return ArtifactInfo(key=key, size=self.size(key), sha256=data_hash)
-        info = self.put(key, src)
-        if info.sha256 != data_hash:  # the source changed under us between hashing and copying
-            self.delete(key)
-            raise IntegrityError(f"source {src!s:.200} changed while it was being stored")
-        return info
+    def _drop(self, tmp: str) -> None:
+        if self.fs.exists(tmp):
+            self.fs.rm(tmp)
 
     def delete(self, key: str) -> None:
         """Remove ``key`` (a file or a whole folder); missing keys are ignored."""
@@ -208,16 +227,6 @@ class _Source:
 
 def _open_source(src: bytes | str | Path | IO[bytes]) -> _Source:
     return _Source(src)
-
-
-def _hash_source(src: bytes | str | Path | IO[bytes]) -> str:
-    if not isinstance(src, bytes | str | Path):
-        raise ConfigError("put_blob needs bytes or a path (a stream cannot be read twice)")
-    digest = hashlib.sha256()
-    with _open_source(src) as fh:
-        while chunk := fh.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 _artifact_stores: dict[str, ArtifactStore] = {}

@@ -81,6 +81,11 @@ def test_blobs_are_content_addressed_and_deduplicated(store: ArtifactStore) -> N
     assert a.key == b.key != c.key
     assert a.key.endswith(hashlib.sha256(b"same").hexdigest())
     assert len(store.list("blobs")) == 2
+    import io
+
+    d = store.put_blob(io.BytesIO(b"same"))  # a stream is read once, hashed as it is copied
+    assert d.key == a.key and d.size == 4
+    assert not store.fs.ls(f"{store.root}/.tmp")  # the duplicate's temporary copy was dropped
 
 
 def test_reader_never_sees_a_partial_file(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ def server(
         grace_s=grace,
         min_run_s=min_run,
         ray_address=ray,
+        role="server",
     )
     run_server(service, ServerOptions(host=host, port=port))
 

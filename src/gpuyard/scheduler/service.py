@@ -3,6 +3,9 @@
 Every state change is one transaction that also writes a job event, so the store is the only truth:
 a server killed at any moment restarts from it (``recover``), adopts the jobs still running (their
 pid and exit files outlive it) and requeues those whose launch it never saw.
+
+Only the holder of the store's scheduler lease (:mod:`gpuyard.scheduler.lease`) schedules, reaps and
+recovers; any service may submit, cancel and read.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from sqlalchemy.orm import Session
 from gpuyard.errors import CapacityError, ConfigError, ConflictError, NotFoundError
 from gpuyard.scheduler.estimator import RuntimeEstimator
 from gpuyard.scheduler.executors.base import Executor, ExitStatus, NodeSlots
+from gpuyard.scheduler.lease import DEFAULT_TTL_S, SchedulerLease, lease_conflict
 from gpuyard.scheduler.placement import ClusterState, NodeSpec, Placement, place
 from gpuyard.scheduler.policies import make_policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
@@ -43,6 +47,7 @@ class ServiceConfig:
         grace_s: after SIGTERM (cancel, preemption) a job has this long to checkpoint before SIGKILL.
         tick_s: the loop runs at least this often (and at once after a submit or cancel).
         min_run_s: a job keeps its GPUs at least this long before a preemptive policy may take them.
+        lease_ttl_s: the scheduler lease lapses this long after its holder last renewed it.
     """
 
     policy: str = "fifo"
@@ -50,15 +55,27 @@ class ServiceConfig:
     grace_s: float = 10.0
     tick_s: float = 0.2
     min_run_s: float = 300.0
+    lease_ttl_s: float = DEFAULT_TTL_S
 
 
 class JobService:
-    """Jobs on one cluster view, one policy and one executor, recorded in ``store``."""
+    """Jobs on one cluster view, one policy and one executor, recorded in ``store``.
+
+    ``role`` (``server`` or ``in-process``) is recorded with the scheduler lease and shown to a
+    service that is refused it.
+    """
 
     def __init__(
-        self, store: Store, nodes: list[NodeSpec], executor: Executor, config: ServiceConfig
+        self,
+        store: Store,
+        nodes: list[NodeSpec],
+        executor: Executor,
+        config: ServiceConfig,
+        role: str = "in-process",
     ) -> None:
         self.store, self.nodes, self.executor, self.config = store, nodes, executor, config
+        self.lease = SchedulerLease(store, role=role, ttl_s=config.lease_ttl_s)
+        self._lease_note: str | None = None
         self.policy = make_policy(
             config.policy, weights=config.teams, allow_oracle=False, min_run_s=config.min_run_s
         )
@@ -217,24 +234,60 @@ class JobService:
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> None:
-        """Tick until ``stop`` is set (the server's scheduling thread)."""
-        while not stop.is_set():
+    def claim(self) -> None:
+        """Take the store's scheduler lease (or renew it), or say who holds it.
+
+        Raises:
+            ConflictError: another live job service schedules this store; the message names it.
+        """
+        other = self.lease.acquire()
+        if other is not None:
+            raise lease_conflict(self.store, self.lease.role, other)
+
+    def holds_lease(self) -> bool:
+        """Whether this service is the store's scheduler now (renewing the lease when due)."""
+        if self.lease.renew_due():
             try:
-                self.tick()
-            except Exception:  # the loop must outlive one bad tick; the error is logged
-                log.exception("scheduling tick failed")
-            self.wake.wait(self.config.tick_s)
-            self.wake.clear()
+                self.claim()
+                self._lease_note = None
+            except ConflictError as exc:
+                if str(exc) != self._lease_note:  # say it once, not every tick
+                    log.warning("not scheduling: %s", exc)
+                    self._lease_note = str(exc)
+        return self.lease.held
+
+    def run(self, stop: threading.Event) -> None:
+        """Tick until ``stop`` is set (the server's scheduling thread); then give the lease up."""
+        try:
+            while not stop.is_set():
+                try:
+                    self.tick()
+                except Exception:  # the loop must outlive one bad tick; the error is logged
+                    log.exception("scheduling tick failed")
+                self.wake.wait(self.config.tick_s)
+                self.wake.clear()
+        finally:
+            with self._lock:
+                self.lease.release()
 
     def tick(self) -> None:
-        """Reap ended jobs, enforce stop deadlines, then let the policy start and preempt jobs."""
+        """Reap ended jobs, enforce stop deadlines, then let the policy start and preempt jobs.
+
+        Does nothing unless this service holds the scheduler lease (taken here when free or stale).
+        """
         with self._lock:
+            if not self.holds_lease():
+                return
             self._reap()
             self._schedule()
 
     def recover(self) -> dict[str, int]:
-        """After a (re)start: adopt jobs still running (reaped as usual if they ended), requeue the rest."""
+        """After a (re)start: adopt jobs still running (reaped as usual if they ended), requeue the rest.
+
+        Raises:
+            ConflictError: another live service holds the scheduler lease (its jobs are not orphans).
+        """
+        self.claim()
         counts = {"adopted": 0, "requeued": 0}
         with self._lock, self.store.session() as s:
             for row in s.scalars(select(JobRow).where(JobRow.state.in_(ACTIVE))):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gpuyard.scheduler.executors.base import Executor
+from gpuyard.scheduler.lease import SchedulerLease, lease_conflict
 from gpuyard.scheduler.service import JobService, ServiceConfig
 from gpuyard.settings import load_settings
 from gpuyard.store.db import get_store
@@ -16,6 +17,7 @@ def build_service(
     grace_s: float = 10.0,
     min_run_s: float = 300.0,
     ray_address: str | None = None,
+    role: str = "in-process",
 ) -> JobService:
     """The job service of `gpuyard server`.
 
@@ -27,9 +29,23 @@ def build_service(
         grace_s: seconds between SIGTERM and SIGKILL on cancel and preemption.
         min_run_s: how long a job runs before a preemptive policy may take its GPUs.
         ray_address: run jobs on this Ray cluster instead of this machine.
+        role: ``server`` for `gpuyard server`, ``in-process`` for a service inside another command.
+
+    Raises:
+        ConflictError: another live job service is the store's scheduler (the message names it);
+            checked before any executor or Ray connection is set up. The lease itself is taken by
+            ``recover()`` or the first ``tick()``.
     """
     settings = load_settings()
     store = get_store(settings)
+    config = ServiceConfig(
+        policy=policy, teams={"default": 1.0, **(teams or {})}, grace_s=grace_s, min_run_s=min_run_s
+    )
+    # Refuse before building the executor: a refused server must not touch Ray or the GPUs. This only
+    # looks (a service built to list jobs must not hold the store); recover() or the first tick takes it.
+    holder = SchedulerLease(store, role=role).live_holder()
+    if holder is not None:
+        raise lease_conflict(store, role, holder)
     executor: Executor
     if ray_address:
         from gpuyard.scheduler.executors.ray import RayExecutor
@@ -42,7 +58,4 @@ def build_service(
 
         executor = LocalExecutor(settings.ensure_home() / "jobs")
         nodes = [local_node(fake_gpus=fake_gpus, cpus=cpus, record=True)]
-    config = ServiceConfig(
-        policy=policy, teams={"default": 1.0, **(teams or {})}, grace_s=grace_s, min_run_s=min_run_s
-    )
-    return JobService(store, nodes, executor, config)
+    return JobService(store, nodes, executor, config, role=role)

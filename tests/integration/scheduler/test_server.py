@@ -162,3 +162,20 @@ def test_http_api_and_cli_client(
 def test_client_says_when_no_server_answers() -> None:
     with pytest.raises(ServerUnreachable, match="gpuyard server"):
         JobClient(f"http://127.0.0.1:{_free_port()}", timeout=2).list_jobs()
+
+
+def test_second_server_on_the_same_store_exits_naming_the_holder(
+    server: Callable[[], tuple[subprocess.Popen[bytes], str]], gpuyard_home: Path
+) -> None:
+    first, _ = server()
+    second = subprocess.run(
+        [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", str(_free_port())],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "GPUYARD_HOME": str(gpuyard_home)},
+        timeout=60,
+    )
+    assert second.returncode == 2
+    lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"gpuyard server pid {first.pid}" in lines[0], second.stderr
+    assert first.poll() is None  # the holder keeps serving

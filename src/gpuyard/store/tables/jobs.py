@@ -62,3 +62,25 @@ class JobEventRow(Base):
     data: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
 
     __table_args__ = (Index("ix_job_events_job_id", "job_id"),)
+
+
+class SchedulerLeaseRow(Base):
+    """Who schedules the jobs of this store: one row per lease name, held until ``expires_at``.
+
+    Only the holder starts, reaps and recovers jobs, so two job services on one store (a server and an
+    in-process service, or two servers on one PostgreSQL) never both start a job or requeue each
+    other's running jobs.
+    """
+
+    __tablename__ = "scheduler_lease"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    # host:pid:random, unique per JobService instance.
+    holder: Mapped[str] = mapped_column(String(200))
+    host: Mapped[str] = mapped_column(String(200))
+    pid: Mapped[int] = mapped_column(Integer)
+    # The holder's process create time: a reused pid on the same host is not taken for the holder.
+    pid_started: Mapped[float] = mapped_column(Float)
+    role: Mapped[str] = mapped_column(String(32))
+    acquired_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)

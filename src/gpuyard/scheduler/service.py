@@ -410,8 +410,10 @@ class JobService:
 
     def _start(self, job_id: int, placement: Placement, slots: list[NodeSlots]) -> None:
         with self.store.session() as s:
-            row = self._row(s, job_id)
-            if row.state != JobState.QUEUED.value:
+            # Locked (PostgreSQL; SQLite's write lock already covers it) so that a start racing a
+            # scheduler that just lost its lease sees the other's move and does not start it twice.
+            row = s.get(JobRow, job_id, with_for_update=True)
+            if row is None or row.state != JobState.QUEUED.value:
                 return
             spec = JobSpec.model_validate(row.spec)
             plan = self.executor.plan(job_id, spec, slots, row.attempts + 1)

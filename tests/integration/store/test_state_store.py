@@ -90,7 +90,7 @@ def test_two_processes_write_at_once(db_url: str) -> None:
         assert r.wait(60), "a writer did not start"
     go.set()
     for p in procs:
-        p.join(120)
+        p.join(240)  # generous: the test machine may be loaded; a deadlock fails by exit code
     assert [p.exitcode for p in procs] == [0, 0], "a writer failed (database is locked?)"
     store = get_store(url=db_url)
     with store.read() as s:
@@ -111,7 +111,7 @@ def test_concurrent_first_use_migrates_once(db_url: str) -> None:
         p.start()
     go.set()
     for p in procs:
-        p.join(120)
+        p.join(240)  # generous: the test machine may be loaded; a deadlock fails by exit code
     assert [p.exitcode for p in procs] == [0, 0, 0]
     current, heads = Store(db_url).revision_status()
     assert current == heads

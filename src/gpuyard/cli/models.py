@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from gpuyard.cli.runs import console, fmt
 
 models_app = typer.Typer(
     help="The model registry: versions, lineage, aliases, stages, promotion.", no_args_is_help=True
 )
-
-
-def _console() -> Console:
-    return Console() if sys.stdout.isatty() else Console(width=200)
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
 
 
 @models_app.command("fit")
@@ -58,10 +46,10 @@ def fit_cmd(
     if as_json:
         typer.echo(json.dumps(doc))
         return
-    con = _console()
+    con = console()
     con.print(f"run {result.run_id[:8]} {result.status}")
     for split, metrics in result.evaluations.items():
-        con.print(f"  {split:>10}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()))
+        con.print(f"  {split:>10}: " + ", ".join(f"{k}={fmt(v)}" for k, v in metrics.items()))
     if register_as:
         con.print(f"registered {doc['registered']}")
 
@@ -84,13 +72,13 @@ def ls(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> Non
             m["name"],
             m["flavor"],
             str(m["versions"]),
-            _fmt(m["latest"]),
-            _fmt(m["production"]),
-            _fmt(m["staging"]),
+            fmt(m["latest"]),
+            fmt(m["production"]),
+            fmt(m["staging"]),
             aliases or "-",
             m["updated_at"][:19],
         )
-    _console().print(table)
+    console().print(table)
 
 
 @models_app.command("show")
@@ -116,7 +104,7 @@ def show(
             table.add_column(col, no_wrap=True)
         for v in versions:
             test = v.metrics.get("test", {})
-            shown = ", ".join(f"{k}={_fmt(x)}" for k, x in list(test.items())[:2]) or "-"
+            shown = ", ".join(f"{k}={fmt(x)}" for k, x in list(test.items())[:2]) or "-"
             table.add_row(
                 str(v.version),
                 v.stage,
@@ -127,13 +115,13 @@ def show(
                 shown,
                 v.created_at.isoformat()[:19],
             )
-        _console().print(table)
+        console().print(table)
         return
     mv = get_version(ref)
     if as_json:
         typer.echo(json.dumps(mv.to_json()))
         return
-    con = _console()
+    con = console()
     for key in (
         "name",
         "version",
@@ -144,10 +132,10 @@ def show(
         "code_version",
         "description",
     ):
-        con.print(f"[bold]{key:>16}[/bold]  {_fmt(getattr(mv, key))}")
+        con.print(f"[bold]{key:>16}[/bold]  {fmt(getattr(mv, key))}")
     con.print(f"[bold]{'aliases':>16}[/bold]  {', '.join(mv.aliases) or '-'}")
     for split, metrics in mv.metrics.items():
-        con.print(f"[bold]{split:>16}[/bold]  " + ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()))
+        con.print(f"[bold]{split:>16}[/bold]  " + ", ".join(f"{k}={fmt(v)}" for k, v in metrics.items()))
     sig = mv.signature
     if sig:
         out = sig.get("outputs", {})
@@ -287,7 +275,7 @@ def optimize_cmd(
             f"{v[metric]:.4f}",
             "-" if diff is None else f"{diff:.1e}",
         )
-    _console().print(table)
+    console().print(table)
     typer.echo("stored with the version: model.onnx, model.int8.onnx, optimize.json")
 
 

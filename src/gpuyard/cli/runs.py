@@ -22,7 +22,8 @@ def console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
-def _fmt(value: Any) -> str:
+def fmt(value: Any) -> str:
+    """A cell for a table: "-" for None, 4 significant digits for floats."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -84,7 +85,7 @@ def ls(
             r.status,
             r.dataset_version or "-",
             r.started_at.strftime("%m-%d %H:%M:%S"),
-            *(_fmt(r.latest.get(k)) for k in keys),
+            *(fmt(r.latest.get(k)) for k in keys),
         )
     console().print(table)
 
@@ -106,7 +107,7 @@ def show(
         return
     con = console()
     for key in ("id", "name", "experiment", "kind", "status", "parent_id", "dataset_version", "code_version"):
-        con.print(f"[bold]{key:>16}[/bold]  {_fmt(doc[key])}")
+        con.print(f"[bold]{key:>16}[/bold]  {fmt(doc[key])}")
     con.print(f"[bold]{'duration':>16}[/bold]  {_duration(doc)}")
     sysinfo = doc["system"]
     machine = f"{sysinfo.get('host')} python {sysinfo.get('python')} torch {sysinfo.get('torch', '-')}"
@@ -114,7 +115,7 @@ def show(
         f"[bold]{'machine':>16}[/bold]  {machine}, {sysinfo.get('cpus')} CPUs, {sysinfo.get('memory_gb')} GB"
     )
     if doc["system_metrics"]:
-        last = ", ".join(f"{k[4:]}={_fmt(v)}" for k, v in sorted(doc["system_metrics"].items()))
+        last = ", ".join(f"{k[4:]}={fmt(v)}" for k, v in sorted(doc["system_metrics"].items()))
         con.print(f"[bold]{'system (last)':>16}[/bold]  {last}")
     if doc["error"]:
         con.print(f"[bold]{'error':>16}[/bold]  [red]{doc['error']}[/red]")
@@ -128,12 +129,12 @@ def show(
             table.add_column("key")
             table.add_column("value", justify="right")
             for k, v in sorted(mapping.items()):
-                table.add_row(k, _fmt(v))
+                table.add_row(k, fmt(v))
             con.print(table)
     for ev in doc["evaluations"]:
         con.print(
             f"[bold]evaluation[/bold] {ev['split']} ({ev['n']} samples, {ev['dataset_version'] or '-'}): "
-            + ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(ev["metrics"].items()))
+            + ", ".join(f"{k}={fmt(v)}" for k, v in sorted(ev["metrics"].items()))
         )
     for art in doc["artifacts"]:
         con.print(f"[bold]artifact[/bold] {art['name']}  {art['size']} B  sha256:{art['sha256'][:12]}")
@@ -167,12 +168,12 @@ def compare(
     table.add_column("")
     for run_id, name in zip(doc["runs"], doc["names"], strict=True):
         table.add_column(f"{run_id[:8]}\n{name}", justify="right")
-    table.add_row("dataset", *(_fmt(v) for v in doc["dataset_versions"]))
+    table.add_row("dataset", *(fmt(v) for v in doc["dataset_versions"]))
     for key, values in doc["params"].items():
         mark = "[yellow]*[/yellow] " if key in doc["differs"] else ""
-        table.add_row(f"{mark}param {key}", *(_fmt(v) for v in values))
+        table.add_row(f"{mark}param {key}", *(fmt(v) for v in values))
     for key, values in doc["metrics"].items():
-        table.add_row(f"metric {key}", *(_fmt(v) for v in values))
+        table.add_row(f"metric {key}", *(fmt(v) for v in values))
     con = console()
     con.print(table)
     if plot is not None:

@@ -18,7 +18,9 @@ def _table(docs: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("id", "model", "version", "replicas", "device", "status", "url", "pids", "created")
+    table = Table(
+        "id", "model", "version", "replicas", "device", "gpus", "job", "status", "url", "pids", "created"
+    )
     for d in docs:
         pids = d["pids"].get("replicas") or ([d["pids"]["server"]] if d["pids"].get("server") else [])
         table.add_row(
@@ -27,6 +29,8 @@ def _table(docs: list[dict[str, Any]]) -> None:
             str(d["version"]),
             str(d["replicas"]),
             d["device"],
+            d["pids"].get("gpus") or "",
+            "" if d["job"] is None else str(d["job"]),
             d["status"],
             d["url"] or "",
             ",".join(map(str, pids)),
@@ -49,13 +53,29 @@ def deploy(
         0, "--threads", help="Torch threads per replica (0: (cores-1)/replicas, min 1)."
     ),
     no_drift: bool = typer.Option(False, "--no-drift", help="Do not monitor drift."),
-    timeout: float = typer.Option(180.0, "--timeout", help="Seconds to wait for the server to be ready."),
+    drift_window: int = typer.Option(1000, "--drift-window", help="Samples in the drift window."),
+    drift_interval: float = typer.Option(5.0, "--drift-interval", help="Seconds between drift checks."),
+    server: str = typer.Option(
+        None, "--server", help="gpuyard server whose scheduler places GPU replicas (default: GPUYARD_SERVER)."
+    ),
+    team: str = typer.Option("default", "--team", help="Team the GPU job is charged to."),
+    priority: int = typer.Option(0, "--priority", help="Priority of the GPU job (-1000..1000)."),
+    max_restarts: int = typer.Option(2, "--max-restarts", help="Restarts of a GPU replica set that fails."),
+    timeout: float = typer.Option(
+        180.0, "--timeout", help="Seconds to wait for placement and readiness (then it is cancelled)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Start a model server in the background, record it, and wait until it is ready."""
+    """Start a model server in the background, record it, and wait until it is ready.
+
+    With GPUs (--device cuda, or auto when the gpuyard server's nodes have GPUs) the replicas run as a
+    scheduler job of one GPU per replica, placed by the scheduler; otherwise as processes here.
+    """
     from gpuyard.serve.batching import BatchConfig
     from gpuyard.serve.deploy import deploy as run_deploy
+    from gpuyard.serve.drift import DriftConfig
     from gpuyard.serve.runner import ServeOptions
+    from gpuyard.serve.scheduled import Scheduling
 
     opts = ServeOptions(
         host=host,
@@ -63,13 +83,21 @@ def deploy(
         replicas=replicas,
         device=device,
         drift=not no_drift,
+        drift_config=DriftConfig(
+            window=drift_window, min_rows=min(200, drift_window), interval_s=drift_interval
+        ),
         batch=BatchConfig(max_batch=max_batch, max_wait_ms=max_wait_ms, threads=threads),
     )
-    doc = run_deploy(model, opts, timeout_s=timeout)
+    scheduling = Scheduling(server=server, team=team, priority=priority, max_restarts=max_restarts)
+    doc = run_deploy(model, opts, timeout_s=timeout, scheduling=scheduling)
     if as_json:
         _echo_json(doc)
-    else:
-        typer.echo(f"deployment {doc['id']}: {doc['model']}:{doc['version']} running at {doc['url']}")
+        return
+    where = f"job {doc['job']}, GPUs {doc['pids'].get('gpus')}" if doc["job"] is not None else "here"
+    typer.echo(
+        f"deployment {doc['id']}: {doc['model']}:{doc['version']} running at {doc['url']} "
+        f"({doc['replicas']} replica(s) on {doc['device']}; {where})"
+    )
 
 
 def undeploy(

@@ -73,6 +73,10 @@ class JobClient:
         """A job's state changes."""
         return list(self._call("GET", f"/jobs/{job_id}/events"))
 
+    def scheduler_view(self) -> dict[str, Any]:
+        """The scheduler's nodes (GPU slots, GPU type, excluded GPUs), policy and the jobs holding GPUs."""
+        return dict(self._call("GET", "/cluster/scheduler"))
+
     def cancel(self, job_id: int) -> dict[str, Any]:
         """Cancel a job."""
         return dict(self._call("POST", f"/jobs/{job_id}/cancel"))

@@ -1,13 +1,16 @@
 """Deployments: model servers started in the background and recorded in the state store.
 
-``deploy`` writes a ``starting`` record, launches ``gpuyard serve ... --deployment-id N`` in its own
-session (so it outlives the CLI), and waits until that server marks itself ``running`` (its
-``/ready`` answered) or dies. ``undeploy`` sends SIGTERM to the server's process group (replicas
-included) and marks it ``stopped``. ``list_deployments`` notices servers whose process vanished and
-marks them ``dead``.
+``deploy`` writes a ``starting`` record and starts ``gpuyard serve REF --deployment-id N``, which reads
+every option from that record (nothing is dropped on the way) and marks it ``running`` once its
+``/ready`` answers. Where the replicas go (:func:`gpuyard.serve.scheduled.route`):
 
-Devices: with ``--device auto`` a replica gets ``cuda:<i mod GPUs>`` where CUDA is present and
-``cpu`` otherwise; on this GPU-less machine every replica is a CPU process.
+- GPUs: the server runs as a scheduler job of ``gpus = replicas`` on the running ``gpuyard server``;
+  the scheduler places it (queue, policy, topology) and sets ``CUDA_VISIBLE_DEVICES``, replica *i*
+  takes the *i*-th placed GPU. ``undeploy`` cancels the job, which frees the GPUs.
+- CPU (or ``--device auto`` with no gpuyard server answering): started here in its own session, so it
+  outlives the CLI; ``undeploy`` sends SIGTERM to its process group.
+
+``list_deployments`` notices servers whose process or job has gone and marks them ``dead``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -24,6 +26,7 @@ from sqlalchemy import select
 
 from gpuyard.errors import ConfigError, ConflictError, NotFoundError
 from gpuyard.serve.runner import ServeOptions
+from gpuyard.serve.scheduled import TERMINAL, Scheduling
 from gpuyard.settings import load_settings
 from gpuyard.store import get_store
 from gpuyard.store.base import utcnow
@@ -45,17 +48,25 @@ def _doc(r: DeploymentRow) -> dict[str, Any]:
         "pids": r.pids,
         "log": r.log_path,
         "error": r.error,
+        "job": r.job_id,
         "config": r.config,
         "created_at": r.created_at.isoformat(),
         "stopped_at": r.stopped_at.isoformat() if r.stopped_at else None,
     }
 
 
-def create_record(ref: str, opts: ServeOptions) -> dict[str, Any]:
-    """Resolve ``ref`` in the registry and write a ``starting`` deployment record."""
+def create_record(ref: str, opts: ServeOptions, scheduling: Scheduling | None = None) -> dict[str, Any]:
+    """Resolve ``ref`` in the registry and write a ``starting`` deployment record.
+
+    ``config`` holds the serve options the replicas start with and, for a scheduled deployment, how
+    its job was asked for (``scheduling``: the server to cancel it on).
+    """
+    from dataclasses import asdict
+
     from gpuyard.models.registry import get_version
 
     mv = get_version(ref)
+    config = opts.to_json() | ({"scheduling": asdict(scheduling)} if scheduling else {})
     with get_store().session() as s:
         row = DeploymentRow(
             model_name=mv.name,
@@ -65,11 +76,18 @@ def create_record(ref: str, opts: ServeOptions) -> dict[str, Any]:
             device=opts.device,
             status="starting",
             pids={},
-            config=opts.to_json(),
+            config=config,
         )
         s.add(row)
         s.flush()
         return _doc(row)
+
+
+def serve_options(deployment_id: int) -> ServeOptions:
+    """The serve options recorded for a deployment (what `gpuyard serve --deployment-id N` runs with)."""
+    config = dict(get_deployment(deployment_id)["config"])
+    config.pop("scheduling", None)
+    return ServeOptions.from_json({**config, "deployment_id": deployment_id})
 
 
 def mark(deployment_id: int, status: str, **fields: Any) -> None:
@@ -83,6 +101,8 @@ def mark(deployment_id: int, status: str, **fields: Any) -> None:
             setattr(row, key, value)
         if status in ("stopped", "failed", "dead"):
             row.stopped_at = utcnow()
+        elif status in ACTIVE:
+            row.stopped_at = None  # a replica set restarted by the scheduler is live again
 
 
 def get_deployment(deployment_id: int) -> dict[str, Any]:
@@ -109,63 +129,105 @@ def _alive(pid: int | None) -> bool:
         return False
 
 
+def _gone(d: dict[str, Any]) -> str | None:
+    """Why an active deployment is not live any more (None: it is, or may still become so)."""
+    if d["job"] is not None:
+        from gpuyard.serve.scheduled import job_state
+
+        state = job_state(d["job"])
+        if state is None or state in TERMINAL:
+            return f"its scheduler job {d['job']} is {state or 'gone'}"
+        return None
+    if d["pids"].get("server") and not _alive(d["pids"]["server"]):
+        return "the server process is gone"
+    return None
+
+
 def list_deployments(all_: bool = False) -> list[dict[str, Any]]:
     """Deployments, newest first (only active ones unless ``all_``); vanished servers become ``dead``."""
     with get_store().read() as s:
         rows = [_doc(r) for r in s.scalars(select(DeploymentRow).order_by(DeploymentRow.id.desc()))]
     for d in rows:
-        if d["status"] in ACTIVE and d["pids"].get("server") and not _alive(d["pids"]["server"]):
-            mark(d["id"], "dead", error="the server process is gone")
-            d["status"] = "dead"
+        why = _gone(d) if d["status"] in ACTIVE else None
+        if why is not None:
+            mark(d["id"], "dead", error=why)
+            d["status"], d["error"] = "dead", why
     return rows if all_ else [d for d in rows if d["status"] in ACTIVE]
 
 
-def deploy(ref: str, opts: ServeOptions, timeout_s: float = 180.0) -> dict[str, Any]:
+def deploy(
+    ref: str, opts: ServeOptions, timeout_s: float = 180.0, scheduling: Scheduling = Scheduling()
+) -> dict[str, Any]:
     """Start a server for ``ref`` in the background and wait until it is ready.
+
+    GPU replicas are placed by the scheduler (see the module docstring); ``scheduling`` says on which
+    server, for which team, at which priority.
 
     Raises:
         NotFoundError: unknown model. ConfigError: the server exited before it was ready (the message
-        ends with its log).
+        ends with its log), or was not placed/ready within ``timeout_s``. CapacityError: no node of
+        the scheduler has enough GPUs. ServerUnreachable: ``--device cuda`` and no gpuyard server.
     """
+    from dataclasses import replace
+
+    from gpuyard.serve import scheduled
+
     if opts.deployment_id is not None:
         raise ConfigError("deploy() assigns the deployment id itself")
-    doc = create_record(ref, opts)
+    rt = scheduled.route(opts, scheduling)
+    if not rt.scheduled:
+        doc = create_record(ref, opts)
+        return _deploy_here(doc, timeout_s)
+    server = Scheduling(rt.server, scheduling.team, scheduling.priority, scheduling.max_restarts)
+    doc = create_record(ref, replace(opts, device=rt.serve_device), server)
+    try:
+        job_id = scheduled.submit(doc, opts, server)
+    except BaseException as exc:
+        mark(doc["id"], "failed", error=str(exc)[:1000] or type(exc).__name__)
+        raise
+    mark(doc["id"], "starting", job_id=job_id, device=opts.device)
+    return _wait_for_job(doc["id"], job_id, server, timeout_s)
+
+
+def _wait_for_job(dep_id: int, job_id: int, scheduling: Scheduling, timeout_s: float) -> dict[str, Any]:
+    from gpuyard.serve import scheduled
+
+    deadline = time.monotonic() + timeout_s
+    state: str | None = "queued"
+    while time.monotonic() < deadline:
+        current = get_deployment(dep_id)
+        state = scheduled.job_state(job_id)
+        if current["status"] == "running" and state == "running":
+            return current
+        if state is None or state in TERMINAL:
+            tail = scheduled.job_log_tail(job_id, scheduling)
+            mark(dep_id, "failed", error=f"its scheduler job {job_id} is {state or 'gone'}")
+            raise ConfigError(
+                f"deployment {dep_id}: its scheduler job {job_id} is {state or 'gone'}:\n{tail}"
+            )
+        time.sleep(0.2)
+    scheduled.cancel(job_id, scheduling)
+    if state == "queued":
+        why = f"not placed within {timeout_s:.0f} s: job {job_id} waited in the queue for GPUs (cancelled)"
+    else:
+        why = (
+            f"not ready within {timeout_s:.0f} s (job {job_id}, cancelled; see `gpuyard jobs logs {job_id}`)"
+        )
+    mark(dep_id, "failed", error=why)
+    raise ConfigError(f"deployment {dep_id}: {why}")
+
+
+def _deploy_here(doc: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Start the server as a process of this machine (in its own session) and wait until it is ready."""
+    from gpuyard.serve.scheduled import serve_argv
+
     dep_id = doc["id"]
     logs = load_settings().ensure_home() / "logs"
     logs.mkdir(exist_ok=True)
     log_path = logs / f"deployment-{dep_id}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "gpuyard.cli.main",
-        "serve",
-        ref,
-        "--host",
-        opts.host,
-        "--port",
-        str(opts.port),
-        "--replicas",
-        str(opts.replicas),
-        "--device",
-        opts.device,
-        "--max-batch",
-        str(opts.batch.max_batch),
-        "--max-wait-ms",
-        str(opts.batch.max_wait_ms),
-        "--threads",
-        str(opts.batch.threads),
-        "--max-body-bytes",
-        str(opts.max_body_bytes),
-        "--drift-window",
-        str(opts.drift_config.window),
-        "--drift-interval",
-        str(opts.drift_config.interval_s),
-        "--deployment-id",
-        str(dep_id),
-    ] + ([] if opts.drift else ["--no-drift"])
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            cmd,
+            serve_argv(doc["ref"], dep_id),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -220,9 +282,13 @@ def undeploy(target: str) -> list[dict[str, Any]]:
             raise NotFoundError(f"no active deployment of model {target!r} (see `gpuyard deployments ls`)")
     out = []
     for d in docs:
-        pid = d["pids"].get("server")
-        if pid:
-            _terminate(int(pid))
+        if d["job"] is not None:
+            from gpuyard.serve.scheduled import cancel
+
+            sched = (d["config"] or {}).get("scheduling") or {}
+            cancel(int(d["job"]), Scheduling(**sched))
+        elif d["pids"].get("server"):
+            _terminate(int(d["pids"]["server"]))
         mark(d["id"], "stopped")
         out.append(get_deployment(d["id"]))
     return out

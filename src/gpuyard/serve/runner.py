@@ -104,7 +104,7 @@ def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int 
     import uvicorn
 
     from gpuyard.serve.alerts import reference_for
-    from gpuyard.serve.batching import Batcher
+    from gpuyard.serve.batching import make_batcher
     from gpuyard.serve.drift import DriftMonitor
     from gpuyard.serve.model import load_served, resolve_device, warm_up
     from gpuyard.serve.monitor import ServeMetrics
@@ -135,9 +135,11 @@ def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int 
     def setup() -> None:
         import torch
 
-        torch.set_num_threads(threads)  # per thread: this is the thread that runs the model
+        # Per thread: setup runs in the thread that runs the model (the model thread in thread mode,
+        # this one, which runs the event loop, in inline mode).
+        torch.set_num_threads(threads)
 
-    batcher = Batcher(
+    batcher = make_batcher(
         model.forward, BatchConfig(**{**asdict(opts.batch), "threads": threads}), on_batch, setup
     )
     app = create_app(
@@ -266,15 +268,24 @@ def serve_with_record(ref: str, opts: ServeOptions) -> None:
     if opts.deployment_id is None:
         serve(ref, opts)
         return
-    from gpuyard.serve.deploy import mark
+    from gpuyard.serve.deploy import mark, serve_options
+
+    # The record holds every option `gpuyard deploy` was given (drift thresholds, batching, limits):
+    # the command line only names the deployment.
+    dep_id = opts.deployment_id
+    opts = serve_options(dep_id)
 
     def ready(url: str, pids: dict[str, Any]) -> None:
         device = ",".join(sorted(set(pids["devices"])))
-        mark(opts.deployment_id, "running", url=url, pids=pids, device=device)  # type: ignore[arg-type]
+        # Where the scheduler put us (a GPU deployment runs as a job): its GPUs and node, for the record.
+        placed = {"gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "node": socket.gethostname()}
+        if os.environ.get("GPUYARD_JOB_ID"):
+            placed["job"] = os.environ["GPUYARD_JOB_ID"]
+        mark(dep_id, "running", url=url, pids={**pids, **placed}, device=device)
 
     try:
         serve(ref, opts, on_ready=ready)
     except BaseException as exc:
-        mark(opts.deployment_id, "failed", error=str(exc)[:1000] or type(exc).__name__)
+        mark(dep_id, "failed", error=str(exc)[:1000] or type(exc).__name__)
         raise
-    mark(opts.deployment_id, "stopped")
+    mark(dep_id, "stopped")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,13 @@ import httpx
 import pytest
 
 READY_TIMEOUT_S = 90
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -31,8 +39,11 @@ def serve_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     from gpuyard.store.db import reset_store_cache
 
     home = tmp_path_factory.mktemp("serve") / "home"
-    saved = {k: os.environ.get(k) for k in ("GPUYARD_HOME", "GPUYARD_DATABASE_URL", "GPUYARD_ARTIFACTS")}
+    keys = ("GPUYARD_HOME", "GPUYARD_DATABASE_URL", "GPUYARD_ARTIFACTS", "GPUYARD_SERVER")
+    saved = {k: os.environ.get(k) for k in keys}
     os.environ["GPUYARD_HOME"] = str(home)
+    # `deploy --device auto` asks the gpuyard server whether it has GPUs: never one outside the test.
+    os.environ["GPUYARD_SERVER"] = f"http://127.0.0.1:{free_port()}"
     os.environ.pop("GPUYARD_DATABASE_URL", None)
     os.environ.pop("GPUYARD_ARTIFACTS", None)
     reset_store_cache()

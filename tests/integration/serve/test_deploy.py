@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,8 +16,10 @@ import psutil
 import pytest
 
 from gpuyard.errors import ConfigError, ConflictError, NotFoundError
+from gpuyard.scheduler.client import ServerUnreachable
 from gpuyard.serve.batching import BatchConfig
 from gpuyard.serve.deploy import deploy, get_deployment, list_deployments, undeploy
+from gpuyard.serve.drift import DriftConfig
 from gpuyard.serve.runner import ServeOptions
 
 pytestmark = pytest.mark.integration
@@ -80,11 +83,42 @@ def test_a_server_that_dies_is_marked_dead(serve_home: Path) -> None:
 def test_failures_are_recorded_and_named(serve_home: Path) -> None:
     with pytest.raises(NotFoundError, match="not registered"):
         deploy("nope", ServeOptions(port=0))
-    with pytest.raises(ConfigError, match="CUDA is not available"):
+    # GPUs are the scheduler's to give: without a gpuyard server there is nobody to ask.
+    with pytest.raises(ServerUnreachable, match="placed by the scheduler.*gpuyard server"):
         deploy("mlp", ServeOptions(port=0, device="cuda"))
+    with pytest.raises(ConfigError, match="chosen by the scheduler"):
+        deploy("mlp", ServeOptions(port=0, device="cuda:1"))
+    with socket.socket() as taken:  # a port in use: the server exits, the record says so
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ConfigError, match="(?s)exited with code 2.*cannot listen"):
+            deploy("mlp", ServeOptions(port=taken.getsockname()[1], device="cpu"))
     failed = list_deployments(all_=True)[0]
     assert failed["status"] == "failed" and "exited with code" in failed["error"]
     with pytest.raises(NotFoundError, match="no active deployment"):
         undeploy("mlp")
     bad = cli("deploy", "mlp", "--replicas", "0")
     assert bad.returncode == 2 and "--replicas 0" in bad.stderr
+
+
+def test_every_option_reaches_the_server(serve_home: Path) -> None:
+    """The server reads its options from the record: limits and drift settings are not dropped."""
+    opts = ServeOptions(
+        port=0,
+        device="cpu",
+        max_rows=7,
+        max_body_bytes=5000,
+        batch=BatchConfig(max_batch=5, max_wait_ms=1.5),
+        drift_config=DriftConfig(window=50, min_rows=20, interval_s=0.5),
+    )
+    doc = deploy("mlp", opts)
+    try:
+        info = httpx.get(f"{doc['url']}/v1/models/mlp", timeout=10).json()
+        assert (info["max_rows_per_request"], info["max_body_bytes"]) == (7, 5000)
+        assert (info["max_batch"], info["max_wait_ms"]) == (5, 1.5)
+        drift = httpx.get(f"{doc['url']}/v1/models/mlp/drift", timeout=10).json()
+        assert drift["enabled"] and drift["reason"].endswith("tests start at 20")
+        too_many = httpx.post(f"{doc['url']}/v1/models/mlp/predict", json={"inputs": [[0.0] * 8] * 8})
+        assert too_many.status_code == 422
+    finally:
+        undeploy(str(doc["id"]))

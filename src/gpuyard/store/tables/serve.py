@@ -26,7 +26,9 @@ class DeploymentRow(Base):
     # starting -> running -> stopped; failed (never became ready); dead (its process vanished).
     status: Mapped[str] = mapped_column(String(16), index=True)
     url: Mapped[str | None] = mapped_column(String(300))
-    # {"server": pid, "replicas": [pid, ...], "devices": ["cpu", ...]}
+    # The scheduler job holding the replicas' GPUs (GPU deployments); None: started directly.
+    job_id: Mapped[int | None] = mapped_column(Integer, index=True)
+    # {"server": pid, "replicas": [pid, ...], "devices": ["cpu", ...], "gpus": "2,3", "node": host}
     pids: Mapped[dict[str, Any]] = mapped_column(JSONType)
     config: Mapped[dict[str, Any]] = mapped_column(JSONType)
     log_path: Mapped[str | None] = mapped_column(Text)

@@ -347,11 +347,13 @@ class JobService:
         # The placement stays on record (where it last ran); only scheduled/running ones hold GPUs.
         row.stop_requested, row.stop_deadline, row.killed, row.handle = None, None, False, None
         how = status.describe()
-        if status.code == 0:
+        if request == "cancel":
+            # Like Slurm: a job stopped on request is cancelled, even when it exits cleanly on SIGTERM
+            # (a model server does); its run time is not a sample of how long such jobs take.
+            move(s, row, JobState.CANCELLED, f"cancelled by user ({how})")
+        elif status.code == 0:
             move(s, row, JobState.SUCCEEDED, "exit code 0")
             self.estimator.observe(row.team, row.user, row.gpus, row.attained_s)
-        elif request == "cancel":
-            move(s, row, JobState.CANCELLED, f"cancelled by user ({how})")
         elif request == "preempt" or status.preempted:
             row.preemptions += 1
             move(s, row, JobState.PREEMPTED, f"preempted ({how}); resumes from its checkpoint")

@@ -1,0 +1,134 @@
+"""GPU deployments are scheduler jobs: `gpuyard server --gpus 4` (fake GPUs) places their replicas.
+
+Fake GPUs have no device behind them: the replicas get ``CUDA_VISIBLE_DEVICES`` from the scheduler and
+run on CPU, so what is checked here is the placement (which GPUs, disjoint, freed on undeploy,
+queued when full), the job's life (cancel, restart after a crash) and the record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from gpuyard.errors import CapacityError, ConfigError
+from gpuyard.serve.deploy import deploy, get_deployment, list_deployments, undeploy
+from gpuyard.serve.runner import ServeOptions
+from gpuyard.serve.scheduled import Scheduling, job_state
+
+from .conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 60.0) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def scheduler(serve_home: Path) -> Iterator[str]:
+    """`gpuyard server --gpus 4` on the module's home; GPUYARD_SERVER points at it."""
+    url = f"http://127.0.0.1:{free_port()}"
+    log = open(serve_home / "scheduler.log", "wb")  # noqa: SIM115 - the server writes to it until it exits
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", url.rsplit(":", 1)[1]]
+        + ["--gpus", "4", "--cpus", "2", "--grace", "3"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "GPUYARD_HOME": str(serve_home)},
+    )
+
+    def healthy() -> bool:
+        assert proc.poll() is None, (serve_home / "scheduler.log").read_text()
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_for(healthy, 90)
+    saved = os.environ["GPUYARD_SERVER"]
+    os.environ["GPUYARD_SERVER"] = url
+    yield url
+    os.environ["GPUYARD_SERVER"] = saved
+    for d in list_deployments():
+        undeploy(str(d["id"]))
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _gpus(doc: dict[str, object]) -> set[int]:
+    return {int(g) for g in str(doc["pids"]["gpus"]).split(",")}  # type: ignore[index]
+
+
+def _predict(doc: dict[str, object]) -> int:
+    return httpx.post(f"{doc['url']}/v1/models/mlp/predict", json={"inputs": [[0.2] * 8]}, timeout=10).status_code
+
+
+def test_replicas_get_disjoint_gpus_from_the_scheduler_and_give_them_back(scheduler: str) -> None:
+    a = deploy("mlp", ServeOptions(port=0, replicas=2, device="cuda", drift=False))
+    assert a["status"] == "running" and a["job"] is not None and job_state(a["job"]) == "running"
+    assert len(_gpus(a)) == 2 and len(a["pids"]["replicas"]) == 2 and _predict(a) == 200
+    assert a["pids"]["devices"] == ["cpu", "cpu"]  # fake GPUs: no CUDA device behind them
+    # --device auto goes to the scheduler too, because its nodes have GPUs.
+    b = deploy("mlp", ServeOptions(port=0, replicas=2, device="auto", drift=False))
+    assert b["job"] is not None and _gpus(a) | _gpus(b) == {0, 1, 2, 3} and _predict(b) == 200
+
+    # All four GPUs are taken: a third deployment waits in the queue, then gives up and says why.
+    with pytest.raises(ConfigError, match="not placed within 4 s.*queue"):
+        deploy("mlp", ServeOptions(port=0, device="cuda", drift=False), timeout_s=4)
+    failed = list_deployments(all_=True)[0]
+    assert failed["status"] == "failed" and job_state(failed["job"]) == "cancelled"
+    with pytest.raises(CapacityError, match="largest node .* has 4 usable GPUs"):
+        deploy("mlp", ServeOptions(port=0, replicas=5, device="cuda"))
+
+    listed = subprocess.run(
+        [sys.executable, "-m", "gpuyard.cli.main", "deployments", "ls", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert {d["job"] for d in json.loads(listed.stdout)} == {a["job"], b["job"]}
+
+    # Undeploy cancels the job: its processes go, its GPUs are free for the next deployment.
+    undeploy(str(a["id"]))
+    assert job_state(a["job"]) == "cancelled" and get_deployment(a["id"])["status"] == "stopped"
+    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in a["pids"]["replicas"]), 30)
+    c = deploy("mlp", ServeOptions(port=0, replicas=2, device="cuda", drift=False), timeout_s=60)
+    assert _gpus(c) == _gpus(a) and _predict(c) == 200
+    undeploy(str(b["id"]))
+    undeploy(str(c["id"]))
+    assert list_deployments() == []
+
+
+def test_a_crashed_replica_set_is_restarted_by_the_scheduler(scheduler: str) -> None:
+    doc = deploy(
+        "mlp", ServeOptions(port=0, device="cuda", drift=False), scheduling=Scheduling(max_restarts=1)
+    )
+    os.kill(doc["pids"]["server"], signal.SIGKILL)  # the serve process of the job, not its shim
+    back = wait_for(
+        lambda: (d := get_deployment(doc["id"]))["status"] == "running"
+        and d["pids"]["server"] != doc["pids"]["server"]
+        and d,
+        90,
+    )
+    assert back["job"] == doc["job"] and _predict(back) == 200  # type: ignore[index]
+    undeploy(str(doc["id"]))
+    assert job_state(doc["job"]) == "cancelled"

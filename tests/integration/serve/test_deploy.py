@@ -84,14 +84,14 @@ def test_failures_are_recorded_and_named(serve_home: Path) -> None:
     with pytest.raises(NotFoundError, match="not registered"):
         deploy("nope", ServeOptions(port=0))
     # GPUs are the scheduler's to give: without a gpuyard server there is nobody to ask.
-    with pytest.raises(ServerUnreachable, match="placed by the scheduler.*gpuyard server"):
+    with pytest.raises(ServerUnreachable, match=r"placed by the scheduler.*gpuyard server"):
         deploy("mlp", ServeOptions(port=0, device="cuda"))
     with pytest.raises(ConfigError, match="chosen by the scheduler"):
         deploy("mlp", ServeOptions(port=0, device="cuda:1"))
     with socket.socket() as taken:  # a port in use: the server exits, the record says so
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        with pytest.raises(ConfigError, match="(?s)exited with code 2.*cannot listen"):
+        with pytest.raises(ConfigError, match=r"(?s)exited with code 2.*cannot listen"):
             deploy("mlp", ServeOptions(port=taken.getsockname()[1], device="cpu"))
     failed = list_deployments(all_=True)[0]
     assert failed["status"] == "failed" and "exited with code" in failed["error"]

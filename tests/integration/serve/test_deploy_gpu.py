@@ -29,6 +29,8 @@ from .conftest import free_port
 
 pytestmark = pytest.mark.integration
 
+FAKE_GPUS = ("--gpus", "4", "--cpus", "2", "--grace", "3")
+
 
 def wait_for(cond: Callable[[], object], timeout: float = 60.0) -> object:
     deadline = time.monotonic() + timeout
@@ -46,8 +48,7 @@ def scheduler(serve_home: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{free_port()}"
     log = open(serve_home / "scheduler.log", "wb")  # noqa: SIM115 - the server writes to it until it exits
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", url.rsplit(":", 1)[1]]
-        + ["--gpus", "4", "--cpus", "2", "--grace", "3"],
+        [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", url.rsplit(":", 1)[1], *FAKE_GPUS],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "GPUYARD_HOME": str(serve_home)},
@@ -79,7 +80,8 @@ def _gpus(doc: dict[str, object]) -> set[int]:
 
 
 def _predict(doc: dict[str, object]) -> int:
-    return httpx.post(f"{doc['url']}/v1/models/mlp/predict", json={"inputs": [[0.2] * 8]}, timeout=10).status_code
+    url = f"{doc['url']}/v1/models/mlp/predict"
+    return httpx.post(url, json={"inputs": [[0.2] * 8]}, timeout=10).status_code
 
 
 def test_replicas_get_disjoint_gpus_from_the_scheduler_and_give_them_back(scheduler: str) -> None:
@@ -92,11 +94,11 @@ def test_replicas_get_disjoint_gpus_from_the_scheduler_and_give_them_back(schedu
     assert b["job"] is not None and _gpus(a) | _gpus(b) == {0, 1, 2, 3} and _predict(b) == 200
 
     # All four GPUs are taken: a third deployment waits in the queue, then gives up and says why.
-    with pytest.raises(ConfigError, match="not placed within 4 s.*queue"):
+    with pytest.raises(ConfigError, match=r"not placed within 4 s.*queue"):
         deploy("mlp", ServeOptions(port=0, device="cuda", drift=False), timeout_s=4)
     failed = list_deployments(all_=True)[0]
     assert failed["status"] == "failed" and job_state(failed["job"]) == "cancelled"
-    with pytest.raises(CapacityError, match="largest node .* has 4 usable GPUs"):
+    with pytest.raises(CapacityError, match=r"largest node .* has 4 usable GPUs"):
         deploy("mlp", ServeOptions(port=0, replicas=5, device="cuda"))
 
     listed = subprocess.run(
@@ -124,9 +126,11 @@ def test_a_crashed_replica_set_is_restarted_by_the_scheduler(scheduler: str) -> 
     )
     os.kill(doc["pids"]["server"], signal.SIGKILL)  # the serve process of the job, not its shim
     back = wait_for(
-        lambda: (d := get_deployment(doc["id"]))["status"] == "running"
-        and d["pids"]["server"] != doc["pids"]["server"]
-        and d,
+        lambda: (
+            (d := get_deployment(doc["id"]))["status"] == "running"
+            and d["pids"]["server"] != doc["pids"]["server"]
+            and d
+        ),
         90,
     )
     assert back["job"] == doc["job"] and _predict(back) == 200  # type: ignore[index]

@@ -133,6 +133,6 @@ def test_a_crashed_replica_set_is_restarted_by_the_scheduler(scheduler: str) -> 
         ),
         90,
     )
-    assert back["job"] == doc["job"] and _predict(back) == 200  # type: ignore[index]
+    assert back["job"] == doc["job"] and _predict(back) == 200  # type: ignore[index,arg-type]
     undeploy(str(doc["id"]))
     assert job_state(doc["job"]) == "cancelled"

@@ -63,11 +63,11 @@ class Route:
     gpu_type: str | None = None
 
 
-def _client(scheduling: Scheduling) -> Any:
+def _client(scheduling: Scheduling, timeout: float = 30.0) -> Any:
     from gpuyard.scheduler.client import JobClient
     from gpuyard.settings import load_settings
 
-    return JobClient(scheduling.server or load_settings().server_url)
+    return JobClient(scheduling.server or load_settings().server_url, timeout=timeout)
 
 
 def route(opts: ServeOptions, scheduling: Scheduling) -> Route:
@@ -90,7 +90,7 @@ def route(opts: ServeOptions, scheduling: Scheduling) -> Route:
             f"--device {opts.device}: a deployment's GPUs are chosen by the scheduler; use --device cuda "
             "(or pin a GPU by hand with `gpuyard serve --device cuda:N`)"
         )
-    client = _client(scheduling)
+    client = _client(scheduling, timeout=10.0)  # `auto` asks on every deploy: do not hang on a dead host
     try:
         view = client.scheduler_view()
     except ServerUnreachable as exc:

@@ -94,8 +94,14 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def url_of(sock: socket.socket) -> str:
-    """``http://host:port`` of a bound socket."""
+    """``http://host:port`` of a bound socket (this machine's name when it listens on every interface).
+
+    A deployment placed on another node by the scheduler records this URL: ``0.0.0.0`` would send
+    its clients to their own machine.
+    """
     host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", "::"):
+        host = socket.getfqdn()
     return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 

@@ -101,7 +101,7 @@ def url_of(sock: socket.socket) -> str:
     """
     host, port = sock.getsockname()[:2]
     if host in ("0.0.0.0", "::"):
-        host = socket.getfqdn()
+        host = socket.gethostname()  # getfqdn() answers 'localhost' on many hosts
     return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 

@@ -282,8 +282,8 @@ GY.pages.deployments = {
     const [deps, alerts] = await Promise.all([GY.api("/deployments?all=true"), GY.api("/deployments/alerts?limit=50")]);
     const el = document.getElementById("dep-table");
     if (!el) return;
-    el.innerHTML = deps.length ? `<table><tr><th>id</th><th>model</th><th>ref</th><th>status</th><th>replicas</th><th>device</th><th>url</th><th>created</th></tr>` +
-      deps.map((d) => `<tr class="clickable ${d.id === this.selected ? "sel" : ""}" data-id="${d.id}"><td>${d.id}</td><td>${esc(d.model)}:${d.version}</td><td class="mono">${esc(d.ref)}</td><td>${fmt.badge(d.status)}</td><td>${d.replicas}</td><td>${esc(d.device)}</td><td class="mono">${esc(d.url || "-")}</td><td>${fmt.time(d.created_at)}</td></tr>`).join("") + "</table>"
+    el.innerHTML = deps.length ? `<table><tr><th>id</th><th>model</th><th>ref</th><th>status</th><th>replicas</th><th>device</th><th>GPUs</th><th>job</th><th>url</th><th>created</th></tr>` +
+      deps.map((d) => `<tr class="clickable ${d.id === this.selected ? "sel" : ""}" data-id="${d.id}"><td>${d.id}</td><td>${esc(d.model)}:${d.version}</td><td class="mono">${esc(d.ref)}</td><td>${fmt.badge(d.status)}</td><td>${d.replicas}</td><td>${esc(d.device)}</td><td class="mono">${esc((d.pids && d.pids.gpus) || "-")}</td><td>${d.job == null ? "-" : d.job}</td><td class="mono">${esc(d.url || "-")}</td><td>${fmt.time(d.created_at)}</td></tr>`).join("") + "</table>"
       : '<p class="muted">No deployment yet (<code>gpuyard deploy MODEL</code>).</p>';
     el.querySelectorAll("tr[data-id]").forEach((tr) => tr.addEventListener("click", () => this.select(Number(tr.dataset.id))));
     document.getElementById("alerts").innerHTML = alerts.length ? `<table><tr><th>at</th><th>model</th><th>kind</th><th>feature</th><th>test</th><th>value</th><th>threshold</th><th>window</th></tr>` +

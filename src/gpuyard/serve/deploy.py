@@ -33,6 +33,7 @@ from gpuyard.store.base import utcnow
 from gpuyard.store.tables.serve import DeploymentRow
 
 ACTIVE = ("starting", "running")
+_ENDED = {"failed": "failed", "cancelled": "was cancelled", "succeeded": "exited with code 0"}
 
 
 def _doc(r: DeploymentRow) -> dict[str, Any]:
@@ -136,7 +137,7 @@ def _gone(d: dict[str, Any]) -> str | None:
 
         state = job_state(d["job"])
         if state is None or state in TERMINAL:
-            return f"its scheduler job {d['job']} is {state or 'gone'}"
+            return f"its scheduler job {d['job']} {_ENDED.get(state or '', 'is gone')}"
         return None
     if d["pids"].get("server") and not _alive(d["pids"]["server"]):
         return "the server process is gone"
@@ -200,11 +201,9 @@ def _wait_for_job(dep_id: int, job_id: int, scheduling: Scheduling, timeout_s: f
         if current["status"] == "running" and state == "running":
             return current
         if state is None or state in TERMINAL:
-            tail = scheduled.job_log_tail(job_id, scheduling)
-            mark(dep_id, "failed", error=f"its scheduler job {job_id} is {state or 'gone'}")
-            raise ConfigError(
-                f"deployment {dep_id}: its scheduler job {job_id} is {state or 'gone'}:\n{tail}"
-            )
+            why = f"its scheduler job {job_id} {_ENDED.get(state or '', 'is gone')}"
+            mark(dep_id, "failed", error=why)
+            raise ConfigError(f"deployment {dep_id}: {why}:\n{scheduled.job_log_tail(job_id, scheduling)}")
         time.sleep(0.2)
     scheduled.cancel(job_id, scheduling)
     if state == "queued":

@@ -19,13 +19,19 @@ def train(
     max_restarts: Optional[int] = typer.Option(None, "--max-restarts", help="Overrides spec.max_restarts."),
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Overrides spec.run_dir."),
     plan: Optional[Path] = typer.Option(None, "--plan", help="A `gpuyard plan --json` file: its dp/tp/pp."),
+    tracking: Optional[str] = typer.Option(
+        None, "--tracking", help="db: record the run in the state store (the default); jsonl: only the file."
+    ),
+    experiment: Optional[str] = typer.Option(
+        None, "--experiment", "-e", help="Experiment of the tracked run (default: the spec's name)."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check the spec and print the torchrun command."),
     as_json: bool = typer.Option(False, "--json", help="Print the outcome as JSON."),
 ) -> None:
     """Train: exit 0 done, 75 preempted (SIGTERM, checkpoint written), 76 diverged (NaN/inf loss)."""
     from gpuyard.train.launch import LaunchConfig, launch, prepare, torchrun_command
 
-    cfg = LaunchConfig(spec, nproc, nnodes, rdzv, max_restarts, run_dir, plan)
+    cfg = LaunchConfig(spec, nproc, nnodes, rdzv, max_restarts, run_dir, plan, tracking, experiment)
     if dry_run:
         parsed, overrides = prepare(cfg)
         cmd = torchrun_command(cfg, parsed, overrides)
@@ -38,8 +44,11 @@ def train(
     else:
         status = result.status.get("status", "failed")
         where = result.status.get("checkpoint") or "no checkpoint"
+        run_id = result.status.get("run_id")
+        tracked = f"; run {run_id[:8]} (gpuyard runs show {run_id[:8]})" if run_id else ""
         typer.echo(
-            f"{status} at step {result.status.get('step', '?')} ({where}); exit {result.exit_code}", err=True
+            f"{status} at step {result.status.get('step', '?')} ({where}); exit {result.exit_code}{tracked}",
+            err=True,
         )
     raise typer.Exit(result.exit_code)
 

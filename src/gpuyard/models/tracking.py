@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from gpuyard.errors import ConfigError, ConflictError, StoreError
+from gpuyard.errors import ConfigError, ConflictError, NotFoundError, StoreError
 from gpuyard.store import get_artifacts, get_store
 from gpuyard.store.base import utcnow
 from gpuyard.store.db import Store
@@ -116,7 +116,9 @@ class DbTracker:
     Thread-safe: a background thread writes buffered points and samples system metrics.
     """
 
-    def __init__(self, store: Store, run_id: str, system_interval_s: float | None = 10.0) -> None:
+    def __init__(
+        self, store: Store, run_id: str, system_interval_s: float | None = 10.0, system_step: int = 0
+    ) -> None:
         self.store = store
         self.run_id = run_id
         # Plain tuples, written with one driver-level executemany: ORM objects cost ~100 us per point to
@@ -128,7 +130,8 @@ class DbTracker:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._error: BaseException | None = None
-        self._sys_step = 0
+        # A reopened run (a resumed training job) continues its system series after the last point.
+        self._sys_step = system_step
         self._sys_interval = system_interval_s
         self._sample_system()
         self._writer = threading.Thread(target=self._background, name=f"tracker-{run_id[:8]}", daemon=True)
@@ -183,6 +186,11 @@ class DbTracker:
             row.status, row.error, row.ended_at = status, error, utcnow()
 
     # -- more than the interface --------------------------------------------------------------------
+
+    @property
+    def write_error(self) -> BaseException | None:
+        """The error of the background writer's last failed flush (those points are lost), or None."""
+        return self._error
 
     def log_event(self, event: str, **fields: Any) -> None:
         """Record a free-form event (resume, checkpoint, stop) in the run's ``events`` tag (last 100 kept)."""
@@ -301,6 +309,8 @@ def start_run(
     parent_id: str | None = None,
     system_interval_s: float | None = 10.0,
     store: Store | None = None,
+    run_id: str | None = None,
+    started_at: datetime | None = None,
 ) -> DbTracker:
     """Open a new run in the state store and return its tracker.
 
@@ -314,9 +324,12 @@ def start_run(
         parent_id: the tuning study or cross-validation this run belongs to.
         system_interval_s: seconds between CPU/memory/GPU samples; None samples only at start and end.
         store: the state store (default: the configured one).
+        run_id: the id to give the run (32 hex digits; default: a new random one). The training
+            runtime chooses it up front so the run folder names its run before the database answers.
+        started_at: when the run started (default: now), for a run recorded after it began.
 
     Raises:
-        ConfigError: bad kind or names.
+        ConfigError: bad kind, names or run id.
     """
     if kind not in RUN_KINDS:
         raise ConfigError(f"run kind {kind!r} must be one of {', '.join(RUN_KINDS)}")
@@ -324,8 +337,10 @@ def start_run(
         raise ConfigError("run name and experiment must be 1-200 characters")
     for key in params or {}:
         check_metric_key(key)
+    if run_id is not None and not re.fullmatch(r"[0-9a-f]{32}", run_id):
+        raise ConfigError(f"run id {run_id!r} must be 32 lowercase hex digits")
     store = store or get_store()
-    run_id = uuid.uuid4().hex
+    run_id = run_id or uuid.uuid4().hex
     with store.session() as s:
         s.add(
             RunRow(
@@ -340,6 +355,7 @@ def start_run(
                 system=system_info(),
                 code_version=code_version(),
                 dataset_version=dataset_version,
+                started_at=started_at or utcnow(),
             )
         )
     return DbTracker(store, run_id, system_interval_s=system_interval_s)
@@ -356,3 +372,94 @@ def append_metrics(run_id: str, step: int, metrics: dict[str, Any], store: Store
             )
             for k, v in metrics.items()
         )
+
+
+def reopen_run(
+    run_id: str,
+    *,
+    after_step: int,
+    store: Store | None = None,
+    system_interval_s: float | None = 10.0,
+) -> DbTracker:
+    """Continue an existing run (a training job resumed from its checkpoint at ``after_step``).
+
+    Metric points past ``after_step`` (system metrics excepted) are deleted first: the resumed job
+    logs those steps again, and metric rows are not unique per (run, key, step), so keeping them
+    would leave two points per replayed step. The run is marked running again.
+
+    Raises:
+        NotFoundError: no run ``run_id`` in this store.
+    """
+    from sqlalchemy import delete, func, select
+
+    store = store or get_store()
+    with store.session() as s:
+        row = s.get(RunRow, run_id)
+        if row is None:
+            raise NotFoundError(f"run {run_id} not found in {store.safe_url}")
+        s.execute(
+            delete(RunMetricRow).where(
+                RunMetricRow.run_id == run_id,
+                RunMetricRow.step > after_step,
+                RunMetricRow.key.not_like("sys/%"),
+            )
+        )
+        row.status, row.error, row.ended_at = "running", None, None
+        last_sys = s.scalar(
+            select(func.max(RunMetricRow.step)).where(
+                RunMetricRow.run_id == run_id, RunMetricRow.key.like("sys/%")
+            )
+        )
+    return DbTracker(store, run_id, system_interval_s=system_interval_s, system_step=int(last_sys or 0))
+
+
+def fill_metrics(run_id: str, points: dict[int, dict[str, Any]], store: Store | None = None) -> int:
+    """Insert the points of ``{step: {key: value}}`` that the run does not have yet; returns how many.
+
+    A training job killed between two background flushes loses its last buffered points; on resume
+    they are refilled from the job's own crash-safe log without duplicating those that were written.
+    """
+    from sqlalchemy import select
+
+    if not points:
+        return 0
+    store = store or get_store()
+    now = utcnow()
+    with store.session() as s:
+        have = set(
+            s.execute(
+                select(RunMetricRow.key, RunMetricRow.step).where(
+                    RunMetricRow.run_id == run_id,
+                    RunMetricRow.step.between(min(points), max(points)),
+                    RunMetricRow.key.not_like("sys/%"),
+                )
+            ).tuples()
+        )
+        rows = [
+            RunMetricRow(
+                run_id=run_id, key=check_metric_key(k), step=step, value=_as_float(k, v), logged_at=now
+            )
+            for step, metrics in sorted(points.items())
+            for k, v in metrics.items()
+            if (k, step) not in have
+        ]
+        s.add_all(rows)
+    return len(rows)
+
+
+def close_run(run_id: str, status: str, error: str | None = None, *, store: Store | None = None) -> bool:
+    """Close a run that is still marked running (its process died before it could); True if it was.
+
+    Raises:
+        ConfigError: unknown status.
+    """
+    status = _STATUS_ALIASES.get(status, status)
+    if status not in RUN_STATUSES[1:]:
+        raise ConfigError(f"run status {status!r} must be one of {', '.join(RUN_STATUSES[1:])}")
+    store = store or get_store()
+    with store.session() as s:
+        row = s.get(RunRow, run_id)
+        if row is None or row.status != "running":
+            return False
+        row.status, row.error, row.ended_at = status, error, utcnow()
+    return True

@@ -8,6 +8,7 @@ it into the exit code the scheduler understands (see ``gpuyard.exitcodes``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,9 +19,12 @@ from typing import Any
 
 from gpuyard import exitcodes
 from gpuyard.errors import ConfigError
+from gpuyard.train.metrics import tracked_run_id
 from gpuyard.train.spec import TrainSpec, load_entrypoint, load_plan, load_spec
 from gpuyard.train.trainer import STATUS_FILE
 from gpuyard.train.worker import LAUNCHED_ENV, STATUS_CODES
+
+_log = logging.getLogger("gpuyard.train")
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class LaunchConfig:
         max_restarts: worker-group restarts after a failure (None: the spec's max_restarts).
         run_dir: overrides spec.run_dir.
         plan_path: a `gpuyard plan --json` file whose {dp, tp, pp} override spec.parallel.
+        tracking: overrides spec.tracking.backend (db or jsonl).
+        experiment: overrides spec.tracking.experiment.
     """
 
     spec_path: Path
@@ -44,6 +50,8 @@ class LaunchConfig:
     max_restarts: int | None = None
     run_dir: str | None = None
     plan_path: Path | None = None
+    tracking: str | None = None
+    experiment: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,9 @@ def prepare(cfg: LaunchConfig) -> tuple[TrainSpec, dict[str, Any]]:
         overrides["run_dir"] = str(Path(cfg.run_dir).expanduser().resolve())
     if cfg.plan_path:
         overrides["parallel"] = load_plan(cfg.plan_path)
+    tracking = {"backend": cfg.tracking, "experiment": cfg.experiment}
+    if any(tracking.values()):
+        overrides["tracking"] = {k: v for k, v in tracking.items() if v}
     spec = load_spec(cfg.spec_path, overrides)
     for field, ref in _entrypoints(spec):
         load_entrypoint(ref, field)
@@ -124,6 +135,10 @@ def torchrun_command(cfg: LaunchConfig, spec: TrainSpec, overrides: dict[str, An
     ]
     if "parallel" in overrides:
         cmd += ["--parallel", json.dumps(overrides["parallel"])]
+        if cfg.plan_path:
+            cmd += ["--plan", str(Path(cfg.plan_path).resolve())]
+    if "tracking" in overrides:
+        cmd += ["--tracking", json.dumps(overrides["tracking"])]
     return cmd
 
 
@@ -188,5 +203,22 @@ def launch(cfg: LaunchConfig, stdout: Any = None, stderr: Any = None) -> LaunchR
     if signalled:
         # Stopped before the workers could report (e.g. during start-up): resumable from the last
         # checkpoint, or from the start.
-        return LaunchResult(exitcodes.PREEMPTED, {"status": "preempted", "signal": signalled[0]}, run_dir)
-    return LaunchResult(code if code > 0 else 1, status, run_dir)
+        status = {"status": "preempted", "signal": signalled[0]}
+        _close_tracked_run(spec, run_dir, "preempted", f"signal {signalled[0]} before the workers reported")
+        return LaunchResult(exitcodes.PREEMPTED, status, run_dir)
+    code = code if code > 0 else 1
+    _close_tracked_run(spec, run_dir, "failed", f"torchrun exited with code {code} (restarts exhausted)")
+    return LaunchResult(code, status, run_dir)
+
+
+def _close_tracked_run(spec: TrainSpec, run_dir: Path, status: str, error: str) -> None:
+    """Close the database run that workers killed outright left marked running (never fatal)."""
+    run_id = tracked_run_id(run_dir)
+    if spec.tracking.backend != "db" or run_id is None:
+        return
+    try:
+        from gpuyard.models.tracking import close_run
+
+        close_run(run_id, status, error)
+    except Exception as exc:  # the job's outcome is already decided; the database is a record of it
+        _log.warning("gpuyard train: warning: could not close run %s in the database: %s", run_id[:8], exc)

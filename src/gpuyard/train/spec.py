@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpuyard.errors import ConfigError
 
@@ -93,6 +93,21 @@ class CheckpointSpec(_Strict):
     resume: bool = Field(True, description="resume from the newest complete checkpoint in run_dir")
 
 
+class TrackingSpec(_Strict):
+    """Where the run is recorded; `tracking: db` / `tracking: jsonl` is short for `{backend: ...}`."""
+
+    backend: Literal["db", "jsonl"] = Field(
+        "db", description="db: a run in the state store (rank 0), plus metrics.jsonl; jsonl: only the file"
+    )
+    experiment: str | None = Field(None, min_length=1, max_length=200, description="default: the spec's name")
+    run_name: str | None = Field(None, min_length=1, max_length=200, description="default: the spec's name")
+    dataset: str | None = Field(
+        None,
+        description="gpuyard dataset 'name[@version]' read; default: data.train.kwargs.dataset if it is one",
+    )
+    tags: dict[str, str] = Field(default_factory=dict, description="free-form labels on the run")
+
+
 class TrainSpec(_Strict):
     """A whole training job, as written in SPEC.yaml."""
 
@@ -122,6 +137,12 @@ class TrainSpec(_Strict):
     max_restarts: int = Field(3, ge=0, description="torchrun worker restarts after a failure")
     log_every_steps: int = Field(1, gt=0)
     callbacks: list[str] = Field(default_factory=list, description="'module:function'(trainer, event)")
+    tracking: TrackingSpec = Field(default_factory=lambda: TrackingSpec.model_validate({}))
+
+    @field_validator("tracking", mode="before")
+    @classmethod
+    def _tracking_shorthand(cls, value: Any) -> Any:
+        return {"backend": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check_pipeline(self) -> TrainSpec:
@@ -174,6 +195,8 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Trai
         raise ConfigError(f"{path}: not valid YAML ({exc})") from None
     if isinstance(doc, dict) and overrides:
         doc = dict(doc)
+        if isinstance(doc.get("tracking"), str):  # so `--experiment X` keeps `tracking: jsonl`
+            doc["tracking"] = {"backend": doc["tracking"]}
         for key, value in overrides.items():
             # A mapping merges into the spec's own (a plan's {dp, tp, pp} keeps parallel.pp_schedule).
             if isinstance(value, dict) and isinstance(doc.get(key), dict):

@@ -23,12 +23,14 @@ from gpuyard.train import components as comp
 from gpuyard.train.checkpoint import Checkpointer, latest_checkpoint, step_dirname
 from gpuyard.train.data import DataSource, call_factory, count_batch, make_source, split_batch, to_device
 from gpuyard.train.metrics import (
+    DbRunTracker,
     DeviceStats,
     JsonlTracker,
     NullTracker,
     Progress,
     Tracker,
     catalog_peak_tflops,
+    db_metric_key,
     model_flops_utilization,
 )
 from gpuyard.train.parallel import (
@@ -60,7 +62,9 @@ class Trainer:
     """Runs one training job described by a TrainSpec, on one process or as one rank of many.
 
     Objects may be given directly (Python API) instead of the spec's entrypoints: `model` a factory
-    or an nn.Module, `train_data`/`val_data` a map-style Dataset or a resumable loader.
+    or an nn.Module, `train_data`/`val_data` a map-style Dataset or a resumable loader. Without a
+    `tracker`, rank 0 records where `spec.tracking` says (metrics.jsonl, plus a database run under
+    `db`); `run_params` are recorded with the run besides the spec (e.g. the plan it follows).
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class Trainer:
         loss: Callable[[Any, Any], torch.Tensor] | None = None,
         tracker: Tracker | None = None,
         callbacks: list[Callable[[Trainer, str], None]] | None = None,
+        run_params: dict[str, Any] | None = None,
     ) -> None:
         self.spec = spec
         self.run_dir = spec.resolved_run_dir()
@@ -80,6 +85,7 @@ class Trainer:
         self.loss_fn = loss or comp.build_loss(spec.loss)
         self.callbacks = list(callbacks or []) + [load_entrypoint(c, "callbacks") for c in spec.callbacks]
         self._tracker_arg = tracker
+        self._run_params = dict(run_params or {})
         self.step = 0
         self.epoch = 0
         self.batches_in_epoch = 0  # micro-batches consumed in the current epoch
@@ -174,6 +180,30 @@ class Trainer:
         )
         if spec.checkpoint.resume:
             self._resume()
+        if main and self._tracker_arg is None and spec.tracking.backend == "db":
+            # After resuming: the database run continues from the checkpoint's step.
+            self.tracker = self._db_tracker()
+
+    def _db_tracker(self) -> DbRunTracker:
+        layout = self.ctx.layout
+        params = {
+            "layout": {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp},
+            "world_size": self.ctx.world_size,
+            "num_params": self.num_params,
+            **self._run_params,
+        }
+        tags: dict[str, Any] = {}
+        if self.val_source is not None:  # the objective `gpuyard runs ls` shows as validation/<metric>
+            watched = self.spec.early_stopping.metric if self.spec.early_stopping else "val_loss"
+            tags["metric"] = db_metric_key(watched).removeprefix("validation/")
+        return DbRunTracker(
+            self.tracker,
+            self.spec,
+            start_step=self.step,
+            resumed=self.resumed_from is not None,
+            params=params,
+            tags=tags,
+        )
 
     def _total_steps(self) -> int:
         if self.spec.max_steps:
@@ -432,11 +462,25 @@ class Trainer:
         status = "completed"
         try:
             status = self._loop(progress)
+        except BaseException as exc:
+            self._tracker_failed(exc)
+            raise
         finally:
             progress.close()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         return self._finish(status)
+
+    def _tracker_failed(self, exc: BaseException) -> None:
+        """Close the run as failed when an exception ends training (a restart may reopen it)."""
+        fail = getattr(self.tracker, "fail", None)
+        try:
+            if fail is not None:
+                fail(f"{type(exc).__name__}: {exc}"[:2000])
+            else:
+                self.tracker.finish("failed")
+        except Exception:  # the training error is the one to report
+            pass
 
     def _loop(self, progress: Progress) -> str:
         spec = self.spec
@@ -479,9 +523,11 @@ class Trainer:
             if self.ctx.rank == 0:
                 print(f"gpuyard train: {msg}", file=sys.stderr, flush=True)
         self._callback("end")
-        self.tracker.finish(status)
         if self.ctx.rank == 0:
+            # Before the tracker's finish, which may wait for a slow database: the launcher needs
+            # this file even if the job is killed while waiting.
             doc = {
+                "run_id": getattr(self.tracker, "run_id", None),
                 "status": status,
                 "step": self.step,
                 "epoch": self.epoch,
@@ -491,6 +537,7 @@ class Trainer:
             tmp = self.run_dir / f".{STATUS_FILE}.tmp"
             tmp.write_text(json.dumps(doc))
             tmp.replace(self.run_dir / STATUS_FILE)
+        self.tracker.finish(status)
         if self.ctx.world_size > 1:
             dist.barrier()
         return TrainResult(status, self.step, self.epoch, self.run_dir, last, dict(self.last_metrics))

@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("spec")
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--parallel", default=None, help="JSON {dp, tp, pp} overriding spec.parallel")
+    parser.add_argument("--plan", default=None, help="the plan file --parallel came from (recorded)")
+    parser.add_argument("--tracking", default=None, help="JSON overriding fields of spec.tracking")
     args = parser.parse_args(argv)
 
     from gpuyard.train.spec import load_spec
@@ -36,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     try:
         spec = load_spec(args.spec, overrides=_overrides(args))
-        trainer = Trainer(spec)
+        run_params = {"plan": {"file": args.plan, **json.loads(args.parallel)}} if args.plan else None
+        trainer = Trainer(spec, run_params=run_params)
         result = trainer.fit()
     except GpuyardError as exc:
         print(
@@ -58,6 +61,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
         out["run_dir"] = args.run_dir
     if args.parallel:
         out["parallel"] = json.loads(args.parallel)
+    if args.tracking:
+        out["tracking"] = json.loads(args.tracking)
     return out
 
 

@@ -426,15 +426,16 @@ def fill_metrics(run_id: str, points: dict[int, dict[str, Any]], store: Store | 
     store = store or get_store()
     now = utcnow()
     with store.session() as s:
-        have = set(
-            s.execute(
+        have = {
+            (key, step)
+            for key, step in s.execute(
                 select(RunMetricRow.key, RunMetricRow.step).where(
                     RunMetricRow.run_id == run_id,
                     RunMetricRow.step.between(min(points), max(points)),
                     RunMetricRow.key.not_like("sys/%"),
                 )
-            ).tuples()
-        )
+            )
+        }
         rows = [
             RunMetricRow(
                 run_id=run_id, key=check_metric_key(k), step=step, value=_as_float(k, v), logged_at=now

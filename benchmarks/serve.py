@@ -226,8 +226,9 @@ class TreeMemory:
 
 
 def start(kind: str, ref: str, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+    """Start server ``kind`` (gpuyard, gpuyard_MODE, plain, ray) on a free port; (process, predict URL)."""
     port = free_port()
-    if kind == "gpuyard":
+    if kind.startswith("gpuyard"):
         cmd = [
             sys.executable,
             "-m",
@@ -243,6 +244,8 @@ def start(kind: str, ref: str, env: dict[str, str]) -> tuple[subprocess.Popen[by
             "--threads",
             str(THREADS),
         ]
+        if "_" in kind:  # gpuyard_thread / gpuyard_inline: that batching mode; plain gpuyard: the default
+            cmd += ["--batching", kind.split("_", 1)[1]]
     else:
         cmd = [sys.executable, __file__, "--run-server", kind, ref, str(port)]
     log = open(Path(env["GPUYARD_HOME"]).parent / f"{kind}-{ref}.log", "ab")  # noqa: SIM115 - the child owns it
@@ -360,7 +363,7 @@ def soak(bodies_file: Path, seconds: float, env: dict[str, str]) -> dict[str, An
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="2 concurrency levels x 4 s (about a minute or two)")
+    ap.add_argument("--quick", action="store_true", help="3 concurrency levels x 4 s (about two minutes)")
     ap.add_argument(
         "--soak",
         type=float,
@@ -368,6 +371,17 @@ def main() -> None:
         help="64 clients on gpuyard's MLP for this long (default: 60 s, 0 with --quick)",
     )
     ap.add_argument("--skip-ray", action="store_true", help="leave Ray Serve out")
+    ap.add_argument(
+        "--also-batching",
+        default="",
+        help="also measure gpuyard with these batching modes (comma list of inline, thread)",
+    )
+    ap.add_argument(
+        "--noise",
+        type=int,
+        default=0,
+        help="busy-loop processes kept running during the whole measurement (a loaded machine)",
+    )
     ap.add_argument("--models", default="mlp,transformer", help="comma list of mlp, transformer, cnn")
     ap.add_argument("--run-server", nargs=3, metavar=("KIND", "REF", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -375,7 +389,7 @@ def main() -> None:
         kind, ref, port = args.run_server
         (run_plain if kind == "plain" else run_ray)(ref, int(port))
         return
-    levels, duration = ([4, 16, 64], 4.0) if args.quick else ([1, 4, 8, 16, 32, 64], 10.0)
+    levels, duration = ([1, 8, 32], 4.0) if args.quick else ([1, 4, 8, 16, 32, 64], 10.0)
     soak_s = args.soak if args.soak is not None else (0.0 if args.quick else 60.0)
     tmp = Path(tempfile.mkdtemp(prefix="gpuyard-bench-serve-"))
     env = {
@@ -388,11 +402,35 @@ def main() -> None:
     os.environ.update(env)
     from gpuyard.serve.examples import register_example
 
-    rng = np.random.default_rng(0)
     all_shapes = {"mlp": (16,), "transformer": (4, 16), "cnn": (1, 28, 28)}
     shapes = {m: all_shapes[m] for m in args.models.split(",")}
     for name in shapes:
         register_example(name, name, **MODEL_KWARGS.get(name, {}))
+    args.load1 = os.getloadavg()[0]
+    noise = [
+        subprocess.Popen([sys.executable, "-c", "while 1: pass"], start_new_session=True)
+        for _ in range(args.noise)
+    ]
+    try:
+        regime, results, soaked = run_all(args, shapes, levels, duration, soak_s, tmp, env)
+    finally:
+        for p in noise:
+            p.kill()
+            p.wait()
+    report(args, shapes, regime, results, soaked, soak_s, tmp)
+
+
+def run_all(
+    args: argparse.Namespace,
+    shapes: dict[str, tuple[int, ...]],
+    levels: list[int],
+    duration: float,
+    soak_s: float,
+    tmp: Path,
+    env: dict[str, str],
+) -> tuple[dict[str, tuple[float, float]], dict[str, dict[str, Any]], dict[str, Any] | None]:
+    """Measure every server on every model (and the soak), with the same bodies for all."""
+    rng = np.random.default_rng(0)
     regime = forward_regime(shapes)
     results: dict[str, dict[str, Any]] = {}
     for ref, shape in shapes.items():
@@ -402,9 +440,28 @@ def main() -> None:
                 [json.dumps({"inputs": [rng.normal(size=shape).round(4).tolist()]}) for _ in range(16)]
             )
         )
-        for kind in ("gpuyard", "plain") + (() if args.skip_ray else ("ray",)):
+        for kind in servers(args):
             results[f"{ref}_{kind}"] = measure(kind, ref, bodies, levels, duration, env)
     soaked = soak(tmp / "mlp.json", soak_s, env) if soak_s else None
+    return regime, results, soaked
+
+
+def servers(args: argparse.Namespace) -> list[str]:
+    """The servers measured: gpuyard (default batching), gpuyard_MODE for ``--also-batching``, baselines."""
+    extra = [f"gpuyard_{m}" for m in args.also_batching.split(",") if m]
+    return ["gpuyard", *extra, "plain", *([] if args.skip_ray else ["ray"])]
+
+
+def report(
+    args: argparse.Namespace,
+    shapes: dict[str, tuple[int, ...]],
+    regime: dict[str, tuple[float, float]],
+    results: dict[str, dict[str, Any]],
+    soaked: dict[str, Any] | None,
+    soak_s: float,
+    tmp: Path,
+) -> None:
+    """Print the details file, the soak line and the last ``serve: key=value`` line."""
     (tmp / "results.json").write_text(json.dumps({"results": results, "soak": soaked}, indent=1))
     print(f"details: {tmp / 'results.json'}")
     if soaked:
@@ -413,22 +470,22 @@ def main() -> None:
             f"p99 {soaked['p99_ms']} ms, RSS {soaked['rss_start_mb']} -> {soaked['rss_end_mb']} MB"
         )
     figures = {}
-    for ref in shapes:
-        g = results[f"{ref}_gpuyard"]["rps"]
+    ours = [k for k in servers(args) if k.startswith("gpuyard")]
+    for ref, mine in itertools.product(shapes, ours):
+        g = results[f"{ref}_{mine}"]["rps"]
         for kind in ("ray", "plain"):
             if f"{ref}_{kind}" in results:
                 base = results[f"{ref}_{kind}"]["rps"]
                 # inf: the baseline never kept p99 within the budget at any concurrency tried.
-                figures[f"{ref}_vs_{kind}"] = f"{g / base:.1f}x" if base else "inf"
-    for ref in shapes:  # best throughput at any latency: the ratio when the budget is ignored
-        top = {
-            k: max(r["throughput_rps"] for r in v["runs"]) for k, v in results.items() if k.startswith(ref)
-        }
+                figures[f"{ref}{mine[7:]}_vs_{kind}"] = f"{g / base:.1f}x" if base else "inf"
+    for ref, mine in itertools.product(shapes, ours):  # best at any latency: the ratio without the budget
+        top = {k: max(r["throughput_rps"] for r in v["runs"]) for k, v in results.items()}
         for kind in ("ray", "plain"):
             if top.get(f"{ref}_{kind}"):
-                figures[f"{ref}_vs_{kind}_unbounded"] = f"{top[f'{ref}_gpuyard'] / top[f'{ref}_{kind}']:.1f}x"
+                ratio = top[f"{ref}_{mine}"] / top[f"{ref}_{kind}"]
+                figures[f"{ref}{mine[7:]}_vs_{kind}_unbounded"] = f"{ratio:.1f}x"
     for ref in shapes:
-        for kind in ("gpuyard", "plain", "ray"):
+        for kind in servers(args):
             if f"{ref}_{kind}" in results:
                 r = results[f"{ref}_{kind}"]
                 figures[f"{ref}_{kind}_rps"] = f"{r['rps']:.0f}"
@@ -437,13 +494,15 @@ def main() -> None:
     for ref, (one, per) in regime.items():
         figures[f"{ref}_fwd1_ms"] = f"{one:.2f}"
         figures[f"{ref}_fwd{MAX_BATCH}_per_sample_ms"] = f"{per:.3f}"
-    for kind in ("gpuyard", "plain", "ray"):
-        if f"mlp_{kind}" in results:
+    for kind in servers(args):
+        if all(f"{ref}_{kind}" in results for ref in shapes):
             peak = max(results[f"{ref}_{kind}"]["peak_mb"] for ref in shapes)
             figures[f"{kind}_peak_mb"] = str(peak)
     if soaked:
         figures["soak_errors"] = str(soaked["errors"])
         figures["soak_rss_growth_mb"] = f"{soaked['rss_end_mb'] - soaked['rss_start_mb']:.1f}"
+    figures["noise_procs"] = str(args.noise)  # busy loops started by this run (a loaded machine on purpose)
+    figures["load1_at_start"] = f"{args.load1:.1f}"  # the machine's load before this run started
     print("serve: " + " ".join(f"{k}={v}" for k, v in figures.items()))
 
 

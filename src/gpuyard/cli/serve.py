@@ -14,6 +14,11 @@ def serve(
     replicas: int = typer.Option(1, "--replicas", help="Server processes sharing the port (one per GPU)."),
     max_batch: int = typer.Option(32, "--max-batch", help="Most samples in one forward pass."),
     max_wait_ms: float = typer.Option(2.0, "--max-wait-ms", help="Longest wait for a batch to fill (ms)."),
+    batching: str = typer.Option(
+        "inline",
+        "--batching",
+        help="inline: the event loop runs each batch (no thread hand-off); thread: a model thread does.",
+    ),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     threads: int = typer.Option(
         0, "--threads", help="Torch threads per replica (0: (cores-1)/replicas, min 1)."
@@ -34,7 +39,7 @@ def serve(
         port=port,
         replicas=replicas,
         device=device,
-        batch=BatchConfig(max_batch=max_batch, max_wait_ms=max_wait_ms, threads=threads),
+        batch=BatchConfig(max_batch=max_batch, max_wait_ms=max_wait_ms, threads=threads, mode=batching),
         max_body_bytes=max_body,
         drift=not no_drift,
         drift_config=DriftConfig(

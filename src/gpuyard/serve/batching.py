@@ -1,12 +1,23 @@
-"""Dynamic batching: requests from the event loop are gathered into one forward pass on a model thread.
+"""Dynamic batching: requests are gathered into one forward pass, in the event loop or in a model thread.
 
-The model runs in one dedicated thread (``torch.set_num_threads`` is per thread, so it is set there).
-That thread takes the oldest request, then keeps taking queued requests until the batch holds
-``max_batch`` samples or ``max_wait_ms`` have passed *since the oldest request arrived*: a request
-that already waited during the previous forward pass is not made to wait again, and when no other
-request is in the server at all (submitted and unanswered), the batch goes at once: waiting could
-only add latency. Results go back to
-the event loop in one ``call_soon_threadsafe`` per batch.
+Two modes, chosen with ``BatchConfig.mode`` (``gpuyard serve --batching inline|thread``):
+
+- ``inline`` (:class:`InlineBatcher`, the default): the event loop itself runs the forward pass on
+  everything queued. Requests that arrive during a pass wait in the sockets' buffers; after the pass
+  the loop is given back once, so every request that is ready gets read, parsed and submitted, and
+  then the next batch runs with all of them. No thread hand-off: on a busy machine each hand-off
+  (event loop -> model thread -> event loop) waits for the scheduler to wake a thread, which cost
+  more than the forward pass of a small model. While a pass runs, the loop answers nothing else.
+- ``thread`` (:class:`Batcher`): one dedicated model thread takes the oldest request from a queue,
+  then keeps taking queued requests until the batch holds ``max_batch`` samples or ``max_wait_ms``
+  have passed *since the oldest request arrived*; when no other request is in the server, the batch
+  goes at once. Results go back to the event loop in one ``call_soon_threadsafe`` per batch. The
+  event loop keeps parsing and encoding while the model runs, which pays when the forward pass
+  releases the GIL for long (a GPU, a large model) and a core is free.
+
+In both modes a request's outputs are the rows of the batch's outputs at its own offset, a failing
+forward pass answers only the requests of its batch (with the error), and ``stop()`` answers every
+queued request before returning.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import numpy as np
 from gpuyard.errors import ConfigError, GpuyardError
 
 Outputs = dict[str, np.ndarray]
+MODES = ("inline", "thread")
 
 
 @dataclass(frozen=True)
@@ -36,12 +48,14 @@ class BatchConfig:
         max_wait_ms: longest time the oldest request waits for others to join its batch.
         threads: intra-op threads of the model thread (``torch.set_num_threads``); 0: chosen by the runner.
         max_queue: requests waiting beyond this are refused with 503 (back-pressure, bounded memory).
+        mode: ``inline`` (the event loop runs the forward pass) or ``thread`` (a model thread does).
     """
 
     max_batch: int = 32
     max_wait_ms: float = 2.0
     threads: int = 0
     max_queue: int = 4096
+    mode: str = "inline"
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -52,6 +66,8 @@ class BatchConfig:
             raise ConfigError(f"threads={self.threads}: must be >= 0 (0: cores / replicas)")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue={self.max_queue}: must be at least 1")
+        if self.mode not in MODES:
+            raise ConfigError(f"batching mode {self.mode!r}: use one of {', '.join(MODES)}")
 
 
 class Overloaded(GpuyardError):
@@ -94,6 +110,7 @@ class Batcher:
         self._carry: _Item | None = None
         self._inflight = 0  # submitted and not yet answered (written under _count_lock)
         self._count_lock = threading.Lock()
+        self._stopping = False
         self.ready = threading.Event()
 
     def start(self) -> None:
@@ -103,7 +120,8 @@ class Batcher:
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Finish the queued requests, then stop the model thread."""
+        """Finish the queued requests, then stop the model thread; later submissions get 503."""
+        self._stopping = True
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
@@ -119,12 +137,19 @@ class Batcher:
         """Requests waiting for a batch."""
         return self._queue.qsize()
 
+    @contextlib.contextmanager
+    def arriving(self) -> Any:
+        """A request's body is being read (the model thread batches what is queued: nothing to do)."""
+        yield
+
     async def submit(self, batch: np.ndarray) -> Outputs:
         """Queue ``batch`` (one request's samples) and wait for its outputs.
 
         Raises:
-            Overloaded: the queue already holds ``max_queue`` requests.
+            Overloaded: the server is stopping, or the queue already holds ``max_queue`` requests.
         """
+        if self._stopping:
+            raise Overloaded("the server is stopping")
         if self._queue.qsize() >= self.config.max_queue:
             raise Overloaded(f"server overloaded: {self.config.max_queue} requests already queued")
         loop = asyncio.get_running_loop()
@@ -194,13 +219,7 @@ class Batcher:
 
     @staticmethod
     def _deliver(items: list[_Item], outputs: Outputs | None, exc: BaseException | None) -> None:
-        results: list[tuple[asyncio.Future[Outputs], Outputs | None]] = []
-        start = 0
-        for it in items:
-            n = len(it.batch)
-            part = None if outputs is None else {k: v[start : start + n] for k, v in outputs.items()}
-            results.append((it.future, part))
-            start += n
+        results = _split(items, outputs)
         by_loop: dict[Any, list[tuple[asyncio.Future[Outputs], Outputs | None]]] = {}
         for it, res in zip(items, results, strict=True):
             by_loop.setdefault(it.loop, []).append(res)
@@ -208,6 +227,20 @@ class Batcher:
             # RuntimeError: the loop closed (shutdown), nobody is waiting any more.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_resolve, batch, exc)
+
+
+def _split(
+    items: list[_Item], outputs: Outputs | None
+) -> list[tuple[asyncio.Future[Outputs], Outputs | None]]:
+    """Each request's future with its own rows of the batch's outputs (None when the pass failed)."""
+    results: list[tuple[asyncio.Future[Outputs], Outputs | None]] = []
+    start = 0
+    for it in items:
+        n = len(it.batch)
+        part = None if outputs is None else {k: v[start : start + n] for k, v in outputs.items()}
+        results.append((it.future, part))
+        start += n
+    return results
 
 
 def _resolve(
@@ -220,3 +253,189 @@ def _resolve(
             future.set_exception(exc)
         else:
             future.set_result(part)  # type: ignore[arg-type]
+
+
+class InlineBatcher:
+    """Runs ``forward`` on gathered batches in the event loop's own thread; ``await submit(x)``.
+
+    A submission queues the request and, if no pass is due yet, schedules one with ``call_soon``: the
+    requests the loop has already read get parsed and submitted before it runs, so they share the
+    pass. After a pass the loop is given back once before the next batch (answers go out, requests
+    that arrived during the pass are read). When the batch is not full and other requests are still
+    arriving (their bodies being read: see :meth:`arriving`), the pass waits for them with
+    ``call_later``, at most ``max_wait_ms`` after the oldest queued request arrived.
+
+    Args:
+        forward: maps a float32 batch ``(n, ...)`` to a dict of arrays whose first dimension is ``n``.
+        config: batching settings.
+        on_batch: called after each pass with (inputs, outputs, requests, seconds); its exceptions
+            are swallowed: monitoring never fails a request.
+        setup: called once by :meth:`start`, in the caller's thread, which must be the thread that
+            runs the event loop (``torch.set_num_threads`` is per thread).
+    """
+
+    def __init__(
+        self,
+        forward: Callable[[np.ndarray], Outputs],
+        config: BatchConfig,
+        on_batch: BatchHook | None = None,
+        setup: Callable[[], None] | None = None,
+    ) -> None:
+        self.forward, self.config, self.on_batch, self.setup = forward, config, on_batch, setup
+        self._pending: list[_Item] = []
+        self._rows = 0  # samples in _pending
+        self._arriving = 0  # requests whose bodies are being read (they will submit soon)
+        self._expect = 1  # requests in the last pass: as many are likely to come back for the next one
+        self._timer: asyncio.Handle | None = None  # the scheduled pass, if any
+        self._timer_loop: Any = None
+        self._timer_delayed = False  # the scheduled pass is a call_later (waiting for arrivals)
+        self._started = False
+        self._stopping = False
+        self.ready = threading.Event()
+
+    def start(self) -> None:
+        """Run ``setup`` (idempotent); call it from the thread that will run the event loop."""
+        if not self._started:
+            if self.setup is not None:
+                self.setup()
+            self._started = True
+            self.ready.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Answer every queued request (passes run now, in the caller's thread); later submissions get
+        503. Call it from the event loop's thread, or after the loop has stopped."""
+        del timeout  # the passes run here, synchronously: nothing to wait for
+        self._stopping = True
+        self._cancel_timer()
+        while self._pending:
+            self._run_batch()
+        self.ready.clear()
+
+    @property
+    def alive(self) -> bool:
+        """True between :meth:`start` and :meth:`stop`."""
+        return self._started and not self._stopping
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting for a batch."""
+        return len(self._pending)
+
+    @contextlib.contextmanager
+    def arriving(self) -> Any:
+        """Mark a request whose body is being read: a batch that is not full waits for it (up to
+        ``max_wait_ms``) rather than leaving without it."""
+        self._arriving += 1
+        try:
+            yield
+        finally:
+            self._arriving -= 1
+
+    async def submit(self, batch: np.ndarray) -> Outputs:
+        """Queue ``batch`` (one request's samples) and wait for its outputs.
+
+        Raises:
+            Overloaded: the server is stopping, or ``max_queue`` requests are already queued.
+        """
+        if self._stopping:
+            raise Overloaded("the server is stopping")
+        if len(self._pending) >= self.config.max_queue:
+            raise Overloaded(f"server overloaded: {self.config.max_queue} requests already queued")
+        loop = asyncio.get_running_loop()
+        item = _Item(batch, loop.create_future(), loop)
+        self._pending.append(item)
+        self._rows += len(batch)
+        waiting = self._timer_delayed and not self._worth_waiting()
+        if self._timer is None or self._timer_loop is not loop or waiting:
+            # No pass due on this loop yet, or a pass waiting for arrivals that are all in (or for a
+            # batch that is now full): run right after the requests the loop has already read have
+            # been submitted (call_soon queues behind them).
+            self._schedule(loop, 0.0)
+        return await item.future
+
+    # -- scheduling ---------------------------------------------------------------------------------
+
+    def _schedule(self, loop: Any, delay: float) -> None:
+        self._cancel_timer()
+        self._timer_loop, self._timer_delayed = loop, delay > 0
+        self._timer = loop.call_soon(self._due) if delay <= 0 else loop.call_later(delay, self._due)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _due(self) -> None:
+        self._timer = None
+        if not self._pending:
+            return
+        left = self.config.max_wait_ms / 1000.0 - (time.monotonic() - self._pending[0].t0)
+        if left > 0 and self._worth_waiting():
+            self._schedule(self._timer_loop, left)  # others are on their way: let them join
+            return
+        self._run_batch()
+        if self._pending:  # more than one batch was queued: give the loop back once, then go on
+            self._schedule(self._pending[0].loop, 0.0)
+
+    def _worth_waiting(self) -> bool:
+        """The batch is not full and more requests are expected: bodies are being read, or fewer
+        requests are queued than the last pass answered (its clients are likely coming back)."""
+        if self._rows >= self.config.max_batch:
+            return False
+        return self._arriving > 0 or len(self._pending) < self._expect
+
+    def _take(self) -> list[_Item]:
+        """The oldest requests up to ``max_batch`` samples (the first one even if it alone is larger)."""
+        rows, n = len(self._pending[0].batch), 1
+        while n < len(self._pending) and rows + len(self._pending[n].batch) <= self.config.max_batch:
+            rows += len(self._pending[n].batch)
+            n += 1
+        items = self._pending[:n]
+        del self._pending[:n]
+        self._rows -= rows
+        return items
+
+    def _run_batch(self) -> None:
+        items = self._take()
+        self._expect = len(items)
+        t0 = time.perf_counter()
+        try:
+            inputs = items[0].batch if len(items) == 1 else np.concatenate([it.batch for it in items])
+            outputs = self.forward(inputs)
+        except Exception as exc:  # a model failure answers this batch's requests, nothing else
+            _answer(_split(items, None), exc, items[0].loop)
+            return
+        _answer(_split(items, outputs), None, items[0].loop)
+        if self.on_batch is not None:
+            with contextlib.suppress(Exception):  # monitoring never fails a request
+                self.on_batch(inputs, outputs, len(items), time.perf_counter() - t0)
+
+
+def _answer(
+    results: list[tuple[asyncio.Future[Outputs], Outputs | None]], exc: BaseException | None, loop: Any
+) -> None:
+    """Resolve futures directly when running in their loop, else through ``call_soon_threadsafe``."""
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if here or loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
+            _resolve(results, exc)
+        return
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_resolve, results, exc)
+
+
+AnyBatcher = Batcher | InlineBatcher
+
+
+def make_batcher(
+    forward: Callable[[np.ndarray], Outputs],
+    config: BatchConfig,
+    on_batch: BatchHook | None = None,
+    setup: Callable[[], None] | None = None,
+) -> AnyBatcher:
+    """The batcher of ``config.mode``: :class:`InlineBatcher` or :class:`Batcher` (model thread)."""
+    cls = InlineBatcher if config.mode == "inline" else Batcher
+    return cls(forward, config, on_batch, setup)

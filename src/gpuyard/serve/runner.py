@@ -110,7 +110,7 @@ def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int 
     import uvicorn
 
     from gpuyard.serve.alerts import reference_for
-    from gpuyard.serve.batching import Batcher
+    from gpuyard.serve.batching import make_batcher
     from gpuyard.serve.drift import DriftMonitor
     from gpuyard.serve.model import load_served, resolve_device, warm_up
     from gpuyard.serve.monitor import ServeMetrics
@@ -141,9 +141,11 @@ def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int 
     def setup() -> None:
         import torch
 
-        torch.set_num_threads(threads)  # per thread: this is the thread that runs the model
+        # Per thread: setup runs in the thread that runs the model (the model thread in thread mode,
+        # this one, which runs the event loop, in inline mode).
+        torch.set_num_threads(threads)
 
-    batcher = Batcher(
+    batcher = make_batcher(
         model.forward, BatchConfig(**{**asdict(opts.batch), "threads": threads}), on_batch, setup
     )
     app = create_app(

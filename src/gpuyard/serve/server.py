@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from gpuyard.errors import GpuyardError
-from gpuyard.serve.batching import BatchConfig, Batcher
+from gpuyard.serve.batching import AnyBatcher, BatchConfig
 from gpuyard.serve.codec import (
     JSON_MEDIA,
     TENSOR_MEDIA,
@@ -123,7 +123,7 @@ _REASONS = {400: "bad_body", 404: "unknown_model", 413: "too_large", 422: "signa
 
 def create_app(
     model: ServedModel,
-    batcher: Batcher,
+    batcher: AnyBatcher,
     metrics: ServeMetrics,
     drift: DriftMonitor | None = None,
     drift_note: str = "",
@@ -142,6 +142,7 @@ def create_app(
             "signature": model.signature,
             "max_batch": cfg.max_batch,
             "max_wait_ms": cfg.max_wait_ms,
+            "batching": cfg.mode,
             "max_rows_per_request": model.spec.max_rows,
             "max_body_bytes": config.max_body_bytes,
         }
@@ -154,7 +155,8 @@ def create_app(
         """Predict a batch (or one sample); answers in the request's format (JSON or safetensors)."""
         t0 = time.perf_counter()
         try:
-            body = await _read_body(request, config.max_body_bytes)
+            with batcher.arriving():
+                body = await _read_body(request, config.max_body_bytes)
         except GpuyardError as exc:
             metrics.observe_error(exc.http_status, _REASONS.get(exc.http_status, "error"))
             return _error(exc)
@@ -209,7 +211,7 @@ def create_app(
 
     @app.get("/ready", responses=_RESPONSES)
     async def ready() -> Response:
-        """200 when the model thread is running and can take requests, else 503."""
+        """200 when the batcher is running (its model thread, in thread mode) and takes requests, else 503."""
         if batcher.alive:
             return JSONResponse({"status": "ready", "model": model.name, "version": model.version})
         return JSONResponse({"status": "not ready"}, status_code=503)
@@ -226,7 +228,7 @@ def create_app(
 class PredictHandler:
     """Body in, answer out: decode, check, batch, encode, count. Shared by the route and the fast path."""
 
-    def __init__(self, model: ServedModel, batcher: Batcher, metrics: ServeMetrics) -> None:
+    def __init__(self, model: ServedModel, batcher: AnyBatcher, metrics: ServeMetrics) -> None:
         self.model, self.batcher, self.metrics = model, batcher, metrics
 
     async def __call__(self, body: bytes, content_type: str, t0: float) -> tuple[int, str, bytes]:
@@ -275,7 +277,8 @@ class FastPredict:
         if length is not None and length.isdigit() and int(length) > self.limit:
             payload = _too_large(self.limit)
         else:
-            body = await _receive_body(receive, self.limit)
+            with self.handler.batcher.arriving():
+                body = await _receive_body(receive, self.limit)
             if body is None:
                 payload = _too_large(self.limit)
             else:

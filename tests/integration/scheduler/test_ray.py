@@ -114,3 +114,62 @@ def test_placement_group_follows_the_placement_and_cancel_stops_it(ray_service: 
     assert table["bundles_to_node_id"][0] == chosen[0]["node"]
     ray_service.cancel(job["id"])
     assert _wait_state(ray_service, job["id"], {"cancelled"})["state"] == "cancelled"
+
+
+def test_gpuyard_server_ray_as_a_command(ray_cluster: str, gpuyard_home: Path, tmp_path: Path) -> None:
+    """`gpuyard server --ray ADDRESS`: the CLI's scheduler runs jobs on the Ray cluster's GPUs."""
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    from gpuyard.scheduler.client import JobClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuyard.cli.main", "server", "--ray", ray_cluster, "--port", str(port)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            # The fixture's cluster lives on loopback only (see ray_cluster): the server's Ray client too.
+            env={
+                **os.environ,
+                "GPUYARD_HOME": str(gpuyard_home),
+                "RAY_AUTH_MODE": "disabled",
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            },
+        )
+
+    def healthy() -> bool:
+        assert proc.poll() is None, log.read_text()
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_for(healthy, 90)
+        client = JobClient(url)
+        view = client.scheduler_view()
+        assert view["executor"] == "ray" and sum(n["gpus"] for n in view["nodes"]) == 8
+        code = "import os; print('visible', os.environ['CUDA_VISIBLE_DEVICES'])"
+        job = client.submit(
+            parse_spec({"name": "ray-cmd", "command": [sys.executable, "-c", code], "resources": {"gpus": 2}})
+        )
+        done = wait_for(lambda: (j := client.get(job["id"]))["state"] in ("succeeded", "failed") and j, 90)
+        assert done["state"] == "succeeded", "".join(client.logs(job["id"]))  # type: ignore[index]
+        out = "".join(client.logs(job["id"]))
+        visible = out.split("visible", 1)[1].split()[0].split(",")
+        assert len(set(visible)) == 2  # Ray gave the job two GPUs of one node
+        client.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -110,3 +110,54 @@ def test_unreachable_database_warns_once_and_keeps_the_jsonl(
     assert events[-1] == {**events[-1], "event": "finish", "status": "completed"}
     # The run folder still names the run, so a later attempt with the database back records it.
     assert json.loads((spec.resolved_run_dir() / "tracking.json").read_text())["run_id"] == tracker.run_id
+
+
+def test_launcher_closes_a_run_whose_workers_died_without_reporting(
+    gpuyard_home: Path, tmp_path: Path
+) -> None:
+    import time
+
+    from gpuyard.train.launch import _close_tracked_run
+
+    spec = _spec(tmp_path / "run")
+    tracker = _attempt(spec, range(1, 4), start=0, resumed=False)  # killed outright: never finished
+    run_id = str(tracker.run_id)
+    deadline = time.monotonic() + 30
+    while not list_runs() and time.monotonic() < deadline:  # the tracker's thread creates the run
+        time.sleep(0.05)
+    assert get_run(run_id).status == "running"
+    _close_tracked_run(spec, spec.resolved_run_dir(), "failed", "torchrun exited with code 1")
+    run = get_run(run_id)
+    assert run.status == "failed" and run.error == "torchrun exited with code 1"
+    # A run that did report is left as it is.
+    _close_tracked_run(spec, spec.resolved_run_dir(), "preempted", "signal 15")
+    assert get_run(run_id).status == "failed"
+    tracker.fail("cleaned up")  # stop the tracker's threads
+
+
+def test_tracking_setting_shorthand_overrides_and_errors(tmp_path: Path) -> None:
+    import yaml
+
+    from gpuyard.errors import ConfigError
+    from gpuyard.train.launch import LaunchConfig, prepare, torchrun_command
+    from gpuyard.train.spec import load_spec
+
+    doc = {
+        "name": "s",
+        "model": {"entrypoint": "gpuyard.train.examples:mlp"},
+        "data": {"train": {"entrypoint": "gpuyard.train.examples:classification_data"}},
+        "tracking": "jsonl",
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert load_spec(path).tracking.backend == "jsonl"
+    # --experiment alone keeps the spec's `tracking: jsonl`; --tracking db switches the backend.
+    spec = load_spec(path, {"tracking": {"experiment": "e1"}})
+    assert (spec.tracking.backend, spec.tracking.experiment) == ("jsonl", "e1")
+    cfg = LaunchConfig(spec_path=path, tracking="db", experiment="e2")
+    spec, overrides = prepare(cfg)
+    assert (spec.tracking.backend, spec.tracking.experiment) == ("db", "e2")
+    cmd = torchrun_command(cfg, spec, overrides)
+    assert json.loads(cmd[cmd.index("--tracking") + 1]) == {"backend": "db", "experiment": "e2"}
+    with pytest.raises(ConfigError, match=r"tracking\.backend"):
+        prepare(LaunchConfig(spec_path=path, tracking="mlflow"))

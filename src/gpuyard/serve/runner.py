@@ -269,6 +269,14 @@ def _watch_ready(url: str, callback: Any, expect: int = 1, timeout_s: float = 30
     threading.Thread(target=poll, name="gpuyard-ready", daemon=True).start()
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT reached a deployment's server process."""
+
+
+def _raise_stopped(signum: int, _frame: Any) -> None:
+    raise _Stopped(signum)
+
+
 def serve_with_record(ref: str, opts: ServeOptions) -> None:
     """:func:`serve`, keeping the deployment record (when ``opts.deployment_id``) up to date."""
     if opts.deployment_id is None:
@@ -287,11 +295,27 @@ def serve_with_record(ref: str, opts: ServeOptions) -> None:
         placed = {"gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "node": socket.gethostname()}
         if os.environ.get("GPUYARD_JOB_ID"):
             placed["job"] = os.environ["GPUYARD_JOB_ID"]
-        mark(dep_id, "running", url=url, pids={**pids, **placed}, device=device)
+        mark(dep_id, "running", url=url, pids={**pids, **placed}, device=device, error=None)
 
+    # uvicorn re-raises the SIGTERM it shut down on, which would kill this process before the record
+    # is updated; a handler of ours turns it into an exception instead (also while the model loads).
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         serve(ref, opts, on_ready=ready)
+    except _Stopped:
+        pass
     except BaseException as exc:
         mark(dep_id, "failed", error=str(exc)[:1000] or type(exc).__name__)
         raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if os.environ.get("GPUYARD_JOB_ID"):
+        # Under the scheduler, serving only ends on its SIGTERM: a preemption (the job is queued again
+        # and this record comes back to running once placed) or a cancel (undeploy marks it stopped).
+        # Exit 75 so a preempted replica set is requeued rather than recorded as finished.
+        from gpuyard.exitcodes import PREEMPTED
+
+        mark(dep_id, "starting", error="stopped by the scheduler: waiting to be placed again")
+        raise SystemExit(PREEMPTED)
     mark(dep_id, "stopped")

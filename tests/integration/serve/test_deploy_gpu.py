@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -120,19 +121,35 @@ def test_replicas_get_disjoint_gpus_from_the_scheduler_and_give_them_back(schedu
     assert list_deployments() == []
 
 
-def test_a_crashed_replica_set_is_restarted_by_the_scheduler(scheduler: str) -> None:
+def _replaced(doc: dict[str, Any]) -> dict[str, Any]:
+    """Wait until the deployment is running again on other processes than ``doc``'s."""
+
+    def check() -> dict[str, Any] | None:
+        d = get_deployment(doc["id"])
+        return d if d["status"] == "running" and d["pids"]["server"] != doc["pids"]["server"] else None
+
+    return wait_for(check, 90)  # type: ignore[return-value]
+
+
+def test_a_replica_set_comes_back_after_a_crash_and_after_a_preemption(scheduler: str) -> None:
     doc = deploy(
         "mlp", ServeOptions(port=0, device="cuda", drift=False), scheduling=Scheduling(max_restarts=1)
     )
-    os.kill(doc["pids"]["server"], signal.SIGKILL)  # the serve process of the job, not its shim
-    back = wait_for(
-        lambda: (
-            (d := get_deployment(doc["id"]))["status"] == "running"
-            and d["pids"]["server"] != doc["pids"]["server"]
-            and d
-        ),
-        90,
-    )
-    assert back["job"] == doc["job"] and _predict(back) == 200  # type: ignore[index,arg-type]
+    os.kill(doc["pids"]["server"], signal.SIGKILL)  # a crash: the job fails and is restarted
+    back = _replaced(doc)
+    assert back["job"] == doc["job"] and _predict(back) == 200 and back["error"] is None
+    # SIGTERM outside a cancel (what a preemption sends): exit 75, requeued, placed again.
+    os.kill(back["pids"]["server"], signal.SIGTERM)
+    again = _replaced(back)
+    assert again["job"] == doc["job"] and _predict(again) == 200
+    events = httpx.get(
+        f"{scheduler}/jobs/{doc['job']}/events", headers={"authorization": f"Bearer {_token()}"}
+    ).json()
+    reasons = " | ".join(e["reason"] or "" for e in events)
+    assert "restart 1 of 1" in reasons and "preempted" in reasons, reasons
     undeploy(str(doc["id"]))
-    assert job_state(doc["job"]) == "cancelled"
+    assert job_state(doc["job"]) == "cancelled" and get_deployment(doc["id"])["status"] == "stopped"
+
+
+def _token() -> str:
+    return (Path(os.environ["GPUYARD_HOME"]) / "token").read_text().strip()

@@ -5,24 +5,16 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
-import time
-from collections.abc import Callable
 
 import httpx
 import pytest
+from tests.waiting import wait_for
 
 from .conftest import LiveApi
 
 pytestmark = pytest.mark.integration
 
 PUBLIC = {"/health"}
-
-
-def _wait(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def _user(live: LiveApi, name: str, team: str, role: str) -> str:
@@ -89,7 +81,7 @@ def test_member_reaches_only_their_teams_jobs(live_api: LiveApi) -> None:
     alice = _user(live_api, "alice", "research", "member")
     viewer = _user(live_api, "vera", "research", "viewer")
     other = live_api.post("/jobs", live_api.admin_token, json=_sleeper("theirs", "vision")).json()
-    _wait(lambda: live_api.get(f"/jobs/{other['id']}", live_api.admin_token).json()["state"] == "running")
+    wait_for(lambda: live_api.get(f"/jobs/{other['id']}", live_api.admin_token).json()["state"] == "running")
     for method, path in (
         ("GET", f"/jobs/{other['id']}"),
         ("GET", f"/jobs/{other['id']}/events"),

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from tests.waiting import wait_for
+
+__all__ = ["wait_for"]  # the tests of this folder import it from here
 
 # A job that counts, checkpoints its counter on SIGTERM and exits with PREEMPTED (75); started again it
 # resumes from the checkpoint. argv: CHECKPOINT_FILE STEPS.
@@ -44,17 +46,6 @@ def job_script(tmp_path: Path) -> Path:
 def python() -> str:
     """The interpreter jobs run with."""
     return sys.executable
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 30.0, every: float = 0.05) -> object:
-    """Poll ``cond`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 @pytest.fixture

@@ -12,14 +12,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 import pytest
+from tests.waiting import wait_for
 
 from gpuyard.errors import CapacityError, ConfigError
 from gpuyard.serve.deploy import deploy, get_deployment, list_deployments, undeploy
@@ -31,16 +31,6 @@ from .conftest import free_port
 pytestmark = pytest.mark.integration
 
 FAKE_GPUS = ("--gpus", "4", "--cpus", "2", "--grace", "3")
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 60.0) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 @pytest.fixture(scope="module")

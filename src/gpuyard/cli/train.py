@@ -46,6 +46,8 @@ def train(
         where = result.status.get("checkpoint") or "no checkpoint"
         run_id = result.status.get("run_id")
         tracked = f"; run {run_id[:8]} (gpuyard runs show {run_id[:8]})" if run_id else ""
+        if run_id and result.status.get("tracking_failed"):
+            tracked = f"; run {run_id[:8]} not in the database (see the warning; metrics.jsonl has it all)"
         typer.echo(
             f"{status} at step {result.status.get('step', '?')} ({where}); exit {result.exit_code}{tracked}",
             err=True,

@@ -240,6 +240,11 @@ class DbRunTracker:
         """Close the run as failed (an exception ended training); waits at most FAIL_WAIT_S."""
         self._close("failed", error, FAIL_WAIT_S)
 
+    @property
+    def failed(self) -> bool:
+        """True once the database part has given up (the run goes on in metrics.jsonl only)."""
+        return self._failed
+
     # -- internals -----------------------------------------------------------------------------------
 
     def _close(self, status: str, error: str | None, wait_s: float) -> None:
@@ -265,7 +270,7 @@ class DbRunTracker:
             if self._failed:
                 return
             self._failed = True
-        reason = f"{type(exc).__name__}: {exc}"[:500]
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]  # one line: drivers wrap theirs
         _log.warning(
             "gpuyard train: warning: the tracking database is unavailable (%s); run %s carries on, "
             "recorded in %s only",

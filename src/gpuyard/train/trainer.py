@@ -528,6 +528,7 @@ class Trainer:
             # this file even if the job is killed while waiting.
             doc = {
                 "run_id": getattr(self.tracker, "run_id", None),
+                "tracking_failed": bool(getattr(self.tracker, "failed", False)),
                 "status": status,
                 "step": self.step,
                 "epoch": self.epoch,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -129,3 +130,26 @@ def test_on_batch_errors_never_fail_requests_and_setup_runs_in_the_model_thread(
 def test_bad_batch_settings_are_named(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match=next(iter(kwargs))):
         BatchConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_stop_answers_queued_requests_then_refuses_new_ones() -> None:
+    gate = threading.Event()
+    forward = Recorder(gate)
+    batcher = Batcher(forward, BatchConfig(max_batch=2, max_wait_ms=0, mode="thread"))
+    batcher.start()
+
+    async def run() -> tuple[list[object], object]:
+        tasks = [asyncio.ensure_future(batcher.submit(np.full((1, 2), i, np.float32))) for i in range(5)]
+        await asyncio.sleep(0)  # all five queued; the first pass is held at the gate
+        stopper = asyncio.ensure_future(asyncio.to_thread(batcher.stop))
+        deadline = time.monotonic() + 10
+        while not batcher._stopping and time.monotonic() < deadline:  # stop() has begun
+            await asyncio.sleep(0.001)
+        gate.set()
+        late = await asyncio.gather(batcher.submit(np.ones((1, 2), np.float32)), return_exceptions=True)
+        await stopper
+        return list(await asyncio.gather(*tasks)), late[0]
+
+    outs, late = asyncio.run(run())
+    assert [o["predictions"][0] for o in outs] == [2.0 * i for i in range(5)]  # type: ignore[index]
+    assert sum(forward.sizes) == 5 and isinstance(late, Overloaded) and not batcher.alive

@@ -140,6 +140,9 @@ def main() -> None:
     steps, warmup, repeats = (150, 20, 1) if args.quick else (300, 40, 3)
     thr: dict[tuple[str, int], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        # Tracked runs go to a store of the benchmark's own, not the user's ~/.gpuyard.
+        os.environ["GPUYARD_HOME"] = str(Path(tmp) / "home")
+        os.environ.pop("GPUYARD_DATABASE_URL", None)
         # Rounds interleave the four configurations, and each keeps its best round: other work on a
         # shared machine only ever slows a run down, and interleaving spreads it over all of them.
         for _ in range(repeats):

@@ -12,6 +12,7 @@ Last line: `train_overhead: slowdown=<trainer/baseline - 1> ...`.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -121,6 +122,10 @@ def main() -> None:
     n, epochs, repeats = (4096, 3, 5) if args.quick else (8192, 4, 9)
     base_t, ours_t = [], []
     with tempfile.TemporaryDirectory() as tmp:
+        # gpuyard's runs are tracked in the state store by default, as a user's would be: a store of
+        # its own, not the user's ~/.gpuyard.
+        os.environ["GPUYARD_HOME"] = str(Path(tmp) / "home")
+        os.environ.pop("GPUYARD_DATABASE_URL", None)
         baseline(1024, 1)  # warm-up (allocator, kernels) for both
         gpuyard_run(1024, 1, Path(tmp) / "warm")
         for i in range(repeats):

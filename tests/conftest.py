@@ -17,6 +17,27 @@ import pytest
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_user_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """No test writes to the user's ~/.gpuyard or talks to a gpuyard server it did not start.
+
+    Training records runs in the state store by default and ``deploy --device auto`` asks
+    GPUYARD_SERVER for GPUs: without this, a test that forgets ``gpuyard_home`` would use the real
+    ones. Tests that need a home of their own still take the ``gpuyard_home`` fixture.
+    """
+    saved = {k: os.environ.get(k) for k in ("GPUYARD_HOME", "GPUYARD_SERVER")}
+    os.environ["GPUYARD_HOME"] = str(tmp_path_factory.mktemp("session-home"))
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        os.environ["GPUYARD_SERVER"] = f"http://127.0.0.1:{s.getsockname()[1]}"
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture
 def gpuyard_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A fresh GPUYARD_HOME (SQLite + local artifacts) for one test; stores are re-opened inside it."""

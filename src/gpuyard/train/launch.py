@@ -19,8 +19,8 @@ from typing import Any
 
 from gpuyard import exitcodes
 from gpuyard.errors import ConfigError
-from gpuyard.train.metrics import tracked_run_id
 from gpuyard.train.spec import TrainSpec, load_entrypoint, load_plan, load_spec
+from gpuyard.train.tracking import tracked_run_id
 from gpuyard.train.trainer import STATUS_FILE
 from gpuyard.train.worker import LAUNCHED_ENV, STATUS_CODES
 

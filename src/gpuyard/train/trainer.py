@@ -23,14 +23,12 @@ from gpuyard.train import components as comp
 from gpuyard.train.checkpoint import Checkpointer, latest_checkpoint, step_dirname
 from gpuyard.train.data import DataSource, call_factory, count_batch, make_source, split_batch, to_device
 from gpuyard.train.metrics import (
-    DbRunTracker,
     DeviceStats,
     JsonlTracker,
     NullTracker,
     Progress,
     Tracker,
     catalog_peak_tflops,
-    db_metric_key,
     model_flops_utilization,
 )
 from gpuyard.train.parallel import (
@@ -41,6 +39,7 @@ from gpuyard.train.parallel import (
     parallelize,
 )
 from gpuyard.train.spec import TrainSpec, load_entrypoint
+from gpuyard.train.tracking import DbRunTracker, db_metric_key
 from gpuyard.train.validation import drive_pipeline, early_stopping_update, evaluate
 
 STATUS_FILE = "status.json"

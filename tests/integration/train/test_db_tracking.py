@@ -12,8 +12,9 @@ import pytest
 from gpuyard.models.runs import get_run, list_runs, metric_series
 from gpuyard.store import get_store
 from gpuyard.store.tables.models import RunMetricRow
-from gpuyard.train.metrics import DbRunTracker, JsonlTracker, read_metrics, read_run_file
+from gpuyard.train.metrics import JsonlTracker, read_metrics
 from gpuyard.train.spec import TrainSpec
+from gpuyard.train.tracking import DbRunTracker, read_run_file
 
 pytestmark = pytest.mark.integration
 

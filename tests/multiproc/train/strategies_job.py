@@ -64,8 +64,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
         "loss": "cross_entropy",
         "world": 4,
     },
-    # 3-D: pp x dp x tp, FSDP2 over tensor-parallel stages; 8 ranks, run by hand (too heavy for the
-    # suite on 2 cores): ONLY=pp_dp_tp torchrun --standalone --nproc-per-node=8 strategies_job.py OUT
+    # 3-D: pp x dp x tp, FSDP2 over tensor-parallel stages; 8 ranks (about 40 s on 2 cores).
     "pp_dp_tp": {
         "parallel": {"pp": 2, "dp": 2, "tp": 2, "data_parallel": "fsdp", "microbatches": 4},
         "model": "seq_transformer",

@@ -118,3 +118,28 @@ def test_pipeline_with_tensor_parallel_stages(results_4: list[dict[str, Any]]) -
         assert f["val_loss_vs_reference"] < 1e-6
         assert f["stopped_at"] == 3 and f["resumed_from"] == "step-000000003"
         assert f["resumed_steps"] == 6 and f["resume_vs_whole"] <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def results_8(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One torchrun job (8 ranks) runs the 3-D layout pp x dp x tp."""
+    return _run_job(tmp_path_factory.mktemp("strategies8"), 8)
+
+
+def test_pipeline_data_and_tensor_parallel_in_three_dimensions(results_8: list[dict[str, Any]]) -> None:
+    """pp=2 x dp=2 x tp=2 (8 ranks): FSDP2 over the dp pairs of tensor-parallel pipeline stages.
+
+    Every rank holds one stage, one dp shard and one tp shard; together they train exactly what one
+    process trains on the same global batches, and a resumed run lands on the same weights.
+    """
+    found = [r["pp_dp_tp"] for r in results_8]
+    # Mesh ("pp", "dp", "tp"), tp innermost: rank = 4 * stage + 2 * dp_rank + tp_rank.
+    assert [(f["stage"], f["dp_rank"], f["tp_rank"]) for f in found] == [
+        (p, d, t) for p in range(2) for d in range(2) for t in range(2)
+    ]
+    for f in found:
+        assert f["tp_sharded_params"] == 10  # one transformer block per stage, split over tp
+        assert f["steps"] == 6 and f["vs_reference"] < 1e-6
+        assert f["val_loss_vs_reference"] < 1e-6
+        assert f["stopped_at"] == 3 and f["resumed_from"] == "step-000000003"
+        assert f["resumed_steps"] == 6 and f["resume_vs_whole"] <= 1e-6

@@ -6,7 +6,10 @@ A dataset reference is a string recorded as the run's dataset version:
   ``sklearn:wine``: scikit-learn's bundled data (offline); the version is the scikit-learn release.
 - ``npz:PATH``: a NumPy ``.npz`` file with arrays ``X`` and ``y`` (loaded with ``allow_pickle=False``);
   the version is the first 12 hex digits of the file's SHA-256.
-- ``NAME@VERSION``: a version of a gpuyard dataset (``gpuyard.data``), see :mod:`gpuyard.models.gydata`.
+- ``NAME@VERSION``: a version of a gpuyard dataset (``gpuyard.data``), see :mod:`gpuyard.models.gydata`;
+  ``NAME`` or ``NAME@latest`` is its newest version. The recorded version is the resolved one.
+- ``NAME@VERSION#split=train,val``: only the rows of those splits of the version (a recipe's split
+  step makes them), in the version's row order; recorded as ``NAME@<version id>#split=train,val``.
 """
 
 from __future__ import annotations
@@ -116,14 +119,23 @@ def load_dataset(ref: str) -> Dataset:
         ConfigError: an unrecognised reference. NotFoundError: no such dataset.
     """
     if ref.startswith("sklearn:"):
+        if "#" in ref:
+            # Only a gpuyard version carries a split column; the spec's `split:` cuts these sets.
+            raise ConfigError(
+                f"dataset reference {ref!r}: #split= selects splits of a gpuyard dataset version"
+                " (NAME@VERSION#split=...); scikit-learn sets have no splits"
+            )
         return _sklearn(ref.split(":", 1)[1].split("@", 1)[0])
     if ref.startswith("npz:"):
-        return _npz(ref.split(":", 1)[1])
-    if "@" in ref or ref.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        return _npz(ref.split(":", 1)[1])  # a path: '#' is part of the file name there
+    base = ref.partition("#")[0]
+    if "@" in base or base.replace("-", "").replace("_", "").replace(".", "").isalnum():
         from gpuyard.models.gydata import load_gpuyard_dataset
 
         return load_gpuyard_dataset(ref)
-    raise ConfigError(f"dataset reference {ref!r}: use sklearn:NAME, npz:PATH or NAME@VERSION")
+    raise ConfigError(
+        f"dataset reference {ref!r}: use sklearn:NAME, npz:PATH, NAME@VERSION or NAME@VERSION#split=a,b"
+    )
 
 
 def split_dataset(ds: Dataset, spec: SplitSpec) -> Splits:

@@ -1,8 +1,10 @@
 """Model stages: search (Optuna, trials in parallel), fit, evaluate on the held-out split, register + promote.
 
-Data comes from a dataset version with a ``split`` column. Search and fit see only the ``train`` and
-``val`` rows (written as an ``npz:`` dataset in the stage's folder, which model management splits
-again for selection); the ``test`` rows are read only by :func:`evaluate_stage` and promotion.
+Data comes from a dataset version with a ``split`` column, named by a split-selecting reference
+(``NAME@VERSION#split=train,val``, see :mod:`gpuyard.data.arrays`) with the version resolved: search and
+fit see only the ``train`` and ``val`` rows (model management splits them again for selection), the
+``test`` rows are read only by :func:`evaluate_stage` and promotion. Runs, evaluations and registered
+models record those references, so their lineage names the dataset version and the rows they saw.
 """
 
 from __future__ import annotations
@@ -12,19 +14,25 @@ from typing import Any
 
 import numpy as np
 
+from gpuyard.data.arrays import load_arrays, pin, split_ref, with_splits
 from gpuyard.errors import ConfigError
-from gpuyard.pipelines.arrays import split_arrays, write_npz
 from gpuyard.pipelines.stages import need
+
+
+def _selection(inputs: dict[str, Any], stage: str, default: list[str]) -> str:
+    """The stage's dataset with the version resolved, selecting ``splits`` (or its own, or ``default``)."""
+    ref = str(need(inputs, "dataset", stage))
+    if inputs.get("splits"):
+        return pin(with_splits(ref, [str(s) for s in inputs["splits"]]))
+    return pin(ref if split_ref(ref)[1] is not None else with_splits(ref, default))
 
 
 def _model_spec(inputs: dict[str, Any], ctx: dict[str, Any]) -> Any:
     from gpuyard.models.spec import parse_spec
 
     stage = ctx["stage"]
-    ref = str(need(inputs, "dataset", stage))
     doc = dict(need(inputs, "spec", stage))
-    npz = write_npz(ref, list(inputs.get("splits", ["train", "val"])), Path(ctx["workdir"]) / "trainval.npz")
-    doc["dataset"] = f"npz:{npz}"
+    doc["dataset"] = _selection(inputs, stage, ["train", "val"])
     return parse_spec(doc, f"stage {stage}: spec")
 
 
@@ -94,11 +102,12 @@ def evaluate_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any
     from gpuyard.models.metrics import METRICS
 
     stage = ctx["stage"]
-    ref, task = str(need(inputs, "dataset", stage)), str(inputs.get("task", "classification"))
+    task = str(inputs.get("task", "classification"))
     split = str(inputs.get("split", "test"))
+    data = load_arrays(pin(with_splits(str(need(inputs, "dataset", stage)), [split])))
     model = _load(inputs, stage)
-    X, y = split_arrays(ref, split)
-    ev = evaluate(model, X, y, task, "test" if split == "test" else "holdout", inputs.get("metrics"))
+    kind = "test" if split == "test" else "holdout"
+    ev = evaluate(model, data.X, data.y, task, kind, inputs.get("metrics"))
     if inputs.get("run"):
         # On the run's own record (an evaluation row, and `test/<metric>` points that `gpuyard runs`
         # and the dashboard show); the run itself finished earlier, so it is not finished again.
@@ -106,10 +115,10 @@ def evaluate_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any
         from gpuyard.store import get_store
 
         tracker = DbTracker(get_store(), str(inputs["run"]), system_interval_s=None)
-        log_evaluation(tracker, ev, dataset_version=f"{ref} split={split}")
+        log_evaluation(tracker, ev, dataset_version=data.version)
         tracker.flush()
     shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(ev.metrics.items()))
-    lines = [f"{split} split of {ref}: {ev.n_samples} rows never seen in search or training", f"  {shown}"]
+    lines = [f"{data.version}: {ev.n_samples} rows never seen in search or training", f"  {shown}"]
     for metric, bound in dict(inputs.get("require") or {}).items():
         value = ev.metrics.get(metric)
         higher = METRICS[metric].direction == "maximize" if metric in METRICS else True
@@ -131,20 +140,20 @@ def register_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any
     stage = ctx["stage"]
     name, ref = str(need(inputs, "name", stage)), str(need(inputs, "dataset", stage))
     task = str(inputs.get("task", "classification"))
-    work = Path(ctx["workdir"])
-    test_npz = write_npz(ref, ["test"], work / "holdout.npz")
-    train_npz = write_npz(ref, ["train"], work / "train.npz")
+    holdout = pin(with_splits(ref, ["test"]))
     metrics = {"test": dict(inputs.get("metrics") or {})}
     if inputs.get("run") and not inputs.get("model_dir"):
+        # The run's own lineage already names its dataset selection (e.g. NAME@VERSION#split=train,val).
         mv = register_from_run(name, str(inputs["run"]))
     else:
         folder = Path(str(need(inputs, "model_dir", stage)))
         model = _load(inputs, stage)
-        X, _y = split_arrays(ref, "train")
+        train = load_arrays(pin(with_splits(ref, ["train"])))
+        X = train.X
         signature = infer_signature(X, np.asarray(as_predictor(model, task).predict(X)), task)
         lineage = {
-            "dataset_ref": f"npz:{train_npz}",  # serving's drift reference: the training inputs
-            "dataset_version": ref,
+            "dataset_ref": train.version,  # serving's drift reference: the training inputs
+            "dataset_version": train.version,
             "run_dir": inputs.get("run_dir"),
             "metric": inputs.get("metric", "accuracy" if task == "classification" else "mse"),
             "pipeline": ctx["pipeline"],
@@ -155,11 +164,11 @@ def register_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any
             folder,
             signature=signature,
             run_id=run,
-            dataset_version=ref,
+            dataset_version=train.version,
             metrics=metrics,
             lineage=lineage,
         )
-    decision = promote(mv.ref, holdout=f"npz:{test_npz}", metric=inputs.get("metric"))
+    decision = promote(mv.ref, holdout=holdout, metric=inputs.get("metric"))
     verdict = "promoted to production" if decision.promoted else "not promoted"
     return {
         "model": mv.ref,

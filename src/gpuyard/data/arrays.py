@@ -1,0 +1,223 @@
+"""A dataset version as ``(X, y)`` arrays, and split selection in references (``NAME@VERSION#split=a,b``).
+
+This is the one place that turns a dataset version into a feature matrix; model management
+(:mod:`gpuyard.models.gydata`) and the pipelines both read through it, so a model sees the same
+columns whichever way it was trained.
+
+- Features: tensor columns flattened per row, then int / float / bool columns, in schema order; never
+  the label, never the bookkeeping columns ``split`` and ``fold`` a recipe's split step adds. X is
+  float32.
+- Target: the label column; int64 for classification (an integer or bool label), float32 for
+  regression (a float label).
+- Selection: ``NAME[@VERSION]#split=train,val`` keeps only the rows of those splits, in the version's
+  row order. The recorded version string names the resolved version (``digits@latest#split=train`` ->
+  ``digits@3f2a9c01b7de#split=train``), so a run's lineage points at the exact rows it saw.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from gpuyard.data.dataset import DatasetVersion, open_dataset
+from gpuyard.errors import ConfigError
+
+# Columns a transform adds for bookkeeping: which rows to use, never something to learn from.
+BOOKKEEPING = ("split", "fold")
+FEATURE_KINDS = ("tensor", "int", "float", "bool")
+LABEL_KINDS = ("int", "float", "bool")
+_SPLIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+FORM = "NAME[@VERSION]#split=NAME[,NAME...]"
+
+
+@dataclass(frozen=True)
+class ArrayData:
+    """A dataset version (or some of its splits) in memory.
+
+    Attributes:
+        X: features, float32, shape ``(rows, features)``.
+        y: targets, int64 (classification) or float32 (regression).
+        version: ``NAME@VERSION`` with the resolved version id, plus ``#split=...`` when selected.
+        task: ``classification`` or ``regression``.
+        feature_names: the columns behind X, in order (a tensor column counts once).
+        label: the label column.
+        splits: the selected splits, or None for every row.
+    """
+
+    X: np.ndarray
+    y: np.ndarray
+    version: str
+    task: str
+    feature_names: tuple[str, ...]
+    label: str
+    splits: tuple[str, ...] | None
+
+
+def split_ref(ref: str) -> tuple[str, str | None]:
+    """``(NAME[@VERSION], text after '#' or None)`` of a dataset reference."""
+    base, sep, fragment = ref.partition("#")
+    return base, (fragment if sep else None)
+
+
+def with_splits(ref: str, splits: Sequence[str]) -> str:
+    """``ref`` selecting ``splits`` (replacing any selection it had): ``NAME@VERSION#split=a,b``."""
+    return f"{split_ref(ref)[0]}#split={','.join(splits)}"
+
+
+def available_splits(version: DatasetVersion) -> tuple[str, ...]:
+    """The splits of ``version``: the recipe's split sizes, else the values of its ``split`` column."""
+    if "split" not in version.columns:
+        return ()
+    declared = version.manifest.get("splits")
+    if isinstance(declared, dict) and declared:
+        return tuple(str(k) for k in declared)
+    values = version.to_arrow(["split"]).column("split").unique()
+    if pa.types.is_dictionary(values.type):
+        values = values.cast(pa.string())
+    return tuple(sorted(str(v) for v in values.to_pylist() if v is not None))
+
+
+def parse_splits(ref: str, fragment: str, available: Sequence[str], version_ref: str) -> tuple[str, ...]:
+    """The split names of the ``#...`` part of ``ref``, checked against the version's splits.
+
+    Raises:
+        ConfigError: not ``split=NAME[,NAME...]``, a repeated or unknown split, or a version without
+            splits; the message names ``ref`` and the splits present in ``version_ref``.
+    """
+    present = ", ".join(available) or "none: it has no split column (run a recipe with a split step)"
+    where = f"splits present in {version_ref}: {present}"
+    key, eq, value = fragment.partition("=")
+    names = [n.strip() for n in value.split(",")]
+    if key.strip() != "split" or not eq or not all(_SPLIT_NAME.fullmatch(n) for n in names):
+        raise ConfigError(f"dataset reference {ref!r}: use {FORM} ({where})")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"dataset reference {ref!r}: a split is named twice ({where})")
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise ConfigError(f"dataset reference {ref!r}: no split {', '.join(map(repr, unknown))} ({where})")
+    return tuple(names)
+
+
+def resolve_selection(ref: str) -> tuple[DatasetVersion, tuple[str, ...] | None, str]:
+    """Open the version ``ref`` names and check its split selection.
+
+    Returns:
+        (the version, the selected splits or None, the version string to record).
+
+    Raises:
+        NotFoundError: no such dataset or version. ConfigError: a bad selection (see :func:`parse_splits`).
+    """
+    base, fragment = split_ref(ref)
+    version = open_dataset(base)
+    if fragment is None:
+        return version, None, version.ref
+    splits = parse_splits(ref, fragment, available_splits(version), version.ref)
+    return version, splits, f"{version.ref}#split={','.join(splits)}"
+
+
+def pin(ref: str) -> str:
+    """``ref`` with its version resolved: ``digits#split=test`` -> ``digits@3f2a9c01b7de#split=test``."""
+    return resolve_selection(ref)[2]
+
+
+def feature_columns(version: DatasetVersion, label: str) -> list[str]:
+    """Feature columns of ``version`` in schema order: tensors and numbers, not the label or bookkeeping.
+
+    Raises:
+        ConfigError: the version has no such column.
+    """
+    kinds = {str(c["name"]): str(c.get("kind")) for c in version.manifest["schema"]}
+    cols = [c for c, k in kinds.items() if c != label and c not in BOOKKEEPING and k in FEATURE_KINDS]
+    if not cols:
+        raise ConfigError(f"dataset {version.ref}: no numeric or tensor feature columns (columns: {kinds})")
+    return cols
+
+
+def _read(version: DatasetVersion, columns: list[str], splits: tuple[str, ...] | None) -> pa.Table:
+    wanted = [*columns, "split"] if splits is not None else columns
+    keep = pa.array(list(splits or ()), pa.string())
+    tables = []
+    for table in version.iter_tables(wanted):
+        if splits is not None:
+            # One pass per shard for every selected split: rows stay in the version's order.
+            table = table.filter(pc.is_in(table.column("split"), value_set=keep)).drop_columns(["split"])
+        tables.append(table)
+    if not tables:
+        raise ConfigError(f"dataset {version.ref} has no shards: there are no rows to load")
+    return pa.concat_tables(tables)
+
+
+def _matrix(version: DatasetVersion, table: pa.Table, cols: list[str]) -> np.ndarray:
+    """Stack ``cols`` of ``table`` into one float32 matrix (filled in place: no per-column copies kept)."""
+    from gpuyard.data.columns import tensor_to_numpy
+
+    specs = version.tensor_specs()
+    n = table.num_rows
+    widths = [int(np.prod(specs[c].shape)) if c in specs else 1 for c in cols]
+    X = np.empty((n, sum(widths)), dtype=np.float32)
+    at = 0
+    for c, w in zip(cols, widths, strict=True):
+        column = table.column(c)
+        values = tensor_to_numpy(column, specs[c]) if c in specs else column.to_numpy(zero_copy_only=False)
+        X[:, at : at + w] = values.reshape(n, w)
+        at += w
+    return X
+
+
+def version_arrays(
+    version: DatasetVersion, splits: tuple[str, ...] | None = None, label: str | None = None
+) -> ArrayData:
+    """``version`` (only the rows of ``splits`` when given) as :class:`ArrayData`.
+
+    Raises:
+        ConfigError: no label column, a label that is not a number, nulls in the label, or no features.
+    """
+    label = label or version.label_column
+    if not label:
+        raise ConfigError(f"dataset {version.ref} has no label column: it cannot train a model")
+    kinds = {str(c["name"]): str(c.get("kind")) for c in version.manifest["schema"]}
+    if label not in kinds:
+        raise ConfigError(f"dataset {version.ref} has no column {label!r} (has {', '.join(kinds)})")
+    if kinds[label] not in LABEL_KINDS:
+        raise ConfigError(f"label column {label!r} of {version.ref} is {kinds[label]}; it must be numeric")
+    cols = feature_columns(version, label)
+    table = _read(version, [*cols, label], splits)
+    target = table.column(label)
+    if target.null_count:
+        raise ConfigError(f"label column {label!r} of {version.ref} has {target.null_count} empty rows")
+    task = "regression" if kinds[label] == "float" else "classification"
+    y = target.to_numpy(zero_copy_only=False).astype(np.int64 if task == "classification" else np.float32)
+    recorded = version.ref if splits is None else f"{version.ref}#split={','.join(splits)}"
+    return ArrayData(_matrix(version, table, cols), y, recorded, task, tuple(cols), label, splits)
+
+
+def load_arrays(ref: str, label: str | None = None) -> ArrayData:
+    """Load ``NAME[@VERSION][#split=a,b]`` as arrays (see the module docstring).
+
+    Raises:
+        NotFoundError: no such dataset or version. ConfigError: a bad split selection or a version that
+        cannot feed a model (see :func:`version_arrays`).
+    """
+    version, splits, _recorded = resolve_selection(ref)
+    return version_arrays(version, splits, label)
+
+
+def split_arrays(
+    ref: str, split: str | Sequence[str] | None = None, label: str | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(X, y)`` of ``ref``, restricted to ``split`` (one name or several) when given.
+
+    Raises:
+        ConfigError: ``split`` given for a reference that already selects splits.
+    """
+    if split is not None:
+        if split_ref(ref)[1] is not None:
+            raise ConfigError(f"dataset reference {ref!r} already selects splits; cannot also take {split!r}")
+        ref = with_splits(ref, [split] if isinstance(split, str) else list(split))
+    data = load_arrays(ref, label)
+    return data.X, data.y

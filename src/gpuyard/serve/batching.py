@@ -27,7 +27,8 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,10 +78,13 @@ class Overloaded(GpuyardError):
 
 
 class _Item:
-    __slots__ = ("batch", "future", "loop", "t0")
+    __slots__ = ("batch", "future", "loop", "source", "t0")
 
-    def __init__(self, batch: np.ndarray, future: asyncio.Future[Outputs], loop: Any) -> None:
+    def __init__(
+        self, batch: np.ndarray, future: asyncio.Future[Outputs], loop: Any, source: Hashable = None
+    ) -> None:
         self.batch, self.future, self.loop, self.t0 = batch, future, loop, time.monotonic()
+        self.source = source
 
 
 BatchHook = Callable[[np.ndarray, Outputs, int, float], None]
@@ -142,8 +146,8 @@ class Batcher:
         """A request's body is being read (the model thread batches what is queued: nothing to do)."""
         yield
 
-    async def submit(self, batch: np.ndarray) -> Outputs:
-        """Queue ``batch`` (one request's samples) and wait for its outputs.
+    async def submit(self, batch: np.ndarray, source: Hashable = None) -> Outputs:
+        """Queue ``batch`` (one request's samples) and wait for its outputs (``source`` is unused here).
 
         Raises:
             Overloaded: the server is stopping, or the queue already holds ``max_queue`` requests.
@@ -285,7 +289,8 @@ class InlineBatcher:
         self._pending: list[_Item] = []
         self._rows = 0  # samples in _pending
         self._arriving = 0  # requests whose bodies are being read (they will submit soon)
-        self._expect = 1  # requests in the last pass: as many are likely to come back for the next one
+        self._expect = 1  # clients answered by the last two passes: likely to come back for the next
+        self._recent: deque[set[Hashable]] = deque(maxlen=2)  # the sources of the last two passes
         self._timer: asyncio.Handle | None = None  # the scheduled pass, if any
         self._timer_loop: Any = None
         self._timer_delayed = False  # the scheduled pass is a call_later (waiting for arrivals)
@@ -331,8 +336,13 @@ class InlineBatcher:
         finally:
             self._arriving -= 1
 
-    async def submit(self, batch: np.ndarray) -> Outputs:
+    async def submit(self, batch: np.ndarray, source: Hashable = None) -> Outputs:
         """Queue ``batch`` (one request's samples) and wait for its outputs.
+
+        Args:
+            batch: the request's samples.
+            source: who sent it (the connection's address): clients seen in the last two passes are
+                expected back, so a batch waits for them (see :meth:`_worth_waiting`).
 
         Raises:
             Overloaded: the server is stopping, or ``max_queue`` requests are already queued.
@@ -342,7 +352,7 @@ class InlineBatcher:
         if len(self._pending) >= self.config.max_queue:
             raise Overloaded(f"server overloaded: {self.config.max_queue} requests already queued")
         loop = asyncio.get_running_loop()
-        item = _Item(batch, loop.create_future(), loop)
+        item = _Item(batch, loop.create_future(), loop, source)
         self._pending.append(item)
         self._rows += len(batch)
         waiting = self._timer_delayed and not self._worth_waiting()
@@ -379,7 +389,9 @@ class InlineBatcher:
 
     def _worth_waiting(self) -> bool:
         """The batch is not full and more requests are expected: bodies are being read, or fewer
-        requests are queued than the last pass answered (its clients are likely coming back)."""
+        requests are queued than there were clients in the last two passes (two, not one: clients
+        that split into two groups, one computing while the other's answers travel, are gathered
+        into one batch again, which pays when a pass has a fixed cost)."""
         if self._rows >= self.config.max_batch:
             return False
         return self._arriving > 0 or len(self._pending) < self._expect
@@ -397,7 +409,8 @@ class InlineBatcher:
 
     def _run_batch(self) -> None:
         items = self._take()
-        self._expect = len(items)
+        self._recent.append({it.source if it.source is not None else id(it) for it in items})
+        self._expect = len(self._recent[0] | self._recent[-1])
         t0 = time.perf_counter()
         try:
             inputs = items[0].batch if len(items) == 1 else np.concatenate([it.batch for it in items])

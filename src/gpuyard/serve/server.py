@@ -160,7 +160,8 @@ def create_app(
         except GpuyardError as exc:
             metrics.observe_error(exc.http_status, _REASONS.get(exc.http_status, "error"))
             return _error(exc)
-        status, media, payload = await handler(body, request.headers.get("content-type", ""), t0)
+        source = tuple(request.client) if request.client else None
+        status, media, payload = await handler(body, request.headers.get("content-type", ""), t0, source)
         return Response(payload, status_code=status, media_type=media)
 
     @app.get("/v1/models")
@@ -231,12 +232,15 @@ class PredictHandler:
     def __init__(self, model: ServedModel, batcher: AnyBatcher, metrics: ServeMetrics) -> None:
         self.model, self.batcher, self.metrics = model, batcher, metrics
 
-    async def __call__(self, body: bytes, content_type: str, t0: float) -> tuple[int, str, bytes]:
-        """Return (status, media type, body) for one predict request whose body was read at ``t0``."""
+    async def __call__(
+        self, body: bytes, content_type: str, t0: float, source: Any = None
+    ) -> tuple[int, str, bytes]:
+        """Return (status, media type, body) for one predict request whose body was read at ``t0``
+        from connection ``source`` (the client's address)."""
         tensor = content_type.startswith(TENSOR_MEDIA)
         try:
             batch = decode_tensor(body, self.model.spec) if tensor else decode_json(body, self.model.spec)
-            outputs = await self.batcher.submit(batch)
+            outputs = await self.batcher.submit(batch, source)
         except GpuyardError as exc:
             self.metrics.observe_error(exc.http_status, _REASONS.get(exc.http_status, "error"))
             return exc.http_status, JSON_MEDIA, json.dumps({"detail": str(exc)}).encode()
@@ -282,7 +286,7 @@ class FastPredict:
             if body is None:
                 payload = _too_large(self.limit)
             else:
-                status, media, payload = await self.handler(body, content_type, t0)
+                status, media, payload = await self.handler(body, content_type, t0, scope.get("client"))
         if status == 413:
             self.handler.metrics.observe_error(413, "too_large")
         headers = [(b"content-type", media.encode()), (b"content-length", str(len(payload)).encode())]

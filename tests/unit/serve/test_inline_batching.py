@@ -151,3 +151,28 @@ def test_the_mode_picks_the_batcher() -> None:
     assert isinstance(make_batcher(Recorder(), BatchConfig(mode="thread")), Batcher)
     with pytest.raises(ConfigError, match="'gpu'"):
         BatchConfig(mode="gpu")
+
+
+def test_a_batch_waits_for_the_clients_of_the_last_passes_and_no_longer_than_max_wait() -> None:
+    forward = Recorder()
+    x = np.ones((1, 2), np.float32)
+
+    async def run(batcher: InlineBatcher) -> None:
+        await asyncio.gather(batcher.submit(x, source="a"), batcher.submit(x, source="b"))
+        first = asyncio.ensure_future(batcher.submit(x, source="a"))  # a is back, b not yet
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert forward.sizes == [2] and not first.done()  # waiting for b
+        await asyncio.wait_for(asyncio.gather(first, batcher.submit(x, source="b")), 5)
+
+    asyncio.run(run(_started(forward, max_batch=8, max_wait_ms=10_000)))
+    assert forward.sizes == [2, 2]  # b joined a's batch
+    forward.sizes.clear()
+    short = _started(forward, max_batch=8, max_wait_ms=20)
+
+    async def alone() -> None:
+        await asyncio.gather(short.submit(x, source="a"), short.submit(x, source="b"))
+        await asyncio.wait_for(short.submit(x, source="a"), 5)  # b never comes: max_wait ends it
+
+    asyncio.run(alone())
+    assert forward.sizes == [2, 1]

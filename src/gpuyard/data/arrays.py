@@ -32,6 +32,7 @@ BOOKKEEPING = ("split", "fold")
 FEATURE_KINDS = ("tensor", "int", "float", "bool")
 LABEL_KINDS = ("int", "float", "bool")
 _SPLIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_USUAL = ("train", "val", "validation", "test")
 FORM = "NAME[@VERSION]#split=NAME[,NAME...]"
 
 
@@ -75,11 +76,14 @@ def available_splits(version: DatasetVersion) -> tuple[str, ...]:
         return ()
     declared = version.manifest.get("splits")
     if isinstance(declared, dict) and declared:
-        return tuple(str(k) for k in declared)
-    values = version.to_arrow(["split"]).column("split").unique()
-    if pa.types.is_dictionary(values.type):
-        values = values.cast(pa.string())
-    return tuple(sorted(str(v) for v in values.to_pylist() if v is not None))
+        names = {str(k) for k in declared}
+    else:
+        values = version.to_arrow(["split"]).column("split").unique()
+        if pa.types.is_dictionary(values.type):
+            values = values.cast(pa.string())
+        names = {str(v) for v in values.to_pylist() if v is not None}
+    # Manifests are stored with sorted keys, so the recipe's order is gone: list the usual ones first.
+    return tuple(sorted(names, key=lambda n: (_USUAL.index(n) if n in _USUAL else len(_USUAL), n)))
 
 
 def parse_splits(ref: str, fragment: str, available: Sequence[str], version_ref: str) -> tuple[str, ...]:

@@ -50,12 +50,47 @@ class NodeSpec:
 
 
 @dataclass(frozen=True)
+class PredictedStep:
+    """The fabric model's view of a placement (fabric-aware placement only).
+
+    Attributes:
+        step_s: predicted training step on this placement.
+        consolidated_s: predicted step on the consolidated placement (one node / domain / leaf).
+        where: this placement in words, e.g. "3 nodes over 2 leaves".
+        consolidated: the consolidated placement in words.
+        choice: "consolidated", "spread" (started although slower) or "wait".
+    """
+
+    step_s: float
+    consolidated_s: float
+    where: str
+    consolidated: str
+    choice: str
+
+    @property
+    def slowdown(self) -> float:
+        """step_s / consolidated_s."""
+        return self.step_s / self.consolidated_s if self.consolidated_s > 0 else 1.0
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form (recorded with the job's placement)."""
+        return {
+            "step_s": self.step_s,
+            "consolidated_step_s": self.consolidated_s,
+            "where": self.where,
+            "consolidated": self.consolidated,
+            "choice": self.choice,
+        }
+
+
+@dataclass(frozen=True)
 class Placement:
     """Where one job runs: (node index, GPU count) pairs, and a short why for logs and dry runs."""
 
     nodes: tuple[tuple[int, int], ...]
     how: str
     cpus: int = 0
+    predicted: PredictedStep | None = None  # set by fabric-aware placement
 
     @property
     def gpus(self) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from gpuyard.errors import ConfigError
+from gpuyard.scheduler.fabric_placement import FabricPass, FabricPlacer
 from gpuyard.scheduler.placement import ClusterState, Placement, place
 from gpuyard.scheduler.queue import Decision, JobQueue, QueuedJob, RunningJob
 
@@ -24,6 +25,11 @@ class Policy:
     summary = ""
     needs_oracle = False  # uses true run times (simulator only)
     preemptive = False
+    # Fabric-aware placement for jobs with a workload (None: topology-aware placement only).
+    placer: FabricPlacer | None = None
+
+    def _fabric(self, running: Sequence[RunningJob], now: float) -> FabricPass | None:
+        return FabricPass(self.placer, list(running), now) if self.placer is not None else None
 
     def key(self, job: QueuedJob) -> Any:
         """Sort key of a queued job (smaller runs first)."""
@@ -39,26 +45,43 @@ class Policy:
         preempt: bool = True,
     ) -> Decision:
         """Choose jobs to start now (greedy: every job that fits, in key order)."""
-        work = state.copy()
-        return Decision(starts=_greedy(work, queue.ordered(), queue.min_gpus(), multi_node, blocking=False))
+        work, fab = state.copy(), self._fabric(running, now)
+        starts = _greedy(work, queue.ordered(), queue.min_gpus(), multi_node, blocking=False, fabric=fab)
+        return Decision(starts=starts, waits=_waits(fab))
 
 
-def _try(work: ClusterState, job: QueuedJob, multi_node: bool) -> Placement | None:
-    placement = place(work, job.gpus, job.gpu_type, job.cpus, multi_node)
+def _try(
+    work: ClusterState, job: QueuedJob, multi_node: bool, fabric: FabricPass | None = None
+) -> Placement | None:
+    if fabric is None:
+        placement = place(work, job.gpus, job.gpu_type, job.cpus, multi_node)
+    else:
+        placement = fabric.place(work, job, multi_node)
     if placement is not None:
         work.take(placement)
+        if fabric is not None:
+            fabric.started(job, placement)
     return placement
 
 
+def _waits(fabric: FabricPass | None) -> dict[int, str]:
+    return fabric.waits if fabric is not None else {}
+
+
 def _greedy(
-    work: ClusterState, jobs: Iterable[QueuedJob], min_gpus: int, multi_node: bool, blocking: bool
+    work: ClusterState,
+    jobs: Iterable[QueuedJob],
+    min_gpus: int,
+    multi_node: bool,
+    blocking: bool,
+    fabric: FabricPass | None = None,
 ) -> list[tuple[QueuedJob, Placement]]:
     starts: list[tuple[QueuedJob, Placement]] = []
     free = work.free_gpus
     for job in jobs:
         if free < min_gpus:
             break  # nothing left in the queue can fit
-        placement = _try(work, job, multi_node) if job.gpus <= free else None
+        placement = _try(work, job, multi_node, fabric) if job.gpus <= free else None
         if placement is None:
             if blocking:
                 break
@@ -83,9 +106,10 @@ class Fifo(Policy):
         multi_node: bool = True,
         preempt: bool = True,
     ) -> Decision:
-        """Start jobs in arrival order until one does not fit."""
-        work = state.copy()
-        return Decision(starts=_greedy(work, queue.ordered(), queue.min_gpus(), multi_node, blocking=True))
+        """Start jobs in arrival order until one does not fit (or waits for a consolidated placement)."""
+        work, fab = state.copy(), self._fabric(running, now)
+        starts = _greedy(work, queue.ordered(), queue.min_gpus(), multi_node, blocking=True, fabric=fab)
+        return Decision(starts=starts, waits=_waits(fab))
 
 
 def _shadow(
@@ -129,7 +153,7 @@ class PriorityBackfill(Policy):
         preempt: bool = True,
     ) -> Decision:
         """Start jobs by priority; backfill behind one reservation."""
-        work = state.copy()
+        work, fab = state.copy(), self._fabric(running, now)
         starts: list[tuple[QueuedJob, Placement]] = []
         reservation: tuple[int, float] | None = None
         extra = 0
@@ -142,7 +166,7 @@ class PriorityBackfill(Policy):
             elif reservation is not None and now + job.estimate > reservation[1] and job.gpus > extra:
                 continue  # would still hold GPUs the reserved job needs when it is due to start
             else:
-                placement = _try(work, job, multi_node)
+                placement = _try(work, job, multi_node, fab)
             if placement is None:
                 if reservation is None:
                     started = [_as_running(j, p, now) for j, p in starts]
@@ -153,7 +177,7 @@ class PriorityBackfill(Policy):
                 extra -= job.gpus
             starts.append((job, placement))
             free -= job.gpus
-        return Decision(starts=starts, reservation=reservation)
+        return Decision(starts=starts, reservation=reservation, waits=_waits(fab))
 
 
 def _as_running(job: QueuedJob, placement: Placement, now: float) -> RunningJob:
@@ -219,15 +243,17 @@ class LeastAttainedService(Policy):
         preempt: bool = True,
     ) -> Decision:
         """Start what fits in key order; then let waiting jobs preempt lower-level running jobs."""
-        work = state.copy()
-        starts = _greedy(work, queue.ordered(), queue.min_gpus(), multi_node, blocking=False)
+        work, fab = state.copy(), self._fabric(running, now)
+        starts = _greedy(work, queue.ordered(), queue.min_gpus(), multi_node, blocking=False, fabric=fab)
+        waits = _waits(fab)
         if not preempt or len(starts) == len(queue):
-            return Decision(starts=starts)
+            return Decision(starts=starts, waits=waits)
         started = {j.id for j, _ in starts}
         waiting = next((j for j in queue.ordered() if j.id not in started), None)
         top = self.level(waiting.attained * waiting.gpus) if waiting is not None else len(self.thresholds)
         if top >= len(self.thresholds):
-            return Decision(starts=starts)  # the best waiting job is at the bottom level: no one is below it
+            # The best waiting job is at the bottom level: no one is below it.
+            return Decision(starts=starts, waits=waits)
         bar = self.thresholds[top]  # running jobs past this many GPU-seconds sit at a lower level
         victims = sorted(
             (
@@ -256,7 +282,7 @@ class LeastAttainedService(Policy):
             chosen_ids.extend(r.id for _, r in victims[:chosen])
             victims = victims[chosen:]
             spare = got - job.gpus
-        return Decision(starts=starts, preempt=chosen_ids)
+        return Decision(starts=starts, preempt=chosen_ids, waits=waits)
 
 
 class SjfOracle(Policy):
@@ -312,7 +338,7 @@ class FairShare(Policy):
         preempt: bool = True,
     ) -> Decision:
         """Start jobs from the most under-served team first, then preempt to reclaim lent GPUs."""
-        work = state.copy()
+        work, fab = state.copy(), self._fabric(running, now)
         usage: dict[str, int] = {}
         for r in running:
             usage[r.team] = usage.get(r.team, 0) + r.gpus
@@ -326,7 +352,7 @@ class FairShare(Policy):
         while heap and free >= min_gpus:
             _, team = heapq.heappop(heap)
             for job in iters[team]:
-                placement = _try(work, job, multi_node) if job.gpus <= free else None
+                placement = _try(work, job, multi_node, fab) if job.gpus <= free else None
                 if placement is not None:
                     starts.append((job, placement))
                     free -= job.gpus
@@ -341,8 +367,9 @@ class FairShare(Policy):
                 if nxt is not None:
                     blocked[team] = nxt
         if not preempt:
-            return Decision(starts=starts)
-        return Decision(starts=starts, preempt=self._reclaim(work, blocked, usage, share, running, now))
+            return Decision(starts=starts, waits=_waits(fab))
+        victims = self._reclaim(work, blocked, usage, share, running, now)
+        return Decision(starts=starts, preempt=victims, waits=_waits(fab))
 
     def _reclaim(
         self,
@@ -402,6 +429,7 @@ def make_policy(
     weights: dict[str, float] | None = None,
     allow_oracle: bool = True,
     min_run_s: float | None = None,
+    placer: FabricPlacer | None = None,
 ) -> Policy:
     """The policy called ``name`` (see ``POLICIES``).
 
@@ -410,6 +438,7 @@ def make_policy(
         weights: team quotas for ``fair``.
         allow_oracle: False where true run times are unknown (the server).
         min_run_s: for preemptive policies, how long a job keeps its GPUs before it may be preempted.
+        placer: fabric-aware placement for jobs with a workload (None: topology-aware placement only).
 
     Raises:
         ConfigError: unknown name, or an oracle policy where true run times are unknown.
@@ -419,10 +448,14 @@ def make_policy(
         raise ConfigError(f"policy {name!r} is unknown; choose one of {', '.join(POLICIES)}")
     if cls.needs_oracle and not allow_oracle:
         raise ConfigError(f"policy {name!r} needs true run times; only the simulator can run it")
+    policy: Policy
     if cls is FairShare:
-        return (
+        policy = (
             FairShare(weights) if min_run_s is None else FairShare(weights, min_run_s, min(min_run_s, 60.0))
         )
-    if cls is LeastAttainedService and min_run_s is not None:
-        return LeastAttainedService(min_run_s=min_run_s)
-    return cls()
+    elif cls is LeastAttainedService and min_run_s is not None:
+        policy = LeastAttainedService(min_run_s=min_run_s)
+    else:
+        policy = cls()
+    policy.placer = placer
+    return policy

@@ -29,6 +29,7 @@ class QueuedJob:
         duration: the true run time, known only to the simulator (for ``sjf-oracle``).
         attained: seconds it has already run before a preemption.
         enqueued_at: when it (re)entered the queue.
+        workload: a ``gpuyard.fabric.placement_cost.Workload`` for fabric-aware placement, or None.
     """
 
     id: int
@@ -43,6 +44,7 @@ class QueuedJob:
     duration: float | None = None
     attained: float = 0.0
     enqueued_at: float = 0.0
+    workload: Any = None
 
 
 @dataclass(frozen=True)
@@ -63,11 +65,16 @@ class RunningJob:
 
 @dataclass(frozen=True)
 class Decision:
-    """What a policy wants done now: jobs to start where, jobs to preempt, and the reservation kept."""
+    """What a policy wants done now: jobs to start where, jobs to preempt, and the reservation kept.
+
+    ``waits`` holds the jobs that fabric-aware placement keeps waiting for a consolidated placement,
+    with why (job id -> note).
+    """
 
     starts: list[tuple[QueuedJob, Placement]] = field(default_factory=list)
     preempt: list[int] = field(default_factory=list)
     reservation: tuple[int, float] | None = None
+    waits: dict[int, str] = field(default_factory=dict)
 
 
 class JobQueue:

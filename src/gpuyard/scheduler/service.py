@@ -24,12 +24,19 @@ from sqlalchemy.orm import Session
 from gpuyard.errors import CapacityError, ConfigError, ConflictError, NotFoundError
 from gpuyard.scheduler.estimator import RuntimeEstimator
 from gpuyard.scheduler.executors.base import Executor, ExitStatus, NodeSlots
+from gpuyard.scheduler.fabric_placement import (
+    DEFAULT_MAX_WAIT_S,
+    FabricPlacer,
+    check_workload,
+    choose,
+    workload_of,
+)
 from gpuyard.scheduler.lease import DEFAULT_TTL_S, SchedulerLease, lease_conflict
 from gpuyard.scheduler.placement import ClusterState, NodeSpec, Placement, place
 from gpuyard.scheduler.policies import make_policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
 from gpuyard.scheduler.records import ACTIVE, job_doc, move
-from gpuyard.scheduler.spec import JobSpec, JobState
+from gpuyard.scheduler.spec import JobSpec, JobState, WorkloadSpec
 from gpuyard.store.base import utcnow
 from gpuyard.store.db import Store
 from gpuyard.store.tables.jobs import JobEventRow, JobRow
@@ -48,6 +55,9 @@ class ServiceConfig:
         tick_s: the loop runs at least this often (and at once after a submit or cancel).
         min_run_s: a job keeps its GPUs at least this long before a preemptive policy may take them.
         lease_ttl_s: the scheduler lease lapses this long after its holder last renewed it.
+        placement: "topology" (heuristics only) or "fabric" (jobs with a workload are placed by predicted
+            step time: spread now or wait for a consolidated placement; needs the fabric cluster).
+        max_wait_s: under fabric placement, the longest a job waits for a consolidated placement.
     """
 
     policy: str = "fifo"
@@ -56,6 +66,8 @@ class ServiceConfig:
     tick_s: float = 0.2
     min_run_s: float = 300.0
     lease_ttl_s: float = DEFAULT_TTL_S
+    placement: str = "topology"
+    max_wait_s: float = DEFAULT_MAX_WAIT_S
 
 
 class JobService:
@@ -72,12 +84,25 @@ class JobService:
         executor: Executor,
         config: ServiceConfig,
         role: str = "in-process",
+        fabric: Any = None,
     ) -> None:
         self.store, self.nodes, self.executor, self.config = store, nodes, executor, config
         self.lease = SchedulerLease(store, role=role, ttl_s=config.lease_ttl_s)
         self._lease_note: str | None = None
+        if config.placement not in ("topology", "fabric"):
+            raise ConfigError(f"placement {config.placement!r} is unknown; choose topology or fabric")
+        if config.placement == "fabric" and fabric is None:
+            raise ConfigError(
+                "fabric placement needs the fabric cluster of the nodes (--cluster PRESET|FILE)"
+            )
+        self.placer = FabricPlacer(fabric, config.max_wait_s) if config.placement == "fabric" else None
+        self._workloads: dict[int, Any] = {}
         self.policy = make_policy(
-            config.policy, weights=config.teams, allow_oracle=False, min_run_s=config.min_run_s
+            config.policy,
+            weights=config.teams,
+            allow_oracle=False,
+            min_run_s=config.min_run_s,
+            placer=self.placer,
         )
         self.state = ClusterState(nodes)
         self._node_index = {n.name: i for i, n in enumerate(nodes)}
@@ -99,6 +124,8 @@ class JobService:
             known = ", ".join(sorted(self.config.teams))
             raise ConfigError(f"team: {spec.team!r} is unknown; known teams: {known} (server option --team)")
         res = spec.resources
+        if spec.workload is not None:
+            self._check_workload(spec)
         if res.gpus == 0:
             most = int(self.state.cpu_capacity.max()) if self.nodes else 0
             if res.cpus > most:
@@ -122,6 +149,14 @@ class JobService:
                 f"resources.gpus: {res.gpus} GPUs asked, but {where} has at most {most} healthy"
                 f"{' ' + res.gpu_type if res.gpu_type else ''} GPUs: it could never start"
             )
+
+    def _check_workload(self, spec: JobSpec) -> Any:
+        """The job's fabric workload, checked (fabric placement: costed on its consolidated placement)."""
+        if spec.workload is None:
+            return None
+        return check_workload(
+            spec.workload, spec.resources.gpus, spec.resources.gpu_type, self.state, self.placer
+        )
 
     def submit(self, spec: JobSpec) -> dict[str, Any]:
         """Queue a job after :meth:`check`; returns its document."""
@@ -224,13 +259,32 @@ class JobService:
         with self._lock:
             with self.store.read() as s:
                 self._refresh_state(s)
+                active = list(s.scalars(select(JobRow).where(JobRow.state.in_(ACTIVE))))
             res = spec.resources
             p = place(self.state, res.gpus, res.gpu_type, res.cpus, self.executor.multi_node)
-        if p is None:
-            return {"fits_now": False, "placement": None, "plan": None}
+            if p is None:
+                return {"fits_now": False, "placement": None, "plan": None}
+            fabric: dict[str, Any] | None = None
+            if self.placer is not None and spec.workload is not None and res.gpus:
+                now = time.time()
+                job = QueuedJob(
+                    id=0,
+                    gpus=res.gpus,
+                    team=spec.team,
+                    user=spec.user,
+                    estimate=self.estimator.estimate(spec.team, spec.user, res.gpus),
+                    gpu_type=res.gpu_type,
+                    enqueued_at=now,
+                )
+                running = [self._running(r) for r in active if r.placement]
+                choice = choose(self.placer, self.state, job, self._check_workload(spec), p, running, now)
+                p, fabric = choice.placement, choice.to_dict()
         slots = self._slots(p, self._used_indices())
         plan = self.executor.plan(0, spec, slots, 1)
-        return {"fits_now": True, "placement": p.how, "plan": plan.to_dict()}
+        doc: dict[str, Any] = {"fits_now": True, "placement": p.how, "plan": plan.to_dict()}
+        if fabric is not None:
+            doc["fabric"] = fabric
+        return doc
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -403,12 +457,24 @@ class JobService:
                                 reason=f"preemption requested by policy {self.policy.name}",
                             )
                         )
+        if decision.waits:
+            self._note_waits(decision.waits)
         used = self._used_indices()
         for qjob, placement in decision.starts:
             slots = self._slots(placement, used)
             for sl in slots:
                 used.setdefault(sl.node, set()).update(sl.gpus)
             self._start(qjob.id, placement, slots)
+
+    def _note_waits(self, waits: dict[int, str]) -> None:
+        """Record why fabric placement keeps jobs waiting: an event when the reason changes, not per tick."""
+        with self.store.session() as s:
+            for jid, note in waits.items():
+                row = s.get(JobRow, jid)
+                if row is None or row.state != JobState.QUEUED.value or row.reason == note:
+                    continue
+                row.reason = note
+                s.add(JobEventRow(job_id=jid, from_state=row.state, to_state=row.state, reason=note))
 
     def _start(self, job_id: int, placement: Placement, slots: list[NodeSlots]) -> None:
         with self.store.session() as s:
@@ -424,6 +490,8 @@ class JobService:
                 "how": placement.how,
                 "nodes": [{"node": sl.node, "gpus": list(sl.gpus), "cpus": sl.cpus} for sl in slots],
             }
+            if placement.predicted is not None:
+                row.placement["predicted"] = placement.predicted.to_dict()
             row.handle, row.log_path = dict(plan.extra), plan.log_path
             move(s, row, JobState.SCHEDULED, placement.how)
         try:
@@ -496,7 +564,20 @@ class JobService:
             cpus=int(res.get("cpus", 1)),
             attained=row.attained_s,
             enqueued_at=row.queued_at.timestamp(),
+            workload=self._workload(row),
         )
+
+    def _workload(self, row: JobRow) -> Any:
+        """The fabric workload of a queued job (parsed once per job), None without fabric placement."""
+        if self.placer is None or not row.spec.get("workload"):
+            return None
+        if row.id not in self._workloads:
+            try:
+                self._workloads[row.id] = workload_of(WorkloadSpec.model_validate(row.spec["workload"]))
+            except Exception:  # checked at submit; a spec written by an older version is placed as before
+                log.warning("job %s: workload not usable, placed by topology only", row.id, exc_info=True)
+                self._workloads[row.id] = None
+        return self._workloads[row.id]
 
     def _running(self, row: JobRow) -> RunningJob:
         parts = (row.placement or {}).get("nodes", [])

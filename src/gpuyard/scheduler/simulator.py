@@ -4,6 +4,10 @@ Events are submissions and completions; after each instant's events the policy d
 Preemption is modelled as the real thing behaves: the victim checkpoints on SIGTERM, but work since
 its last periodic checkpoint is lost, and it pays a restart overhead (grace period, process start,
 checkpoint load) when it runs again.
+
+With workloads and a fabric cluster, a job's trace duration is its run time on its consolidated
+placement; placed elsewhere it runs slower by the fabric model's predicted step-time ratio, whatever
+the placement policy (topology-only or fabric-aware), so both are judged by the same physics.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from gpuyard.errors import CapacityError
+from gpuyard.errors import CapacityError, ConfigError
 from gpuyard.scheduler.estimator import RuntimeEstimator
-from gpuyard.scheduler.placement import ClusterState, NodeSpec
+from gpuyard.scheduler.fabric_placement import FabricPlacer, shape_of
+from gpuyard.scheduler.placement import ClusterState, NodeSpec, Placement
 from gpuyard.scheduler.policies import Policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
 from gpuyard.scheduler.trace import TraceJob
@@ -51,6 +56,10 @@ class _Run:
     attained: float = 0.0
     started_at: float = 0.0
     version: int = 0
+    ratio: float = 1.0  # run-time factor of the current placement (fabric model; 1 = consolidated)
+    multi_node: bool = False
+    multi_leaf: bool = False
+    slowed: bool = False
 
 
 @dataclass
@@ -69,6 +78,10 @@ class SimResult:
     rejected: int
     fairness_jain: float
     teams: dict[str, dict[str, float]] = field(default_factory=dict)
+    multi_node_jobs: int = 0  # jobs that ran on more than one node at least once
+    multi_leaf_jobs: int = 0  # jobs that ran across leaf switches at least once
+    slowed_jobs: int = 0  # jobs that ran slower than on their consolidated placement (fabric model)
+    fabric_waits: int = 0  # jobs that fabric-aware placement kept waiting for consolidation at least once
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -76,16 +89,35 @@ class SimResult:
 
 
 def simulate(
-    trace: list[TraceJob], nodes: list[NodeSpec], policy: Policy, config: SimConfig | None = None
+    trace: list[TraceJob],
+    nodes: list[NodeSpec],
+    policy: Policy,
+    config: SimConfig | None = None,
+    workloads: dict[int, Any] | None = None,
+    fabric: Any = None,
 ) -> SimResult:
     """Replay ``trace`` on ``nodes`` under ``policy``.
 
     Jobs larger than the whole cluster are counted as rejected (the server refuses them at submit).
 
+    Args:
+        trace: the jobs.
+        nodes: the virtual cluster.
+        policy: the scheduling policy (its ``placer`` set for fabric-aware placement).
+        config: preemption costs.
+        workloads: job id -> ``gpuyard.fabric.placement_cost.Workload``; jobs of this map run slower
+            on placements the fabric model predicts slower than their consolidated one.
+        fabric: the fabric cluster of ``nodes`` (needed with ``workloads``).
+
     Raises:
         CapacityError: no job of the trace fits on the cluster.
+        ConfigError: workloads without a fabric cluster.
     """
     config = config or SimConfig()
+    workloads = workloads or {}
+    if workloads and fabric is None:
+        raise ConfigError("simulating workloads needs the fabric cluster of the nodes")
+    costs = FabricPlacer(fabric) if workloads else None
     state = ClusterState(nodes)
     total = state.total_gpus
     runs = {j.id: _Run(j, j.duration) for j in trace if 0 < j.gpus <= total}
@@ -97,6 +129,7 @@ def simulate(
     running: dict[int, RunningJob] = {}
     ends: list[tuple[float, int, int]] = []  # (time, job id, version): lazy deletion on preemption
     preemptions, nxt, next_check = 0, 0, 0.0
+    waited: set[int] = set()
     now = 0.0
     while nxt < len(arrivals) or ends:
         now = min(
@@ -112,7 +145,7 @@ def simulate(
             run.finish = now
             estimator.observe(run.job.team, run.job.user, run.job.gpus, run.job.duration)
         while nxt < len(arrivals) and arrivals[nxt].job.submit <= now:
-            queue.add(_queued(arrivals[nxt], estimator, now))
+            queue.add(_queued(arrivals[nxt], estimator, now, workloads))
             nxt += 1
         if not queue:
             continue
@@ -122,13 +155,15 @@ def simulate(
         if check:
             next_check = now + config.preempt_check_s
         decision = policy.decide(state, queue, list(running.values()), now, preempt=check)
+        waited.update(decision.waits)
         for jid in decision.preempt:
             preemptions += 1
-            _preempt(runs[jid], running.pop(jid), state, queue, estimator, now, config)
+            _preempt(runs[jid], running.pop(jid), state, queue, estimator, now, config, workloads)
         for qjob, placement in decision.starts:
             queue.remove(qjob.id)
-            state.take(placement)
             run = runs[qjob.id]
+            _slowdown(run, placement, state, costs, workloads.get(qjob.id))
+            state.take(placement)
             if math.isnan(run.first_start):
                 run.first_start = now
             run.started_at, run.version = now, run.version + 1
@@ -138,15 +173,37 @@ def simulate(
                 qjob.team,
                 qjob.priority,
                 now,
-                now + max(qjob.estimate - qjob.attained, 1.0),
+                now + max(qjob.estimate - qjob.attained, 1.0) * run.ratio,
                 placement,
                 attained=qjob.attained,
             )
-            heapq.heappush(ends, (now + run.remaining, qjob.id, run.version))
-    return _result(policy.name, list(runs.values()), len(trace) - len(runs), total, preemptions)
+            heapq.heappush(ends, (now + run.remaining * run.ratio, qjob.id, run.version))
+    result = _result(policy.name, list(runs.values()), len(trace) - len(runs), total, preemptions)
+    result.fabric_waits = len(waited)
+    return result
 
 
-def _queued(run: _Run, estimator: RuntimeEstimator, now: float) -> QueuedJob:
+def _slowdown(
+    run: _Run, placement: Placement, state: ClusterState, costs: FabricPlacer | None, workload: Any
+) -> None:
+    """Set the run-time factor of a job starting on ``placement`` (1 on its consolidated placement)."""
+    run.ratio = 1.0
+    if sum(1 for _, n in placement.nodes if n) < 2:
+        return  # one node is every job's best when it fits one (else it could not be placed there)
+    run.multi_node = True
+    shape = shape_of(state, placement)
+    run.multi_leaf = run.multi_leaf or shape.leaves > 1
+    if costs is None or workload is None:
+        return
+    ideal = costs.ideal(state, run.job.gpus, None)
+    step = costs.step(workload, shape)
+    best = costs.step(workload, shape_of(state, ideal)) if ideal is not None else None
+    if step is not None and best is not None and step > best:
+        run.ratio = step / best
+        run.slowed = run.slowed or run.ratio > 1 + costs.tolerance
+
+
+def _queued(run: _Run, estimator: RuntimeEstimator, now: float, workloads: dict[int, Any]) -> QueuedJob:
     j = run.job
     return QueuedJob(
         id=j.id,
@@ -159,6 +216,7 @@ def _queued(run: _Run, estimator: RuntimeEstimator, now: float) -> QueuedJob:
         duration=run.remaining + run.attained,
         attained=run.attained,
         enqueued_at=now,
+        workload=workloads.get(j.id),
     )
 
 
@@ -170,18 +228,19 @@ def _preempt(
     estimator: RuntimeEstimator,
     now: float,
     config: SimConfig,
+    workloads: dict[int, Any],
 ) -> None:
     state.release(held.placement)
     ran = now - run.started_at
     run.busy += ran
     overhead = config.restart_overhead_s if run.preemptions else 0.0
-    progress = max(0.0, ran - overhead)
+    progress = max(0.0, ran - overhead) / run.ratio  # work, in seconds on the consolidated placement
     saved = progress - progress % config.checkpoint_interval_s
     run.remaining = run.remaining - saved + config.restart_overhead_s
     run.attained += saved
     run.preemptions += 1
     run.version += 1  # its pending completion event no longer counts
-    queue.add(_queued(run, estimator, now))
+    queue.add(_queued(run, estimator, now, workloads))
 
 
 def _result(name: str, runs: list[_Run], rejected: int, total_gpus: int, preemptions: int) -> SimResult:
@@ -219,4 +278,7 @@ def _result(name: str, runs: list[_Run], rejected: int, total_gpus: int, preempt
         rejected=rejected,
         fairness_jain=jain,
         teams=teams,
+        multi_node_jobs=sum(r.multi_node for r in runs),
+        multi_leaf_jobs=sum(r.multi_leaf for r in runs),
+        slowed_jobs=sum(r.slowed for r in runs),
     )

@@ -6,7 +6,7 @@ import enum
 import getpass
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -57,6 +57,66 @@ class Resources(BaseModel):
     memory_gb: float | None = Field(None, gt=0, description="host memory, recorded for the executor")
 
 
+class ModelDims(BaseModel):
+    """A transformer by its dimensions (what `gpuyard plan --model FILE` reads)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "custom"
+    layers: int = Field(..., gt=0)
+    hidden: int = Field(..., gt=0)
+    heads: int = Field(..., gt=0)
+    kv_heads: int | None = Field(None, gt=0, description="key/value heads (default: heads)")
+    ffn_hidden: int = Field(..., gt=0)
+    vocab: int = Field(..., gt=0)
+    seq_len: int = Field(2048, gt=0)
+    gated_mlp: bool = False
+    tied_embeddings: bool = False
+    experts: int = Field(0, ge=0)
+    top_k: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _shape(self) -> ModelDims:
+        kv = self.kv_heads or self.heads
+        if self.hidden % self.heads or self.heads % kv:
+            raise ValueError(
+                f"heads={self.heads} must divide hidden={self.hidden} and be a multiple of kv_heads"
+            )
+        if self.experts and self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
+        return self
+
+
+class LayoutSpec(BaseModel):
+    """Parallel layout knobs as `gpuyard plan --json` prints a plan (its figures are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    tp: int | None = Field(None, ge=1)
+    pp: int | None = Field(None, ge=1)
+    dp: int | None = Field(None, ge=1)
+    cp: int | None = Field(None, ge=1)
+    micro_batch: int | None = Field(None, ge=1)
+    virtual_stages: int | None = Field(None, ge=1)
+    recompute: Literal["none", "selective", "full"] | None = None
+    zero: Literal[0, 1, 2, 3] | None = None
+    sequence_parallel: bool | None = None
+    ep: int | None = Field(None, ge=1)
+
+
+class WorkloadSpec(BaseModel):
+    """What a training job runs, so fabric-aware placement can predict its step time per placement."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | ModelDims = Field(
+        ..., description="a fabric model preset (llama3-8b, ...) or its dimensions"
+    )
+    global_batch: int = Field(..., ge=1, description="sequences per step")
+    seq_len: int | None = Field(None, ge=1, description="tokens per sequence (default: the model's)")
+    layout: LayoutSpec | None = Field(None, description="knobs held; the rest chosen by the planner")
+
+
 class JobSpec(BaseModel):
     """A job as a user writes it (YAML) or posts it (HTTP)."""
 
@@ -74,6 +134,7 @@ class JobSpec(BaseModel):
     checkpoint_dir: str | None = Field(None, description="exported as GPUYARD_CHECKPOINT_DIR")
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str | None = None
+    workload: WorkloadSpec | None = Field(None, description="model and batch, for fabric-aware placement")
 
     @field_validator("command", mode="before")
     @classmethod
@@ -88,6 +149,14 @@ class JobSpec(BaseModel):
             raise ValueError("give exactly one of command or train")
         if self.command is not None and not self.command:
             raise ValueError("command is empty")
+        layout = self.workload.layout if self.workload else None
+        if layout is not None and layout.dp is not None:
+            used = (layout.tp or 1) * (layout.pp or 1) * layout.dp * (layout.cp or 1)
+            if used != self.resources.gpus:
+                raise ValueError(
+                    f"workload.layout: tp x pp x dp x cp = {used}, not the {self.resources.gpus} GPUs of "
+                    "resources.gpus"
+                )
         return self
 
 

@@ -95,3 +95,23 @@ def nodes_from_fabric(cluster: Any, nodes: int | None = None) -> list[NodeSpec]:
         )
         for i in range(count)
     ]
+
+
+def with_network(cluster: Any, leaf_size: int | None = None, oversubscription: float | None = None) -> Any:
+    """A fabric cluster with its leaf size (nodes per leaf switch) and spine oversubscription replaced.
+
+    Args:
+        cluster: a :class:`gpuyard.fabric.cluster.Cluster`.
+        leaf_size: nodes under one leaf switch (None: keep the cluster's).
+        oversubscription: leaf downlink : uplink ratio (None: keep the cluster's).
+    """
+    update: dict[str, Any] = {}
+    if leaf_size is not None:
+        update["leaf_size"] = leaf_size
+    if oversubscription is not None:
+        if oversubscription < 1:
+            raise ConfigError(f"oversubscription {oversubscription}: must be at least 1")
+        update["oversubscription"] = float(oversubscription)
+    if not update:
+        return cluster
+    return cluster.model_copy(update={"network": cluster.network.model_copy(update=update)})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gpuyard.scheduler.executors.base import Executor
+from gpuyard.scheduler.fabric_placement import DEFAULT_MAX_WAIT_S
 from gpuyard.scheduler.lease import SchedulerLease, lease_conflict
 from gpuyard.scheduler.service import JobService, ServiceConfig
 from gpuyard.settings import load_settings
@@ -18,6 +19,9 @@ def build_service(
     min_run_s: float = 300.0,
     ray_address: str | None = None,
     role: str = "in-process",
+    placement: str = "topology",
+    cluster: str | None = None,
+    max_wait_s: float = DEFAULT_MAX_WAIT_S,
 ) -> JobService:
     """The job service of `gpuyard server`.
 
@@ -30,6 +34,9 @@ def build_service(
         min_run_s: how long a job runs before a preemptive policy may take its GPUs.
         ray_address: run jobs on this Ray cluster instead of this machine.
         role: ``server`` for `gpuyard server`, ``in-process`` for a service inside another command.
+        placement: ``topology`` or ``fabric`` (jobs with a workload placed by predicted step time).
+        cluster: fabric preset or file describing the nodes' fabric (needed by ``fabric`` placement).
+        max_wait_s: under fabric placement, the longest a job waits for a consolidated placement.
 
     Raises:
         ConflictError: another live job service is the store's scheduler (the message names it);
@@ -39,8 +46,18 @@ def build_service(
     settings = load_settings()
     store = get_store(settings)
     config = ServiceConfig(
-        policy=policy, teams={"default": 1.0, **(teams or {})}, grace_s=grace_s, min_run_s=min_run_s
+        policy=policy,
+        teams={"default": 1.0, **(teams or {})},
+        grace_s=grace_s,
+        min_run_s=min_run_s,
+        placement=placement,
+        max_wait_s=max_wait_s,
     )
+    fabric = None
+    if cluster:
+        from gpuyard.fabric.cluster import load_cluster
+
+        fabric = load_cluster(cluster)
     # Refuse before building the executor: a refused server must not touch Ray or the GPUs. This only
     # looks (a service built to list jobs must not hold the store); recover() or the first tick takes it.
     holder = SchedulerLease(store, role=role).live_holder()
@@ -58,4 +75,4 @@ def build_service(
 
         executor = LocalExecutor(settings.ensure_home() / "jobs")
         nodes = [local_node(fake_gpus=fake_gpus, cpus=cpus, record=True)]
-    return JobService(store, nodes, executor, config, role=role)
+    return JobService(store, nodes, executor, config, role=role, fabric=fabric)

@@ -1,0 +1,111 @@
+"""Benchmark: fabric-aware vs topology-only placement, replaying the Philly trace on an oversubscribed fabric.
+
+Both placements run the same trace on the same virtual cluster (a fabric preset, several leaf switches, an
+oversubscribed spine), with the same seeded workloads (``gpuyard.scheduler.workloads``: a model per job
+by its GPU count) and the same physics: a job placed where the fabric model predicts a slower step than
+on its consolidated placement runs that much longer. Topology-only placement (the baseline) starts
+every job on the best placement free now; fabric-aware placement may wait (at most ``--max-wait``) for a
+consolidated one when the predicted slowdown over the job's expected run time outweighs the expected
+wait.
+
+    python benchmarks/fabric_placement.py [--quick] [--trace ../shared/traces/philly.csv]
+
+The last line: ``fabric_placement: jct_ratio=... makespan_ratio=... ...`` (fabric / topology, headline
+configuration: sef policy, 4:1 oversubscription).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from gpuyard.fabric.cluster import load_cluster
+from gpuyard.scheduler.fabric_placement import FabricPlacer
+from gpuyard.scheduler.nodes import nodes_from_fabric, with_network
+from gpuyard.scheduler.policies import make_policy
+from gpuyard.scheduler.simulator import SimResult, simulate
+from gpuyard.scheduler.trace import TraceJob, load_trace
+from gpuyard.scheduler.workloads import trace_workloads
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "philly.csv"
+PRESET = "dgx-a100"  # 8x A100 per node, NVLink3 + NVSwitch, 8x HDR 200G
+NODES = 80  # the cluster benchmarks/simulator.py uses for Philly
+LEAF = 8  # nodes per leaf switch: 10 leaves
+
+
+def run(
+    trace: list[TraceJob], policy: str, oversub: float, placement: str, max_wait: float, seed: int
+) -> tuple[SimResult, float]:
+    """One replay; returns its result and wall seconds."""
+    fabric = with_network(load_cluster(PRESET), LEAF, oversub)
+    placer = FabricPlacer(fabric, max_wait) if placement == "fabric" else None
+    t0 = time.perf_counter()
+    result = simulate(
+        trace,
+        nodes_from_fabric(fabric, NODES),
+        make_policy(policy, placer=placer),
+        workloads=trace_workloads(trace, seed),
+        fabric=fabric,
+    )
+    return result, time.perf_counter() - t0
+
+
+def main() -> None:
+    """Replay both placements per configuration, print a table, then the one-line summary."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="the headline configuration only (about a minute)")
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--max-wait", type=float, default=600.0, help="fabric placement's cap on waiting (s)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the workload assignment")
+    args = ap.parse_args()
+    trace = load_trace(args.trace)
+    print(
+        f"trace: {len(trace)} jobs; cluster: {NODES} x {PRESET} nodes, {LEAF} per leaf "
+        f"({NODES // LEAF} leaves); max wait {args.max_wait:.0f} s; seed {args.seed}"
+    )
+    configs = [("sef", 4.0)]
+    if not args.quick:
+        configs += [("sef", 1.0), ("sef", 2.0), ("las", 4.0), ("fifo", 4.0)]
+    print(
+        f"{'policy':>6} {'oversub':>7} {'placement':>9} {'avg JCT s':>10} {'makespan s':>11} {'queue s':>9} "
+        f"{'multi-node':>10} {'multi-leaf':>10} {'slowed':>7} {'waited':>7} {'util':>6} {'wall s':>6}"
+    )
+    ratios: dict[tuple[str, float], dict[str, float]] = {}
+    for policy, oversub in configs:
+        res = {}
+        for placement in ("topology", "fabric"):
+            r, wall = run(trace, policy, oversub, placement, args.max_wait, args.seed)
+            res[placement] = r
+            print(
+                f"{policy:>6} {oversub:>7.0f} {placement:>9} {r.avg_jct_s:10.0f} {r.makespan_s:11.0f} "
+                f"{r.avg_queue_s:9.0f} {r.multi_node_jobs:10d} {r.multi_leaf_jobs:10d} {r.slowed_jobs:7d} "
+                f"{r.fabric_waits:7d} {r.utilization:6.1%} {wall:6.1f}"
+            )
+        topo, fab = res["topology"], res["fabric"]
+        ratios[(policy, oversub)] = {
+            "jct_ratio": fab.avg_jct_s / topo.avg_jct_s,
+            "makespan_ratio": fab.makespan_s / topo.makespan_s,
+            "queue_ratio": fab.avg_queue_s / topo.avg_queue_s,
+            "multi_leaf_share_topology": topo.multi_leaf_jobs / topo.jobs,
+            "multi_leaf_share_fabric": fab.multi_leaf_jobs / fab.jobs,
+            "slowed_topology": topo.slowed_jobs,
+            "slowed_fabric": fab.slowed_jobs,
+        }
+    for (policy, oversub), r in ratios.items():
+        print(
+            f"{policy} {oversub:.0f}:1  fabric/topology: avg JCT x{r['jct_ratio']:.3f}, "
+            f"makespan x{r['makespan_ratio']:.3f}, multi-leaf jobs {r['multi_leaf_share_topology']:.2%} -> "
+            f"{r['multi_leaf_share_fabric']:.2%}"
+        )
+    h = ratios[("sef", 4.0)]
+    print(
+        f"fabric_placement: jct_ratio={h['jct_ratio']:.3f} makespan_ratio={h['makespan_ratio']:.3f} "
+        f"queue_ratio={h['queue_ratio']:.3f} multi_leaf_topology={h['multi_leaf_share_topology']:.4f} "
+        f"multi_leaf_fabric={h['multi_leaf_share_fabric']:.4f} slowed_topology={h['slowed_topology']:.0f} "
+        f"slowed_fabric={h['slowed_fabric']:.0f} policy=sef oversubscription=4 nodes={NODES} leaf={LEAF}"
+    )
+
+
+if __name__ == "__main__":
+    main()

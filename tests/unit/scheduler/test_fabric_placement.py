@@ -20,7 +20,8 @@ pytestmark = pytest.mark.unit
 
 NOW = 10_000.0
 MODEL = ModelSpec("gpt-1.3b", 24, 2048, 16, 16, 8192, 51200, 2048, tied_embeddings=True)
-WORKLOAD = Workload(MODEL, 32, 2048, Knobs(cp=1, micro_batch=1, virtual_stages=1, recompute="selective", zero=1))
+KNOBS = Knobs(cp=1, micro_batch=1, virtual_stages=1, recompute="selective", zero=1)
+WORKLOAD = Workload(MODEL, 32, 2048, KNOBS)
 
 
 def _fabric() -> Cluster:
@@ -41,7 +42,8 @@ def _state() -> tuple[ClusterState, list[RunningJob]]:
 
 
 def _job(estimate: float, waited: float = 0.0, workload: Workload | None = WORKLOAD) -> QueuedJob:
-    return QueuedJob(1, 8, estimate=estimate, enqueued_at=NOW - waited, submit_time=NOW - waited, workload=workload)
+    at = NOW - waited
+    return QueuedJob(1, 8, estimate=estimate, enqueued_at=at, submit_time=at, workload=workload)
 
 
 def _choose(job: QueuedJob, max_wait: float = 600.0):  # type: ignore[no-untyped-def]
@@ -58,7 +60,8 @@ def test_waits_when_the_slowdown_outweighs_the_expected_wait() -> None:
     assert choice.slowdown_cost_s > choice.expected_wait_s
     p = choice.placement.predicted
     assert p is not None and p.step_s > p.consolidated_s and p.choice == "wait"
-    assert "2 nodes over 2 leaves: predicted step" in choice.note and "waiting up to 600 s for one node" in choice.note
+    assert "2 nodes over 2 leaves: predicted step" in choice.note
+    assert "waiting up to 600 s for one node" in choice.note
 
 
 def test_spreads_when_the_wait_costs_more_than_the_slowdown() -> None:
@@ -99,7 +102,8 @@ def test_policies_keep_the_waiting_job_queued_and_say_why(name: str) -> None:
     state, running = _state()
     queue = JobQueue(make_policy(name).key)
     queue.add(_job(estimate=36_000.0))
-    decision = make_policy(name, placer=FabricPlacer(_fabric())).decide(state, queue, running, NOW, preempt=False)
+    aware = make_policy(name, placer=FabricPlacer(_fabric()))
+    decision = aware.decide(state, queue, running, NOW, preempt=False)
     assert decision.starts == [] and "waiting up to" in decision.waits[1]
     spread = make_policy(name).decide(state, queue, running, NOW, preempt=False)
     assert [j.id for j, _ in spread.starts] == [1]  # topology-only placement starts it spread

@@ -69,9 +69,9 @@ def test_a_small_mixed_trace_on_several_leaves_finishes_under_both_placements() 
     results = {}
     for mode in ("topology", "fabric"):
         placer = FabricPlacer(fabric) if mode == "fabric" else None
-        results[mode] = simulate(
-            trace, nodes_from_fabric(fabric, 6), make_policy("sef", placer=placer), workloads=workloads, fabric=fabric
-        )
+        policy = make_policy("sef", placer=placer)
+        nodes = nodes_from_fabric(fabric, 6)
+        results[mode] = simulate(trace, nodes, policy, workloads=workloads, fabric=fabric)
     for r in results.values():
         assert r.jobs == 120 and 0 < r.utilization <= 1 and r.multi_leaf_jobs <= r.multi_node_jobs
     assert results["fabric"].slowed_jobs <= results["topology"].slowed_jobs + results["fabric"].fabric_waits
@@ -105,8 +105,9 @@ def test_job_spec_workload_presets_dimensions_and_plan_json() -> None:
     spec = parse_spec({**base, "workload": {"model": dims, "global_batch": 16}})
     assert spec.workload is not None and workload_of(spec.workload).model.hidden == 256
     with pytest.raises(ConfigError, match=r"workload.layout: tp x pp x dp x cp = 4"):
-        parse_spec({**base, "workload": {"model": "llama3-8b", "global_batch": 64, "layout": {"tp": 2, "dp": 2}}})
-    with pytest.raises(ConfigError, match="workload.model.*heads"):
+        layout = {"tp": 2, "dp": 2}
+        parse_spec({**base, "workload": {"model": "llama3-8b", "global_batch": 64, "layout": layout}})
+    with pytest.raises(ConfigError, match=r"workload\.model.*heads"):
         parse_spec({**base, "workload": {"model": {**dims, "heads": 3}, "global_batch": 16}})
     assert parse_spec(base).workload is None
 
@@ -115,9 +116,10 @@ def test_submit_check_names_unknown_models_and_workloads_that_never_fit() -> Non
     state = ClusterState(nodes_from_fabric(FABRIC, 2))
     bad = parse_spec({"name": "w", "command": "true", "workload": {"model": "gpt-9", "global_batch": 8}})
     assert bad.workload is not None
-    with pytest.raises(ConfigError, match="workload.model: unknown model 'gpt-9'"):
+    with pytest.raises(ConfigError, match=r"workload\.model: unknown model 'gpt-9'"):
         check_workload(bad.workload, 8, None, state, None)
-    huge = parse_spec({"name": "w", "command": "true", "workload": {"model": "llama3-405b", "global_batch": 8}})
+    big = {"model": "llama3-405b", "global_batch": 8}
+    huge = parse_spec({"name": "w", "command": "true", "workload": big})
     assert huge.workload is not None
     check_workload(huge.workload, 8, None, state, None)  # topology placement does not cost it
     with pytest.raises(ConfigError, match="workload: on 8 GPUs"):

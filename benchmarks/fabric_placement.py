@@ -11,12 +11,15 @@ wait.
     python benchmarks/fabric_placement.py [--quick] [--trace ../shared/traces/philly.csv]
 
 The last line: ``fabric_placement: jct_ratio=... makespan_ratio=... ...`` (fabric / topology, headline
-configuration: sef policy, 4:1 oversubscription).
+configuration: sef policy, 4:1 oversubscription; means over workload seeds, with the range of the JCT
+ratio: a replay is chaotic, one changed decision reorders thousands of later ones, so single-seed
+differences of a few percent are noise).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -57,50 +60,62 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the headline configuration only (about a minute)")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--max-wait", type=float, default=600.0, help="fabric placement's cap on waiting (s)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the workload assignment")
+    ap.add_argument("--seeds", type=int, default=None, help="workload seeds per configuration (2 quick, 3)")
     args = ap.parse_args()
+    seeds = list(range(args.seeds or (2 if args.quick else 3)))
     trace = load_trace(args.trace)
     print(
         f"trace: {len(trace)} jobs; cluster: {NODES} x {PRESET} nodes, {LEAF} per leaf "
-        f"({NODES // LEAF} leaves); max wait {args.max_wait:.0f} s; seed {args.seed}"
+        f"({NODES // LEAF} leaves); max wait {args.max_wait:.0f} s; workload seeds {seeds}"
     )
     configs = [("sef", 4.0)]
     if not args.quick:
         configs += [("sef", 1.0), ("sef", 2.0), ("las", 4.0), ("fifo", 4.0)]
     print(
-        f"{'policy':>6} {'oversub':>7} {'placement':>9} {'avg JCT s':>10} {'makespan s':>11} {'queue s':>9} "
-        f"{'multi-node':>10} {'multi-leaf':>10} {'slowed':>7} {'waited':>7} {'util':>6} {'wall s':>6}"
+        f"{'policy':>6} {'oversub':>7} {'seed':>4} {'placement':>9} {'avg JCT s':>10} {'makespan s':>11} "
+        f"{'queue s':>9} {'multi-node':>10} {'multi-leaf':>10} {'slowed':>7} {'waited':>7} {'util':>6} "
+        f"{'wall s':>6}"
     )
     ratios: dict[tuple[str, float], dict[str, float]] = {}
     for policy, oversub in configs:
-        res = {}
-        for placement in ("topology", "fabric"):
-            r, wall = run(trace, policy, oversub, placement, args.max_wait, args.seed)
-            res[placement] = r
-            print(
-                f"{policy:>6} {oversub:>7.0f} {placement:>9} {r.avg_jct_s:10.0f} {r.makespan_s:11.0f} "
-                f"{r.avg_queue_s:9.0f} {r.multi_node_jobs:10d} {r.multi_leaf_jobs:10d} {r.slowed_jobs:7d} "
-                f"{r.fabric_waits:7d} {r.utilization:6.1%} {wall:6.1f}"
+        per_seed: list[dict[str, float]] = []
+        for seed in seeds:
+            res = {}
+            for placement in ("topology", "fabric"):
+                r, wall = run(trace, policy, oversub, placement, args.max_wait, seed)
+                res[placement] = r
+                print(
+                    f"{policy:>6} {oversub:>7.0f} {seed:>4} {placement:>9} {r.avg_jct_s:10.0f} "
+                    f"{r.makespan_s:11.0f} {r.avg_queue_s:9.0f} {r.multi_node_jobs:10d} "
+                    f"{r.multi_leaf_jobs:10d} {r.slowed_jobs:7d} {r.fabric_waits:7d} {r.utilization:6.1%} "
+                    f"{wall:6.1f}"
+                )
+            topo, fab = res["topology"], res["fabric"]
+            per_seed.append(
+                {
+                    "jct_ratio": fab.avg_jct_s / topo.avg_jct_s,
+                    "makespan_ratio": fab.makespan_s / topo.makespan_s,
+                    "queue_ratio": fab.avg_queue_s / topo.avg_queue_s,
+                    "multi_leaf_share_topology": topo.multi_leaf_jobs / topo.jobs,
+                    "multi_leaf_share_fabric": fab.multi_leaf_jobs / fab.jobs,
+                    "slowed_topology": topo.slowed_jobs,
+                    "slowed_fabric": fab.slowed_jobs,
+                }
             )
-        topo, fab = res["topology"], res["fabric"]
-        ratios[(policy, oversub)] = {
-            "jct_ratio": fab.avg_jct_s / topo.avg_jct_s,
-            "makespan_ratio": fab.makespan_s / topo.makespan_s,
-            "queue_ratio": fab.avg_queue_s / topo.avg_queue_s,
-            "multi_leaf_share_topology": topo.multi_leaf_jobs / topo.jobs,
-            "multi_leaf_share_fabric": fab.multi_leaf_jobs / fab.jobs,
-            "slowed_topology": topo.slowed_jobs,
-            "slowed_fabric": fab.slowed_jobs,
-        }
+        ratios[(policy, oversub)] = {k: statistics.mean(d[k] for d in per_seed) for k in per_seed[0]}
+        ratios[(policy, oversub)]["jct_ratio_min"] = min(d["jct_ratio"] for d in per_seed)
+        ratios[(policy, oversub)]["jct_ratio_max"] = max(d["jct_ratio"] for d in per_seed)
     for (policy, oversub), r in ratios.items():
         print(
-            f"{policy} {oversub:.0f}:1  fabric/topology: avg JCT x{r['jct_ratio']:.3f}, "
+            f"{policy} {oversub:.0f}:1  fabric/topology (mean of {len(seeds)} seeds): avg JCT "
+            f"x{r['jct_ratio']:.3f} ({r['jct_ratio_min']:.3f}-{r['jct_ratio_max']:.3f}), "
             f"makespan x{r['makespan_ratio']:.3f}, multi-leaf jobs {r['multi_leaf_share_topology']:.2%} -> "
             f"{r['multi_leaf_share_fabric']:.2%}"
         )
     h = ratios[("sef", 4.0)]
     print(
-        f"fabric_placement: jct_ratio={h['jct_ratio']:.3f} makespan_ratio={h['makespan_ratio']:.3f} "
+        f"fabric_placement: jct_ratio={h['jct_ratio']:.3f} jct_ratio_min={h['jct_ratio_min']:.3f} "
+        f"jct_ratio_max={h['jct_ratio_max']:.3f} makespan_ratio={h['makespan_ratio']:.3f} "
         f"queue_ratio={h['queue_ratio']:.3f} multi_leaf_topology={h['multi_leaf_share_topology']:.4f} "
         f"multi_leaf_fabric={h['multi_leaf_share_fabric']:.4f} slowed_topology={h['slowed_topology']:.0f} "
         f"slowed_fabric={h['slowed_fabric']:.0f} policy=sef oversubscription=4 nodes={NODES} leaf={LEAF}"

@@ -281,6 +281,9 @@ class FabricPass:
         choice = choose(self.placer, work, job, job.workload, p, self.running, self.now)
         if choice.action == "wait":
             self.waits[job.id] = choice.note
+            # Hold the GPUs it declined for the rest of this pass: jobs later in the policy's order must
+            # not erode its fallback while it waits, or the cap would not bound its wait.
+            work.take(p)
             return None
         return choice.placement
 

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.integration
 
 def test_demo_pipeline_end_to_end_then_cached(gpuyard_home: Path, tmp_path: Path) -> None:
     from gpuyard.models.registry import get_version
+    from gpuyard.models.runs import get_run, metric_series
     from gpuyard.scheduler.setup import build_service
     from gpuyard.serve.deploy import list_deployments
 
@@ -32,6 +33,11 @@ def test_demo_pipeline_end_to_end_then_cached(gpuyard_home: Path, tmp_path: Path
     assert sum(splits.values()) == out["ingest"]["rows"] and splits["test"] == out["test"]["rows"]
     assert out["search"]["trials"] == 4
     assert out["train"]["nproc"] == 2 and Path(out["train"]["model_dir"], "model.safetensors").is_file()
+    # The DDP training recorded itself as it ran (rank 0), with the dataset version it read.
+    trained = get_run(out["train"]["run"])
+    assert trained.status == "finished" and trained.dataset_version == out["prepare"]["dataset"]
+    logged = [step for step, _ in metric_series(trained.id, ["loss"])["loss"]]
+    assert logged == sorted(set(logged)) and out["train"]["steps"] - 10 < logged[-1] <= out["train"]["steps"]
     test = out["test"]["metrics"]
     assert test["accuracy"] >= 0.85 and 0 < test["f1_macro"] <= 1
     mv = get_version("digits@production")

@@ -53,45 +53,16 @@ def train_spec(inputs: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         "max_restarts": 0,
         "log_every_steps": 10,
         "callbacks": ["gpuyard.pipelines.torchglue:save_at_end"],
+        # Rank 0 records the run in the state store as it trains (beside the search trials in
+        # `gpuyard runs` and the dashboard), with the dataset version it read.
+        "tracking": {
+            "backend": "db",
+            "experiment": str(inputs.get("experiment", "default")),
+            "run_name": str(inputs.get("run_name", "pipeline-train")),
+            "dataset": ref,
+            "tags": {"parallel": "ddp"},
+        },
     }
-
-
-def _track(inputs: dict[str, Any], run_dir: Path, nproc: int) -> str:
-    """Record the finished training in the run tracker: params, then every metric line the ranks wrote.
-
-    The trainer of a YAML spec logs to ``metrics.jsonl`` (rank 0); copying it into a tracked run puts
-    the DDP training beside the search trials (``gpuyard runs``, the dashboard's curves).
-    """
-    import json
-
-    from gpuyard.models.tracking import start_run
-
-    p = dict(inputs.get("params") or {})
-    params = {k: p[k] for k in ("lr", "hidden", "activation", "batch_size") if k in p}
-    params |= {
-        "epochs": int(inputs.get("epochs") or p.get("epochs") or 10),
-        "nproc": nproc,
-        "parallel": "ddp",
-    }
-    tracker = start_run(
-        str(inputs.get("run_name", "pipeline-train")),
-        experiment=str(inputs.get("experiment", "default")),
-        kind="train",
-        params=params,
-        dataset_version=str(inputs["dataset"]),
-        system_interval_s=None,
-    )
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        doc = json.loads(line)
-        if doc.get("event") == "metrics":
-            values = {
-                k: v
-                for k, v in doc.items()
-                if k not in ("time", "event", "step") and isinstance(v, (int, float))
-            }
-            tracker.log_metrics(int(doc["step"]), values)
-    tracker.finish("finished")
-    return str(tracker.run_id)
 
 
 def train_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
@@ -101,6 +72,7 @@ def train_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
         ConfigError: the training job did not complete (names its status and run folder).
     """
     from gpuyard.train.launch import LaunchConfig, launch
+    from gpuyard.train.tracking import tracked_run_id
 
     need(inputs, "dataset", ctx["stage"])
     work = Path(ctx["workdir"])
@@ -114,7 +86,9 @@ def train_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"training did not complete: exit {res.exit_code}, status {status} (run folder {run_dir})"
         )
-    run_id = _track(inputs, run_dir, nproc)
+    run_id = tracked_run_id(run_dir)
+    if run_id is None:  # the trainer could not reach the state store; metrics.jsonl has the curves
+        raise ConfigError(f"training completed but its run is not in the state store (see {run_dir})")
     metrics = status.get("metrics") or {}
     shown = ", ".join(
         f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float) and k in ("loss", "val_loss")

@@ -103,6 +103,14 @@ def show(
         "log_path",
     ):
         typer.echo(f"{key:>12}  {doc[key]}")
+    predicted = (doc["placement"] or {}).get("predicted")
+    if predicted:  # fabric-aware placement: what the step model said about where it runs
+        slower = predicted["step_s"] / predicted["consolidated_step_s"] - 1
+        typer.echo(
+            f"{'fabric':>12}  {predicted['where']}: predicted step {predicted['step_s']:.3g} s vs "
+            f"{predicted['consolidated_step_s']:.3g} s on {predicted['consolidated']} ({slower:+.0%}); "
+            f"{predicted['choice']}"
+        )
     for e in doc["events"]:
         typer.echo(f"  {e['at'][:19]}  {e['from'] or '-':>9} -> {e['to']:<9}  {e['reason'] or ''}")
 

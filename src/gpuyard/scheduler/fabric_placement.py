@@ -208,9 +208,10 @@ def choose(
         wait = expected_wait(placer, state, job, workload, running, now, min(left, lost), best)
         if wait < lost:
             action = "wait"
+            # No clock-dependent figure in the note: the service records it again only when it changes.
             note = (
                 f"{slower}; waiting up to {placer.max_wait_s:.0f} s for {target} "
-                f"(expected in {wait:.0f} s; spreading would lose {lost:.0f} s)"
+                f"(expected sooner than the {lost:.0f} s spreading would lose)"
             )
         else:
             why = "not expected within the cap" if math.isinf(wait) else f"expected wait {wait:.0f} s"

@@ -64,6 +64,16 @@ def test_waits_when_the_slowdown_outweighs_the_expected_wait() -> None:
     assert "waiting up to 600 s for one node" in choice.note
 
 
+def test_the_wait_note_does_not_change_as_the_clock_runs() -> None:
+    # The service records the note as an event only when it changes: no per-tick countdown in it.
+    state, running = _state()
+    placer = FabricPlacer(_fabric())
+    p = place(state, 8)
+    assert p is not None
+    notes = {choose(placer, state, _job(36_000.0), WORKLOAD, p, running, NOW + dt).note for dt in (0, 30, 60)}
+    assert len(notes) == 1
+
+
 def test_spreads_when_the_wait_costs_more_than_the_slowdown() -> None:
     choice = _choose(_job(estimate=60.0))
     assert choice.action == "start" and choice.slowdown_cost_s < choice.expected_wait_s

@@ -19,6 +19,8 @@ differences of a few percent are noise).
 from __future__ import annotations
 
 import argparse
+import math
+import random
 import statistics
 import time
 from pathlib import Path
@@ -31,6 +33,8 @@ from gpuyard.scheduler.simulator import SimResult, simulate
 from gpuyard.scheduler.trace import TraceJob, load_trace
 from gpuyard.scheduler.workloads import trace_workloads
 
+SIZES = (1, 2, 4, 8, 16, 32)  # the big-job mix of the synthetic trace
+SIZE_WEIGHTS = (30, 10, 15, 25, 15, 5)
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "philly.csv"
 PRESET = "dgx-a100"  # 8x A100 per node, NVLink3 + NVSwitch, 8x HDR 200G
 NODES = 80  # the cluster benchmarks/simulator.py uses for Philly
@@ -52,6 +56,46 @@ def run(
         fabric=fabric,
     )
     return result, time.perf_counter() - t0
+
+
+def synthetic_trace(seed: int, load: float, jobs: int = 3000, nodes: int = 32) -> list[TraceJob]:
+    """A big-job mix (sizes and weights in ``SIZES``), Poisson arrivals at ``load``.
+
+    Run times are log-normal around an hour; ``load`` is the offered GPU load before any slowdown.
+    """
+    rng = random.Random(seed)
+    mean_gpus = sum(s * w for s, w in zip(SIZES, SIZE_WEIGHTS, strict=True)) / sum(SIZE_WEIGHTS)
+    mean_s = 3600 * math.exp(0.5)  # log-normal(ln 3600, 1)
+    rate = load * nodes * 8 / (mean_gpus * mean_s)
+    t, trace = 0.0, []
+    for i in range(jobs):
+        t += rng.expovariate(rate)
+        gpus = rng.choices(SIZES, SIZE_WEIGHTS)[0]
+        trace.append(TraceJob(i, t, rng.lognormvariate(math.log(3600), 1.0), gpus, team=f"t{i % 4}"))
+    return trace
+
+
+def synthetic(loads: tuple[float, ...], seeds: int, max_wait: float) -> None:
+    """Fabric vs topology on the big-job mix: 32 nodes, 4 per leaf, 4:1 spine, sef."""
+    fabric = with_network(load_cluster(PRESET), 4, 4.0)
+    nodes = nodes_from_fabric(fabric, 32)
+    mix = dict(zip(SIZES, SIZE_WEIGHTS, strict=True))
+    print(f"big-job mix (GPUs: weight {mix}), 32 nodes, 4 per leaf, 4:1, sef")
+    for load in loads:
+        ratios = []
+        for seed in range(seeds):
+            trace = synthetic_trace(seed, load)
+            w = trace_workloads(trace, seed)
+            jct = {}
+            for placement in ("topology", "fabric"):
+                placer = FabricPlacer(fabric, max_wait) if placement == "fabric" else None
+                policy = make_policy("sef", placer=placer)
+                jct[placement] = simulate(trace, nodes, policy, workloads=w, fabric=fabric).avg_jct_s
+            ratios.append(jct["fabric"] / jct["topology"])
+        print(
+            f"  load {load:.1f}: avg JCT fabric/topology median x{statistics.median(ratios):.3f}, "
+            f"range {min(ratios):.3f}-{max(ratios):.3f} over {seeds} seeds"
+        )
 
 
 def main() -> None:
@@ -112,6 +156,8 @@ def main() -> None:
             f"makespan x{r['makespan_ratio']:.3f}, multi-leaf jobs {r['multi_leaf_share_topology']:.2%} -> "
             f"{r['multi_leaf_share_fabric']:.2%}"
         )
+    if not args.quick:
+        synthetic((0.5, 0.6, 0.7), 8, args.max_wait)
     h = ratios[("sef", 4.0)]
     print(
         f"fabric_placement: jct_ratio={h['jct_ratio']:.3f} jct_ratio_min={h['jct_ratio_min']:.3f} "

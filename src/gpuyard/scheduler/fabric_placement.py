@@ -117,11 +117,14 @@ class FabricPlacer:
         cluster: the fabric description of the scheduler's nodes (accelerator, NVLink, NICs, spine).
         max_wait_s: the longest a job waits for consolidation after it entered the queue.
         tolerance: relative slowdown below which a placement counts as consolidated.
+        hold: a waiting job holds the GPUs it declined for the rest of a policy pass (later jobs in the
+            policy's order cannot take them), so it can still start there when its cap is reached.
     """
 
     cluster: Cluster
     max_wait_s: float = DEFAULT_MAX_WAIT_S
     tolerance: float = TOLERANCE
+    hold: bool = True
     _ideal: dict[tuple[int, str | None], Placement | None] = field(default_factory=dict, repr=False)
 
     def ideal(self, state: ClusterState, gpus: int, gpu_type: str | None) -> Placement | None:
@@ -284,7 +287,8 @@ class FabricPass:
             self.waits[job.id] = choice.note
             # Hold the GPUs it declined for the rest of this pass: jobs later in the policy's order must
             # not erode its fallback while it waits, or the cap would not bound its wait.
-            work.take(p)
+            if self.placer.hold:
+                work.take(p)
             return None
         return choice.placement
 

@@ -13,7 +13,7 @@ figures for each model before the servers start. ``--models mlp,cnn`` adds or sw
 (three 3x3 conv blocks on 1x28x28). Each server runs in its own process tree on 127.0.0.1; one load
 generator (``gpuyard.serve.loadgen``, a separate process: closed loop, keep-alive, one request = one
 sample as JSON, the same bodies for all three servers) drives each at several concurrency levels
-(1, 2, 4, 8, 16, 32, 64 clients x 10 s; ``--quick``: 2, 8, 16 x 4 s). gpuyard and the plain endpoint
+(1, 2, 4, 8, 16, 32, 64 clients x 10 s; ``--quick``: 1, 4, 16 x 4 s). gpuyard and the plain endpoint
 run at the same time and are loaded in turn, level by level, so a change in the machine's load (other
 people's work on these shared cores) hits both alike; Ray Serve runs alone afterwards (its idle
 processes would take CPU from the others). The headline per server is the best throughput among the
@@ -414,7 +414,7 @@ def main() -> None:
         kind, ref, port = args.run_server
         (run_plain if kind == "plain" else run_ray)(ref, int(port))
         return
-    levels, duration = ([2, 8, 16], 4.0) if args.quick else ([1, 2, 4, 8, 16, 32, 64], 10.0)
+    levels, duration = ([1, 4, 16], 4.0) if args.quick else ([1, 2, 4, 8, 16, 32, 64], 10.0)
     soak_s = args.soak if args.soak is not None else (0.0 if args.quick else 60.0)
     tmp = Path(tempfile.mkdtemp(prefix="gpuyard-bench-serve-"))
     env = {

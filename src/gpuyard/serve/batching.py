@@ -5,7 +5,9 @@ Two modes, chosen with ``BatchConfig.mode`` (``gpuyard serve --batching inline|t
 - ``inline`` (:class:`InlineBatcher`, the default): the event loop itself runs the forward pass on
   everything queued. Requests that arrive during a pass wait in the sockets' buffers; after the pass
   the loop is given back once, so every request that is ready gets read, parsed and submitted, and
-  then the next batch runs with all of them. No thread hand-off: on a busy machine each hand-off
+  then the next batch runs with all of them (a batch that is not full waits, at most
+  ``max_wait_ms``, for the clients the last two passes answered: they are likely on their way
+  back). No thread hand-off: on a busy machine each hand-off
   (event loop -> model thread -> event loop) waits for the scheduler to wake a thread, which cost
   more than the forward pass of a small model. While a pass runs, the loop answers nothing else.
 - ``thread`` (:class:`Batcher`): one dedicated model thread takes the oldest request from a queue,
@@ -265,9 +267,10 @@ class InlineBatcher:
     A submission queues the request and, if no pass is due yet, schedules one with ``call_soon``: the
     requests the loop has already read get parsed and submitted before it runs, so they share the
     pass. After a pass the loop is given back once before the next batch (answers go out, requests
-    that arrived during the pass are read). When the batch is not full and other requests are still
-    arriving (their bodies being read: see :meth:`arriving`), the pass waits for them with
-    ``call_later``, at most ``max_wait_ms`` after the oldest queued request arrived.
+    that arrived during the pass are read). When the batch is not full and more requests are
+    expected (bodies still being read: see :meth:`arriving`; or fewer queued than the clients the
+    last two passes answered), the pass waits for them with ``call_later``, at most ``max_wait_ms``
+    after the oldest queued request arrived.
 
     Args:
         forward: maps a float32 batch ``(n, ...)`` to a dict of arrays whose first dimension is ``n``.

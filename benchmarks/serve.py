@@ -388,7 +388,11 @@ def soak(bodies_file: Path, seconds: float, env: dict[str, str]) -> dict[str, An
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="3 concurrency levels x 4 s (about two minutes)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 concurrency levels x 4 s (about 3-4 minutes with Ray Serve on this machine)",
+    )
     ap.add_argument(
         "--soak",
         type=float,

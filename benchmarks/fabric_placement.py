@@ -104,9 +104,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the headline configuration only (about a minute)")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--max-wait", type=float, default=600.0, help="fabric placement's cap on waiting (s)")
-    ap.add_argument("--seeds", type=int, default=None, help="workload seeds per configuration (2 quick, 3)")
+    ap.add_argument("--seeds", type=int, default=None, help="workload seeds per configuration (3)")
     args = ap.parse_args()
-    seeds = list(range(args.seeds or (2 if args.quick else 3)))
+    seeds = list(range(args.seeds or 3))
     trace = load_trace(args.trace)
     print(
         f"trace: {len(trace)} jobs; cluster: {NODES} x {PRESET} nodes, {LEAF} per leaf "

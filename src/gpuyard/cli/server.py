@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from gpuyard.fabric.cluster import list_presets
+from gpuyard.scheduler.fabric_placement import DEFAULT_MAX_WAIT_S
 from gpuyard.scheduler.policies import POLICIES
 
 _SERVER_POLICIES = ", ".join(name for name, cls in POLICIES.items() if not cls.needs_oracle)
@@ -25,6 +27,21 @@ def server(
     ),
     min_run: float = typer.Option(300.0, "--min-run", help="Seconds a job runs before it may be preempted."),
     ray: str = typer.Option(None, "--ray", help="Run jobs on the Ray cluster at ADDRESS instead of here."),
+    placement: str = typer.Option(
+        "topology",
+        "--placement",
+        help="topology, or fabric: jobs with a workload are placed by predicted step time (needs --cluster).",
+    ),
+    cluster: str = typer.Option(
+        None,
+        "--cluster",
+        help=f"The nodes' fabric for --placement fabric: a preset ({', '.join(list_presets())}) or a file.",
+    ),
+    max_wait: float = typer.Option(
+        DEFAULT_MAX_WAIT_S,
+        "--max-wait",
+        help="Fabric placement: the longest a job waits for a consolidated placement, seconds.",
+    ),
 ) -> None:
     """Serve the job API and run the scheduler (state in GPUYARD_HOME or GPUYARD_DATABASE_URL)."""
     from gpuyard.api.server import ServerOptions, run_server
@@ -40,6 +57,9 @@ def server(
         min_run_s=min_run,
         ray_address=ray,
         role="server",
+        placement=placement,
+        cluster=cluster,
+        max_wait_s=max_wait,
     )
     run_server(service, ServerOptions(host=host, port=port))
 

@@ -115,3 +115,48 @@ def with_network(cluster: Any, leaf_size: int | None = None, oversubscription: f
     if not update:
         return cluster
     return cluster.model_copy(update={"network": cluster.network.model_copy(update=update)})
+
+
+def check_fabric_nodes(cluster: Any, nodes: list[NodeSpec]) -> None:
+    """Refuse a fabric cluster that does not describe the scheduler's nodes.
+
+    The fabric model costs a job by how its GPUs sit in NVLink domains, with each GPU's share of its
+    node's NICs (``gpus_per_node``); the scheduler takes each node as one NVLink domain. So every node
+    with GPUs must have ``gpus_per_node`` GPUs (unhealthy ones count: they are still in the box), and
+    the cluster's domains must be whole nodes (or, on a single node, larger). The node count is not
+    compared: a placement is costed on the job's own GPUs, whatever the cluster's size; nor is the GPU
+    type (fake GPUs are costed as the cluster's accelerator).
+
+    Args:
+        cluster: the fabric cluster (:class:`gpuyard.fabric.cluster.Cluster`).
+        nodes: the scheduler's nodes.
+
+    Raises:
+        ConfigError: no node has GPUs, a node's GPU count is not the cluster's, or the cluster's NVLink
+            domains are not whole nodes (the message says which and what to give instead).
+    """
+    per_node, domain, name = cluster.gpus_per_node, cluster.domain, cluster.name
+    gpu_nodes = [n for n in nodes if n.gpus]
+    if not gpu_nodes:
+        raise ConfigError("fabric placement places GPU jobs, and no node here has GPUs (--gpus N pretends)")
+    for n in gpu_nodes:
+        if n.gpus != per_node:
+            hint = (
+                f"give --gpus {per_node}"
+                if n.gpu_type == FAKE_GPU_TYPE
+                else f"describe the nodes in a cluster file with gpus_per_node: {n.gpus}"
+            )
+            raise ConfigError(
+                f"cluster {name!r} has {per_node} GPUs per node, but node {n.name!r} has {n.gpus}: "
+                f"its jobs would be costed on other hardware; {hint}"
+            )
+    if domain < per_node:
+        raise ConfigError(
+            f"cluster {name!r} splits a node into NVLink domains of {domain} GPUs; the scheduler "
+            "takes each node as one domain"
+        )
+    if domain > per_node and len(gpu_nodes) > 1:
+        raise ConfigError(
+            f"cluster {name!r} has NVLink domains of {domain} GPUs across nodes, but these nodes do not "
+            "say which of them share one (each would be costed as a domain of its own)"
+        )

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from gpuyard.errors import ConfigError
 from gpuyard.scheduler.executors.base import Executor
 from gpuyard.scheduler.fabric_placement import DEFAULT_MAX_WAIT_S
 from gpuyard.scheduler.lease import SchedulerLease, lease_conflict
+from gpuyard.scheduler.nodes import check_fabric_nodes
 from gpuyard.scheduler.service import JobService, ServiceConfig
 from gpuyard.settings import load_settings
 from gpuyard.store.db import get_store
@@ -39,10 +43,16 @@ def build_service(
         max_wait_s: under fabric placement, the longest a job waits for a consolidated placement.
 
     Raises:
+        ConfigError: an unknown placement, fabric placement without a cluster (or a cluster without
+            it), a negative ``max_wait_s``, or a cluster whose nodes are not the scheduler's (see
+            :func:`gpuyard.scheduler.nodes.check_fabric_nodes`).
+        NotFoundError: ``cluster`` is neither a preset nor a file (the message lists the presets).
         ConflictError: another live job service is the store's scheduler (the message names it);
             checked before any executor or Ray connection is set up. The lease itself is taken by
             ``recover()`` or the first ``tick()``.
     """
+    # Options are checked before the store, the lease, Ray or the hardware probe are touched.
+    fabric = _fabric_cluster(placement, cluster, max_wait_s)
     settings = load_settings()
     store = get_store(settings)
     config = ServiceConfig(
@@ -53,11 +63,6 @@ def build_service(
         placement=placement,
         max_wait_s=max_wait_s,
     )
-    fabric = None
-    if cluster:
-        from gpuyard.fabric.cluster import load_cluster
-
-        fabric = load_cluster(cluster)
     # Refuse before building the executor: a refused server must not touch Ray or the GPUs. This only
     # looks (a service built to list jobs must not hold the store); recover() or the first tick takes it.
     holder = SchedulerLease(store, role=role).live_holder()
@@ -75,4 +80,28 @@ def build_service(
 
         executor = LocalExecutor(settings.ensure_home() / "jobs")
         nodes = [local_node(fake_gpus=fake_gpus, cpus=cpus, record=True)]
+    if fabric is not None:
+        check_fabric_nodes(fabric, nodes)
     return JobService(store, nodes, executor, config, role=role, fabric=fabric)
+
+
+def _fabric_cluster(placement: str, cluster: str | None, max_wait_s: float) -> Any:
+    """The fabric cluster that fabric placement needs (None under topology placement), options checked."""
+    if placement not in ("topology", "fabric"):
+        raise ConfigError(f"--placement {placement!r} is unknown; choose topology or fabric")
+    if max_wait_s < 0:
+        raise ConfigError(f"--max-wait {max_wait_s:g}: must be >= 0 seconds")
+    if placement == "topology":
+        if cluster:
+            raise ConfigError(
+                f"--cluster {cluster}: the fabric is used by fabric placement only; add --placement fabric"
+            )
+        return None
+    from gpuyard.fabric.cluster import list_presets, load_cluster
+
+    if not cluster:
+        raise ConfigError(
+            "--placement fabric needs the fabric of the nodes: --cluster PRESET|FILE "
+            f"(presets: {', '.join(list_presets())})"
+        )
+    return load_cluster(cluster)

@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import socket
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from tests.waiting import wait_for
 
-__all__ = ["wait_for"]  # the tests of this folder import it from here
+__all__ = ["ServerStarter", "free_port", "wait_for"]  # the tests of this folder import them from here
+
+# Starts a `gpuyard server` with the options given (default: SERVER_OPTIONS); returns it and its URL.
+ServerStarter = Callable[..., tuple["subprocess.Popen[bytes]", str]]
+SERVER_OPTIONS = ("--gpus", "1", "--cpus", "1", "--team", "research=2", "--grace", "2")
 
 # A job that counts, checkpoints its counter on SIGTERM and exits with PREEMPTED (75); started again it
 # resumes from the checkpoint. argv: CHECKPOINT_FILE STEPS.
@@ -82,3 +91,61 @@ def make_service(gpuyard_home: Path) -> Iterator[Callable[..., object]]:
                 row = s.scalars(select(JobRow).where(JobRow.id == doc["id"])).one()
                 if row.handle:
                     service.executor.stop(row.handle, kill=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def server(gpuyard_home: Path, tmp_path: Path) -> Iterator[ServerStarter]:
+    """Start `gpuyard server` processes on one home and port (options: SERVER_OPTIONS unless given).
+
+    Each start waits until /health answers (or fails with the server's log); all are killed at the end,
+    and so are the process groups of jobs they left running.
+    """
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*options: str) -> tuple[subprocess.Popen[bytes], str]:
+        log_path = tmp_path / f"server{len(procs)}.log"
+        log = open(log_path, "wb")  # noqa: SIM115 - owned by the process
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpuyard.cli.main",
+                "server",
+                "--port",
+                str(port),
+                *(options or SERVER_OPTIONS),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "GPUYARD_HOME": str(gpuyard_home)},
+        )
+        procs.append(proc)
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                assert proc.poll() is None, log_path.read_text()
+                return False
+
+        wait_for(healthy, timeout=60, every=0.1)
+        return proc, url
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # Kill whatever job process groups are left (their pid files are in the home).
+    for pid_file in gpuyard_home.glob("jobs/*/attempt-*.pid"):
+        with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)

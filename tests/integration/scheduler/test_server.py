@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -19,68 +16,9 @@ from gpuyard.auth import TokenAuth
 from gpuyard.scheduler.client import JobClient, ServerUnreachable
 from gpuyard.scheduler.spec import parse_spec
 
-from .conftest import wait_for
+from .conftest import ServerStarter, free_port, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def server(gpuyard_home: Path, tmp_path: Path) -> Iterator[Callable[[], tuple[subprocess.Popen[bytes], str]]]:
-    """Start `gpuyard server --gpus 1 --cpus 1` processes on one home; all are killed at the end."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start() -> tuple[subprocess.Popen[bytes], str]:
-        log = open(tmp_path / f"server{len(procs)}.log", "wb")  # noqa: SIM115 - owned by the process
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpuyard.cli.main",
-                "server",
-                "--port",
-                str(port),
-                "--gpus",
-                "1",
-                "--cpus",
-                "1",
-                "--team",
-                "research=2",
-                "--grace",
-                "2",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "GPUYARD_HOME": str(gpuyard_home)},
-        )
-        procs.append(proc)
-
-        def healthy() -> bool:
-            try:
-                return httpx.get(f"{url}/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                assert proc.poll() is None, (tmp_path / f"server{len(procs) - 1}.log").read_text()
-                return False
-
-        wait_for(healthy, timeout=60, every=0.1)
-        return proc, url
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    # Kill whatever job process groups are left (their pid files are in the home).
-    for pid_file in gpuyard_home.glob("jobs/*/attempt-*.pid"):
-        with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
-            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def _marker_job(name: str, marker: Path, seconds: float, gpus: int = 1) -> dict[str, object]:
@@ -91,9 +29,7 @@ def _marker_job(name: str, marker: Path, seconds: float, gpus: int = 1) -> dict[
     return {"name": name, "command": [sys.executable, "-c", code, str(marker)], "resources": {"gpus": gpus}}
 
 
-def test_kill_dash_9_restart_keeps_every_job_exactly_once(
-    server: Callable[[], tuple[subprocess.Popen[bytes], str]], tmp_path: Path
-) -> None:
+def test_kill_dash_9_restart_keeps_every_job_exactly_once(server: ServerStarter, tmp_path: Path) -> None:
     proc, url = server()
     client = JobClient(url)
     marker = tmp_path / "starts.txt"
@@ -116,9 +52,7 @@ def test_kill_dash_9_restart_keeps_every_job_exactly_once(
     assert any("adopted" in (e["reason"] or "") for e in client.events(ids[0]))
 
 
-def test_http_api_and_cli_client(
-    server: Callable[[], tuple[subprocess.Popen[bytes], str]], tmp_path: Path
-) -> None:
+def test_http_api_and_cli_client(server: ServerStarter, tmp_path: Path) -> None:
     _, url = server()
     assert httpx.get(f"{url}/jobs").status_code == 401  # the API wants the token of GPUYARD_HOME
     auth = TokenAuth()
@@ -161,15 +95,15 @@ def test_http_api_and_cli_client(
 
 def test_client_says_when_no_server_answers() -> None:
     with pytest.raises(ServerUnreachable, match="gpuyard server"):
-        JobClient(f"http://127.0.0.1:{_free_port()}", timeout=2).list_jobs()
+        JobClient(f"http://127.0.0.1:{free_port()}", timeout=2).list_jobs()
 
 
 def test_second_server_on_the_same_store_exits_naming_the_holder(
-    server: Callable[[], tuple[subprocess.Popen[bytes], str]], gpuyard_home: Path
+    server: ServerStarter, gpuyard_home: Path
 ) -> None:
     first, _ = server()
     second = subprocess.run(
-        [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", str(_free_port())],
+        [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", str(free_port())],
         capture_output=True,
         text=True,
         env={**os.environ, "GPUYARD_HOME": str(gpuyard_home)},

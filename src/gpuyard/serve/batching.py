@@ -92,15 +92,17 @@ class _Item:
 BatchHook = Callable[[np.ndarray, Outputs, int, float], None]
 
 
-class Batcher:
-    """Runs ``forward`` on gathered batches in one thread; ``await submit(x)`` from any event loop.
+class _BatcherBase:
+    """What both modes share: their arguments, the admission of a request, and one forward pass.
 
     Args:
         forward: maps a float32 batch ``(n, ...)`` to a dict of arrays whose first dimension is ``n``.
         config: batching settings.
-        on_batch: called in the model thread after each pass with (inputs, outputs, requests, seconds);
-            metrics and drift hang here. Its exceptions are swallowed: monitoring never fails a request.
-        setup: called once in the model thread before the first batch (thread-local settings).
+        on_batch: called after each pass with (inputs, outputs, requests, seconds), in the thread that
+            ran it; metrics and drift hang here. Its exceptions are swallowed: monitoring never fails a
+            request.
+        setup: called once, before the first batch, in the thread that will run the model
+            (thread-local settings such as ``torch.set_num_threads``).
     """
 
     def __init__(
@@ -111,13 +113,51 @@ class Batcher:
         setup: Callable[[], None] | None = None,
     ) -> None:
         self.forward, self.config, self.on_batch, self.setup = forward, config, on_batch, setup
+        self._stopping = False
+        self.ready = threading.Event()
+        self._init_mode()
+
+    def _init_mode(self) -> None:
+        """Set up the mode's own state (called last by the constructor)."""
+
+    def _admit(self, queued: int) -> None:
+        """Refuse a new request while stopping or when ``queued`` requests already fill the queue.
+
+        Raises:
+            Overloaded: the server is stopping, or ``max_queue`` requests are already queued.
+        """
+        if self._stopping:
+            raise Overloaded("the server is stopping")
+        if queued >= self.config.max_queue:
+            raise Overloaded(f"server overloaded: {self.config.max_queue} requests already queued")
+
+    def _pass(self, items: list[_Item]) -> None:
+        """Run one forward pass on ``items`` and answer each with its own rows (or the pass's error)."""
+        t0 = time.perf_counter()
+        try:
+            inputs = items[0].batch if len(items) == 1 else np.concatenate([it.batch for it in items])
+            outputs = self.forward(inputs)
+        except Exception as exc:  # a model failure answers this batch's requests, nothing else
+            _deliver(items, None, exc)
+            return
+        _deliver(items, outputs, None)
+        if self.on_batch is not None:
+            with contextlib.suppress(Exception):  # monitoring never fails a request
+                self.on_batch(inputs, outputs, len(items), time.perf_counter() - t0)
+
+
+class Batcher(_BatcherBase):
+    """Runs ``forward`` on gathered batches in one model thread; ``await submit(x)`` from any event loop.
+
+    Arguments: see :class:`_BatcherBase`; ``setup`` and ``on_batch`` run in the model thread.
+    """
+
+    def _init_mode(self) -> None:
         self._queue: queue.Queue[_Item | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._carry: _Item | None = None
         self._inflight = 0  # submitted and not yet answered (written under _count_lock)
         self._count_lock = threading.Lock()
-        self._stopping = False
-        self.ready = threading.Event()
 
     def start(self) -> None:
         """Start the model thread (idempotent)."""
@@ -154,10 +194,7 @@ class Batcher:
         Raises:
             Overloaded: the server is stopping, or the queue already holds ``max_queue`` requests.
         """
-        if self._stopping:
-            raise Overloaded("the server is stopping")
-        if self._queue.qsize() >= self.config.max_queue:
-            raise Overloaded(f"server overloaded: {self.config.max_queue} requests already queued")
+        self._admit(self._queue.qsize())
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Outputs] = loop.create_future()
         with self._count_lock:
@@ -204,42 +241,40 @@ class Batcher:
 
     def _execute(self, items: list[_Item]) -> None:
         try:
-            self._forward_and_deliver(items)
+            self._pass(items)
         finally:
             with self._count_lock:
                 self._inflight -= len(items)
 
-    def _forward_and_deliver(self, items: list[_Item]) -> None:
-        t0 = time.perf_counter()
-        try:
-            inputs = items[0].batch if len(items) == 1 else np.concatenate([it.batch for it in items])
-            outputs = self.forward(inputs)
-        except Exception as exc:  # a model failure answers this batch's requests, never kills the thread
-            self._deliver(items, None, exc)
-            return
-        self._deliver(items, outputs, None)
-        if self.on_batch is not None:
-            # Monitoring must never take the model thread down.
-            with contextlib.suppress(Exception):
-                self.on_batch(inputs, outputs, len(items), time.perf_counter() - t0)
 
-    @staticmethod
-    def _deliver(items: list[_Item], outputs: Outputs | None, exc: BaseException | None) -> None:
-        results = _split(items, outputs)
-        by_loop: dict[Any, list[tuple[asyncio.Future[Outputs], Outputs | None]]] = {}
-        for it, res in zip(items, results, strict=True):
-            by_loop.setdefault(it.loop, []).append(res)
-        for loop, batch in by_loop.items():
-            # RuntimeError: the loop closed (shutdown), nobody is waiting any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_resolve, batch, exc)
+Results = list[tuple[asyncio.Future[Outputs], Outputs | None]]
 
 
-def _split(
-    items: list[_Item], outputs: Outputs | None
-) -> list[tuple[asyncio.Future[Outputs], Outputs | None]]:
+def _deliver(items: list[_Item], outputs: Outputs | None, exc: BaseException | None) -> None:
+    """Answer each request with its own rows of ``outputs`` (or with ``exc``), on its own event loop.
+
+    A loop that runs in this thread (inline mode) gets its futures resolved here and now; any other
+    (the model thread's answers) through one ``call_soon_threadsafe`` per loop and batch.
+    """
+    by_loop: dict[Any, Results] = {}
+    for it, res in zip(items, _split(items, outputs), strict=True):
+        by_loop.setdefault(it.loop, []).append(res)
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    for loop, results in by_loop.items():
+        # RuntimeError: the loop closed (shutdown), nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            if loop is running or loop.is_closed():
+                _resolve(results, exc)
+            else:
+                loop.call_soon_threadsafe(_resolve, results, exc)
+
+
+def _split(items: list[_Item], outputs: Outputs | None) -> Results:
     """Each request's future with its own rows of the batch's outputs (None when the pass failed)."""
-    results: list[tuple[asyncio.Future[Outputs], Outputs | None]] = []
+    results: Results = []
     start = 0
     for it in items:
         n = len(it.batch)
@@ -249,9 +284,7 @@ def _split(
     return results
 
 
-def _resolve(
-    results: list[tuple[asyncio.Future[Outputs], Outputs | None]], exc: BaseException | None
-) -> None:
+def _resolve(results: Results, exc: BaseException | None) -> None:
     for future, part in results:
         if future.done():  # the client went away and its task was cancelled
             continue
@@ -261,7 +294,7 @@ def _resolve(
             future.set_result(part)  # type: ignore[arg-type]
 
 
-class InlineBatcher:
+class InlineBatcher(_BatcherBase):
     """Runs ``forward`` on gathered batches in the event loop's own thread; ``await submit(x)``.
 
     A submission queues the request and, if no pass is due yet, schedules one with ``call_soon``: the
@@ -272,23 +305,11 @@ class InlineBatcher:
     last two passes answered), the pass waits for them with ``call_later``, at most ``max_wait_ms``
     after the oldest queued request arrived.
 
-    Args:
-        forward: maps a float32 batch ``(n, ...)`` to a dict of arrays whose first dimension is ``n``.
-        config: batching settings.
-        on_batch: called after each pass with (inputs, outputs, requests, seconds); its exceptions
-            are swallowed: monitoring never fails a request.
-        setup: called once by :meth:`start`, in the caller's thread, which must be the thread that
-            runs the event loop (``torch.set_num_threads`` is per thread).
+    Arguments: see :class:`_BatcherBase`; ``setup`` runs in :meth:`start`, in the caller's thread,
+    which must be the thread that runs the event loop (``torch.set_num_threads`` is per thread).
     """
 
-    def __init__(
-        self,
-        forward: Callable[[np.ndarray], Outputs],
-        config: BatchConfig,
-        on_batch: BatchHook | None = None,
-        setup: Callable[[], None] | None = None,
-    ) -> None:
-        self.forward, self.config, self.on_batch, self.setup = forward, config, on_batch, setup
+    def _init_mode(self) -> None:
         self._pending: list[_Item] = []
         self._rows = 0  # samples in _pending
         self._arriving = 0  # requests whose bodies are being read (they will submit soon)
@@ -298,8 +319,6 @@ class InlineBatcher:
         self._timer_loop: Any = None
         self._timer_delayed = False  # the scheduled pass is a call_later (waiting for arrivals)
         self._started = False
-        self._stopping = False
-        self.ready = threading.Event()
 
     def start(self) -> None:
         """Run ``setup`` (idempotent); call it from the thread that will run the event loop."""
@@ -350,10 +369,7 @@ class InlineBatcher:
         Raises:
             Overloaded: the server is stopping, or ``max_queue`` requests are already queued.
         """
-        if self._stopping:
-            raise Overloaded("the server is stopping")
-        if len(self._pending) >= self.config.max_queue:
-            raise Overloaded(f"server overloaded: {self.config.max_queue} requests already queued")
+        self._admit(len(self._pending))
         loop = asyncio.get_running_loop()
         item = _Item(batch, loop.create_future(), loop, source)
         self._pending.append(item)
@@ -414,33 +430,7 @@ class InlineBatcher:
         items = self._take()
         self._recent.append({it.source if it.source is not None else id(it) for it in items})
         self._expect = len(self._recent[0] | self._recent[-1])
-        t0 = time.perf_counter()
-        try:
-            inputs = items[0].batch if len(items) == 1 else np.concatenate([it.batch for it in items])
-            outputs = self.forward(inputs)
-        except Exception as exc:  # a model failure answers this batch's requests, nothing else
-            _answer(_split(items, None), exc, items[0].loop)
-            return
-        _answer(_split(items, outputs), None, items[0].loop)
-        if self.on_batch is not None:
-            with contextlib.suppress(Exception):  # monitoring never fails a request
-                self.on_batch(inputs, outputs, len(items), time.perf_counter() - t0)
-
-
-def _answer(
-    results: list[tuple[asyncio.Future[Outputs], Outputs | None]], exc: BaseException | None, loop: Any
-) -> None:
-    """Resolve futures directly when running in their loop, else through ``call_soon_threadsafe``."""
-    try:
-        here = asyncio.get_running_loop() is loop
-    except RuntimeError:
-        here = False
-    if here or loop.is_closed():
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
-            _resolve(results, exc)
-        return
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(_resolve, results, exc)
+        self._pass(items)
 
 
 AnyBatcher = Batcher | InlineBatcher

@@ -139,18 +139,7 @@ def compare(
     out: list[dict[str, Any]] = []
     for j, f in enumerate(feats):
         col = inputs[:, j].astype(np.float64)
-        p = psi(np.asarray(f["expected"]), _shares(col, f["edges"]))
-        stat, pvalue = ks(np.asarray(f["sample"]), col)
-        out.append(
-            {
-                "feature": f["name"],
-                "psi": round(p, 5),
-                "ks": round(stat, 5),
-                "ks_pvalue": pvalue,
-                "drift_psi": p >= cfg.psi_threshold,
-                "drift_ks": pvalue < ks_p,
-            }
-        )
+        out.append({"feature": f["name"], **_numeric_drift(f, col, ks_p, cfg)})
     pred = _prediction_drift(reference["predictions"], predictions, ks_p, cfg)
     return {
         "rows": len(inputs),
@@ -172,9 +161,14 @@ def _prediction_drift(
             counts[index.get(float(v), len(index))] += c
         p = psi(np.append(ref["expected"], 0.0), counts / max(counts.sum(), 1))
         return {"psi": round(p, 5), "drift_psi": p >= cfg.psi_threshold}
-    vals = preds.astype(np.float64)
-    p = psi(np.asarray(ref["expected"]), _shares(vals, ref["edges"]))
-    stat, pvalue = ks(np.asarray(ref["sample"]), vals)
+    return _numeric_drift(ref, preds.astype(np.float64), ks_p, cfg)
+
+
+def _numeric_drift(ref: dict[str, Any], values: np.ndarray, ks_p: float, cfg: DriftConfig) -> dict[str, Any]:
+    """PSI over the reference's bins and KS against its sample, for one numeric column (a feature, or a
+    regressor's predictions)."""
+    p = psi(np.asarray(ref["expected"]), _shares(values, ref["edges"]))
+    stat, pvalue = ks(np.asarray(ref["sample"]), values)
     return {
         "psi": round(p, 5),
         "ks": round(stat, 5),

@@ -63,8 +63,9 @@ def cross_validate(
     Raises:
         ConfigError: fewer than 2 folds. TaskFailed: a fold failed (the cv run is marked failed).
     """
-    from gpuyard.models.fit import cached_dataset, spec_splits
+    from gpuyard.models.fit import cached_dataset, pinned_spec, spec_splits
 
+    spec = pinned_spec(spec)  # every fold reads this one version, whatever is ingested meanwhile
     k = folds or (spec.cv.folds if spec.cv else 5)
     width = parallel or (spec.cv.parallel if spec.cv else 1)
     if k < 2:

@@ -10,6 +10,9 @@ A dataset reference is a string recorded as the run's dataset version:
   ``NAME`` or ``NAME@latest`` is its newest version. The recorded version is the resolved one.
 - ``NAME@VERSION#split=train,val``: only the rows of those splits of the version (a recipe's split
   step makes them), in the version's row order; recorded as ``NAME@<version id>#split=train,val``.
+
+A fit, search, cross-validation or retrain first pins its reference (:func:`pin_dataset`): caches are
+keyed on, and lineage records, ``NAME@<version id>[#split=...]``, never ``latest``.
 """
 
 from __future__ import annotations
@@ -128,14 +131,40 @@ def load_dataset(ref: str) -> Dataset:
         return _sklearn(ref.split(":", 1)[1].split("@", 1)[0])
     if ref.startswith("npz:"):
         return _npz(ref.split(":", 1)[1])  # a path: '#' is part of the file name there
-    base = ref.partition("#")[0]
-    if "@" in base or base.replace("-", "").replace("_", "").replace(".", "").isalnum():
+    if _catalog_ref(ref):
         from gpuyard.models.gydata import load_gpuyard_dataset
 
         return load_gpuyard_dataset(ref)
-    raise ConfigError(
-        f"dataset reference {ref!r}: use sklearn:NAME, npz:PATH, NAME@VERSION or NAME@VERSION#split=a,b"
-    )
+    raise ConfigError(_BAD_REF.format(ref=ref))
+
+
+_BAD_REF = "dataset reference {ref!r}: use sklearn:NAME, npz:PATH, NAME@VERSION or NAME@VERSION#split=a,b"
+
+
+def _catalog_ref(ref: str) -> bool:
+    """Whether ``ref`` (not sklearn: or npz:) has the shape of a gpuyard catalog reference."""
+    base = ref.partition("#")[0]
+    return "@" in base or base.replace("-", "").replace("_", "").replace(".", "").isalnum()
+
+
+def pin_dataset(ref: str) -> str:
+    """``ref`` naming one version that never changes, for caches and lineage.
+
+    A gpuyard dataset's ``NAME``, ``NAME@latest`` or version prefix resolves to ``NAME@<version id>``,
+    its ``#split=`` selection kept (``digits@latest#split=train`` -> ``digits@3f2a9c01b7de#split=train``):
+    a later ingest cannot change what the pinned reference names. ``sklearn:`` and ``npz:`` references
+    come back as they are (the file behind ``npz:`` is read, and versioned, by content when loaded).
+
+    Raises:
+        NotFoundError: no such dataset or version. ConfigError: a bad reference or split selection.
+    """
+    if ref.startswith(("sklearn:", "npz:")):
+        return ref
+    if not _catalog_ref(ref):
+        raise ConfigError(_BAD_REF.format(ref=ref))
+    from gpuyard.data.arrays import pin
+
+    return pin(ref)
 
 
 def split_dataset(ds: Dataset, spec: SplitSpec) -> Splits:

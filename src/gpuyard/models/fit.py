@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from gpuyard.models.builtin import Pruned, TrainContext
-from gpuyard.models.datasets import Dataset, Splits, load_dataset, split_dataset
+from gpuyard.models.datasets import Dataset, Splits, load_dataset, pin_dataset, split_dataset
 from gpuyard.models.evaluate import Evaluation, evaluate, log_evaluation
 from gpuyard.models.flavors import as_predictor, import_ref, save_model
 from gpuyard.models.signature import infer_signature
@@ -41,16 +41,26 @@ def _cached(ref: str, stamp: tuple[int, int] | None) -> Dataset:
 def cached_dataset(ref: str) -> Dataset:
     """Load a dataset once per process (trials and folds of one search share it).
 
-    A file-backed reference is keyed by the file's size and modification time too, and an unpinned
-    catalog name is not cached: either may point at new data later in the same process.
+    A gpuyard dataset reference is pinned first (``NAME``, ``NAME@latest`` and version prefixes
+    resolve to the version id, ``#split=`` kept), and the cache is keyed on the pinned reference: a
+    version never changes, and a new version ingested later in the same process is a new key. A
+    file-backed reference is keyed by the file's size and modification time too.
     """
     if ref.startswith("npz:"):
         path = Path(ref[4:])
         st = path.stat() if path.is_file() else None
         return _cached(ref, (st.st_mtime_ns, st.st_size) if st else None)
-    if ref.startswith("sklearn:") or ("@" in ref and not ref.endswith("@latest")):
-        return _cached(ref, None)
-    return load_dataset(ref)
+    return _cached(pin_dataset(ref), None)
+
+
+def pinned_spec(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with its dataset pinned (see :func:`~gpuyard.models.datasets.pin_dataset`).
+
+    A fit, search or cross-validation pins once at its start, so every trial and fold (in whatever
+    process) reads the same version and the run's lineage names it, however new versions arrive.
+    """
+    pinned = pin_dataset(spec.dataset)
+    return spec if pinned == spec.dataset else spec.model_copy(update={"dataset": pinned})
 
 
 def spec_splits(spec: ModelSpec) -> tuple[Dataset, Splits]:
@@ -114,6 +124,7 @@ def fit(
     Returns:
         The result and the trained model (None when the trial was pruned).
     """
+    spec = pinned_spec(spec)  # lineage (dataset_ref, dataset version) names the version read, never @latest
     merged = {**spec.params, **(params or {})}
     task = spec.resolved_task
     ds, data = fold_splits(spec, *fold) if fold else spec_splits(spec)

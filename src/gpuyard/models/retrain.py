@@ -164,15 +164,24 @@ def load_policy(path: str | Path) -> tuple[RetrainPolicy, Path]:
 
 
 def latest_dataset_version(ref: str) -> tuple[str, str]:
-    """(reference to train on, version string) of the newest version of dataset ``ref``."""
-    from gpuyard.models.datasets import load_dataset
+    """(reference to train on, version string) of the newest version of dataset ``ref``.
+
+    For a gpuyard dataset both are the newest version of ``ref``'s dataset with ``ref``'s split
+    selection kept (``digits@3f2a#split=train,val`` -> ``digits@<newest id>#split=train,val``): the
+    retrain reads the same rows of the new version as production read of its own, and the version
+    string compares equal to production's recorded one when nothing new arrived.
+
+    Raises:
+        NotFoundError: no such dataset. ConfigError: the newest version lacks a selected split.
+    """
+    from gpuyard.data.arrays import split_ref
+    from gpuyard.models.datasets import load_dataset, pin_dataset
 
     if ref.startswith(("sklearn:", "npz:")):
         return ref, load_dataset(ref).version
-    from gpuyard.data.catalog import resolve
-
-    row = resolve(ref.split("@", 1)[0])
-    return f"{row.dataset}@{row.version}", f"{row.dataset}@{row.version}"
+    base, fragment = split_ref(ref)
+    newest = pin_dataset(base.split("@", 1)[0] + ("" if fragment is None else f"#{fragment}"))
+    return newest, newest
 
 
 def on_drift_alert(model_name: str, version: int, alerts: list[dict[str, Any]]) -> dict[str, Any]:

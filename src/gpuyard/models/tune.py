@@ -240,11 +240,12 @@ def tune(
     import optuna
 
     from gpuyard.models.evaluate import evaluate, record_evaluation
-    from gpuyard.models.fit import load_run_model, spec_splits
+    from gpuyard.models.fit import load_run_model, pinned_spec, spec_splits
 
     search = spec.search
     if search is None:
         raise ConfigError(f"spec {spec.name!r} has no 'search' section to tune")
+    spec = pinned_spec(spec)  # every trial reads this one version, whatever is ingested meanwhile
     ds, data = spec_splits(spec)
     tracker = start_run(
         f"{spec.name}-tune",

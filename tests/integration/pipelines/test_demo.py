@@ -33,9 +33,11 @@ def test_demo_pipeline_end_to_end_then_cached(gpuyard_home: Path, tmp_path: Path
     assert sum(splits.values()) == out["ingest"]["rows"] and splits["test"] == out["test"]["rows"]
     assert out["search"]["trials"] == 4
     assert out["train"]["nproc"] == 2 and Path(out["train"]["model_dir"], "model.safetensors").is_file()
-    # The DDP training recorded itself as it ran (rank 0), with the dataset version it read.
+    # The DDP training recorded itself as it ran (rank 0), with the dataset version and split it trained on.
     trained = get_run(out["train"]["run"])
-    assert trained.status == "finished" and trained.dataset_version == out["prepare"]["dataset"]
+    selected = f"{out['prepare']['dataset']}#split=train"
+    assert trained.status == "finished" and trained.dataset_version == out["train"]["dataset"] == selected
+    assert trained.tags["validation"] == f"{out['prepare']['dataset']}#split=val"
     logged = [step for step, _ in metric_series(trained.id, ["loss"])["loss"]]
     assert logged == sorted(set(logged)) and out["train"]["steps"] - 10 < logged[-1] <= out["train"]["steps"]
     test = out["test"]["metrics"]

@@ -1,4 +1,11 @@
-"""The training stage: ``gpuyard train`` (torchrun, DDP over ``nproc`` processes) on a dataset version."""
+"""The training stage: ``gpuyard train`` (torchrun, DDP over ``nproc`` processes) on a dataset version.
+
+The stage resolves the dataset once (``digits`` / ``digits@latest`` -> ``digits@<version id>``) and
+every rank reads that version: the ``train`` split for gradient steps, the ``val`` split for the
+validation loss. The run records the rows it trained on, ``NAME@<version id>#split=train``, as its
+dataset version (the validation rows as the tag ``validation``), so its lineage names rows that exist
+forever, not whatever ``latest`` is later.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +18,31 @@ from gpuyard.errors import ConfigError
 from gpuyard.pipelines.stages import need
 
 
-def train_spec(inputs: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """The ``gpuyard.train`` spec for an image classifier on ``inputs['dataset']`` with ``params``."""
-    ref = str(inputs["dataset"])
+def _version(inputs: dict[str, Any], stage: str) -> tuple[str, str, str]:
+    """(``NAME@<version id>``, its train selection, its val selection) of the stage's dataset.
+
+    Raises:
+        ConfigError: the reference selects splits (this stage reads train and val itself), or the
+            version lacks a train or val split. NotFoundError: no such dataset or version.
+    """
+    from gpuyard.data.arrays import pin, split_ref, with_splits
+
+    ref = str(need(inputs, "dataset", stage))
+    if split_ref(ref)[1] is not None:
+        raise ConfigError(
+            f"stage {stage!r}: dataset {ref!r} selects splits, but the train stage reads the version's"
+            f" 'train' and 'val' splits itself: give NAME[@VERSION] without #split="
+        )
+    train = pin(with_splits(ref, ["train"]))
+    return split_ref(train)[0], train, pin(with_splits(train, ["val"]))
+
+
+def train_spec(inputs: dict[str, Any], run_dir: Path, stage: str = "train") -> dict[str, Any]:
+    """The ``gpuyard.train`` spec for an image classifier on ``inputs['dataset']`` with ``params``.
+
+    The dataset is resolved here (see the module docstring); the spec names only the resolved version.
+    """
+    ref, trained, validated = _version(inputs, stage)
     p = dict(inputs.get("params") or {})
     batch = int(p.get("batch_size", 64))
     loader = {"dataset": ref, "batch_size": batch, "column": inputs.get("column", "image")}
@@ -54,13 +83,13 @@ def train_spec(inputs: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         "log_every_steps": 10,
         "callbacks": ["gpuyard.pipelines.torchglue:save_at_end"],
         # Rank 0 records the run in the state store as it trains (beside the search trials in
-        # `gpuyard runs` and the dashboard), with the dataset version it read.
+        # `gpuyard runs` and the dashboard), with the version and split it trained on.
         "tracking": {
             "backend": "db",
             "experiment": str(inputs.get("experiment", "default")),
             "run_name": str(inputs.get("run_name", "pipeline-train")),
-            "dataset": ref,
-            "tags": {"parallel": "ddp"},
+            "dataset": trained,
+            "tags": {"parallel": "ddp", "validation": validated},
         },
     }
 
@@ -78,7 +107,8 @@ def train_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     work = Path(ctx["workdir"])
     run_dir = work / "run"
     spec_path = work / "train.yaml"
-    spec_path.write_text(yaml.safe_dump(train_spec(inputs, run_dir), sort_keys=False))
+    spec = train_spec(inputs, run_dir, ctx["stage"])
+    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
     nproc = int(inputs.get("nproc", 2))
     res = launch(LaunchConfig(spec_path=spec_path, nproc=nproc))
     status = res.status
@@ -95,6 +125,7 @@ def train_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     )
     return {
         "model_dir": str(run_dir / "model"),
+        "dataset": spec["tracking"]["dataset"],
         "run": run_id,
         "run_dir": str(run_dir),
         "steps": int(status.get("step") or 0),
@@ -102,7 +133,7 @@ def train_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
         "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
         "report": [
             f"DDP on {nproc} processes (torchrun, gloo): {status.get('step')} steps, {shown};"
-            f" tracked as run {run_id[:8]}",
+            f" tracked as run {run_id[:8]} on {spec['tracking']['dataset']}",
             f"spec {spec_path}; checkpoints in {run_dir / 'checkpoints'}",
         ],
     }

@@ -180,6 +180,11 @@ class PriorityBackfill(Policy):
         return Decision(starts=starts, reservation=reservation, waits=_waits(fab))
 
 
+def _stopping_gpus(running: Iterable[RunningJob]) -> int:
+    """GPUs of jobs already told to stop: they free up without another victim (any GPU type)."""
+    return sum(r.gpus for r in running if r.stopping)
+
+
 def _as_running(job: QueuedJob, placement: Placement, now: float) -> RunningJob:
     return RunningJob(
         job.id, job.gpus, job.team, job.priority, now, now + job.estimate, placement, job.gpu_type
@@ -259,14 +264,14 @@ class LeastAttainedService(Policy):
             (
                 (self.level(gs), r)
                 for r in running
-                if r.preemptible
+                if not r.stopping
                 and now - r.started_at >= self.min_run_s
                 and (gs := (r.attained + now - r.started_at) * r.gpus) >= bar
             ),
             key=lambda lr: (-lr[0], -lr[1].started_at),
         )
         chosen_ids: list[int] = []
-        spare = work.free_gpus
+        spare = work.free_gpus + _stopping_gpus(running)
         for job in queue.ordered():
             if not victims or len(chosen_ids) >= self.max_preempt:
                 break
@@ -382,7 +387,10 @@ class FairShare(Policy):
     ) -> list[int]:
         victims: list[int] = []
         taken: set[int] = set()
-        spare = work.free_gpus
+        spare = work.free_gpus + _stopping_gpus(running)
+        for r in running:
+            if r.stopping:  # on its way out: its team no longer counts it (nor loses it twice)
+                usage[r.team] -= r.gpus
         for team, job in sorted(blocked.items(), key=lambda kv: usage.get(kv[0], 0) / share[kv[0]]):
             if usage.get(team, 0) + job.gpus > share[team] or now - job.enqueued_at < self.min_wait_s:
                 continue  # only a team within its quota reclaims, and only after a short wait
@@ -391,7 +399,7 @@ class FairShare(Policy):
                     r
                     for r in running
                     if r.id not in taken
-                    and r.preemptible
+                    and not r.stopping
                     and r.team != team
                     and usage.get(r.team, 0) > share.get(r.team, 0.0)
                     and now - r.started_at >= self.min_run_s
@@ -408,7 +416,7 @@ class FairShare(Policy):
                 chosen.append(r)
                 got += r.gpus
                 tentative[r.team] -= r.gpus
-            if got >= job.gpus and chosen:
+            if got >= job.gpus:  # spare GPUs alone may cover it: they are then spent on it
                 usage.update(tentative)
                 taken.update(r.id for r in chosen)
                 victims.extend(r.id for r in chosen)

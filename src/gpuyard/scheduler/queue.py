@@ -59,7 +59,9 @@ class RunningJob:
     expected_end: float
     placement: Placement
     gpu_type: str | None = None
-    preemptible: bool = True
+    # A stop (preemption, cancel) was requested and the job has not exited yet: it cannot be preempted
+    # again, and preemptive policies count its GPUs as about to be free, not as a reason for more victims.
+    stopping: bool = False
     attained: float = 0.0  # seconds it ran before this start (earlier runs, before preemptions)
 
 

@@ -593,7 +593,7 @@ class JobService:
             expected_end=started + max(estimate - row.attained_s, 1.0),
             placement=Placement(nodes, "running"),
             gpu_type=row.spec.get("resources", {}).get("gpu_type"),
-            preemptible=not row.stop_requested,
+            stopping=bool(row.stop_requested),
             attained=row.attained_s,
         )
 

@@ -22,14 +22,19 @@ ServerStarter = Callable[..., tuple["subprocess.Popen[bytes]", str]]
 SERVER_OPTIONS = ("--gpus", "1", "--cpus", "1", "--team", "research=2", "--grace", "2")
 
 # A job that counts, checkpoints its counter on SIGTERM and exits with PREEMPTED (75); started again it
-# resumes from the checkpoint. argv: CHECKPOINT_FILE STEPS.
+# resumes from the checkpoint. argv: CHECKPOINT_FILE STEPS [RELEASE_FILE]; with RELEASE_FILE its
+# checkpoint takes until that file exists (a slow checkpoint, ended by the test).
 CHECKPOINTING_JOB = r"""
 import os, signal, sys, time
 ckpt, steps = sys.argv[1], int(sys.argv[2])
+release = sys.argv[3] if len(sys.argv) > 3 else None
 start = int(open(ckpt).read()) if os.path.exists(ckpt) else 0
 print(f"start at {start}", flush=True)
 state = {"i": start}
 def on_term(*_):
+    print("checkpointing", flush=True)
+    while release and not os.path.exists(release):
+        time.sleep(0.01)
     open(ckpt, "w").write(str(state["i"]))
     print(f"checkpointed at {state['i']}", flush=True)
     sys.exit(75)

@@ -126,6 +126,41 @@ def test_preemption_checkpoints_requeues_and_resumes(
     assert ("running", "preempted") in transitions and ("preempted", "queued") in transitions
 
 
+def test_a_job_slow_to_checkpoint_is_not_joined_by_a_second_victim(
+    make_service: Callable[..., Any], job_script: Path, python: str, tmp_path: Path
+) -> None:
+    # The preempted job holds its GPU until it has checkpointed; the ticks meanwhile must count that GPU
+    # as on its way to b, not preempt the other a job for it too (once seen on a loaded machine).
+    service = make_service(gpus=2, policy="fair", teams={"a": 1.0, "b": 1.0}, min_run_s=0.0, grace_s=60.0)
+    release = tmp_path / "release"
+    a_jobs = [
+        service.submit(
+            parse_spec(
+                {
+                    "name": f"a{i}",
+                    "team": "a",
+                    "resources": {"gpus": 1},
+                    "command": [python, str(job_script), str(tmp_path / f"a{i}.ckpt"), "6000", str(release)],
+                }
+            )
+        )["id"]
+        for i in range(2)
+    ]
+    wait_for(lambda: (service.tick(), all("step 5" in service.read_log(j)["text"] for j in a_jobs))[1])
+    b = service.submit(parse_spec({"name": "b", "team": "b", "resources": {"gpus": 1}, "command": ["true"]}))
+    victim = wait_for(
+        lambda: (service.tick(), [j for j in a_jobs if "checkpointing" in service.read_log(j)["text"]])[1]
+    )
+    for _ in range(20):  # scheduling passes while the victim still holds its GPU
+        service.tick()
+    assert [service.get(j)["stop_requested"] for j in a_jobs].count("preempt") == 1
+    assert len(victim) == 1 and service.get(b["id"])["state"] == "queued"
+    release.touch()
+    _run_until(service, b["id"], {"succeeded"}, timeout=30)
+    assert [service.get(j)["preemptions"] for j in a_jobs].count(1) == 1
+    assert sum(service.get(j)["preemptions"] for j in a_jobs) == 1
+
+
 def test_bad_requests_are_refused_with_why(make_service: Callable[..., Any]) -> None:
     service = make_service(gpus=2)
     with pytest.raises(CapacityError, match=r"resources\.gpus: 4 GPUs.*at most 2"):

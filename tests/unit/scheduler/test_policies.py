@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from gpuyard.errors import ConfigError
@@ -91,6 +93,39 @@ def test_fair_share_lends_idle_gpus_and_reclaims_them_by_preemption() -> None:
     q.add(QueuedJob(2, 2, team="b", enqueued_at=100))
     assert policy.decide(state, q, run, now=30).preempt == []  # a's job has not run min_run_s yet
     assert policy.decide(state, q, run, now=200).preempt == [1]
+
+
+def test_a_job_being_stopped_frees_gpus_for_the_blocked_job_no_second_victim() -> None:
+    # Team a holds all 4 GPUs in 1-GPU jobs; b and c (equal shares) each wait for one GPU.
+    state = ClusterState(uniform_cluster(1, 4))
+    policy = FairShare({"a": 1, "b": 1, "c": 1}, min_run_s=0, min_wait_s=0)
+    run = [_running(state, i, 0, 1, team="a", started=float(i)) for i in range(4)]
+    q = JobQueue(policy.key)
+    q.add(QueuedJob(10, 1, team="b"))
+    q.add(QueuedJob(11, 1, team="c"))
+    first = policy.decide(state, q, run, now=100).preempt
+    assert sorted(first) == [2, 3]  # the most recently started, one for each blocked job
+    # Until they exit (checkpointing), their GPUs are on their way to b and c: nobody else is preempted.
+    stopping = [replace(r, stopping=r.id in first) for r in run]
+    assert policy.decide(state, q, stopping, now=101).preempt == []
+    # Job 3 has exited: b starts on its GPU, and job 2's GPU is still on its way to c.
+    after = state.copy()
+    after.release(run[3].placement)
+    d = policy.decide(after, q, stopping[:3], now=102)
+    assert [j.id for j, _ in d.starts] == [10] and d.preempt == []
+    # A fourth team arrives (shares 1 each): a holds 2 once its stopping jobs exit, so one more victim
+    # brings it to its share, and no further (its stopping jobs are not counted as still held).
+    q.add(QueuedJob(12, 1, team="d"))
+    assert policy.decide(state, q, stopping, now=103).preempt == [1]
+
+
+def test_las_counts_gpus_of_a_job_being_stopped() -> None:
+    state = ClusterState(uniform_cluster(1, 2))
+    run = [_running(state, 1, 0, 1, started=0), _running(state, 2, 0, 1, started=1)]
+    policy, q = _queue("las", [QueuedJob(3, 1, submit_time=50_000)])
+    assert policy.decide(state, q, run, now=50_000).preempt == [2]  # type: ignore[attr-defined]
+    stopping = [run[0], replace(run[1], stopping=True)]
+    assert policy.decide(state, q, stopping, now=50_001).preempt == []  # type: ignore[attr-defined]
 
 
 def test_fair_share_weights_set_the_shares() -> None:

@@ -7,6 +7,8 @@ from typing import Any
 
 import typer
 
+from gpuyard.cli.serve import BATCHING_HELP, MAX_BODY_HELP, serve_options
+
 deployments_app = typer.Typer(help="Model servers recorded in the state store.", no_args_is_help=True)
 
 
@@ -14,29 +16,36 @@ def _echo_json(doc: Any) -> None:
     typer.echo(json.dumps(doc))
 
 
-def _table(docs: list[dict[str, Any]]) -> None:
+def _print(table: Any) -> None:
     from rich.console import Console
+
+    # Wide enough for every column: an 80-column pipe or terminal would cut the URLs to "htt…".
+    Console(width=max(Console().width, 160)).print(table)
+
+
+def _table(docs: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
-    table = Table(
-        "id", "model", "version", "replicas", "device", "gpus", "job", "status", "url", "pids", "created"
-    )
+    scheduled = any(d["job"] is not None for d in docs)  # GPU columns only where the scheduler placed any
+    table = Table("id", "model", "replicas", "device", *(("gpus", "job") if scheduled else ()), "status")
+    table.add_column("url", no_wrap=True)
+    table.add_column("pids")
+    table.add_column("created (UTC)", no_wrap=True)
     for d in docs:
         pids = d["pids"].get("replicas") or ([d["pids"]["server"]] if d["pids"].get("server") else [])
+        placed = (d["pids"].get("gpus") or "", "" if d["job"] is None else str(d["job"]))
         table.add_row(
             str(d["id"]),
-            d["model"],
-            str(d["version"]),
+            f"{d['model']}:{d['version']}",
             str(d["replicas"]),
             d["device"],
-            d["pids"].get("gpus") or "",
-            "" if d["job"] is None else str(d["job"]),
+            *(placed if scheduled else ()),
             d["status"],
             d["url"] or "",
             ",".join(map(str, pids)),
-            d["created_at"][:19],
+            d["created_at"][:19].replace("T", " "),
         )
-    Console().print(table)
+    _print(table)
 
 
 def deploy(
@@ -48,10 +57,12 @@ def deploy(
     ),
     max_batch: int = typer.Option(32, "--max-batch", help="Most samples in one forward pass."),
     max_wait_ms: float = typer.Option(2.0, "--max-wait-ms", help="Longest wait for a batch to fill (ms)."),
+    batching: str = typer.Option("inline", "--batching", help=BATCHING_HELP),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     threads: int = typer.Option(
         0, "--threads", help="Torch threads per replica (0: (cores-1)/replicas, min 1)."
     ),
+    max_body: int = typer.Option(4 << 20, "--max-body-bytes", help=MAX_BODY_HELP),
     no_drift: bool = typer.Option(False, "--no-drift", help="Do not monitor drift."),
     drift_window: int = typer.Option(1000, "--drift-window", help="Samples in the drift window."),
     drift_interval: float = typer.Option(5.0, "--drift-interval", help="Seconds between drift checks."),
@@ -68,36 +79,46 @@ def deploy(
 ) -> None:
     """Start a model server in the background, record it, and wait until it is ready.
 
-    With GPUs (--device cuda, or auto when the gpuyard server's nodes have GPUs) the replicas run as a
-    scheduler job of one GPU per replica, placed by the scheduler; otherwise as processes here.
+    With GPUs (--device cuda, or auto when the gpuyard server has GPUs): a scheduler job, one GPU a replica.
+    Otherwise: processes on this machine. `gpuyard deployments show ID` prints the recorded options.
     """
-    from gpuyard.serve.batching import BatchConfig
     from gpuyard.serve.deploy import deploy as run_deploy
-    from gpuyard.serve.drift import DriftConfig
-    from gpuyard.serve.runner import ServeOptions
     from gpuyard.serve.scheduled import Scheduling
 
-    opts = ServeOptions(
+    opts = serve_options(
         host=host,
         port=port,
         replicas=replicas,
         device=device,
-        drift=not no_drift,
-        drift_config=DriftConfig(
-            window=drift_window, min_rows=min(200, drift_window), interval_s=drift_interval
-        ),
-        batch=BatchConfig(max_batch=max_batch, max_wait_ms=max_wait_ms, threads=threads),
+        max_batch=max_batch,
+        max_wait_ms=max_wait_ms,
+        batching=batching,
+        threads=threads,
+        max_body=max_body,
+        no_drift=no_drift,
+        drift_window=drift_window,
+        drift_interval=drift_interval,
     )
     scheduling = Scheduling(server=server, team=team, priority=priority, max_restarts=max_restarts)
     doc = run_deploy(model, opts, timeout_s=timeout, scheduling=scheduling)
     if as_json:
         _echo_json(doc)
         return
-    where = f"job {doc['job']}, GPUs {doc['pids'].get('gpus')}" if doc["job"] is not None else "here"
     typer.echo(
-        f"deployment {doc['id']}: {doc['model']}:{doc['version']} running at {doc['url']} "
-        f"({doc['replicas']} replica(s) on {doc['device']}; {where})"
+        f"deployment {doc['id']}: {doc['model']}:{doc['version']} running at {doc['url']} ({_where(doc)})"
     )
+    typer.echo(
+        f"  predict: POST {doc['url']}/v1/models/{doc['model']}/predict  stop: gpuyard undeploy {doc['id']}"
+    )
+
+
+def _where(doc: dict[str, Any]) -> str:
+    """How many replicas run on what, and where: a scheduler job's GPUs, or this machine's processes."""
+    n = doc["replicas"]
+    replicas = f"{n} replica{'s' if n != 1 else ''} on {doc['device']}"
+    if doc["job"] is not None:
+        return f"{replicas}; job {doc['job']}, GPUs {doc['pids'].get('gpus')}"
+    return f"{replicas}, started on this machine; log: {doc['log']}"
 
 
 def undeploy(
@@ -121,13 +142,16 @@ def ls(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """List deployments, newest first (servers whose process vanished are marked dead)."""
-    from gpuyard.serve.deploy import list_deployments
+    from gpuyard.serve.deploy import ACTIVE, list_deployments
 
-    docs = list_deployments(all_=all_)
+    docs = list_deployments(all_=True)
+    shown = docs if all_ else [d for d in docs if d["status"] in ACTIVE]
     if as_json:
-        _echo_json(docs)
-    else:
-        _table(docs)
+        _echo_json(shown)
+        return
+    _table(shown)
+    if len(shown) < len(docs):
+        typer.echo(f"({len(docs) - len(shown)} stopped, failed or dead not shown: --all lists them)")
 
 
 @deployments_app.command("show")
@@ -151,10 +175,11 @@ def alerts(
     if as_json:
         _echo_json(docs)
         return
-    from rich.console import Console
     from rich.table import Table
 
-    table = Table("id", "model", "kind", "feature", "metric", "value", "threshold", "window", "retrain", "at")
+    table = Table(
+        "id", "model", "kind", "feature", "metric", "value", "threshold", "window", "retrain", "at (UTC)"
+    )
     for d in docs:
         retrain = "" if d["retrain"] is None else ("error" if "error" in d["retrain"] else "called")
         table.add_row(
@@ -167,9 +192,9 @@ def alerts(
             f"{d['threshold']:.4g}",
             str(d["window"]),
             retrain,
-            d["created_at"][:19],
+            d["created_at"][:19].replace("T", " "),
         )
-    Console().print(table)
+    _print(table)
 
 
 def register(app: typer.Typer) -> None:

@@ -61,16 +61,17 @@ class BatchConfig:
     mode: str = "inline"
 
     def __post_init__(self) -> None:
+        # Named by their `gpuyard serve`/`deploy` flags: that is where most of these values come from.
         if self.max_batch < 1:
-            raise ConfigError(f"max_batch={self.max_batch}: must be at least 1")
+            raise ConfigError(f"--max-batch {self.max_batch}: must be at least 1")
         if not 0 <= self.max_wait_ms <= 10_000:
-            raise ConfigError(f"max_wait_ms={self.max_wait_ms}: must be between 0 and 10000")
+            raise ConfigError(f"--max-wait-ms {self.max_wait_ms:g}: must be between 0 and 10000")
         if self.threads < 0:
-            raise ConfigError(f"threads={self.threads}: must be >= 0 (0: cores / replicas)")
+            raise ConfigError(f"--threads {self.threads}: must be >= 0 (0: (cores - 1) / replicas)")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue={self.max_queue}: must be at least 1")
         if self.mode not in MODES:
-            raise ConfigError(f"batching mode {self.mode!r}: use one of {', '.join(MODES)}")
+            raise ConfigError(f"--batching {self.mode!r}: use one of {', '.join(MODES)}")
 
 
 class Overloaded(GpuyardError):

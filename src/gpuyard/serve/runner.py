@@ -63,8 +63,10 @@ class ServeOptions:
             raise ConfigError(f"--replicas {self.replicas}: must be between 1 and 64")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: must be between 0 and 65535")
-        if self.max_body_bytes < 1024 or self.max_rows < 1:
-            raise ConfigError("max_body_bytes must be >= 1024 and max_rows >= 1")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"--max-body-bytes {self.max_body_bytes}: must be at least 1024")
+        if self.max_rows < 1:
+            raise ConfigError(f"max_rows={self.max_rows}: must be at least 1")
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict (nested configs included)."""

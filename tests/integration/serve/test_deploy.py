@@ -108,17 +108,52 @@ def test_every_option_reaches_the_server(serve_home: Path) -> None:
         device="cpu",
         max_rows=7,
         max_body_bytes=5000,
-        batch=BatchConfig(max_batch=5, max_wait_ms=1.5),
+        batch=BatchConfig(max_batch=5, max_wait_ms=1.5, mode="thread"),
         drift_config=DriftConfig(window=50, min_rows=20, interval_s=0.5),
     )
     doc = deploy("mlp", opts)
     try:
+        assert doc["config"]["batch"]["mode"] == "thread"
         info = httpx.get(f"{doc['url']}/v1/models/mlp", timeout=10).json()
         assert (info["max_rows_per_request"], info["max_body_bytes"]) == (7, 5000)
-        assert (info["max_batch"], info["max_wait_ms"]) == (5, 1.5)
+        assert (info["max_batch"], info["max_wait_ms"], info["batching"]) == (5, 1.5, "thread")
         drift = httpx.get(f"{doc['url']}/v1/models/mlp/drift", timeout=10).json()
         assert drift["enabled"] and drift["reason"].endswith("tests start at 20")
         too_many = httpx.post(f"{doc['url']}/v1/models/mlp/predict", json={"inputs": [[0.0] * 8] * 8})
         assert too_many.status_code == 422
     finally:
         undeploy(str(doc["id"]))
+
+
+def test_deploy_command_passes_batching_and_body_limit_to_the_server(serve_home: Path) -> None:
+    """`gpuyard deploy --batching thread --max-body-bytes N`: recorded, and the server runs with them."""
+    out = cli(
+        "deploy",
+        "mlp",
+        "--device",
+        "cpu",
+        "--no-drift",
+        "--batching",
+        "thread",
+        "--max-body-bytes",
+        "4096",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    try:
+        assert doc["config"]["batch"]["mode"] == "thread" and doc["config"]["max_body_bytes"] == 4096
+        info = httpx.get(f"{doc['url']}/v1/models/mlp", timeout=10).json()
+        assert (info["batching"], info["max_body_bytes"]) == ("thread", 4096)
+        big = httpx.post(f"{doc['url']}/v1/models/mlp/predict", json={"inputs": [[0.0] * 8] * 200})
+        assert big.status_code == 413
+        # The table is read through a pipe (80 columns by default): the URL must come out whole.
+        assert doc["url"] in cli("deployments", "ls").stdout
+    finally:
+        undeploy(str(doc["id"]))
+    listed = cli("deployments", "ls").stdout
+    assert doc["url"] not in listed and "not shown: --all lists them" in listed
+    bad = cli("deploy", "mlp", "--device", "cpu", "--batching", "threads")
+    assert bad.returncode == 2 and bad.stderr.strip().endswith(
+        "--batching 'threads': use one of inline, thread"
+    )

@@ -126,9 +126,18 @@ def test_on_batch_errors_never_fail_requests_and_setup_runs_in_the_model_thread(
     assert len(out) == 3 and seen == ["gpuyard-model"]
 
 
-@pytest.mark.parametrize("kwargs", [{"max_batch": 0}, {"max_wait_ms": -1}, {"threads": -1}, {"max_queue": 0}])
-def test_bad_batch_settings_are_named(kwargs: dict[str, float]) -> None:
-    with pytest.raises(ConfigError, match=next(iter(kwargs))):
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"max_batch": 0}, "--max-batch 0:"),
+        ({"max_wait_ms": -1}, "--max-wait-ms -1:"),
+        ({"threads": -1}, "--threads -1:"),
+        ({"max_queue": 0}, "max_queue=0:"),
+    ],
+)
+def test_bad_batch_settings_are_named(kwargs: dict[str, float], named: str) -> None:
+    """By the flag a user typed (`gpuyard serve`/`deploy`), or the field where there is no flag."""
+    with pytest.raises(ConfigError, match=f"^{named}"):
         BatchConfig(**kwargs)  # type: ignore[arg-type]
 
 

@@ -1,0 +1,59 @@
+"""`gpuyard deploy` offers every server option `gpuyard serve` has, and both build the same ServeOptions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import typer
+
+from gpuyard.cli.main import app
+
+pytestmark = pytest.mark.unit
+
+# Options of `serve` that a deployment sets itself (the record names the deployment; deploy picks a free
+# port by default because it runs in the background).
+_DEPLOY_OWN = {"deployment_id"}
+_DEFAULTS_DIFFER = {"port"}
+
+
+def _params(name: str) -> dict[str, Any]:
+    command = typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
+    return {p.name: p for p in command.params if p.name}
+
+
+def test_deploy_has_every_serve_option_with_the_same_flag_and_default() -> None:
+    serve, deploy = _params("serve"), _params("deploy")
+    missing = sorted(set(serve) - set(deploy) - _DEPLOY_OWN)
+    assert not missing, f"gpuyard deploy lacks {missing}"
+    for name, param in serve.items():
+        if name in _DEPLOY_OWN:
+            continue
+        assert deploy[name].opts == param.opts, name
+        if name not in _DEFAULTS_DIFFER:
+            assert deploy[name].default == param.default, name
+
+
+def test_the_batching_flag_reaches_the_options_and_a_wrong_mode_is_named() -> None:
+    from gpuyard.cli.serve import serve_options
+    from gpuyard.errors import ConfigError
+
+    flags = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "replicas": 1,
+        "device": "cpu",
+        "max_batch": 5,
+        "max_wait_ms": 1.5,
+        "threads": 1,
+        "max_body": 5000,
+        "no_drift": True,
+        "drift_window": 50,
+        "drift_interval": 0.5,
+    }
+    opts = serve_options(batching="thread", **flags)  # type: ignore[arg-type]
+    assert (opts.batch.mode, opts.batch.max_batch, opts.batch.threads) == ("thread", 5, 1)
+    assert (opts.max_body_bytes, opts.drift, opts.drift_config.window) == (5000, False, 50)
+    assert opts.to_json()["batch"]["mode"] == "thread"  # what a deployment's record holds
+    with pytest.raises(ConfigError, match="--batching 'threads': use one of inline, thread"):
+        serve_options(batching="threads", **flags)  # type: ignore[arg-type]

@@ -88,7 +88,8 @@ def input_spec(signature: dict[str, Any], max_rows: int = 1024) -> InputSpec:
     lo, hi = inputs.get("min"), inputs.get("max")
     if isinstance(lo, list) and isinstance(hi, list) and len(lo) == n and len(hi) == n:
         lo_a, hi_a = np.asarray(lo, dtype=np.float64), np.asarray(hi, dtype=np.float64)
-        # Constant training features have no span: fall back to their magnitude, at least 1.
+        # Widen by the larger of the span and the magnitude (at least 1): a constant feature has no span,
+        # and a narrow one far from 0 (100..101) would otherwise refuse a 2% shift.
         span = np.maximum.reduce([hi_a - lo_a, np.abs(lo_a), np.abs(hi_a), np.ones(n)])
         low = (lo_a - RANGE_SLACK * span).astype(np.float32)
         high = (hi_a + RANGE_SLACK * span).astype(np.float32)
@@ -169,8 +170,8 @@ def check_batch(batch: np.ndarray, spec: InputSpec) -> np.ndarray:
         r, c = np.argwhere(bad)[0]
         raise InputMismatch(
             f"sample {r}, feature {_name(spec, c)}: value {float(flat[r, c]):.6g} is outside the accepted "
-            f"range [{float(spec.low[c]):.6g}, {float(spec.high[c]):.6g}] (training range widened by "
-            f"{RANGE_SLACK:g}x its span)"
+            f"range [{float(spec.low[c]):.6g}, {float(spec.high[c]):.6g}] (the training range "
+            f"widened on each side by {RANGE_SLACK:g}x max(span, |min|, |max|, 1))"
         )
     return np.ascontiguousarray(batch)
 

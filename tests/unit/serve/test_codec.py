@@ -77,6 +77,16 @@ def test_range_check_tolerates_mild_shift_and_constant_features() -> None:
         decode_json(body({"inputs": [[0, 0, 11.0]]}), SPEC)
 
 
+def test_a_narrow_feature_far_from_zero_is_widened_by_its_magnitude_and_the_message_says_so() -> None:
+    spec = input_spec({"inputs": {"shape": [-1, 1], "min": [100.0], "max": [101.0]}})
+    # Span 1, magnitude 101: accepted from -1 to 202, so a 2% shift is served (it shows up as drift).
+    assert decode_json(body({"inputs": [[103.0]]}), spec).shape == (1, 1)
+    with pytest.raises(
+        InputMismatch, match=r"range \[-1, 202\] \(the training range widened on each side by 1x max"
+    ):
+        decode_json(body({"inputs": [[203.0]]}), spec)
+
+
 def test_tensor_bodies_roundtrip_and_reject_wrong_content() -> None:
     x = np.array([[0.1, 0.2, 5.0]], dtype=np.float64)
     assert decode_tensor(save({"inputs": x}), SPEC).dtype == np.float32

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -176,8 +177,8 @@ def create_app(
 
     @app.get(f"{base}/stats")
     async def stats() -> dict[str, Any]:
-        """Latency percentiles, throughput, batch sizes and error counts over the last minute."""
-        return {**metrics.stats(), "queue_depth": batcher.depth}
+        """This replica: latency percentiles, throughput, batch sizes (last minute), error totals."""
+        return {**metrics.stats(), "queue_depth": batcher.depth, "replica_pid": os.getpid()}
 
     @app.get(f"{base}/drift")
     async def drift_report() -> dict[str, Any]:
@@ -187,9 +188,16 @@ def create_app(
         report = await asyncio.to_thread(drift.evaluate)
         if report is None:
             rows = len(drift.snapshot()[0])
-            reason = f"{rows} samples in the window; tests start at {drift.config.min_rows}"
-            return {"enabled": True, "reference": drift_note, "report": None, "reason": reason}
-        return {"enabled": True, "reference": drift_note, "report": report}
+            # Each replica keeps its own window: say whose, or another replica's traffic looks lost.
+            reason = f"{rows} samples in this replica's window; tests start at {drift.config.min_rows}"
+            return {
+                "enabled": True,
+                "reference": drift_note,
+                "report": None,
+                "reason": reason,
+                "replica_pid": os.getpid(),
+            }
+        return {"enabled": True, "reference": drift_note, "report": report, "replica_pid": os.getpid()}
 
     @app.get(f"{base}/alerts")
     async def alerts() -> list[dict[str, Any]]:

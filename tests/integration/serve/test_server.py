@@ -98,6 +98,7 @@ def test_concurrent_requests_are_batched_and_counted_in_metrics(mlp_server: Serv
     assert codes == [200] * 64
     stats = httpx.get(f"{mlp_server.url}/v1/models/mlp/stats").json()
     assert stats["max_batch_seen"] > 1 and stats["max_batch_seen"] <= 16
+    assert stats["replica_pid"] == mlp_server.proc.pid  # one replica: it runs in the server process
     assert stats["p50_ms"] is not None and stats["p99_ms"] >= stats["p50_ms"]
     text = httpx.get(f"{mlp_server.url}/metrics").text
     samples = {
@@ -131,6 +132,7 @@ def test_shifted_inputs_raise_drift_alerts_in_the_store_and_the_api(mlp_server: 
     assert httpx.post(predict_url(mlp_server), json={"inputs": calm.tolist()}).status_code == 200
     report = httpx.get(f"{mlp_server.url}/v1/models/mlp/drift").json()
     assert report["enabled"] and "example:N(0,1)" in report["reference"]
+    assert report["replica_pid"] == mlp_server.proc.pid
     assert not any(f["drift_psi"] for f in report["report"]["features"])
     assert list_alerts("mlp") == []
     # Feature 2 moves by 2.5 standard deviations (still inside the accepted range).

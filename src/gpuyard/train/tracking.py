@@ -296,7 +296,8 @@ class DbRunTracker:
             db.log_event("resume", step=self.start_step)
 
     def _dataset_version(self) -> str | None:
-        """``name@version`` of the gpuyard dataset the spec reads (tracking.dataset, or data.train's)."""
+        """``NAME@<version id>[#split=...]`` of the gpuyard dataset the spec reads (tracking.dataset, or
+        data.train's): ``@latest`` resolved, a split selection kept, so lineage names the rows read."""
         from gpuyard.errors import GpuyardError
 
         ref = self._spec.tracking.dataset
@@ -306,13 +307,12 @@ class DbRunTracker:
             ref = candidate if isinstance(candidate, str) else None
         if ref is None:
             return None
-        from gpuyard.data.catalog import resolve
+        from gpuyard.data.arrays import pin
 
         try:
-            row = resolve(ref)
-        except GpuyardError:  # not a catalog name after all (or a version this store lacks)
+            return pin(ref)
+        except GpuyardError:  # not a catalog name after all (or a version or split this store lacks)
             return ref if explicit else None
-        return f"{row.dataset}@{row.version}"
 
     def _logged_points(self) -> dict[int, dict[str, float | None]]:
         """Steps up to the resumed one, as this run's lines of metrics.jsonl have them (last line wins)."""

@@ -80,6 +80,16 @@ def test_dataset_version_of_a_gpuyard_dataset_is_recorded(gpuyard_home: Path, tm
     tracker.finish("completed")
     assert tracker.run_id and get_run(tracker.run_id).dataset_version == version.ref
 
+    # A split selection is kept and `latest` recorded as the version it named then, not as `latest`.
+    from gpuyard.data import load_recipe, transform
+
+    split = {"method": "random", "seed": 0, "fractions": {"train": 0.75, "val": 0.25}}
+    split_version = transform(version.ref, load_recipe({"split": split}), engine="serial")
+    selected = {**train, "kwargs": {"dataset": "toy@latest#split=train"}}
+    t = _attempt(_spec(tmp_path / "split", data={"train": selected}), range(1, 2), start=0, resumed=False)
+    t.finish("completed")
+    assert t.run_id and get_run(t.run_id).dataset_version == f"{split_version.ref}#split=train"
+
     # A kwarg that is no catalog name is not a dataset version; an explicit one is kept as written.
     other = {"entrypoint": "m:f", "kwargs": {"dataset": "no-such-data"}}
     for fields, expected in (

@@ -288,6 +288,8 @@ def undeploy(target: str) -> list[dict[str, Any]]:
             cancel(int(d["job"]), Scheduling(**sched))
         elif d["pids"].get("server"):
             _terminate(int(d["pids"]["server"]))
-        mark(d["id"], "stopped")
+        # error=None: a scheduled replica set cannot tell the cancel's SIGTERM from a preemption and
+        # records "waiting to be placed again" on its way out.
+        mark(d["id"], "stopped", error=None)
         out.append(get_deployment(d["id"]))
     return out

@@ -102,7 +102,10 @@ def test_replicas_get_disjoint_gpus_from_the_scheduler_and_give_them_back(schedu
 
     # Undeploy cancels the job: its processes go, its GPUs are free for the next deployment.
     undeploy(str(a["id"]))
-    assert job_state(a["job"]) == "cancelled" and get_deployment(a["id"])["status"] == "stopped"
+    stopped = get_deployment(a["id"])
+    assert job_state(a["job"]) == "cancelled" and stopped["status"] == "stopped"
+    # The replica set took the cancel's SIGTERM for a preemption and said so; a stopped record must not.
+    assert stopped["error"] is None
     assert wait_for(lambda: not any(psutil.pid_exists(p) for p in a["pids"]["replicas"]), 30)
     c = deploy("mlp", ServeOptions(port=0, replicas=2, device="cuda", drift=False), timeout_s=60)
     assert _gpus(c) == _gpus(a) and _predict(c) == 200

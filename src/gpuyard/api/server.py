@@ -30,11 +30,18 @@ def run_server(service: JobService, options: ServerOptions) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     counts = service.recover()
+    placer = service.placer
+    placement = (
+        f"fabric on {placer.cluster.name} (waits at most {placer.max_wait_s:g} s)"
+        if placer is not None
+        else "topology"
+    )
     logging.getLogger("gpuyard.server").info(
-        "recovered: %d adopted, %d requeued; policy %s, executor %s, %d nodes",
+        "recovered: %d adopted, %d requeued; policy %s, placement %s, executor %s, %d nodes",
         counts["adopted"],
         counts["requeued"],
         service.policy.name,
+        placement,
         service.executor.name,
         len(service.nodes),
     )

@@ -93,30 +93,37 @@ def test_queued_job_cancels_at_once(make_service: Callable[..., Any]) -> None:
     assert service.cancel(job["id"])["state"] == "cancelled"
 
 
-def test_preemption_checkpoints_requeues_and_resumes(
-    make_service: Callable[..., Any], job_script: Path, python: str, tmp_path: Path
-) -> None:
-    service = make_service(gpus=2, policy="fair", teams={"a": 1.0, "b": 1.0}, min_run_s=0.0, grace_s=5.0)
-    a_jobs = [
+def _team_a_fills_both_gpus(service: Any, script: list[str], tmp_path: Path, *args: str) -> list[int]:
+    """Two 1-GPU jobs of team a running the checkpointing job script (``args`` after its checkpoint
+    path), returned once both have logged step 5."""
+    ids = [
         service.submit(
             parse_spec(
                 {
                     "name": f"a{i}",
                     "team": "a",
                     "resources": {"gpus": 1},
-                    "command": [python, str(job_script), str(tmp_path / f"a{i}.ckpt"), "60"],
+                    "command": [*script, str(tmp_path / f"a{i}.ckpt"), *args],
                 }
             )
-        )
+        )["id"]
         for i in range(2)
     ]
-    wait_for(lambda: (service.tick(), all("step 5" in service.read_log(j["id"])["text"] for j in a_jobs))[1])
+    wait_for(lambda: (service.tick(), all("step 5" in service.read_log(j)["text"] for j in ids))[1])
+    return ids
+
+
+def test_preemption_checkpoints_requeues_and_resumes(
+    make_service: Callable[..., Any], job_script: Path, python: str, tmp_path: Path
+) -> None:
+    service = make_service(gpus=2, policy="fair", teams={"a": 1.0, "b": 1.0}, min_run_s=0.0, grace_s=5.0)
+    a_jobs = _team_a_fills_both_gpus(service, [python, str(job_script)], tmp_path, "60")
     b = service.submit(parse_spec({"name": "b", "team": "b", "resources": {"gpus": 1}, "command": ["true"]}))
     # Team a borrowed b's share; b's job takes it back by preempting one of a's jobs.
     _run_until(service, b["id"], {"succeeded"}, timeout=30)
-    preempted = [j for j in a_jobs if service.get(j["id"])["preemptions"] == 1]
+    preempted = [j for j in a_jobs if service.get(j)["preemptions"] == 1]
     assert len(preempted) == 1
-    jid = preempted[0]["id"]
+    jid = preempted[0]
     doc = _run_until(service, jid, {"succeeded"}, timeout=40)
     log = service.read_log(jid)["text"]
     saved = int(log.split("checkpointed at ")[1].split()[0])
@@ -133,20 +140,7 @@ def test_a_job_slow_to_checkpoint_is_not_joined_by_a_second_victim(
     # as on its way to b, not preempt the other a job for it too (once seen on a loaded machine).
     service = make_service(gpus=2, policy="fair", teams={"a": 1.0, "b": 1.0}, min_run_s=0.0, grace_s=60.0)
     release = tmp_path / "release"
-    a_jobs = [
-        service.submit(
-            parse_spec(
-                {
-                    "name": f"a{i}",
-                    "team": "a",
-                    "resources": {"gpus": 1},
-                    "command": [python, str(job_script), str(tmp_path / f"a{i}.ckpt"), "6000", str(release)],
-                }
-            )
-        )["id"]
-        for i in range(2)
-    ]
-    wait_for(lambda: (service.tick(), all("step 5" in service.read_log(j)["text"] for j in a_jobs))[1])
+    a_jobs = _team_a_fills_both_gpus(service, [python, str(job_script)], tmp_path, "6000", str(release))
     b = service.submit(parse_spec({"name": "b", "team": "b", "resources": {"gpus": 1}, "command": ["true"]}))
     victim = wait_for(
         lambda: (service.tick(), [j for j in a_jobs if "checkpointing" in service.read_log(j)["text"]])[1]

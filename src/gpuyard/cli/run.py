@@ -41,7 +41,9 @@ class _View:
 
     def table(self) -> Table:
         t = Table(show_edge=False)
-        for col in ("stage", "uses", "state", "job", "time", "latest output"):
+        # The last line a running stage printed; once no row has one (all done), the column goes.
+        with_log = any(r["log"] or r["state"] == "running" for r in self.rows.values())
+        for col in ("stage", "uses", "state", "job", "time", "latest output")[: 6 if with_log else 5]:
             t.add_column(col, no_wrap=col != "latest output")
         colour = {"done": "green", "cached": "cyan", "running": "yellow", "failed": "red", "waiting": "dim"}
         for name, r in self.rows.items():
@@ -50,7 +52,7 @@ class _View:
             )
             shown = "" if secs is None else f"{secs:.1f}s"
             state = f"[{colour[r['state']]}]{r['state']}[/]"
-            t.add_row(name, r["uses"], state, r["job"], shown, r["log"])
+            t.add_row(name, r["uses"], state, r["job"], shown, *([r["log"]] if with_log else []))
         return t
 
 

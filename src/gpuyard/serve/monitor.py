@@ -105,6 +105,7 @@ class ServeMetrics:
         self._batches: deque[tuple[float, int]] = deque(maxlen=WINDOW_MAX)
         self._lock = threading.Lock()
         self.started = time.time()
+        self._started_mono = time.monotonic()
         self.total_ok = 0
         self.total_errors = 0
 
@@ -146,7 +147,12 @@ class ServeMetrics:
         now = time.monotonic()
         lat = np.array([s for t, s in list(self._window) if now - t <= window_s])
         sizes = np.array([n for t, n in list(self._batches) if now - t <= window_s])
-        span = min(window_s, max(now - (self._window[0][0] if self._window else now), 1e-9))
+        # Requests over the time they were counted in: the window (or the uptime, when shorter), as a
+        # Prometheus rate would; when the bounded buffer is full its oldest entry starts the count.
+        span = min(window_s, now - self._started_mono)
+        if len(self._window) == self._window.maxlen:
+            span = min(span, now - self._window[0][0])
+        span = max(span, 1e-3)
         pct = {
             f"p{q}_ms": round(float(np.percentile(lat, q)) * 1000, 3) if lat.size else None
             for q in (50, 95, 99)

@@ -33,6 +33,9 @@ from gpuyard.store.base import utcnow
 from gpuyard.store.tables.serve import DeploymentRow
 
 ACTIVE = ("starting", "running")
+# Set in a deployment's config by `undeploy` before it stops the processes: a scheduled replica set
+# that gets SIGTERM reads it to tell the cancel from a preemption.
+UNDEPLOY = "undeploy_requested"
 _ENDED = {"failed": "failed", "cancelled": "was cancelled", "succeeded": "exited with code 0"}
 
 
@@ -88,6 +91,7 @@ def serve_options(deployment_id: int) -> ServeOptions:
     """The serve options recorded for a deployment (what `gpuyard serve --deployment-id N` runs with)."""
     config = dict(get_deployment(deployment_id)["config"])
     config.pop("scheduling", None)
+    config.pop(UNDEPLOY, None)
     return ServeOptions.from_json({**config, "deployment_id": deployment_id})
 
 
@@ -104,6 +108,19 @@ def mark(deployment_id: int, status: str, **fields: Any) -> None:
             row.stopped_at = utcnow()
         elif status in ACTIVE:
             row.stopped_at = None  # a replica set restarted by the scheduler is live again
+
+
+def _request_undeploy(deployment_id: int) -> None:
+    """Record that the deployment is being undeployed (committed before any process is signalled)."""
+    with get_store().session() as s:
+        row = s.get(DeploymentRow, deployment_id)
+        if row is not None:
+            row.config = {**(row.config or {}), UNDEPLOY: True}
+
+
+def undeploy_requested(deployment_id: int) -> bool:
+    """Whether ``undeploy`` asked this deployment to stop (False for a preemption's SIGTERM)."""
+    return bool((get_deployment(deployment_id)["config"] or {}).get(UNDEPLOY))
 
 
 def get_deployment(deployment_id: int) -> dict[str, Any]:
@@ -281,6 +298,7 @@ def undeploy(target: str) -> list[dict[str, Any]]:
             raise NotFoundError(f"no active deployment of model {target!r} (see `gpuyard deployments ls`)")
     out = []
     for d in docs:
+        _request_undeploy(d["id"])
         if d["job"] is not None:
             from gpuyard.serve.scheduled import cancel
 
@@ -288,8 +306,6 @@ def undeploy(target: str) -> list[dict[str, Any]]:
             cancel(int(d["job"]), Scheduling(**sched))
         elif d["pids"].get("server"):
             _terminate(int(d["pids"]["server"]))
-        # error=None: a scheduled replica set cannot tell the cancel's SIGTERM from a preemption and
-        # records "waiting to be placed again" on its way out.
         mark(d["id"], "stopped", error=None)
         out.append(get_deployment(d["id"]))
     return out

@@ -284,7 +284,7 @@ def serve_with_record(ref: str, opts: ServeOptions) -> None:
     if opts.deployment_id is None:
         serve(ref, opts)
         return
-    from gpuyard.serve.deploy import mark, serve_options
+    from gpuyard.serve.deploy import mark, serve_options, undeploy_requested
 
     # The record holds every option `gpuyard deploy` was given (drift thresholds, batching, limits):
     # the command line only names the deployment.
@@ -312,10 +312,10 @@ def serve_with_record(ref: str, opts: ServeOptions) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if os.environ.get("GPUYARD_JOB_ID"):
-        # Under the scheduler, serving only ends on its SIGTERM: a preemption (the job is queued again
-        # and this record comes back to running once placed) or a cancel (undeploy marks it stopped).
-        # Exit 75 so a preempted replica set is requeued rather than recorded as finished.
+    if os.environ.get("GPUYARD_JOB_ID") and not undeploy_requested(dep_id):
+        # Under the scheduler, serving ends on its SIGTERM: a cancel (undeploy recorded it first) or a
+        # preemption: the job is queued again and this record comes back to running once placed. Exit
+        # 75 so a preempted replica set is requeued rather than recorded as finished.
         from gpuyard.exitcodes import PREEMPTED
 
         mark(dep_id, "starting", error="stopped by the scheduler: waiting to be placed again")

@@ -142,6 +142,11 @@ def test_a_replica_set_comes_back_after_a_crash_and_after_a_preemption(scheduler
     assert "restart 1 of 1" in reasons and "preempted" in reasons, reasons
     undeploy(str(doc["id"]))
     assert job_state(doc["job"]) == "cancelled" and get_deployment(doc["id"])["status"] == "stopped"
+    # The replica set told undeploy's SIGTERM from the preemption's: it exited cleanly, not "requeue me".
+    events = httpx.get(
+        f"{scheduler}/jobs/{doc['job']}/events", headers={"authorization": f"Bearer {_token()}"}
+    ).json()
+    assert "cancelled by user (exit code 0)" in events[-1]["reason"], events[-1]
 
 
 def _token() -> str:

@@ -157,6 +157,59 @@ def bench(
     _print_bench(result, calibrate)
 
 
+@fabric_app.command("calibrate")
+def calibrate(
+    out: Path = typer.Option(Path("calibration.json"), "--out", help="Calibration file to write (JSON)."),
+    nproc: int = typer.Option(
+        None, "--nproc", help="Ranks measured at once (default: every GPU, or 2 CPU ranks)."
+    ),
+    backend: str = typer.Option("auto", "--backend", help="auto (nccl with CUDA, else gloo), nccl or gloo."),
+    cluster: str = typer.Option("local", "--cluster", help="Cluster the calibration is checked against."),
+    quick: bool = typer.Option(
+        False, "--quick", help="Fewer shapes and sizes (a smoke test, not a calibration)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the calibration as JSON."),
+) -> None:
+    """Measure this machine (GEMMs, attention, memory, dispatch, overlap, collectives); write a calibration.
+
+    `gpuyard plan`, `gpuyard sim` and `gpuyard server` take the file with --calibration FILE.
+    """
+    from gpuyard.fabric.calibrate import CalibrateConfig, apply_calibration, run_calibration, save_calibration
+    from gpuyard.fabric.cluster import load_cluster
+
+    if nproc is None:
+        import torch
+
+        nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    base = load_cluster(cluster)
+    cal = run_calibration(CalibrateConfig(nproc=max(1, nproc), backend=backend, quick=quick))
+    fitted = apply_calibration(base, cal, where="the measurement of this machine")
+    save_calibration(cal, out)
+    if as_json:
+        typer.echo(cal.model_dump_json())
+        return
+    dtype = "float32" if cal.device_kind == "cpu" else "bfloat16"
+    precision = "fp32" if cal.device_kind == "cpu" else "bf16"
+    fit = cal.gemm_fit[dtype]
+    lines = [
+        f"{cal.ranks} rank(s) of {cal.device_name} ({cal.threads_per_rank} thread(s) each), measured at once",
+        f"GEMM {dtype}: {fit.peak_tflops:.3f} TFLOP/s large-GEMM asymptote, half of it at dimension "
+        f"{fit.half_dim:.0f} (fit error median {fit.median_error:.0%}); "
+        f"{fitted.compute.gemm_efficiency:.0%} of the {fitted.peak_for(precision):.2f} TFLOP/s peak",
+        f"attention {cal.attention_tflops:.3f} TFLOP/s "
+        f"({cal.attention_efficiency:.0%} of the GEMM asymptote)",
+        f"memory {cal.memory_bw_GBps:.1f} GB/s per rank; dispatch {cal.op_overhead_us:.1f} us per kernel",
+    ]
+    if cal.h2d_GBps:
+        lines.append(f"host->device {cal.h2d_GBps:.1f} GB/s, device->host {cal.d2h_GBps:.1f} GB/s (pinned)")
+    if cal.overlap_slowdown is not None:
+        lines.append(f"hidden communication still costs {cal.overlap_slowdown:.0%} of its time in compute")
+    for op, link in cal.links.items():
+        lines.append(f"{op}: hop {link.hop_us:.1f} us, {link.bw_GBps:.2f} GB/s ({cal.backend})")
+    lines.append(f"written to {out}; use it with --calibration {out}")
+    typer.echo("\n".join(lines))
+
+
 def _print_bench(result: object, calibrate: Path | None) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 
@@ -28,10 +29,15 @@ def plan_command(
     ),
     zero: int = typer.Option(None, "--zero", help="Hold the ZeRO stage (0-3; 3 = FSDP)."),
     ep: int = typer.Option(None, "--ep", help="Hold expert-parallel size (mixture-of-experts models)."),
+    precision: str = typer.Option("bf16", "--precision", help="Training precision: bf16, fp16, fp8 or fp32."),
+    calibration: Path = typer.Option(
+        None, "--calibration", help="A `gpuyard fabric calibrate` file measured on this cluster's devices."
+    ),
     top: int = typer.Option(5, "--top", help="Plans to show."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Plan tp x pp x dp x cp and memory knobs for a model; plans that do not fit are dropped."""
+    from gpuyard.fabric.calibrate import load_calibrated
     from gpuyard.fabric.cluster import load_cluster
     from gpuyard.fabric.models import load_model
     from gpuyard.fabric.planner import Knobs, plan
@@ -46,8 +52,9 @@ def plan_command(
         zero=zero,
         sequence_parallel=sequence_parallel,
         ep=ep,
+        precision=precision,
     )
-    spec, fabric = load_model(model), load_cluster(cluster)
+    spec, fabric = load_model(model), load_calibrated(load_cluster(cluster), calibration)
     result = plan(spec, fabric, gpus, global_batch, seq_len, knobs, top)
     if as_json:
         doc = {

@@ -37,6 +37,9 @@ def server(
         "--cluster",
         help=f"The nodes' fabric for --placement fabric: a preset ({', '.join(list_presets())}) or a file.",
     ),
+    calibration: str = typer.Option(
+        None, "--calibration", help="Fabric placement: a `gpuyard fabric calibrate` file of the nodes' GPUs."
+    ),
     max_wait: float = typer.Option(
         DEFAULT_MAX_WAIT_S,
         "--max-wait",
@@ -60,6 +63,7 @@ def server(
         placement=placement,
         cluster=cluster,
         max_wait_s=max_wait,
+        calibration=calibration,
     )
     run_server(service, ServerOptions(host=host, port=port))
 

@@ -36,6 +36,9 @@ def sim(
         help="With --cluster: topology (heuristics) or fabric (predicted step time decides). Either way jobs "
         "get a seeded workload by GPU count and run slower where the fabric model predicts it.",
     ),
+    calibration: Path = typer.Option(
+        None, "--calibration", help="With --cluster: a `gpuyard fabric calibrate` file of its devices."
+    ),
     max_wait: float = typer.Option(600.0, "--max-wait", min=0.0, help="Fabric placement: longest wait (s)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the workload assignment."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
@@ -52,13 +55,17 @@ def sim(
         raise ConfigError(f"--placement {placement!r}: choose topology or fabric")
     if placement and not cluster:
         raise ConfigError("--placement needs --cluster (the fabric model of the nodes)")
+    if calibration and not cluster:
+        raise ConfigError("--calibration needs --cluster (the cluster the calibration applies to)")
     jobs = load_trace(trace)
     fabric, workloads, placer = None, None, None
     if cluster:
+        from gpuyard.fabric.calibrate import load_calibrated
         from gpuyard.fabric.cluster import load_cluster
         from gpuyard.scheduler.nodes import nodes_from_fabric, with_network
 
-        fabric = with_network(load_cluster(cluster), nodes_per_leaf, oversubscription)
+        base = load_calibrated(load_cluster(cluster), calibration)
+        fabric = with_network(base, nodes_per_leaf, oversubscription)
         node_list = nodes_from_fabric(fabric, nodes)
         if placement:
             from gpuyard.scheduler.fabric_placement import FabricPlacer

@@ -93,6 +93,36 @@ class Compute(_Frozen):
     attention_efficiency: float = Field(
         default=0.75, gt=0, le=1, description="FlashAttention throughput relative to a GEMM."
     )
+    # A GEMM dimension of this size reaches half of the large-GEMM efficiency (tile quantisation, launch
+    # overhead and poor wave occupancy on small matrices); `gpuyard fabric calibrate` measures it.
+    gemm_half_dim: float = Field(default=48.0, ge=0, description="GEMM dimension at half efficiency.")
+    dtype_efficiency: dict[str, float] = Field(
+        default_factory=dict,
+        description="Measured large-GEMM efficiency per precision (fp32, bf16); others use gemm_efficiency.",
+    )
+    memory_bw_GBps: float | None = Field(
+        default=None, gt=0, description="Measured memory bandwidth per device (None: the datasheet's)."
+    )
+    op_overhead_us: float = Field(
+        default=0.0, ge=0, description="Dispatch cost of one kernel that compute does not hide (measured)."
+    )
+    # "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning:
+    # Performance and Power Implications" (arXiv:2507.03114) measures an average 18.9% compute slowdown
+    # (up to 40%) on A100 and H100 while NCCL kernels run beside GPT and Llama layers.
+    overlap_slowdown: float = Field(
+        default=0.19, ge=0, le=1, description="Share of hidden communication time that still slows compute."
+    )
+
+    def efficiency(self, precision: str) -> float:
+        """Large-GEMM efficiency for ``precision`` (measured when calibrated)."""
+        return self.dtype_efficiency.get(precision, self.gemm_efficiency)
+
+
+class MeasuredLink(_Frozen):
+    """A collective measured on this machine: time = steps x hop + wire bytes / bandwidth."""
+
+    hop_us: float = Field(gt=0)
+    bw_GBps: float = Field(gt=0)
 
 
 class Cluster(_Frozen):
@@ -111,6 +141,9 @@ class Cluster(_Frozen):
     collective_model: Literal["nccl", "alpha-beta"] = Field(
         default="nccl",
         description="nccl: NCCL's protocols (LL, Simple); alpha-beta: one latency, one bandwidth.",
+    )
+    measured_links: dict[str, MeasuredLink] = Field(
+        default_factory=dict, description="Per-op links measured by `gpuyard fabric calibrate` (one node)."
     )
     sources: tuple[str, ...] = Field(default=(), description="Where the figures come from.")
 
@@ -150,7 +183,17 @@ class Cluster(_Frozen):
     @property
     def memory_bw_GBps(self) -> float:
         """Memory bandwidth of one accelerator."""
+        if self.compute.memory_bw_GBps:
+            return self.compute.memory_bw_GBps
         return self.device.memory_bw_GBps if self.device else get_spec(self.accelerator).memory_bw_GBps
+
+    def peak_for(self, precision: str) -> float:
+        """Peak dense TFLOP/s of one accelerator in ``precision`` (bf16, fp16, fp8, fp32, tf32)."""
+        spec = self.spec
+        if spec is None or precision == "bf16":
+            return self.peak_tflops
+        value = getattr(spec, f"{precision}_tflops", None)
+        return float(value) if value else self.peak_tflops
 
     @property
     def nic_GBps_per_node(self) -> float:

@@ -16,6 +16,7 @@ from gpuyard.fabric.models import ModelSpec
 from gpuyard.fabric.step import (
     FRAGMENTATION,
     GIB,
+    PRECISIONS,
     RECOMPUTE,
     RESERVED_BYTES,
     ParallelConfig,
@@ -43,10 +44,13 @@ class Knobs:
     zero: int | None = None
     sequence_parallel: bool | None = None
     ep: int | None = None
+    precision: str = "bf16"  # the run's precision: held, never searched
 
     def fixed(self) -> bool:
         """True when every knob is given (a single layout to check); ep may stay unset (it defaults to 1)."""
-        return all(getattr(self, k) is not None for k in self.__dataclass_fields__ if k != "ep")
+        return all(
+            getattr(self, k) is not None for k in self.__dataclass_fields__ if k not in ("ep", "precision")
+        )
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,7 @@ def _memory_knobs(base: ParallelConfig, knobs: Knobs) -> Iterator[ParallelConfig
                     zero,
                     sp,
                     base.ep,
+                    knobs.precision,
                 )
 
 
@@ -215,6 +220,8 @@ def _check_fixed(model: ModelSpec, cluster: Cluster, gpus: int, seq_len: int, kn
             f"expert-parallel size {knobs.ep} needs a mixture-of-experts model with experts divisible by it"
             f" ({model.name} has {model.experts})"
         )
+    if knobs.precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {knobs.precision!r}")
     if knobs.zero is not None and knobs.zero not in (0, 1, 2, 3):
         raise ConfigError(f"zero must be 0, 1, 2 or 3, got {knobs.zero}")
     if knobs.cp is not None and knobs.cp > 1 and seq_len % (2 * knobs.cp):

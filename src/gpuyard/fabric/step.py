@@ -21,14 +21,19 @@ from functools import lru_cache
 
 from gpuyard.errors import ConfigError
 from gpuyard.fabric.cluster import Cluster
-from gpuyard.fabric.collectives import collective_time
+from gpuyard.fabric.collectives import bus_factor, collective_time
 from gpuyard.fabric.models import ModelSpec
 
 GIB = 1024**3
 RECOMPUTE = ("none", "selective", "full")
-# A GEMM dimension of this size reaches half of the large-GEMM efficiency (tile quantisation, launch
-# overhead and poor wave occupancy on small matrices); fitted with the published runs in tests/.
-GEMM_HALF_DIM = 48.0
+PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+# Bytes of one activation element in each training precision (fp8 runs keep bf16 activations).
+ACT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 2, "fp32": 4}
+# Kernels one transformer layer launches per micro-batch in eager PyTorch (counted with the profiler on
+# gpuyard's TinyTransformer block: 2 norms, 4 + 2 projections with bias adds, reshapes, attention, GELU,
+# 2 residual adds, 2 dropouts ~ 30 forward); the backward launches about twice as many. Each costs
+# ``Compute.op_overhead_us`` that compute cannot hide when the kernels are small.
+KERNELS_PER_LAYER_FWD = 30
 # Bytes each token moves through memory-bound kernels per layer in the forward pass, per unit of
 # hidden width: two norms (read+write, 4h), two residual adds (6h), two dropouts with masks (5h each).
 ELEMENTWISE_BYTES_PER_H = 30.0
@@ -38,11 +43,6 @@ WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 2, 4, 12
 OPTIMIZER_TRAFFIC_BYTES = 30
 # CUDA context, NCCL buffers and workspace kept aside on every device, plus allocator fragmentation.
 RESERVED_BYTES, FRAGMENTATION = 2 * GIB, 1.05
-# Compute that runs while a collective is in flight is slower: NCCL kernels hold SMs and memory
-# bandwidth. "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning:
-# Performance and Power Implications" (arXiv:2507.03114) measures an average 18.9% compute slowdown (up
-# to 40%) on A100 and H100 for GPT and Llama layers; each second of hidden communication costs this much.
-OVERLAP_SLOWDOWN = 0.19
 # One ring-attention step (context parallelism): a FlashAttention launch on a K/V block, a P2P post and an
 # event wait. Tens of microseconds on current stacks; it is what separates cp=2 from cp=8 at equal tokens.
 RING_STEP_OVERHEAD_S = 20e-6
@@ -62,6 +62,7 @@ class ParallelConfig:
     zero: int = 1
     sequence_parallel: bool = False
     ep: int = 1  # expert parallelism (mixture of experts), carved out of the data-parallel ranks
+    precision: str = "bf16"  # bf16 | fp16 | fp8 | fp32: GEMM peak, activation and gradient bytes
 
     @property
     def gpus(self) -> int:
@@ -128,6 +129,8 @@ def validate(model: ModelSpec, gpus: int, global_batch: int, seq_len: int, cfg: 
     """
     if cfg.recompute not in RECOMPUTE:
         raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {cfg.recompute!r}")
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     if cfg.zero not in (0, 1, 2, 3):
         raise ConfigError(f"zero must be 0, 1, 2 or 3, got {cfg.zero}")
     if min(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.micro_batch, cfg.virtual_stages) < 1:
@@ -164,8 +167,19 @@ def validate(model: ModelSpec, gpus: int, global_batch: int, seq_len: int, cfg: 
     return micro_batches
 
 
-def _sat(x: float) -> float:
-    return x / (x + GEMM_HALF_DIM)
+def _sat(x: float, half: float = 48.0) -> float:
+    """Share of the large-GEMM efficiency a GEMM dimension of ``x`` reaches."""
+    return x / (x + half)
+
+
+def comm_time(cluster: Cluster, op: str, size: float, gpus: int, per_domain: int | None = None) -> float:
+    """Seconds of one collective: the link measured on this machine when calibrated, else the model."""
+    link = cluster.measured_links.get(op)
+    if link is not None and gpus > 1 and gpus <= cluster.gpus_per_node and (per_domain or gpus) >= gpus:
+        steps = {"all_reduce": 2 * (gpus - 1), "send_recv": 1, "all_to_all": 1}.get(op, gpus - 1)
+        wire = size * bus_factor(op, gpus)
+        return steps * link.hop_us * 1e-6 + wire / (link.bw_GBps * 1e9)
+    return collective_time(cluster, op, size, gpus, per_domain)
 
 
 @dataclass(frozen=True)
@@ -184,7 +198,16 @@ class _Layer:
 
 def _layer_times(model: ModelSpec, cluster: Cluster, seq: int, cfg: ParallelConfig) -> _Layer:
     return _layer_times_cached(
-        model, cluster, seq, cfg.tp, cfg.cp, cfg.micro_batch, cfg.recompute, cfg.sequence_parallel, cfg.ep
+        model,
+        cluster,
+        seq,
+        cfg.tp,
+        cfg.cp,
+        cfg.micro_batch,
+        cfg.recompute,
+        cfg.sequence_parallel,
+        cfg.ep,
+        cfg.precision,
     )
 
 
@@ -199,46 +222,56 @@ def _layer_times_cached(
     recompute: str,
     seqpar: bool,
     ep: int = 1,
+    precision: str = "bf16",
 ) -> _Layer:
     h = model.hidden
     tokens = micro_batch * seq / cp  # rows of every GEMM on this GPU
-    peak = cluster.peak_tflops * 1e12
-    eff = cluster.compute.gemm_efficiency * _sat(tokens) * _sat(h / tp) * _sat(model.ffn_hidden / tp)
+    peak = cluster.peak_for(precision) * 1e12
+    half = cluster.compute.gemm_half_dim
+
+    def sat(x: float) -> float:
+        return _sat(x, half)
+
+    base = cluster.compute.efficiency(precision)
+    eff = base * sat(tokens) * sat(h / tp) * sat(model.ffn_hidden / tp)
     gemm = 2 * tokens * model.attention_params / tp / (peak * eff)
     routed = model.top_k if model.is_moe else 1  # FFN passes per token
     if model.is_moe:  # each expert sees its share of the tokens routed by the ep group: smaller GEMMs
         expert_rows = tokens * model.top_k * ep / model.experts
-        expert_eff = (
-            cluster.compute.gemm_efficiency * _sat(expert_rows) * _sat(h / tp) * _sat(model.ffn_hidden / tp)
-        )
+        expert_eff = base * sat(expert_rows) * sat(h / tp) * sat(model.ffn_hidden / tp)
         gemm += 2 * tokens * (routed * model.ffn_params / tp + h * model.experts) / (peak * expert_eff)
     else:
         gemm += 2 * tokens * model.ffn_params / tp / (peak * eff)
     # Causal FlashAttention: half of the 4 x s x h score and value products per token.
     attention = 2 * tokens * seq * h / tp / (peak * eff * cluster.compute.attention_efficiency)
     if cp > 1:  # ring attention runs on K/V blocks of seq / 2cp tokens (load-balanced halves): shorter tiles
-        attention /= _sat(seq / (2 * cp)) / _sat(seq)
+        attention /= sat(seq / (2 * cp)) / sat(seq)
     sp = tp if seqpar else 1
+    width = ACT_BYTES[precision] / 2  # the byte counts below are for 2-byte activations
     act_bytes = routed * (6 if model.gated_mlp else 4) * model.ffn_hidden / tp
-    elementwise = tokens * (ELEMENTWISE_BYTES_PER_H * h / sp + act_bytes) / (cluster.memory_bw_GBps * 1e9)
-    fwd = gemm + attention + elementwise
-    bwd = 2 * gemm + 2.5 * attention + 2 * elementwise
+    elementwise = (
+        width * tokens * (ELEMENTWISE_BYTES_PER_H * h / sp + act_bytes) / (cluster.memory_bw_GBps * 1e9)
+    )
+    # Kernel dispatch that small kernels cannot hide (zero unless calibrated: large layers hide it).
+    launches = KERNELS_PER_LAYER_FWD * cluster.compute.op_overhead_us * 1e-6
+    fwd = gemm + attention + elementwise + launches
+    bwd = 2 * gemm + 2.5 * attention + 2 * elementwise + 2 * launches
     recompute_s = {"none": 0.0, "selective": elementwise, "full": fwd}[recompute]
     tp_comm = 0.0
     if tp > 1:
-        size = tokens * h * 2  # bf16 activations of the micro-batch
+        size = tokens * h * ACT_BYTES[precision]  # activations of the micro-batch
         passes = 3 if recompute == "full" else 2  # forward, backward (and the recomputed forward)
         if seqpar:
-            one = collective_time(cluster, "all_gather", size, tp)
-            one += collective_time(cluster, "reduce_scatter", size, tp)
+            one = comm_time(cluster, "all_gather", size, tp)
+            one += comm_time(cluster, "reduce_scatter", size, tp)
         else:
-            one = collective_time(cluster, "all_reduce", size, tp)
+            one = comm_time(cluster, "all_reduce", size, tp)
         tp_comm = 2 * passes * one
     cp_comm = cp_exposed = 0.0
     if cp > 1:
         kv_bytes = 2 * tokens * model.kv_heads * model.head_dim * 2 / min(tp, model.kv_heads)
         per_domain = max(1, min(cp, cluster.domain // tp))
-        hop = collective_time(cluster, "send_recv", kv_bytes, cp, per_domain)
+        hop = comm_time(cluster, "send_recv", kv_bytes, cp, per_domain)
         # Ring attention: cp - 1 exchanges of K and V forward, twice that (K, V, dK, dV) backward; each
         # step's exchange hides behind that step's attention block (1/cp of the attention) or shows.
         passes = 2 if recompute == "full" else 1
@@ -254,7 +287,7 @@ def _layer_times_cached(
         passes = 3 if recompute == "full" else 2
         per_domain = max(1, min(ep, cluster.domain // (tp * cp)))
         routed_bytes = tokens * model.top_k * h * 2 / (tp if seqpar else 1)
-        ep_comm = 2 * passes * collective_time(cluster, "all_to_all", routed_bytes, ep, per_domain)
+        ep_comm = 2 * passes * comm_time(cluster, "all_to_all", routed_bytes, ep, per_domain)
     return _Layer(fwd, bwd, recompute_s, attention, tp_comm, cp_comm, ep_comm, cp_exposed)
 
 
@@ -321,6 +354,7 @@ def _dp_comm(
 ) -> tuple[float, float]:
     """(gradient-side, parameter-side) data-parallel communication seconds per step."""
     dense, experts = _stage_params(model, cfg)
+    weight_bytes = ACT_BYTES[cfg.precision]  # gathered in the compute precision (fp32 runs: fp32)
     grad_s = param_s = 0.0
     for params, group in ((dense, cfg.dp * cfg.cp), (experts, cfg.dp * cfg.cp // cfg.ep)):
         if group == 1 or params == 0:
@@ -328,16 +362,16 @@ def _dp_comm(
         per_domain = max(1, min(group, cluster.domain // cfg.tp))
 
         def t(op: str, size: float, group: int = group, per_domain: int = per_domain) -> float:
-            return collective_time(cluster, op, size, group, per_domain)
+            return comm_time(cluster, op, size, group, per_domain)
 
         if cfg.zero == 0:
             grad_s += t("all_reduce", params * GRAD_BYTES)
         elif cfg.zero in (1, 2):
             grad_s += t("reduce_scatter", params * GRAD_BYTES)
-            param_s += t("all_gather", params * WEIGHT_BYTES)
+            param_s += t("all_gather", params * weight_bytes)
         else:  # ZeRO-3 / FSDP: gathered for forward and backward, gradients scattered, per micro-batch
             grad_s += micro_batches * t("reduce_scatter", params * GRAD_BYTES)
-            param_s += 2 * micro_batches * t("all_gather", params * WEIGHT_BYTES)
+            param_s += 2 * micro_batches * t("all_gather", params * weight_bytes)
     return grad_s, param_s
 
 
@@ -385,10 +419,12 @@ def estimate_step(
     m = validate(model, gpus, global_batch, seq_len, cfg)
     layer = _layer_times(model, cluster, seq_len, cfg)
     per_stage, last = _stage_layers(model, cfg.pp)
-    peak = cluster.peak_tflops * 1e12
+    peak = cluster.peak_for(cfg.precision) * 1e12
     tokens = cfg.micro_batch * seq_len / cfg.cp
     # The output projection and loss on the last stage, at the same GEMM efficiency as a layer.
-    head = 6 * tokens * model.vocab * model.hidden / cfg.tp / (peak * cluster.compute.gemm_efficiency)
+    half = cluster.compute.gemm_half_dim
+    head_eff = cluster.compute.efficiency(cfg.precision) * _sat(tokens, half) * _sat(model.hidden, half)
+    head = 6 * tokens * model.vocab * model.hidden / cfg.tp / (peak * head_eff)
     layer_compute = layer.fwd + layer.bwd + layer.recompute
     layer_comm = layer.tp_comm + layer.ep_comm + layer.cp_exposed
     # The busiest stage sets the pace: a full stage, or the last one with fewer layers plus the head.
@@ -403,9 +439,9 @@ def estimate_step(
     # Pipeline: activations cross to the next stage forward and gradients come back, per model chunk.
     pp_comm = 0.0
     if cfg.pp > 1:
-        act = tokens * model.hidden * 2 / (cfg.tp if cfg.sequence_parallel else 1)
+        act = tokens * model.hidden * ACT_BYTES[cfg.precision] / (cfg.tp if cfg.sequence_parallel else 1)
         same_domain = cfg.tp * cfg.cp * cfg.dp < cluster.domain
-        p2p = collective_time(cluster, "send_recv", act, 2, 2 if same_domain else 1)
+        p2p = comm_time(cluster, "send_recv", act, 2, 2 if same_domain else 1)
         pp_comm = 2 * (m * cfg.virtual_stages + cfg.pp - 1) * p2p
     grad_comm, param_comm = _dp_comm(model, cluster, cfg, m)
     mb_fwd = per_stage * layer.fwd
@@ -415,7 +451,7 @@ def estimate_step(
         exposed_dp = max(0.0, grad_comm - (t_mb - mb_fwd)) + max(0.0, param_comm - mb_fwd)
     # Communication hidden behind compute still slows it (SMs and memory bandwidth are shared).
     hidden_cp = m * per_stage * max(0.0, layer.cp_comm - layer.cp_exposed)
-    overlap = OVERLAP_SLOWDOWN * (max(0.0, grad_comm + param_comm - exposed_dp) + hidden_cp)
+    overlap = cluster.compute.overlap_slowdown * (max(0.0, grad_comm + param_comm - exposed_dp) + hidden_cp)
     exposed_dp += overlap
     dense, experts = _stage_params(model, cfg)
     shard = cfg.dp * cfg.cp if cfg.zero >= 1 else 1

@@ -26,6 +26,7 @@ def build_service(
     placement: str = "topology",
     cluster: str | None = None,
     max_wait_s: float = DEFAULT_MAX_WAIT_S,
+    calibration: str | None = None,
 ) -> JobService:
     """The job service of `gpuyard server`.
 
@@ -40,6 +41,7 @@ def build_service(
         role: ``server`` for `gpuyard server`, ``in-process`` for a service inside another command.
         placement: ``topology`` or ``fabric`` (jobs with a workload placed by predicted step time).
         cluster: fabric preset or file describing the nodes' fabric (needed by ``fabric`` placement).
+        calibration: a ``gpuyard fabric calibrate`` file applied to ``cluster`` (fabric placement).
         max_wait_s: under fabric placement, the longest a job waits for a consolidated placement.
 
     Raises:
@@ -52,7 +54,7 @@ def build_service(
             ``recover()`` or the first ``tick()``.
     """
     # Options are checked before the store, the lease, Ray or the hardware probe are touched.
-    fabric = _fabric_cluster(placement, cluster, max_wait_s)
+    fabric = _fabric_cluster(placement, cluster, max_wait_s, calibration)
     settings = load_settings()
     store = get_store(settings)
     config = ServiceConfig(
@@ -85,13 +87,19 @@ def build_service(
     return JobService(store, nodes, executor, config, role=role, fabric=fabric)
 
 
-def _fabric_cluster(placement: str, cluster: str | None, max_wait_s: float) -> Any:
+def _fabric_cluster(
+    placement: str, cluster: str | None, max_wait_s: float, calibration: str | None = None
+) -> Any:
     """The fabric cluster that fabric placement needs (None under topology placement), options checked."""
     if placement not in ("topology", "fabric"):
         raise ConfigError(f"--placement {placement!r} is unknown; choose topology or fabric")
     if max_wait_s < 0:
         raise ConfigError(f"--max-wait {max_wait_s:g}: must be >= 0 seconds")
     if placement == "topology":
+        if calibration:
+            raise ConfigError(
+                f"--calibration {calibration}: it applies to fabric placement; add --placement fabric"
+            )
         if cluster:
             raise ConfigError(
                 f"--cluster {cluster}: the fabric is used by fabric placement only; add --placement fabric"
@@ -104,4 +112,8 @@ def _fabric_cluster(placement: str, cluster: str | None, max_wait_s: float) -> A
             "--placement fabric needs the fabric of the nodes: --cluster PRESET|FILE "
             f"(presets: {', '.join(list_presets())})"
         )
-    return load_cluster(cluster)
+    from pathlib import Path
+
+    from gpuyard.fabric.calibrate import load_calibrated
+
+    return load_calibrated(load_cluster(cluster), Path(calibration) if calibration else None)

@@ -1,1 +1,1 @@
-"""Published measurements the fabric model is checked against: training runs and collectives, each with its source."""
+"""Published measurements the fabric model is checked against (training runs, collectives), with sources."""

@@ -1,0 +1,589 @@
+"""Calibration by measurement: GEMMs, attention, memory, copies, dispatch, overlap and collectives here.
+
+``gpuyard fabric calibrate`` runs one process per rank on this host (one per GPU, or ``--nproc`` CPU
+ranks), all measuring at once, so each rank sees the share of the machine a training run of that many
+ranks gets (on a CPU host torchrun gives every rank one thread). It writes a calibration file; the step
+model, the planner, fabric-aware placement and the simulator apply it to a cluster with
+:func:`apply_calibration`, which refuses a file measured on another device.
+
+What is measured and what it sets in the cluster:
+
+* GEMMs over shapes (M, N, K) and dtypes -> the large-GEMM efficiency per dtype and the dimension at
+  which a GEMM reaches half of it (``Compute.dtype_efficiency``, ``Compute.gemm_half_dim``), fitted to
+  ``tflops = peak x sat(M) sat(N) sat(K)`` with ``sat(x) = x / (x + half)``: the shape law the step
+  model uses everywhere.
+* Causal scaled-dot-product attention, forward and backward -> ``Compute.attention_efficiency``.
+* A streaming add -> memory bandwidth per rank; tiny ops -> dispatch cost per kernel.
+* Host-to-device and device-to-host copies (CUDA only), recorded.
+* A GEMM loop with and without a concurrent all_reduce -> how much of hidden communication still
+  costs compute time (``Compute.overlap_slowdown``; NCCL kernels hold SMs, gloo holds CPU cores).
+* Collectives nccl-tests style (:mod:`gpuyard.fabric.bench`) -> per-op latency and bandwidth.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpuyard.errors import ConfigError
+from gpuyard.fabric.cluster import Cluster, Compute, Device, IntraNode, MeasuredLink
+
+FORMAT = "gpuyard-calibration/1"
+# Each timed measurement stops adding iterations after about this long: enough for a stable median on a
+# loaded 2-core machine, short enough that a whole CPU calibration takes about a minute.
+TIME_BUDGET_S = 0.25
+# Collective sizes: 4 KiB to 64 MiB by 4x covers latency- and bandwidth-bound ends for the fit.
+COLLECTIVE_SIZES = tuple(4096 * 4**i for i in range(9))
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GemmPoint(_Doc):
+    """One measured GEMM: (M x K) @ (K x N) in ``dtype``."""
+
+    dtype: str
+    m: int
+    n: int
+    k: int
+    tflops: float
+
+
+class GemmFit(_Doc):
+    """``tflops = peak_tflops x sat(M) sat(N) sat(K)``, ``sat(x) = x / (x + half_dim)``."""
+
+    peak_tflops: float = Field(gt=0)
+    half_dim: float = Field(ge=0)
+    median_error: float = Field(ge=0, description="Median relative error of the fit over the points.")
+
+
+class Calibration(_Doc):
+    """What ``gpuyard fabric calibrate`` measured on one host, and the figures derived from it."""
+
+    format: Literal["gpuyard-calibration/1"] = "gpuyard-calibration/1"
+    created: str
+    host: str
+    device_kind: Literal["cpu", "cuda"]
+    device_name: str
+    accelerator: str = Field(description="Catalog name of the GPU, or 'custom' for a CPU.")
+    ranks: int = Field(gt=0, description="Processes measured at once on this host.")
+    threads_per_rank: int = Field(gt=0)
+    backend: str | None = Field(default=None, description="torch.distributed backend of the collectives.")
+    gemm: list[GemmPoint]
+    gemm_fit: dict[str, GemmFit]
+    attention_tflops: float = Field(gt=0)
+    attention_efficiency: float = Field(gt=0)
+    memory_bw_GBps: float = Field(gt=0)
+    op_overhead_us: float = Field(ge=0)
+    h2d_GBps: float | None = None
+    d2h_GBps: float | None = None
+    overlap_slowdown: float | None = None
+    collectives: list[dict[str, Any]] = Field(default_factory=list)
+    links: dict[str, MeasuredLink] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """What to measure: ranks on this host, backend, and a quick mode for tests."""
+
+    nproc: int = 1
+    backend: str = "auto"
+    quick: bool = False
+
+
+# ----- measurements (run inside each rank) -------------------------------------------------------
+
+
+def _timed(fn: Any, sync: Any, budget: float = TIME_BUDGET_S, calls: int | None = None) -> float:
+    """Median seconds per call of ``fn`` after one warm-up, adding calls until ``budget`` is spent.
+
+    ``calls`` fixes the count instead: a function that runs a collective must be called equally often
+    on every rank.
+    """
+    fn()
+    sync()
+    times: list[float] = []
+    spent = 0.0
+    while (len(times) < calls) if calls else (spent < budget or len(times) < 3):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+        spent += times[-1]
+        if len(times) >= 50:
+            break
+    times.sort()
+    return times[len(times) // 2]
+
+
+def gemm_shapes(device_kind: str, quick: bool) -> list[tuple[int, int, int]]:
+    """Square and skinny shapes, small to large, as transformer layers produce them."""
+    dims = [64, 128, 256, 512, 1024] if device_kind == "cpu" else [256, 512, 1024, 2048, 4096, 8192]
+    if quick:
+        dims = dims[:3]
+    shapes = [(d, d, d) for d in dims]
+    big = dims[-1]
+    for d in dims[:-1]:  # one small dimension at a time: rows (tokens), then width
+        shapes += [(d, big, big), (big, d, big), (big, big, d)]
+    return shapes
+
+
+def _dtypes(device_kind: str) -> list[str]:
+    # CPU runs train in fp32 (precision auto); GPUs in bf16, with fp32 measured for fp32 runs.
+    return ["float32"] if device_kind == "cpu" else ["bfloat16", "float32"]
+
+
+def measure_gemms(device: Any, quick: bool, sync: Any) -> list[GemmPoint]:
+    """TFLOP/s of ``torch.matmul`` over :func:`gemm_shapes` in each training dtype."""
+    import torch
+
+    points = []
+    for dtype_name in _dtypes(device.type):
+        dtype = getattr(torch, dtype_name)
+        for m, n, k in gemm_shapes(device.type, quick):
+            a = torch.randn(m, k, device=device, dtype=dtype)
+            b = torch.randn(k, n, device=device, dtype=dtype)
+            t = _timed(lambda a=a, b=b: torch.matmul(a, b), sync)
+            points.append(GemmPoint(dtype=dtype_name, m=m, n=n, k=k, tflops=2 * m * n * k / t / 1e12))
+    return points
+
+
+def _sat(x: float, half: float) -> float:
+    return x / (x + half)
+
+
+def fit_gemms(points: list[GemmPoint]) -> dict[str, GemmFit]:
+    """Per dtype, the peak and half-dimension minimising the relative error of the shape law.
+
+    Raises:
+        ConfigError: no points for a dtype.
+    """
+    fits = {}
+    for dtype in sorted({p.dtype for p in points}):
+        pts = [p for p in points if p.dtype == dtype]
+        best: tuple[float, float, float] | None = None
+        for half in [0.0, *(2 ** (i / 4) for i in range(0, 45))]:  # 1 .. ~2400, quarter octaves
+            shape = [_sat(p.m, half) * _sat(p.n, half) * _sat(p.k, half) for p in pts]
+            # For a fixed half the best peak in log space is the geometric mean of the ratios.
+            logs = [math.log(p.tflops / s) for p, s in zip(pts, shape, strict=True)]
+            peak = math.exp(sum(logs) / len(logs))
+            errs = sorted(abs(peak * s / p.tflops - 1) for p, s in zip(pts, shape, strict=True))
+            score = sum(e * e for e in errs)
+            if best is None or score < best[0]:
+                best = (score, half, peak)
+                med = errs[len(errs) // 2]
+        if best is None:
+            raise ConfigError(f"no GEMM measured in {dtype}")
+        fits[dtype] = GemmFit(peak_tflops=best[2], half_dim=best[1], median_error=med)
+    return fits
+
+
+def measure_attention(device: Any, dtype_name: str, quick: bool, sync: Any) -> float:
+    """TFLOP/s of causal scaled-dot-product attention, forward and backward (causal FLOPs counted)."""
+    import torch
+    import torch.nn.functional as F
+
+    dtype = getattr(torch, dtype_name)
+    b, heads, head_dim = (2, 4, 64) if device.type == "cpu" else (4, 16, 128)
+    seq = 256 if device.type == "cpu" or quick else 4096
+    q, k, v = (
+        torch.randn(b, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
+    )
+
+    def step() -> None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+
+    t = _timed(step, sync)
+    # Causal: half of QK^T and PV (2 x 2 b h s^2 d) forward; backward about 2.5x the forward.
+    flops = 3.5 * 2 * b * heads * seq * seq * head_dim
+    return flops / t / 1e12
+
+
+def measure_memory_bw(device: Any, sync: Any) -> float:
+    """GB/s of ``a + b -> c`` on buffers larger than any cache (reads two, writes one)."""
+    import torch
+
+    n = (64 << 20) // 4 if device.type == "cpu" else (1 << 30) // 4
+    a, b = torch.ones(n, device=device), torch.ones(n, device=device)
+    c = torch.empty_like(a)
+    t = _timed(lambda: torch.add(a, b, out=c), sync)
+    return 3 * n * 4 / t / 1e9
+
+
+def measure_op_overhead(device: Any, sync: Any) -> float:
+    """Microseconds per tiny kernel: framework dispatch (CPU) or launch and issue (CUDA)."""
+    import torch
+
+    x = torch.ones(8, device=device)
+    ops = 200
+
+    def loop() -> None:
+        for _ in range(ops):
+            x.add_(0.0)
+
+    return _timed(loop, sync) / ops * 1e6
+
+
+def measure_copies(device: Any, sync: Any) -> tuple[float | None, float | None]:
+    """(host-to-device, device-to-host) GB/s from pinned memory; (None, None) on a CPU."""
+    import torch
+
+    if device.type != "cuda":
+        return None, None
+    n = 256 << 20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    h2d = _timed(lambda: dev.copy_(host, non_blocking=True), sync)
+    d2h = _timed(lambda: host.copy_(dev, non_blocking=True), sync)
+    return n / h2d / 1e9, n / d2h / 1e9
+
+
+def measure_overlap(device: Any, world: int, sync: Any) -> float | None:
+    """Share of a hidden all_reduce's time that still slows a concurrent GEMM loop (0 = free, 1 = serial)."""
+    import torch
+    import torch.distributed as dist
+
+    if world < 2 or not dist.is_initialized():
+        return None
+    d = 256 if device.type == "cpu" else 4096
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    a = torch.randn(d, d, device=device, dtype=dtype)
+    buf = torch.zeros((16 << 20) // 4, device=device)
+
+    def gemms(reps: int) -> None:
+        for _ in range(reps):
+            torch.matmul(a, a)
+
+    def comm() -> None:
+        dist.all_reduce(buf)
+
+    dist.barrier()
+    t_comm = _timed(comm, sync, calls=7)
+    t_one = _timed(lambda: gemms(1), sync)
+    reps = max(1, math.ceil(2 * t_comm / t_one))  # compute long enough to hide the collective
+    dist.barrier()
+    t_compute = _timed(lambda: gemms(reps), sync)
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        gemms(reps)
+        assert work is not None  # async_op=True always returns a handle
+        work.wait()
+
+    dist.barrier()
+    t_both = _timed(both, sync, calls=7)
+    slow = torch.tensor([(t_both - t_compute) / t_comm], dtype=torch.float64)
+    dist.all_reduce(slow)  # every rank's view, averaged: the ranks contend for the same resources
+    return float(min(1.0, max(0.0, slow.item() / world)))
+
+
+def _rank_measure(cfg: CalibrateConfig, rank: int, world: int, device: Any) -> dict[str, Any]:
+    """Everything one rank measures; all ranks run it at once."""
+    import torch
+    import torch.distributed as dist
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def barrier() -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    barrier()
+    gemm = measure_gemms(device, cfg.quick, sync)
+    barrier()
+    dtype = "float32" if device.type == "cpu" else "bfloat16"
+    attention = measure_attention(device, dtype, cfg.quick, sync)
+    barrier()
+    memory = measure_memory_bw(device, sync)
+    barrier()
+    overhead = measure_op_overhead(device, sync)
+    h2d, d2h = measure_copies(device, sync)
+    overlap = measure_overlap(device, world, sync)
+    return {
+        "gemm": [p.model_dump() for p in gemm],
+        "attention_tflops": attention,
+        "memory_bw_GBps": memory,
+        "op_overhead_us": overhead,
+        "h2d_GBps": h2d,
+        "d2h_GBps": d2h,
+        "overlap_slowdown": overlap,
+    }
+
+
+def _collectives(cfg: CalibrateConfig, rank: int, world: int, device: Any) -> list[dict[str, Any]]:
+    from gpuyard.fabric.bench import BenchConfig, _measure
+
+    if world < 2:
+        return []
+    sizes = COLLECTIVE_SIZES[:5] if cfg.quick else COLLECTIVE_SIZES
+    bench = BenchConfig(nproc=world, ops=COLLECTIVE_OPS, sizes=sizes, warmup=1, iters=5 if cfg.quick else 10)
+    return [_measure(op, s, bench, rank, world, device).to_dict() for op in COLLECTIVE_OPS for s in sizes]
+
+
+def _threads(world: int) -> int:
+    # torchrun's rule, which `gpuyard train --nproc N` inherits: one OpenMP thread per rank when N > 1.
+    env = os.environ.get("OMP_NUM_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return 1 if world > 1 else max(1, os.cpu_count() or 1)
+
+
+def _worker(rank: int, world: int, cfg: CalibrateConfig, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from gpuyard.fabric.bench import _device
+
+    torch.manual_seed(rank)
+    backend, device = _device(cfg.backend, rank)
+    if device.type == "cpu":
+        torch.set_num_threads(_threads(world))
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        doc = _rank_measure(cfg, rank, world, device)
+        doc["collectives"] = _collectives(cfg, rank, world, device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    doc["backend"] = backend if world > 1 else None
+    doc["device_kind"] = device.type
+    doc["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    doc["threads_per_rank"] = torch.get_num_threads() if device.type == "cpu" else 1
+    Path(out, f"rank{rank}.json").write_text(json.dumps(doc))
+
+
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def _combine(docs: list[dict[str, Any]], world: int) -> Calibration:
+    """One calibration from every rank's measurements: per point the median over ranks."""
+    from gpuyard.fabric.bench import BenchRow, fit_link
+    from gpuyard.hardware.catalog import match_spec
+
+    first = docs[0]
+    gemm = []
+    for i, p in enumerate(first["gemm"]):
+        gemm.append(GemmPoint(**{**p, "tflops": _median([d["gemm"][i]["tflops"] for d in docs])}))
+    fits = fit_gemms(gemm)
+    attention = _median([d["attention_tflops"] for d in docs])
+    dtype = "float32" if first["device_kind"] == "cpu" else "bfloat16"
+    spec = match_spec(first["device_name"]) if first["device_kind"] == "cuda" else None
+    links = {}
+    rows = [BenchRow(**r) for r in first["collectives"]]
+    for op in COLLECTIVE_OPS:
+        mine = [r for r in rows if r.op == op]
+        if len({r.size_bytes for r in mine if r.correct}) >= 2:
+            hop, bw = fit_link(mine, world)
+            links[op] = MeasuredLink(hop_us=hop * 1e6, bw_GBps=bw / 1e9)
+    return Calibration(
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        host=socket.gethostname(),
+        device_kind=first["device_kind"],
+        device_name=first["device_name"],
+        accelerator=spec.name
+        if spec
+        else ("custom" if first["device_kind"] == "cpu" else first["device_name"]),
+        ranks=world,
+        threads_per_rank=first["threads_per_rank"],
+        backend=first["backend"],
+        gemm=gemm,
+        gemm_fit=fits,
+        attention_tflops=attention,
+        # Attention against the GEMM law at the attention's own sizes (seq x head_dim tiles).
+        attention_efficiency=min(1.0, attention / fits[dtype].peak_tflops),
+        memory_bw_GBps=_median([d["memory_bw_GBps"] for d in docs]),
+        op_overhead_us=_median([d["op_overhead_us"] for d in docs]),
+        h2d_GBps=first["h2d_GBps"],
+        d2h_GBps=first["d2h_GBps"],
+        overlap_slowdown=first["overlap_slowdown"],
+        collectives=first["collectives"],
+        links=links,
+    )
+
+
+def run_calibration(cfg: CalibrateConfig) -> Calibration:
+    """Measure this host with ``cfg.nproc`` ranks at once and return the calibration.
+
+    Raises:
+        ConfigError: a bad rank count or backend, or a rank failed (the message has its last line).
+    """
+    import torch
+
+    if cfg.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {cfg.nproc}")
+    if cfg.backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"backend must be auto, gloo or nccl, got {cfg.backend!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.backend != "gloo" and gpus and cfg.nproc > gpus:
+        raise ConfigError(f"--nproc {cfg.nproc} exceeds the {gpus} GPUs of this host")
+    with tempfile.TemporaryDirectory(prefix="gpuyard-calibrate-") as tmp:
+        if cfg.nproc == 1:
+            _worker(0, 1, cfg, 0, tmp)
+        else:
+            import torch.multiprocessing as mp
+
+            try:
+                mp.spawn(_worker, args=(cfg.nproc, cfg, _free_port(), tmp), nprocs=cfg.nproc, join=True)
+            except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+                raise ConfigError(f"a calibration rank failed: {str(exc).strip().splitlines()[-1]}") from None
+        docs = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(cfg.nproc)]
+    return _combine(docs, cfg.nproc)
+
+
+# ----- files and application ---------------------------------------------------------------------
+
+
+def save_calibration(cal: Calibration, path: Path) -> None:
+    """Write the calibration as JSON."""
+    path.write_text(cal.model_dump_json(indent=2))
+
+
+def load_calibration(path: Path) -> Calibration:
+    """Read a calibration file.
+
+    Raises:
+        ConfigError: unreadable, not JSON, or a field is wrong (the message names it).
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read calibration file {path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ConfigError(f"{path} is not a gpuyard calibration file (no format: {FORMAT!r})")
+    try:
+        return Calibration.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ConfigError(
+            f"{path}: field {'.'.join(str(p) for p in first['loc'])!r}: {first['msg']}"
+        ) from None
+
+
+def _matches(cal: Calibration, cluster: Cluster) -> str | None:
+    """Why ``cal`` does not describe ``cluster``'s devices, or None when it does."""
+    if cal.device_kind == "cpu":
+        if cluster.device is not None and cluster.device.name.startswith("cpu"):
+            return None
+        return (
+            f"it was measured on CPU ranks ({cal.device_name}), "
+            f"cluster {cluster.name!r} has {cluster.device_name}"
+        )
+    if cluster.device is not None or cluster.accelerator != cal.accelerator:
+        return f"it was measured on {cal.accelerator}, cluster {cluster.name!r} has {cluster.device_name}"
+    return None
+
+
+def apply_calibration(cluster: Cluster, cal: Calibration, where: str = "calibration") -> Cluster:
+    """``cluster`` with its compute, memory and measured links replaced by the calibration's figures.
+
+    A CPU calibration turns each measured rank into one device of the node (its share of cores, memory
+    bandwidth and memory), since that is what a rank of ``gpuyard train --nproc N`` gets.
+
+    Raises:
+        ConfigError: the calibration was measured on another kind of device (one line).
+    """
+    why = _matches(cal, cluster)
+    if why:
+        raise ConfigError(f"{where} does not match the cluster: {why}")
+    data = cluster.model_dump()
+    dtype = "float32" if cal.device_kind == "cpu" else "bfloat16"
+    if cal.device_kind == "cpu":
+        assert cluster.device is not None  # _matches checked it
+        per_rank_peak = cluster.device.bf16_tflops / max(1, (os.cpu_count() or 1)) * cal.threads_per_rank
+        peak = max(per_rank_peak, cal.gemm_fit[dtype].peak_tflops)  # a nominal figure can undershoot turbo
+        data["device"] = Device(
+            name=f"cpu rank ({cal.threads_per_rank} thread(s) of {cal.device_name})",
+            memory_bytes=max(1, cluster.device.memory_bytes // cal.ranks),
+            memory_bw_GBps=cal.memory_bw_GBps,
+            bf16_tflops=peak,
+        ).model_dump()
+        data["gpus_per_node"] = cal.ranks
+        data["nodes"] = 1
+    else:
+        peak = cluster.peak_tflops
+    efficiency = {d: min(1.0, f.peak_tflops / _dtype_peak(cluster, d, peak)) for d, f in cal.gemm_fit.items()}
+    data["compute"] = Compute(
+        gemm_efficiency=efficiency.get(dtype, cluster.compute.gemm_efficiency),
+        attention_efficiency=min(1.0, cal.attention_efficiency),
+        gemm_half_dim=cal.gemm_fit[dtype].half_dim,
+        dtype_efficiency={_short(d): e for d, e in efficiency.items()},
+        memory_bw_GBps=cal.memory_bw_GBps,
+        op_overhead_us=cal.op_overhead_us,
+        overlap_slowdown=(
+            cal.overlap_slowdown if cal.overlap_slowdown is not None else cluster.compute.overlap_slowdown
+        ),
+    ).model_dump()
+    if cal.links:
+        data["measured_links"] = {op: link.model_dump() for op, link in cal.links.items()}
+        if cal.device_kind == "cpu":
+            ar = cal.links.get("all_reduce") or next(iter(cal.links.values()))
+            data["intra"] = IntraNode(
+                kind=cluster.intra.kind,
+                bw_GBps=ar.bw_GBps,
+                latency_us=max(ar.hop_us, 1e-3),
+                bw_efficiency=1.0,
+            ).model_dump()
+            data["collective_model"] = "alpha-beta"
+    data["name"] = f"{cluster.name}+calibrated"
+    data["sources"] = (*cluster.sources, f"calibrated on {cal.host} at {cal.created} ({where})")
+    return Cluster.model_validate(data)
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+
+
+def _dtype_peak(cluster: Cluster, dtype: str, default: float) -> float:
+    spec = cluster.spec
+    if spec is None:
+        return default
+    value = spec.peak_tflops(_short(dtype))
+    return float(value) if value else default
+
+
+def load_calibrated(cluster: Cluster, path: Path | None) -> Cluster:
+    """``cluster`` as it is, or with the calibration file at ``path`` applied.
+
+    Raises:
+        ConfigError: unreadable file, or a file measured on another device.
+    """
+    if path is None:
+        return cluster
+    return apply_calibration(cluster, load_calibration(path), where=f"calibration {path}")

@@ -87,10 +87,12 @@ def show(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Show a model's versions, or one version with its lineage, signature, metrics and files."""
-    from gpuyard.models.registry import get_version, list_versions, model_events, parse_ref
+    from gpuyard.models.registry import get_version, list_versions, model_events
+    from gpuyard.refs import ModelRef
 
-    name, sel = parse_ref(ref)
-    if sel is None:
+    parsed = ModelRef.parse(ref)
+    name = parsed.name
+    if parsed.selector is None:
         versions = list_versions(name)
         if as_json:
             typer.echo(
@@ -190,10 +192,11 @@ def alias_cmd(
     delete: bool = typer.Option(False, "--delete", help="Remove the alias instead (REF is then NAME)."),
 ) -> None:
     """Set (or delete) an alias: NAME@ALIAS then resolves to that version."""
-    from gpuyard.models.registry import delete_alias, parse_ref, set_alias
+    from gpuyard.models.registry import delete_alias, set_alias
+    from gpuyard.refs import ModelRef
 
     if delete:
-        name, _ = parse_ref(ref)
+        name = ModelRef.parse(ref).name
         delete_alias(name, alias)
         typer.echo(f"deleted {name}@{alias}")
         return

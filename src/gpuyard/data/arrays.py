@@ -16,7 +16,6 @@ columns whichever way it was trained.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,14 +25,13 @@ import pyarrow.compute as pc
 
 from gpuyard.data.dataset import DatasetVersion, open_dataset
 from gpuyard.errors import ConfigError
+from gpuyard.refs import DatasetRef
 
 # Columns a transform adds for bookkeeping: which rows to use, never something to learn from.
 BOOKKEEPING = ("split", "fold")
 FEATURE_KINDS = ("tensor", "int", "float", "bool")
 LABEL_KINDS = ("int", "float", "bool")
-_SPLIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _USUAL = ("train", "val", "validation", "test")
-FORM = "NAME[@VERSION]#split=NAME[,NAME...]"
 
 
 @dataclass(frozen=True)
@@ -59,15 +57,9 @@ class ArrayData:
     splits: tuple[str, ...] | None
 
 
-def split_ref(ref: str) -> tuple[str, str | None]:
-    """``(NAME[@VERSION], text after '#' or None)`` of a dataset reference."""
-    base, sep, fragment = ref.partition("#")
-    return base, (fragment if sep else None)
-
-
 def with_splits(ref: str, splits: Sequence[str]) -> str:
     """``ref`` selecting ``splits`` (replacing any selection it had): ``NAME@VERSION#split=a,b``."""
-    return f"{split_ref(ref)[0]}#split={','.join(splits)}"
+    return str(DatasetRef.parse_base(ref).with_splits(splits))
 
 
 def available_splits(version: DatasetVersion) -> tuple[str, ...]:
@@ -86,42 +78,31 @@ def available_splits(version: DatasetVersion) -> tuple[str, ...]:
     return tuple(sorted(names, key=lambda n: (_USUAL.index(n) if n in _USUAL else len(_USUAL), n)))
 
 
-def parse_splits(ref: str, fragment: str, available: Sequence[str], version_ref: str) -> tuple[str, ...]:
-    """The split names of the ``#...`` part of ``ref``, checked against the version's splits.
-
-    Raises:
-        ConfigError: not ``split=NAME[,NAME...]``, a repeated or unknown split, or a version without
-            splits; the message names ``ref`` and the splits present in ``version_ref``.
-    """
-    present = ", ".join(available) or "none: it has no split column (run a recipe with a split step)"
-    where = f"splits present in {version_ref}: {present}"
-    key, eq, value = fragment.partition("=")
-    names = [n.strip() for n in value.split(",")]
-    if key.strip() != "split" or not eq or not all(_SPLIT_NAME.fullmatch(n) for n in names):
-        raise ConfigError(f"dataset reference {ref!r}: use {FORM} ({where})")
-    if len(set(names)) != len(names):
-        raise ConfigError(f"dataset reference {ref!r}: a split is named twice ({where})")
-    unknown = [n for n in names if n not in available]
-    if unknown:
-        raise ConfigError(f"dataset reference {ref!r}: no split {', '.join(map(repr, unknown))} ({where})")
-    return tuple(names)
-
-
 def resolve_selection(ref: str) -> tuple[DatasetVersion, tuple[str, ...] | None, str]:
-    """Open the version ``ref`` names and check its split selection.
+    """Open the version ``ref`` names and check its split selection against the version's splits.
 
     Returns:
         (the version, the selected splits or None, the version string to record).
 
     Raises:
-        NotFoundError: no such dataset or version. ConfigError: a bad selection (see :func:`parse_splits`).
+        NotFoundError: no such dataset or version. ConfigError: a selection that is not
+            ``split=NAME[,NAME...]``, a repeated or unknown split, or a version without splits; the
+            message names ``ref`` and the splits present in the version.
     """
-    base, fragment = split_ref(ref)
-    version = open_dataset(base)
-    if fragment is None:
+    version = open_dataset(str(DatasetRef.parse_base(ref)))
+    if not DatasetRef.has_selection(ref):
         return version, None, version.ref
-    splits = parse_splits(ref, fragment, available_splits(version), version.ref)
-    return version, splits, f"{version.ref}#split={','.join(splits)}"
+    available = available_splits(version)
+    present = ", ".join(available) or "none: it has no split column (run a recipe with a split step)"
+    where = f"splits present in {version.ref}: {present}"
+    try:
+        splits = DatasetRef.parse(ref).splits or ()
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} ({where})") from exc
+    unknown = [n for n in splits if n not in available]
+    if unknown:
+        raise ConfigError(f"dataset reference {ref!r}: no split {', '.join(map(repr, unknown))} ({where})")
+    return version, splits, str(DatasetRef(version.name, version.version, splits))
 
 
 def pin(ref: str) -> str:
@@ -196,7 +177,7 @@ def version_arrays(
         raise ConfigError(f"label column {label!r} of {version.ref} has {target.null_count} empty rows")
     task = "regression" if kinds[label] == "float" else "classification"
     y = target.to_numpy(zero_copy_only=False).astype(np.int64 if task == "classification" else np.float32)
-    recorded = version.ref if splits is None else f"{version.ref}#split={','.join(splits)}"
+    recorded = str(DatasetRef(version.name, version.version, splits))
     return ArrayData(_matrix(version, table, cols), y, recorded, task, tuple(cols), label, splits)
 
 
@@ -220,7 +201,7 @@ def split_arrays(
         ConfigError: ``split`` given for a reference that already selects splits.
     """
     if split is not None:
-        if split_ref(ref)[1] is not None:
+        if DatasetRef.has_selection(ref):
             raise ConfigError(f"dataset reference {ref!r} already selects splits; cannot also take {split!r}")
         ref = with_splits(ref, [split] if isinstance(split, str) else list(split))
     data = load_arrays(ref, label)

@@ -4,28 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from typing import Any
 
 from sqlalchemy import select
 
 from gpuyard.errors import ConfigError, NotFoundError
+from gpuyard.refs import DatasetRef, check_dataset_name
 from gpuyard.store import get_artifacts, get_store
 from gpuyard.store.tables.data import DatasetRow, DatasetVersionRow
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 VERSION_CHARS = 12
 # Fields that define a version's content; timestamps are left out so equal content gives an equal id.
 _IDENTITY_FIELDS = ("schema", "shards", "parent", "recipe", "fitted", "label_column", "kind")
-
-
-def check_name(name: str) -> str:
-    """Return ``name`` or raise ConfigError when it is not a valid dataset name."""
-    if not NAME_RE.match(name):
-        raise ConfigError(
-            f"dataset name {name!r}: use letters, digits, '.', '_' or '-' (at most 128, no '@' or '/')"
-        )
-    return name
 
 
 def canonical_json(doc: Any) -> bytes:
@@ -39,15 +29,16 @@ def version_id(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(ident)).hexdigest()[:VERSION_CHARS]
 
 
-def parse_ref(ref: str) -> tuple[str, str | None]:
-    """Split ``name`` / ``name@version`` / ``name@latest`` into (name, version or None)."""
-    name, _, version = ref.partition("@")
-    check_name(name)
-    if version in ("", "latest"):
-        return name, None
-    if not re.fullmatch(r"[0-9a-f]{4,64}", version):
-        raise ConfigError(f"dataset reference {ref!r}: version must be 4-64 hex digits or 'latest'")
-    return name, version
+def parse_ref(ref: str | DatasetRef) -> tuple[str, str | None]:
+    """(name, version prefix or None for the newest) of ``name`` / ``name@version`` / ``name@latest``.
+
+    Raises:
+        ConfigError: a malformed reference, or one that selects splits (a split is not a version).
+    """
+    parsed = DatasetRef.parse(ref) if isinstance(ref, str) else ref
+    if parsed.splits is not None:
+        raise ConfigError(f"dataset reference {str(ref)!r} selects splits; name a version (NAME[@VERSION])")
+    return parsed.name, parsed.version
 
 
 def record_version(manifest: dict[str, Any]) -> DatasetVersionRow:
@@ -85,7 +76,7 @@ def record_version(manifest: dict[str, Any]) -> DatasetVersionRow:
     return row
 
 
-def resolve(ref: str) -> DatasetVersionRow:
+def resolve(ref: str | DatasetRef) -> DatasetVersionRow:
     """The catalog row of ``name`` (latest version), ``name@latest`` or ``name@VERSION`` (a unique prefix).
 
     Raises:
@@ -134,7 +125,7 @@ def _version_doc(r: DatasetVersionRow) -> dict[str, Any]:
 
 def list_versions(name: str) -> list[dict[str, Any]]:
     """Every version of ``name``, newest first (catalog fields only; open one for its manifest)."""
-    check_name(name)
+    check_dataset_name(name)
     with get_store().read() as s:
         stmt = select(DatasetVersionRow).where(DatasetVersionRow.dataset == name)
         rows = list(s.scalars(stmt.order_by(DatasetVersionRow.created_at.desc())))

@@ -15,6 +15,7 @@ from gpuyard.data.catalog import load_manifest, resolve
 from gpuyard.data.columns import TensorSpec, tensor_to_numpy
 from gpuyard.data.shards import ShardInfo, read_shard
 from gpuyard.errors import ConfigError
+from gpuyard.refs import DatasetRef
 from gpuyard.settings import load_settings
 from gpuyard.store import get_artifacts
 from gpuyard.store.artifacts import ArtifactStore
@@ -51,7 +52,7 @@ class DatasetVersion:
     @property
     def ref(self) -> str:
         """``name@version``."""
-        return f"{self.name}@{self.version}"
+        return str(DatasetRef(self.name, self.version))
 
     @property
     def shards(self) -> list[ShardInfo]:

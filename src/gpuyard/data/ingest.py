@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuyard.data.catalog import check_name, record_version
+from gpuyard.data.catalog import record_version
 from gpuyard.data.dataset import DatasetVersion, open_dataset
 from gpuyard.data.manifest import build_manifest, store_quarantine
 from gpuyard.data.shards import DEFAULT_SHARD_BYTES, split_table, store_shard
@@ -14,6 +14,7 @@ from gpuyard.data.sources import Progress, detect_format, read_source
 from gpuyard.data.stats import finish, merge, partial_stats
 from gpuyard.data.validate import ValidationSpec, check_schema, clean
 from gpuyard.errors import ConfigError
+from gpuyard.refs import check_dataset_name
 from gpuyard.store import get_artifacts
 
 
@@ -48,7 +49,7 @@ def ingest(
         NotFoundError: ``src`` does not exist.
     """
     opts = options or IngestOptions()
-    check_name(name)
+    check_dataset_name(name)
     if opts.shard_bytes <= 0:
         raise ConfigError(f"shard_bytes must be positive, got {opts.shard_bytes}")
     path = Path(src)

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gpuyard.data.catalog import check_name, record_version
+from gpuyard.data.catalog import record_version
 from gpuyard.data.columns import tensor_array, tensor_field
 from gpuyard.data.dataset import DatasetVersion, open_dataset
 from gpuyard.data.features import derive, image_features, numeric, text_hash
@@ -25,6 +25,7 @@ from gpuyard.data.parallel import Progress, open_pool, run_tasks
 from gpuyard.data.recipe import Recipe
 from gpuyard.data.shards import FEW_VALUES_KEY
 from gpuyard.data.split import assign
+from gpuyard.refs import check_dataset_name
 
 
 @dataclass(frozen=True)
@@ -309,7 +310,7 @@ def transform(
     from gpuyard.data.stats import finish, merge
 
     ds = open_dataset(ref)
-    name = check_name(output or ds.name)
+    name = check_dataset_name(output or ds.name)
     recipe.check({c["name"]: c["kind"] for c in ds.manifest["schema"]})
     tasks, split_counts = _split_tasks(ds, recipe)
     fitted: dict[str, Any] = {}

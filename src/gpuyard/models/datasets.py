@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from gpuyard.errors import ConfigError, NotFoundError
+from gpuyard.refs import DatasetRef
 
 SKLEARN_SETS = {
     "digits": ("load_digits", "classification"),
@@ -143,8 +144,11 @@ _BAD_REF = "dataset reference {ref!r}: use sklearn:NAME, npz:PATH, NAME@VERSION 
 
 def _catalog_ref(ref: str) -> bool:
     """Whether ``ref`` (not sklearn: or npz:) has the shape of a gpuyard catalog reference."""
-    base = ref.partition("#")[0]
-    return "@" in base or base.replace("-", "").replace("_", "").replace(".", "").isalnum()
+    try:
+        DatasetRef.parse_base(ref)
+    except ConfigError:
+        return False
+    return True
 
 
 def pin_dataset(ref: str) -> str:

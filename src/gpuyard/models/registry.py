@@ -8,7 +8,6 @@ checked against their SHA-256 when loaded. Promotion to production lives in :mod
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -28,6 +27,7 @@ from gpuyard.models.flavors import (
     load_model,
     save_model,
 )
+from gpuyard.refs import ALIAS_RE, ModelRef, check_model_name
 from gpuyard.settings import load_settings
 from gpuyard.store import get_artifacts, get_store
 from gpuyard.store.db import Store
@@ -41,8 +41,6 @@ from gpuyard.store.tables.models import (
 )
 
 STAGES = ("none", "staging", "production", "archived")
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-ALIAS_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,7 @@ class ModelVersion:
     @property
     def ref(self) -> str:
         """``NAME:VERSION``."""
-        return f"{self.name}:{self.version}"
+        return str(ModelRef(self.name, self.version))
 
     @property
     def task(self) -> str:
@@ -81,28 +79,6 @@ class ModelVersion:
         doc["created_at"] = self.created_at.isoformat()
         doc["aliases"] = list(self.aliases)
         return doc
-
-
-def check_model_name(name: str) -> str:
-    """Return ``name`` or raise ConfigError when it is not a valid model name."""
-    if not isinstance(name, str) or not NAME_RE.match(name):
-        raise ConfigError(f"model name {name!r}: use letters, digits, '.', '_' or '-' (at most 128)")
-    return name
-
-
-def parse_ref(ref: str) -> tuple[str, int | str | None]:
-    """Split ``NAME``, ``NAME:VERSION`` or ``NAME@ALIAS`` into (name, version number, alias or None)."""
-    if "@" in ref:
-        name, alias = ref.split("@", 1)
-        if not ALIAS_RE.match(alias):
-            raise ConfigError(f"model reference {ref!r}: alias {alias!r} must start with a letter")
-        return check_model_name(name), alias
-    if ":" in ref:
-        name, version = ref.rsplit(":", 1)
-        if not version.isdigit() or int(version) < 1:
-            raise ConfigError(f"model reference {ref!r}: version must be a positive integer")
-        return check_model_name(name), int(version)
-    return check_model_name(ref), None
 
 
 def _to_version(row: ModelVersionRow, aliases: list[str]) -> ModelVersion:
@@ -140,7 +116,8 @@ def _known_versions(s: Any, name: str) -> list[int]:
 
 
 def _resolve_row(s: Any, ref: str) -> ModelVersionRow:
-    name, sel = parse_ref(ref)
+    parsed = ModelRef.parse(ref)
+    name, sel = parsed.name, parsed.selector
     query = select(ModelVersionRow).where(ModelVersionRow.name == name)
     if isinstance(sel, int):
         row = s.scalars(query.where(ModelVersionRow.version == sel)).first()
@@ -449,7 +426,7 @@ def set_alias(ref: str, alias: str, store: Store | None = None) -> ModelVersion:
         else:
             existing.version = row.version
         record_event(s, row.name, row.version, "alias", {"alias": alias})
-    return get_version(f"{row.name}:{row.version}", store)
+    return get_version(str(ModelRef(row.name, row.version)), store)
 
 
 def delete_alias(name: str, alias: str, store: Store | None = None) -> None:
@@ -484,7 +461,7 @@ def set_stage(ref: str, stage: str, store: Store | None = None) -> ModelVersion:
         row = _resolve_row(s, ref)
         old, row.stage = row.stage, stage
         record_event(s, row.name, row.version, "stage", {"from": old, "to": stage})
-    return get_version(f"{row.name}:{row.version}", store)
+    return get_version(str(ModelRef(row.name, row.version)), store)
 
 
 def model_cache_dir(mv: ModelVersion) -> Path:

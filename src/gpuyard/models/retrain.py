@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gpuyard.errors import ConfigError, NotFoundError
+from gpuyard.refs import DatasetRef
 from gpuyard.store.base import utcnow
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -174,13 +175,12 @@ def latest_dataset_version(ref: str) -> tuple[str, str]:
     Raises:
         NotFoundError: no such dataset. ConfigError: the newest version lacks a selected split.
     """
-    from gpuyard.data.arrays import split_ref
     from gpuyard.models.datasets import load_dataset, pin_dataset
 
     if ref.startswith(("sklearn:", "npz:")):
         return ref, load_dataset(ref).version
-    base, fragment = split_ref(ref)
-    newest = pin_dataset(base.split("@", 1)[0] + ("" if fragment is None else f"#{fragment}"))
+    parsed = DatasetRef.parse(ref)
+    newest = pin_dataset(str(DatasetRef(parsed.name, None, parsed.splits)))
     return newest, newest
 
 

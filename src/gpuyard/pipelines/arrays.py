@@ -10,8 +10,7 @@ from gpuyard.data.arrays import (
     load_arrays,
     pin,
     split_arrays,
-    split_ref,
     with_splits,
 )
 
-__all__ = ["BOOKKEEPING", "feature_columns", "load_arrays", "pin", "split_arrays", "split_ref", "with_splits"]
+__all__ = ["BOOKKEEPING", "feature_columns", "load_arrays", "pin", "split_arrays", "with_splits"]

@@ -15,7 +15,6 @@ from gpuyard.data.arrays import (
     load_arrays,
     pin,
     split_arrays,
-    split_ref,
     with_splits,
 )
 from gpuyard.errors import ConfigError, NotFoundError
@@ -148,7 +147,7 @@ def test_the_recorded_version_is_the_resolved_one(
         assert pin(ref) == f"mixed@{out.version}#split=test"
         assert load_arrays(ref).version == f"mixed@{out.version}#split=test"
     assert pin("mixed") == out.ref
-    assert split_ref(f"{out.ref}#split=a,b") == (out.ref, "split=a,b") and split_ref("x@1") == ("x@1", None)
+    assert with_splits(f"{out.ref}#split=a,b", ["c"]) == f"{out.ref}#split=c"
     assert with_splits("x@abcd#split=test", ["train"]) == "x@abcd#split=train"
 
 

@@ -7,6 +7,8 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
+from gpuyard.refs import ModelRef
+
 router = APIRouter(prefix="/models", tags=["models"])
 
 
@@ -43,7 +45,7 @@ def version(name: str, version: int) -> dict[str, Any]:
     """One version: flavor, stage, run, dataset and code version, metrics, signature, lineage."""
     from gpuyard.models.registry import get_version
 
-    return get_version(f"{name}:{version}").to_json()
+    return get_version(str(ModelRef(name, version))).to_json()
 
 
 @router.post("/{name}/versions/{version}/stage")
@@ -51,4 +53,4 @@ def stage(name: str, version: int, req: StageRequest) -> dict[str, Any]:
     """Move a version to none, staging or archived (member or admin)."""
     from gpuyard.models.registry import set_stage
 
-    return set_stage(f"{name}:{version}", req.stage).to_json()
+    return set_stage(str(ModelRef(name, version)), req.stage).to_json()

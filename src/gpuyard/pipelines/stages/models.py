@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from gpuyard.data.arrays import load_arrays, pin, split_ref, with_splits
+from gpuyard.data.arrays import load_arrays, pin, with_splits
 from gpuyard.errors import ConfigError
 from gpuyard.pipelines.stages import need
+from gpuyard.refs import DatasetRef
 
 
 def _selection(inputs: dict[str, Any], stage: str, default: list[str]) -> str:
@@ -24,7 +25,7 @@ def _selection(inputs: dict[str, Any], stage: str, default: list[str]) -> str:
     ref = str(need(inputs, "dataset", stage))
     if inputs.get("splits"):
         return pin(with_splits(ref, [str(s) for s in inputs["splits"]]))
-    return pin(ref if split_ref(ref)[1] is not None else with_splits(ref, default))
+    return pin(ref if DatasetRef.has_selection(ref) else with_splits(ref, default))
 
 
 def _model_spec(inputs: dict[str, Any], ctx: dict[str, Any]) -> Any:

@@ -14,6 +14,7 @@ import numpy as np
 
 from gpuyard.pipelines.arrays import split_arrays
 from gpuyard.pipelines.stages import need
+from gpuyard.refs import ModelRef
 
 
 def _send(client: Any, url: str, X: np.ndarray, per_request: int) -> np.ndarray:
@@ -67,7 +68,7 @@ def serve_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     X_shift, y_shift = np.tile(X, (reps, 1))[:shifted_n], np.tile(y, reps)[:shifted_n]
     dep = deploy(ref, ServeOptions(port=0, replicas=1, device="cpu"))
     try:
-        name = ref.split(":")[0].split("@")[0]
+        name = ModelRef.parse(ref).name
         base = f"{dep['url']}/v1/models/{name}"
         with httpx.Client(timeout=30) as client:
             preds = _send(client, f"{base}/predict", X, 1)

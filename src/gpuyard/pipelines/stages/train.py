@@ -16,6 +16,7 @@ import yaml
 
 from gpuyard.errors import ConfigError
 from gpuyard.pipelines.stages import need
+from gpuyard.refs import DatasetRef
 
 
 def _version(inputs: dict[str, Any], stage: str) -> tuple[str, str, str]:
@@ -25,16 +26,16 @@ def _version(inputs: dict[str, Any], stage: str) -> tuple[str, str, str]:
         ConfigError: the reference selects splits (this stage reads train and val itself), or the
             version lacks a train or val split. NotFoundError: no such dataset or version.
     """
-    from gpuyard.data.arrays import pin, split_ref, with_splits
+    from gpuyard.data.arrays import pin, with_splits
 
     ref = str(need(inputs, "dataset", stage))
-    if split_ref(ref)[1] is not None:
+    if DatasetRef.has_selection(ref):
         raise ConfigError(
             f"stage {stage!r}: dataset {ref!r} selects splits, but the train stage reads the version's"
             f" 'train' and 'val' splits itself: give NAME[@VERSION] without #split="
         )
     train = pin(with_splits(ref, ["train"]))
-    return split_ref(train)[0], train, pin(with_splits(train, ["val"]))
+    return str(DatasetRef.parse(train).base), train, pin(with_splits(train, ["val"]))
 
 
 def train_spec(inputs: dict[str, Any], run_dir: Path, stage: str = "train") -> dict[str, Any]:

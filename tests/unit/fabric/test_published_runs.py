@@ -32,7 +32,6 @@ FLOP_CONVENTIONS = {
     "6N+attn-causal",
     "hfu",
     "mosaic-mfu",
-    "megatron-model-flops",
     "none",
 }
 

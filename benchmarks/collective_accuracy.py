@@ -5,8 +5,8 @@ the algorithm forced where the source forced one through ``NCCL_ALGO``); the err
 ``predicted busbw / measured busbw - 1`` (the same as the time ratio's inverse), with the measured busbw
 taken from the row's time when the source prints one (its busbw column is rounded to 0.01 GB/s).
 
-The one fitted constant, ``collectives.LAUNCH_US``, is refitted here on all sources and, for the
-leave-one-source-out check, on all sources but the one predicted.
+The two fitted constants, ``collectives.LAUNCH_US`` and ``collectives.SIMPLE_FILL_BYTES``, are refitted
+here on all sources and, for the leave-one-source-out check, on all sources but the one predicted.
 
     python benchmarks/collective_accuracy.py
 
@@ -16,19 +16,20 @@ Last line: ``collective_accuracy: median_pct=<x> max_pct=<y> small_median_pct=<z
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from functools import lru_cache
 
 from gpuyard.fabric import collectives
-from gpuyard.fabric.cluster import load_cluster
+from gpuyard.fabric.cluster import Cluster, load_cluster
 from gpuyard.fabric.collectives import bus_factor, estimate
 from gpuyard.fabric.published.nccl import CollectiveRow, load_collectives
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SMALL = 4 * MiB
-FIT_BELOW = 64 * KiB  # rows this small are all latency: they fix the launch cost
 BANDS = (
     ("< 64 KiB", 0, 64 * KiB),
     ("64 KiB - 4 MiB", 64 * KiB, 4 * MiB),
@@ -47,9 +48,15 @@ def measured_time_us(row: CollectiveRow) -> float:
     return row.size_bytes / (algbw * 1e3)
 
 
+@lru_cache(maxsize=None)
+def cluster(name: str) -> Cluster:
+    """A preset, read once."""
+    return load_cluster(name)
+
+
 def predicted_time_us(row: CollectiveRow) -> float:
     """The model's time for the row, on its preset, with the source's forced algorithm if any."""
-    est = estimate(load_cluster(row.system), row.op, row.gpus, row.size_bytes, algorithm=row.algorithm)
+    est = estimate(cluster(row.system), row.op, row.gpus, row.size_bytes, algorithm=row.algorithm)
     return est.time_s * 1e6
 
 
@@ -59,23 +66,31 @@ def error_pct(row: CollectiveRow) -> float:
 
 
 @contextmanager
-def launch_us(value: float) -> Iterator[None]:
-    """Run with ``collectives.LAUNCH_US`` set to ``value`` (restored afterwards)."""
-    old = collectives.LAUNCH_US
-    collectives.LAUNCH_US = value
+def constants(launch: float, fill: float) -> Iterator[None]:
+    """Run with ``collectives.LAUNCH_US`` and ``SIMPLE_FILL_BYTES`` set (restored afterwards)."""
+    old = collectives.LAUNCH_US, collectives.SIMPLE_FILL_BYTES
+    collectives.LAUNCH_US, collectives.SIMPLE_FILL_BYTES = launch, fill
     collectives.collective_time.cache_clear()
     try:
         yield
     finally:
-        collectives.LAUNCH_US = old
+        collectives.LAUNCH_US, collectives.SIMPLE_FILL_BYTES = old
         collectives.collective_time.cache_clear()
 
 
-def fit_launch_us(rows: Iterable[CollectiveRow]) -> float:
-    """Median of (measured - model without launch cost) over latency-bound rows."""
-    with launch_us(0.0):
-        gaps = [measured_time_us(r) - predicted_time_us(r) for r in rows if r.size_bytes < FIT_BELOW]
-    return statistics.median(gaps) if gaps else collectives.LAUNCH_US
+def fit(rows: Iterable[CollectiveRow]) -> tuple[float, float]:
+    """(LAUNCH_US, SIMPLE_FILL_BYTES) that minimise the mean |error| over ``rows``.
+
+    A grid: the launch cost in 1 us steps (0-30 us), the fill in 2 MB steps (0-40 MB).
+    """
+    rows = list(rows)
+    best = (math.inf, 0.0, 0.0)
+    for us in range(0, 31):
+        for mb in range(0, 41, 2):
+            with constants(float(us), mb * 1e6):
+                mean = statistics.fmean(abs(error_pct(r)) for r in rows)
+            best = min(best, (mean, float(us), mb * 1e6))
+    return best[1], best[2]
 
 
 def _summary(errors: list[float]) -> str:
@@ -87,8 +102,11 @@ def main() -> None:
     """Print the per-source and per-band tables, the fit and the summary line."""
     rows = load_collectives().rows
     sources = sorted({r.source for r in rows})
-    fitted = fit_launch_us(rows)
-    print(f"LAUNCH_US: shipped {collectives.LAUNCH_US:.1f} us, fitted on all sources {fitted:.1f} us")
+    launch, fill = fit(rows)
+    print(
+        f"fitted on all sources: LAUNCH_US={launch:.1f} us SIMPLE_FILL_BYTES={fill / 1e6:.0f} MB "
+        f"(shipped: {collectives.LAUNCH_US:.1f} us, {collectives.SIMPLE_FILL_BYTES / 1e6:.0f} MB)"
+    )
 
     errors = {id(r): error_pct(r) for r in rows}
     header = f"{'':28s} {'rows':>5s} {'median%':>8s} {'mean%':>8s} {'max%':>8s}"
@@ -105,21 +123,23 @@ def main() -> None:
         if errs:
             print(f"{name:28s} {_summary(errs)}")
 
-    print("\nleave-one-source-out (LAUNCH_US fitted on the other sources)")
-    print(f"{'':28s} {'fit us':>7s} {'median%':>8s} {'max%':>8s}")
+    print("\nleave-one-source-out (both constants fitted on the other sources)")
+    print(f"{'':28s} {'us':>6s} {'MB':>4s} {'median%':>8s} {'max%':>8s}")
     loso: list[float] = []
     for s in sources:
-        fit = fit_launch_us(r for r in rows if r.source != s)
-        with launch_us(fit):
+        held_launch, held_fill = fit(r for r in rows if r.source != s)
+        with constants(held_launch, held_fill):
             errs = [abs(error_pct(r)) for r in rows if r.source == s]
         loso += errs
-        print(f"{s:28s} {fit:7.1f} {statistics.median(errs):8.1f} {max(errs):8.1f}")
-    print(f"{'all (held out)':28s} {'':7s} {statistics.median(loso):8.1f} {max(loso):8.1f}")
+        print(
+            f"{s:28s} {held_launch:6.1f} {held_fill / 1e6:4.0f} {statistics.median(errs):8.1f} {max(errs):8.1f}"
+        )
+    print(f"{'all (held out)':28s} {'':11s} {statistics.median(loso):8.1f} {max(loso):8.1f}")
 
     print("\nworst rows")
     worst = sorted(rows, key=lambda r: -abs(errors[id(r)]))[:8]
     for r in worst:
-        est = estimate(load_cluster(r.system), r.op, r.gpus, r.size_bytes, algorithm=r.algorithm)
+        est = estimate(cluster(r.system), r.op, r.gpus, r.size_bytes, algorithm=r.algorithm)
         print(
             f"  {r.source:24s} {r.op:14s} {r.gpus:3d} GPUs {r.size_bytes:>11d} B  "
             f"measured {measured_time_us(r):9.1f} us  model {est.time_s * 1e6:9.1f} us "

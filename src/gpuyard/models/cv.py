@@ -12,6 +12,7 @@ from gpuyard.models.evaluate import Evaluation, record_evaluation
 from gpuyard.models.executor import Task, TaskExecutor, get_executor
 from gpuyard.models.spec import ModelSpec, parse_spec
 from gpuyard.models.tracking import start_run
+from gpuyard.states import RunStatus
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def cross_validate(
         ]
         results = [f.result() for f in futures]
     except BaseException as exc:
-        tracker.finish("failed", error=str(exc)[:2000])
+        tracker.finish(RunStatus.FAILED, error=str(exc)[:2000])
         raise
     finally:
         if own:
@@ -116,5 +117,5 @@ def cross_validate(
         split="cv", task=spec.resolved_task, n_samples=n, metrics=flat, details={"per_fold": per_fold}
     )
     record_evaluation(ev, run_id=tracker.run_id, dataset_version=ds.version)
-    tracker.finish("finished")
+    tracker.finish(RunStatus.FINISHED)
     return CVResult(tracker.run_id, [r["run_id"] for r in results], summary, per_fold, ds.version)

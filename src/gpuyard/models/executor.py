@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from gpuyard.errors import ConfigError, GpuyardError
+from gpuyard.scheduler.spec import JobState
 
 EXECUTORS = ("pool", "subprocess", "inline", "jobs")
-TERMINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -207,10 +207,10 @@ class JobExecutor(TaskExecutor):
 
         while True:
             doc = self.jobs.get(job_id)
-            if doc["state"] in TERMINAL_JOB_STATES:
+            if JobState(doc["state"]).terminal:
                 break
             time.sleep(self.poll_s)  # polling the job's state: the scheduler has no completion callback
-        if doc["state"] != "succeeded" or not result_file.exists():
+        if doc["state"] != JobState.SUCCEEDED or not result_file.exists():
             why = doc.get("reason") or f"exit code {doc.get('exit_code')}"
             raise TaskFailed(f"{task.name}: job {job_id} {doc['state']}: {why}")
         return json.loads(result_file.read_text())["result"]

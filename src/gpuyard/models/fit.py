@@ -18,6 +18,7 @@ from gpuyard.models.flavors import as_predictor, import_ref, save_model
 from gpuyard.models.signature import infer_signature
 from gpuyard.models.spec import ModelSpec
 from gpuyard.models.tracking import DbTracker, start_run
+from gpuyard.states import RunStatus
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class FitResult:
     """A finished fit: its run, and its metrics per split."""
 
     run_id: str
-    status: str
+    status: RunStatus
     evaluations: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def score(self, split: str, metric: str) -> float | None:
@@ -158,13 +159,13 @@ def fit(
             sig = infer_signature(data.X_train, y_pred, task, ds.feature_names)
             log_model(tracker, model, task, sig)
     except Pruned:
-        tracker.finish("pruned")
-        return FitResult(tracker.run_id, "pruned"), None
+        tracker.finish(RunStatus.PRUNED)
+        return FitResult(tracker.run_id, RunStatus.PRUNED), None
     except BaseException as exc:
-        tracker.finish("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+        tracker.finish(RunStatus.FAILED, error=f"{type(exc).__name__}: {exc}"[:2000])
         raise
-    tracker.finish("finished")
-    return FitResult(tracker.run_id, "finished", {k: v.metrics for k, v in evals.items()}), model
+    tracker.finish(RunStatus.FINISHED)
+    return FitResult(tracker.run_id, RunStatus.FINISHED, {k: v.metrics for k, v in evals.items()}), model
 
 
 def load_run_model(run_ref: str) -> Any:

@@ -16,6 +16,8 @@ from gpuyard.models.evaluate import evaluate, record_evaluation
 from gpuyard.models.metrics import DEFAULT_METRICS, check_direction, get_metric, is_better
 from gpuyard.models.registry import ModelVersion, _resolve_row, get_version, load, record_event
 from gpuyard.models.signature import check_input
+from gpuyard.refs import ModelRef
+from gpuyard.states import ModelStage
 from gpuyard.store import get_store
 from gpuyard.store.base import utcnow
 from gpuyard.store.db import Store
@@ -154,10 +156,16 @@ def _score(mv: ModelVersion, X: Any, y: Any, metric: str, desc: str, store: Stor
 def _apply(decision: PromotionDecision, store: Store) -> None:
     with store.session() as s:
         if decision.promoted:
-            for row in s.query(ModelVersionRow).filter_by(name=decision.name, stage="production"):
-                row.stage = "archived"
-                record_event(s, row.name, row.version, "stage", {"from": "production", "to": "archived"})
-            row = _resolve_row(s, f"{decision.name}:{decision.challenger}")
-            row.stage, row.updated_at = "production", utcnow()
+            for row in s.query(ModelVersionRow).filter_by(name=decision.name, stage=ModelStage.PRODUCTION):
+                row.stage = ModelStage.ARCHIVED
+                record_event(
+                    s,
+                    row.name,
+                    row.version,
+                    "stage",
+                    {"from": ModelStage.PRODUCTION, "to": ModelStage.ARCHIVED},
+                )
+            row = _resolve_row(s, str(ModelRef(decision.name, decision.challenger)))
+            row.stage, row.updated_at = ModelStage.PRODUCTION, utcnow()
         action = "promoted" if decision.promoted else "promotion_refused"
         record_event(s, decision.name, decision.challenger, action, decision.to_json())

@@ -29,6 +29,7 @@ from gpuyard.models.flavors import (
 )
 from gpuyard.refs import ALIAS_RE, ModelRef, check_model_name
 from gpuyard.settings import load_settings
+from gpuyard.states import ModelStage, RunStatus
 from gpuyard.store import get_artifacts, get_store
 from gpuyard.store.db import Store
 from gpuyard.store.tables.models import (
@@ -40,7 +41,7 @@ from gpuyard.store.tables.models import (
     RunRow,
 )
 
-STAGES = ("none", "staging", "production", "archived")
+STAGES = tuple(ModelStage)
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ def list_models(store: Store | None = None) -> list[dict[str, Any]]:
         doc["versions"] += 1
         doc["latest"] = r.version
         doc["flavor"] = r.flavor
-        if r.stage in ("production", "staging"):
+        if r.stage in (ModelStage.PRODUCTION, ModelStage.STAGING):
             doc[r.stage] = r.version
         stamp = r.updated_at.isoformat()
         doc["updated_at"] = max(doc["updated_at"] or stamp, stamp)
@@ -293,7 +294,7 @@ def register_folder(
     store = store or get_store()
     fields = dict(
         flavor=flavor,
-        stage="none",
+        stage=ModelStage.NONE,
         run_id=run_id,
         dataset_version=dataset_version,
         code_version=code_version,
@@ -324,7 +325,7 @@ def register_from_run(
         run = s.get(RunRow, run_id)
         if run is None:
             raise NotFoundError(f"run {run_ref!r} not found")
-        if run.status != "finished":
+        if run.status != RunStatus.FINISHED:
             raise ConflictError(f"run {run_id[:8]} is {run.status}: only a finished run can be registered")
         arts = list(
             s.scalars(
@@ -452,7 +453,7 @@ def set_stage(ref: str, stage: str, store: Store | None = None) -> ModelVersion:
     """
     if stage not in STAGES:
         raise ConfigError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)}")
-    if stage == "production":
+    if stage == ModelStage.PRODUCTION:
         raise ConfigError(
             "a version reaches production only through `gpuyard models promote` (holdout comparison)"
         )

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gpuyard.errors import ConfigError, NotFoundError
 from gpuyard.refs import DatasetRef
+from gpuyard.states import ModelStage
 from gpuyard.store.base import utcnow
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -263,7 +264,7 @@ def run_policy(path: str | Path, *, dry_run: bool = False) -> dict[str, Any]:
     spec = spec.model_copy(update={"dataset": train_ref})
     result, _ = fit(spec, params, kind="retrain", name=f"{spec.name}-retrain")
     challenger = register_from_run(policy.model, result.run_id, description="; ".join(decision.reasons))
-    set_stage(challenger.ref, "staging")
+    set_stage(challenger.ref, ModelStage.STAGING)
     promotion = promote(challenger.ref, metric=policy.metric)
     out |= {"run_id": result.run_id, "challenger": challenger.ref, "promotion": promotion.to_json()}
     with get_store().session() as s:

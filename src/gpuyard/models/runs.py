@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import select
 
 from gpuyard.errors import ConfigError, NotFoundError
+from gpuyard.states import RunStatus
 from gpuyard.store import get_store
 from gpuyard.store.db import Store
 from gpuyard.store.tables.models import EvaluationRow, RunArtifactRow, RunMetricRow, RunRow
@@ -280,7 +281,12 @@ def best_run(
             f"unknown metric {metric!r}: use one of {', '.join(sorted(METRICS))} or a logged key"
         )
     runs = list_runs(
-        experiment=experiment, status="finished", kind=kind, parent_id=parent_id, limit=10_000, store=store
+        experiment=experiment,
+        status=RunStatus.FINISHED,
+        kind=kind,
+        parent_id=parent_id,
+        limit=10_000,
+        store=store,
     )
     if kind is None:  # folds store no model: they are evidence for a cv run, not candidates
         runs = [r for r in runs if r.kind != "fold"]

@@ -24,15 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from gpuyard.errors import ConfigError, ConflictError, NotFoundError, StoreError
+from gpuyard.states import RunStatus
 from gpuyard.store import get_artifacts, get_store
 from gpuyard.store.base import utcnow
 from gpuyard.store.db import Store
 from gpuyard.store.tables.models import RunArtifactRow, RunMetricRow, RunRow
 
 RUN_KINDS = ("train", "tune", "trial", "cv", "fold", "eval", "retrain")
-RUN_STATUSES = ("running", "finished", "failed", "pruned", "preempted", "diverged")
-# The training runtime closes runs with its own words; these are the ones that mean the same as ours.
-_STATUS_ALIASES = {"completed": "finished", "succeeded": "finished", "error": "failed"}
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.\-/ ]{1,200}$")
 FLUSH_EVERY_POINTS = 500
 # Past this many unwritten points the training thread writes them itself (the database is behind).
@@ -166,11 +164,13 @@ class DbTracker:
         elif pending >= FLUSH_EVERY_POINTS:
             self._wake.set()
 
-    def finish(self, status: str = "finished", error: str | None = None) -> None:
-        """Flush, stop the system sampler and close the run with ``status`` (finished, failed, pruned...)."""
-        status = _STATUS_ALIASES.get(status, status)
-        if status not in RUN_STATUSES[1:]:
-            raise ConfigError(f"run status {status!r} must be one of {', '.join(RUN_STATUSES[1:])}")
+    def finish(self, status: str = RunStatus.FINISHED, error: str | None = None) -> None:
+        """Flush, stop the system sampler and close the run with ``status`` (see :meth:`RunStatus.ended_as`).
+
+        Raises:
+            ConfigError: a status a run cannot end with. StoreError: metric points could not be written.
+        """
+        ended = RunStatus.ended_as(status)
         if self._finished:
             return
         self._finished = True
@@ -183,7 +183,7 @@ class DbTracker:
             raise StoreError(f"run {self.run_id[:8]}: metric points could not be written: {self._error}")
         with self.store.session() as s:
             row = self._row(s)
-            row.status, row.error, row.ended_at = status, error, utcnow()
+            row.status, row.error, row.ended_at = ended, error, utcnow()
 
     # -- more than the interface --------------------------------------------------------------------
 
@@ -252,9 +252,9 @@ class DbTracker:
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if exc is None:
-            self.finish("finished")
+            self.finish(RunStatus.FINISHED)
         else:
-            self.finish("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+            self.finish(RunStatus.FAILED, error=f"{type(exc).__name__}: {exc}"[:2000])
 
     # -- internals ----------------------------------------------------------------------------------
 
@@ -348,7 +348,7 @@ def start_run(
                 name=name,
                 experiment=experiment,
                 kind=kind,
-                status="running",
+                status=RunStatus.RUNNING,
                 parent_id=parent_id,
                 params=_jsonable(params or {}),
                 tags=_jsonable(tags or {}),
@@ -404,7 +404,7 @@ def reopen_run(
                 RunMetricRow.key.not_like("sys/%"),
             )
         )
-        row.status, row.error, row.ended_at = "running", None, None
+        row.status, row.error, row.ended_at = RunStatus.RUNNING, None, None
         last_sys = s.scalar(
             select(func.max(RunMetricRow.step)).where(
                 RunMetricRow.run_id == run_id, RunMetricRow.key.like("sys/%")
@@ -454,13 +454,11 @@ def close_run(run_id: str, status: str, error: str | None = None, *, store: Stor
     Raises:
         ConfigError: unknown status.
     """
-    status = _STATUS_ALIASES.get(status, status)
-    if status not in RUN_STATUSES[1:]:
-        raise ConfigError(f"run status {status!r} must be one of {', '.join(RUN_STATUSES[1:])}")
+    ended = RunStatus.ended_as(status)
     store = store or get_store()
     with store.session() as s:
         row = s.get(RunRow, run_id)
-        if row is None or row.status != "running":
+        if row is None or row.status != RunStatus.RUNNING:
             return False
-        row.status, row.error, row.ended_at = status, error, utcnow()
+        row.status, row.error, row.ended_at = ended, error, utcnow()
     return True

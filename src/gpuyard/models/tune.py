@@ -21,6 +21,7 @@ from gpuyard.models.executor import Task, TaskExecutor, get_executor
 from gpuyard.models.spec import ModelSpec, SearchSpec, parse_spec
 from gpuyard.models.tracking import append_metrics, start_run
 from gpuyard.settings import Settings, load_settings
+from gpuyard.states import RunStatus
 
 OPTUNA_SCHEMA = "optuna"
 
@@ -173,7 +174,7 @@ def run_trial(spec: dict[str, Any], study_name: str, parent_id: str, index: int)
             "params": params,
         }
     trial.set_user_attr("run_id", result.run_id)
-    if result.status == "pruned":
+    if result.status == RunStatus.PRUNED:
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         return {"number": trial.number, "state": "PRUNED", "run_id": result.run_id, "params": params}
     value = result.score("validation", model_spec.metric)
@@ -293,7 +294,7 @@ def tune(
             time.sleep(poll_s)
         outcomes = [f.result() for f in futures]
     except BaseException as exc:
-        tracker.finish("failed", error=str(exc)[:2000])
+        tracker.finish(RunStatus.FAILED, error=str(exc)[:2000])
         raise
     finally:
         if own:
@@ -307,7 +308,7 @@ def tune(
         msg = f"every trial of {study_name} failed or was pruned" + (
             f"; first error: {errors[0]}" if errors else ""
         )
-        tracker.finish("failed", error=msg)
+        tracker.finish(RunStatus.FAILED, error=msg)
         raise ConfigError(msg)
     for o in outcomes:
         if o["state"] == "COMPLETE":
@@ -326,7 +327,7 @@ def tune(
             **{f"best/test_{k}": v for k, v in test_ev.metrics.items()},
         },
     )
-    tracker.finish("finished")
+    tracker.finish(RunStatus.FINISHED)
     return TuneResult(
         tracker.run_id,
         study_name,

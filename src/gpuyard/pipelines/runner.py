@@ -97,7 +97,7 @@ class _JobRunner:
         self._thread.start()
 
     def run(self, st: StageSpec, task: Any, files: tuple[Path, Path], env: dict[str, str], emit: Any) -> Any:
-        from gpuyard.scheduler.spec import JobSpec
+        from gpuyard.scheduler.spec import JobSpec, JobState
 
         spec = JobSpec.model_validate(
             {
@@ -113,11 +113,11 @@ class _JobRunner:
         while True:
             doc = self.service.get(job_id)
             offset = self._stream(job_id, offset, st.name, emit)
-            if doc["state"] in ("succeeded", "failed", "cancelled"):
+            if JobState(doc["state"]).terminal:
                 break
             time.sleep(self.poll_s)  # the service has no completion callback: poll its record
         self._stream(job_id, offset, st.name, emit)
-        if doc["state"] != "succeeded" or not files[1].exists():
+        if doc["state"] != JobState.SUCCEEDED or not files[1].exists():
             tail = self.service.read_log(job_id, max(0, offset - 4000), 8000)["text"]
             lines = [ln for ln in str(tail).splitlines() if ln.strip()][-8:]
             raise StageFailed(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import getpass
 import shlex
 from pathlib import Path
@@ -12,11 +11,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpuyard.errors import ConfigError, NotFoundError
+from gpuyard.states import StrEnum
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 
 
-class JobState(str, enum.Enum):
+class JobState(StrEnum):
     """Where a job is in its life."""
 
     QUEUED = "queued"

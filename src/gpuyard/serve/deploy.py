@@ -25,18 +25,24 @@ from typing import Any
 from sqlalchemy import select
 
 from gpuyard.errors import ConfigError, ConflictError, NotFoundError
+from gpuyard.scheduler.spec import JobState
 from gpuyard.serve.runner import ServeOptions
 from gpuyard.serve.scheduled import TERMINAL, Scheduling
 from gpuyard.settings import load_settings
+from gpuyard.states import DeploymentState
 from gpuyard.store import get_store
 from gpuyard.store.base import utcnow
 from gpuyard.store.tables.serve import DeploymentRow
 
-ACTIVE = ("starting", "running")
+ACTIVE = frozenset(s for s in DeploymentState if s.active)
 # Set in a deployment's config by `undeploy` before it stops the processes: a scheduled replica set
 # that gets SIGTERM reads it to tell the cancel from a preemption.
 UNDEPLOY = "undeploy_requested"
-_ENDED = {"failed": "failed", "cancelled": "was cancelled", "succeeded": "exited with code 0"}
+_ENDED: dict[str, str] = {
+    JobState.FAILED: "failed",
+    JobState.CANCELLED: "was cancelled",
+    JobState.SUCCEEDED: "exited with code 0",
+}
 
 
 def _doc(r: DeploymentRow) -> dict[str, Any]:
@@ -78,7 +84,7 @@ def create_record(ref: str, opts: ServeOptions, scheduling: Scheduling | None = 
             model_ref=ref,
             replicas=opts.replicas,
             device=opts.device,
-            status="starting",
+            status=DeploymentState.STARTING,
             pids={},
             config=config,
         )
@@ -95,7 +101,7 @@ def serve_options(deployment_id: int) -> ServeOptions:
     return ServeOptions.from_json({**config, "deployment_id": deployment_id})
 
 
-def mark(deployment_id: int, status: str, **fields: Any) -> None:
+def mark(deployment_id: int, status: DeploymentState, **fields: Any) -> None:
     """Set a deployment's status (and url, pids, error, log_path when given)."""
     with get_store().session() as s:
         row = s.get(DeploymentRow, deployment_id)
@@ -104,9 +110,9 @@ def mark(deployment_id: int, status: str, **fields: Any) -> None:
         row.status = status
         for key, value in fields.items():
             setattr(row, key, value)
-        if status in ("stopped", "failed", "dead"):
+        if not status.active:
             row.stopped_at = utcnow()
-        elif status in ACTIVE:
+        else:
             row.stopped_at = None  # a replica set restarted by the scheduler is live again
 
 
@@ -168,8 +174,8 @@ def list_deployments(all_: bool = False) -> list[dict[str, Any]]:
     for d in rows:
         why = _gone(d) if d["status"] in ACTIVE else None
         if why is not None:
-            mark(d["id"], "dead", error=why)
-            d["status"], d["error"] = "dead", why
+            mark(d["id"], DeploymentState.DEAD, error=why)
+            d["status"], d["error"] = DeploymentState.DEAD, why
     return rows if all_ else [d for d in rows if d["status"] in ACTIVE]
 
 
@@ -201,9 +207,9 @@ def deploy(
     try:
         job_id = scheduled.submit(doc, opts, server)
     except BaseException as exc:
-        mark(doc["id"], "failed", error=str(exc)[:1000] or type(exc).__name__)
+        mark(doc["id"], DeploymentState.FAILED, error=str(exc)[:1000] or type(exc).__name__)
         raise
-    mark(doc["id"], "starting", job_id=job_id, device=opts.device)
+    mark(doc["id"], DeploymentState.STARTING, job_id=job_id, device=opts.device)
     return _wait_for_job(doc["id"], job_id, server, timeout_s)
 
 
@@ -211,25 +217,25 @@ def _wait_for_job(dep_id: int, job_id: int, scheduling: Scheduling, timeout_s: f
     from gpuyard.serve import scheduled
 
     deadline = time.monotonic() + timeout_s
-    state: str | None = "queued"
+    state: str | None = JobState.QUEUED
     while time.monotonic() < deadline:
         current = get_deployment(dep_id)
         state = scheduled.job_state(job_id)
-        if current["status"] == "running" and state == "running":
+        if current["status"] == DeploymentState.RUNNING and state == JobState.RUNNING:
             return current
         if state is None or state in TERMINAL:
             why = f"its scheduler job {job_id} {_ENDED.get(state or '', 'is gone')}"
-            mark(dep_id, "failed", error=why)
+            mark(dep_id, DeploymentState.FAILED, error=why)
             raise ConfigError(f"deployment {dep_id}: {why}:\n{scheduled.job_log_tail(job_id, scheduling)}")
         time.sleep(0.2)
     scheduled.cancel(job_id, scheduling)
-    if state == "queued":
+    if state == JobState.QUEUED:
         why = f"not placed within {timeout_s:.0f} s: job {job_id} waited in the queue for GPUs (cancelled)"
     else:
         why = (
             f"not ready within {timeout_s:.0f} s (job {job_id}, cancelled; see `gpuyard jobs logs {job_id}`)"
         )
-    mark(dep_id, "failed", error=why)
+    mark(dep_id, DeploymentState.FAILED, error=why)
     raise ConfigError(f"deployment {dep_id}: {why}")
 
 
@@ -250,19 +256,19 @@ def _deploy_here(doc: dict[str, Any], timeout_s: float) -> dict[str, Any]:
             start_new_session=True,
             cwd=os.getcwd(),
         )
-    mark(dep_id, "starting", pids={"server": proc.pid}, log_path=str(log_path))
+    mark(dep_id, DeploymentState.STARTING, pids={"server": proc.pid}, log_path=str(log_path))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         current = get_deployment(dep_id)
-        if current["status"] == "running":
+        if current["status"] == DeploymentState.RUNNING:
             return current
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace")[-800:]
-            mark(dep_id, "failed", error=f"exited with code {proc.returncode}")
+            mark(dep_id, DeploymentState.FAILED, error=f"exited with code {proc.returncode}")
             raise ConfigError(f"deployment {dep_id}: the server exited with code {proc.returncode}:\n{tail}")
         time.sleep(0.2)
     _terminate(proc.pid)
-    mark(dep_id, "failed", error=f"not ready after {timeout_s:.0f} s")
+    mark(dep_id, DeploymentState.FAILED, error=f"not ready after {timeout_s:.0f} s")
     raise ConfigError(f"deployment {dep_id}: not ready after {timeout_s:.0f} s (log: {log_path})")
 
 
@@ -306,6 +312,6 @@ def undeploy(target: str) -> list[dict[str, Any]]:
             cancel(int(d["job"]), Scheduling(**sched))
         elif d["pids"].get("server"):
             _terminate(int(d["pids"]["server"]))
-        mark(d["id"], "stopped", error=None)
+        mark(d["id"], DeploymentState.STOPPED, error=None)
         out.append(get_deployment(d["id"]))
     return out

@@ -26,6 +26,7 @@ from typing import Any
 from gpuyard.errors import ConfigError
 from gpuyard.serve.batching import BatchConfig
 from gpuyard.serve.drift import DriftConfig
+from gpuyard.states import DeploymentState
 
 log = logging.getLogger("gpuyard.serve")
 
@@ -297,7 +298,7 @@ def serve_with_record(ref: str, opts: ServeOptions) -> None:
         placed = {"gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "node": socket.gethostname()}
         if os.environ.get("GPUYARD_JOB_ID"):
             placed["job"] = os.environ["GPUYARD_JOB_ID"]
-        mark(dep_id, "running", url=url, pids={**pids, **placed}, device=device, error=None)
+        mark(dep_id, DeploymentState.RUNNING, url=url, pids={**pids, **placed}, device=device, error=None)
 
     # uvicorn re-raises the SIGTERM it shut down on, which would kill this process before the record
     # is updated; a handler of ours turns it into an exception instead (also while the model loads).
@@ -307,7 +308,7 @@ def serve_with_record(ref: str, opts: ServeOptions) -> None:
     except _Stopped:
         pass
     except BaseException as exc:
-        mark(dep_id, "failed", error=str(exc)[:1000] or type(exc).__name__)
+        mark(dep_id, DeploymentState.FAILED, error=str(exc)[:1000] or type(exc).__name__)
         raise
     finally:
         for sig, handler in previous.items():
@@ -318,6 +319,6 @@ def serve_with_record(ref: str, opts: ServeOptions) -> None:
         # 75 so a preempted replica set is requeued rather than recorded as finished.
         from gpuyard.exitcodes import PREEMPTED
 
-        mark(dep_id, "starting", error="stopped by the scheduler: waiting to be placed again")
+        mark(dep_id, DeploymentState.STARTING, error="stopped by the scheduler: waiting to be placed again")
         raise SystemExit(PREEMPTED)
-    mark(dep_id, "stopped")
+    mark(dep_id, DeploymentState.STOPPED)

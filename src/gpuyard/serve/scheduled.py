@@ -22,11 +22,12 @@ from typing import Any
 
 from gpuyard.errors import CapacityError, ConfigError, ConflictError, NotFoundError
 from gpuyard.scheduler.nodes import FAKE_GPU_TYPE
+from gpuyard.scheduler.spec import JobState
 from gpuyard.serve.runner import ServeOptions
 from gpuyard.store import get_store
 from gpuyard.store.tables.jobs import JobRow
 
-TERMINAL = ("succeeded", "failed", "cancelled")
+TERMINAL = frozenset(s for s in JobState if s.terminal)
 
 
 @dataclass(frozen=True)

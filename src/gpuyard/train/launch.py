@@ -19,10 +19,11 @@ from typing import Any
 
 from gpuyard import exitcodes
 from gpuyard.errors import ConfigError
+from gpuyard.states import RunStatus, TrainOutcome
 from gpuyard.train.spec import TrainSpec, load_entrypoint, load_plan, load_spec
 from gpuyard.train.tracking import tracked_run_id
 from gpuyard.train.trainer import STATUS_FILE
-from gpuyard.train.worker import LAUNCHED_ENV, STATUS_CODES
+from gpuyard.train.worker import LAUNCHED_ENV
 
 _log = logging.getLogger("gpuyard.train")
 
@@ -198,20 +199,24 @@ def launch(cfg: LaunchConfig, stdout: Any = None, stderr: Any = None) -> LaunchR
         for sig, handler in old.items():
             signal.signal(sig, handler)
     status = read_status(run_dir)
-    if status.get("status") in STATUS_CODES:
-        return LaunchResult(STATUS_CODES[status["status"]], status, run_dir)
+    if status.get("status") in set(TrainOutcome):
+        return LaunchResult(TrainOutcome(status["status"]).exit_code, status, run_dir)
     if signalled:
         # Stopped before the workers could report (e.g. during start-up): resumable from the last
         # checkpoint, or from the start.
-        status = {"status": "preempted", "signal": signalled[0]}
-        _close_tracked_run(spec, run_dir, "preempted", f"signal {signalled[0]} before the workers reported")
+        status = {"status": TrainOutcome.PREEMPTED, "signal": signalled[0]}
+        _close_tracked_run(
+            spec, run_dir, RunStatus.PREEMPTED, f"signal {signalled[0]} before the workers reported"
+        )
         return LaunchResult(exitcodes.PREEMPTED, status, run_dir)
     code = code if code > 0 else 1
-    _close_tracked_run(spec, run_dir, "failed", f"torchrun exited with code {code} (restarts exhausted)")
+    _close_tracked_run(
+        spec, run_dir, RunStatus.FAILED, f"torchrun exited with code {code} (restarts exhausted)"
+    )
     return LaunchResult(code, status, run_dir)
 
 
-def _close_tracked_run(spec: TrainSpec, run_dir: Path, status: str, error: str) -> None:
+def _close_tracked_run(spec: TrainSpec, run_dir: Path, status: RunStatus, error: str) -> None:
     """Close the database run that workers killed outright left marked running (never fatal)."""
     run_id = tracked_run_id(run_dir)
     if spec.tracking.backend != "db" or run_id is None:

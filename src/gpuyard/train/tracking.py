@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpuyard.states import RunStatus, TrainOutcome
 from gpuyard.train.metrics import JsonlTracker
 
 if TYPE_CHECKING:
@@ -30,9 +31,8 @@ FINISH_WAIT_S = 60.0
 FAIL_WAIT_S = 10.0
 # How often the database thread takes the steps' metrics over (the training thread only appends them).
 DRAIN_EVERY_S = 0.5
-# The trainer's words for how a run ended, in the state store's (the others are the same in both).
-_DB_STATUS = {"completed": "finished", "early_stopped": "finished"}
-_ENDED = ("completed", "early_stopped")
+# A run file's statuses of a run that ended well: a job started over from scratch starts a new run.
+_ENDED = (TrainOutcome.COMPLETED, TrainOutcome.EARLY_STOPPED)
 _BAD_KEY_CHARS = re.compile(r"[^A-Za-z0-9_.\-/ ]")
 _log = logging.getLogger("gpuyard.train")
 
@@ -159,7 +159,7 @@ class DbRunTracker:
 
     def fail(self, error: str) -> None:
         """Close the run as failed (an exception ended training); waits at most FAIL_WAIT_S."""
-        self._close("failed", error, FAIL_WAIT_S)
+        self._close(RunStatus.FAILED, error, FAIL_WAIT_S)
 
     @property
     def failed(self) -> bool:
@@ -221,7 +221,7 @@ class DbRunTracker:
             size = self.jsonl.path.stat().st_size if self.jsonl.path.exists() else 0
             self._offset = 0 if resumed else size
         self._store = store
-        self._write_run_file("running")
+        self._write_run_file(RunStatus.RUNNING)
 
     def _write_run_file(self, status: str) -> None:
         doc = {"run_id": self.run_id, "store": self._store, "jsonl_offset": self._offset, "status": status}
@@ -336,4 +336,4 @@ class DbRunTracker:
 
     def _finish_run(self, status: str, error: str | None) -> None:
         self._db.set_tags({"train_status": status})
-        self._db.finish(_DB_STATUS.get(status, status), error=error)
+        self._db.finish(RunStatus.ended_as(status), error=error)

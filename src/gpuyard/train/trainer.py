@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpuyard.errors import ConfigError
+from gpuyard.states import RunStatus, TrainOutcome
 from gpuyard.train import components as comp
 from gpuyard.train.checkpoint import Checkpointer, latest_checkpoint, step_dirname
 from gpuyard.train.data import DataSource, call_factory, count_batch, make_source, split_batch, to_device
@@ -49,7 +50,7 @@ STATUS_FILE = "status.json"
 class TrainResult:
     """How a run ended."""
 
-    status: str  # completed | early_stopped | preempted | diverged
+    status: TrainOutcome
     step: int
     epoch: int
     run_dir: Path
@@ -414,7 +415,7 @@ class Trainer:
             self.batches_in_epoch += 1
         return micro
 
-    def _run_epoch(self, progress: Progress) -> str | None:
+    def _run_epoch(self, progress: Progress) -> TrainOutcome | None:
         """Train until the epoch ends; returns a stop status, or None to continue."""
         spec = self.spec
         if self.batches_in_epoch == 0:
@@ -430,7 +431,7 @@ class Trainer:
             loss, diverged, stop = self._agree(loss_t)
             now = time.perf_counter()
             if diverged:
-                return "diverged"
+                return TrainOutcome.DIVERGED
             self._log_step(loss, samples, tokens, now - tick)
             progress.update(self.step, f"loss {loss:.4f}")
             self._callback("step")
@@ -442,11 +443,11 @@ class Trainer:
                 and self.step % spec.val_every_steps == 0
                 and self._after_validation(self.validate())
             ):
-                return "early_stopped"
+                return TrainOutcome.EARLY_STOPPED
             if spec.max_steps and self.step >= spec.max_steps:
-                return "completed"
+                return TrainOutcome.COMPLETED
             if stop:
-                return "preempted"
+                return TrainOutcome.PREEMPTED
             tick = time.perf_counter()  # checkpoint and validation time is not step time
 
     def fit(self) -> TrainResult:
@@ -458,7 +459,7 @@ class Trainer:
             self.tracker.log_params(spec.model_dump(mode="json"))
         progress = Progress(self.total_steps, enabled=self.ctx.rank == 0 and sys.stdout.isatty())
         progress.update(self.step, "")
-        status = "completed"
+        status = TrainOutcome.COMPLETED
         try:
             status = self._loop(progress)
         except BaseException as exc:
@@ -477,17 +478,17 @@ class Trainer:
             if fail is not None:
                 fail(f"{type(exc).__name__}: {exc}"[:2000])
             else:
-                self.tracker.finish("failed")
+                self.tracker.finish(RunStatus.FAILED)
         except Exception:  # the training error is the one to report
             pass
 
-    def _loop(self, progress: Progress) -> str:
+    def _loop(self, progress: Progress) -> TrainOutcome:
         spec = self.spec
         if spec.max_steps and self.step >= spec.max_steps:
-            return "completed"
+            return TrainOutcome.COMPLETED
         while self.epoch < spec.epochs:
             status = self._run_epoch(progress)
-            if status == "diverged":
+            if status is TrainOutcome.DIVERGED:
                 return status
             if status is None:  # the epoch ended
                 self.epoch += 1
@@ -496,24 +497,24 @@ class Trainer:
                 if spec.checkpoint.at_epoch_end or stop_early:
                     self.save_checkpoint("epoch_end")
                 if stop_early:
-                    return "early_stopped"
+                    return TrainOutcome.EARLY_STOPPED
                 if self.stop_requested:
-                    return "preempted"
+                    return TrainOutcome.PREEMPTED
                 continue
-            if status != "completed":  # a completed run gets its final checkpoint in _finish
+            if status is not TrainOutcome.COMPLETED:  # a completed run gets its final checkpoint in _finish
                 self.save_checkpoint(status)
             return status
-        return "completed"
+        return TrainOutcome.COMPLETED
 
-    def _finish(self, status: str) -> TrainResult:
+    def _finish(self, status: TrainOutcome) -> TrainResult:
         self.checkpointer.wait()
         last = latest_checkpoint(self.checkpointer.root)
         at_last = last is not None and int(last.name.split("-")[1]) == self.step
-        if status == "completed" and self.spec.checkpoint.final and not at_last:
+        if status is TrainOutcome.COMPLETED and self.spec.checkpoint.final and not at_last:
             self.save_checkpoint("final")
             self.checkpointer.wait()
             last = latest_checkpoint(self.checkpointer.root)
-        if status == "diverged":
+        if status is TrainOutcome.DIVERGED:
             msg = (
                 f"loss (or gradient norm) became non-finite at step {self.step}; stopped. "
                 f"Last good checkpoint: {last or 'none'} (kept)"

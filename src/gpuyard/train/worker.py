@@ -14,13 +14,6 @@ from gpuyard.errors import GpuyardError
 # divergence; otherwise torchrun would count their exit as a failure and restart them.
 LAUNCHED_ENV = "GPUYARD_TRAIN_LAUNCHED"
 
-STATUS_CODES = {
-    "completed": exitcodes.SUCCESS,
-    "early_stopped": exitcodes.SUCCESS,
-    "preempted": exitcodes.PREEMPTED,
-    "diverged": exitcodes.DIVERGED,
-}
-
 
 def main(argv: list[str] | None = None) -> int:
     """Run one rank of the job; returns the process exit code."""
@@ -49,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if trainer is not None:
             trainer.close()
-    code = STATUS_CODES[result.status]
+    code = result.status.exit_code
     if os.environ.get(LAUNCHED_ENV) == "1" and code in (exitcodes.PREEMPTED, exitcodes.DIVERGED):
         return exitcodes.SUCCESS
     return code

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 
 from gpuyard.api.auth import authenticated
 from gpuyard.auth import Principal, require_admin
+from gpuyard.scheduler.spec import JobState
 
 router = APIRouter(prefix="/cluster", tags=["cluster"])
 
@@ -27,7 +28,7 @@ def scheduler(request: Request) -> dict[str, Any]:
     service = request.app.state.jobs
     if service is None:
         return {"policy": None, "executor": None, "nodes": [], "active": []}
-    active = [*service.list_jobs(state="running"), *service.list_jobs(state="scheduled")]
+    active = [*service.list_jobs(state=JobState.RUNNING), *service.list_jobs(state=JobState.SCHEDULED)]
     return {
         "policy": service.policy.name,
         "executor": service.executor.name,

@@ -7,6 +7,8 @@ from typing import Any
 import httpx
 from fastapi import APIRouter, Query
 
+from gpuyard.states import DeploymentState
+
 router = APIRouter(prefix="/deployments", tags=["deployments"])
 
 
@@ -47,7 +49,7 @@ def live(deployment_id: int) -> dict[str, Any]:
 
     dep = get_deployment(deployment_id)
     out: dict[str, Any] = {"id": dep["id"], "status": dep["status"], "reachable": False}
-    if dep["status"] != "running" or not dep["url"]:
+    if dep["status"] != DeploymentState.RUNNING or not dep["url"]:
         return out | {"error": f"deployment is {dep['status']}"}
     base = f"{dep['url'].rstrip('/')}/v1/models/{dep['model']}"
     try:

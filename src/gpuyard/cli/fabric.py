@@ -198,7 +198,8 @@ def calibrate(
         f"{fitted.compute.gemm_efficiency:.0%} of the {fitted.peak_for(precision):.2f} TFLOP/s peak",
         f"attention {cal.attention_tflops:.3f} TFLOP/s "
         f"({cal.attention_efficiency:.0%} of the GEMM asymptote)",
-        f"memory {cal.memory_bw_GBps:.1f} GB/s per rank; dispatch {cal.op_overhead_us:.1f} us per kernel",
+        f"memory {cal.memory_bw_GBps:.1f} GB/s per rank (norm/GELU/dropout/add {cal.elementwise_GBps:.1f}); "
+        f"dispatch {cal.op_overhead_us:.1f} us per kernel",
     ]
     if cal.h2d_GBps:
         lines.append(f"host->device {cal.h2d_GBps:.1f} GB/s, device->host {cal.d2h_GBps:.1f} GB/s (pinned)")

@@ -85,7 +85,8 @@ class Calibration(_Doc):
     gemm_fit: dict[str, GemmFit]
     attention_tflops: float = Field(gt=0)
     attention_efficiency: float = Field(gt=0)
-    memory_bw_GBps: float = Field(gt=0)
+    memory_bw_GBps: float = Field(gt=0, description="Streaming add, per rank.")
+    elementwise_GBps: float = Field(gt=0, description="Norm, GELU, dropout, add: effective GB/s per rank.")
     op_overhead_us: float = Field(ge=0)
     h2d_GBps: float | None = None
     d2h_GBps: float | None = None
@@ -223,6 +224,34 @@ def measure_memory_bw(device: Any, sync: Any) -> float:
     return 3 * n * 4 / t / 1e9
 
 
+def measure_elementwise(device: Any, dtype_name: str, sync: Any) -> float:
+    """Effective GB/s of a transformer's memory-bound operators (layer norm, GELU, residual add, dropout).
+
+    Forward and backward on an activation the size a layer produces; bytes counted as the step model
+    counts them (each operator reads its inputs and writes its output once). On a GPU this comes out
+    near the memory bandwidth; on a CPU thread these operators are bound by arithmetic (erf, reductions)
+    well below it, which a streaming copy would not show.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    dtype = getattr(torch, dtype_name)
+    rows, width = (2048, 256) if device.type == "cpu" else (16384, 4096)
+    x = torch.randn(rows, width, device=device, dtype=dtype, requires_grad=True)
+    w = torch.ones(width, device=device, dtype=dtype, requires_grad=True)
+    b = torch.zeros(width, device=device, dtype=dtype, requires_grad=True)
+
+    def step() -> None:
+        y = F.layer_norm(x, (width,), w, b)
+        z = F.dropout(F.gelu(y), 0.1, training=True) + x
+        z.sum().backward()
+
+    t = _timed(step, sync)
+    # Elements moved: norm 2 fwd + 3 bwd, GELU 2 + 3, dropout 3 (mask) + 2, add 3 + 2, sum 1 + 1.
+    moved = 22 * rows * width * x.element_size()
+    return moved / t / 1e9
+
+
 def measure_op_overhead(device: Any, sync: Any) -> float:
     """Microseconds per tiny kernel: framework dispatch (CPU) or launch and issue (CUDA)."""
     import torch
@@ -311,6 +340,8 @@ def _rank_measure(cfg: CalibrateConfig, rank: int, world: int, device: Any) -> d
     barrier()
     memory = measure_memory_bw(device, sync)
     barrier()
+    elementwise = measure_elementwise(device, dtype, sync)
+    barrier()
     overhead = measure_op_overhead(device, sync)
     h2d, d2h = measure_copies(device, sync)
     overlap = measure_overlap(device, world, sync)
@@ -318,6 +349,7 @@ def _rank_measure(cfg: CalibrateConfig, rank: int, world: int, device: Any) -> d
         "gemm": [p.model_dump() for p in gemm],
         "attention_tflops": attention,
         "memory_bw_GBps": memory,
+        "elementwise_GBps": elementwise,
         "op_overhead_us": overhead,
         "h2d_GBps": h2d,
         "d2h_GBps": d2h,
@@ -429,6 +461,7 @@ def _combine(docs: list[dict[str, Any]], world: int) -> Calibration:
         # Attention against the GEMM law at the attention's own sizes (seq x head_dim tiles).
         attention_efficiency=min(1.0, attention / fits[dtype].peak_tflops),
         memory_bw_GBps=_median([d["memory_bw_GBps"] for d in docs]),
+        elementwise_GBps=_median([d["elementwise_GBps"] for d in docs]),
         op_overhead_us=_median([d["op_overhead_us"] for d in docs]),
         h2d_GBps=first["h2d_GBps"],
         d2h_GBps=first["d2h_GBps"],
@@ -544,7 +577,8 @@ def apply_calibration(cluster: Cluster, cal: Calibration, where: str = "calibrat
         attention_efficiency=min(1.0, cal.attention_efficiency),
         gemm_half_dim=cal.gemm_fit[dtype].half_dim,
         dtype_efficiency={_short(d): e for d, e in efficiency.items()},
-        memory_bw_GBps=cal.memory_bw_GBps,
+        # The step model moves activations through memory-bound operators at this rate.
+        memory_bw_GBps=min(cal.memory_bw_GBps, cal.elementwise_GBps),
         op_overhead_us=cal.op_overhead_us,
         overlap_slowdown=(
             cal.overlap_slowdown if cal.overlap_slowdown is not None else cluster.compute.overlap_slowdown

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache
 
 from gpuyard.fabric import collectives
 from gpuyard.fabric.cluster import Cluster, load_cluster
@@ -48,7 +47,7 @@ def measured_time_us(row: CollectiveRow) -> float:
     return row.size_bytes / (algbw * 1e3)
 
 
-@lru_cache(maxsize=None)
+@cache
 def cluster(name: str) -> Cluster:
     """A preset, read once."""
     return load_cluster(name)
@@ -132,7 +131,8 @@ def main() -> None:
             errs = [abs(error_pct(r)) for r in rows if r.source == s]
         loso += errs
         print(
-            f"{s:28s} {held_launch:6.1f} {held_fill / 1e6:4.0f} {statistics.median(errs):8.1f} {max(errs):8.1f}"
+            f"{s:28s} {held_launch:6.1f} {held_fill / 1e6:4.0f} "
+            f"{statistics.median(errs):8.1f} {max(errs):8.1f}"
         )
     print(f"{'all (held out)':28s} {'':11s} {statistics.median(loso):8.1f} {max(loso):8.1f}")
 

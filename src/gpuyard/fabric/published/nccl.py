@@ -1,4 +1,4 @@
-"""Loader for the published collective corpus (``collectives.yaml``): nccl-tests results with their sources."""
+"""Loader for the published collective corpus (``collectives.yaml``): nccl-tests results and sources."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class PublishedRow(_Strict):
 
     op: Op
     size_bytes: int = Field(gt=0, description="nccl-tests' size column (bytes).")
-    label: str | None = Field(default=None, description="The size as the source labels it, when not in bytes.")
+    label: str | None = Field(default=None, description="The size as the source labels it.")
     busbw_GBps: float | None = Field(default=None, ge=0, description="Bus bandwidth, GB/s.")
     time_us: float | None = Field(default=None, gt=0, description="Time per collective, microseconds.")
 

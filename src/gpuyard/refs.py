@@ -1,9 +1,11 @@
-"""References parsed and printed in one place: datasets (``NAME@VERSION#split=a,b``) and models.
+"""References parsed in one place: datasets (``NAME@VERSION#split=a,b``), models, ``module:attr``.
 
 - :class:`DatasetRef`: ``NAME``, ``NAME@latest``, ``NAME@VERSION`` (4-64 hex digits, a prefix of the
   version id) and any of them with ``#split=NAME[,NAME...]``, the splits of the version to read.
 - :class:`ModelRef`: ``NAME`` (the newest version), ``NAME:VERSION`` (a positive integer) or
   ``NAME@ALIAS`` (an alias or a stage name).
+- :func:`import_ref`: ``package.module:function`` (or ``:Class.method``), the one loader of user code
+  named in specs (entry points, trainers, factories, pipeline stages).
 
 Only the syntax is checked here; whether the dataset, version, split or model exists is for the
 catalog and the registry to say.
@@ -11,9 +13,11 @@ catalog and the registry to say.
 
 from __future__ import annotations
 
+import importlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gpuyard.errors import ConfigError
 
@@ -148,3 +152,33 @@ class ModelRef:
         if self.alias is not None:
             return f"{self.name}@{self.alias}"
         return self.name if self.version is None else f"{self.name}:{self.version}"
+
+
+def import_ref(ref: str, field: str = "reference") -> Callable[..., Any]:
+    """Import ``package.module:attr`` (``attr`` may be dotted) and return it; it must be callable.
+
+    Args:
+        ref: the reference.
+        field: what names it, for the message (``model.entrypoint``, ``trainer``).
+
+    Raises:
+        ConfigError: a malformed reference, a module that fails to import (its own exception is
+            named), a missing attribute, or one that is not callable; the message names ``field``.
+    """
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{field}: {ref!r} is not of the form 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure is the named module's: report it
+        raise ConfigError(
+            f"{field}: cannot import module {module_name!r} for {ref!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{field}: module {module_name!r} has no attribute {attr!r} (from {ref!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{field}: {ref!r} is a {type(obj).__name__}, not a callable")
+    return obj  # type: ignore[no-any-return]

@@ -9,7 +9,6 @@ same signature and name it as ``package.module:function`` in a spec.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +19,7 @@ from gpuyard.errors import ConfigError
 from gpuyard.models.datasets import Splits
 from gpuyard.models.flavors import FACTORY_ATTR, as_predictor
 from gpuyard.models.metrics import compute
+from gpuyard.refs import import_ref
 
 
 class Pruned(Exception):
@@ -166,10 +166,7 @@ def _estimator_class(path: str) -> Any:
         raise ConfigError(
             f"estimator {path!r} must be a scikit-learn class such as sklearn.tree.DecisionTreeClassifier"
         )
-    try:
-        return getattr(importlib.import_module(module_name), cls)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"estimator {path!r} not found in scikit-learn: {exc}") from exc
+    return import_ref(f"{module_name}:{cls}", "estimator")
 
 
 def train_sklearn(params: dict[str, Any], data: Splits, ctx: TrainContext) -> Any:

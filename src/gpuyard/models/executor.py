@@ -56,7 +56,7 @@ class TaskFailed(GpuyardError):
 
 def run_task(task_json: str) -> Any:
     """Run a task in the current process and return its JSON-ready result (the worker's body)."""
-    from gpuyard.models.flavors import import_ref
+    from gpuyard.refs import import_ref
 
     doc = json.loads(task_json)
     return import_ref(doc["fn"])(**doc["kwargs"])

@@ -14,10 +14,11 @@ import numpy as np
 from gpuyard.models.builtin import Pruned, TrainContext
 from gpuyard.models.datasets import Dataset, Splits, load_dataset, pin_dataset, split_dataset
 from gpuyard.models.evaluate import Evaluation, evaluate, log_evaluation
-from gpuyard.models.flavors import as_predictor, import_ref, save_model
+from gpuyard.models.flavors import as_predictor, save_model
 from gpuyard.models.signature import infer_signature
 from gpuyard.models.spec import ModelSpec
 from gpuyard.models.tracking import DbTracker, start_run
+from gpuyard.refs import import_ref
 from gpuyard.states import RunStatus
 
 
@@ -146,7 +147,7 @@ def fit(
         task=task, metric=spec.metric, seed=spec.seed, reporter=reporter, log=tracker.log_metrics
     )
     try:
-        model = import_ref(spec.trainer)(merged, data, ctx)
+        model = import_ref(spec.trainer, "trainer")(merged, data, ctx)
         evals: dict[str, Evaluation] = {}
         if len(data.X_val):
             evals["validation"] = evaluate(model, data.X_val, data.y_val, task, "validation")

@@ -11,18 +11,17 @@ Any other file (pickle, ``torch.save`` archives, arbitrary bytes) is refused by 
 
 from __future__ import annotations
 
-import importlib
 import json
 import struct
 import sys
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
 from gpuyard.errors import ConfigError, IntegrityError
+from gpuyard.refs import import_ref
 
 FLAVORS = ("torch", "sklearn", "onnx")
 FILE_FOR_FLAVOR = {"torch": "model.safetensors", "sklearn": "model.skops", "onnx": "model.onnx"}
@@ -140,29 +139,6 @@ def as_predictor(model: Any, task: str) -> Predictor:
     return SklearnPredictor(model, task)
 
 
-def import_ref(ref: str) -> Callable[..., Any]:
-    """Import ``module:attribute`` and return the attribute.
-
-    Raises:
-        ConfigError: malformed reference, module or attribute missing (the message says which).
-    """
-    module_name, sep, attr = ref.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"reference {ref!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"reference {ref!r}: cannot import module {module_name!r}: {exc}") from exc
-    target = module
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ConfigError(f"reference {ref!r}: module {module_name!r} has no attribute {attr!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ConfigError(f"reference {ref!r} is not callable")
-    return target  # type: ignore[no-any-return]
-
-
 def save_model(
     model: Any,
     folder: str | Path,
@@ -197,7 +173,7 @@ def save_model(
             raise ConfigError(
                 "a torch model needs a factory 'module:function' to be stored (weights are not code)"
             )
-        import_ref(factory)  # fail now, not when someone loads it
+        import_ref(factory, "factory")  # fail now, not when someone loads it
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(folder / FILE_FOR_FLAVOR["torch"]))
         config |= {"factory": factory, "kwargs": factory_kwargs or {}}
@@ -234,7 +210,7 @@ def load_model(folder: str | Path, config: dict[str, Any] | None = None) -> tupl
     if flavor == "torch":
         from safetensors.torch import load_file
 
-        module = import_ref(str(config["factory"]))(**config.get("kwargs", {}))
+        module = import_ref(str(config["factory"]), "factory")(**config.get("kwargs", {}))
         module.load_state_dict(load_file(str(path)))
         module.eval()
         return module, TorchPredictor(module, task)

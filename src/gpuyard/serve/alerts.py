@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from sqlalchemy import select
 
 from gpuyard.errors import GpuyardError
+from gpuyard.models.retrain import on_drift_alert
 from gpuyard.serve.drift import build_reference
 from gpuyard.serve.model import ServedModel
 from gpuyard.store import get_store
@@ -17,8 +18,6 @@ from gpuyard.store.tables.serve import DriftAlertRow, DriftReferenceRow
 
 log = logging.getLogger("gpuyard.serve")
 REFERENCE_ROWS = 2000  # training rows sampled to build a reference
-# The retraining policy's entry point (model-management area); looked up when an alert fires.
-RETRAIN_HOOK = "gpuyard.models.retrain:on_drift_alert"
 
 
 def save_reference(name: str, version: int, reference: dict[str, Any]) -> None:
@@ -97,32 +96,27 @@ def record_alerts(model: ServedModel, alerts: list[dict[str, Any]], deployment_i
             s.flush()
             ids.append(row.id)
     outcome = run_retrain_hook(model, alerts)
-    if outcome is not None:
-        with get_store().session() as s:
-            for row in s.scalars(select(DriftAlertRow).where(DriftAlertRow.id.in_(ids))):
-                row.retrain = outcome
+    with get_store().session() as s:
+        for row in s.scalars(select(DriftAlertRow).where(DriftAlertRow.id.in_(ids))):
+            row.retrain = outcome
     return ids
 
 
-def run_retrain_hook(model: ServedModel, alerts: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Call the retraining policy with the alerts, if the model-management area provides one.
+def run_retrain_hook(
+    model: ServedModel, alerts: list[dict[str, Any]], hook: Callable[..., Any] = on_drift_alert
+) -> dict[str, Any]:
+    """Call the retraining policy (model management's :func:`on_drift_alert`) with the alerts.
 
     Returns:
-        None when there is no policy function; else ``{"hook": ..., "result": ...}`` or ``{"error": ...}``.
+        ``{"hook": "module:function", "result": ...}``, or ``{"hook": ..., "error": ...}`` when it failed.
     """
-    module_name, _, attr = RETRAIN_HOOK.partition(":")
+    name = f"{hook.__module__}:{hook.__qualname__}"
     try:
-        fn = getattr(importlib.import_module(module_name), attr, None)
-    except ImportError:
-        return None
-    if fn is None:
-        return None
-    try:
-        result = fn(model_name=model.name, version=model.version, alerts=_jsonable(alerts))
-        return {"hook": RETRAIN_HOOK, "result": _jsonable(result)}
+        result = hook(model_name=model.name, version=model.version, alerts=_jsonable(alerts))
+        return {"hook": name, "result": _jsonable(result)}
     except Exception as exc:  # the policy's failure is recorded with the alert, never fatal to serving
-        log.warning("retraining hook %s failed: %s", RETRAIN_HOOK, exc)
-        return {"hook": RETRAIN_HOOK, "error": str(exc)[:500]}
+        log.warning("retraining hook %s failed: %s", name, exc)
+        return {"hook": name, "error": str(exc)[:500]}
 
 
 def list_alerts(model_name: str | None = None, limit: int = 100) -> list[dict[str, Any]]:

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpuyard.train.spec import OptimizerSpec, ScheduleSpec, load_entrypoint
+from gpuyard.refs import import_ref
+from gpuyard.train.spec import OptimizerSpec, ScheduleSpec
 
 
 def _cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -41,7 +42,7 @@ def build_loss(name: str) -> Callable[[Any, Any], torch.Tensor]:
     """A named loss (cross_entropy, mse, l1) or a `module:function` taking (outputs, targets)."""
     if name in LOSSES:
         return LOSSES[name]
-    return load_entrypoint(name, field="loss")
+    return import_ref(name, field="loss")
 
 
 def build_optimizer(params: Any, spec: OptimizerSpec) -> torch.optim.Optimizer:

@@ -19,8 +19,9 @@ from typing import Any
 
 from gpuyard import exitcodes
 from gpuyard.errors import ConfigError
+from gpuyard.refs import import_ref
 from gpuyard.states import RunStatus, TrainOutcome
-from gpuyard.train.spec import TrainSpec, load_entrypoint, load_plan, load_spec
+from gpuyard.train.spec import TrainSpec, load_plan, load_spec
 from gpuyard.train.tracking import tracked_run_id
 from gpuyard.train.trainer import STATUS_FILE
 from gpuyard.train.worker import LAUNCHED_ENV
@@ -89,7 +90,7 @@ def prepare(cfg: LaunchConfig) -> tuple[TrainSpec, dict[str, Any]]:
         overrides["tracking"] = {k: v for k, v in tracking.items() if v}
     spec = load_spec(cfg.spec_path, overrides)
     for field, ref in _entrypoints(spec):
-        load_entrypoint(ref, field)
+        import_ref(ref, field)
     resolve_layout(spec.parallel, cfg.nproc * cfg.nnodes)
     return spec, overrides
 

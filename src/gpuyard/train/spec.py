@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -230,28 +228,3 @@ def load_plan(path: str | Path) -> dict[str, int]:
         return parallel_from_plan(json.loads(Path(path).read_text()))
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read the plan ({exc})") from None
-
-
-def load_entrypoint(ref: str, field: str = "entrypoint") -> Callable[..., Any]:
-    """Import `package.module:function` and return the callable.
-
-    Raises:
-        ConfigError: naming the field and the reference, and why the import or lookup failed.
-    """
-    module_name, sep, attr = ref.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{field}: {ref!r} is not of the form 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure is the user's module's: report it
-        raise ConfigError(
-            f"{field}: cannot import module {module_name!r} for {ref!r}: {type(exc).__name__}: {exc}"
-        ) from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{field}: module {module_name!r} has no attribute {attr!r} (from {ref!r})")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"{field}: {ref!r} is a {type(obj).__name__}, not a callable")
-    return obj  # type: ignore[no-any-return]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpuyard.errors import ConfigError
+from gpuyard.refs import import_ref
 from gpuyard.states import RunStatus, TrainOutcome
 from gpuyard.train import components as comp
 from gpuyard.train.checkpoint import Checkpointer, latest_checkpoint, step_dirname
@@ -39,7 +40,7 @@ from gpuyard.train.parallel import (
     init_distributed,
     parallelize,
 )
-from gpuyard.train.spec import TrainSpec, load_entrypoint
+from gpuyard.train.spec import TrainSpec
 from gpuyard.train.tracking import DbRunTracker, db_metric_key
 from gpuyard.train.validation import drive_pipeline, early_stopping_update, evaluate
 
@@ -83,7 +84,7 @@ class Trainer:
         self.run_dir = spec.resolved_run_dir()
         self._model_arg, self._train_arg, self._val_arg = model, train_data, val_data
         self.loss_fn = loss or comp.build_loss(spec.loss)
-        self.callbacks = list(callbacks or []) + [load_entrypoint(c, "callbacks") for c in spec.callbacks]
+        self.callbacks = list(callbacks or []) + [import_ref(c, "callbacks") for c in spec.callbacks]
         self._tracker_arg = tracker
         self._run_params = dict(run_params or {})
         self.step = 0
@@ -101,7 +102,7 @@ class Trainer:
         if arg is None:
             if self.spec.model is None:
                 raise ConfigError("model: required (an entrypoint in the spec, or model= in the Python API)")
-            arg = load_entrypoint(self.spec.model.entrypoint, "model.entrypoint")
+            arg = import_ref(self.spec.model.entrypoint, "model.entrypoint")
             built = arg(**self.spec.model.kwargs)
         else:
             built = arg if isinstance(arg, nn.Module) else arg()
@@ -120,7 +121,7 @@ class Trainer:
                         "data.train: required (an entrypoint, or train_data= in the Python API)"
                     )
                 return None
-            factory = load_entrypoint(entry.entrypoint, f"data.{which}.entrypoint")
+            factory = import_ref(entry.entrypoint, f"data.{which}.entrypoint")
             arg = call_factory(factory, entry.kwargs, ctx.dp_rank, ctx.layout.dp)
         train = which == "train"
         return make_source(

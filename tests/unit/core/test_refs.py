@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gpuyard.errors import ConfigError
-from gpuyard.refs import DatasetRef, ModelRef
+from gpuyard.refs import DatasetRef, ModelRef, import_ref
 
 pytestmark = pytest.mark.unit
 
@@ -90,3 +92,25 @@ def test_bad_model_refs_are_one_line_config_errors(text: str, problem: str) -> N
     with pytest.raises(ConfigError) as err:
         ModelRef.parse(text)
     assert problem in str(err.value) and "\n" not in str(err.value)
+
+
+def test_import_ref_errors_say_which_and_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"model.entrypoint: cannot import module 'no_such_mod_xyz'.*"
+        r"ModuleNotFoundError",
+    ):
+        import_ref("no_such_mod_xyz:build", "model.entrypoint")
+    # A module that exists but fails while importing: the user's own exception is named.
+    (tmp_path / "broken_factory_mod.py").write_text("raise ValueError('bad constant')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="ValueError: bad constant"):
+        import_ref("broken_factory_mod:f", "data.train.entrypoint")
+    with pytest.raises(ConfigError, match="has no attribute 'nope'"):
+        import_ref("gpuyard.train.examples:nope")
+    with pytest.raises(ConfigError, match="not of the form"):
+        import_ref("gpuyard.train.examples.mlp")
+    assert import_ref("gpuyard.train.examples:mlp")().__class__.__name__ == "Sequential"
+    assert import_ref("gpuyard.refs:DatasetRef.parse")("x") == DatasetRef("x")  # a dotted attribute
+    with pytest.raises(ConfigError, match=r"trainer: 'gpuyard.refs:NAME_RE' is a Pattern, not a callable"):
+        import_ref("gpuyard.refs:NAME_RE", "trainer")

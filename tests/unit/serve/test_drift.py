@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import types
 
 import numpy as np
@@ -89,23 +88,25 @@ def test_bad_drift_settings_are_refused(kwargs: dict[str, float]) -> None:
         DriftConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def test_retrain_hook_is_called_when_the_policy_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retrain_hook_is_model_managements_policy_and_its_failure_is_recorded() -> None:
+    from gpuyard.models.retrain import on_drift_alert
     from gpuyard.serve import alerts as alerts_mod
 
     model = types.SimpleNamespace(name="m", version=2)
-    monkeypatch.setattr(alerts_mod, "RETRAIN_HOOK", "gpuyard_test_retrain:on_drift_alert")
-    assert alerts_mod.run_retrain_hook(model, []) is None  # no such module: nothing to call
+    assert alerts_mod.run_retrain_hook.__defaults__ == (on_drift_alert,)
 
     calls: list[dict[str, object]] = []
-    fake = types.ModuleType("gpuyard_test_retrain")
-    fake.on_drift_alert = lambda **kw: calls.append(kw) or {"queued": True}  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "gpuyard_test_retrain", fake)
-    out = alerts_mod.run_retrain_hook(model, [{"kind": "input_drift", "value": np.float64(0.5)}])
-    assert out == {"hook": "gpuyard_test_retrain:on_drift_alert", "result": {"queued": True}}
+
+    def policy(**kw: object) -> dict[str, bool]:
+        calls.append(kw)
+        return {"queued": True}
+
+    alerts = [{"kind": "input_drift", "value": np.float64(0.5)}]
+    out = alerts_mod.run_retrain_hook(model, alerts, policy)  # type: ignore[arg-type]
+    assert out["hook"] == f"{__name__}:{policy.__qualname__}" and out["result"] == {"queued": True}
     assert calls[0]["model_name"] == "m" and calls[0]["alerts"] == [{"kind": "input_drift", "value": 0.5}]
 
     def broken(**_: object) -> None:
         raise RuntimeError("policy down")
 
-    fake.on_drift_alert = broken  # type: ignore[attr-defined]
-    assert alerts_mod.run_retrain_hook(model, [])["error"] == "policy down"  # type: ignore[index]
+    assert alerts_mod.run_retrain_hook(model, [], broken)["error"] == "policy down"  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ import yaml
 from gpuyard.errors import ConfigError
 from gpuyard.train.launch import LaunchConfig, prepare, torchrun_command
 from gpuyard.train.parallel import resolve_layout
-from gpuyard.train.spec import ParallelSpec, load_entrypoint, load_spec, parallel_from_plan
+from gpuyard.train.spec import ParallelSpec, load_spec, parallel_from_plan
 
 pytestmark = pytest.mark.unit
 
@@ -59,25 +59,6 @@ def test_pipeline_batch_must_split_into_microbatches(tmp_path: Path) -> None:
     doc = {**GOOD, "data": {**GOOD["data"], "batch_size": 10}, "parallel": {"pp": 2, "microbatches": 4}}
     with pytest.raises(ConfigError, match=r"parallel\.microbatches=4"):
         load_spec(_write(tmp_path, doc))
-
-
-def test_entrypoint_errors_say_which_and_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(
-        ConfigError,
-        match=r"model.entrypoint: cannot import module 'no_such_mod_xyz'.*"
-        r"ModuleNotFoundError",
-    ):
-        load_entrypoint("no_such_mod_xyz:build", "model.entrypoint")
-    # A module that exists but fails while importing: the user's own exception is named.
-    (tmp_path / "broken_factory_mod.py").write_text("raise ValueError('bad constant')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ConfigError, match="ValueError: bad constant"):
-        load_entrypoint("broken_factory_mod:f", "data.train.entrypoint")
-    with pytest.raises(ConfigError, match="has no attribute 'nope'"):
-        load_entrypoint("gpuyard.train.examples:nope")
-    with pytest.raises(ConfigError, match="not of the form"):
-        load_entrypoint("gpuyard.train.examples.mlp")
-    assert load_entrypoint("gpuyard.train.examples:mlp")().__class__.__name__ == "Sequential"
 
 
 def test_prepare_checks_entrypoints_and_layout_before_starting(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ def run_stage(uses: str, inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[st
     Raises:
         ConfigError: the stage returned something other than a JSON mapping.
     """
-    from gpuyard.models.flavors import import_ref
+    from gpuyard.refs import import_ref
 
     fn = import_ref(check_kind(uses, ctx.get("stage", "?")))
     out = fn(inputs, ctx)

@@ -59,7 +59,7 @@ def ingest_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     if source.startswith("sklearn:"):
         path = _sklearn_npz(source.split(":", 1)[1], workdir / "source.npz", inject)
     elif source.startswith("generate:"):
-        from gpuyard.models.flavors import import_ref
+        from gpuyard.refs import import_ref
 
         kwargs = dict(inputs.get("generate_kwargs") or {})
         path = Path(import_ref(source.split(":", 1)[1])(workdir / "source", **kwargs))

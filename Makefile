@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 CONSTRAINTS ?= constraints/cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint format bench clean gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,3 +37,13 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# The GPU acceptance path (docs/fabric.md). Here, with a registry: fetch the wheels the GPU image lacks.
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform manylinux_2_27_x86_64 --platform manylinux1_x86_64 -d wheels -r constraints/gpu-wheels.txt
+
+# There, on the NVIDIA machine (its own PyTorch, no registry): tests, NVML, NCCL, calibration, MFU.
+gpu-check:
+	bash benchmarks/gpu_check.sh

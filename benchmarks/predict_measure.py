@@ -166,8 +166,17 @@ def measure(cfg: Config, workdir: Path) -> float:
     run_dir = workdir / cfg.name
     spec_path = workdir / f"{cfg.name}.yaml"
     spec_path.write_text(yaml.safe_dump(spec_yaml(cfg, run_dir)))
-    exe = Path(sys.executable).with_name("gpuyard")
-    cmd = [str(exe), "train", str(spec_path), "--nproc", str(cfg.nproc), "--tracking", "jsonl"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpuyard.cli.main",
+        "train",
+        str(spec_path),
+        "--nproc",
+        str(cfg.nproc),
+        "--tracking",
+        "jsonl",
+    ]
     env = {**os.environ, "GPUYARD_HOME": str(workdir / "home")}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:

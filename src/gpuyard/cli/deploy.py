@@ -7,7 +7,8 @@ from typing import Any
 
 import typer
 
-from gpuyard.cli.serve import BATCHING_HELP, MAX_BODY_HELP, serve_options
+from gpuyard.cli.serve import with_serve_flags
+from gpuyard.serve.options import ServeOptions
 
 deployments_app = typer.Typer(help="Model servers recorded in the state store.", no_args_is_help=True)
 
@@ -48,24 +49,10 @@ def _table(docs: list[dict[str, Any]]) -> None:
     _print(table)
 
 
+@with_serve_flags(port=0, port_help="Port (0: any free port).")
 def deploy(
+    opts: ServeOptions,
     model: str = typer.Argument(..., help="NAME, NAME:VERSION or NAME@ALIAS."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-    port: int = typer.Option(0, "--port", help="Port (0: any free port)."),
-    replicas: int = typer.Option(
-        1, "--replicas", help="Server processes (one per GPU where there are GPUs)."
-    ),
-    max_batch: int = typer.Option(32, "--max-batch", help="Most samples in one forward pass."),
-    max_wait_ms: float = typer.Option(2.0, "--max-wait-ms", help="Longest wait for a batch to fill (ms)."),
-    batching: str = typer.Option("inline", "--batching", help=BATCHING_HELP),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    threads: int = typer.Option(
-        0, "--threads", help="Torch threads per replica (0: (cores-1)/replicas, min 1)."
-    ),
-    max_body: int = typer.Option(4 << 20, "--max-body-bytes", help=MAX_BODY_HELP),
-    no_drift: bool = typer.Option(False, "--no-drift", help="Do not monitor drift."),
-    drift_window: int = typer.Option(1000, "--drift-window", help="Samples in the drift window."),
-    drift_interval: float = typer.Option(5.0, "--drift-interval", help="Seconds between drift checks."),
     server: str = typer.Option(
         None, "--server", help="gpuyard server whose scheduler places GPU replicas (default: GPUYARD_SERVER)."
     ),
@@ -85,20 +72,6 @@ def deploy(
     from gpuyard.serve.deploy import deploy as run_deploy
     from gpuyard.serve.scheduled import Scheduling
 
-    opts = serve_options(
-        host=host,
-        port=port,
-        replicas=replicas,
-        device=device,
-        max_batch=max_batch,
-        max_wait_ms=max_wait_ms,
-        batching=batching,
-        threads=threads,
-        max_body=max_body,
-        no_drift=no_drift,
-        drift_window=drift_window,
-        drift_interval=drift_interval,
-    )
     scheduling = Scheduling(server=server, team=team, priority=priority, max_restarts=max_restarts)
     doc = run_deploy(model, opts, timeout_s=timeout, scheduling=scheduling)
     if as_json:
@@ -142,7 +115,8 @@ def ls(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """List deployments, newest first (servers whose process vanished are marked dead)."""
-    from gpuyard.serve.deploy import ACTIVE, list_deployments
+    from gpuyard.serve.deploy import list_deployments
+    from gpuyard.serve.records import ACTIVE
 
     docs = list_deployments(all_=True)
     shown = docs if all_ else [d for d in docs if d["status"] in ACTIVE]
@@ -157,7 +131,7 @@ def ls(
 @deployments_app.command("show")
 def show(deployment_id: int = typer.Argument(...)) -> None:
     """One deployment as JSON (its options, processes, log file)."""
-    from gpuyard.serve.deploy import get_deployment
+    from gpuyard.serve.records import get_deployment
 
     _echo_json(get_deployment(deployment_id))
 

@@ -2,16 +2,61 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import typer
 
-if TYPE_CHECKING:
-    from gpuyard.serve.runner import ServeOptions
+# Plain dataclasses (no numpy): cheap enough for every `gpuyard` run, and the one place defaults live.
+from gpuyard.serve.options import BatchConfig, DriftConfig, ServeOptions
 
 _REF_HELP = "Model to serve: NAME (latest), NAME:VERSION or NAME@ALIAS (e.g. digits@production)."
-BATCHING_HELP = "inline: the event loop runs each batch (no thread hand-off); thread: a model thread does."
-MAX_BODY_HELP = "Larger request bodies get 413."
+_BATCHING_HELP = "inline: the event loop runs each batch (no thread hand-off); thread: a model thread does."
+_SERVE, _BATCH, _DRIFT = ServeOptions(), BatchConfig(), DriftConfig()
+# The drift tests start once the window holds this many rows (or the whole window, when smaller).
+_DRIFT_MIN_ROWS = _DRIFT.min_rows
+
+
+# The flags `gpuyard serve` and `gpuyard deploy` share: (parameter, type, flag, help).
+_FLAGS = (
+    ("host", str, "--host", "Address to listen on."),
+    ("port", int, "--port", ""),  # default and help per command
+    ("replicas", int, "--replicas", "Server processes sharing the port (one per GPU)."),
+    ("max_batch", int, "--max-batch", "Most samples in one forward pass."),
+    ("max_wait_ms", float, "--max-wait-ms", "Longest wait for a batch to fill (ms)."),
+    ("batching", str, "--batching", _BATCHING_HELP),
+    ("device", str, "--device", "auto, cpu, cuda or cuda:N."),
+    ("threads", int, "--threads", "Torch threads per replica (0: (cores-1)/replicas, min 1)."),
+    ("max_body", int, "--max-body-bytes", "Larger request bodies get 413."),
+    ("no_drift", bool, "--no-drift", "Do not monitor input/prediction drift."),
+    ("drift_window", int, "--drift-window", "Samples in the drift window."),
+    ("drift_interval", float, "--drift-interval", "Seconds between drift checks."),
+)
+
+
+def _flags(port: int, port_help: str) -> dict[str, tuple[type, Any]]:
+    """The shared flags as name -> (type, typer option), their defaults taken from the config classes."""
+    defaults = {
+        "host": _SERVE.host,
+        "port": port,
+        "replicas": _SERVE.replicas,
+        "max_batch": _BATCH.max_batch,
+        "max_wait_ms": _BATCH.max_wait_ms,
+        "batching": _BATCH.mode,
+        "device": _SERVE.device,
+        "threads": _BATCH.threads,
+        "max_body": _SERVE.max_body_bytes,
+        "no_drift": not _SERVE.drift,
+        "drift_window": _DRIFT.window,
+        "drift_interval": _DRIFT.interval_s,
+    }
+    return {
+        name: (kind, typer.Option(defaults[name], flag, help=port_help if name == "port" else text))
+        for name, kind, flag, text in _FLAGS
+    }
 
 
 def serve_options(
@@ -28,14 +73,8 @@ def serve_options(
     no_drift: bool,
     drift_window: int,
     drift_interval: float,
-    deployment_id: int | None = None,
 ) -> ServeOptions:
-    """The server's options from the flags `gpuyard serve` and `gpuyard deploy` share (one place, so
-    neither command can drop one on the way)."""
-    from gpuyard.serve.batching import BatchConfig
-    from gpuyard.serve.drift import DriftConfig
-    from gpuyard.serve.runner import ServeOptions
-
+    """The server's options from the shared flags (one place, so neither command can drop one)."""
     return ServeOptions(
         host=host,
         port=port,
@@ -45,49 +84,54 @@ def serve_options(
         max_body_bytes=max_body,
         drift=not no_drift,
         drift_config=DriftConfig(
-            window=drift_window, min_rows=min(200, drift_window), interval_s=drift_interval
+            window=drift_window, min_rows=min(_DRIFT_MIN_ROWS, drift_window), interval_s=drift_interval
         ),
-        deployment_id=deployment_id,
     )
 
 
+def with_serve_flags(
+    port: int = _SERVE.port, port_help: str = "Port (0: any free port; the URL is printed)."
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command the shared serve flags; it receives them as one ``opts: ServeOptions``.
+
+    Typer reads a command's parameters from its signature, so the wrapper's signature is the
+    command's own parameters (less ``opts``) followed by the shared flags.
+
+    Args:
+        port: the ``--port`` default (`deploy` picks a free port by default, `serve` listens on 8000).
+        port_help: the ``--port`` help.
+    """
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        flags = _flags(port, port_help)
+        own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "opts"]
+        shared = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
+            for name, (kind, option) in flags.items()
+        ]
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> None:
+            opts = serve_options(**{name: kwargs.pop(name) for name in flags})
+            command(opts=opts, **kwargs)
+
+        wrapper.__signature__ = inspect.Signature([*own, *shared])  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in (*own, *shared)} | {"return": None}
+        return wrapper
+
+    return decorate
+
+
+@with_serve_flags()
 def serve(
+    opts: ServeOptions,
     model: str = typer.Argument(..., help=_REF_HELP),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-    port: int = typer.Option(8000, "--port", help="Port (0: any free port; the URL is printed)."),
-    replicas: int = typer.Option(1, "--replicas", help="Server processes sharing the port (one per GPU)."),
-    max_batch: int = typer.Option(32, "--max-batch", help="Most samples in one forward pass."),
-    max_wait_ms: float = typer.Option(2.0, "--max-wait-ms", help="Longest wait for a batch to fill (ms)."),
-    batching: str = typer.Option("inline", "--batching", help=BATCHING_HELP),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    threads: int = typer.Option(
-        0, "--threads", help="Torch threads per replica (0: (cores-1)/replicas, min 1)."
-    ),
-    max_body: int = typer.Option(4 << 20, "--max-body-bytes", help=MAX_BODY_HELP),
-    no_drift: bool = typer.Option(False, "--no-drift", help="Do not monitor input/prediction drift."),
-    drift_window: int = typer.Option(1000, "--drift-window", help="Samples in the drift window."),
-    drift_interval: float = typer.Option(5.0, "--drift-interval", help="Seconds between drift checks."),
     deployment_id: int = typer.Option(None, "--deployment-id", hidden=True),
 ) -> None:
     """Serve MODEL over HTTP: POST /v1/models/NAME/predict, /health, /ready, /metrics, /docs."""
     from gpuyard.serve.runner import serve_with_record
 
-    opts = serve_options(
-        host=host,
-        port=port,
-        replicas=replicas,
-        device=device,
-        max_batch=max_batch,
-        max_wait_ms=max_wait_ms,
-        batching=batching,
-        threads=threads,
-        max_body=max_body,
-        no_drift=no_drift,
-        drift_window=drift_window,
-        drift_interval=drift_interval,
-        deployment_id=deployment_id,
-    )
-    serve_with_record(model, opts)
+    serve_with_record(model, replace(opts, deployment_id=deployment_id))
 
 
 def register(app: typer.Typer) -> None:

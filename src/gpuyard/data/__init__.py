@@ -9,9 +9,10 @@ Public entry points (the loader lives in :mod:`gpuyard.data.loader`, which impor
 
 from gpuyard.data.catalog import list_datasets, list_versions
 from gpuyard.data.dataset import DatasetVersion, open_dataset
+from gpuyard.data.fitted import FittedTransform
 from gpuyard.data.ingest import IngestOptions, ingest
 from gpuyard.data.recipe import Recipe, load_recipe
-from gpuyard.data.transforms import FittedTransform, transform
+from gpuyard.data.transforms import transform
 from gpuyard.data.validate import ValidationSpec
 
 __all__ = [

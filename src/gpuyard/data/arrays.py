@@ -1,7 +1,7 @@
 """A dataset version as ``(X, y)`` arrays, and split selection in references (``NAME@VERSION#split=a,b``).
 
 This is the one place that turns a dataset version into a feature matrix; model management
-(:mod:`gpuyard.models.gydata`) and the pipelines both read through it, so a model sees the same
+(:mod:`gpuyard.models.datasets`) and the pipelines both read through it, so a model sees the same
 columns whichever way it was trained.
 
 - Features: tensor columns flattened per row, then int / float / bool columns, in schema order; never

@@ -21,7 +21,7 @@ from gpuyard.store import get_artifacts
 from gpuyard.store.artifacts import ArtifactStore
 
 if TYPE_CHECKING:
-    from gpuyard.data.transforms import FittedTransform
+    from gpuyard.data.fitted import FittedTransform
 
 
 def shard_location(artifacts: ArtifactStore, shard: ShardInfo, cache: ShardCache | None) -> str:
@@ -141,7 +141,7 @@ class DatasetVersion:
 
     def transform_for_inference(self) -> FittedTransform:
         """The recipe with its fitted statistics, to apply to new rows exactly as training saw them."""
-        from gpuyard.data.transforms import FittedTransform
+        from gpuyard.data.fitted import FittedTransform
 
         return FittedTransform.from_manifest(self.manifest)
 

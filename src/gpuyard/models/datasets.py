@@ -6,8 +6,9 @@ A dataset reference is a string recorded as the run's dataset version:
   ``sklearn:wine``: scikit-learn's bundled data (offline); the version is the scikit-learn release.
 - ``npz:PATH``: a NumPy ``.npz`` file with arrays ``X`` and ``y`` (loaded with ``allow_pickle=False``);
   the version is the first 12 hex digits of the file's SHA-256.
-- ``NAME@VERSION``: a version of a gpuyard dataset (``gpuyard.data``), see :mod:`gpuyard.models.gydata`;
-  ``NAME`` or ``NAME@latest`` is its newest version. The recorded version is the resolved one.
+- ``NAME@VERSION``: a version of a gpuyard dataset (``gpuyard.data``), read by
+  :func:`gpuyard.data.arrays.load_arrays`; ``NAME`` or ``NAME@latest`` is its newest version. The
+  recorded version is the resolved one.
 - ``NAME@VERSION#split=train,val``: only the rows of those splits of the version (a recipe's split
   step makes them), in the version's row order; recorded as ``NAME@<version id>#split=train,val``.
 
@@ -133,10 +134,16 @@ def load_dataset(ref: str) -> Dataset:
     if ref.startswith("npz:"):
         return _npz(ref.split(":", 1)[1])  # a path: '#' is part of the file name there
     if _catalog_ref(ref):
-        from gpuyard.models.gydata import load_gpuyard_dataset
-
-        return load_gpuyard_dataset(ref)
+        return _gpuyard(ref)
     raise ConfigError(_BAD_REF.format(ref=ref))
+
+
+def _gpuyard(ref: str) -> Dataset:
+    """A gpuyard dataset version as arrays: the data layer's one loader, which the pipelines use too."""
+    from gpuyard.data.arrays import load_arrays
+
+    data = load_arrays(ref)
+    return Dataset(X=data.X, y=data.y, version=data.version, task=data.task, feature_names=data.feature_names)
 
 
 _BAD_REF = "dataset reference {ref!r}: use sklearn:NAME, npz:PATH, NAME@VERSION or NAME@VERSION#split=a,b"

@@ -31,47 +31,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from gpuyard.errors import ConfigError, GpuyardError
+from gpuyard.errors import GpuyardError
+from gpuyard.serve.options import BatchConfig
 
 Outputs = dict[str, np.ndarray]
-MODES = ("inline", "thread")
-
-
-@dataclass(frozen=True)
-class BatchConfig:
-    """How requests are gathered.
-
-    Attributes:
-        max_batch: most samples in one forward pass.
-        max_wait_ms: longest time the oldest request waits for others to join its batch.
-        threads: intra-op threads of the model thread (``torch.set_num_threads``); 0: chosen by the runner.
-        max_queue: requests waiting beyond this are refused with 503 (back-pressure, bounded memory).
-        mode: ``inline`` (the event loop runs the forward pass) or ``thread`` (a model thread does).
-    """
-
-    max_batch: int = 32
-    max_wait_ms: float = 2.0
-    threads: int = 0
-    max_queue: int = 4096
-    mode: str = "inline"
-
-    def __post_init__(self) -> None:
-        # Named by their `gpuyard serve`/`deploy` flags: that is where most of these values come from.
-        if self.max_batch < 1:
-            raise ConfigError(f"--max-batch {self.max_batch}: must be at least 1")
-        if not 0 <= self.max_wait_ms <= 10_000:
-            raise ConfigError(f"--max-wait-ms {self.max_wait_ms:g}: must be between 0 and 10000")
-        if self.threads < 0:
-            raise ConfigError(f"--threads {self.threads}: must be >= 0 (0: (cores - 1) / replicas)")
-        if self.max_queue < 1:
-            raise ConfigError(f"max_queue={self.max_queue}: must be at least 1")
-        if self.mode not in MODES:
-            raise ConfigError(f"--batching {self.mode!r}: use one of {', '.join(MODES)}")
 
 
 class Overloaded(GpuyardError):

@@ -26,43 +26,25 @@ from sqlalchemy import select
 
 from gpuyard.errors import ConfigError, ConflictError, NotFoundError
 from gpuyard.scheduler.spec import JobState
-from gpuyard.serve.runner import ServeOptions
-from gpuyard.serve.scheduled import TERMINAL, Scheduling
+from gpuyard.serve.options import ServeOptions
+from gpuyard.serve.records import (
+    ACTIVE,
+    deployment_doc,
+    get_deployment,
+    mark,
+    request_undeploy,
+)
+from gpuyard.serve.scheduled import Scheduling
 from gpuyard.settings import load_settings
 from gpuyard.states import DeploymentState
 from gpuyard.store import get_store
-from gpuyard.store.base import utcnow
 from gpuyard.store.tables.serve import DeploymentRow
 
-ACTIVE = frozenset(s for s in DeploymentState if s.active)
-# Set in a deployment's config by `undeploy` before it stops the processes: a scheduled replica set
-# that gets SIGTERM reads it to tell the cancel from a preemption.
-UNDEPLOY = "undeploy_requested"
 _ENDED: dict[str, str] = {
     JobState.FAILED: "failed",
     JobState.CANCELLED: "was cancelled",
     JobState.SUCCEEDED: "exited with code 0",
 }
-
-
-def _doc(r: DeploymentRow) -> dict[str, Any]:
-    return {
-        "id": r.id,
-        "model": r.model_name,
-        "version": r.model_version,
-        "ref": r.model_ref,
-        "replicas": r.replicas,
-        "device": r.device,
-        "status": r.status,
-        "url": r.url,
-        "pids": r.pids,
-        "log": r.log_path,
-        "error": r.error,
-        "job": r.job_id,
-        "config": r.config,
-        "created_at": r.created_at.isoformat(),
-        "stopped_at": r.stopped_at.isoformat() if r.stopped_at else None,
-    }
 
 
 def create_record(ref: str, opts: ServeOptions, scheduling: Scheduling | None = None) -> dict[str, Any]:
@@ -90,56 +72,7 @@ def create_record(ref: str, opts: ServeOptions, scheduling: Scheduling | None = 
         )
         s.add(row)
         s.flush()
-        return _doc(row)
-
-
-def serve_options(deployment_id: int) -> ServeOptions:
-    """The serve options recorded for a deployment (what `gpuyard serve --deployment-id N` runs with)."""
-    config = dict(get_deployment(deployment_id)["config"])
-    config.pop("scheduling", None)
-    config.pop(UNDEPLOY, None)
-    return ServeOptions.from_json({**config, "deployment_id": deployment_id})
-
-
-def mark(deployment_id: int, status: DeploymentState, **fields: Any) -> None:
-    """Set a deployment's status (and url, pids, error, log_path when given)."""
-    with get_store().session() as s:
-        row = s.get(DeploymentRow, deployment_id)
-        if row is None:
-            raise NotFoundError(f"deployment {deployment_id} not found")
-        row.status = status
-        for key, value in fields.items():
-            setattr(row, key, value)
-        if not status.active:
-            row.stopped_at = utcnow()
-        else:
-            row.stopped_at = None  # a replica set restarted by the scheduler is live again
-
-
-def _request_undeploy(deployment_id: int) -> None:
-    """Record that the deployment is being undeployed (committed before any process is signalled)."""
-    with get_store().session() as s:
-        row = s.get(DeploymentRow, deployment_id)
-        if row is not None:
-            row.config = {**(row.config or {}), UNDEPLOY: True}
-
-
-def undeploy_requested(deployment_id: int) -> bool:
-    """Whether ``undeploy`` asked this deployment to stop (False for a preemption's SIGTERM)."""
-    return bool((get_deployment(deployment_id)["config"] or {}).get(UNDEPLOY))
-
-
-def get_deployment(deployment_id: int) -> dict[str, Any]:
-    """One deployment record.
-
-    Raises:
-        NotFoundError: no such deployment.
-    """
-    with get_store().read() as s:
-        row = s.get(DeploymentRow, deployment_id)
-        if row is None:
-            raise NotFoundError(f"deployment {deployment_id} not found (see `gpuyard deployments ls`)")
-        return _doc(row)
+        return deployment_doc(row)
 
 
 def _alive(pid: int | None) -> bool:
@@ -153,13 +86,22 @@ def _alive(pid: int | None) -> bool:
         return False
 
 
+def _scheduling(d: dict[str, Any]) -> Scheduling:
+    """How a scheduled deployment's job was asked for (which server places it)."""
+    return Scheduling(**((d["config"] or {}).get("scheduling") or {}))
+
+
 def _gone(d: dict[str, Any]) -> str | None:
     """Why an active deployment is not live any more (None: it is, or may still become so)."""
     if d["job"] is not None:
+        from gpuyard.scheduler.client import ServerUnreachable
         from gpuyard.serve.scheduled import job_state
 
-        state = job_state(d["job"])
-        if state is None or state in TERMINAL:
+        try:
+            state = job_state(d["job"], _scheduling(d))
+        except ServerUnreachable:
+            return None  # the scheduler cannot say: an unreachable server does not end its jobs
+        if state is None or state.terminal:
             return f"its scheduler job {d['job']} {_ENDED.get(state or '', 'is gone')}"
         return None
     if d["pids"].get("server") and not _alive(d["pids"]["server"]):
@@ -170,7 +112,7 @@ def _gone(d: dict[str, Any]) -> str | None:
 def list_deployments(all_: bool = False) -> list[dict[str, Any]]:
     """Deployments, newest first (only active ones unless ``all_``); vanished servers become ``dead``."""
     with get_store().read() as s:
-        rows = [_doc(r) for r in s.scalars(select(DeploymentRow).order_by(DeploymentRow.id.desc()))]
+        rows = [deployment_doc(r) for r in s.scalars(select(DeploymentRow).order_by(DeploymentRow.id.desc()))]
     for d in rows:
         why = _gone(d) if d["status"] in ACTIVE else None
         if why is not None:
@@ -217,13 +159,13 @@ def _wait_for_job(dep_id: int, job_id: int, scheduling: Scheduling, timeout_s: f
     from gpuyard.serve import scheduled
 
     deadline = time.monotonic() + timeout_s
-    state: str | None = JobState.QUEUED
+    state: JobState | None = JobState.QUEUED
     while time.monotonic() < deadline:
         current = get_deployment(dep_id)
-        state = scheduled.job_state(job_id)
+        state = scheduled.job_state(job_id, scheduling)
         if current["status"] == DeploymentState.RUNNING and state == JobState.RUNNING:
             return current
-        if state is None or state in TERMINAL:
+        if state is None or state.terminal:
             why = f"its scheduler job {job_id} {_ENDED.get(state or '', 'is gone')}"
             mark(dep_id, DeploymentState.FAILED, error=why)
             raise ConfigError(f"deployment {dep_id}: {why}:\n{scheduled.job_log_tail(job_id, scheduling)}")
@@ -304,12 +246,11 @@ def undeploy(target: str) -> list[dict[str, Any]]:
             raise NotFoundError(f"no active deployment of model {target!r} (see `gpuyard deployments ls`)")
     out = []
     for d in docs:
-        _request_undeploy(d["id"])
+        request_undeploy(d["id"])
         if d["job"] is not None:
             from gpuyard.serve.scheduled import cancel
 
-            sched = (d["config"] or {}).get("scheduling") or {}
-            cancel(int(d["job"]), Scheduling(**sched))
+            cancel(int(d["job"]), _scheduling(d))
         elif d["pids"].get("server"):
             _terminate(int(d["pids"]["server"]))
         mark(d["id"], DeploymentState.STOPPED, error=None)

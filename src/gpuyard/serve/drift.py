@@ -23,46 +23,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from gpuyard.errors import ConfigError
+from gpuyard.serve.options import DriftConfig
 
 SAMPLE = 500  # reference values kept per feature for KS (JSON in the store; ~4 kB per feature)
 MAX_FEATURES = 64  # the first features monitored; wider inputs (images) are summarised by these
 BINS = 10
 EPS = 1e-4  # floor of a bin's share, so an empty bin does not make PSI infinite
-
-
-@dataclass(frozen=True)
-class DriftConfig:
-    """Drift monitoring settings.
-
-    Attributes:
-        window: served samples in the sliding window.
-        min_rows: samples needed in the window before any test runs.
-        interval_s: seconds between evaluations (a background thread; the model thread only copies rows).
-        psi_threshold: PSI at or above which a feature alerts.
-        ks_alpha: family-wise KS significance (divided by the number of features).
-        cooldown_s: a feature that alerted stays quiet for this long (one alert per episode).
-    """
-
-    window: int = 1000
-    min_rows: int = 200
-    interval_s: float = 5.0
-    psi_threshold: float = 0.25
-    ks_alpha: float = 0.001
-    cooldown_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.window < 10 or not 10 <= self.min_rows <= self.window:
-            raise ConfigError(
-                f"drift window={self.window}, min_rows={self.min_rows}: need 10 <= min_rows <= window"
-            )
-        if self.interval_s <= 0 or self.psi_threshold <= 0 or not 0 < self.ks_alpha < 1:
-            raise ConfigError("drift interval_s and psi_threshold must be > 0, ks_alpha in (0, 1)")
 
 
 def _edges(values: np.ndarray) -> list[float]:

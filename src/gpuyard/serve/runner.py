@@ -20,66 +20,14 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from gpuyard.errors import ConfigError
-from gpuyard.serve.batching import BatchConfig
-from gpuyard.serve.drift import DriftConfig
+from gpuyard.serve.options import BatchConfig, ServeOptions
 from gpuyard.states import DeploymentState
 
 log = logging.getLogger("gpuyard.serve")
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """Everything ``gpuyard serve`` takes besides the model reference.
-
-    Attributes:
-        host: interface to bind (127.0.0.1 unless you mean to expose the model).
-        port: TCP port; 0 picks a free one.
-        replicas: server processes sharing the port (one per GPU where there are GPUs).
-        device: auto, cpu, cuda or cuda:N.
-        batch: batching settings (``threads`` 0 means (cores - 1) / replicas, at least 1).
-        max_body_bytes: bodies above this get 413.
-        max_rows: most samples per request.
-        drift: monitor drift when the model has a reference.
-        drift_config: window and thresholds.
-        deployment_id: the store record to keep up to date (set by ``gpuyard deploy``).
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    replicas: int = 1
-    device: str = "auto"
-    batch: BatchConfig = field(default_factory=BatchConfig)
-    max_body_bytes: int = 4 << 20
-    max_rows: int = 1024
-    drift: bool = True
-    drift_config: DriftConfig = field(default_factory=DriftConfig)
-    deployment_id: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.replicas <= 64:
-            raise ConfigError(f"--replicas {self.replicas}: must be between 1 and 64")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port {self.port}: must be between 0 and 65535")
-        if self.max_body_bytes < 1024:
-            raise ConfigError(f"--max-body-bytes {self.max_body_bytes}: must be at least 1024")
-        if self.max_rows < 1:
-            raise ConfigError(f"max_rows={self.max_rows}: must be at least 1")
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-ready dict (nested configs included)."""
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> ServeOptions:
-        """Inverse of :meth:`to_json`."""
-        doc = dict(doc)
-        doc["batch"] = BatchConfig(**doc["batch"])
-        doc["drift_config"] = DriftConfig(**doc["drift_config"])
-        return cls(**doc)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -285,12 +233,12 @@ def serve_with_record(ref: str, opts: ServeOptions) -> None:
     if opts.deployment_id is None:
         serve(ref, opts)
         return
-    from gpuyard.serve.deploy import mark, serve_options, undeploy_requested
+    from gpuyard.serve.records import mark, recorded_options, undeploy_requested
 
     # The record holds every option `gpuyard deploy` was given (drift thresholds, batching, limits):
     # the command line only names the deployment.
     dep_id = opts.deployment_id
-    opts = serve_options(dep_id)
+    opts = recorded_options(dep_id)
 
     def ready(url: str, pids: dict[str, Any]) -> None:
         device = ",".join(sorted(set(pids["devices"])))

@@ -12,6 +12,7 @@ its GPUs on a single node (larger fleets are several deployments behind a load b
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import sys
@@ -23,11 +24,7 @@ from typing import Any
 from gpuyard.errors import CapacityError, ConfigError, ConflictError, NotFoundError
 from gpuyard.scheduler.nodes import FAKE_GPU_TYPE
 from gpuyard.scheduler.spec import JobState
-from gpuyard.serve.runner import ServeOptions
-from gpuyard.store import get_store
-from gpuyard.store.tables.jobs import JobRow
-
-TERMINAL = frozenset(s for s in JobState if s.terminal)
+from gpuyard.serve.options import ServeOptions
 
 
 @dataclass(frozen=True)
@@ -131,7 +128,7 @@ def submit(doc: dict[str, Any], opts: ServeOptions, scheduling: Scheduling) -> i
 
     Raises:
         ConfigError: the server keeps its state in another store than this command (its job would
-            never find the deployment record).
+            not find this deployment record, or would find another one).
     """
     from gpuyard.scheduler.spec import parse_spec
 
@@ -149,25 +146,52 @@ def submit(doc: dict[str, Any], opts: ServeOptions, scheduling: Scheduling) -> i
     )
     client = _client(scheduling)
     try:
-        job = client.submit(spec)
-        if job_state(int(job["id"]), name) is None:
-            client.cancel(int(job["id"]))
+        if not _same_record(client.url, doc):
             raise ConfigError(
                 f"the gpuyard server at {client.url} keeps its state in another store than this command: "
                 "run `gpuyard deploy` with the server's GPUYARD_HOME / GPUYARD_DATABASE_URL"
             )
+        job = client.submit(spec)
     finally:
         client.close()
     return int(job["id"])
 
 
-def job_state(job_id: int, name: str | None = None) -> str | None:
-    """The job's state in this command's store (None: no such job, or another one by that id)."""
-    with get_store().read() as s:
-        row = s.get(JobRow, job_id)
-        if row is None or (name is not None and row.name != name):
-            return None
-        return row.state
+def _same_record(url: str, doc: dict[str, Any]) -> bool:
+    """Whether the server at ``url`` reads deployment ``doc`` as this command wrote it (one store)."""
+    import httpx
+
+    from gpuyard.auth import TokenAuth
+
+    try:
+        resp = httpx.get(f"{url}/deployments/{doc['id']}", auth=TokenAuth(), timeout=30.0)
+    except httpx.TransportError:
+        return True  # gone since route() reached it: submit() reports that with its own message
+    if resp.status_code == 404:
+        return False
+    resp.raise_for_status()
+    theirs = resp.json()
+    return bool(theirs["created_at"] == doc["created_at"] and theirs["model"] == doc["model"])
+
+
+def job_state(job_id: int, scheduling: Scheduling) -> JobState | None:
+    """The job's state on the scheduler's server (None: the server has no such job).
+
+    Raises:
+        ServerUnreachable: no server answers at ``scheduling.server``.
+    """
+    client = _client(scheduling)
+    try:
+        return _state(client, job_id)
+    finally:
+        client.close()
+
+
+def _state(client: Any, job_id: int) -> JobState | None:
+    try:
+        return JobState(client.get(job_id)["state"])
+    except NotFoundError:
+        return None
 
 
 def job_log_tail(job_id: int, scheduling: Scheduling, chars: int = 800) -> str:
@@ -195,18 +219,18 @@ def cancel(job_id: int, scheduling: Scheduling, wait_s: float = 60.0) -> None:
 
     client = _client(scheduling)
     try:
-        client.cancel(job_id)
-    except ConflictError:
-        pass  # already over
+        with contextlib.suppress(ConflictError):  # already over
+            client.cancel(job_id)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            state = _state(client, job_id)
+            if state is None or state.terminal:
+                return
+            time.sleep(0.2)  # the server has no completion callback: poll the job's record
     except ServerUnreachable as exc:
         raise ServerUnreachable(
             f"cannot cancel job {job_id}, which holds the deployment's GPUs: {exc}"
         ) from None
     finally:
         client.close()
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if job_state(job_id) in (*TERMINAL, None):
-            return
-        time.sleep(0.2)
     raise ConfigError(f"job {job_id} did not stop within {wait_s:.0f} s; see `gpuyard jobs show {job_id}`")

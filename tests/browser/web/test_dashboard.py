@@ -120,7 +120,7 @@ def deployment(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict
     """A real deployment (a tiny MLP with a drift reference) on the server's home; undeployed after."""
     from gpuyard.serve.deploy import deploy, undeploy
     from gpuyard.serve.examples import register_example
-    from gpuyard.serve.runner import ServeOptions
+    from gpuyard.serve.options import ServeOptions
     from gpuyard.store.db import reset_store_cache
 
     monkeypatch.setenv("GPUYARD_HOME", str(server.home))

@@ -17,10 +17,9 @@ import pytest
 
 from gpuyard.errors import ConfigError, ConflictError, NotFoundError
 from gpuyard.scheduler.client import ServerUnreachable
-from gpuyard.serve.batching import BatchConfig
-from gpuyard.serve.deploy import deploy, get_deployment, list_deployments, undeploy
-from gpuyard.serve.drift import DriftConfig
-from gpuyard.serve.runner import ServeOptions
+from gpuyard.serve.deploy import deploy, list_deployments, undeploy
+from gpuyard.serve.options import BatchConfig, DriftConfig, ServeOptions
+from gpuyard.serve.records import get_deployment
 
 pytestmark = pytest.mark.integration
 

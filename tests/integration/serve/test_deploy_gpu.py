@@ -22,8 +22,9 @@ import pytest
 from tests.waiting import wait_for
 
 from gpuyard.errors import CapacityError, ConfigError
-from gpuyard.serve.deploy import deploy, get_deployment, list_deployments, undeploy
-from gpuyard.serve.runner import ServeOptions
+from gpuyard.serve.deploy import deploy, list_deployments, undeploy
+from gpuyard.serve.options import ServeOptions
+from gpuyard.serve.records import get_deployment
 from gpuyard.serve.scheduled import Scheduling, job_state
 
 from .conftest import free_port
@@ -77,7 +78,8 @@ def _predict(doc: dict[str, object]) -> int:
 
 def test_replicas_get_disjoint_gpus_from_the_scheduler_and_give_them_back(scheduler: str) -> None:
     a = deploy("mlp", ServeOptions(port=0, replicas=2, device="cuda", drift=False))
-    assert a["status"] == "running" and a["job"] is not None and job_state(a["job"]) == "running"
+    assert a["status"] == "running" and a["job"] is not None
+    assert job_state(a["job"], Scheduling()) == "running"
     assert len(_gpus(a)) == 2 and len(a["pids"]["replicas"]) == 2 and _predict(a) == 200
     assert a["pids"]["devices"] == ["cpu", "cpu"]  # fake GPUs: no CUDA device behind them
     # --device auto goes to the scheduler too, because its nodes have GPUs.
@@ -88,7 +90,7 @@ def test_replicas_get_disjoint_gpus_from_the_scheduler_and_give_them_back(schedu
     with pytest.raises(ConfigError, match=r"not placed within 4 s.*queue"):
         deploy("mlp", ServeOptions(port=0, device="cuda", drift=False), timeout_s=4)
     failed = list_deployments(all_=True)[0]
-    assert failed["status"] == "failed" and job_state(failed["job"]) == "cancelled"
+    assert failed["status"] == "failed" and job_state(failed["job"], Scheduling()) == "cancelled"
     with pytest.raises(CapacityError, match=r"largest node .* has 4 usable GPUs"):
         deploy("mlp", ServeOptions(port=0, replicas=5, device="cuda"))
 
@@ -103,7 +105,7 @@ def test_replicas_get_disjoint_gpus_from_the_scheduler_and_give_them_back(schedu
     # Undeploy cancels the job: its processes go, its GPUs are free for the next deployment.
     undeploy(str(a["id"]))
     stopped = get_deployment(a["id"])
-    assert job_state(a["job"]) == "cancelled" and stopped["status"] == "stopped"
+    assert job_state(a["job"], Scheduling()) == "cancelled" and stopped["status"] == "stopped"
     # The replica set took the cancel's SIGTERM for a preemption and said so; a stopped record must not.
     assert stopped["error"] is None
     assert wait_for(lambda: not any(psutil.pid_exists(p) for p in a["pids"]["replicas"]), 30)
@@ -141,7 +143,8 @@ def test_a_replica_set_comes_back_after_a_crash_and_after_a_preemption(scheduler
     reasons = " | ".join(e["reason"] or "" for e in events)
     assert "restart 1 of 1" in reasons and "preempted" in reasons, reasons
     undeploy(str(doc["id"]))
-    assert job_state(doc["job"]) == "cancelled" and get_deployment(doc["id"])["status"] == "stopped"
+    assert job_state(doc["job"], Scheduling()) == "cancelled"
+    assert get_deployment(doc["id"])["status"] == "stopped"
     # The replica set told undeploy's SIGTERM from the preemption's: it exited cleanly, not "requeue me".
     events = httpx.get(
         f"{scheduler}/jobs/{doc['job']}/events", headers={"authorization": f"Bearer {_token()}"}

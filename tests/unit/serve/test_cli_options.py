@@ -57,3 +57,41 @@ def test_the_batching_flag_reaches_the_options_and_a_wrong_mode_is_named() -> No
     assert opts.to_json()["batch"]["mode"] == "thread"  # what a deployment's record holds
     with pytest.raises(ConfigError, match="--batching 'threads': use one of inline, thread"):
         serve_options(batching="threads", **flags)  # type: ignore[arg-type]
+
+
+def test_the_flags_defaults_are_the_config_classes() -> None:
+    from gpuyard.serve.options import BatchConfig, DriftConfig, ServeOptions
+
+    serve_opts, batch, drift = ServeOptions(), BatchConfig(), DriftConfig()
+    expected = {
+        "host": serve_opts.host,
+        "port": serve_opts.port,
+        "replicas": serve_opts.replicas,
+        "device": serve_opts.device,
+        "max_batch": batch.max_batch,
+        "max_wait_ms": batch.max_wait_ms,
+        "batching": batch.mode,
+        "threads": batch.threads,
+        "max_body": serve_opts.max_body_bytes,
+        "no_drift": not serve_opts.drift,
+        "drift_window": drift.window,
+        "drift_interval": drift.interval_s,
+    }
+    serve = _params("serve")
+    assert {name: serve[name].default for name in expected} == expected
+    assert _params("deploy")["port"].default == 0
+
+
+def test_serve_hands_the_flags_to_the_server_as_one_options_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from gpuyard.serve import runner
+
+    seen: list[Any] = []
+    monkeypatch.setattr(runner, "serve_with_record", lambda ref, opts: seen.append((ref, opts)))
+    args = ["serve", "m@production", "--port", "0", "--max-batch", "7", "--no-drift", "--deployment-id", "3"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    ref, opts = seen[0]
+    assert ref == "m@production" and (opts.port, opts.batch.max_batch, opts.drift) == (0, 7, False)
+    assert opts.deployment_id == 3 and opts.drift_config.min_rows == 200

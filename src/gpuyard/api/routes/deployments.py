@@ -33,7 +33,7 @@ def alerts(model: str | None = None, limit: int = Query(100, ge=1, le=1000)) -> 
 @router.get("/{deployment_id}")
 def deployment(deployment_id: int) -> dict[str, Any]:
     """One deployment record."""
-    from gpuyard.serve.deploy import get_deployment
+    from gpuyard.serve.records import get_deployment
 
     return get_deployment(deployment_id)
 
@@ -45,7 +45,7 @@ def live(deployment_id: int) -> dict[str, Any]:
     Only the URL recorded for the deployment is asked (never one from the request); a server that
     does not answer gives ``{"reachable": false, "error": ...}`` rather than an error status.
     """
-    from gpuyard.serve.deploy import get_deployment
+    from gpuyard.serve.records import get_deployment
 
     dep = get_deployment(deployment_id)
     out: dict[str, Any] = {"id": dep["id"], "status": dep["status"], "reachable": False}

@@ -53,8 +53,7 @@ def serve_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     import httpx
 
     from gpuyard.serve.deploy import deploy, undeploy
-    from gpuyard.serve.drift import DriftConfig
-    from gpuyard.serve.runner import ServeOptions
+    from gpuyard.serve.options import DriftConfig, ServeOptions
 
     stage = ctx["stage"]
     ref, data = str(need(inputs, "model", stage)), str(need(inputs, "dataset", stage))

@@ -42,7 +42,10 @@ fi
 step calibrate gy fabric calibrate --out "$out/calibration.json"
 step predict-measure "$py" benchmarks/predict_measure.py --calibration "$out/calibration.json"
 step mfu "$py" benchmarks/mfu.py
-step plan-calibrated gy plan --model llama3-8b --cluster local --gpus "$ngpu" --global-batch 8 --seq-len 2048 \
+# The planner on this machine with its calibration: the 1.2B shape of benchmarks/mfu.py.
+model=$(mktemp --suffix .yaml)
+printf 'layers: 22\nhidden: 2048\nheads: 16\nkv_heads: 16\nffn_hidden: 8192\nvocab: 32768\nseq_len: 2048\n' >"$model"
+step plan-calibrated gy plan --model "$model" --cluster local --gpus "$ngpu" --global-batch 4 \
   --calibration "$out/calibration.json"
 
 if [ ${#failed[@]} -gt 0 ]; then echo "gpu-check: failed steps: ${failed[*]}"; exit 1; fi

@@ -43,6 +43,8 @@ FORMAT = "gpuyard-calibration/1"
 # loaded 2-core machine, short enough that a whole CPU calibration takes about a minute.
 TIME_BUDGET_S = 0.25
 # Collective sizes: 4 KiB to 64 MiB by 4x covers latency- and bandwidth-bound ends for the fit.
+# One timed sample lasts at least this long, so that launch and synchronisation are amortised.
+SAMPLE_S = 2e-3
 COLLECTIVE_SIZES = tuple(4096 * 4**i for i in range(9))
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 
@@ -108,21 +110,31 @@ class CalibrateConfig:
 
 
 def _timed(fn: Any, sync: Any, budget: float = TIME_BUDGET_S, calls: int | None = None) -> float:
-    """Median seconds per call of ``fn`` after one warm-up, adding calls until ``budget`` is spent.
+    """Median seconds per call of ``fn`` after one warm-up, adding samples until ``budget`` is spent.
 
-    ``calls`` fixes the count instead: a function that runs a collective must be called equally often
-    on every rank.
+    A sample runs ``fn`` back to back until it lasts about SAMPLE_S before one synchronisation, so a
+    GPU kernel's time is not the launch-and-sync round trip. ``calls`` fixes the count of single-call
+    samples instead: a function that runs a collective must be called equally often on every rank.
     """
     fn()
     sync()
+    reps = 1
+    if not calls:
+        start = time.perf_counter()
+        fn()
+        sync()
+        once = time.perf_counter() - start
+        reps = max(1, min(1000, math.ceil(SAMPLE_S / max(once, 1e-7))))
     times: list[float] = []
     spent = 0.0
     while (len(times) < calls) if calls else (spent < budget or len(times) < 3):
         start = time.perf_counter()
-        fn()
+        for _ in range(reps):
+            fn()
         sync()
-        times.append(time.perf_counter() - start)
-        spent += times[-1]
+        elapsed = time.perf_counter() - start
+        times.append(elapsed / reps)
+        spent += elapsed
         if len(times) >= 50:
             break
     times.sort()
@@ -165,8 +177,11 @@ def _sat(x: float, half: float) -> float:
     return x / (x + half)
 
 
-def fit_gemms(points: list[GemmPoint]) -> dict[str, GemmFit]:
+def fit_gemms(points: list[GemmPoint], ceilings: dict[str, float] | None = None) -> dict[str, GemmFit]:
     """Per dtype, the peak and half-dimension minimising the relative error of the shape law.
+
+    ``ceilings`` caps the fitted peak per dtype (the datasheet's): a law that needs more than the
+    hardware can do to fit small shapes is the wrong law, and the cap keeps large shapes honest.
 
     Raises:
         ConfigError: no points for a dtype.
@@ -180,6 +195,8 @@ def fit_gemms(points: list[GemmPoint]) -> dict[str, GemmFit]:
             # For a fixed half the best peak in log space is the geometric mean of the ratios.
             logs = [math.log(p.tflops / s) for p, s in zip(pts, shape, strict=True)]
             peak = math.exp(sum(logs) / len(logs))
+            if ceilings and dtype in ceilings:
+                peak = min(peak, ceilings[dtype])
             errs = sorted(abs(peak * s / p.tflops - 1) for p, s in zip(pts, shape, strict=True))
             score = sum(e * e for e in errs)
             if best is None or score < best[0]:
@@ -430,13 +447,19 @@ def _combine(docs: list[dict[str, Any]], world: int) -> Calibration:
     from gpuyard.hardware.catalog import match_spec
 
     first = docs[0]
+    spec = match_spec(first["device_name"]) if first["device_kind"] == "cuda" else None
     gemm = []
     for i, p in enumerate(first["gemm"]):
         gemm.append(GemmPoint(**{**p, "tflops": _median([d["gemm"][i]["tflops"] for d in docs])}))
-    fits = fit_gemms(gemm)
+    ceilings = {}
+    if spec is not None:
+        for name, short in (("bfloat16", "bf16"), ("float32", "fp32")):
+            value = getattr(spec, f"{short}_tflops", None)
+            if value:
+                ceilings[name] = float(value)
+    fits = fit_gemms(gemm, ceilings)
     attention = _median([d["attention_tflops"] for d in docs])
     dtype = "float32" if first["device_kind"] == "cpu" else "bfloat16"
-    spec = match_spec(first["device_name"]) if first["device_kind"] == "cuda" else None
     links = {}
     rows = [BenchRow(**r) for r in first["collectives"]]
     for op in COLLECTIVE_OPS:
@@ -580,6 +603,7 @@ def apply_calibration(cluster: Cluster, cal: Calibration, where: str = "calibrat
         # The step model moves activations through memory-bound operators at this rate.
         memory_bw_GBps=min(cal.memory_bw_GBps, cal.elementwise_GBps),
         op_overhead_us=cal.op_overhead_us,
+        async_dispatch=cal.device_kind != "cpu",
         overlap_slowdown=(
             cal.overlap_slowdown if cal.overlap_slowdown is not None else cluster.compute.overlap_slowdown
         ),

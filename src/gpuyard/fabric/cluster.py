@@ -104,7 +104,11 @@ class Compute(_Frozen):
         default=None, gt=0, description="Measured memory bandwidth per device (None: the datasheet's)."
     )
     op_overhead_us: float = Field(
-        default=0.0, ge=0, description="Dispatch cost of one kernel that compute does not hide (measured)."
+        default=0.0, ge=0, description="Host dispatch cost of one kernel (measured by calibration)."
+    )
+    async_dispatch: bool = Field(
+        default=True,
+        description="Kernels are queued ahead of the device (GPUs): dispatch hides unless it is the slower.",
     )
     # "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning:
     # Performance and Power Implications" (arXiv:2507.03114) measures an average 18.9% compute slowdown

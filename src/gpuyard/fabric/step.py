@@ -252,10 +252,15 @@ def _layer_times_cached(
     elementwise = (
         width * tokens * (ELEMENTWISE_BYTES_PER_H * h / sp + act_bytes) / (cluster.memory_bw_GBps * 1e9)
     )
-    # Kernel dispatch that small kernels cannot hide (zero unless calibrated: large layers hide it).
+    fwd = gemm + attention + elementwise
+    bwd = 2 * gemm + 2.5 * attention + 2 * elementwise
+    # Kernel dispatch (zero unless calibrated): a GPU runs queued kernels while the host issues the next,
+    # so dispatch shows only where it is the slower; a CPU rank dispatches and computes on one thread.
     launches = KERNELS_PER_LAYER_FWD * cluster.compute.op_overhead_us * 1e-6
-    fwd = gemm + attention + elementwise + launches
-    bwd = 2 * gemm + 2.5 * attention + 2 * elementwise + 2 * launches
+    if cluster.compute.async_dispatch:
+        fwd, bwd = max(fwd, launches), max(bwd, 2 * launches)
+    else:
+        fwd, bwd = fwd + launches, bwd + 2 * launches
     recompute_s = {"none": 0.0, "selective": elementwise, "full": fwd}[recompute]
     tp_comm = 0.0
     if tp > 1:

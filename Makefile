@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 CONSTRAINTS ?= constraints/cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint format bench clean gpu-wheels gpu-check
+.PHONY: install demo test test-unit lint format bench clean gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The unit tier alone (no processes, no servers): under a minute on 2 cores.
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -m unit tests/unit $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

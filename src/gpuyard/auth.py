@@ -40,6 +40,8 @@ TOKEN_FILE = "token"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 # last_used_at is refreshed at most this often, so reads do not turn every request into a write.
 _TOUCH_EVERY = timedelta(seconds=60)
+# The longest token lifetime: ten years (a longer one overflows the date range soon after 1e6 days).
+MAX_TOKEN_DAYS = 3650
 
 
 @dataclass(frozen=True)
@@ -148,10 +150,10 @@ def create_token(
     """Make a new token for ``user``; returns (the token, shown only now; its record).
 
     Raises:
-        NotFoundError: no such user. ConfigError: a non-positive expiry.
+        NotFoundError: no such user. ConfigError: an expiry not in (0, MAX_TOKEN_DAYS].
     """
-    if expires_days is not None and expires_days <= 0:
-        raise ConfigError(f"expires_days: {expires_days} must be positive")
+    if expires_days is not None and not 0 < expires_days <= MAX_TOKEN_DAYS:
+        raise ConfigError(f"expires_days: {expires_days} must be > 0 and at most {MAX_TOKEN_DAYS}")
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     store = store or get_store()
     with store.session() as s:

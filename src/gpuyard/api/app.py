@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 import gpuyard
@@ -24,6 +27,10 @@ def create_app(jobs: Any = None) -> FastAPI:
     @app.exception_handler(GpuyardError)
     async def _gpuyard_error(_: Request, exc: GpuyardError) -> JSONResponse:
         return JSONResponse(status_code=exc.http_status, content={"detail": str(exc)})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": validation_detail(exc.errors())})
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -50,3 +57,18 @@ def create_app(jobs: Any = None) -> FastAPI:
     mount_dashboard(app)
     ensure_admin_token()  # embedded default, first start: user 'admin' and GPUYARD_HOME/token (0600)
     return app
+
+
+def validation_detail(errors: Any) -> list[dict[str, Any]]:
+    """FastAPI's list of invalid fields (``loc`` names each), without echoing a long input back."""
+    out = []
+    for err in errors:
+        item = {k: v for k, v in err.items() if k not in ("input", "url")}
+        shown = err.get("input")
+        # Echo an input only when it is short and valid JSON (NaN and Infinity are not).
+        if isinstance(shown, float) and not math.isfinite(shown):
+            item["input"] = str(shown)
+        elif isinstance(shown, (bool, int, float, str, type(None))) and len(str(shown)) <= 100:
+            item["input"] = shown
+        out.append(item)
+    return list(jsonable_encoder(out))

@@ -11,6 +11,7 @@ recovers; any service may submit, cancel and read.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -241,8 +242,10 @@ class JobService:
         if doc["log_path"]:
             try:
                 with open(doc["log_path"], "rb") as fh:
-                    fh.seek(offset)
-                    data = fh.read(limit)
+                    # Past the end there is nothing to read (seeking far past it is EINVAL on ext4).
+                    if offset < os.fstat(fh.fileno()).st_size:
+                        fh.seek(offset)
+                        data = fh.read(limit)
             except FileNotFoundError:
                 pass
         done = JobState(doc["state"]).terminal and len(data) < limit

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import getpass
-import shlex
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -14,6 +14,21 @@ from gpuyard.errors import ConfigError, NotFoundError
 from gpuyard.states import StrEnum
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+
+# What a spec may carry. Linux refuses one argument longer than MAX_ARG_STRLEN (128 KiB) and an argv
+# plus environment over ARG_MAX (2 MiB by default): a spec within these bounds can be launched.
+MAX_ARG_CHARS = 128 * 1024
+MAX_ARGS = 4096
+MAX_ENV = 1024
+MAX_ENV_NAME = 256
+MAX_COMMAND_CHARS = 1024 * 1024  # argv and environment together (and a command given as one string)
+MAX_PATH_CHARS = 4096  # PATH_MAX: workdir, checkpoint_dir, train
+MAX_COUNT = 1_000_000  # GPUs, parallel degrees, ...
+MAX_TOKENS = 10_000_000  # sequence lengths, global batch, vocabulary, hidden sizes
+
+Arg = Annotated[str, Field(max_length=MAX_ARG_CHARS)]
+EnvName = Annotated[str, Field(min_length=1, max_length=MAX_ENV_NAME)]
+Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
 
 
 class JobState(StrEnum):
@@ -52,9 +67,13 @@ class Resources(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     gpus: int = Field(0, ge=0, le=65536, description="GPUs (0: a CPU-only job)")
-    gpu_type: str | None = Field(None, description="required GPU type, e.g. A100-80GB; any when absent")
+    gpu_type: str | None = Field(
+        None, max_length=100, description="required GPU type, e.g. A100-80GB; any when absent"
+    )
     cpus: int = Field(1, ge=1, le=4096, description="CPU slots (placed on for CPU-only jobs)")
-    memory_gb: float | None = Field(None, gt=0, description="host memory, recorded for the executor")
+    memory_gb: float | None = Field(
+        None, gt=0, le=1_048_576, description="host memory, recorded for the executor"
+    )
 
 
 class ModelDims(BaseModel):
@@ -62,18 +81,18 @@ class ModelDims(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = "custom"
-    layers: int = Field(..., gt=0)
-    hidden: int = Field(..., gt=0)
-    heads: int = Field(..., gt=0)
-    kv_heads: int | None = Field(None, gt=0, description="key/value heads (default: heads)")
-    ffn_hidden: int = Field(..., gt=0)
-    vocab: int = Field(..., gt=0)
-    seq_len: int = Field(2048, gt=0)
+    name: str = Field("custom", max_length=100)
+    layers: int = Field(..., gt=0, le=100_000)
+    hidden: int = Field(..., gt=0, le=MAX_TOKENS)
+    heads: int = Field(..., gt=0, le=100_000)
+    kv_heads: int | None = Field(None, gt=0, le=100_000, description="key/value heads (default: heads)")
+    ffn_hidden: int = Field(..., gt=0, le=MAX_TOKENS)
+    vocab: int = Field(..., gt=0, le=MAX_TOKENS)
+    seq_len: int = Field(2048, gt=0, le=MAX_TOKENS)
     gated_mlp: bool = False
     tied_embeddings: bool = False
-    experts: int = Field(0, ge=0)
-    top_k: int = Field(1, ge=1)
+    experts: int = Field(0, ge=0, le=100_000)
+    top_k: int = Field(1, ge=1, le=100_000)
 
     @model_validator(mode="after")
     def _shape(self) -> ModelDims:
@@ -92,16 +111,16 @@ class LayoutSpec(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    tp: int | None = Field(None, ge=1)
-    pp: int | None = Field(None, ge=1)
-    dp: int | None = Field(None, ge=1)
-    cp: int | None = Field(None, ge=1)
-    micro_batch: int | None = Field(None, ge=1)
-    virtual_stages: int | None = Field(None, ge=1)
+    tp: Count | None = None
+    pp: Count | None = None
+    dp: Count | None = None
+    cp: Count | None = None
+    micro_batch: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    virtual_stages: Count | None = None
     recompute: Literal["none", "selective", "full"] | None = None
     zero: Literal[0, 1, 2, 3] | None = None
     sequence_parallel: bool | None = None
-    ep: int | None = Field(None, ge=1)
+    ep: Count | None = None
 
 
 class WorkloadSpec(BaseModel):
@@ -112,9 +131,18 @@ class WorkloadSpec(BaseModel):
     model: str | ModelDims = Field(
         ..., description="a fabric model preset (llama3-8b, ...) or its dimensions"
     )
-    global_batch: int = Field(..., ge=1, description="sequences per step")
-    seq_len: int | None = Field(None, ge=1, description="tokens per sequence (default: the model's)")
+    global_batch: int = Field(..., ge=1, le=MAX_TOKENS, description="sequences per step")
+    seq_len: int | None = Field(
+        None, ge=1, le=MAX_TOKENS, description="tokens per sequence (default: the model's)"
+    )
     layout: LayoutSpec | None = Field(None, description="knobs held; the rest chosen by the planner")
+
+    @field_validator("model")
+    @classmethod
+    def _preset_name(cls, value: str | ModelDims) -> str | ModelDims:
+        if isinstance(value, str) and len(value) > 100:
+            raise ValueError(f"a preset name has at most 100 characters, got {len(value)}")
+        return value
 
 
 class JobSpec(BaseModel):
@@ -123,24 +151,32 @@ class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(..., pattern=NAME_PATTERN)
-    command: list[str] | None = Field(None, description="argv to run (a string is split like a shell)")
-    train: str | None = Field(None, description="training spec: runs `gpuyard train SPEC --nproc N`")
+    command: list[Arg] | None = Field(
+        None, max_length=MAX_ARGS, description="argv to run (a string is split like a shell)"
+    )
+    train: str | None = Field(
+        None, max_length=MAX_PATH_CHARS, description="training spec: runs `gpuyard train SPEC --nproc N`"
+    )
     nproc: int | None = Field(None, ge=1, le=1024, description="processes for train (default: GPUs or 1)")
     resources: Resources = Field(default_factory=lambda: Resources.model_validate({}))
     team: str = Field("default", pattern=NAME_PATTERN)
     user: str = Field(default_factory=lambda: _whoami(), pattern=NAME_PATTERN)
     priority: int = Field(0, ge=-1000, le=1000)
     max_restarts: int = Field(0, ge=0, le=100, description="re-runs after a failure (not preemptions)")
-    checkpoint_dir: str | None = Field(None, description="exported as GPUYARD_CHECKPOINT_DIR")
-    env: dict[str, str] = Field(default_factory=dict)
-    workdir: str | None = None
+    checkpoint_dir: str | None = Field(
+        None, max_length=MAX_PATH_CHARS, description="exported as GPUYARD_CHECKPOINT_DIR"
+    )
+    env: dict[EnvName, Arg] = Field(default_factory=dict, max_length=MAX_ENV)
+    workdir: str | None = Field(None, max_length=MAX_PATH_CHARS)
     workload: WorkloadSpec | None = Field(None, description="model and batch, for fabric-aware placement")
 
     @field_validator("command", mode="before")
     @classmethod
     def _split(cls, value: Any) -> Any:
         if isinstance(value, str):
-            return shlex.split(value)
+            if len(value) > MAX_COMMAND_CHARS:
+                raise ValueError(f"at most {MAX_COMMAND_CHARS} characters, got {len(value)}")
+            return split_command(value)
         return value
 
     @model_validator(mode="after")
@@ -149,6 +185,9 @@ class JobSpec(BaseModel):
             raise ValueError("give exactly one of command or train")
         if self.command is not None and not self.command:
             raise ValueError("command is empty")
+        size = sum(map(len, self.command or ())) + sum(len(k) + len(v) + 2 for k, v in self.env.items())
+        if size > MAX_COMMAND_CHARS:
+            raise ValueError(f"command and env hold {size} characters together; at most {MAX_COMMAND_CHARS}")
         layout = self.workload.layout if self.workload else None
         if layout is not None and layout.dp is not None:
             used = (layout.tp or 1) * (layout.pp or 1) * layout.dp * (layout.cp or 1)
@@ -158,6 +197,49 @@ class JobSpec(BaseModel):
                     "resources.gpus"
                 )
         return self
+
+
+# One piece of a shell word: unquoted text, a '...' or "..." string, a backslash escape, or whitespace.
+_PIECE = re.compile(r"""[^ \t\r\n'"\\]+|'[^']*'|"(?:[^"\\]|\\.)*"|\\.|[ \t\r\n]+|.""", re.DOTALL)
+_DQ_ESCAPE = re.compile(r"""\\([\\"])""")
+
+
+def split_command(text: str) -> list[str]:
+    """Split ``text`` into words as :func:`shlex.split` does, in time linear in its length.
+
+    ``shlex`` grows each word one character at a time (quadratic: a 400 KB word takes about 2 s);
+    this reads whole runs of characters with one regular expression.
+
+    Raises:
+        ValueError: an unclosed quote or a trailing backslash.
+    """
+    words: list[str] = []
+    parts: list[str] = []
+    in_word = False
+    for match in _PIECE.finditer(text):
+        piece = match.group()
+        first = piece[0]
+        if first in " \t\r\n":
+            if in_word:
+                words.append("".join(parts))
+                parts, in_word = [], False
+            continue
+        if first in "'\"" and len(piece) == 1:  # only the catch-all matched: the string never closes
+            raise ValueError(f"No closing quotation (the {first} at character {match.start()})")
+        if first == "\\" and len(piece) == 1:
+            raise ValueError("No escaped character (a backslash ends the command)")
+        in_word = True
+        if first == "'":
+            parts.append(piece[1:-1])
+        elif first == '"':
+            parts.append(_DQ_ESCAPE.sub(r"\1", piece[1:-1]))
+        elif first == "\\":
+            parts.append(piece[1])
+        else:
+            parts.append(piece)
+    if in_word:
+        words.append("".join(parts))
+    return words
 
 
 def _whoami() -> str:

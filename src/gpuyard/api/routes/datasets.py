@@ -6,6 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from gpuyard.api.limits import Ref
+
 router = APIRouter(prefix="/datasets", tags=["datasets"])
 
 
@@ -18,7 +20,7 @@ def datasets() -> list[dict[str, Any]]:
 
 
 @router.get("/{name}")
-def versions(name: str) -> list[dict[str, Any]]:
+def versions(name: Ref) -> list[dict[str, Any]]:
     """Every version of dataset ``name``, newest first (404 when unknown)."""
     from gpuyard.data import list_versions
 

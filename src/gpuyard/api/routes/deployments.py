@@ -7,6 +7,7 @@ from typing import Any
 import httpx
 from fastapi import APIRouter, Query
 
+from gpuyard.api.limits import REF_LEN, DeploymentId
 from gpuyard.states import DeploymentState
 
 router = APIRouter(prefix="/deployments", tags=["deployments"])
@@ -23,7 +24,9 @@ def deployments(
 
 
 @router.get("/alerts")
-def alerts(model: str | None = None, limit: int = Query(100, ge=1, le=1000)) -> list[dict[str, Any]]:
+def alerts(
+    model: str | None = Query(None, max_length=REF_LEN), limit: int = Query(100, ge=1, le=1000)
+) -> list[dict[str, Any]]:
     """Drift alerts, newest first, optionally of one model."""
     from gpuyard.serve.alerts import list_alerts
 
@@ -31,7 +34,7 @@ def alerts(model: str | None = None, limit: int = Query(100, ge=1, le=1000)) -> 
 
 
 @router.get("/{deployment_id}")
-def deployment(deployment_id: int) -> dict[str, Any]:
+def deployment(deployment_id: DeploymentId) -> dict[str, Any]:
     """One deployment record."""
     from gpuyard.serve.records import get_deployment
 
@@ -39,7 +42,7 @@ def deployment(deployment_id: int) -> dict[str, Any]:
 
 
 @router.get("/{deployment_id}/live")
-def live(deployment_id: int) -> dict[str, Any]:
+def live(deployment_id: DeploymentId) -> dict[str, Any]:
     """The running server's own ``/stats`` (latency percentiles, throughput) and ``/drift`` report.
 
     Only the URL recorded for the deployment is asked (never one from the request); a server that

@@ -17,18 +17,20 @@ class PlanRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(..., description="model preset, e.g. llama3-70b (files are not read over HTTP)")
-    cluster: str = Field(..., description="cluster preset, e.g. dgx-h100")
+    model: str = Field(
+        ..., max_length=100, description="model preset, e.g. llama3-70b (files are not read over HTTP)"
+    )
+    cluster: str = Field(..., max_length=100, description="cluster preset, e.g. dgx-h100")
     gpus: int = Field(..., ge=1, le=1_000_000)
     global_batch: int = Field(..., ge=1, le=10_000_000)
     seq_len: int | None = Field(None, ge=1, le=10_000_000)
     top: int = Field(5, ge=1, le=50)
-    tp: int | None = Field(None, ge=1)
-    pp: int | None = Field(None, ge=1)
-    cp: int | None = Field(None, ge=1)
-    ep: int | None = Field(None, ge=1)
-    micro_batch: int | None = Field(None, ge=1)
-    virtual_stages: int | None = Field(None, ge=1)
+    tp: int | None = Field(None, ge=1, le=1_000_000)
+    pp: int | None = Field(None, ge=1, le=1_000_000)
+    cp: int | None = Field(None, ge=1, le=1_000_000)
+    ep: int | None = Field(None, ge=1, le=1_000_000)
+    micro_batch: int | None = Field(None, ge=1, le=10_000_000)
+    virtual_stages: int | None = Field(None, ge=1, le=1_000_000)
     recompute: Literal["none", "selective", "full"] | None = None
     zero: int | None = Field(None, ge=0, le=3)
     sequence_parallel: bool | None = None

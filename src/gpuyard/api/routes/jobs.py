@@ -7,9 +7,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 
 from gpuyard.api.auth import authenticated
+from gpuyard.api.limits import NAME_LEN, JobId, Offset
 from gpuyard.auth import Principal, check_team, visible_team
 from gpuyard.errors import StoreError
-from gpuyard.scheduler.spec import JobSpec
+from gpuyard.scheduler.spec import JobSpec, JobState
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -52,8 +53,8 @@ def dry_run(spec: JobSpec, request: Request, principal: Principal = Depends(auth
 @router.get("")
 def list_jobs(
     request: Request,
-    state: str | None = None,
-    team: str | None = None,
+    state: JobState | None = None,
+    team: str | None = Query(None, max_length=NAME_LEN),
     limit: int = Query(200, ge=1, le=10000),
     principal: Principal = Depends(authenticated),
 ) -> list[dict[str, Any]]:
@@ -63,14 +64,14 @@ def list_jobs(
 
 
 @router.get("/{job_id}")
-def show(job_id: int, request: Request, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
+def show(job_id: JobId, request: Request, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
     """One job."""
     return dict(_own_job(request, principal, job_id).get(job_id))
 
 
 @router.get("/{job_id}/events")
 def events(
-    job_id: int, request: Request, principal: Principal = Depends(authenticated)
+    job_id: JobId, request: Request, principal: Principal = Depends(authenticated)
 ) -> list[dict[str, Any]]:
     """A job's state changes."""
     return list(_own_job(request, principal, job_id).events(job_id))
@@ -78,9 +79,9 @@ def events(
 
 @router.get("/{job_id}/logs")
 def logs(
-    job_id: int,
+    job_id: JobId,
     request: Request,
-    offset: int = Query(0, ge=0),
+    offset: Offset = 0,
     principal: Principal = Depends(authenticated),
 ) -> dict[str, Any]:
     """A chunk of the job's log from ``offset``: ``{"text", "offset", "done", "state"}``."""
@@ -88,6 +89,6 @@ def logs(
 
 
 @router.post("/{job_id}/cancel")
-def cancel(job_id: int, request: Request, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
+def cancel(job_id: JobId, request: Request, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
     """Cancel a job (a running one is stopped: SIGTERM, then SIGKILL after the grace period)."""
     return dict(_own_job(request, principal, job_id).cancel(job_id))

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
+from gpuyard.api.limits import WORD_LEN, Ref, Version
 from gpuyard.refs import ModelRef
 
 router = APIRouter(prefix="/models", tags=["models"])
@@ -17,7 +18,7 @@ class StageRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    stage: str
+    stage: str = Field(..., max_length=WORD_LEN)
 
 
 @router.get("")
@@ -29,7 +30,7 @@ def models() -> list[dict[str, Any]]:
 
 
 @router.get("/{name}")
-def model(name: str) -> dict[str, Any]:
+def model(name: Ref) -> dict[str, Any]:
     """Every version of ``name`` (newest first) with metrics and lineage, and its recent events."""
     from gpuyard.models.registry import list_versions, model_events
 
@@ -41,7 +42,7 @@ def model(name: str) -> dict[str, Any]:
 
 
 @router.get("/{name}/versions/{version}")
-def version(name: str, version: int) -> dict[str, Any]:
+def version(name: Ref, version: Version) -> dict[str, Any]:
     """One version: flavor, stage, run, dataset and code version, metrics, signature, lineage."""
     from gpuyard.models.registry import get_version
 
@@ -49,7 +50,7 @@ def version(name: str, version: int) -> dict[str, Any]:
 
 
 @router.post("/{name}/versions/{version}/stage")
-def stage(name: str, version: int, req: StageRequest) -> dict[str, Any]:
+def stage(name: Ref, version: Version, req: StageRequest) -> dict[str, Any]:
     """Move a version to none, staging or archived (member or admin)."""
     from gpuyard.models.registry import set_stage
 

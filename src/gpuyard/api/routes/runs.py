@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response
 
+from gpuyard.api.limits import ARTIFACT_NAME_LEN, REF_LEN, WORD_LEN, Ref
 from gpuyard.errors import ConfigError, NotFoundError
 
 router = APIRouter(prefix="/runs", tags=["runs"])
@@ -14,9 +15,9 @@ router = APIRouter(prefix="/runs", tags=["runs"])
 
 @router.get("")
 def runs(
-    experiment: str | None = None,
-    status: str | None = None,
-    kind: str | None = None,
+    experiment: str | None = Query(None, max_length=REF_LEN),
+    status: str | None = Query(None, max_length=WORD_LEN),
+    kind: str | None = Query(None, max_length=WORD_LEN),
     limit: int = Query(100, ge=1, le=1000),
 ) -> list[dict[str, Any]]:
     """Runs, newest first, with the last value of each metric."""
@@ -26,7 +27,9 @@ def runs(
 
 
 @router.get("/compare")
-def compare(ids: list[str] = Query(..., min_length=2, max_length=20)) -> dict[str, Any]:
+def compare(
+    ids: list[Annotated[str, Query(max_length=REF_LEN)]] = Query(..., min_length=2, max_length=20),
+) -> dict[str, Any]:
     """Params and latest metrics of several runs side by side; ``differs`` names the params that differ."""
     from gpuyard.models.runs import compare_runs
 
@@ -34,7 +37,7 @@ def compare(ids: list[str] = Query(..., min_length=2, max_length=20)) -> dict[st
 
 
 @router.get("/{ref}")
-def run(ref: str) -> dict[str, Any]:
+def run(ref: Ref) -> dict[str, Any]:
     """One run in full: params, system info, artifacts, evaluations, children, series lengths."""
     from gpuyard.models.runs import run_details
 
@@ -42,7 +45,9 @@ def run(ref: str) -> dict[str, Any]:
 
 
 @router.get("/{ref}/metrics")
-def metrics(ref: str, keys: list[str] | None = Query(None)) -> dict[str, Any]:
+def metrics(
+    ref: Ref, keys: list[Annotated[str, Query(max_length=REF_LEN)]] | None = Query(None, max_length=100)
+) -> dict[str, Any]:
     """``{"run": id, "series": {key: [[step, value], ...]}}`` (every key unless ``keys`` is given)."""
     from gpuyard.models.runs import metric_series, resolve_run_id
 
@@ -51,7 +56,7 @@ def metrics(ref: str, keys: list[str] | None = Query(None)) -> dict[str, Any]:
 
 
 @router.get("/{ref}/artifacts/{name:path}")
-def artifact(ref: str, name: str) -> Response:
+def artifact(ref: Ref, name: Annotated[str, Path(max_length=ARTIFACT_NAME_LEN)]) -> Response:
     """Download artifact ``name`` of a run, checked against its recorded SHA-256.
 
     Only names recorded for the run are served: the name picks a row, never a path on disk.

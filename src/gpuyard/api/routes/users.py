@@ -8,7 +8,8 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuyard.api.auth import authenticated
-from gpuyard.auth import Principal, require_admin
+from gpuyard.api.limits import NAME_LEN, WORD_LEN, Name, TokenId
+from gpuyard.auth import MAX_TOKEN_DAYS, Principal, require_admin
 
 router = APIRouter(tags=["users"])
 
@@ -18,9 +19,9 @@ class NewUser(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str
-    team: str = "default"
-    role: str = Field("member", description="admin, member or viewer")
+    name: str = Field(..., max_length=NAME_LEN)
+    team: str = Field("default", max_length=NAME_LEN)
+    role: str = Field("member", max_length=WORD_LEN, description="admin, member or viewer")
 
 
 class NewToken(BaseModel):
@@ -28,8 +29,8 @@ class NewToken(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    label: str = ""
-    expires_days: float | None = Field(None, gt=0)
+    label: str = Field("", max_length=100)
+    expires_days: float | None = Field(None, gt=0, le=MAX_TOKEN_DAYS, description="lifetime in days")
 
 
 @router.get("/me")
@@ -65,7 +66,7 @@ def tokens(principal: Principal = Depends(authenticated)) -> list[dict[str, Any]
 
 
 @router.post("/users/{name}/tokens", status_code=201)
-def create(name: str, req: NewToken, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
+def create(name: Name, req: NewToken, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
     """Create a token for user ``name`` (admin); the answer is the only place the token appears."""
     from gpuyard.auth import create_token
 
@@ -75,7 +76,7 @@ def create(name: str, req: NewToken, principal: Principal = Depends(authenticate
 
 
 @router.post("/tokens/{token_id}/revoke")
-def revoke(token_id: int, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
+def revoke(token_id: TokenId, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
     """Revoke a token (admin)."""
     from gpuyard.auth import revoke_token
 

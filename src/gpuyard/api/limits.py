@@ -1,0 +1,39 @@
+"""What one API request may carry: id and offset ranges, string lengths, the body cap and its timeout.
+
+Every bound is checked at the edge, before any library call, so an out-of-range value is a 422 that
+names the field (or a 413/408 for the body), never an overflow deep in SQLite, ``seek`` or
+``timedelta``. The job spec's own bounds (command, environment, resources) live with the spec in
+:mod:`gpuyard.scheduler.spec`, because the YAML path checks them too.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Path, Query
+
+# Ids are INTEGER columns: 32-bit signed on PostgreSQL, so the smaller of the two stores' ranges.
+MAX_ID = 2**31 - 1
+# A byte offset into a log: exact as a JSON number in a browser (2**53), far past any real file.
+MAX_OFFSET = 2**53 - 1
+# Names of jobs, teams and users (NAME_PATTERN); models, experiments and datasets allow 200 in the store.
+NAME_LEN = 100
+REF_LEN = 200
+# An artifact's name as recorded (RunArtifactRow.name is String(300)).
+ARTIFACT_NAME_LEN = 300
+# A filter value such as a state or a run kind.
+WORD_LEN = 32
+
+# The request body: a job spec carries at most MAX_COMMAND_CHARS of argv and environment (about 1 MiB);
+# JSON escapes can double or more that, so 4 MiB leaves room without letting a body grow unbounded.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# A body must have arrived this long after the request started: a slow sender is cut off with 408.
+DEFAULT_BODY_TIMEOUT_S = 30.0
+
+JobId = Annotated[int, Path(ge=1, le=MAX_ID, description="a job id")]
+DeploymentId = Annotated[int, Path(ge=1, le=MAX_ID, description="a deployment id")]
+TokenId = Annotated[int, Path(ge=1, le=MAX_ID, description="a token id")]
+Version = Annotated[int, Path(ge=1, le=MAX_ID, description="a model version")]
+Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET, description="byte offset into the log")]
+Name = Annotated[str, Path(min_length=1, max_length=NAME_LEN)]
+Ref = Annotated[str, Path(min_length=1, max_length=REF_LEN)]

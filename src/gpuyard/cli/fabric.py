@@ -193,9 +193,10 @@ def calibrate(
     fit = cal.gemm_fit[dtype]
     lines = [
         f"{cal.ranks} rank(s) of {cal.device_name} ({cal.threads_per_rank} thread(s) each), measured at once",
-        f"GEMM {dtype}: {fit.peak_tflops:.3f} TFLOP/s large-GEMM asymptote, half of it at dimension "
-        f"{fit.half_dim:.0f} (fit error median {fit.median_error:.0%}); "
-        f"{fitted.compute.gemm_efficiency:.0%} of the {fitted.peak_for(precision):.2f} TFLOP/s peak",
+        f"GEMM {dtype}: {fit.peak_tflops:.3f} TFLOP/s for large shapes "
+        f"({fitted.compute.gemm_efficiency:.0%} of the {fitted.peak_for(precision):.2f} TFLOP/s peak); "
+        f"half of it at M {fit.half_m:.0f}, N {fit.half_n:.0f}, K {fit.half_k:.0f} "
+        f"(fit error median {fit.median_error:.0%}, worst {fit.max_error:.0%})",
         f"attention {cal.attention_tflops:.3f} TFLOP/s "
         f"({cal.attention_efficiency:.0%} of the GEMM asymptote)",
         f"memory {cal.memory_bw_GBps:.1f} GB/s per rank (norm/GELU/dropout/add {cal.elementwise_GBps:.1f}); "

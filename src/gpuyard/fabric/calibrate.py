@@ -8,10 +8,10 @@ model, the planner, fabric-aware placement and the simulator apply it to a clust
 
 What is measured and what it sets in the cluster:
 
-* GEMMs over shapes (M, N, K) and dtypes -> the large-GEMM efficiency per dtype and the dimension at
-  which a GEMM reaches half of it (``Compute.dtype_efficiency``, ``Compute.gemm_half_dim``), fitted to
-  ``tflops = peak x sat(M) sat(N) sat(K)`` with ``sat(x) = x / (x + half)``: the shape law the step
-  model uses everywhere.
+* GEMMs over shapes (M, N, K) and dtypes -> the large-GEMM efficiency per dtype and the dimensions at
+  which a GEMM reaches half of it (``Compute.dtype_efficiency``, ``Compute.gemm_half``), fitted to
+  ``tflops = peak x sat_M(M) sat_N(N) sat_K(K)`` with ``sat(x) = x / (x + half)``: the shape law the
+  step model applies to every GEMM of a layer, forward and backward.
 * Causal scaled-dot-product attention, forward and backward -> ``Compute.attention_efficiency``.
 * A streaming add -> memory bandwidth per rank; tiny ops -> dispatch cost per kernel.
 * Host-to-device and device-to-host copies (CUDA only), recorded.
@@ -64,11 +64,14 @@ class GemmPoint(_Doc):
 
 
 class GemmFit(_Doc):
-    """``tflops = peak_tflops x sat(M) sat(N) sat(K)``, ``sat(x) = x / (x + half_dim)``."""
+    """``tflops = peak_tflops x sat(M, half_m) sat(N, half_n) sat(K, half_k)``, sat(x, h) = x / (x + h)."""
 
     peak_tflops: float = Field(gt=0)
-    half_dim: float = Field(ge=0)
+    half_m: float = Field(ge=0)
+    half_n: float = Field(ge=0)
+    half_k: float = Field(ge=0)
     median_error: float = Field(ge=0, description="Median relative error of the fit over the points.")
+    max_error: float = Field(ge=0, description="Largest relative error of the fit over the points.")
 
 
 class Calibration(_Doc):
@@ -143,10 +146,13 @@ def _timed(fn: Any, sync: Any, budget: float = TIME_BUDGET_S, calls: int | None 
 
 def gemm_shapes(device_kind: str, quick: bool) -> list[tuple[int, int, int]]:
     """Square and skinny shapes, small to large, as transformer layers produce them."""
-    dims = [64, 128, 256, 512, 1024] if device_kind == "cpu" else [256, 512, 1024, 2048, 4096, 8192]
+    if device_kind == "cpu":
+        dims, squares = [64, 128, 256, 512, 1024], [64, 128, 256, 512, 1024]
+    else:  # squares below 2048 are bound by launch and dispatch, which calibration measures apart
+        dims, squares = [256, 512, 1024, 2048, 4096, 8192], [2048, 4096, 8192]
     if quick:
-        dims = dims[:3]
-    shapes = [(d, d, d) for d in dims]
+        dims, squares = dims[:3], squares[:2]
+    shapes = [(d, d, d) for d in squares]
     big = dims[-1]
     for d in dims[:-1]:  # one small dimension at a time: rows (tokens), then width
         shapes += [(d, big, big), (big, d, big), (big, big, d)]
@@ -177,22 +183,29 @@ def _sat(x: float, half: float) -> float:
     return x / (x + half)
 
 
+HALF_GRID = (0.0, 4.0, 8.0, 16.0, 32.0, 48.0, 64.0, 96.0, 128.0, 192.0, 256.0, 384.0, 512.0, 768.0, 1024.0)
+
+
 def fit_gemms(points: list[GemmPoint], ceilings: dict[str, float] | None = None) -> dict[str, GemmFit]:
-    """Per dtype, the peak and half-dimension minimising the relative error of the shape law.
+    """Per dtype, the peak and (M, N, K) half-dimensions minimising the relative error of the shape law.
 
     ``ceilings`` caps the fitted peak per dtype (the datasheet's): a law that needs more than the
-    hardware can do to fit small shapes is the wrong law, and the cap keeps large shapes honest.
+    hardware can do to fit the points is the wrong law, and the cap keeps large shapes honest.
 
     Raises:
         ConfigError: no points for a dtype.
     """
+    import itertools
+
     fits = {}
     for dtype in sorted({p.dtype for p in points}):
         pts = [p for p in points if p.dtype == dtype]
-        best: tuple[float, float, float] | None = None
-        for half in [0.0, *(2 ** (i / 4) for i in range(0, 45))]:  # 1 .. ~2400, quarter octaves
-            shape = [_sat(p.m, half) * _sat(p.n, half) * _sat(p.k, half) for p in pts]
-            # For a fixed half the best peak in log space is the geometric mean of the ratios.
+        if not pts:
+            raise ConfigError(f"no GEMM measured in {dtype}")
+        best: tuple[float, GemmFit] | None = None
+        for hm, hn, hk in itertools.product(HALF_GRID, repeat=3):
+            shape = [_sat(p.m, hm) * _sat(p.n, hn) * _sat(p.k, hk) for p in pts]
+            # For fixed halves the best peak in log space is the geometric mean of the ratios.
             logs = [math.log(p.tflops / s) for p, s in zip(pts, shape, strict=True)]
             peak = math.exp(sum(logs) / len(logs))
             if ceilings and dtype in ceilings:
@@ -200,11 +213,17 @@ def fit_gemms(points: list[GemmPoint], ceilings: dict[str, float] | None = None)
             errs = sorted(abs(peak * s / p.tflops - 1) for p, s in zip(pts, shape, strict=True))
             score = sum(e * e for e in errs)
             if best is None or score < best[0]:
-                best = (score, half, peak)
-                med = errs[len(errs) // 2]
-        if best is None:
-            raise ConfigError(f"no GEMM measured in {dtype}")
-        fits[dtype] = GemmFit(peak_tflops=best[2], half_dim=best[1], median_error=med)
+                fit = GemmFit(
+                    peak_tflops=peak,
+                    half_m=hm,
+                    half_n=hn,
+                    half_k=hk,
+                    median_error=errs[len(errs) // 2],
+                    max_error=errs[-1],
+                )
+                best = (score, fit)
+        assert best is not None  # the grid is never empty
+        fits[dtype] = best[1]
     return fits
 
 
@@ -598,7 +617,7 @@ def apply_calibration(cluster: Cluster, cal: Calibration, where: str = "calibrat
     data["compute"] = Compute(
         gemm_efficiency=efficiency.get(dtype, cluster.compute.gemm_efficiency),
         attention_efficiency=min(1.0, cal.attention_efficiency),
-        gemm_half_dim=cal.gemm_fit[dtype].half_dim,
+        gemm_half=(cal.gemm_fit[dtype].half_m, cal.gemm_fit[dtype].half_n, cal.gemm_fit[dtype].half_k),
         dtype_efficiency={_short(d): e for d, e in efficiency.items()},
         # The step model moves activations through memory-bound operators at this rate.
         memory_bw_GBps=min(cal.memory_bw_GBps, cal.elementwise_GBps),

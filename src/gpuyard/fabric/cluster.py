@@ -93,9 +93,14 @@ class Compute(_Frozen):
     attention_efficiency: float = Field(
         default=0.75, gt=0, le=1, description="FlashAttention throughput relative to a GEMM."
     )
-    # A GEMM dimension of this size reaches half of the large-GEMM efficiency (tile quantisation, launch
-    # overhead and poor wave occupancy on small matrices); `gpuyard fabric calibrate` measures it.
-    gemm_half_dim: float = Field(default=48.0, ge=0, description="GEMM dimension at half efficiency.")
+    # A GEMM (M x K) @ (K x N) runs at efficiency x sat(M) sat(N) sat(K), sat(x) = x / (x + half): tile
+    # quantisation, wave occupancy and the K-loop's pipeline fill penalise small dimensions, K most.
+    # Fitted to 18 bf16 shapes from 2048^3 to 8192^3 and skinny ones (one side 256-4096) measured on an
+    # H100 SXM with cuBLAS (torch 2.11, BENCHMARKS.md): halves 32, 64, 192, median error 2.9%, worst 9.6%.
+    # `gpuyard fabric calibrate` measures them on the machine at hand.
+    gemm_half: tuple[float, float, float] = Field(
+        default=(32.0, 64.0, 192.0), description="GEMM (M, N, K) dimensions at half efficiency."
+    )
     dtype_efficiency: dict[str, float] = Field(
         default_factory=dict,
         description="Measured large-GEMM efficiency per precision (fp32, bf16); others use gemm_efficiency.",

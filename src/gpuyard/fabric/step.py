@@ -23,6 +23,7 @@ from gpuyard.errors import ConfigError
 from gpuyard.fabric.cluster import Cluster
 from gpuyard.fabric.collectives import bus_factor, collective_time
 from gpuyard.fabric.models import ModelSpec
+from gpuyard.fabric.stacks import STACKS, Stack, get_stack
 
 GIB = 1024**3
 RECOMPUTE = ("none", "selective", "full")
@@ -34,13 +35,14 @@ ACT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 2, "fp32": 4}
 # 2 residual adds, 2 dropouts ~ 30 forward); the backward launches about twice as many. Each costs
 # ``Compute.op_overhead_us`` that compute cannot hide when the kernels are small.
 KERNELS_PER_LAYER_FWD = 30
+# FP8 linear layers cast their input (bf16 read, fp8 written) in the forward and the output gradient in
+# each of the two backward GEMMs: 3 bytes per element, three passes.
+FP8_CAST_BYTES = 9
 # Bytes each token moves through memory-bound kernels per layer in the forward pass, per unit of
 # hidden width: two norms (read+write, 4h), two residual adds (6h), two dropouts with masks (5h each).
 ELEMENTWISE_BYTES_PER_H = 30.0
 # Bytes per parameter: bf16 weights, fp32 gradients, fp32 master weights + Adam m and v.
 WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 2, 4, 12
-# Adam reads and writes master weights, m, v, the gradient and the bf16 copy: bytes per owned parameter.
-OPTIMIZER_TRAFFIC_BYTES = 30
 # CUDA context, NCCL buffers and workspace kept aside on every device, plus allocator fragmentation.
 RESERVED_BYTES, FRAGMENTATION = 2 * GIB, 1.05
 # One ring-attention step (context parallelism): a FlashAttention launch on a K/V block, a P2P post and an
@@ -63,6 +65,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     ep: int = 1  # expert parallelism (mixture of experts), carved out of the data-parallel ranks
     precision: str = "bf16"  # bf16 | fp16 | fp8 | fp32: GEMM peak, activation and gradient bytes
+    stack: str = "megatron-lm"  # software-stack profile (gpuyard.fabric.stacks)
+    compiled: bool = False  # torch.compile (or another compiler) fuses the memory-bound operators
 
     @property
     def gpus(self) -> int:
@@ -129,6 +133,8 @@ def validate(model: ModelSpec, gpus: int, global_batch: int, seq_len: int, cfg: 
     """
     if cfg.recompute not in RECOMPUTE:
         raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {cfg.recompute!r}")
+    if cfg.stack not in STACKS:
+        raise ConfigError(f"unknown software stack {cfg.stack!r}; known: {', '.join(STACKS)}")
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     if cfg.zero not in (0, 1, 2, 3):
@@ -172,6 +178,22 @@ def _sat(x: float, half: float = 48.0) -> float:
     return x / (x + half)
 
 
+# FlashAttention-2 kernels on Hopper reach about 35% of peak against 75% for FlashAttention-3 forward,
+# which uses the wgmma and TMA units, and FA3's backward is 1.5-1.75x FA2's (Shah et al.,
+# "FlashAttention-3", 2024, abstract and section 4): forward and backward together, FA2 runs at about
+# 0.6 of the Hopper kernels' throughput. Before Hopper both families are FA2.
+FA2_ON_HOPPER = 0.6
+
+
+def _attention_efficiency(cluster: Cluster, stack: Stack) -> float:
+    """Attention throughput relative to a GEMM, for this stack's kernel family on this device."""
+    spec = cluster.spec
+    hopper_or_later = spec is not None and (spec.nvlink_generation or 0) >= 4
+    if stack.attention == "fa2" and hopper_or_later:
+        return cluster.compute.attention_efficiency * FA2_ON_HOPPER
+    return cluster.compute.attention_efficiency
+
+
 def comm_time(cluster: Cluster, op: str, size: float, gpus: int, per_domain: int | None = None) -> float:
     """Seconds of one collective: the link measured on this machine when calibrated, else the model."""
     link = cluster.measured_links.get(op)
@@ -196,7 +218,9 @@ class _Layer:
     cp_exposed: float = 0.0  # the part of cp_comm (plus ring-step overheads) not hidden by attention
 
 
-def _layer_times(model: ModelSpec, cluster: Cluster, seq: int, cfg: ParallelConfig) -> _Layer:
+def _layer_times(
+    model: ModelSpec, cluster: Cluster, seq: int, cfg: ParallelConfig, stack: Stack | None = None
+) -> _Layer:
     return _layer_times_cached(
         model,
         cluster,
@@ -208,6 +232,8 @@ def _layer_times(model: ModelSpec, cluster: Cluster, seq: int, cfg: ParallelConf
         cfg.sequence_parallel,
         cfg.ep,
         cfg.precision,
+        stack or get_stack(cfg.stack),
+        cfg.compiled,
     )
 
 
@@ -223,37 +249,63 @@ def _layer_times_cached(
     seqpar: bool,
     ep: int = 1,
     precision: str = "bf16",
+    stack: Stack = STACKS["megatron-lm"],
+    compiled: bool = False,
 ) -> _Layer:
     h = model.hidden
     tokens = micro_batch * seq / cp  # rows of every GEMM on this GPU
     peak = cluster.peak_for(precision) * 1e12
-    half = cluster.compute.gemm_half_dim
+    # FP8 recipes (Transformer Engine, torchao float8) run the linear layers in fp8; attention stays bf16.
+    attention_peak = cluster.peak_for("bf16" if precision == "fp8" else precision) * 1e12
+    half_m, half_n, half_k = cluster.compute.gemm_half
+    base = cluster.compute.efficiency(precision)
+
+    def gemm_s(m: float, n: float, k: float) -> tuple[float, float]:
+        """(forward, backward) seconds of an (m x k) @ (k x n) layer: backward is dgrad + wgrad."""
+
+        def one(m: float, n: float, k: float) -> float:
+            eff = base * _sat(m, half_m) * _sat(n, half_n) * _sat(k, half_k)
+            return 2 * m * n * k / (peak * eff)
+
+        return one(m, n, k), one(m, k, n) + one(k, n, m)
+
+    routed = model.top_k if model.is_moe else 1  # FFN passes per token
+    kv_width = 2 * model.kv_heads * model.head_dim
+    up = (2 if model.gated_mlp else 1) * model.ffn_hidden
+    shapes = [(tokens, (h + kv_width) / tp, h), (tokens, h, h / tp)]  # QKV, attention output
+    ffn_rows = tokens
+    if model.is_moe:  # each expert sees its share of the tokens routed by the ep group: smaller GEMMs
+        ffn_rows = tokens * model.top_k * ep / model.experts
+        shapes.append((tokens, model.experts, h))  # the router
+    ffn_count = model.experts / ep if model.is_moe else 1  # expert GEMMs on this GPU
+    gemm_fwd = gemm_bwd = 0.0
+    for m, n, k in shapes:
+        f, b = gemm_s(m, n, k)
+        gemm_fwd, gemm_bwd = gemm_fwd + f, gemm_bwd + b
+    for m, n, k in ((ffn_rows, up / tp, h), (ffn_rows, h, model.ffn_hidden / tp)):
+        f, b = gemm_s(m, n, k)
+        gemm_fwd, gemm_bwd = gemm_fwd + ffn_count * f, gemm_bwd + ffn_count * b
 
     def sat(x: float) -> float:
-        return _sat(x, half)
+        return _sat(x, half_m)
 
-    base = cluster.compute.efficiency(precision)
-    eff = base * sat(tokens) * sat(h / tp) * sat(model.ffn_hidden / tp)
-    gemm = 2 * tokens * model.attention_params / tp / (peak * eff)
-    routed = model.top_k if model.is_moe else 1  # FFN passes per token
-    if model.is_moe:  # each expert sees its share of the tokens routed by the ep group: smaller GEMMs
-        expert_rows = tokens * model.top_k * ep / model.experts
-        expert_eff = base * sat(expert_rows) * sat(h / tp) * sat(model.ffn_hidden / tp)
-        gemm += 2 * tokens * (routed * model.ffn_params / tp + h * model.experts) / (peak * expert_eff)
-    else:
-        gemm += 2 * tokens * model.ffn_params / tp / (peak * eff)
     # Causal FlashAttention: half of the 4 x s x h score and value products per token.
-    attention = 2 * tokens * seq * h / tp / (peak * eff * cluster.compute.attention_efficiency)
+    attention_eff = cluster.compute.efficiency("bf16" if precision == "fp8" else precision)
+    attention_eff *= _attention_efficiency(cluster, stack)
+    attention = 2 * tokens * seq * h / tp / (attention_peak * attention_eff)
     if cp > 1:  # ring attention runs on K/V blocks of seq / 2cp tokens (load-balanced halves): shorter tiles
         attention /= sat(seq / (2 * cp)) / sat(seq)
     sp = tp if seqpar else 1
-    width = ACT_BYTES[precision] / 2  # the byte counts below are for 2-byte activations
+    # The byte counts below are for 2-byte activations; autocast stacks keep norms and residuals in fp32.
+    width = (ACT_BYTES["fp32"] if stack.fp32_elementwise else ACT_BYTES[precision]) / 2
     act_bytes = routed * (6 if model.gated_mlp else 4) * model.ffn_hidden / tp
-    elementwise = (
-        width * tokens * (ELEMENTWISE_BYTES_PER_H * h / sp + act_bytes) / (cluster.memory_bw_GBps * 1e9)
-    )
-    fwd = gemm + attention + elementwise
-    bwd = 2 * gemm + 2.5 * attention + 2 * elementwise
+    factor = 1.0 if compiled else stack.elementwise_factor
+    moved = factor * width * tokens * (ELEMENTWISE_BYTES_PER_H * h / sp + act_bytes)
+    if precision == "fp8":  # each linear layer's input is cast to fp8: read 2 bytes, write 1
+        moved += FP8_CAST_BYTES * tokens * (3 * h + routed * model.ffn_hidden) / tp
+    elementwise = moved / (cluster.memory_bw_GBps * 1e9)
+    fwd = gemm_fwd + attention + elementwise
+    bwd = gemm_bwd + 2.5 * attention + 2 * elementwise
     # Kernel dispatch (zero unless calibrated): a GPU runs queued kernels while the host issues the next,
     # so dispatch shows only where it is the slower; a CPU rank dispatches and computes on one thread.
     launches = KERNELS_PER_LAYER_FWD * cluster.compute.op_overhead_us * 1e-6
@@ -394,7 +446,8 @@ def _zero3_exposed(layer: _Layer, per_stage: int, m: int, grad_comm: float, para
     scatter = grad_comm / (m * per_stage)
     fwd = layer.fwd + layer.tp_comm / 2 + layer.cp_exposed / 2
     bwd = layer.bwd + layer.recompute + layer.tp_comm / 2 + layer.cp_exposed / 2
-    per_mb = per_stage * (max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd)) + 2 * gather
+    # The first layer of each pass has nothing to hide behind: its gather shows whole, once.
+    per_mb = (per_stage - 1) * (max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd)) + 2 * gather
     return m * per_mb + scatter
 
 
@@ -406,6 +459,7 @@ def estimate_step(
     seq_len: int,
     cfg: ParallelConfig,
     memory: dict[str, float] | None = None,
+    stack: Stack | None = None,
 ) -> StepEstimate:
     """Model one training step of ``model`` on ``gpus`` GPUs of ``cluster`` with layout ``cfg``.
 
@@ -417,19 +471,23 @@ def estimate_step(
         seq_len: tokens per sequence.
         cfg: the parallel layout.
         memory: :func:`memory_per_gpu` of this layout when the caller has it already.
+        stack: a software-stack profile overriding ``cfg.stack`` (e.g. one with refitted constants).
 
     Raises:
         ConfigError: the layout does not apply to this model, batch or GPU count.
     """
     m = validate(model, gpus, global_batch, seq_len, cfg)
-    layer = _layer_times(model, cluster, seq_len, cfg)
+    profile = stack or get_stack(cfg.stack)
+    layer = _layer_times(model, cluster, seq_len, cfg, profile)
     per_stage, last = _stage_layers(model, cfg.pp)
     peak = cluster.peak_for(cfg.precision) * 1e12
     tokens = cfg.micro_batch * seq_len / cfg.cp
     # The output projection and loss on the last stage, at the same GEMM efficiency as a layer.
-    half = cluster.compute.gemm_half_dim
-    head_eff = cluster.compute.efficiency(cfg.precision) * _sat(tokens, half) * _sat(model.hidden, half)
+    half_m, _, half_k = cluster.compute.gemm_half
+    head_eff = cluster.compute.efficiency(cfg.precision) * _sat(tokens, half_m) * _sat(model.hidden, half_k)
     head = 6 * tokens * model.vocab * model.hidden / cfg.tp / (peak * head_eff)
+    # Cross-entropy over the logits is memory-bound: bytes per logit by stack (fused or not).
+    head += tokens * model.vocab / cfg.tp * profile.loss_bytes_per_logit / (cluster.memory_bw_GBps * 1e9)
     layer_compute = layer.fwd + layer.bwd + layer.recompute
     layer_comm = layer.tp_comm + layer.ep_comm + layer.cp_exposed
     # The busiest stage sets the pace: a full stage, or the last one with fewer layers plus the head.
@@ -461,7 +519,7 @@ def estimate_step(
     dense, experts = _stage_params(model, cfg)
     shard = cfg.dp * cfg.cp if cfg.zero >= 1 else 1
     params_owned = dense / shard + experts / max(1, shard // cfg.ep)
-    optimizer = params_owned * OPTIMIZER_TRAFFIC_BYTES / (cluster.memory_bw_GBps * 1e9)
+    optimizer = params_owned * profile.optimizer_bytes_per_param / (cluster.memory_bw_GBps * 1e9)
     bubble = (cfg.pp - 1) / cfg.virtual_stages * t_mb
     tp_total = m * per_stage * layer.tp_comm
     cp_total = m * per_stage * layer.cp_comm

@@ -35,6 +35,12 @@ class Source(BaseModel):
     stack: Stack
     flop_convention: str
     url: str | None = None
+    tolerance_pct: float = Field(
+        default=25.0,
+        gt=0,
+        description="Largest |predicted / published - 1| the step model may show on this source's rows "
+        "(what it achieves today, checked by tests/unit/fabric/test_step_accuracy.py).",
+    )
     notes: str = ""
 
 
@@ -109,6 +115,7 @@ class PublishedRun(BaseModel):
     zero: Literal[0, 1, 2, 3]
     sequence_parallel: bool = False
     precision: Literal["bf16", "fp16", "fp8"]
+    compiled: bool = Field(default=False, description="torch.compile on (the source says so).")
     metric: Metric
     value: float = Field(gt=0)
     notes: str = ""
@@ -136,6 +143,8 @@ class PublishedRun(BaseModel):
             zero=self.zero,
             sequence_parallel=self.sequence_parallel,
             ep=self.ep,
+            precision="bf16" if self.precision == "fp16" else self.precision,
+            compiled=self.compiled,
         )
 
     def direct_step_time_s(self) -> float | None:

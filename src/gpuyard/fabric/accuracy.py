@@ -1,0 +1,214 @@
+"""The step model against the published corpus: each run's published step time, its prediction, the error.
+
+A published figure becomes a step time without gpuyard's own FLOP count: tokens/s and step times are
+used as they are; TFLOP/s figures are turned back into seconds with the source's own convention
+(``Source.flop_convention``). The prediction uses the run's cluster preset with the run's device, the
+run's layout, precision and the software stack of its source (:mod:`gpuyard.fabric.stacks`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from gpuyard.errors import ConfigError
+from gpuyard.fabric.cluster import Cluster, load_cluster
+from gpuyard.fabric.models import ModelSpec
+from gpuyard.fabric.published.runs import PublishedRun, Source, load_runs, load_sources, model_spec
+from gpuyard.fabric.stacks import Stack, get_stack
+from gpuyard.fabric.step import StepEstimate, estimate_step
+
+
+def flops_per_step(run: PublishedRun, model: ModelSpec, convention: str) -> float:
+    """FLOPs of one step as the source counts them (the numerator of its TFLOP/s figure).
+
+    Raises:
+        ConfigError: a convention this module does not know.
+    """
+    tokens = run.tokens_per_step
+    s, n, h, v = run.seq_len, model.layers, model.hidden, model.vocab
+    if convention == "megatron-eq3":  # Narayanan et al. SC'21, equation 3 (full recomputation counted)
+        return 96 * run.global_batch * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
+    if convention == "6N":
+        return 6 * model.params * tokens
+    if convention in ("6N+attn", "mosaic-mfu"):
+        return model.model_flops_per_token(s) * tokens
+    if convention == "6N+attn-causal":
+        return model.model_flops_per_token(s, causal=True) * tokens
+    raise ConfigError(f"FLOP convention {convention!r} is not known to gpuyard.fabric.accuracy")
+
+
+def published_step_s(run: PublishedRun, source: Source) -> float:
+    """The step time the source's figure implies (seconds)."""
+    direct = run.direct_step_time_s()
+    if direct is not None:
+        return direct
+    model = model_spec(run)
+    flops = flops_per_step(run, model, source.flop_convention)
+    if run.metric == "tflops_per_gpu":
+        return flops / (run.gpus * run.value * 1e12)
+    raise ConfigError(f"{run.id}: metric {run.metric} needs a peak convention this module does not apply")
+
+
+@lru_cache(maxsize=64)
+def run_cluster(preset: str, device: str) -> Cluster:
+    """The run's cluster preset with the run's accelerator (e.g. A100 40GB on the DGX A100 fabric)."""
+    cluster = load_cluster(preset)
+    if cluster.accelerator == device:
+        return cluster
+    return Cluster.model_validate({**cluster.model_dump(), "accelerator": device})
+
+
+def predict(run: PublishedRun, stack: Stack) -> StepEstimate:
+    """The step model's estimate of one published run under ``stack``."""
+    cfg = replace(run.parallel_config(), stack=stack.name)
+    return estimate_step(
+        model_spec(run),
+        run_cluster(run.cluster, run.device),
+        run.gpus,
+        run.global_batch,
+        run.seq_len,
+        cfg,
+        stack=stack,
+    )
+
+
+@dataclass(frozen=True)
+class RunError:
+    """One run's published and predicted step time; error = predicted / published - 1."""
+
+    run: PublishedRun
+    published_s: float
+    predicted_s: float
+
+    @property
+    def error(self) -> float:
+        """Signed relative error (positive: predicted slower than published)."""
+        return self.predicted_s / self.published_s - 1
+
+
+def evaluate(
+    runs: Iterable[PublishedRun] | None = None,
+    stack_for: Callable[[Source], Stack] | None = None,
+) -> list[RunError]:
+    """Predict every run (the whole corpus by default) with its source's stack profile."""
+    sources = load_sources()
+    chosen = list(runs) if runs is not None else load_runs()
+    pick = stack_for or (lambda src: get_stack(src.stack))
+    out = []
+    for run in chosen:
+        src = sources[run.source]
+        out.append(RunError(run, published_step_s(run, src), predict(run, pick(src)).step_time_s))
+    return out
+
+
+def summary(errors: list[RunError]) -> tuple[float, float]:
+    """(median, worst) absolute relative error."""
+    values = [abs(e.error) for e in errors]
+    return statistics.median(values), max(values)
+
+
+# ----- fitting and leave-one-source-out -------------------------------------------------------------
+
+# The one constant fitted to published runs: the large-GEMM efficiency in training, per GPU generation
+# (NVLink generation in the catalog: 3 Ampere, 4 Hopper, 5 Blackwell). Everything else in the model is
+# derived from datasheets, kernel papers, framework defaults or measurement.
+EFFICIENCY_GRID = tuple(round(0.30 + 0.01 * i, 2) for i in range(66))  # 0.30 .. 0.95
+
+
+def generation(device: str) -> str:
+    """The GPU generation whose GEMM efficiency a device shares."""
+    from gpuyard.hardware.catalog import get_spec
+
+    gen = get_spec(device).nvlink_generation
+    return {3: "ampere", 4: "hopper", 5: "blackwell"}.get(gen or 0, device)
+
+
+@lru_cache(maxsize=4096)
+def _cluster_with(preset: str, device: str, efficiency: float | None) -> Cluster:
+    cluster = run_cluster(preset, device)
+    if efficiency is None:
+        return cluster
+    data = cluster.model_dump()
+    data["compute"] = {**data["compute"], "gemm_efficiency": efficiency}
+    return Cluster.model_validate(data)
+
+
+def predict_at(run: PublishedRun, stack: Stack, efficiency: float | None) -> float:
+    """Predicted step seconds with the generation's GEMM efficiency set to ``efficiency`` (None: preset's)."""
+    cfg = replace(run.parallel_config(), stack=stack.name)
+    cluster = _cluster_with(run.cluster, run.device, efficiency)
+    return estimate_step(
+        model_spec(run), cluster, run.gpus, run.global_batch, run.seq_len, cfg, stack=stack
+    ).step_time_s
+
+
+@dataclass
+class Corpus:
+    """The published runs with their published step times, and a cache of predictions by efficiency."""
+
+    runs: list[PublishedRun]
+    sources: dict[str, Source]
+    published: dict[str, float]
+    _cache: dict[tuple[str, float | None], float]
+
+    @classmethod
+    def load(cls) -> Corpus:
+        """The packaged corpus."""
+        sources = load_sources()
+        runs = load_runs()
+        return cls(runs, sources, {r.id: published_step_s(r, sources[r.source]) for r in runs}, {})
+
+    def predicted(self, run: PublishedRun, efficiency: float | None) -> float:
+        """Predicted step seconds of ``run`` at ``efficiency`` (memoised)."""
+        key = (run.id, efficiency)
+        if key not in self._cache:
+            self._cache[key] = predict_at(run, get_stack(self.sources[run.source].stack), efficiency)
+        return self._cache[key]
+
+    def log_error(self, run: PublishedRun, efficiency: float | None) -> float:
+        """|ln(predicted / published)|: symmetric, so fits do not favour predicting slow or fast."""
+        import math
+
+        return abs(math.log(self.predicted(run, efficiency) / self.published[run.id]))
+
+
+def fit_efficiencies(corpus: Corpus, sources: set[str]) -> dict[str, float]:
+    """Per generation, the GEMM efficiency minimising the mean over ``sources`` of each source's median error.
+
+    Each source weighs the same however many rows it has (one framework table of 216 rows must not
+    outvote eight papers). A generation no training source measures gets no entry (its preset holds).
+    """
+    fitted = {}
+    rows = [r for r in corpus.runs if r.source in sources]
+    for gen in sorted({generation(r.device) for r in rows}):
+        mine = [r for r in rows if generation(r.device) == gen]
+        by_source: dict[str, list[PublishedRun]] = {}
+        for r in mine:
+            by_source.setdefault(r.source, []).append(r)
+
+        def score(eff: float, groups: dict[str, list[PublishedRun]] = by_source) -> float:
+            return sum(statistics.median(corpus.log_error(r, eff) for r in g) for g in groups.values())
+
+        fitted[gen] = min(EFFICIENCY_GRID, key=score)
+    return fitted
+
+
+def errors_with(corpus: Corpus, runs: list[PublishedRun], fitted: dict[str, float]) -> list[RunError]:
+    """RunErrors of ``runs`` under the fitted efficiencies (a generation not fitted keeps its preset)."""
+    return [
+        RunError(r, corpus.published[r.id], corpus.predicted(r, fitted.get(generation(r.device))))
+        for r in runs
+    ]
+
+
+def leave_one_source_out(corpus: Corpus) -> tuple[dict[str, list[RunError]], dict[str, dict[str, float]]]:
+    """For each source: fit on every other source, predict this one. Returns errors and fits by source."""
+    names = sorted(corpus.sources)
+    errors, fits = {}, {}
+    for held in names:
+        fits[held] = fit_efficiencies(corpus, set(names) - {held})
+        errors[held] = errors_with(corpus, [r for r in corpus.runs if r.source == held], fits[held])
+    return errors, fits

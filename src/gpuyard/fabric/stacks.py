@@ -1,0 +1,111 @@
+"""Software-stack profiles: what differs between training stacks on the same hardware and layout.
+
+The step model's structure (GEMMs on a roofline, attention, memory-bound operators, collectives,
+overlap) is the same for every stack; a profile says how a stack runs the parts that are not the same:
+
+* ``optimizer_bytes_per_param``: memory traffic of one Adam step per owned parameter. A fused Adam
+  (Megatron's distributed optimizer, apex/TE FusedAdam, ``torch.optim.AdamW(fused=True)``) reads the
+  fp32 master weight, gradient, m and v and writes weight, m and v: 28 bytes, 30 with the bf16 copy.
+  PyTorch's default ``foreach`` AdamW runs one pass per operation (lerp m; mul and addcmul v; weight
+  decay; sqrt, divide and add eps into a temporary; addcdiv into the weight): about 80 bytes.
+* ``elementwise_factor``: bytes moved by the memory-bound operators against the step model's count
+  (``ELEMENTWISE_BYTES_PER_H``: unfused norms, residuals and dropouts). Megatron/NeMo with Transformer
+  Engine fuse norm+GEMM, bias+GELU and bias+dropout+add: about 0.6 of the unfused traffic.
+* ``fp32_elementwise``: autocast runs layer norms and the residual stream in fp32, so a bf16 run moves
+  their bytes at 4 bytes per element (plain PyTorch autocast, as gpuyard's trainer uses).
+* ``loss_bytes_per_logit``: the output layer's cross-entropy, per logit. ``F.cross_entropy`` on bf16
+  logits upcasts them (write 4 bytes), takes the log-softmax (read and write 4 + 4), and the backward
+  reads and writes the fp32 gradient and casts it down (4 + 4 + 2 + 2): about 24 bytes. Megatron's
+  fused vocab-parallel cross-entropy reads the logits once forward and writes the gradient once: 12.
+* ``attention``: the attention kernel family: FlashAttention 2 ("fa2": torchtitan's SDPA flash backend
+  in 2024, llm-foundry's flash-attn 2) or Hopper-native kernels ("fa3": Transformer Engine's cuDNN fused
+  attention in Megatron and NeMo); ``gpuyard.fabric.step.FA2_ON_HOPPER`` says what that costs on Hopper.
+* Dispatch overlap and the cost of overlapped communication are properties of the device
+  (``Compute.async_dispatch``, ``Compute.overlap_slowdown``), not of the stack.
+
+Profiles are chosen from each framework's documented defaults, not fitted to the published runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpuyard.errors import NotFoundError
+
+# Memory traffic of a Llama block's memory-bound operators in eager PyTorch against the step model's
+# count (ELEMENTWISE_BYTES_PER_H): RMSNorm upcast to fp32 and computed in five passes (about 44 bytes
+# per element against 4), RoPE through complex fp32 views on q and k, SwiGLU as silu then multiply, and
+# the residual adds; counted per token and layer this is about 2.2 times the fused count.
+EAGER_LLAMA_ELEMENTWISE = 2.2
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One training stack's profile (see the module docstring for each field's derivation)."""
+
+    name: str
+    optimizer_bytes_per_param: float
+    elementwise_factor: float
+    attention: str  # "fa2" | "fa3": FlashAttention 2 kernels, or Hopper kernels (FA3 / cuDNN) where present
+    summary: str
+    fp32_elementwise: bool = False
+    loss_bytes_per_logit: float = 24.0
+
+
+STACKS: dict[str, Stack] = {
+    s.name: s
+    for s in (
+        Stack(
+            "megatron-lm",
+            30.0,
+            1.0,
+            "fa3",
+            "Megatron-LM / Megatron-Core with Transformer Engine",
+            loss_bytes_per_logit=12.0,
+        ),
+        Stack(
+            "nemo",
+            30.0,
+            1.0,
+            "fa3",
+            "NVIDIA NeMo / Megatron-Bridge (Megatron-Core and TE underneath)",
+            loss_bytes_per_logit=12.0,
+        ),
+        Stack(
+            "torchtitan",
+            30.0,
+            EAGER_LLAMA_ELEMENTWISE,
+            "fa2",
+            "torchtitan: FSDP2, fused AdamW, eager RMSNorm/RoPE/SwiGLU unless compiled, SDPA flash (FA2)",
+        ),
+        Stack(
+            "llm-foundry",
+            80.0,
+            1.0,
+            "fa2",
+            "MosaicML llm-foundry / Composer: FSDP1, flash-attn 2, fused norms",
+        ),
+        Stack("deepspeed", 30.0, 1.0, "fa2", "DeepSpeed ZeRO with FusedAdam"),
+        Stack("other", 30.0, 1.0, "fa3", "a stack the corpus does not profile: fused optimizer and kernels"),
+        Stack(
+            "gpuyard",
+            80.0,
+            1.0,
+            "fa3",
+            "gpuyard's trainer: eager PyTorch, autocast (fp32 norms), foreach AdamW, SDPA",
+            fp32_elementwise=True,
+        ),
+    )
+}
+
+
+def get_stack(name: str) -> Stack:
+    """The profile of a stack by name.
+
+    Raises:
+        NotFoundError: the message lists the known stacks.
+    """
+    try:
+        return STACKS[name]
+    except KeyError:
+        raise NotFoundError(f"unknown software stack {name!r}; known: {', '.join(STACKS)}") from None

@@ -11,18 +11,27 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 import gpuyard
+from gpuyard.api.body import BodyLimit
+from gpuyard.api.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from gpuyard.errors import GpuyardError
 
 
-def create_app(jobs: Any = None) -> FastAPI:
+def create_app(
+    jobs: Any = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+) -> FastAPI:
     """Build the API.
 
     Args:
         jobs: the :class:`gpuyard.scheduler.service.JobService` behind ``/jobs`` (None: no job routes
             answer; they return 503).
+        max_body_bytes: the largest request body (413 above it, before it is read).
+        body_timeout_s: how long a request's body may take to arrive (408 after that).
     """
     app = FastAPI(title="gpuyard", version=gpuyard.__version__)
     app.state.jobs = jobs
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
 
     @app.exception_handler(GpuyardError)
     async def _gpuyard_error(_: Request, exc: GpuyardError) -> JSONResponse:
@@ -33,7 +42,7 @@ def create_app(jobs: Any = None) -> FastAPI:
         return JSONResponse(status_code=422, content={"detail": validation_detail(exc.errors())})
 
     @app.get("/health")
-    def health() -> dict[str, Any]:
+    async def health() -> dict[str, Any]:  # async: answers even when every worker thread is busy
         """Liveness: the version, and whether the job service is attached."""
         return {"status": "ok", "version": gpuyard.__version__, "jobs": app.state.jobs is not None}
 

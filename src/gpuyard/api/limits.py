@@ -2,15 +2,12 @@
 
 Every bound is checked at the edge, before any library call, so an out-of-range value is a 422 that
 names the field (or a 413/408 for the body), never an overflow deep in SQLite, ``seek`` or
-``timedelta``. The job spec's own bounds (command, environment, resources) live with the spec in
-:mod:`gpuyard.scheduler.spec`, because the YAML path checks them too.
+``timedelta``. The FastAPI parameter types that carry them are in :mod:`gpuyard.api.params`; this
+module imports nothing, so the CLI reads its defaults cheaply. The job spec's own bounds (command,
+environment, resources) live with the spec in :mod:`gpuyard.scheduler.spec`: YAML files get them too.
 """
 
 from __future__ import annotations
-
-from typing import Annotated
-
-from fastapi import Path, Query
 
 # Ids are INTEGER columns: 32-bit signed on PostgreSQL, so the smaller of the two stores' ranges.
 MAX_ID = 2**31 - 1
@@ -29,11 +26,3 @@ WORD_LEN = 32
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # A body must have arrived this long after the request started: a slow sender is cut off with 408.
 DEFAULT_BODY_TIMEOUT_S = 30.0
-
-JobId = Annotated[int, Path(ge=1, le=MAX_ID, description="a job id")]
-DeploymentId = Annotated[int, Path(ge=1, le=MAX_ID, description="a deployment id")]
-TokenId = Annotated[int, Path(ge=1, le=MAX_ID, description="a token id")]
-Version = Annotated[int, Path(ge=1, le=MAX_ID, description="a model version")]
-Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET, description="byte offset into the log")]
-Name = Annotated[str, Path(min_length=1, max_length=NAME_LEN)]
-Ref = Annotated[str, Path(min_length=1, max_length=REF_LEN)]

@@ -6,16 +6,19 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from gpuyard.api.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from gpuyard.scheduler.service import JobService
 
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """Where the API listens."""
+    """Where the API listens, and how large and how slow a request body may be."""
 
     host: str = "127.0.0.1"
     port: int = 8765
     log_level: str = "warning"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
 
 def run_server(service: JobService, options: ServerOptions) -> None:
@@ -53,9 +56,10 @@ def run_server(service: JobService, options: ServerOptions) -> None:
     loop = threading.Thread(target=service.run, args=(stop,), name="gpuyard-scheduler", daemon=True)
     loop.start()
     try:
-        uvicorn.run(
-            create_app(jobs=service), host=options.host, port=options.port, log_level=options.log_level
+        app = create_app(
+            jobs=service, max_body_bytes=options.max_body_bytes, body_timeout_s=options.body_timeout_s
         )
+        uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level)
     finally:
         stop.set()
         service.wake.set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from gpuyard.api.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from gpuyard.fabric.cluster import list_presets
 from gpuyard.scheduler.fabric_placement import DEFAULT_MAX_WAIT_S
 from gpuyard.scheduler.policies import POLICIES
@@ -45,6 +46,20 @@ def server(
         "--max-wait",
         help="Fabric placement: the longest a job waits for a consolidated placement, seconds.",
     ),
+    max_body_mb: float = typer.Option(
+        DEFAULT_MAX_BODY_BYTES / 2**20,
+        "--max-body-mb",
+        min=0.001,
+        max=1024,
+        help="The largest request body, MiB (413 above it).",
+    ),
+    body_timeout: float = typer.Option(
+        DEFAULT_BODY_TIMEOUT_S,
+        "--body-timeout",
+        min=0.1,
+        max=3600,
+        help="Seconds a request body may take to arrive (408 after that).",
+    ),
 ) -> None:
     """Serve the job API and run the scheduler (state in GPUYARD_HOME or GPUYARD_DATABASE_URL)."""
     from gpuyard.api.server import ServerOptions, run_server
@@ -65,7 +80,10 @@ def server(
         max_wait_s=max_wait,
         calibration=calibration,
     )
-    run_server(service, ServerOptions(host=host, port=port))
+    options = ServerOptions(
+        host=host, port=port, max_body_bytes=int(max_body_mb * 2**20), body_timeout_s=body_timeout
+    )
+    run_server(service, options)
 
 
 def register(app: typer.Typer) -> None:

@@ -50,10 +50,11 @@ class _Keep(logging.Handler):
 
 
 @pytest.fixture
-def live_api(gpuyard_home: Path) -> Iterator[LiveApi]:
+def live_api(gpuyard_home: Path, request: pytest.FixtureRequest) -> Iterator[LiveApi]:
     """create_app over a job service (teams research and vision, 1 fake GPU) on uvicorn at debug level.
 
-    Every record of every logger (uvicorn's access log included) is captured into ``records``.
+    Every record of every logger (uvicorn's access log included) is captured into ``records``. Indirect
+    parametrization passes keyword arguments to create_app (e.g. ``{"max_body_bytes": 1024}``).
     """
     import uvicorn
 
@@ -67,7 +68,7 @@ def live_api(gpuyard_home: Path) -> Iterator[LiveApi]:
     root.addHandler(handler)
     root.setLevel(logging.DEBUG)
     service = build_service(teams={"research": 1.0, "vision": 1.0}, fake_gpus=1, cpus=2, grace_s=1.0)
-    app = create_app(jobs=service)
+    app = create_app(jobs=service, **getattr(request, "param", {}))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

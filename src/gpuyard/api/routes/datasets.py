@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from gpuyard.api.limits import Ref
+from gpuyard.api.params import Ref
 
 router = APIRouter(prefix="/datasets", tags=["datasets"])
 

@@ -7,7 +7,8 @@ from typing import Any
 import httpx
 from fastapi import APIRouter, Query
 
-from gpuyard.api.limits import REF_LEN, DeploymentId
+from gpuyard.api.limits import REF_LEN
+from gpuyard.api.params import DeploymentId
 from gpuyard.states import DeploymentState
 
 router = APIRouter(prefix="/deployments", tags=["deployments"])

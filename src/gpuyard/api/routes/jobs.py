@@ -7,7 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 
 from gpuyard.api.auth import authenticated
-from gpuyard.api.limits import NAME_LEN, JobId, Offset
+from gpuyard.api.limits import NAME_LEN
+from gpuyard.api.params import JobId, Offset
 from gpuyard.auth import Principal, check_team, visible_team
 from gpuyard.errors import StoreError
 from gpuyard.scheduler.spec import JobSpec, JobState

@@ -7,7 +7,8 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpuyard.api.limits import WORD_LEN, Ref, Version
+from gpuyard.api.limits import WORD_LEN
+from gpuyard.api.params import Ref, Version
 from gpuyard.refs import ModelRef
 
 router = APIRouter(prefix="/models", tags=["models"])

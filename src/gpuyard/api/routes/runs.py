@@ -7,7 +7,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response
 
-from gpuyard.api.limits import ARTIFACT_NAME_LEN, REF_LEN, WORD_LEN, Ref
+from gpuyard.api.limits import ARTIFACT_NAME_LEN, REF_LEN, WORD_LEN
+from gpuyard.api.params import Ref
 from gpuyard.errors import ConfigError, NotFoundError
 
 router = APIRouter(prefix="/runs", tags=["runs"])

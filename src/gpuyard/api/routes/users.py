@@ -8,7 +8,8 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuyard.api.auth import authenticated
-from gpuyard.api.limits import NAME_LEN, WORD_LEN, Name, TokenId
+from gpuyard.api.limits import NAME_LEN, WORD_LEN
+from gpuyard.api.params import Name, TokenId
 from gpuyard.auth import MAX_TOKEN_DAYS, Principal, require_admin
 
 router = APIRouter(tags=["users"])

@@ -113,7 +113,9 @@ def main() -> int:
     step, compiled = best
     predicted = 0.0
     if cluster is not None:
-        est = estimate_step(model, cluster, 1, batch, shape["seq_len"], ParallelConfig(micro_batch=batch))
+        est = estimate_step(
+            model, cluster, 1, batch, shape["seq_len"], ParallelConfig(micro_batch=batch, stack="gpuyard")
+        )
         predicted = est.mfu
         print(
             f"step model (uncalibrated {cluster.accelerator}): {est.step_time_s * 1e3:.1f} ms, "

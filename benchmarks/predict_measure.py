@@ -67,7 +67,9 @@ class Config:
         dp = self.nproc // self.pp
         micro = self.batch // self.microbatches if self.pp > 1 else self.batch
         zero = 3 if self.data_parallel == "fsdp" else 0
-        return ParallelConfig(tp=1, pp=self.pp, dp=dp, micro_batch=micro, zero=zero, precision=precision)
+        return ParallelConfig(
+            tp=1, pp=self.pp, dp=dp, micro_batch=micro, zero=zero, precision=precision, stack="gpuyard"
+        )
 
     def global_batch(self) -> int:
         """Sequences per step over all data-parallel ranks."""

@@ -66,6 +66,7 @@ def plan_command(
             "considered": result.considered,
             "fitting": result.fitting,
             "plans": [p.to_dict() for p in result.plans],
+            "warnings": result.warnings,
         }
         typer.echo(json.dumps(doc))
         return
@@ -119,6 +120,8 @@ def print_plans(result: object, title: str) -> None:
     console = Console(width=max(Console().width, 120))
     console.print(table)
     console.print(f"{result.fitting} of {result.considered} layouts fit in memory. {result.explain()}")
+    for warning in result.warnings:
+        console.print(f"warning: {warning}")
 
 
 def register(app: typer.Typer) -> None:

@@ -212,3 +212,27 @@ def leave_one_source_out(corpus: Corpus) -> tuple[dict[str, list[RunError]], dic
         fits[held] = fit_efficiencies(corpus, set(names) - {held})
         errors[held] = errors_with(corpus, [r for r in corpus.runs if r.source == held], fits[held])
     return errors, fits
+
+
+# ----- MFU ceilings ----------------------------------------------------------------------------------
+
+
+def mfu_ceilings(corpus: Corpus) -> dict[str, dict[str, object]]:
+    """The best published MFU per ``device/precision``: PaLM's FLOP count over the precision's dense peak.
+
+    The planner warns when a plan's predicted MFU is above it (:mod:`gpuyard.fabric.published.ceilings`
+    ships these figures so that planning does not read the corpus).
+    """
+    from gpuyard.hardware.catalog import get_spec
+
+    best: dict[str, dict[str, object]] = {}
+    for run in corpus.runs:
+        precision = "bf16" if run.precision == "fp16" else run.precision
+        model = model_spec(run)
+        flops = model.model_flops_per_token(run.seq_len) * run.tokens_per_step
+        peak = get_spec(run.device).peak_tflops(precision) * 1e12
+        mfu = flops / (corpus.published[run.id] * run.gpus * peak)
+        key = f"{run.device}/{precision}"
+        if key not in best or mfu > float(str(best[key]["mfu"])):
+            best[key] = {"mfu": round(mfu, 4), "run": run.id}
+    return dict(sorted(best.items()))

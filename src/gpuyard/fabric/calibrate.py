@@ -599,6 +599,8 @@ def apply_calibration(cluster: Cluster, cal: Calibration, where: str = "calibrat
         raise ConfigError(f"{where} does not match the cluster: {why}")
     data = cluster.model_dump()
     dtype = "float32" if cal.device_kind == "cpu" else "bfloat16"
+    if dtype not in cal.gemm_fit:
+        raise ConfigError(f"{where} has no {dtype} GEMM fit, the dtype its device trains in: calibrate again")
     if cal.device_kind == "cpu":
         assert cluster.device is not None  # _matches checked it
         per_rank_peak = cluster.device.bf16_tflops / max(1, (os.cpu_count() or 1)) * cal.threads_per_rank

@@ -8,11 +8,12 @@ search for a 405B model on 16,384 GPUs under two seconds.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpuyard.errors import CapacityError, ConfigError
 from gpuyard.fabric.cluster import Cluster
 from gpuyard.fabric.models import ModelSpec
+from gpuyard.fabric.published.ceilings import mfu_warning
 from gpuyard.fabric.step import (
     FRAGMENTATION,
     GIB,
@@ -60,6 +61,7 @@ class PlanResult:
     plans: list[StepEstimate]
     considered: int
     fitting: int
+    warnings: list[str] = field(default_factory=list)
 
     def explain(self) -> str:
         """Why the top plan wins, in two sentences."""
@@ -289,4 +291,10 @@ def plan(
             f"{what} {smallest / GIB:.1f} GiB per GPU; {cluster.device_name} has {limit / GIB:.1f} GiB"
         )
     plans.sort(key=_rank_key)
-    return PlanResult(plans=plans[:top], considered=considered, fitting=len(plans))
+    chosen = plans[:top]
+    warnings = []
+    if chosen:  # the MFU sanity rule: no plan is believed faster than any published run on the device
+        warning = mfu_warning(cluster.device_name, chosen[0].config.precision, chosen[0].mfu)
+        if warning:
+            warnings.append(f"top plan: {warning}")
+    return PlanResult(plans=chosen, considered=considered, fitting=len(plans), warnings=warnings)

@@ -1,0 +1,125 @@
+"""The step model against the published corpus: in-sample and leave-one-source-out error, per source.
+
+Every run of gpuyard/fabric/published/runs.yaml is predicted and compared with the step time its source
+implies (tokens/s and step times directly; TFLOP/s through the source's own FLOP convention). The one
+constant fitted to published runs, the GEMM efficiency of each GPU generation, is fitted two ways:
+
+* in-sample: on every source (what the shipped presets hold);
+* leave-one-source-out: for each source, on all the *other* sources, then that source is predicted.
+  A generation that only the held-out source measures keeps its preset value.
+
+    python benchmarks/fabric_accuracy.py [--plot docs/img/fabric_accuracy.png] [--quick]
+
+Last line: ``fabric_accuracy: loso_median_pct=<x> loso_max_pct=<y> in_sample_median_pct=<z> runs=<n>
+sources=<k>`` (medians and maxima of |predicted / published - 1| over all runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from gpuyard.fabric.accuracy import Corpus, RunError, errors_with, fit_efficiencies, leave_one_source_out
+
+
+def _pct(errors: list[RunError]) -> tuple[float, float, float]:
+    values = [abs(e.error) * 100 for e in errors]
+    return statistics.median(values), max(values), statistics.median(e.error * 100 for e in errors)
+
+
+def plot(in_sample: list[RunError], loso: dict[str, list[RunError]], path: Path) -> None:
+    """Predicted (leave-one-source-out) against published step time, one colour per source, log-log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 7), dpi=110)
+    lo, hi = float("inf"), 0.0
+    for i, (source, errors) in enumerate(sorted(loso.items())):
+        xs = [e.published_s for e in errors]
+        ys = [e.predicted_s for e in errors]
+        lo, hi = min(lo, *xs, *ys), max(hi, *xs, *ys)
+        med = statistics.median(abs(e.error) for e in errors)
+        ax.scatter(
+            xs,
+            ys,
+            s=14,
+            alpha=0.75,
+            color=plt.get_cmap("tab10")(i % 10),
+            label=f"{source} ({len(xs)}, {med:.0%})",
+        )
+    ax.plot([lo, hi], [lo, hi], color="black", lw=0.8)
+    for f in (0.85, 1.15):
+        ax.plot([lo, hi], [lo * f, hi * f], color="grey", lw=0.6, ls="--")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("published step time (s)")
+    ax.set_ylabel("predicted step time (s), leave-one-source-out")
+    ins = statistics.median(abs(e.error) for e in in_sample)
+    every = [e for v in loso.values() for e in v]
+    ax.set_title(
+        f"gpuyard step model vs {len(every)} published runs: leave-one-source-out median "
+        f"{statistics.median(abs(e.error) for e in every):.1%} (in-sample {ins:.1%}); dashed: ±15%",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7, loc="upper left", title="source (runs, median error)", title_fontsize=7)
+    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> int:
+    """Fit, predict, print the table and the summary line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plot", type=Path, help="Write the predicted-vs-published PNG here.")
+    parser.add_argument("--quick", action="store_true", help="Accepted for `make bench`; the run is ~2 s.")
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    corpus = Corpus.load()
+    names = sorted(corpus.sources)
+    fitted = fit_efficiencies(corpus, set(names))
+    in_sample = errors_with(corpus, corpus.runs, fitted)
+    loso, fits = leave_one_source_out(corpus)
+    print(f"GEMM efficiency fitted on every source: {fitted}")
+    print(
+        f"{'source':<28} {'stack':<12} {'runs':>4}  {'in-sample med/max':>18}  {'LOSO med/max':>14}  "
+        f"{'LOSO bias':>9}  fit without it"
+    )
+    for name in names:
+        mine = [e for e in in_sample if e.run.source == name]
+        i_med, i_max, _ = _pct(mine)
+        l_med, l_max, bias = _pct(loso[name])
+        fit = ", ".join(f"{k} {v:.2f}" for k, v in sorted(fits[name].items()))
+        print(
+            f"{name:<28} {corpus.sources[name].stack:<12} {len(mine):>4}  {i_med:7.1f}% /{i_max:6.1f}%  "
+            f"{l_med:5.1f}% /{l_max:5.1f}%  {bias:+8.1f}%  {fit}"
+        )
+    every = [e for v in loso.values() for e in v]
+    l_med, l_max, _ = _pct(every)
+    i_med, i_max, _ = _pct(in_sample)
+    per_source = statistics.median(_pct(v)[0] for v in loso.values())
+    print(
+        f"all runs: in-sample median {i_med:.1f}% worst {i_max:.1f}%; "
+        f"leave-one-source-out median {l_med:.1f}% worst {l_max:.1f}%; "
+        f"median of the sources' LOSO medians {per_source:.1f}% "
+        f"({time.perf_counter() - started:.1f} s)"
+    )
+    if args.plot:
+        plot(in_sample, loso, args.plot)
+        print(f"plot written to {args.plot}")
+    print(
+        f"fabric_accuracy: loso_median_pct={l_med:.1f} loso_max_pct={l_max:.1f} "
+        f"in_sample_median_pct={i_med:.1f} runs={len(in_sample)} sources={len(names)}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

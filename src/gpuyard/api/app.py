@@ -64,6 +64,14 @@ def create_app(
     for module in (cluster, fabric, datasets, runs, models, deployments, users):
         app.include_router(module.router, dependencies=[Depends(authenticated)])
     mount_dashboard(app)
+    _openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            job_routes.add_schemas(_openapi())  # the job spec is validated off the loop, not by FastAPI
+        return _openapi()
+
+    app.openapi = openapi  # type: ignore[method-assign]
     ensure_admin_token()  # embedded default, first start: user 'admin' and GPUYARD_HOME/token (0600)
     return app
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from gpuyard.api.auth import authenticated
 from gpuyard.api.limits import NAME_LEN
@@ -14,6 +17,45 @@ from gpuyard.errors import StoreError
 from gpuyard.scheduler.spec import JobSpec, JobState
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+# The spec is read as bytes and validated in the route's worker thread, not by FastAPI on the event
+# loop: a large spec (up to the body cap) then never delays other requests. OpenAPI still shows it.
+_SPEC_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}},
+    }
+}
+
+
+async def _raw_body(request: Request) -> bytes:
+    return await request.body()  # already read (and capped) by BodyLimit: no waiting here
+
+
+def parse_spec_body(body: bytes) -> JobSpec:
+    """A job spec from a request body, validated (call it off the event loop).
+
+    Raises:
+        RequestValidationError: not JSON, or an invalid field (422 naming each, as FastAPI's own).
+    """
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        msg = f"JSON decode error: {exc}" if isinstance(exc, ValueError) else "JSON nested too deeply"
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": msg}]) from None
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
+
+
+def add_schemas(doc: dict[str, Any]) -> None:
+    """Put JobSpec and the models it uses into an OpenAPI document's components."""
+    schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(schema.pop("$defs", {}))
+    schemas["JobSpec"] = schema
 
 
 def _service(request: Request) -> Any:
@@ -39,16 +81,25 @@ def _as_caller(spec: JobSpec, principal: Principal) -> JobSpec:
     return spec.model_copy(update={"user": principal.user})
 
 
-@router.post("", status_code=201)
-def submit(spec: JobSpec, request: Request, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
+@router.post("", status_code=201, openapi_extra=_SPEC_BODY)
+def submit(
+    request: Request,
+    body: bytes = Depends(_raw_body),
+    principal: Principal = Depends(authenticated),
+) -> dict[str, Any]:
     """Queue a job (422 naming the field when the spec is invalid or can never fit)."""
+    spec = parse_spec_body(body)
     return dict(_service(request).submit(_as_caller(spec, principal)))
 
 
-@router.post("/dry-run")
-def dry_run(spec: JobSpec, request: Request, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
+@router.post("/dry-run", openapi_extra=_SPEC_BODY)
+def dry_run(
+    request: Request,
+    body: bytes = Depends(_raw_body),
+    principal: Principal = Depends(authenticated),
+) -> dict[str, Any]:
     """Where the job would run now and what would be launched, without launching it."""
-    return dict(_service(request).dry_run(_as_caller(spec, principal)))
+    return dict(_service(request).dry_run(_as_caller(parse_spec_body(body), principal)))
 
 
 @router.get("")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,9 +53,21 @@ class JobClient:
             raise _BY_STATUS.get(resp.status_code, ConfigError)(_detail(resp))
         return resp.json()
 
-    def submit(self, spec: JobSpec) -> dict[str, Any]:
-        """Queue a job; returns its document."""
-        return dict(self._call("POST", "/jobs", json=spec.model_dump(mode="json")))
+    def submit(self, spec: JobSpec, idempotency_key: str | None = None, attempts: int = 3) -> dict[str, Any]:
+        """Queue a job; returns its document.
+
+        The submission carries an ``Idempotency-Key`` (a new UUID unless given) and is sent again, up
+        to ``attempts`` times, when the connection fails: the server queues the job once however many
+        of the tries reached it.
+        """
+        headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
+        body = spec.model_dump(mode="json")
+        for _ in range(attempts - 1):
+            try:
+                return dict(self._call("POST", "/jobs", json=body, headers=headers))
+            except ServerUnreachable:
+                continue  # the connection failed, before or after the server got it: same key again
+        return dict(self._call("POST", "/jobs", json=body, headers=headers))
 
     def dry_run(self, spec: JobSpec) -> dict[str, Any]:
         """What the server would launch for ``spec`` now."""

@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError as DuplicateRow
 from sqlalchemy.orm import Session
 
 from gpuyard.errors import CapacityError, ConfigError, ConflictError, NotFoundError
@@ -159,11 +160,52 @@ class JobService:
             spec.workload, spec.resources.gpus, spec.resources.gpu_type, self.state, self.placer
         )
 
-    def submit(self, spec: JobSpec) -> dict[str, Any]:
-        """Queue a job after :meth:`check`; returns its document."""
+    def submit(self, spec: JobSpec, idempotency_key: str | None = None) -> dict[str, Any]:
+        """Queue a job after :meth:`check`; returns its document (see :meth:`submit_once` for the key)."""
+        return self.submit_once(spec, idempotency_key)[0]
+
+    def submit_once(self, spec: JobSpec, idempotency_key: str | None = None) -> tuple[dict[str, Any], bool]:
+        """Queue a job; with ``idempotency_key``, only the first submission with that key queues one.
+
+        A later submission with the same key and the same spec gets the first job back, whatever its
+        state (a client whose connection dropped retries safely); two at once queue one job between them.
+
+        Returns:
+            The job's document, and True when this call queued it.
+
+        Raises:
+            ConfigError: the key was used before with another spec.
+        """
+        if idempotency_key is not None and (first := self._by_key(spec, idempotency_key)) is not None:
+            return first, False
         self.check(spec)
+        try:
+            doc = self._insert(spec, idempotency_key)
+        except DuplicateRow:
+            # A concurrent submission with the same key inserted first: its job is the answer.
+            first = self._by_key(spec, idempotency_key) if idempotency_key is not None else None
+            if first is None:
+                raise
+            return first, False
+        self.wake.set()
+        return doc, True
+
+    def _by_key(self, spec: JobSpec, key: str) -> dict[str, Any] | None:
+        with self.store.read() as s:
+            row = s.scalars(select(JobRow).where(JobRow.idempotency_key == key)).first()
+            if row is None:
+                return None
+            if row.spec != spec.model_dump(mode="json"):
+                raise ConfigError(
+                    f"Idempotency-Key: already used for job {row.id} with a different spec; "
+                    "a new job needs a new key"
+                )
+            return job_doc(row)
+
+    def _insert(self, spec: JobSpec, idempotency_key: str | None) -> dict[str, Any]:
         with self.store.session() as s:
             row = JobRow(
+                idempotency_key=idempotency_key,
                 name=spec.name,
                 team=spec.team,
                 user=spec.user,
@@ -184,9 +226,7 @@ class JobService:
                     job_id=row.id, from_state=None, to_state=JobState.QUEUED.value, reason="submitted"
                 )
             )
-            doc = job_doc(row)
-        self.wake.set()
-        return doc
+            return job_doc(row)
 
     def cancel(self, job_id: int) -> dict[str, Any]:
         """Cancel a job: at once when queued; a running one gets SIGTERM, then SIGKILL after the grace."""

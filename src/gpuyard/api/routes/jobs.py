@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
@@ -84,12 +84,30 @@ def _as_caller(spec: JobSpec, principal: Principal) -> JobSpec:
 @router.post("", status_code=201, openapi_extra=_SPEC_BODY)
 def submit(
     request: Request,
+    response: Response,
     body: bytes = Depends(_raw_body),
     principal: Principal = Depends(authenticated),
+    idempotency_key: str | None = Header(
+        None,
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=200,
+        pattern=r"^[\x21-\x7e]+$",
+        description="a key of the client's choosing (e.g. a UUID): a retry with it returns the first job",
+    ),
 ) -> dict[str, Any]:
-    """Queue a job (422 naming the field when the spec is invalid or can never fit)."""
-    spec = parse_spec_body(body)
-    return dict(_service(request).submit(_as_caller(spec, principal)))
+    """Queue a job (422 naming the field when the spec is invalid or can never fit).
+
+    With ``Idempotency-Key``, a later submission by the same user with the same key and spec queues
+    nothing and returns the first job (200, ``Idempotent-Replayed: true``); another spec is a 422.
+    """
+    spec = _as_caller(parse_spec_body(body), principal)
+    key = f"{principal.user}:{idempotency_key}" if idempotency_key is not None else None
+    doc, created = _service(request).submit_once(spec, key)
+    if not created:
+        response.status_code = 200
+        response.headers["Idempotent-Replayed"] = "true"
+    return dict(doc)
 
 
 @router.post("/dry-run", openapi_extra=_SPEC_BODY)

@@ -44,8 +44,14 @@ class JobRow(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+    # "USER:KEY" from the submission's Idempotency-Key header: a retry with it returns this job.
+    idempotency_key: Mapped[str | None] = mapped_column(String(300), nullable=True)
 
-    __table_args__ = (Index("ix_jobs_state", "state"), Index("ix_jobs_team", "team"))
+    __table_args__ = (
+        Index("ix_jobs_state", "state"),
+        Index("ix_jobs_team", "team"),
+        Index("ix_jobs_idempotency_key", "idempotency_key", unique=True),
+    )
 
 
 class JobEventRow(Base):

@@ -11,8 +11,8 @@ from gpuyard.errors import ConfigError
 from gpuyard.models.evaluate import Evaluation, record_evaluation
 from gpuyard.models.executor import Task, TaskExecutor, get_executor
 from gpuyard.models.spec import ModelSpec, parse_spec
-from gpuyard.models.tracking import start_run
 from gpuyard.states import RunStatus
+from gpuyard.tracking.store import start_run
 
 
 @dataclass(frozen=True)

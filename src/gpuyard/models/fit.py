@@ -17,9 +17,9 @@ from gpuyard.models.evaluate import Evaluation, evaluate, log_evaluation
 from gpuyard.models.flavors import as_predictor, save_model
 from gpuyard.models.signature import infer_signature
 from gpuyard.models.spec import ModelSpec
-from gpuyard.models.tracking import DbTracker, start_run
 from gpuyard.refs import import_ref
 from gpuyard.states import RunStatus
+from gpuyard.tracking.store import DbTracker, start_run
 
 
 @dataclass(frozen=True)

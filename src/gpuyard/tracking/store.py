@@ -1,10 +1,12 @@
-"""Run tracking in the state store: parameters, metric series, tags, artifacts, system metrics, lineage.
+"""A run in the state store: parameters, metric series, tags, artifacts, system metrics, lineage.
 
 :class:`DbTracker` has the three methods the training runtime's tracking interface asks for
 (``log_params``, ``log_metrics(step, dict)``, ``finish``), so a trainer handed one records straight into
-the database instead of JSON lines. Metric points are buffered and written in batches by a background
-thread (one executemany INSERT every 2 s or 500 points): a transaction per training step would cost
-more than the step of a small model, and the training thread should never wait for the database.
+the database instead of JSON lines. Metric points are buffered and written in batches by the run's one
+writer thread (one executemany INSERT every 2 s or 500 points): a transaction per training step would
+cost more than the step of a small model, and the training thread should never wait for the database.
+A caller with a database thread of its own (the trainer's :mod:`gpuyard.tracking.training`) opens the
+run without a writer and calls :meth:`DbTracker.tick` from that thread instead.
 """
 
 from __future__ import annotations
@@ -111,11 +113,17 @@ def _jsonable(value: Any) -> Any:
 class DbTracker:
     """One run recorded in the state store. Create with :func:`start_run`.
 
-    Thread-safe: a background thread writes buffered points and samples system metrics.
+    Thread-safe: a writer thread (or the caller's own, through :meth:`tick`) writes buffered points
+    and samples system metrics.
     """
 
     def __init__(
-        self, store: Store, run_id: str, system_interval_s: float | None = 10.0, system_step: int = 0
+        self,
+        store: Store,
+        run_id: str,
+        system_interval_s: float | None = 10.0,
+        system_step: int = 0,
+        writer: bool = True,
     ) -> None:
         self.store = store
         self.run_id = run_id
@@ -132,8 +140,13 @@ class DbTracker:
         self._sys_step = system_step
         self._sys_interval = system_interval_s
         self._sample_system()
-        self._writer = threading.Thread(target=self._background, name=f"tracker-{run_id[:8]}", daemon=True)
-        self._writer.start()
+        self._last_sample = self._last_flush = time.monotonic()
+        self._writer: threading.Thread | None = None
+        if writer:
+            self._writer = threading.Thread(
+                target=self._background, name=f"tracker-{run_id[:8]}", daemon=True
+            )
+            self._writer.start()
 
     # -- the training runtime's tracking interface --------------------------------------------------
 
@@ -176,7 +189,8 @@ class DbTracker:
         self._finished = True
         self._stop.set()
         self._wake.set()
-        self._writer.join(timeout=30)
+        if self._writer is not None:
+            self._writer.join(timeout=30)
         self._sample_system()
         self.flush()
         if self._error is not None:
@@ -227,8 +241,25 @@ class DbTracker:
             s.add(row)
         return row
 
+    def tick(self, force: bool = False) -> None:
+        """Sample system metrics when due; write the buffered points when 500 have gathered, 2 s have
+        passed since the last write, or ``force``: the writer's loop, for a run opened without one.
+
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError: the database refused the points (they are lost).
+        """
+        now = time.monotonic()
+        if self._sys_interval and now - self._last_sample >= self._sys_interval:
+            self._sample_system()
+            self._last_sample = now
+        with self._lock:
+            pending = len(self._buffer)
+        if force or pending >= FLUSH_EVERY_POINTS or now - self._last_flush >= FLUSH_EVERY_S:
+            self.flush()
+
     def flush(self) -> None:
         """Write buffered metric points now."""
+        self._last_flush = time.monotonic()
         with self._lock:
             rows, self._buffer = self._buffer, []
         if rows:
@@ -283,17 +314,13 @@ class DbTracker:
             self._buffer.extend((self.run_id, k, self._sys_step, v, now) for k, v in points.items())
 
     def _background(self) -> None:
-        last_sample = time.monotonic()
         while not self._stop.is_set():
             self._wake.wait(FLUSH_EVERY_S)
             self._wake.clear()
             if self._stop.is_set():
                 break
-            if self._sys_interval and time.monotonic() - last_sample >= self._sys_interval:
-                self._sample_system()
-                last_sample = time.monotonic()
             try:
-                self.flush()
+                self.tick(force=True)
             except Exception as exc:  # kept, and raised by finish(): never kill training from here
                 self._error = exc
 
@@ -311,6 +338,7 @@ def start_run(
     store: Store | None = None,
     run_id: str | None = None,
     started_at: datetime | None = None,
+    writer: bool = True,
 ) -> DbTracker:
     """Open a new run in the state store and return its tracker.
 
@@ -327,6 +355,7 @@ def start_run(
         run_id: the id to give the run (32 hex digits; default: a new random one). The training
             runtime chooses it up front so the run folder names its run before the database answers.
         started_at: when the run started (default: now), for a run recorded after it began.
+        writer: start the run's writer thread (False: the caller calls :meth:`DbTracker.tick`).
 
     Raises:
         ConfigError: bad kind, names or run id.
@@ -358,7 +387,7 @@ def start_run(
                 started_at=started_at or utcnow(),
             )
         )
-    return DbTracker(store, run_id, system_interval_s=system_interval_s)
+    return DbTracker(store, run_id, system_interval_s=system_interval_s, writer=writer)
 
 
 def append_metrics(run_id: str, step: int, metrics: dict[str, Any], store: Store | None = None) -> None:
@@ -380,6 +409,7 @@ def reopen_run(
     after_step: int,
     store: Store | None = None,
     system_interval_s: float | None = 10.0,
+    writer: bool = True,
 ) -> DbTracker:
     """Continue an existing run (a training job resumed from its checkpoint at ``after_step``).
 
@@ -410,7 +440,8 @@ def reopen_run(
                 RunMetricRow.run_id == run_id, RunMetricRow.key.like("sys/%")
             )
         )
-    return DbTracker(store, run_id, system_interval_s=system_interval_s, system_step=int(last_sys or 0))
+    last = int(last_sys or 0)
+    return DbTracker(store, run_id, system_interval_s=system_interval_s, system_step=last, writer=writer)
 
 
 def fill_metrics(run_id: str, points: dict[int, dict[str, Any]], store: Store | None = None) -> int:

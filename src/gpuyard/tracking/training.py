@@ -1,9 +1,10 @@
-"""Tracking a training run in the state store (``tracking: db``): one run, kept across restarts.
+"""The trainer's tracker under ``tracking: db``: metrics.jsonl plus one state-store run, kept across restarts.
 
 Rank 0 writes ``metrics.jsonl`` as always and, through :class:`DbRunTracker`, one run in the state
-store (``gpuyard runs ls``). The database work runs on a thread of its own, so a slow or unreachable
-database never holds a training step; ``tracking.json`` in the run folder names the run, so a job
-resumed from its checkpoint continues the same run without duplicate steps.
+store (``gpuyard runs ls``). All database work, the metric points and system samples included, runs on
+the run's one writer thread, so a slow or unreachable database never holds a training step;
+``tracking.json`` in the run folder names the run, so a job resumed from its checkpoint continues the
+same run without duplicate steps.
 """
 
 from __future__ import annotations
@@ -14,15 +15,13 @@ import queue
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpuyard.states import RunStatus, TrainOutcome
-from gpuyard.train.metrics import JsonlTracker
-
-if TYPE_CHECKING:
-    from gpuyard.train.spec import TrainSpec
+from gpuyard.tracking.files import JsonlTracker
 
 # The run folder's record of its run in the state store (id, store, where its lines start in metrics.jsonl).
 RUN_FILE = "tracking.json"
@@ -97,22 +96,35 @@ class DbRunTracker:
     def __init__(
         self,
         jsonl: JsonlTracker,
-        spec: TrainSpec,
         *,
+        name: str,
+        experiment: str,
         start_step: int,
         resumed: bool,
+        dataset_version: Callable[[], str | None] | None = None,
         params: dict[str, Any] | None = None,
         tags: dict[str, Any] | None = None,
     ) -> None:
+        """Claim the run (a new one, or the run folder's own) and start the writer thread.
+
+        Args:
+            jsonl: rank 0's metrics.jsonl tracker; its folder is the run folder.
+            name: the run's name. experiment: the experiment it is compared in.
+            start_step: the step training starts from (the checkpoint's, 0 for a fresh start).
+            resumed: whether training resumed from a checkpoint.
+            dataset_version: gives ``NAME@<version id>[#split=...]`` of the rows it trains on (or None);
+                called on the writer thread, as resolving it may query the database.
+            params: settings recorded besides the ones :meth:`log_params` gets (layout, sizes).
+            tags: labels, over ``source`` and ``run_dir``.
+        """
         self.jsonl = jsonl
         self.run_dir = jsonl.path.parent
         self.start_step = start_step
         self.run_id: str | None = None
         self.reused = False
-        self._spec = spec
+        self._name, self._experiment, self._dataset = name, experiment, dataset_version
         self._extra_params = flatten_params(params or {})
         self._tags = {"source": "gpuyard train", "run_dir": str(self.run_dir), **(tags or {})}
-        self._tags.update(spec.tracking.tags)
         self._queue: queue.SimpleQueue[tuple[str, tuple[Any, ...]]] = queue.SimpleQueue()
         # Per-step metrics skip the queue: a list append is all a step pays (a queue item per step
         # wakes the database thread each step, and its share of the GIL tripled the cost per step).
@@ -255,36 +267,36 @@ class DbRunTracker:
                     self._db.log_params(*args)
                 elif op == "event":
                     self._db.log_event(args[0], **args[1])
-                if self._db.write_error is not None:  # the tracker's own writer thread failed
-                    raise self._db.write_error
+                self._db.tick()  # this thread is the run's writer: points and system samples
             except Exception as exc:
                 self._fail(exc)
 
     def _open(self) -> None:
         """Create the run, or reopen it where the checkpoint left it and refill what the last job lost."""
         from gpuyard.errors import NotFoundError
-        from gpuyard.models import tracking as tr
         from gpuyard.store import get_store
+        from gpuyard.tracking import store as tr
 
-        spec, run_id = self._spec, str(self.run_id)
+        run_id = str(self.run_id)
+        dataset = self._dataset() if self._dataset is not None else None
         store = get_store()
-        dataset = self._dataset_version()
         db = None
         if self.reused:
             try:
-                db = tr.reopen_run(run_id, after_step=self.start_step, store=store)
+                db = tr.reopen_run(run_id, after_step=self.start_step, store=store, writer=False)
             except NotFoundError:  # deleted, or never created because the database was down then
                 db = None
         if db is None:
             db = tr.start_run(
-                spec.tracking.run_name or spec.name,
-                experiment=spec.tracking.experiment or spec.name,
+                self._name,
+                experiment=self._experiment,
                 kind="train",
                 tags=self._tags,
                 dataset_version=dataset,
                 run_id=run_id,
                 store=store,
                 started_at=self._started_at,
+                writer=False,
             )
         else:
             db.set_tags(self._tags)
@@ -294,25 +306,6 @@ class DbRunTracker:
         if self.start_step > 0:
             tr.fill_metrics(run_id, self._logged_points(), store)
             db.log_event("resume", step=self.start_step)
-
-    def _dataset_version(self) -> str | None:
-        """``NAME@<version id>[#split=...]`` of the gpuyard dataset the spec reads (tracking.dataset, or
-        data.train's): ``@latest`` resolved, a split selection kept, so lineage names the rows read."""
-        from gpuyard.errors import GpuyardError
-
-        ref = self._spec.tracking.dataset
-        explicit = ref is not None
-        if ref is None and self._spec.data.train is not None:
-            candidate = self._spec.data.train.kwargs.get("dataset")
-            ref = candidate if isinstance(candidate, str) else None
-        if ref is None:
-            return None
-        from gpuyard.data.arrays import pin
-
-        try:
-            return pin(ref)
-        except GpuyardError:  # not a catalog name after all (or a version or split this store lacks)
-            return ref if explicit else None
 
     def _logged_points(self) -> dict[int, dict[str, float | None]]:
         """Steps up to the resumed one, as this run's lines of metrics.jsonl have them (last line wins)."""

@@ -21,8 +21,8 @@ from gpuyard import exitcodes
 from gpuyard.errors import ConfigError
 from gpuyard.refs import import_ref
 from gpuyard.states import RunStatus, TrainOutcome
+from gpuyard.tracking.training import tracked_run_id
 from gpuyard.train.spec import TrainSpec, load_plan, load_spec
-from gpuyard.train.tracking import tracked_run_id
 from gpuyard.train.trainer import STATUS_FILE
 from gpuyard.train.worker import LAUNCHED_ENV
 
@@ -223,7 +223,7 @@ def _close_tracked_run(spec: TrainSpec, run_dir: Path, status: RunStatus, error:
     if spec.tracking.backend != "db" or run_id is None:
         return
     try:
-        from gpuyard.models.tracking import close_run
+        from gpuyard.tracking.store import close_run
 
         close_run(run_id, status, error)
     except Exception as exc:  # the job's outcome is already decided; the database is a record of it

@@ -18,21 +18,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpuyard.errors import ConfigError
+from gpuyard.errors import ConfigError, GpuyardError
 from gpuyard.refs import import_ref
 from gpuyard.states import RunStatus, TrainOutcome
+from gpuyard.tracking.files import JsonlTracker, NullTracker, Tracker
+from gpuyard.tracking.training import DbRunTracker, db_metric_key
 from gpuyard.train import components as comp
 from gpuyard.train.checkpoint import Checkpointer, latest_checkpoint, step_dirname
 from gpuyard.train.data import DataSource, call_factory, count_batch, make_source, split_batch, to_device
-from gpuyard.train.metrics import (
-    DeviceStats,
-    JsonlTracker,
-    NullTracker,
-    Progress,
-    Tracker,
-    catalog_peak_tflops,
-    model_flops_utilization,
-)
+from gpuyard.train.metrics import DeviceStats, Progress, catalog_peak_tflops, model_flops_utilization
 from gpuyard.train.parallel import (
     build_pipeline,
     clip_grad_norm,
@@ -41,7 +35,6 @@ from gpuyard.train.parallel import (
     parallelize,
 )
 from gpuyard.train.spec import TrainSpec
-from gpuyard.train.tracking import DbRunTracker, db_metric_key
 from gpuyard.train.validation import drive_pipeline, early_stopping_update, evaluate
 
 STATUS_FILE = "status.json"
@@ -57,6 +50,53 @@ class TrainResult:
     run_dir: Path
     checkpoint: Path | None
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def tracked_dataset(spec: TrainSpec) -> str | None:
+    """``NAME@<version id>[#split=...]`` of the gpuyard dataset ``spec`` reads (``tracking.dataset``, or
+    ``data.train``'s ``dataset`` argument): ``@latest`` resolved, a split selection kept, so the run's
+    lineage names the rows read; an explicit reference the catalog does not know is kept as it is."""
+    from gpuyard.data.arrays import pin
+
+    ref = spec.tracking.dataset
+    explicit = ref is not None
+    if ref is None and spec.data.train is not None:
+        candidate = spec.data.train.kwargs.get("dataset")
+        ref = candidate if isinstance(candidate, str) else None
+    if ref is None:
+        return None
+    try:
+        return pin(ref)
+    except GpuyardError:  # not a catalog name after all (or a version or split this store lacks)
+        return ref if explicit else None
+
+
+def db_tracker(
+    spec: TrainSpec,
+    jsonl: JsonlTracker,
+    *,
+    start_step: int,
+    resumed: bool,
+    params: dict[str, Any] | None = None,
+    tags: dict[str, Any] | None = None,
+) -> DbRunTracker:
+    """Rank 0's tracker under ``tracking: db``: the run's name, experiment, dataset and tags from ``spec``.
+
+    Args:
+        spec: the training spec. jsonl: rank 0's metrics.jsonl tracker.
+        start_step: the step training starts from. resumed: whether it resumed from a checkpoint.
+        params: settings recorded besides the spec. tags: labels (``spec.tracking.tags`` win).
+    """
+    return DbRunTracker(
+        jsonl,
+        name=spec.tracking.run_name or spec.name,
+        experiment=spec.tracking.experiment or spec.name,
+        start_step=start_step,
+        resumed=resumed,
+        dataset_version=lambda: tracked_dataset(spec),
+        params=params,
+        tags={**(tags or {}), **spec.tracking.tags},
+    )
 
 
 class Trainer:
@@ -197,9 +237,9 @@ class Trainer:
         if self.val_source is not None:  # the objective `gpuyard runs ls` shows as validation/<metric>
             watched = self.spec.early_stopping.metric if self.spec.early_stopping else "val_loss"
             tags["metric"] = db_metric_key(watched).removeprefix("validation/")
-        return DbRunTracker(
-            self.tracker,
+        return db_tracker(
             self.spec,
+            self.tracker,
             start_step=self.step,
             resumed=self.resumed_from is not None,
             params=params,

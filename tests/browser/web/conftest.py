@@ -55,7 +55,7 @@ def seed(home: Path) -> None:
     from gpuyard.hardware.probe import probe_node
     from gpuyard.hardware.record import record_inventory
     from gpuyard.hardware.sysfs import HostRoots
-    from gpuyard.models.tracking import start_run
+    from gpuyard.tracking.store import start_run
 
     desc = load_description(H100_NODE)
     with tempfile.TemporaryDirectory() as tmp:

@@ -138,7 +138,7 @@ def test_tokens_are_stored_hashed_and_never_logged(live_api: LiveApi) -> None:
 
 
 def test_path_traversal_in_artifact_log_and_static_routes_is_refused(live_api: LiveApi) -> None:
-    from gpuyard.models.tracking import start_run
+    from gpuyard.tracking.store import start_run
 
     with start_run("t", system_interval_s=None) as run:
         run.log_artifact("model/weights.bin", b"\x00weights")

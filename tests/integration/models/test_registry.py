@@ -27,7 +27,7 @@ from gpuyard.models.registry import (
     set_stage,
 )
 from gpuyard.models.spec import parse_spec
-from gpuyard.models.tracking import start_run
+from gpuyard.tracking.store import start_run
 
 pytestmark = pytest.mark.integration
 

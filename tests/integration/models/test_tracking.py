@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from gpuyard.cli.main import app
 from gpuyard.errors import ConfigError, ConflictError, NotFoundError
 from gpuyard.models.runs import compare_runs, get_run, list_runs, metric_series, plot_curves, resolve_run_id
-from gpuyard.models.tracking import DbTracker, start_run
+from gpuyard.tracking.store import DbTracker, start_run
 
 pytestmark = pytest.mark.integration
 
@@ -95,8 +95,8 @@ def test_runs_cli(home: Path, tmp_path: Path) -> None:
 
 
 def test_tracker_is_the_training_runtimes_tracker(home: Path, tmp_path: Path) -> None:
+    from gpuyard.tracking.files import Tracker
     from gpuyard.train import examples as ex
-    from gpuyard.train.metrics import Tracker
     from gpuyard.train.spec import TrainSpec
     from gpuyard.train.trainer import Trainer
 

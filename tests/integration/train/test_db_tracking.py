@@ -12,9 +12,10 @@ import pytest
 from gpuyard.models.runs import get_run, list_runs, metric_series
 from gpuyard.store import get_store
 from gpuyard.store.tables.models import RunMetricRow
-from gpuyard.train.metrics import JsonlTracker, read_metrics
+from gpuyard.tracking.files import JsonlTracker, read_metrics
+from gpuyard.tracking.training import DbRunTracker, read_run_file
 from gpuyard.train.spec import TrainSpec
-from gpuyard.train.tracking import DbRunTracker, read_run_file
+from gpuyard.train.trainer import db_tracker
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +26,7 @@ def _spec(run_dir: Path, **fields: object) -> TrainSpec:
 
 def _attempt(spec: TrainSpec, steps: range, start: int, resumed: bool, scale: float = 1.0) -> DbRunTracker:
     """One job attempt on rank 0: params, then a loss per step and a validation loss at the last one."""
-    tracker = DbRunTracker(JsonlTracker(spec.resolved_run_dir()), spec, start_step=start, resumed=resumed)
+    tracker = db_tracker(spec, JsonlTracker(spec.resolved_run_dir()), start_step=start, resumed=resumed)
     tracker.log_params(spec.model_dump(mode="json"))
     for step in steps:
         tracker.log_metrics(step, {"loss": scale * step, "lr": 0.1})
@@ -172,3 +173,22 @@ def test_tracking_setting_shorthand_overrides_and_errors(tmp_path: Path) -> None
     assert json.loads(cmd[cmd.index("--tracking") + 1]) == {"backend": "db", "experiment": "e2"}
     with pytest.raises(ConfigError, match=r"tracking\.backend"):
         prepare(LaunchConfig(spec_path=path, tracking="mlflow"))
+
+
+def test_the_run_has_one_writer_thread_which_writes_points_and_system_samples(
+    gpuyard_home: Path, tmp_path: Path
+) -> None:
+    import threading
+
+    from tests.waiting import wait_for
+
+    before = set(threading.enumerate())
+    spec = _spec(tmp_path / "run")
+    tracker = _attempt(spec, range(1, 4), start=0, resumed=False)
+    run_id = str(tracker.run_id)
+    # Points reach the database while the run goes on (the writer's tick), not only at its end.
+    wait_for(lambda: len(metric_series(run_id, ["loss"]).get("loss", [])) == 3, 30)
+    assert [t.name for t in set(threading.enumerate()) - before] == ["gpuyard-tracking"]
+    tracker.finish("completed")
+    samples = metric_series(run_id, ["sys/cpu_percent"])["sys/cpu_percent"]
+    assert [step for step, _ in samples] == [1, 2]  # one when the run opened, one when it closed

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gpuyard import exitcodes
-from gpuyard.train.metrics import read_metrics
+from gpuyard.tracking.files import read_metrics
 
 from .conftest import env_for, final_weights, finish, start_train, wait_for_file, write_spec
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from gpuyard import exitcodes
 from gpuyard.cli.main import app
 from gpuyard.models.runs import metric_series
-from gpuyard.train.metrics import read_metrics
+from gpuyard.tracking.files import read_metrics
 
 from .conftest import env_for, finish, start_train, wait_for_file, write_spec
 

@@ -12,10 +12,10 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from gpuyard.errors import ConfigError
+from gpuyard.tracking.files import JsonlTracker, read_metrics
 from gpuyard.train import components as comp
 from gpuyard.train import examples as ex
 from gpuyard.train.data import MapSource, ResumableSampler, make_source, split_batch
-from gpuyard.train.metrics import JsonlTracker, read_metrics
 from gpuyard.train.spec import ScheduleSpec
 
 pytestmark = pytest.mark.unit

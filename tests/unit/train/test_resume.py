@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
+from gpuyard.tracking.files import read_metrics
 from gpuyard.train import examples as ex
 from gpuyard.train.checkpoint import MARKER, latest_checkpoint, list_checkpoints
-from gpuyard.train.metrics import read_metrics
 from gpuyard.train.trainer import Trainer
 
 from .conftest import run, weights

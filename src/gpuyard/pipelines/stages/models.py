@@ -112,8 +112,8 @@ def evaluate_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any
     if inputs.get("run"):
         # On the run's own record (an evaluation row, and `test/<metric>` points that `gpuyard runs`
         # and the dashboard show); the run itself finished earlier, so it is not finished again.
-        from gpuyard.models.tracking import DbTracker
         from gpuyard.store import get_store
+        from gpuyard.tracking.store import DbTracker
 
         tracker = DbTracker(get_store(), str(inputs["run"]), system_interval_s=None)
         log_evaluation(tracker, ev, dataset_version=data.version)

@@ -101,8 +101,8 @@ def train_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ConfigError: the training job did not complete (names its status and run folder).
     """
+    from gpuyard.tracking.training import tracked_run_id
     from gpuyard.train.launch import LaunchConfig, launch
-    from gpuyard.train.tracking import tracked_run_id
 
     need(inputs, "dataset", ctx["stage"])
     work = Path(ctx["workdir"])

@@ -169,7 +169,8 @@ def _same_record(url: str, doc: dict[str, Any]) -> bool:
         return True  # gone since route() reached it: submit() reports that with its own message
     if resp.status_code == 404:
         return False
-    resp.raise_for_status()
+    if resp.is_error:
+        return True  # not an answer about the store (a token, a limit): submit() reports it as it should
     theirs = resp.json()
     return bool(theirs["created_at"] == doc["created_at"] and theirs["model"] == doc["model"])
 

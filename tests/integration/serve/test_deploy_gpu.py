@@ -154,3 +154,29 @@ def test_a_replica_set_comes_back_after_a_crash_and_after_a_preemption(scheduler
 
 def _token() -> str:
     return (Path(os.environ["GPUYARD_HOME"]) / "token").read_text().strip()
+
+
+def test_a_deploy_from_another_store_is_refused_before_its_job_is_submitted(
+    scheduler: str, serve_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuyard.scheduler.client import JobClient
+    from gpuyard.serve.examples import register_example
+    from gpuyard.store.db import reset_store_cache
+
+    # The server's token, but another home: the replica set the server would start could not find
+    # this command's deployment record (or would find another one under the same id).
+    monkeypatch.setenv("GPUYARD_TOKEN", (serve_home / "token").read_text().strip())
+    monkeypatch.setenv("GPUYARD_HOME", str(tmp_path / "other"))
+    reset_store_cache()
+    client = JobClient(scheduler)
+    try:
+        register_example("mlp", "mlp", in_features=8, hidden=16, classes=3)
+        jobs = client.list_jobs()
+        with pytest.raises(ConfigError, match="keeps its state in another store than this command"):
+            deploy("mlp", ServeOptions(port=0, device="cuda", drift=False), timeout_s=30)
+        assert client.list_jobs() == jobs  # refused before anything reached the scheduler
+        assert get_deployment(1)["status"] == "failed"
+    finally:
+        client.close()
+        monkeypatch.undo()
+        reset_store_cache()

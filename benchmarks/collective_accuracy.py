@@ -23,8 +23,9 @@ from contextlib import contextmanager
 from functools import cache
 
 from gpuyard.fabric import collectives
-from gpuyard.fabric.cluster import Cluster, load_cluster
+from gpuyard.fabric.cluster import Cluster
 from gpuyard.fabric.collectives import bus_factor, estimate
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.published.nccl import CollectiveRow, load_collectives
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from gpuyard.fabric.cluster import load_cluster
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.scheduler.fabric_placement import FabricPlacer
 from gpuyard.scheduler.nodes import nodes_from_fabric, with_network
 from gpuyard.scheduler.policies import make_policy

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from gpuyard.fabric.cluster import load_cluster
 from gpuyard.fabric.models import ModelSpec
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.step import ParallelConfig, estimate_step
 from gpuyard.train import examples as ex
 from gpuyard.train.spec import TrainSpec

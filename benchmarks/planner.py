@@ -16,9 +16,9 @@ import statistics
 import time
 
 from gpuyard.fabric import collectives, step
-from gpuyard.fabric.cluster import load_cluster
 from gpuyard.fabric.models import PRESETS
 from gpuyard.fabric.planner import Knobs, PlanResult, layouts, plan
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.step import StepEstimate
 
 

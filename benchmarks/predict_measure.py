@@ -31,8 +31,8 @@ from pathlib import Path
 import yaml
 
 from gpuyard.fabric.calibrate import CalibrateConfig, apply_calibration, load_calibration, run_calibration
-from gpuyard.fabric.cluster import load_cluster
 from gpuyard.fabric.models import ModelSpec
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.step import ParallelConfig, estimate_step
 
 # The first steps pay for allocator growth, autograd graph caching and (on CUDA) kernel selection.

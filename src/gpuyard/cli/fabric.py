@@ -16,7 +16,7 @@ def clusters(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) 
     from rich.console import Console
     from rich.table import Table
 
-    from gpuyard.fabric.cluster import list_presets, load_cluster
+    from gpuyard.fabric.presets import list_presets, load_cluster
 
     rows = []
     for name in list_presets():
@@ -70,7 +70,7 @@ def show(
     """Show a cluster description (the same YAML a cluster file holds)."""
     import yaml
 
-    from gpuyard.fabric.cluster import load_cluster
+    from gpuyard.fabric.presets import load_cluster
 
     data = load_cluster(cluster).model_dump(mode="json", exclude_none=True)
     typer.echo(json.dumps(data) if as_json else yaml.safe_dump(data, sort_keys=False).rstrip())
@@ -88,8 +88,8 @@ def collective(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Model one collective: time, algbw and busbw as nccl-tests would report them."""
-    from gpuyard.fabric.cluster import load_cluster
     from gpuyard.fabric.collectives import estimate
+    from gpuyard.fabric.presets import load_cluster
     from gpuyard.fabric.units import format_size, parse_size
 
     est = estimate(load_cluster(cluster), op, gpus, parse_size(size), algorithm)
@@ -127,7 +127,7 @@ def bench(
 ) -> None:
     """Measure collectives across processes with torch.distributed, nccl-tests style; check every result."""
     from gpuyard.fabric.bench import BenchConfig, calibrated_cluster, run_bench
-    from gpuyard.fabric.cluster import load_cluster, save_cluster
+    from gpuyard.fabric.presets import load_cluster, save_cluster
     from gpuyard.fabric.units import parse_size_range
 
     cfg = BenchConfig(
@@ -175,7 +175,7 @@ def calibrate(
     `gpuyard plan`, `gpuyard sim` and `gpuyard server` take the file with --calibration FILE.
     """
     from gpuyard.fabric.calibrate import CalibrateConfig, apply_calibration, run_calibration, save_calibration
-    from gpuyard.fabric.cluster import load_cluster
+    from gpuyard.fabric.presets import load_cluster
 
     if nproc is None:
         import torch

@@ -38,9 +38,9 @@ def plan_command(
 ) -> None:
     """Plan tp x pp x dp x cp and memory knobs for a model; plans that do not fit are dropped."""
     from gpuyard.fabric.calibrate import load_calibrated
-    from gpuyard.fabric.cluster import load_cluster
     from gpuyard.fabric.models import load_model
     from gpuyard.fabric.planner import Knobs, plan
+    from gpuyard.fabric.presets import load_cluster
 
     knobs = Knobs(
         tp=tp,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from gpuyard.api.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
-from gpuyard.fabric.cluster import list_presets
+from gpuyard.fabric.presets import list_presets
 from gpuyard.scheduler.fabric_placement import DEFAULT_MAX_WAIT_S
 from gpuyard.scheduler.policies import POLICIES
 

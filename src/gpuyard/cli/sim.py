@@ -61,7 +61,7 @@ def sim(
     fabric, workloads, placer = None, None, None
     if cluster:
         from gpuyard.fabric.calibrate import load_calibrated
-        from gpuyard.fabric.cluster import load_cluster
+        from gpuyard.fabric.presets import load_cluster
         from gpuyard.scheduler.nodes import nodes_from_fabric, with_network
 
         base = load_calibrated(load_cluster(cluster), calibration)

@@ -14,8 +14,9 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from gpuyard.errors import ConfigError
-from gpuyard.fabric.cluster import Cluster, load_cluster
+from gpuyard.fabric.cluster import Cluster
 from gpuyard.fabric.models import ModelSpec
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.published.runs import PublishedRun, Source, load_runs, load_sources, model_spec
 from gpuyard.fabric.stacks import Stack, get_stack
 from gpuyard.fabric.step import StepEstimate, estimate_step

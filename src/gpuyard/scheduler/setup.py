@@ -105,7 +105,7 @@ def _fabric_cluster(
                 f"--cluster {cluster}: the fabric is used by fabric placement only; add --placement fabric"
             )
         return None
-    from gpuyard.fabric.cluster import list_presets, load_cluster
+    from gpuyard.fabric.presets import list_presets, load_cluster
 
     if not cluster:
         raise ConfigError(

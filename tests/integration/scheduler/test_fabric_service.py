@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gpuyard.errors import ConfigError
-from gpuyard.fabric.cluster import load_cluster
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.scheduler.executors.local import LocalExecutor
 from gpuyard.scheduler.nodes import nodes_from_fabric, with_network
 from gpuyard.scheduler.placement import NodeSpec

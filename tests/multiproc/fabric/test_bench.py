@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from gpuyard.cli.main import main
-from gpuyard.fabric.cluster import load_cluster
 from gpuyard.fabric.collectives import OPS, bus_factor, estimate
+from gpuyard.fabric.presets import load_cluster
 
 pytestmark = pytest.mark.multiproc
 

@@ -9,8 +9,8 @@ import pytest
 
 from gpuyard.cli.main import main
 from gpuyard.fabric.calibrate import apply_calibration, load_calibration
-from gpuyard.fabric.cluster import load_cluster
 from gpuyard.fabric.models import ModelSpec
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.step import ParallelConfig, estimate_step
 
 pytestmark = pytest.mark.multiproc

@@ -17,8 +17,9 @@ from gpuyard.fabric.calibrate import (
     load_calibration,
     save_calibration,
 )
-from gpuyard.fabric.cluster import Cluster, Device, IntraNode, Nic, load_cluster
+from gpuyard.fabric.cluster import Cluster, Device, IntraNode, Nic
 from gpuyard.fabric.models import ModelSpec
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.step import ParallelConfig, comm_time, estimate_step
 
 pytestmark = pytest.mark.unit

@@ -9,8 +9,8 @@ import pytest
 
 from gpuyard.cli.main import main
 from gpuyard.errors import ConfigError, NotFoundError
-from gpuyard.fabric.cluster import list_presets, load_cluster, save_cluster
 from gpuyard.fabric.local import cluster_from_inventory
+from gpuyard.fabric.presets import list_presets, load_cluster, save_cluster
 from gpuyard.fabric.units import format_size, parse_size, parse_size_range
 
 pytestmark = pytest.mark.unit

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpuyard.fabric.cluster import list_presets, load_cluster
 from gpuyard.fabric.collectives import OPS, bus_factor, estimate
+from gpuyard.fabric.presets import list_presets, load_cluster
 from gpuyard.fabric.published.nccl import CollectiveRow, load_collectives
 
 pytestmark = pytest.mark.unit

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from gpuyard.errors import CapacityError, ConfigError
 from gpuyard.fabric import collectives
-from gpuyard.fabric.cluster import load_cluster
 from gpuyard.fabric.collectives import OPS, bus_factor, collective_time, estimate, place
+from gpuyard.fabric.presets import load_cluster
 
 pytestmark = pytest.mark.unit
 

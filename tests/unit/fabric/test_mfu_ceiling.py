@@ -9,9 +9,10 @@ from typer.testing import CliRunner
 
 from gpuyard.cli.main import app
 from gpuyard.fabric.accuracy import Corpus, mfu_ceilings
-from gpuyard.fabric.cluster import Cluster, load_cluster
+from gpuyard.fabric.cluster import Cluster
 from gpuyard.fabric.models import PRESETS
 from gpuyard.fabric.planner import Knobs, plan
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.published.ceilings import load_ceilings, mfu_warning
 
 pytestmark = pytest.mark.unit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpuyard.errors import CapacityError, ConfigError
-from gpuyard.fabric.cluster import Cluster, load_cluster
+from gpuyard.fabric.cluster import Cluster
 from gpuyard.fabric.models import PRESETS, ModelSpec
 from gpuyard.fabric.placement_cost import (
     PlacementShape,
@@ -15,6 +15,7 @@ from gpuyard.fabric.placement_cost import (
     placement_cost,
 )
 from gpuyard.fabric.planner import Knobs
+from gpuyard.fabric.presets import load_cluster
 
 pytestmark = pytest.mark.unit
 

@@ -9,9 +9,9 @@ import pytest
 
 from gpuyard.cli.main import main
 from gpuyard.errors import CapacityError, ConfigError, NotFoundError
-from gpuyard.fabric.cluster import load_cluster
 from gpuyard.fabric.models import PRESETS, load_model
 from gpuyard.fabric.planner import Knobs, plan
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.step import ParallelConfig, StepEstimate, estimate_step
 
 pytestmark = pytest.mark.unit

@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from gpuyard.fabric.cluster import list_presets
 from gpuyard.fabric.models import PRESETS
+from gpuyard.fabric.presets import list_presets
 from gpuyard.fabric.published.runs import (
     DIRECT_METRICS,
     ModelShape,

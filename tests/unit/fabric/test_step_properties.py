@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuyard.fabric.cluster import load_cluster
 from gpuyard.fabric.models import PRESETS
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.step import ParallelConfig, estimate_step
 
 pytestmark = pytest.mark.unit

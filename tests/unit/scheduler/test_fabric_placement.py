@@ -6,10 +6,11 @@ import random
 
 import pytest
 
-from gpuyard.fabric.cluster import Cluster, load_cluster
+from gpuyard.fabric.cluster import Cluster
 from gpuyard.fabric.models import ModelSpec
 from gpuyard.fabric.placement_cost import Workload
 from gpuyard.fabric.planner import Knobs
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.scheduler.fabric_placement import FabricPlacer, choose, expected_wait, shape_of
 from gpuyard.scheduler.nodes import nodes_from_fabric, with_network
 from gpuyard.scheduler.placement import ClusterState, Placement, place

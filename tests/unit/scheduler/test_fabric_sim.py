@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpuyard.errors import ConfigError
-from gpuyard.fabric.cluster import load_cluster
 from gpuyard.fabric.placement_cost import PlacementShape, placement_cost
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.scheduler.fabric_placement import FabricPlacer, check_workload, workload_of
 from gpuyard.scheduler.nodes import nodes_from_fabric, with_network
 from gpuyard.scheduler.placement import ClusterState

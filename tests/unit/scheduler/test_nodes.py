@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpuyard.errors import ConfigError
-from gpuyard.fabric.cluster import load_cluster
+from gpuyard.fabric.presets import load_cluster
 from gpuyard.scheduler.nodes import (
     FAKE_GPU_TYPE,
     check_fabric_nodes,
@@ -47,7 +47,7 @@ def test_gpu_less_machine_and_fake_gpus() -> None:
 
 
 def test_fabric_presets_give_nvlink_domains_and_leaves() -> None:
-    from gpuyard.fabric.cluster import load_cluster
+    from gpuyard.fabric.presets import load_cluster
 
     nvl = nodes_from_fabric(load_cluster("gb200-nvl72"), nodes=36)
     assert len(nvl) == 36 and nvl[0].gpus == 4

@@ -39,8 +39,8 @@ class PlanRequest(BaseModel):
 @router.get("/presets")
 def presets() -> dict[str, Any]:
     """Names of the cluster presets and model presets the planner knows."""
-    from gpuyard.fabric.cluster import list_presets
     from gpuyard.fabric.models import PRESETS
+    from gpuyard.fabric.presets import list_presets
 
     return {"clusters": list_presets(), "models": sorted(PRESETS)}
 
@@ -48,9 +48,9 @@ def presets() -> dict[str, Any]:
 @router.post("/plan")
 def plan(req: PlanRequest) -> dict[str, Any]:
     """Ranked plans (layout, step time, MFU, memory, step breakdown) and why the first one wins."""
-    from gpuyard.fabric.cluster import list_presets, load_cluster
     from gpuyard.fabric.models import PRESETS
     from gpuyard.fabric.planner import Knobs, plan
+    from gpuyard.fabric.presets import list_presets, load_cluster
 
     # Names only: load_cluster/load_model also read files, which a remote caller must not reach.
     if req.cluster not in list_presets():

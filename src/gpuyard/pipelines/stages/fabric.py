@@ -63,7 +63,7 @@ def ddp_rows(cluster: Any, params: int, global_batch: int, gpu_counts: list[int]
 
 def plan_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     """Price data-parallel training of the model in ``model_dir`` on ``cluster`` (default dgx-h100)."""
-    from gpuyard.fabric.cluster import load_cluster
+    from gpuyard.fabric.presets import load_cluster
 
     stage = ctx["stage"]
     model_dir = Path(str(need(inputs, "model_dir", stage)))

@@ -89,10 +89,10 @@ STACKS: dict[str, Stack] = {
         Stack("other", 30.0, 1.0, "fa3", "a stack the corpus does not profile: fused optimizer and kernels"),
         Stack(
             "gpuyard",
-            80.0,
+            30.0,
             1.0,
             "fa3",
-            "gpuyard's trainer: eager PyTorch, autocast (fp32 norms), foreach AdamW, SDPA",
+            "gpuyard's trainer: eager PyTorch, autocast (fp32 norms), fused AdamW, SDPA",
             fp32_elementwise=True,
         ),
     )

@@ -55,8 +55,23 @@ def build_optimizer(params: Any, spec: OptimizerSpec) -> torch.optim.Optimizer:
     if spec.name == "sgd":
         return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum)
     cls = torch.optim.AdamW if spec.name == "adamw" else torch.optim.Adam
-    # foreach=False for Adam(W) on DTensor params of mixed meshes would be slower; foreach is the default.
-    return cls(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps)
+    # The fused kernel reads each parameter, gradient and moment once per step (28 bytes a parameter);
+    # the default foreach path makes one pass per operation (about 80): measured here 7.5x faster on
+    # the CPU and a third of the optimizer's time on an H100 (BENCHMARKS.md). DTensor parameters (FSDP,
+    # tensor parallel) keep the foreach path, which every torch version supports for them.
+    fused = bool(params) and all(_fusable(p) for p in params)
+    return cls(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, fused=fused or None)
+
+
+def _fusable(param: torch.Tensor) -> bool:
+    """A plain floating-point tensor on a device the fused Adam kernel supports."""
+    from torch.distributed.tensor import DTensor
+
+    return (
+        not isinstance(param, DTensor)
+        and param.device.type in ("cuda", "cpu")
+        and param.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    )
 
 
 def lr_factor(spec: ScheduleSpec, total_steps: int) -> Callable[[int], float]:

@@ -46,8 +46,8 @@ ALLOWED |= {
 }
 # Known debts, each one edge between modules that the picture does not draw (none today).
 EXCEPTIONS: frozenset[tuple[str, str]] = frozenset()
-# Import circles being opened elsewhere: fabric/cluster <-> local (load_cluster), in progress.
-KNOWN_CIRCLES = frozenset({frozenset({"gpuyard.fabric.cluster", "gpuyard.fabric.local"})})
+# Import circles still allowed (none: fabric/cluster <-> local was opened by fabric/presets.py).
+KNOWN_CIRCLES: frozenset[frozenset[str]] = frozenset()
 
 
 def _modules() -> dict[str, Path]:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpuyard.errors import ConfigError, NotFoundError
 
@@ -134,21 +134,54 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
-class _ModelFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TransformerShape(BaseModel):
+    """A transformer's shape as users write it (model files, the published corpus), checked on parse."""
 
-    name: str | None = None
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     layers: int = Field(gt=0)
     hidden: int = Field(gt=0)
     heads: int = Field(gt=0)
     kv_heads: int | None = Field(default=None, gt=0)
     ffn_hidden: int = Field(gt=0)
     vocab: int = Field(gt=0)
-    seq_len: int = Field(gt=0)
     gated_mlp: bool = False
     tied_embeddings: bool = False
     experts: int = Field(default=0, ge=0)
     top_k: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TransformerShape:
+        kv = self.kv_heads or self.heads
+        if self.hidden % self.heads or self.heads % kv:
+            raise ValueError(
+                f"heads={self.heads} must divide hidden={self.hidden} and be a multiple of kv_heads={kv}"
+            )
+        if self.experts and self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
+        return self
+
+    def spec(self, name: str, seq_len: int) -> ModelSpec:
+        """The step model's ModelSpec for this shape at ``seq_len``."""
+        return ModelSpec(
+            name,
+            self.layers,
+            self.hidden,
+            self.heads,
+            self.kv_heads or self.heads,
+            self.ffn_hidden,
+            self.vocab,
+            seq_len,
+            self.gated_mlp,
+            self.tied_embeddings,
+            self.experts,
+            self.top_k,
+        )
+
+
+class _ModelFile(TransformerShape):
+    name: str | None = None
+    seq_len: int = Field(gt=0)
 
 
 def load_model(name_or_path: str) -> ModelSpec:
@@ -171,27 +204,9 @@ def load_model(name_or_path: str) -> ModelSpec:
         data = _ModelFile.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise ConfigError(f"{path}: field {'.'.join(map(str, first['loc']))!r}: {first['msg']}") from None
+        where = ".".join(map(str, first["loc"]))
+        message = first["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"{path}: {f'field {where!r}: ' if where else ''}{message}") from None
     except (OSError, ValueError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read model file {path}: {exc}") from None
-    kv = data.kv_heads or data.heads
-    if data.hidden % data.heads or data.heads % kv:
-        raise ConfigError(
-            f"{path}: heads={data.heads} must divide hidden={data.hidden} and be a multiple of kv_heads"
-        )
-    if data.experts and data.top_k > data.experts:
-        raise ConfigError(f"{path}: top_k={data.top_k} exceeds experts={data.experts}")
-    return ModelSpec(
-        data.name or path.stem,
-        data.layers,
-        data.hidden,
-        data.heads,
-        kv,
-        data.ffn_hidden,
-        data.vocab,
-        data.seq_len,
-        data.gated_mlp,
-        data.tied_embeddings,
-        data.experts,
-        data.top_k,
-    )
+    return data.spec(data.name or path.stem, data.seq_len)

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from gpuyard.errors import ConfigError, NotFoundError
-from gpuyard.fabric.models import PRESETS, ModelSpec
+from gpuyard.fabric.models import PRESETS, ModelSpec, TransformerShape
 from gpuyard.fabric.step import ParallelConfig
 
 RUNS_FILE = Path(__file__).with_name("runs.yaml")
@@ -44,49 +44,15 @@ class Source(BaseModel):
     notes: str = ""
 
 
-class ModelShape(BaseModel):
-    """A transformer shape given in the corpus (models: section or inline in a run)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class ModelShape(TransformerShape):
+    """A transformer shape given in the corpus (models: section or inline in a run), with its source."""
 
     name: str
-    layers: int = Field(gt=0)
-    hidden: int = Field(gt=0)
-    heads: int = Field(gt=0)
-    kv_heads: int | None = Field(default=None, gt=0)
-    ffn_hidden: int = Field(gt=0)
-    vocab: int = Field(gt=0)
-    gated_mlp: bool = False
-    tied_embeddings: bool = False
-    experts: int = Field(default=0, ge=0)
-    top_k: int = Field(default=1, ge=1)
     config: str = ""  # where the shape comes from (released config file, paper table)
 
-    @model_validator(mode="after")
-    def _heads_divide(self) -> ModelShape:
-        kv = self.kv_heads or self.heads
-        if self.hidden % self.heads or self.heads % kv:
-            raise ValueError(f"{self.name}: heads must divide hidden and be a multiple of kv_heads")
-        if self.experts and self.top_k > self.experts:
-            raise ValueError(f"{self.name}: top_k exceeds experts")
-        return self
-
-    def spec(self, seq_len: int) -> ModelSpec:
-        """The step model's ModelSpec for this shape at ``seq_len``."""
-        return ModelSpec(
-            self.name,
-            self.layers,
-            self.hidden,
-            self.heads,
-            self.kv_heads or self.heads,
-            self.ffn_hidden,
-            self.vocab,
-            seq_len,
-            self.gated_mlp,
-            self.tied_embeddings,
-            self.experts,
-            self.top_k,
-        )
+    def at(self, seq_len: int) -> ModelSpec:
+        """The step model's ModelSpec for this shape, under its own name, at ``seq_len``."""
+        return self.spec(self.name, seq_len)
 
 
 class PublishedRun(BaseModel):
@@ -232,10 +198,10 @@ def model_spec(run: PublishedRun, path: Path = RUNS_FILE) -> ModelSpec:
         NotFoundError: the name is neither a preset nor a corpus shape.
     """
     if isinstance(run.model, ModelShape):
-        return run.model.spec(run.seq_len)
+        return run.model.at(run.seq_len)
     if run.model in PRESETS:
         return replace(PRESETS[run.model], seq_len=run.seq_len)
     shapes = load_models(path)
     if run.model in shapes:
-        return shapes[run.model].spec(run.seq_len)
+        return shapes[run.model].at(run.seq_len)
     raise NotFoundError(f"run {run.id}: unknown model {run.model!r} (not a preset nor in the corpus models)")

@@ -71,8 +71,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from gpuyard.models.tracking import start_run
-    from gpuyard.train.metrics import JsonlTracker, NullTracker
+    from gpuyard.tracking.files import JsonlTracker, NullTracker
+    from gpuyard.tracking.store import start_run
 
     makers = {
         "none": lambda i: NullTracker(),

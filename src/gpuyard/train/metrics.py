@@ -7,13 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# Moved to gpuyard.tracking.files; named here for benchmarks/tracking.py until it imports there.
-from gpuyard.tracking.files import JsonlTracker, NullTracker
-
 __all__ = [
     "DeviceStats",
-    "JsonlTracker",
-    "NullTracker",
     "Progress",
     "catalog_peak_tflops",
     "model_flops_utilization",

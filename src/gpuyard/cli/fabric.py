@@ -174,7 +174,13 @@ def calibrate(
 
     `gpuyard plan`, `gpuyard sim` and `gpuyard server` take the file with --calibration FILE.
     """
-    from gpuyard.fabric.calibrate import CalibrateConfig, apply_calibration, run_calibration, save_calibration
+    from gpuyard.fabric.calibrate import (
+        CalibrateConfig,
+        apply_calibration,
+        check_writable,
+        run_calibration,
+        save_calibration,
+    )
     from gpuyard.fabric.presets import load_cluster
 
     if nproc is None:
@@ -182,7 +188,8 @@ def calibrate(
 
         nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
     base = load_cluster(cluster)
-    cal = run_calibration(CalibrateConfig(nproc=max(1, nproc), backend=backend, quick=quick))
+    check_writable(out)  # before minutes of measuring, not after
+    cal = run_calibration(CalibrateConfig(nproc=nproc, backend=backend, quick=quick))
     fitted = apply_calibration(base, cal, where="the measurement of this machine")
     save_calibration(cal, out)
     if as_json:

@@ -526,6 +526,8 @@ def run_calibration(cfg: CalibrateConfig) -> Calibration:
     if cfg.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"backend must be auto, gloo or nccl, got {cfg.backend!r}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.backend == "nccl" and not gpus:
+        raise ConfigError("--backend nccl needs CUDA GPUs and this machine has none: use gloo (or auto)")
     if cfg.backend != "gloo" and gpus and cfg.nproc > gpus:
         raise ConfigError(f"--nproc {cfg.nproc} exceeds the {gpus} GPUs of this host")
     with tempfile.TemporaryDirectory(prefix="gpuyard-calibrate-") as tmp:
@@ -543,6 +545,23 @@ def run_calibration(cfg: CalibrateConfig) -> Calibration:
 
 
 # ----- files and application ---------------------------------------------------------------------
+
+
+def check_writable(path: Path) -> None:
+    """Refuse an output path whose folder does not exist or cannot be written, before measuring.
+
+    Raises:
+        ConfigError: the message names the path.
+    """
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir():
+        raise ConfigError(f"--out {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"--out {path}: folder {folder} is not writable")
+    if Path(path).is_dir():
+        raise ConfigError(
+            f"--out {path} is a folder; give a file name (e.g. {Path(path) / 'calibration.json'})"
+        )
 
 
 def save_calibration(cal: Calibration, path: Path) -> None:

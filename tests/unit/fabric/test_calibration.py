@@ -196,3 +196,30 @@ def test_cli_refuses_a_mismatched_calibration_with_exit_2(
         err = capsys.readouterr().err
         assert "does not match the cluster: it was measured on CPU ranks" in err
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc", "0"], "--nproc must be at least 1"),
+        (["--backend", "nccl", "--nproc", "2"], "--backend nccl needs CUDA GPUs"),
+        (["--backend", "mpi"], "backend must be auto, gloo or nccl"),
+        (["--out", "/nonexistent-gpuyard/dir/cal.json"], "does not exist"),
+    ],
+)
+def test_calibrate_refuses_bad_options_before_measuring(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    if "nccl" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: nccl is a valid choice here")
+    cmd = ["fabric", "calibrate", "--quick", *args]
+    if "--out" not in args:
+        cmd += ["--out", str(tmp_path / "cal.json")]
+    with pytest.raises(SystemExit) as info:
+        main(cmd)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "cal.json").exists()

@@ -30,6 +30,12 @@ def plan_command(
     zero: int = typer.Option(None, "--zero", help="Hold the ZeRO stage (0-3; 3 = FSDP)."),
     ep: int = typer.Option(None, "--ep", help="Hold expert-parallel size (mixture-of-experts models)."),
     precision: str = typer.Option("bf16", "--precision", help="Training precision: bf16, fp16, fp8 or fp32."),
+    stack: str = typer.Option(
+        "megatron-lm",
+        "--stack",
+        help="Software stack: megatron-lm, nemo, torchtitan, llm-foundry, deepspeed, gpuyard, other "
+        "(optimizer, fused kernels, attention family; docs/fabric.md).",
+    ),
     calibration: Path = typer.Option(
         None, "--calibration", help="A `gpuyard fabric calibrate` file measured on this cluster's devices."
     ),
@@ -53,6 +59,7 @@ def plan_command(
         sequence_parallel=sequence_parallel,
         ep=ep,
         precision=precision,
+        stack=stack,
     )
     spec, fabric = load_model(model), load_calibrated(load_cluster(cluster), calibration)
     result = plan(spec, fabric, gpus, global_batch, seq_len, knobs, top)

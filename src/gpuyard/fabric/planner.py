@@ -14,6 +14,7 @@ from gpuyard.errors import CapacityError, ConfigError
 from gpuyard.fabric.cluster import Cluster
 from gpuyard.fabric.models import ModelSpec
 from gpuyard.fabric.published.ceilings import mfu_warning
+from gpuyard.fabric.stacks import STACKS
 from gpuyard.fabric.step import (
     FRAGMENTATION,
     GIB,
@@ -46,11 +47,14 @@ class Knobs:
     sequence_parallel: bool | None = None
     ep: int | None = None
     precision: str = "bf16"  # the run's precision: held, never searched
+    stack: str = "megatron-lm"  # the software-stack profile (gpuyard.fabric.stacks): held, never searched
 
     def fixed(self) -> bool:
         """True when every knob is given (a single layout to check); ep may stay unset (it defaults to 1)."""
         return all(
-            getattr(self, k) is not None for k in self.__dataclass_fields__ if k not in ("ep", "precision")
+            getattr(self, k) is not None
+            for k in self.__dataclass_fields__
+            if k not in ("ep", "precision", "stack")
         )
 
 
@@ -202,6 +206,7 @@ def _memory_knobs(base: ParallelConfig, knobs: Knobs) -> Iterator[ParallelConfig
                     sp,
                     base.ep,
                     knobs.precision,
+                    knobs.stack,
                 )
 
 
@@ -222,6 +227,8 @@ def _check_fixed(model: ModelSpec, cluster: Cluster, gpus: int, seq_len: int, kn
             f"expert-parallel size {knobs.ep} needs a mixture-of-experts model with experts divisible by it"
             f" ({model.name} has {model.experts})"
         )
+    if knobs.stack not in STACKS:
+        raise ConfigError(f"unknown software stack {knobs.stack!r}; known: {', '.join(STACKS)}")
     if knobs.precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {knobs.precision!r}")
     if knobs.zero is not None and knobs.zero not in (0, 1, 2, 3):

@@ -235,3 +235,17 @@ def test_explain_names_what_separates_near_tied_plans() -> None:
     rc = replace(top, config=replace(top.config, recompute="full"), tokens_per_s=top.tokens_per_s / 1.003)
     text = PlanResult([top, rc], considered=2, fitting=2).explain()
     assert "recompute selective vs full" in text and "same tokens" not in text
+
+
+def test_the_stack_profile_is_held_and_changes_the_prediction() -> None:
+    from gpuyard.fabric.models import PRESETS
+    from gpuyard.fabric.planner import Knobs, plan
+    from gpuyard.fabric.presets import load_cluster
+
+    model, cluster = PRESETS["llama3-8b"], load_cluster("dgx-h100")
+    fixed = {"tp": 1, "pp": 1, "cp": 1, "micro_batch": 1, "virtual_stages": 1, "recompute": "none", "zero": 3}
+    fused = plan(model, cluster, 8, 16, None, Knobs(**fixed, sequence_parallel=False), 1).plans[0]
+    eager = plan(model, cluster, 8, 16, None, Knobs(**fixed, sequence_parallel=False, stack="torchtitan"), 1)
+    assert fused.config.stack == "megatron-lm" and eager.plans[0].config.stack == "torchtitan"
+    # torchtitan's eager norms/RoPE/SwiGLU and FA2 kernels cost time that Megatron's fused ones do not.
+    assert eager.plans[0].step_time_s > fused.step_time_s

@@ -9,8 +9,8 @@ import numpy as np
 
 from gpuyard.errors import ConfigError
 from gpuyard.models.evaluate import Evaluation, record_evaluation
-from gpuyard.models.executor import Task, TaskExecutor, get_executor
 from gpuyard.models.spec import ModelSpec, parse_spec
+from gpuyard.scheduler.executors.tasks import Task, TaskExecutor, get_executor
 from gpuyard.states import RunStatus
 from gpuyard.tracking.store import start_run
 

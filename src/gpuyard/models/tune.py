@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuyard.errors import ConfigError
-from gpuyard.models.executor import Task, TaskExecutor, get_executor
 from gpuyard.models.spec import ModelSpec, SearchSpec, parse_spec
+from gpuyard.scheduler.executors.tasks import Task, TaskExecutor, get_executor
 from gpuyard.settings import Settings, load_settings
 from gpuyard.states import RunStatus
 from gpuyard.tracking.store import append_metrics, start_run

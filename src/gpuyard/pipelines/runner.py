@@ -2,7 +2,7 @@
 
 The service is the one ``gpuyard server`` runs (same store, policy, local executor), without HTTP:
 every stage is a recorded job (``gpuyard jobs ls`` shows it later) whose command is
-``python -m gpuyard.models.worker TASK.json RESULT.json`` calling
+``python -m gpuyard.scheduler.executors.worker TASK.json RESULT.json`` calling
 :func:`gpuyard.pipelines.stages.run_stage`. A stage whose content hash (kind, resolved inputs, input
 files) matches a cached result is skipped and its recorded outputs are reused.
 """
@@ -167,7 +167,7 @@ def run_pipeline(
     """
     if executor not in EXECUTORS:
         raise ConfigError(f"executor {executor!r}: use one of {', '.join(EXECUTORS)}")
-    from gpuyard.models.executor import Task
+    from gpuyard.scheduler.executors.tasks import Task
 
     emit = on_event or (lambda _e: None)
     base_dir = Path(base).resolve()

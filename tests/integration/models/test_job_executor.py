@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from gpuyard.models.cv import cross_validate
-from gpuyard.models.executor import JobExecutor, Task, TaskFailed
 from gpuyard.models.spec import parse_spec
+from gpuyard.scheduler.executors.tasks import JobExecutor, Task, TaskFailed
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def test_each_fold_is_a_scheduled_job(job_service, home: Path) -> None:
     assert len(result.fold_runs) == 2 and 0.5 < result.summary["accuracy"][0] <= 1.0
     jobs = job_service.list_jobs()
     assert len(jobs) == 2 and {j["state"] for j in jobs} == {"succeeded"}
-    assert all("gpuyard.models.worker" in " ".join(j["spec"]["command"]) for j in jobs)
+    assert all("gpuyard.scheduler.executors.worker" in " ".join(j["spec"]["command"]) for j in jobs)
     with pytest.raises(TaskFailed, match=r"job .* failed"):
         ex.submit(Task("gpuyard.models.nope:missing", {}, name="ghost")).result(timeout=120)
     ex.shutdown()

@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 from gpuyard.cli.main import app
 from gpuyard.errors import ConfigError
 from gpuyard.models.cv import cross_validate
-from gpuyard.models.executor import InlineExecutor, Task, TaskFailed, get_executor
 from gpuyard.models.runs import best_run, get_run, list_runs, run_details
 from gpuyard.models.spec import parse_spec
 from gpuyard.models.tune import tune
+from gpuyard.scheduler.executors.tasks import InlineExecutor, Task, TaskFailed, get_executor
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,9 @@
-"""The executor seam: a dry run builds an inspectable LaunchPlan; launch carries it out."""
+"""The executor seam: a dry run builds an inspectable LaunchPlan; launch carries it out.
+
+:class:`Executor` is the one base of what runs a job's processes (local, ray). Calls handed out as
+futures (trials, folds, pipeline stages) go through :mod:`gpuyard.scheduler.executors.tasks`, whose
+``jobs`` kind submits each call as a job that one of these executors runs.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,15 @@
-"""The seam between model management and whoever runs its jobs (trials, folds): local processes today.
+"""Task executors: run ``module:function`` calls (trials, folds, pipeline stages) and return futures.
 
 A :class:`Task` is a JSON-serialisable call ``fn(**kwargs)`` with ``fn`` a ``module:function``
-reference. It can run three ways, all through :class:`TaskExecutor`:
+reference. Model management's searches and cross-validations and the pipeline runner use it. A
+:class:`TaskExecutor` is not a second job executor: it hands out futures of calls, and where a task
+becomes a process that the scheduler runs (:class:`JobExecutor`), the scheduler's one executor base
+(:class:`gpuyard.scheduler.executors.base.Executor`) carries out its launch plan. A task can run
+these ways, all through :class:`TaskExecutor`:
 
 - :class:`LocalPoolExecutor`: a pool of spawned worker processes (the default: workers are reused, so
   torch and the dataset are loaded once per worker);
-- :class:`SubprocessExecutor`: one ``python -m gpuyard.models.worker TASK.json RESULT.json`` process
+- :class:`SubprocessExecutor`: one ``python -m gpuyard.scheduler.executors.worker TASK RESULT`` process
   per task, which is exactly the command line a scheduled job would run;
 - :class:`InlineExecutor`: in this process, one after another (tests, debugging);
 - :class:`JobExecutor`: each task a job of the gpuyard scheduler (``gpuyard server``'s job API, or a
@@ -31,6 +35,7 @@ from gpuyard.errors import ConfigError, GpuyardError
 from gpuyard.scheduler.spec import JobState
 
 EXECUTORS = ("pool", "subprocess", "inline", "jobs")
+WORKER_MODULE = "gpuyard.scheduler.executors.worker"  # the process that runs one task
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class Task:
 
     def argv(self, task_file: str | Path, result_file: str | Path) -> list[str]:
         """The command line that runs this task as a process (or a scheduled job)."""
-        return [sys.executable, "-m", "gpuyard.models.worker", str(task_file), str(result_file)]
+        return [sys.executable, "-m", WORKER_MODULE, str(task_file), str(result_file)]
 
 
 class TaskFailed(GpuyardError):
@@ -132,7 +137,7 @@ class LocalPoolExecutor(TaskExecutor):
 
 
 class SubprocessExecutor(TaskExecutor):
-    """One ``python -m gpuyard.models.worker`` process per task, at most ``parallel`` at once."""
+    """One ``python -m gpuyard.scheduler.executors.worker`` process per task, at most ``parallel`` at once."""
 
     def __init__(self, parallel: int) -> None:
         self.parallel = parallel
@@ -166,7 +171,7 @@ class SubprocessExecutor(TaskExecutor):
 
 
 class JobExecutor(TaskExecutor):
-    """Each task a scheduler job running ``python -m gpuyard.models.worker TASK.json RESULT.json``.
+    """Each task a scheduler job running ``python -m gpuyard.scheduler.executors.worker TASK RESULT``.
 
     ``jobs`` is anything with ``submit(JobSpec) -> {"id": ...}`` and ``get(id) -> {"state": ...}``:
     :class:`gpuyard.scheduler.client.JobClient` (a running ``gpuyard server``) or a

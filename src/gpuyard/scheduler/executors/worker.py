@@ -1,8 +1,8 @@
-"""`python -m gpuyard.models.worker TASK.json RESULT.json`: run one trial or fold as its own process.
+"""`python -m gpuyard.scheduler.executors.worker TASK.json RESULT.json`: run one task as a process.
 
-This is the command a scheduled job runs for a model-management task. The result file is written
-only on success (``{"result": ...}``); on failure the process prints one line and exits non-zero
-(2 for a user error, 1 for anything else).
+This is the command a scheduled job runs for a task (a trial, a fold, a pipeline stage). The result
+file is written only on success (``{"result": ...}``); on failure the process prints one line and
+exits non-zero (2 for a user error, 1 for anything else).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the task in ``argv[0]`` and write its result to ``argv[1]``."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m gpuyard.models.worker TASK.json RESULT.json", file=sys.stderr)
+        print("usage: python -m gpuyard.scheduler.executors.worker TASK.json RESULT.json", file=sys.stderr)
         return 2
-    from gpuyard.models.executor import run_task
+    from gpuyard.scheduler.executors.tasks import run_task
 
     # Threads: the executors set OMP_NUM_THREADS=1 in the job's environment, which torch and BLAS read
     # when (and if) the task imports them; importing torch here would cost seconds for sklearn tasks.

@@ -5,6 +5,10 @@ A train function has the signature ``fn(params, data, ctx) -> model``: it fits o
 (that is what pruning looks at; it raises :class:`Pruned` when the search stops the trial), and returns
 a torch module built by a factory, or a fitted scikit-learn estimator. Users write their own with the
 same signature and name it as ``package.module:function`` in a spec.
+
+Only the MLP has steps to share with the training runtime (:mod:`gpuyard.train.step`); a
+scikit-learn estimator is fitted whole by its own ``fit`` (no batches, no optimizer), so
+:func:`train_sklearn` shares the context and the scoring, not a loop.
 """
 
 from __future__ import annotations
@@ -112,9 +116,19 @@ def train_mlp(params: dict[str, Any], data: Splits, ctx: TrainContext) -> Any:
 
     Params: ``hidden`` (64), ``layers`` (1), ``dropout`` (0), ``activation`` (relu), ``lr`` (1e-2),
     ``weight_decay`` (0), ``epochs`` (20), ``batch_size`` (64).
+
+    Each step is the training runtime's (:mod:`gpuyard.train.step`: the batch's loss, backward, the
+    update); the loop around it is not :class:`gpuyard.train.trainer.Trainer`'s, because the two do
+    different jobs. This one fits a trial of a search in the calling process on arrays already in
+    memory, in epochs, and reports the validation metric after each so the search can prune the trial
+    (:class:`Pruned`); hundreds of trials run back to back in one worker. The trainer runs a
+    ``TrainSpec`` under torchrun: data sources, device meshes, checkpoints and resume, signals, a run
+    folder and its trackers, stops by step count; its set-up alone would outlast a trial here.
     """
     import torch
     from torch import nn
+
+    from gpuyard.train.step import apply_update, batch_loss
 
     torch.manual_seed(ctx.seed)
     X = torch.as_tensor(data.X_train, dtype=torch.float32)
@@ -139,18 +153,17 @@ def train_mlp(params: dict[str, Any], data: Splits, ctx: TrainContext) -> Any:
         lr=float(params.get("lr", 1e-2)),
         weight_decay=float(params.get("weight_decay", 0.0)),
     )
-    loss_fn: Any = nn.CrossEntropyLoss() if classify else nn.MSELoss()
+    mse = nn.MSELoss()
+    loss_fn: Any = nn.CrossEntropyLoss() if classify else (lambda pred, target: mse(pred.squeeze(1), target))
     batch = int(params.get("batch_size", 64))
     gen = torch.Generator().manual_seed(ctx.seed)
     for epoch in range(int(params.get("epochs", 20))):
         net.train()
         total = 0.0
         for idx in torch.randperm(len(X), generator=gen).split(batch):
-            opt.zero_grad()
-            pred = net(X[idx])
-            loss = loss_fn(pred if classify else pred.squeeze(1), y[idx])
+            loss = batch_loss(net, loss_fn, X[idx], y[idx])
             loss.backward()
-            opt.step()
+            apply_update(opt)
             total += loss.item() * len(idx)
         if ctx.log is not None:
             ctx.log(epoch, {"train/loss": total / len(X)})

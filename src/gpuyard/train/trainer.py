@@ -35,6 +35,7 @@ from gpuyard.train.parallel import (
     parallelize,
 )
 from gpuyard.train.spec import TrainSpec
+from gpuyard.train.step import apply_update, batch_loss
 from gpuyard.train.validation import drive_pipeline, early_stopping_update, evaluate
 
 STATUS_FILE = "status.json"
@@ -352,9 +353,7 @@ class Trainer:
                 total = total + self._pipeline_step(inputs, targets)
                 continue
             with gradient_sync(self.model, i == len(micro) - 1), self._autocast():
-                loss = self.loss_fn(self.model(inputs), targets)
-                if len(micro) > 1:  # the mean over the accumulated micro-batches
-                    loss = loss / len(micro)
+                loss = batch_loss(self.model, self.loss_fn, inputs, targets, parts=len(micro))
             loss.backward()
             total = loss.detach() if len(micro) == 1 else total + loss.detach()
         if self.spec.clip_grad_norm:
@@ -366,9 +365,7 @@ class Trainer:
                 # report the step as diverged (the loss check below sees the NaN).
                 self.optimizer.zero_grad(set_to_none=True)
                 return torch.full((), float("nan"), device=self.ctx.device), samples, tokens
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        apply_update(self.optimizer, self.scheduler)
         return total, samples, tokens
 
     def _pipeline_step(self, inputs: Any, targets: Any) -> torch.Tensor:

@@ -32,7 +32,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "data": frozenset({"store"}),
     "tracking": frozenset({"store"}),
     "train": frozenset({"store", "hardware", "data", "tracking"}),
-    "models": frozenset({"store", "data", "scheduler", "tracking"}),
+    "models": frozenset({"store", "data", "scheduler", "tracking", "train"}),
     "serve": frozenset({"store", "auth", "scheduler", "models"}),
     "pipelines": frozenset(
         {"store", "hardware", "fabric", "scheduler", "data", "tracking", "train", "models", "serve"}

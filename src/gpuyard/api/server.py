@@ -39,14 +39,20 @@ def run_server(service: JobService, options: ServerOptions) -> None:
         if placer is not None
         else "topology"
     )
-    logging.getLogger("gpuyard.server").info(
-        "recovered: %d adopted, %d requeued; policy %s, placement %s, executor %s, %d nodes",
+    isolation = getattr(service.executor, "isolation", None)
+    jobs_as = isolation.describe() if isolation is not None else "jobs run as the executor's user"
+    # Jobs that are not isolated from the server are said once, in this line, as a warning.
+    level = logging.WARNING if isolation is not None and not isolation.switch else logging.INFO
+    logging.getLogger("gpuyard.server").log(
+        level,
+        "recovered: %d adopted, %d requeued; policy %s, placement %s, executor %s, %d nodes; %s",
         counts["adopted"],
         counts["requeued"],
         service.policy.name,
         placement,
         service.executor.name,
         len(service.nodes),
+        jobs_as,
     )
     shown_host = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
     logging.getLogger("gpuyard.server").info(

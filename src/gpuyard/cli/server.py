@@ -53,6 +53,15 @@ def server(
         max=1024,
         help="The largest request body, MiB (413 above it).",
     ),
+    job_user: str = typer.Option(
+        None,
+        "--job-user",
+        help="Unix user the jobs run as (default: gpuyard-job when the server is root, else the server's"
+        " own user, not isolated).",
+    ),
+    job_dir: str = typer.Option(
+        None, "--job-dir", help="Folder of the jobs' working directories (default: in the temp folder)."
+    ),
     body_timeout: float = typer.Option(
         DEFAULT_BODY_TIMEOUT_S,
         "--body-timeout",
@@ -79,6 +88,8 @@ def server(
         cluster=cluster,
         max_wait_s=max_wait,
         calibration=calibration,
+        job_user=job_user,
+        job_dir=job_dir,
     )
     options = ServerOptions(
         host=host, port=port, max_body_bytes=int(max_body_mb * 2**20), body_timeout_s=body_timeout

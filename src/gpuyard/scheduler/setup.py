@@ -27,6 +27,8 @@ def build_service(
     cluster: str | None = None,
     max_wait_s: float = DEFAULT_MAX_WAIT_S,
     calibration: str | None = None,
+    job_user: str | None = None,
+    job_dir: str | None = None,
 ) -> JobService:
     """The job service of `gpuyard server`.
 
@@ -43,12 +45,17 @@ def build_service(
         cluster: fabric preset or file describing the nodes' fabric (needed by ``fabric`` placement).
         calibration: a ``gpuyard fabric calibrate`` file applied to ``cluster`` (fabric placement).
         max_wait_s: under fabric placement, the longest a job waits for a consolidated placement.
+        job_user: ``server`` role on this machine: the Unix user jobs run as (None: ``gpuyard-job`` when
+            root, else the server's own); see :mod:`gpuyard.scheduler.executors.isolation`.
+        job_dir: ``server`` role on this machine: the folder of the jobs' working directories.
 
     Raises:
         ConfigError: an unknown placement, fabric placement without a cluster (or a cluster without
             it), a negative ``max_wait_s``, or a cluster whose nodes are not the scheduler's (see
             :func:`gpuyard.scheduler.nodes.check_fabric_nodes`).
         NotFoundError: ``cluster`` is neither a preset nor a file (the message lists the presets).
+        ConfigError: (server role) the job user cannot be used (see
+            :func:`gpuyard.scheduler.executors.isolation.resolve_isolation`), or --job-user with Ray.
         ConflictError: another live job service is the store's scheduler (the message names it);
             checked before any executor or Ray connection is set up. The lease itself is taken by
             ``recover()`` or the first ``tick()``.
@@ -74,13 +81,23 @@ def build_service(
     if ray_address:
         from gpuyard.scheduler.executors.ray import RayExecutor
 
+        if job_user is not None or job_dir is not None:
+            raise ConfigError(
+                "--job-user/--job-dir apply to the local executor; Ray runs jobs as its workers' user"
+            )
+
         ray_executor = RayExecutor(ray_address, settings.ensure_home() / "jobs")
         nodes, executor = ray_executor.nodes(), ray_executor
     else:
         from gpuyard.scheduler.executors.local import LocalExecutor
         from gpuyard.scheduler.nodes import local_node
 
-        executor = LocalExecutor(settings.ensure_home() / "jobs")
+        isolation = None
+        if role == "server":  # a service inside a user's own command runs that user's jobs as they are
+            from gpuyard.scheduler.executors.isolation import resolve_isolation
+
+            isolation = resolve_isolation(settings, job_user, job_dir)
+        executor = LocalExecutor(settings.ensure_home() / "jobs", isolation)
         nodes = [local_node(fake_gpus=fake_gpus, cpus=cpus, record=True)]
     if fabric is not None:
         check_fabric_nodes(fabric, nodes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
 import socket
@@ -115,6 +116,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         env = {k: v for k, v in os.environ.items() if k != "GPUYARD_TOKEN"} | {"GPUYARD_HOME": str(home)}
         cmd = [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", str(port), "--gpus", "2"]
         cmd += ["--cpus", "2", "--team", "research", "--team", "vision", "--grace", "1"]
+        cmd += ["--job-user", getpass.getuser()]  # the seeded jobs run as the server's user
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"

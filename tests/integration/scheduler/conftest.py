@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
 import signal
 import socket
@@ -20,6 +21,9 @@ __all__ = ["ServerStarter", "free_port", "wait_for"]  # the tests of this folder
 # Starts a `gpuyard server` with the options given (default: SERVER_OPTIONS); returns it and its URL.
 ServerStarter = Callable[..., tuple["subprocess.Popen[bytes]", str]]
 SERVER_OPTIONS = ("--gpus", "1", "--cpus", "1", "--team", "research=2", "--grace", "2")
+# These tests' jobs write to the test's own folders: they run as the server's user (single-user mode)
+# unless a test names --job-user itself (test_isolation.py runs them as the unprivileged job user).
+SAME_USER = ("--job-user", getpass.getuser())
 
 # A job that counts, checkpoints its counter on SIGTERM and exits with PREEMPTED (75); started again it
 # resumes from the checkpoint. argv: CHECKPOINT_FILE STEPS [RELEASE_FILE]; with RELEASE_FILE its
@@ -117,6 +121,9 @@ def server(gpuyard_home: Path, tmp_path: Path) -> Iterator[ServerStarter]:
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(*options: str) -> tuple[subprocess.Popen[bytes], str]:
+        options = options or SERVER_OPTIONS
+        if "--job-user" not in options:
+            options = (*options, *SAME_USER)
         log_path = tmp_path / f"server{len(procs)}.log"
         log = open(log_path, "wb")  # noqa: SIM115 - owned by the process
         proc = subprocess.Popen(
@@ -127,7 +134,7 @@ def server(gpuyard_home: Path, tmp_path: Path) -> Iterator[ServerStarter]:
                 "server",
                 "--port",
                 str(port),
-                *(options or SERVER_OPTIONS),
+                *options,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

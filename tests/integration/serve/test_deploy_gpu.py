@@ -7,6 +7,7 @@ queued when full), the job's life (cancel, restart after a crash) and the record
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import signal
@@ -31,7 +32,8 @@ from .conftest import free_port
 
 pytestmark = pytest.mark.integration
 
-FAKE_GPUS = ("--gpus", "4", "--cpus", "2", "--grace", "3")
+# The replica job reads the model from the server's store: it runs as the server's user (single-user mode).
+FAKE_GPUS = ("--gpus", "4", "--cpus", "2", "--grace", "3", "--job-user", getpass.getuser())
 
 
 @pytest.fixture(scope="module")

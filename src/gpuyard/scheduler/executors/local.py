@@ -3,11 +3,17 @@
 Each job runs under a small shim (``shim.py``) that leads the process group, writes its pid at start
 and the command's exit code at the end. The files make the server restart-safe: a new server reads
 the pid back (adopting a job still running) or the exit code (of a job that ended meanwhile).
+
+With a :class:`~gpuyard.scheduler.executors.isolation.JobIsolation` (`gpuyard server`) a job gets an
+allow-listed environment, a working directory of its own and, when the server is root, an unprivileged
+Unix user; without one (a job service inside a user's own command) it inherits that command's
+environment and working directory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +24,7 @@ from typing import Any
 import psutil
 
 from gpuyard.scheduler.executors.base import Executor, ExitStatus, LaunchPlan, NodeSlots, job_argv, job_env
+from gpuyard.scheduler.executors.isolation import JobIsolation
 from gpuyard.scheduler.spec import JobSpec
 
 SHIM = Path(__file__).with_name("shim.py")
@@ -29,49 +36,68 @@ class LocalExecutor(Executor):
     name = "local"
     multi_node = False
 
-    def __init__(self, jobs_dir: Path) -> None:
+    def __init__(self, jobs_dir: Path, isolation: JobIsolation | None = None) -> None:
         self.jobs_dir = Path(jobs_dir)
+        self.isolation = isolation
         self._children: dict[int, subprocess.Popen[bytes]] = {}
 
     def plan(self, job_id: int, spec: JobSpec, nodes: list[NodeSlots], attempt: int) -> LaunchPlan:
-        """The command, environment and files of one attempt (nothing is started)."""
+        """The command, environment and files of one attempt (nothing is started).
+
+        Isolated, ``env`` is the job's whole environment and ``extra`` names its user; else ``env`` is
+        added to this process's environment.
+        """
         folder = self.jobs_dir / str(job_id)
         gpus = nodes[0].gpus if nodes else ()
+        env = job_env(job_id, spec, attempt, gpus)
+        extra: dict[str, Any] = {
+            "pid_file": str(folder / f"attempt-{attempt}.pid"),
+            "exit_file": str(folder / f"attempt-{attempt}.exit"),
+        }
+        iso = self.isolation
+        if iso is None:
+            cwd = spec.workdir or os.getcwd()
+        else:
+            cwd = spec.workdir or str(iso.workdir(job_id))
+            env = iso.environment(env, cwd)
+            extra.update(job_file=str(folder / f"attempt-{attempt}.job.json"), user=iso.user)
         return LaunchPlan(
             job_id=job_id,
             attempt=attempt,
             argv=job_argv(spec),
-            env=job_env(job_id, spec, attempt, gpus),
-            cwd=spec.workdir or os.getcwd(),
+            env=env,
+            cwd=cwd,
             log_path=str(folder / "output.log"),
             nodes=nodes,
             executor=self.name,
-            extra={
-                "pid_file": str(folder / f"attempt-{attempt}.pid"),
-                "exit_file": str(folder / f"attempt-{attempt}.exit"),
-            },
+            extra=extra,
         )
 
     def launch(self, plan: LaunchPlan) -> dict[str, Any]:
         """Start the shim (and through it the command) in a new session; stdout+stderr to the log."""
         Path(plan.log_path).parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **plan.env}
-        cmd = [
-            sys.executable,
-            "-S",
-            str(SHIM),
-            plan.extra["pid_file"],
-            plan.extra["exit_file"],
-            "--",
-            *plan.argv,
-        ]
+        files = [plan.extra["pid_file"], plan.extra["exit_file"]]
+        iso = self.isolation
+        if iso is None:
+            env, cwd = {**os.environ, **plan.env}, plan.cwd
+        else:
+            # The shim keeps the server's environment (run with -I, nothing of the job's reaches it); the
+            # command gets plan.env, the job's user and its working directory from the job file.
+            iso.prepare(plan.job_id, plan.cwd)
+            job: dict[str, Any] = {"env": plan.env, "cwd": plan.cwd, "uid": None, "gid": None}
+            if iso.switch:
+                job.update(uid=iso.uid, gid=iso.gid)
+            _write_private(Path(plan.extra["job_file"]), json.dumps(job))
+            env, cwd = dict(os.environ), str(Path(plan.log_path).parent)
+            files += ["--job", plan.extra["job_file"]]
+        cmd = [sys.executable, "-I", "-S", str(SHIM), *files, "--", *plan.argv]
         with open(plan.log_path, "ab") as log:
             proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                cwd=plan.cwd,
+                cwd=cwd,
                 env=env,
                 start_new_session=True,
             )
@@ -124,6 +150,12 @@ class LocalExecutor(Executor):
                 return handle
             handle = {**handle, "pid": pid, "create_time": _create_time(pid)}
         return handle
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
 
 
 def _create_time(pid: int) -> float | None:

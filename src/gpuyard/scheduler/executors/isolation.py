@@ -1,0 +1,220 @@
+"""How `gpuyard server` keeps a job away from the server: its Unix user, its environment, its folder.
+
+A job is a member's code. Under `gpuyard server` the local executor runs it
+
+- as an unprivileged Unix user (``--job-user``; by default ``gpuyard-job`` when the server runs as
+  root). The job's process is started by the shim, which stays the server's user to write the pid
+  and exit files; the command itself changes user before it enters its working directory;
+- with an allow-listed environment (:data:`PASSED_VARS` from the server's, the job's HOME, USER
+  and LOGNAME, and the variables gpuyard sets for the job and the spec's own ``env``): never
+  GPUYARD_TOKEN, GPUYARD_DATABASE_URL or any other variable of the server;
+- in a working directory of its own (``WORK_ROOT/job-ID``, owned by the job's user, mode 0700),
+  unless the spec names one;
+- while GPUYARD_HOME is 0700 and the database and token files 0600, so the job's user cannot read
+  them.
+
+When the server is not root it cannot change user: jobs then run as the server's user, which can read
+everything the server can (its home, and its environment through /proc). That is the single-user
+mode, said once at startup; the environment and working directory rules still apply, and the job
+gets the store's location (GPUYARD_HOME, GPUYARD_DATABASE_URL, GPUYARD_ARTIFACTS) so gpuyard's own
+jobs (``gpuyard train``'s tracking, GPU deployments) find the state they could read anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import pwd
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuyard.errors import ConfigError
+from gpuyard.settings import ARTIFACTS_ENV, DATABASE_ENV, HOME_ENV, SERVER_ENV, Settings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_JOB_USER = "gpuyard-job"
+# Taken from the server's environment when set; nothing else of it reaches a job.
+PASSED_VARS = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
+# The store's location: passed only to jobs that run as the server's user (they can read it anyway).
+STORE_VARS = (HOME_ENV, DATABASE_ENV, ARTIFACTS_ENV)
+FALLBACK_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+@dataclass(frozen=True)
+class JobIsolation:
+    """The user, environment and folders of `gpuyard server`'s jobs.
+
+    Attributes:
+        user: the Unix user jobs run as.
+        uid, gid: its ids.
+        switch: True when jobs change to ``user`` (the server is root and ``user`` is not the server's).
+        work_root: the folder holding each job's working directory (``job-ID``).
+        home: the job user's home when it has one of its own (else the job's working directory is its
+            HOME).
+        store_env: the store's location variables, given to jobs only when they run as the server's user.
+        server_url: the API's URL (GPUYARD_SERVER), for a job that brings its own token.
+    """
+
+    user: str
+    uid: int
+    gid: int
+    switch: bool
+    work_root: Path
+    home: str | None = None
+    store_env: tuple[tuple[str, str], ...] = ()
+    server_url: str | None = None
+
+    def workdir(self, job_id: int) -> Path:
+        """The default working directory of job ``job_id``."""
+        return self.work_root / f"job-{job_id}"
+
+    def environment(self, job_vars: dict[str, str], cwd: str) -> dict[str, str]:
+        """The job's whole environment: the allow-list, the job's HOME and user, then ``job_vars``."""
+        env = {k: os.environ[k] for k in PASSED_VARS if os.environ.get(k)}
+        env.setdefault("PATH", FALLBACK_PATH)
+        env.update(HOME=self.home or cwd, USER=self.user, LOGNAME=self.user)
+        if self.server_url:
+            env[SERVER_ENV] = self.server_url
+        env.update(dict(self.store_env))
+        env.update(job_vars)
+        return env
+
+    def describe(self) -> str:
+        """One line for the startup log: who jobs run as, and what that protects."""
+        if self.switch:
+            return (
+                f"jobs run as user {self.user} (uid {self.uid}) in {self.work_root}, "
+                "environment allow-listed, GPUYARD_HOME 0700"
+            )
+        return (
+            f"jobs run as the server's user {self.user}: NOT isolated from GPUYARD_HOME, the database "
+            "or the token (start the server as root to run them as an unprivileged --job-user); "
+            "environment allow-listed"
+        )
+
+    def prepare(self, job_id: int, cwd: str) -> None:
+        """Create the job's default working directory (owned by the job's user, 0700) if ``cwd`` is it."""
+        if cwd != str(self.workdir(job_id)):
+            return
+        path = Path(cwd)
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            st = path.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != self.uid:
+                raise ConfigError(f"job folder {path} exists and is not a directory of {self.user}") from None
+            return  # a restart or a resume: the job finds its files again
+        if self.switch:
+            os.chown(path, self.uid, self.gid)
+        os.chmod(path, 0o700)
+
+
+def resolve_isolation(settings: Settings, job_user: str | None, work_root: str | None = None) -> JobIsolation:
+    """The isolation of `gpuyard server`'s jobs, checked; GPUYARD_HOME and its files made private.
+
+    Args:
+        settings: the server's settings (its home is made 0700, its SQLite file and token 0600).
+        job_user: the Unix user jobs run as; None: ``gpuyard-job`` when the server is root, else the
+            server's own user (single-user mode).
+        work_root: the folder of the jobs' working directories (default: under the system's temp
+            folder for a job user, under GPUYARD_HOME/work for the server's own user).
+
+    Raises:
+        ConfigError: the job user does not exist, is root while the server is not, or the server is
+            not root and was asked to run jobs as another user; or the work root is unsafe.
+    """
+    me = pwd.getpwuid(os.geteuid())
+    root = os.geteuid() == 0
+    name = job_user if job_user is not None else (DEFAULT_JOB_USER if root else me.pw_name)
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        hint = f"useradd --system --no-create-home {name}" if name == DEFAULT_JOB_USER else "create it"
+        raise ConfigError(
+            f"job user {name!r} does not exist: {hint}, or pass --job-user NAME "
+            f"(--job-user {me.pw_name} runs jobs as the server's user, not isolated)"
+        ) from None
+    if entry.pw_uid != me.pw_uid and not root:
+        raise ConfigError(
+            f"--job-user {name}: the server runs as {me.pw_name}, not root, so it cannot start jobs as "
+            f"another user; leave --job-user out to run them as {me.pw_name} (not isolated)"
+        )
+    switch = entry.pw_uid != me.pw_uid
+    home = settings.ensure_home()
+    _make_private(settings)
+    if work_root is not None:
+        folder = Path(work_root).expanduser().resolve()
+    elif switch:
+        tag = hashlib.sha256(str(home).encode()).hexdigest()[:12]
+        folder = Path(tempfile.gettempdir()) / f"gpuyard-jobs-{tag}"
+    else:
+        folder = home / "work"
+    _make_work_root(folder, traverse=switch)
+    own_home = entry.pw_dir if switch and _owned_dir(entry.pw_dir, entry.pw_uid) else None
+    return JobIsolation(
+        user=entry.pw_name,
+        uid=entry.pw_uid,
+        gid=entry.pw_gid,
+        switch=switch,
+        work_root=folder,
+        home=own_home if switch else me.pw_dir,
+        store_env=() if switch else _store_env(settings),
+        server_url=os.environ.get(SERVER_ENV) or None,
+    )
+
+
+def _store_env(settings: Settings) -> tuple[tuple[str, str], ...]:
+    return (
+        (HOME_ENV, str(settings.home)),
+        (DATABASE_ENV, settings.database_url),
+        (ARTIFACTS_ENV, settings.artifact_root),
+    )
+
+
+def _make_private(settings: Settings) -> None:
+    """GPUYARD_HOME 0700; the SQLite file (and its journal files) and the token file 0600."""
+    os.chmod(settings.home, 0o700)
+    names = ["token"]
+    if settings.is_sqlite:
+        db = Path(settings.database_url.split(":///", 1)[-1])
+        names = [*names, *(str(db) + sfx for sfx in ("", "-wal", "-shm", "-journal"))]
+    for name in names:
+        path = settings.home / name
+        try:
+            if not path.is_symlink() and path.is_file():
+                os.chmod(path, 0o600)
+        except FileNotFoundError:
+            continue
+
+
+def _make_work_root(folder: Path, traverse: bool) -> None:
+    """Create the work root owned by the server: 0711 (the job's user passes through, lists nothing)."""
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(parents=True, mode=0o700)
+    st = folder.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise ConfigError(
+            f"job folder root {folder}: must be a directory of the server's user, not writable by others"
+        )
+    os.chmod(folder, 0o711 if traverse else 0o700)
+    if traverse:
+        # The job's user must reach the root: every folder above it must let others pass.
+        for parent in folder.parents:
+            if not parent.stat().st_mode & 0o001:
+                raise ConfigError(
+                    f"job folder root {folder}: {parent} does not let other users pass (chmod o+x, "
+                    "or choose another --job-dir)"
+                )
+
+
+def _owned_dir(path: str, uid: int) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid

@@ -163,6 +163,11 @@ def register_cmd(
     ),
     task: str = typer.Option("classification", "--task", help="With --file: classification or regression."),
     description: str = typer.Option("", "--description", "-d", help="Free text kept with the version."),
+    team: str | None = typer.Option(
+        None,
+        "--team",
+        help="The team a new model belongs to (default: default; a new version keeps its model's).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Register a new version from a run, a folder or a single ONNX/skops file."""
@@ -172,11 +177,11 @@ def register_cmd(
     if sum(x is not None for x in (run, folder, file)) != 1:
         raise ConfigError("give exactly one of --run, --dir or --file")
     if run:
-        mv = register_from_run(name, run, description=description)
+        mv = register_from_run(name, run, description=description, team=team)
     elif folder:
-        mv = register_folder(name, folder, description=description)
+        mv = register_folder(name, folder, description=description, team=team)
     elif file is not None:
-        mv = register_file(name, file, task=task, description=description)
+        mv = register_file(name, file, task=task, description=description, team=team)
     else:  # unreachable: exactly one source was checked above
         raise ConfigError("give exactly one of --run, --dir or --file")
     if as_json:

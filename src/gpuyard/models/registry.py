@@ -41,6 +41,9 @@ from gpuyard.store.tables.models import (
     RunRow,
 )
 
+# The team a model belongs to when none is named (the scheduler's and the users' default team too).
+DEFAULT_TEAM = "default"
+
 STAGES = tuple(ModelStage)
 
 
@@ -63,6 +66,7 @@ class ModelVersion:
     description: str
     created_at: datetime
     aliases: tuple[str, ...] = ()
+    team: str = DEFAULT_TEAM
 
     @property
     def ref(self) -> str:
@@ -99,6 +103,7 @@ def _to_version(row: ModelVersionRow, aliases: list[str]) -> ModelVersion:
         description=row.description,
         created_at=row.created_at,
         aliases=tuple(sorted(aliases)),
+        team=row.team,
     )
 
 
@@ -171,13 +176,18 @@ def list_versions(name: str, store: Store | None = None) -> list[ModelVersion]:
         return [_to_version(r, _aliases(s, r.name, r.version)) for r in rows]
 
 
-def list_models(store: Store | None = None) -> list[dict[str, Any]]:
-    """One line per model name: version count, latest version, production version, aliases."""
+def list_models(store: Store | None = None, team: str | None = None) -> list[dict[str, Any]]:
+    """One line per model name: team, version count, latest version, production version, aliases.
+
+    Args:
+        team: only the models of this team (None: every team's).
+    """
     store = store or get_store()
+    q = select(ModelVersionRow).order_by(ModelVersionRow.name, ModelVersionRow.version)
+    if team is not None:
+        q = q.where(ModelVersionRow.team == team)
     with store.read() as s:
-        rows = list(
-            s.scalars(select(ModelVersionRow).order_by(ModelVersionRow.name, ModelVersionRow.version))
-        )
+        rows = list(s.scalars(q))
         aliases = list(s.scalars(select(ModelAliasRow)))
     out: dict[str, dict[str, Any]] = {}
     for r in rows:
@@ -190,6 +200,7 @@ def list_models(store: Store | None = None) -> list[dict[str, Any]]:
                 "production": None,
                 "staging": None,
                 "flavor": r.flavor,
+                "team": r.team,
                 "aliases": {},
                 "updated_at": None,
             },
@@ -239,14 +250,44 @@ def _store_files(folder: Path, flavor: str) -> dict[str, Any]:
     return files
 
 
-def _insert_version(store: Store, name: str, fields: dict[str, Any]) -> ModelVersion:
+def model_team(name: str, store: Store | None = None) -> str:
+    """The team model ``name`` belongs to (its first version's).
+
+    Raises:
+        NotFoundError: no such model.
+    """
+    store = store or get_store()
+    with store.read() as s:
+        team = _team_of(s, check_model_name(name))
+    if team is None:
+        raise NotFoundError(f"model {name!r} is not registered (see `gpuyard models ls`)")
+    return team
+
+
+def _team_of(s: Any, name: str) -> str | None:
+    return s.scalar(
+        select(ModelVersionRow.team)
+        .where(ModelVersionRow.name == name)
+        .order_by(ModelVersionRow.version)
+        .limit(1)
+    )
+
+
+def _insert_version(store: Store, name: str, fields: dict[str, Any], team: str | None = None) -> ModelVersion:
     for _attempt in range(5):  # two registrations of one name at once: the loser retries the next number
         try:
             with store.session() as s:
+                owner = _team_of(s, name)
+                if owner is not None and team is not None and team != owner:
+                    raise ConflictError(
+                        f"model {name!r} belongs to team {owner!r}: a new version cannot go to team {team!r}"
+                    )
                 latest = s.scalar(
                     select(func.max(ModelVersionRow.version)).where(ModelVersionRow.name == name)
                 )
-                row = ModelVersionRow(name=name, version=(latest or 0) + 1, **fields)
+                row = ModelVersionRow(
+                    name=name, version=(latest or 0) + 1, team=owner or team or DEFAULT_TEAM, **fields
+                )
                 s.add(row)
                 s.flush()
                 record_event(s, name, row.version, "registered", {"run_id": fields.get("run_id")})
@@ -268,10 +309,14 @@ def register_folder(
     lineage: dict[str, Any] | None = None,
     description: str = "",
     store: Store | None = None,
+    team: str | None = None,
 ) -> ModelVersion:
     """Register the model saved in ``folder`` (a flavor file plus ``config.json``) as a new version.
 
+    A new model belongs to ``team`` (default: ``default``); a new version keeps its model's team.
+
     Raises:
+        ConflictError: ``team`` is not the team of the model ``name`` already registered.
         ConfigError: a model file that is not safetensors / skops / ONNX, or one that disagrees with
         its config; a missing config for a torch model.
     """
@@ -305,11 +350,11 @@ def register_folder(
         lineage=lineage or {},
         description=description,
     )
-    return _insert_version(store, name, fields)
+    return _insert_version(store, name, fields, team)
 
 
 def register_from_run(
-    name: str, run_ref: str, description: str = "", store: Store | None = None
+    name: str, run_ref: str, description: str = "", store: Store | None = None, team: str | None = None
 ) -> ModelVersion:
     """Register the model a finished run stored, with the run's lineage and evaluation metrics.
 
@@ -367,6 +412,7 @@ def register_from_run(
             lineage=lineage,
             description=description,
             store=store,
+            team=team,
         )
 
 
@@ -377,6 +423,7 @@ def register_file(
     task: str = "classification",
     description: str = "",
     store: Store | None = None,
+    team: str | None = None,
 ) -> ModelVersion:
     """Register one ONNX or skops file (its format judged by content, never by its name).
 
@@ -394,7 +441,7 @@ def register_file(
         shutil.copyfile(path, Path(tmp) / FILE_FOR_FLAVOR[flavor])
         (Path(tmp) / CONFIG_FILE).write_text(json.dumps({"flavor": flavor, "task": task}))
         lineage = {"source_file": str(Path(path).resolve())}
-        return register_folder(name, tmp, lineage=lineage, description=description, store=store)
+        return register_folder(name, tmp, lineage=lineage, description=description, store=store, team=team)
 
 
 def register_model(

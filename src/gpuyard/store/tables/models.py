@@ -90,6 +90,8 @@ class ModelVersionRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(200), index=True)
     version: Mapped[int] = mapped_column(Integer)
+    # The team the model belongs to (every version of a name has its first version's team).
+    team: Mapped[str] = mapped_column(String(100), default="default", server_default="default", index=True)
     flavor: Mapped[str] = mapped_column(String(16))
     stage: Mapped[str] = mapped_column(String(16))
     run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))

@@ -20,6 +20,7 @@ from typing import Any
 
 from gpuyard.errors import ConfigError, GpuyardError
 from gpuyard.pipelines import cache
+from gpuyard.pipelines.inputs import stage_inputs
 from gpuyard.pipelines.spec import PipelineSpec, StageSpec, resolve
 from gpuyard.settings import load_settings
 
@@ -178,6 +179,7 @@ def run_pipeline(
     try:
         for st in spec.stages:
             inputs = resolve(st.inputs, outputs, f"stage {st.name}")
+            stage_inputs(st.uses, inputs, st.name)  # a bad value fails here, before its job starts
             key = cache.stage_key(st.uses, inputs, base_dir)
             t0 = time.perf_counter()
             hit = cache.lookup(key) if (use_cache and st.cache) else None

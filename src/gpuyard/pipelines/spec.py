@@ -50,6 +50,7 @@ class PipelineSpec(BaseModel):
 
     @model_validator(mode="after")
     def _refs(self) -> PipelineSpec:
+        from gpuyard.pipelines.inputs import check_names
         from gpuyard.pipelines.stages import check_kind
 
         if not NAME.match(self.name):
@@ -66,6 +67,8 @@ class PipelineSpec(BaseModel):
                         f" (earlier: {', '.join(sorted(seen)) or 'none'})"
                     )
             seen.add(st.name)
+        for st in self.stages:  # once the stages and their references are known to be sound
+            check_names(st.uses, st.inputs, st.name)
         return self
 
 

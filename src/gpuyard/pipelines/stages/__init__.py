@@ -1,8 +1,10 @@
 """Stage kinds: each a function ``fn(inputs: dict, ctx: dict) -> outputs: dict`` over JSON values.
 
-``ctx`` carries ``workdir`` (a folder of the stage's own), ``base`` (the folder of the pipeline file,
-for relative paths), ``pipeline`` and ``stage``. Outputs are what later stages reference; an output
-named ``report`` holds lines for people (the CLI prints them) and is not meant to be referenced.
+Each kind reads its inputs through its pydantic model in :mod:`gpuyard.pipelines.inputs` (a bad
+input is one line naming the stage and the input). ``ctx`` carries ``workdir`` (a folder of the
+stage's own), ``base`` (the folder of the pipeline file, for relative paths), ``pipeline`` and
+``stage``. Outputs are what later stages reference; an output named ``report`` holds lines for
+people (the CLI prints them) and is not meant to be referenced.
 """
 
 from __future__ import annotations
@@ -54,10 +56,3 @@ def run_stage(uses: str, inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[st
         raise ConfigError(f"stage {ctx.get('stage')!r} ({uses}) returned {type(out).__name__}, not a mapping")
     json.dumps(out)  # a TypeError here names the first value that is not JSON
     return out
-
-
-def need(inputs: dict[str, Any], key: str, stage: str) -> Any:
-    """``inputs[key]``, or a ConfigError naming the stage and the missing input."""
-    if key not in inputs or inputs[key] is None:
-        raise ConfigError(f"stage {stage!r}: input {key!r} is required (with: {{{key}: ...}})")
-    return inputs[key]

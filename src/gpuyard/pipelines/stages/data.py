@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from gpuyard.errors import ConfigError
-from gpuyard.pipelines.stages import need
+from gpuyard.pipelines.inputs import IngestInputs, TransformInputs, parse_inputs
 
 
 def _sklearn_npz(name: str, out: Path, inject_bad: int) -> Path:
@@ -52,23 +52,22 @@ def ingest_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     """
     from gpuyard.data import IngestOptions, ValidationSpec, ingest
 
-    stage = ctx["stage"]
-    source, name = str(need(inputs, "source", stage)), str(need(inputs, "name", stage))
+    i = parse_inputs(IngestInputs, inputs, ctx["stage"])
+    source, name, inject = i.source, i.name, i.inject_bad
     workdir = Path(ctx["workdir"])
-    inject = int(inputs.get("inject_bad", 0))
     if source.startswith("sklearn:"):
         path = _sklearn_npz(source.split(":", 1)[1], workdir / "source.npz", inject)
     elif source.startswith("generate:"):
         from gpuyard.refs import import_ref
 
-        kwargs = dict(inputs.get("generate_kwargs") or {})
+        kwargs = dict(i.generate_kwargs or {})
         path = Path(import_ref(source.split(":", 1)[1])(workdir / "source", **kwargs))
     else:
         path = Path(ctx["base"]) / source
     opts = IngestOptions(
-        label_column=inputs.get("label_column"),
-        labels=inputs.get("labels"),
-        checks=ValidationSpec.model_validate(inputs.get("checks") or {}),
+        label_column=i.label_column,
+        labels=i.labels,
+        checks=ValidationSpec.model_validate(i.checks or {}),
     )
     v = ingest(path, name, opts)
     q = v.manifest["quarantine"]
@@ -93,15 +92,13 @@ def transform_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, An
     """
     from gpuyard.data import load_recipe, open_dataset, transform
 
-    stage = ctx["stage"]
-    ref, recipe_in = str(need(inputs, "dataset", stage)), need(inputs, "recipe", stage)
-    if isinstance(recipe_in, str):
-        recipe_in = Path(ctx["base"]) / recipe_in
-    recipe = load_recipe(recipe_in)
+    i = parse_inputs(TransformInputs, inputs, ctx["stage"])
+    ref = i.dataset
+    recipe = load_recipe(Path(ctx["base"]) / i.recipe if isinstance(i.recipe, str) else i.recipe)
     src = open_dataset(ref)
     # Small sets gain nothing from a process pool (the fork costs more than the work).
-    engine = inputs.get("engine") or ("serial" if src.num_rows < 200_000 else "pool")
-    v = transform(ref, recipe, output=inputs.get("output"), engine=engine)
+    engine = i.engine or ("serial" if src.num_rows < 200_000 else "pool")
+    v = transform(ref, recipe, output=i.output, engine=engine)
     splits = v.manifest.get("splits") or {}
     out: dict[str, Any] = {"dataset": v.ref, "rows": v.num_rows, "splits": splits}
     lines = [f"{v.ref}: {v.num_rows} rows, splits {splits}"]

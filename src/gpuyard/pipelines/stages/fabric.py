@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuyard.errors import ConfigError
-from gpuyard.pipelines.stages import need
+from gpuyard.pipelines.inputs import PlanInputs, parse_inputs
 
 
 def _param_count(model_dir: Path) -> int:
@@ -65,13 +65,11 @@ def plan_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     """Price data-parallel training of the model in ``model_dir`` on ``cluster`` (default dgx-h100)."""
     from gpuyard.fabric.presets import load_cluster
 
-    stage = ctx["stage"]
-    model_dir = Path(str(need(inputs, "model_dir", stage)))
-    cluster = load_cluster(str(inputs.get("cluster", "dgx-h100")))
-    params = _param_count(model_dir)
-    batch = int(inputs.get("global_batch", 65536))
-    counts = [int(g) for g in inputs.get("gpu_counts", [8, 16, 64, 256])]
-    rows = ddp_rows(cluster, params, batch, counts)
+    i = parse_inputs(PlanInputs, inputs, ctx["stage"])
+    cluster = load_cluster(i.cluster)
+    params = _param_count(Path(i.model_dir))
+    batch = i.global_batch
+    rows = ddp_rows(cluster, params, batch, list(i.gpu_counts))
     best = max(rows, key=lambda r: r["samples_per_s"])
     lines = [
         f"{cluster.name}: {cluster.accelerator}, {cluster.gpus_per_node} per node;"

@@ -16,24 +16,28 @@ import numpy as np
 
 from gpuyard.data.arrays import load_arrays, pin, with_splits
 from gpuyard.errors import ConfigError
-from gpuyard.pipelines.stages import need
+from gpuyard.pipelines.inputs import (
+    EvaluateInputs,
+    FitInputs,
+    RegisterInputs,
+    TuneInputs,
+    parse_inputs,
+)
 from gpuyard.refs import DatasetRef
 
 
-def _selection(inputs: dict[str, Any], stage: str, default: list[str]) -> str:
-    """The stage's dataset with the version resolved, selecting ``splits`` (or its own, or ``default``)."""
-    ref = str(need(inputs, "dataset", stage))
-    if inputs.get("splits"):
-        return pin(with_splits(ref, [str(s) for s in inputs["splits"]]))
+def _selection(ref: str, splits: list[str] | None, default: list[str]) -> str:
+    """``ref`` with the version resolved, selecting ``splits`` (or its own, or ``default``)."""
+    if splits:
+        return pin(with_splits(ref, splits))
     return pin(ref if DatasetRef.has_selection(ref) else with_splits(ref, default))
 
 
-def _model_spec(inputs: dict[str, Any], ctx: dict[str, Any]) -> Any:
+def _model_spec(inputs: TuneInputs | FitInputs, stage: str) -> Any:
     from gpuyard.models.spec import parse_spec
 
-    stage = ctx["stage"]
-    doc = dict(need(inputs, "spec", stage))
-    doc["dataset"] = _selection(inputs, stage, ["train", "val"])
+    doc = dict(inputs.spec)
+    doc["dataset"] = _selection(inputs.dataset, inputs.splits, ["train", "val"])
     return parse_spec(doc, f"stage {stage}: spec")
 
 
@@ -41,10 +45,11 @@ def tune_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     """Hyperparameter search with model management's Optuna search; outputs the best params and run."""
     from gpuyard.models.tune import tune
 
-    spec = _model_spec(inputs, ctx)
+    i = parse_inputs(TuneInputs, inputs, ctx["stage"])
+    spec = _model_spec(i, ctx["stage"])
     if spec.search is None:
         raise ConfigError(f"stage {ctx['stage']!r}: spec needs a 'search' section")
-    res = tune(spec, executor_name=str(inputs.get("executor", "pool")))
+    res = tune(spec, executor_name=i.executor)
     metric = spec.metric
     lines = [f"{len(res.trials)} trials, {spec.search.parallel} at a time, selected on validation {metric}:"]
     for t in sorted(res.trials, key=lambda r: r["number"]):
@@ -69,8 +74,9 @@ def fit_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     """One tracked fit of ``spec`` (params overridden by ``params``) on the train and val rows."""
     from gpuyard.models.fit import fit
 
-    spec = _model_spec(inputs, ctx)
-    res, _model = fit(spec, dict(inputs.get("params") or {}), evaluate_test=False)
+    i = parse_inputs(FitInputs, inputs, ctx["stage"])
+    spec = _model_spec(i, ctx["stage"])
+    res, _model = fit(spec, dict(i.params or {}), evaluate_test=False)
     val = res.evaluations.get("validation", {})
     shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(val.items()))
     return {
@@ -80,16 +86,16 @@ def fit_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _load(inputs: dict[str, Any], stage: str) -> Any:
+def _load(inputs: EvaluateInputs | RegisterInputs, stage: str) -> Any:
     # A saved folder wins over the run: a DDP training's run records metrics, the folder holds weights.
-    if inputs.get("model_dir"):
+    if inputs.model_dir:
         from gpuyard.models.flavors import load_model
 
-        return load_model(str(inputs["model_dir"]))[0]
-    if inputs.get("run"):
+        return load_model(inputs.model_dir)[0]
+    if inputs.run:
         from gpuyard.models.fit import load_run_model
 
-        return load_run_model(str(inputs["run"]))
+        return load_run_model(inputs.run)
     raise ConfigError(f"stage {stage!r}: give 'run' (a tracked run) or 'model_dir' (a saved model folder)")
 
 
@@ -103,24 +109,24 @@ def evaluate_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any
     from gpuyard.models.metrics import METRICS
 
     stage = ctx["stage"]
-    task = str(inputs.get("task", "classification"))
-    split = str(inputs.get("split", "test"))
-    data = load_arrays(pin(with_splits(str(need(inputs, "dataset", stage)), [split])))
-    model = _load(inputs, stage)
+    i = parse_inputs(EvaluateInputs, inputs, stage)
+    split = i.split
+    data = load_arrays(pin(with_splits(i.dataset, [split])))
+    model = _load(i, stage)
     kind = "test" if split == "test" else "holdout"
-    ev = evaluate(model, data.X, data.y, task, kind, inputs.get("metrics"))
-    if inputs.get("run"):
+    ev = evaluate(model, data.X, data.y, i.task, kind, i.metrics)
+    if i.run:
         # On the run's own record (an evaluation row, and `test/<metric>` points that `gpuyard runs`
         # and the dashboard show); the run itself finished earlier, so it is not finished again.
         from gpuyard.store import get_store
         from gpuyard.tracking.store import DbTracker
 
-        tracker = DbTracker(get_store(), str(inputs["run"]), system_interval_s=None)
+        tracker = DbTracker(get_store(), i.run, system_interval_s=None)
         log_evaluation(tracker, ev, dataset_version=data.version)
         tracker.flush()
     shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(ev.metrics.items()))
     lines = [f"{data.version}: {ev.n_samples} rows never seen in search or training", f"  {shown}"]
-    for metric, bound in dict(inputs.get("require") or {}).items():
+    for metric, bound in (i.require or {}).items():
         value = ev.metrics.get(metric)
         higher = METRICS[metric].direction == "maximize" if metric in METRICS else True
         if value is None or (value < bound if higher else value > bound):
@@ -139,27 +145,29 @@ def register_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any
     from gpuyard.models.signature import infer_signature
 
     stage = ctx["stage"]
-    name, ref = str(need(inputs, "name", stage)), str(need(inputs, "dataset", stage))
-    task = str(inputs.get("task", "classification"))
+    i = parse_inputs(RegisterInputs, inputs, stage)
+    name, ref, task = i.name, i.dataset, i.task
     holdout = pin(with_splits(ref, ["test"]))
-    metrics = {"test": dict(inputs.get("metrics") or {})}
-    if inputs.get("run") and not inputs.get("model_dir"):
+    metrics = {"test": dict(i.metrics or {})}
+    if i.run and not i.model_dir:
         # The run's own lineage already names its dataset selection (e.g. NAME@VERSION#split=train,val).
-        mv = register_from_run(name, str(inputs["run"]))
+        mv = register_from_run(name, i.run)
     else:
-        folder = Path(str(need(inputs, "model_dir", stage)))
-        model = _load(inputs, stage)
+        if not i.model_dir:
+            raise ConfigError(f"stage {stage!r}: input 'model_dir' is required (with: {{model_dir: ...}})")
+        folder = Path(i.model_dir)
+        model = _load(i, stage)
         train = load_arrays(pin(with_splits(ref, ["train"])))
         X = train.X
         signature = infer_signature(X, np.asarray(as_predictor(model, task).predict(X)), task)
         lineage = {
             "dataset_ref": train.version,  # serving's drift reference: the training inputs
             "dataset_version": train.version,
-            "run_dir": inputs.get("run_dir"),
-            "metric": inputs.get("metric", "accuracy" if task == "classification" else "mse"),
+            "run_dir": i.run_dir,
+            "metric": i.metric or ("accuracy" if task == "classification" else "mse"),
             "pipeline": ctx["pipeline"],
         }
-        run = str(inputs["run"]) if inputs.get("run") else None
+        run = i.run or None
         mv = register_folder(
             name,
             folder,
@@ -169,7 +177,7 @@ def register_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any
             metrics=metrics,
             lineage=lineage,
         )
-    decision = promote(mv.ref, holdout=holdout, metric=inputs.get("metric"))
+    decision = promote(mv.ref, holdout=holdout, metric=i.metric)
     verdict = "promoted to production" if decision.promoted else "not promoted"
     return {
         "model": mv.ref,

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from gpuyard.pipelines.arrays import split_arrays
-from gpuyard.pipelines.stages import need
+from gpuyard.pipelines.inputs import ServeInputs, parse_inputs
 from gpuyard.refs import ModelRef
 
 
@@ -55,8 +55,8 @@ def serve_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     from gpuyard.serve.deploy import deploy, undeploy
     from gpuyard.serve.options import DriftConfig, ServeOptions
 
-    stage = ctx["stage"]
-    ref, data = str(need(inputs, "model", stage)), str(need(inputs, "dataset", stage))
+    i = parse_inputs(ServeInputs, inputs, ctx["stage"])
+    ref, data = i.model, i.dataset
     X, y = split_arrays(data, "test")
     # deploy() starts `gpuyard serve` with the default drift settings (window 1000, tests from 200
     # rows), so the normal phase sends at least 200 rows and the shifted phase a whole window.

@@ -15,11 +15,11 @@ from typing import Any
 import yaml
 
 from gpuyard.errors import ConfigError
-from gpuyard.pipelines.stages import need
+from gpuyard.pipelines.inputs import TrainInputs, parse_inputs
 from gpuyard.refs import DatasetRef
 
 
-def _version(inputs: dict[str, Any], stage: str) -> tuple[str, str, str]:
+def _version(ref: str, stage: str) -> tuple[str, str, str]:
     """(``NAME@<version id>``, its train selection, its val selection) of the stage's dataset.
 
     Raises:
@@ -28,7 +28,6 @@ def _version(inputs: dict[str, Any], stage: str) -> tuple[str, str, str]:
     """
     from gpuyard.data.arrays import pin, with_splits
 
-    ref = str(need(inputs, "dataset", stage))
     if DatasetRef.has_selection(ref):
         raise ConfigError(
             f"stage {stage!r}: dataset {ref!r} selects splits, but the train stage reads the version's"
@@ -38,25 +37,28 @@ def _version(inputs: dict[str, Any], stage: str) -> tuple[str, str, str]:
     return str(DatasetRef.parse(train).base), train, pin(with_splits(train, ["val"]))
 
 
-def train_spec(inputs: dict[str, Any], run_dir: Path, stage: str = "train") -> dict[str, Any]:
-    """The ``gpuyard.train`` spec for an image classifier on ``inputs['dataset']`` with ``params``.
+def train_spec(inputs: TrainInputs | dict[str, Any], run_dir: Path, stage: str = "train") -> dict[str, Any]:
+    """The ``gpuyard.train`` spec for an image classifier on ``inputs.dataset`` with ``params``.
 
     The dataset is resolved here (see the module docstring); the spec names only the resolved version.
+
+    Raises:
+        ConfigError: a bad input (naming it), or a dataset that selects splits or lacks train or val.
     """
-    ref, trained, validated = _version(inputs, stage)
-    p = dict(inputs.get("params") or {})
+    i = inputs if isinstance(inputs, TrainInputs) else parse_inputs(TrainInputs, inputs, stage)
+    ref, trained, validated = _version(i.dataset, stage)
+    p = dict(i.params or {})
     batch = int(p.get("batch_size", 64))
-    loader = {"dataset": ref, "batch_size": batch, "column": inputs.get("column", "image")}
-    loader["label"] = inputs.get("label", "label")
+    loader = {"dataset": ref, "batch_size": batch, "column": i.column, "label": i.label}
     return {
         "name": "pipeline-train",
         "run_dir": str(run_dir),
-        "seed": int(inputs.get("seed", 0)),
+        "seed": i.seed,
         "model": {
             "entrypoint": "gpuyard.pipelines.torchglue:image_mlp",
             "kwargs": {
                 "dataset": ref,
-                "out_features": int(inputs.get("classes", 10)),
+                "out_features": i.classes,
                 "hidden": int(p.get("hidden", 64)),
                 "activation": str(p.get("activation", "relu")),
             },
@@ -77,8 +79,8 @@ def train_spec(inputs: dict[str, Any], run_dir: Path, stage: str = "train") -> d
             "lr": float(p.get("lr", 0.01)),
             "weight_decay": float(p.get("weight_decay", 0.0)),
         },
-        "schedule": {"kind": "warmup_cosine", "warmup_steps": int(inputs.get("warmup_steps", 10))},
-        "epochs": int(inputs.get("epochs") or p.get("epochs") or 10),
+        "schedule": {"kind": "warmup_cosine", "warmup_steps": i.warmup_steps},
+        "epochs": int(i.epochs or p.get("epochs") or 10),
         "checkpoint": {"keep": 1},
         "max_restarts": 0,
         "log_every_steps": 10,
@@ -87,8 +89,8 @@ def train_spec(inputs: dict[str, Any], run_dir: Path, stage: str = "train") -> d
         # `gpuyard runs` and the dashboard), with the version and split it trained on.
         "tracking": {
             "backend": "db",
-            "experiment": str(inputs.get("experiment", "default")),
-            "run_name": str(inputs.get("run_name", "pipeline-train")),
+            "experiment": i.experiment,
+            "run_name": i.run_name,
             "dataset": trained,
             "tags": {"parallel": "ddp", "validation": validated},
         },
@@ -104,13 +106,13 @@ def train_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     from gpuyard.tracking.training import tracked_run_id
     from gpuyard.train.launch import LaunchConfig, launch
 
-    need(inputs, "dataset", ctx["stage"])
+    i = parse_inputs(TrainInputs, inputs, ctx["stage"])
     work = Path(ctx["workdir"])
     run_dir = work / "run"
     spec_path = work / "train.yaml"
-    spec = train_spec(inputs, run_dir, ctx["stage"])
+    spec = train_spec(i, run_dir, ctx["stage"])
     spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    nproc = int(inputs.get("nproc", 2))
+    nproc = i.nproc
     res = launch(LaunchConfig(spec_path=spec_path, nproc=nproc))
     status = res.status
     if res.exit_code != 0 or not (run_dir / "model" / "model.safetensors").is_file():

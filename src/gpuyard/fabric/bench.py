@@ -276,7 +276,8 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     with tempfile.TemporaryDirectory(prefix="gpuyard-bench-") as tmp:
         out = str(Path(tmp) / "rows.json")
         try:
-            mp.spawn(_spawned, args=(cfg.nproc, cfg, _free_port(), out), nprocs=cfg.nproc, join=True)
+            # torch.multiprocessing.spawn has no annotations
+            mp.spawn(_spawned, args=(cfg.nproc, cfg, _free_port(), out), nprocs=cfg.nproc, join=True)  # type: ignore[no-untyped-call]
         except mp.ProcessRaisedException as exc:
             last = str(exc).strip().splitlines()[-1]
             raise ConfigError(f"a benchmark rank failed: {last}") from None

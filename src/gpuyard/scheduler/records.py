@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -15,9 +16,12 @@ from gpuyard.store.tables.jobs import JobEventRow, JobRow
 ACTIVE = (JobState.SCHEDULED.value, JobState.RUNNING.value)
 
 
+def _iso(when: datetime | None) -> str | None:
+    return when.isoformat() if when else None
+
+
 def job_doc(row: JobRow) -> dict[str, Any]:
     """The JSON view of a job (API and CLI)."""
-    iso = lambda d: d.isoformat() if d else None  # noqa: E731
     return {
         "id": row.id,
         "name": row.name,
@@ -34,9 +38,9 @@ def job_doc(row: JobRow) -> dict[str, Any]:
         "reason": row.reason,
         "stop_requested": row.stop_requested,
         "log_path": row.log_path,
-        "submitted_at": iso(row.submitted_at),
-        "started_at": iso(row.started_at),
-        "finished_at": iso(row.finished_at),
+        "submitted_at": _iso(row.submitted_at),
+        "started_at": _iso(row.started_at),
+        "finished_at": _iso(row.finished_at),
         "spec": row.spec,
     }
 

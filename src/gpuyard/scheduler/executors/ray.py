@@ -87,7 +87,8 @@ class RayExecutor(Executor):
     def nodes(self) -> list[NodeSpec]:
         """The alive Ray nodes as scheduler nodes (GPUs, CPUs, accelerator type)."""
         out = []
-        for n in sorted(ray.nodes(), key=lambda n: n["NodeID"]):
+        alive = ray.nodes()  # type: ignore[no-untyped-call]  # ray's nodes() has no annotations
+        for n in sorted(alive, key=lambda n: n["NodeID"]):
             if not n.get("Alive"):
                 continue
             res = n.get("Resources", {})

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable  # already loaded at start-up; typing is not: the shim starts fast
 
 
 def main() -> int:
@@ -50,10 +51,10 @@ def main() -> int:
     return 128 - code if code < 0 else code
 
 
-def _enter(cwd):
+def _enter(cwd: str) -> Callable[[], None]:
     """In the child, as the job's user: enter ``cwd``, or say why not and exit 126."""
 
-    def enter():
+    def enter() -> None:
         try:
             os.chdir(cwd)
         except OSError as exc:

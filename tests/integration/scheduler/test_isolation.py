@@ -189,3 +189,19 @@ def test_a_missing_job_user_refuses_to_start_in_one_line(gpuyard_home: Path) -> 
     )
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert out.returncode == 2 and len(lines) == 1 and "'no-such-user-gy' does not exist" in lines[0]
+
+
+def test_the_startup_line_warns_when_the_job_user_cannot_run_the_servers_python(
+    job_user: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuyard.scheduler.executors.isolation import _python_problem
+
+    entry = pwd.getpwnam(job_user)
+    assert _python_problem(0, 0) is None  # root runs any interpreter
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    hidden = private / "python"
+    hidden.symlink_to(shutil.which("python3") or "/usr/bin/python3")
+    monkeypatch.setattr(sys, "executable", str(hidden))
+    problem = _python_problem(entry.pw_uid, entry.pw_gid)
+    assert problem is not None and str(hidden) in problem and "ermission denied" in problem

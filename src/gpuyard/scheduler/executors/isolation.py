@@ -58,6 +58,8 @@ class JobIsolation:
             HOME).
         store_env: the store's location variables, given to jobs only when they run as the server's user.
         server_url: the API's URL (GPUYARD_SERVER), for a job that brings its own token.
+        python_problem: why the job user cannot run the server's Python, when it cannot (Python jobs
+            would fail with "permission denied"); None when it can.
     """
 
     user: str
@@ -68,6 +70,7 @@ class JobIsolation:
     home: str | None = None
     store_env: tuple[tuple[str, str], ...] = ()
     server_url: str | None = None
+    python_problem: str | None = None
 
     def workdir(self, job_id: int) -> Path:
         """The default working directory of job ``job_id``."""
@@ -87,10 +90,17 @@ class JobIsolation:
     def describe(self) -> str:
         """One line for the startup log: who jobs run as, and what that protects."""
         if self.switch:
-            return (
+            line = (
                 f"jobs run as user {self.user} (uid {self.uid}) in {self.work_root}, "
                 "environment allow-listed, GPUYARD_HOME 0700"
             )
+            if self.python_problem:
+                line += (
+                    f"; WARNING: {self.user} cannot run this server's Python ({self.python_problem}): "
+                    f"Python jobs will fail; install Python where {self.user} can read it, or pass "
+                    "--job-user with the server's user (not isolated)"
+                )
+            return line
         return (
             f"jobs run as the server's user {self.user}: NOT isolated from GPUYARD_HOME, the database "
             "or the token (start the server as root to run them as an unprivileged --job-user); "
@@ -156,6 +166,7 @@ def resolve_isolation(settings: Settings, job_user: str | None, work_root: str |
         folder = home / "work"
     _make_work_root(folder, traverse=switch)
     own_home = entry.pw_dir if switch and _owned_dir(entry.pw_dir, entry.pw_uid) else None
+    problem = _python_problem(entry.pw_uid, entry.pw_gid) if switch else None
     return JobIsolation(
         user=entry.pw_name,
         uid=entry.pw_uid,
@@ -165,7 +176,37 @@ def resolve_isolation(settings: Settings, job_user: str | None, work_root: str |
         home=own_home if switch else me.pw_dir,
         store_env=() if switch else _store_env(settings),
         server_url=os.environ.get(SERVER_ENV) or None,
+        python_problem=problem,
     )
+
+
+def _python_problem(uid: int, gid: int) -> str | None:
+    """Why ``uid`` cannot start the server's interpreter (e.g. a virtual environment under /root), or None."""
+    import subprocess
+    import sys
+
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", "pass"],
+            user=uid,
+            group=gid,
+            extra_groups=[],
+            cwd="/",
+            env={"PATH": FALLBACK_PATH},
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+    except OSError as exc:
+        return f"{sys.executable}: {exc.strerror}"
+    except subprocess.TimeoutExpired:
+        return f"{sys.executable} did not start within 30 s"
+    if proc.returncode != 0:
+        last = (
+            proc.stderr.decode(errors="replace").strip().splitlines() or ["exit " + str(proc.returncode)]
+        )[-1]
+        return f"{sys.executable}: {last}"
+    return None
 
 
 def _store_env(settings: Settings) -> tuple[tuple[str, str], ...]:

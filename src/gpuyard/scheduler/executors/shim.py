@@ -41,7 +41,13 @@ def main() -> int:
     try:
         proc = subprocess.Popen(argv, **kwargs)
     except (OSError, subprocess.SubprocessError) as exc:
-        print(f"gpuyard: cannot start {argv[0]!r}: {exc}", file=sys.stderr, flush=True)
+        hint = ""
+        if isinstance(exc, PermissionError) and "user" in kwargs:
+            hint = (
+                f" (the job runs as uid {kwargs['user']}, which cannot read the program or its "
+                "interpreter, e.g. a virtual environment under a private home: see the server's startup line)"
+            )
+        print(f"gpuyard: cannot start {argv[0]!r}: {exc}{hint}", file=sys.stderr, flush=True)
         code = 127
     else:
         code = proc.wait()

@@ -113,6 +113,11 @@ def ingest_cmd(
     checks: Path | None = typer.Option(None, "--checks", help="Validation rules (YAML)."),
     shard_size: str = typer.Option("128MiB", "--shard-size", help="Target shard size."),
     image_size: str | None = typer.Option(None, "--image-size", help="Resize images to HEIGHTxWIDTH."),
+    team: str | None = typer.Option(
+        None,
+        "--team",
+        help="The team a new dataset belongs to (default: default; a new version keeps its dataset's).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Ingest a source into a new immutable version (bad rows go to the quarantine, with reasons)."""
@@ -140,7 +145,7 @@ def ingest_cmd(
         image_size=_hw(image_size),
     )
     with _progress(not as_json) as report:
-        version = ingest(src, name, opts, progress=report)
+        version = ingest(src, name, opts, progress=report, team=team)
     doc = _summary(version.manifest)
     if as_json:
         typer.echo(json.dumps(doc))
@@ -160,6 +165,11 @@ def transform_cmd(
     ),
     workers: int | None = typer.Option(None, "--workers", help="Process-pool size (default: CPU count)."),
     ray_address: str | None = typer.Option(None, "--ray", help="Ray cluster address for --engine ray."),
+    team: str | None = typer.Option(
+        None,
+        "--team",
+        help="The team of a new --output dataset (default: default; a new version keeps its dataset's).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Run a recipe (features, split, normalize, encode) over a version; the result is a new version."""
@@ -168,7 +178,14 @@ def transform_cmd(
     rec = load_recipe(recipe)
     with _progress(not as_json) as report:
         version = transform(
-            ref, rec, output=output, engine=engine, workers=workers, ray_address=ray_address, progress=report
+            ref,
+            rec,
+            output=output,
+            engine=engine,
+            workers=workers,
+            ray_address=ray_address,
+            progress=report,
+            team=team,
         )
     doc = _summary(version.manifest)
     doc["fitted"] = version.fitted
@@ -187,10 +204,10 @@ def ls_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) ->
     if as_json:
         typer.echo(json.dumps(rows))
         return
-    table = Table("dataset", "latest", "versions", "rows", "shards", "quarantined", "created")
+    table = Table("dataset", "team", "latest", "versions", "rows", "shards", "quarantined", "created")
     for r in rows:
         table.add_row(
-            r["dataset"], r["version"], str(r["versions"]), str(r["rows"]), str(r["shards"]),
+            r["dataset"], r["team"], r["version"], str(r["versions"]), str(r["rows"]), str(r["shards"]),
             str(r["rows_quarantined"]), r["created_at"][:19],
         )  # fmt: skip
     Console().print(table)

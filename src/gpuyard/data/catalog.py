@@ -8,12 +8,14 @@ from typing import Any
 
 from sqlalchemy import select
 
-from gpuyard.errors import ConfigError, NotFoundError
+from gpuyard.errors import ConfigError, ConflictError, NotFoundError
 from gpuyard.refs import DatasetRef, check_dataset_name
 from gpuyard.store import get_artifacts, get_store
 from gpuyard.store.tables.data import DatasetRow, DatasetVersionRow
 
 VERSION_CHARS = 12
+# The team a dataset belongs to when none is named (the scheduler's, users' and models' default too).
+DEFAULT_TEAM = "default"
 # Fields that define a version's content; timestamps are left out so equal content gives an equal id.
 _IDENTITY_FIELDS = ("schema", "shards", "parent", "recipe", "fitted", "label_column", "kind")
 
@@ -41,11 +43,52 @@ def parse_ref(ref: str | DatasetRef) -> tuple[str, str | None]:
     return parsed.name, parsed.version
 
 
-def record_version(manifest: dict[str, Any]) -> DatasetVersionRow:
-    """Store the manifest (content-addressed) and add the version to the catalog; idempotent."""
+def dataset_team(name: str) -> str:
+    """The team dataset ``name`` belongs to.
+
+    Raises:
+        NotFoundError: no such dataset.
+    """
+    check_dataset_name(name)
+    with get_store().read() as s:
+        team = s.scalar(select(DatasetRow.team).where(DatasetRow.name == name))
+    if team is None:
+        raise NotFoundError(f"dataset {name!r} not found (see `gpuyard data ls`)")
+    return str(team)
+
+
+def _owner(s: Any, name: str, team: str | None) -> str | None:
+    """The team of dataset ``name`` (None: no such dataset yet); a conflict when ``team`` is another."""
+    owner: str | None = s.scalar(select(DatasetRow.team).where(DatasetRow.name == name))
+    if owner is not None and team is not None and team != owner:
+        raise ConflictError(
+            f"dataset {name!r} belongs to team {owner!r}: a new version cannot go to team {team!r}"
+        )
+    return owner
+
+
+def check_new_version_team(name: str, team: str | None) -> None:
+    """Refuse, before any work, a version of an existing dataset for a team other than its own.
+
+    Raises:
+        ConflictError: dataset ``name`` exists and belongs to another team than ``team``.
+    """
+    with get_store().read() as s:
+        _owner(s, name, team)
+
+
+def record_version(manifest: dict[str, Any], team: str | None = None) -> DatasetVersionRow:
+    """Store the manifest (content-addressed) and add the version to the catalog; idempotent.
+
+    A new dataset belongs to ``team`` (default: ``default``); a new version keeps its dataset's team.
+
+    Raises:
+        ConflictError: ``team`` is not the team of the dataset ``name`` already recorded.
+    """
     name, version = manifest["name"], manifest["version"]
     store = get_store()
     with store.read() as s:
+        _owner(s, name, team)
         existing = s.get(DatasetVersionRow, (name, version))
     if existing is not None:
         return existing
@@ -68,8 +111,8 @@ def record_version(manifest: dict[str, Any]) -> DatasetVersionRow:
         source=str(manifest["source"].get("uri", "")),
     )
     with store.session() as s:
-        if s.get(DatasetRow, name) is None:
-            s.add(DatasetRow(name=name))
+        if _owner(s, name, team) is None:
+            s.add(DatasetRow(name=name, team=team or DEFAULT_TEAM))
             s.flush()
         if s.get(DatasetVersionRow, (name, version)) is None:
             s.add(row)
@@ -106,9 +149,10 @@ def load_manifest(row: DatasetVersionRow) -> dict[str, Any]:
     return dict(json.loads(data))
 
 
-def _version_doc(r: DatasetVersionRow) -> dict[str, Any]:
+def _version_doc(r: DatasetVersionRow, team: str) -> dict[str, Any]:
     return {
         "dataset": r.dataset,
+        "team": team,
         "version": r.version,
         "parent": r.parent,
         "kind": r.kind,
@@ -129,18 +173,30 @@ def list_versions(name: str) -> list[dict[str, Any]]:
     with get_store().read() as s:
         stmt = select(DatasetVersionRow).where(DatasetVersionRow.dataset == name)
         rows = list(s.scalars(stmt.order_by(DatasetVersionRow.created_at.desc())))
+        team = s.scalar(select(DatasetRow.team).where(DatasetRow.name == name))
     if not rows:
         raise NotFoundError(f"dataset {name!r} not found")
-    return [_version_doc(r) for r in rows]
+    return [_version_doc(r, team or DEFAULT_TEAM) for r in rows]
 
 
-def list_datasets() -> list[dict[str, Any]]:
-    """One entry per dataset: its latest version's catalog fields and how many versions it has."""
+def list_datasets(team: str | None = None) -> list[dict[str, Any]]:
+    """One entry per dataset: its team, its latest version's catalog fields and how many versions it has.
+
+    Args:
+        team: only the datasets of this team (None: every team's).
+    """
+    q = (
+        select(DatasetVersionRow, DatasetRow.team)
+        .join(DatasetRow, DatasetRow.name == DatasetVersionRow.dataset)
+        .order_by(DatasetVersionRow.created_at.desc())
+    )
+    if team is not None:
+        q = q.where(DatasetRow.team == team)
     with get_store().read() as s:
-        rows = list(s.scalars(select(DatasetVersionRow).order_by(DatasetVersionRow.created_at.desc())))
+        rows = [(r, str(t)) for r, t in s.execute(q).tuples()]
     out: dict[str, dict[str, Any]] = {}
-    for r in rows:
+    for r, owner in rows:
         if r.dataset not in out:
-            out[r.dataset] = {**_version_doc(r), "versions": 0}
+            out[r.dataset] = {**_version_doc(r, owner), "versions": 0}
         out[r.dataset]["versions"] += 1
     return [out[k] for k in sorted(out)]

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuyard.data.catalog import record_version
+from gpuyard.data.catalog import check_new_version_team, record_version
 from gpuyard.data.dataset import DatasetVersion, open_dataset
 from gpuyard.data.manifest import build_manifest, store_quarantine
 from gpuyard.data.shards import DEFAULT_SHARD_BYTES, split_table, store_shard
@@ -40,16 +40,24 @@ class IngestOptions:
 
 
 def ingest(
-    src: str | Path, name: str, options: IngestOptions | None = None, progress: Progress | None = None
+    src: str | Path,
+    name: str,
+    options: IngestOptions | None = None,
+    progress: Progress | None = None,
+    team: str | None = None,
 ) -> DatasetVersion:
     """Ingest ``src`` as a new version of dataset ``name`` and return it (the same version if unchanged).
 
+    A new dataset belongs to ``team`` (default: ``default``); a new version keeps its dataset's team.
+
     Raises:
         ConfigError: bad name, format, or checks naming columns the source lacks.
+        ConflictError: ``team`` is not the team of the dataset ``name`` already recorded.
         NotFoundError: ``src`` does not exist.
     """
     opts = options or IngestOptions()
     check_dataset_name(name)
+    check_new_version_team(name, team)
     if opts.shard_bytes <= 0:
         raise ConfigError(f"shard_bytes must be positive, got {opts.shard_bytes}")
     path = Path(src)
@@ -93,5 +101,5 @@ def ingest(
         quarantine=quarantine,
         label_column=label,
     )
-    row = record_version(manifest)
+    row = record_version(manifest, team)
     return open_dataset(f"{row.dataset}@{row.version}")

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gpuyard.data.catalog import record_version
+from gpuyard.data.catalog import check_new_version_team, record_version
 from gpuyard.data.dataset import DatasetVersion, open_dataset
 from gpuyard.data.features import numeric
 from gpuyard.data.fitted import FittedTransform
@@ -198,6 +198,7 @@ def transform(
     workers: int | None = None,
     ray_address: str | None = None,
     progress: Progress | None = None,
+    team: str | None = None,
 ) -> DatasetVersion:
     """Apply ``recipe`` to the version ``ref`` and record the result as a new version.
 
@@ -209,14 +210,18 @@ def transform(
         workers: process-pool size.
         ray_address: Ray cluster address for ``engine="ray"``.
         progress: called with (stage, done, total).
+        team: the team of a new ``output`` dataset (default: ``default``); a new version of an
+            existing dataset keeps its dataset's team.
 
     Raises:
         ConfigError: the recipe names an unknown column or one of the wrong kind.
+        ConflictError: ``team`` is not the team of the output dataset already recorded.
     """
     from gpuyard.data.stats import finish, merge
 
     ds = open_dataset(ref)
     name = check_dataset_name(output or ds.name)
+    check_new_version_team(name, team)
     recipe.check({c["name"]: c["kind"] for c in ds.manifest["schema"]})
     tasks, split_counts = _split_tasks(ds, recipe)
     fitted: dict[str, Any] = {}
@@ -254,5 +259,5 @@ def transform(
         fitted=fitted,
         extra={"splits": split_counts, "kfold": recipe.split.kfold if recipe.split else None},
     )
-    row = record_version(manifest)
+    row = record_version(manifest, team)
     return open_dataset(f"{row.dataset}@{row.version}")

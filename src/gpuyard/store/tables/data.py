@@ -17,6 +17,8 @@ class DatasetRow(Base):
     __tablename__ = "datasets"
 
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # The team the dataset belongs to (every version of it is that team's).
+    team: Mapped[str] = mapped_column(String(100), default="default", server_default="default", index=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

@@ -14,7 +14,7 @@ from gpuyard.models.retrain import on_drift_alert
 from gpuyard.serve.drift import build_reference
 from gpuyard.serve.model import ServedModel
 from gpuyard.store import get_store
-from gpuyard.store.tables.serve import DriftAlertRow, DriftReferenceRow
+from gpuyard.store.tables.serve import DeploymentRow, DriftAlertRow, DriftReferenceRow
 
 log = logging.getLogger("gpuyard.serve")
 REFERENCE_ROWS = 2000  # training rows sampled to build a reference
@@ -119,11 +119,21 @@ def run_retrain_hook(
         return {"hook": name, "error": str(exc)[:500]}
 
 
-def list_alerts(model_name: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
-    """Newest alerts first, optionally of one model."""
+def list_alerts(
+    model_name: str | None = None, limit: int = 100, team: str | None = None
+) -> list[dict[str, Any]]:
+    """Newest alerts first, optionally of one model.
+
+    Args:
+        team: only the alerts of this team's deployments (None: every alert, those of no deployment too).
+    """
     q = select(DriftAlertRow).order_by(DriftAlertRow.id.desc()).limit(limit)
     if model_name:
         q = q.where(DriftAlertRow.model_name == model_name)
+    if team is not None:
+        q = q.join(DeploymentRow, DeploymentRow.id == DriftAlertRow.deployment_id).where(
+            DeploymentRow.team == team
+        )
     with get_store().read() as s:
         return [
             {

@@ -51,7 +51,8 @@ def create_record(ref: str, opts: ServeOptions, scheduling: Scheduling | None = 
     """Resolve ``ref`` in the registry and write a ``starting`` deployment record.
 
     ``config`` holds the serve options the replicas start with and, for a scheduled deployment, how
-    its job was asked for (``scheduling``: the server to cancel it on).
+    its job was asked for (``scheduling``: the server to cancel it on). The deployment belongs to its
+    model's team.
     """
     from dataclasses import asdict
 
@@ -63,6 +64,7 @@ def create_record(ref: str, opts: ServeOptions, scheduling: Scheduling | None = 
         row = DeploymentRow(
             model_name=mv.name,
             model_version=mv.version,
+            team=mv.team,
             model_ref=ref,
             replicas=opts.replicas,
             device=opts.device,
@@ -109,10 +111,17 @@ def _gone(d: dict[str, Any]) -> str | None:
     return None
 
 
-def list_deployments(all_: bool = False) -> list[dict[str, Any]]:
-    """Deployments, newest first (only active ones unless ``all_``); vanished servers become ``dead``."""
+def list_deployments(all_: bool = False, team: str | None = None) -> list[dict[str, Any]]:
+    """Deployments, newest first (only active ones unless ``all_``); vanished servers become ``dead``.
+
+    Args:
+        team: only the deployments of this team (None: every team's).
+    """
+    q = select(DeploymentRow).order_by(DeploymentRow.id.desc())
+    if team is not None:
+        q = q.where(DeploymentRow.team == team)
     with get_store().read() as s:
-        rows = [deployment_doc(r) for r in s.scalars(select(DeploymentRow).order_by(DeploymentRow.id.desc()))]
+        rows = [deployment_doc(r) for r in s.scalars(q)]
     for d in rows:
         why = _gone(d) if d["status"] in ACTIVE else None
         if why is not None:

@@ -27,6 +27,7 @@ def deployment_doc(r: DeploymentRow) -> dict[str, Any]:
         "id": r.id,
         "model": r.model_name,
         "version": r.model_version,
+        "team": r.team,
         "ref": r.model_ref,
         "replicas": r.replicas,
         "device": r.device,

@@ -19,6 +19,8 @@ class DeploymentRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     model_name: Mapped[str] = mapped_column(String(200), index=True)
     model_version: Mapped[int] = mapped_column(Integer)
+    # The team the deployment belongs to: its model's team when it was deployed.
+    team: Mapped[str] = mapped_column(String(100), default="default", server_default="default", index=True)
     # What the user asked for (``digits@production``): kept to show how the version was chosen.
     model_ref: Mapped[str] = mapped_column(String(300))
     replicas: Mapped[int] = mapped_column(Integer)

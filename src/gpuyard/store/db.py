@@ -38,8 +38,8 @@ def _sqlite_engine(url: str) -> Engine:
         # deferred reader that later writes fails with "database is locked" without waiting.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer, nor it them
         cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000}")
+        _use_wal(cur)  # readers never block the writer, nor it them
         cur.execute("PRAGMA synchronous=NORMAL")  # safe with WAL; a crash loses no committed data
         cur.execute("PRAGMA foreign_keys=ON")
         cur.close()
@@ -51,6 +51,29 @@ def _sqlite_engine(url: str) -> Engine:
         conn.exec_driver_sql(f"BEGIN {conn.get_execution_options().get('sqlite_begin', 'IMMEDIATE')}")
 
     return engine
+
+
+def _use_wal(cur: Any) -> None:
+    """Switch the file to WAL once; a connection that finds it in WAL already changes nothing.
+
+    Changing the journal mode needs the file to itself, and SQLite answers "database is locked" at once,
+    without its busy handler, while another process holds a transaction (e.g. migrating a new file), so
+    the switch is retried until that transaction ends or the busy timeout has passed.
+    """
+    import sqlite3
+    import time
+
+    if str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+        return
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_S
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)  # backing off while the other process's transaction ends
 
 
 def _make_engine(url: str) -> Engine:

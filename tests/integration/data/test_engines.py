@@ -27,13 +27,21 @@ encode: [{column: label, method: onehot}]
 def ray_cluster() -> Iterator[None]:
     """A local Ray instance with 2 CPUs on 127.0.0.1, shared by this module's tests."""
     ray = pytest.importorskip("ray")
+    import ray._private.ray_constants as ray_constants
+
     old = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    # Ray turns a loopback address into the host's own address unless clusters are "disabled" (as the
+    # scheduler's Ray fixture does): seen here, the driver then waited on 192.0.2.2 until the run was
+    # killed. Keep every connection on 127.0.0.1.
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         yield
     finally:
         ray.shutdown()
+        ray_constants.ENABLE_RAY_CLUSTER = saved
         if old is None:
             os.environ.pop("RAY_AUTH_MODE", None)
         else:

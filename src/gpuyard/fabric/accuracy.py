@@ -9,7 +9,6 @@ run's layout, precision and the software stack of its source (:mod:`gpuyard.fabr
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -19,7 +18,7 @@ from gpuyard.fabric.models import ModelSpec
 from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.published.runs import PublishedRun, Source, load_runs, load_sources, model_spec
 from gpuyard.fabric.stacks import Stack, get_stack
-from gpuyard.fabric.step import StepEstimate, estimate_step
+from gpuyard.fabric.step import estimate_step
 
 
 def flops_per_step(run: PublishedRun, model: ModelSpec, convention: str) -> float:
@@ -62,20 +61,6 @@ def run_cluster(preset: str, device: str) -> Cluster:
     return Cluster.model_validate({**cluster.model_dump(), "accelerator": device})
 
 
-def predict(run: PublishedRun, stack: Stack) -> StepEstimate:
-    """The step model's estimate of one published run under ``stack``."""
-    cfg = replace(run.parallel_config(), stack=stack.name)
-    return estimate_step(
-        model_spec(run),
-        run_cluster(run.cluster, run.device),
-        run.gpus,
-        run.global_batch,
-        run.seq_len,
-        cfg,
-        stack=stack,
-    )
-
-
 @dataclass(frozen=True)
 class RunError:
     """One run's published and predicted step time; error = predicted / published - 1."""
@@ -88,27 +73,6 @@ class RunError:
     def error(self) -> float:
         """Signed relative error (positive: predicted slower than published)."""
         return self.predicted_s / self.published_s - 1
-
-
-def evaluate(
-    runs: Iterable[PublishedRun] | None = None,
-    stack_for: Callable[[Source], Stack] | None = None,
-) -> list[RunError]:
-    """Predict every run (the whole corpus by default) with its source's stack profile."""
-    sources = load_sources()
-    chosen = list(runs) if runs is not None else load_runs()
-    pick = stack_for or (lambda src: get_stack(src.stack))
-    out = []
-    for run in chosen:
-        src = sources[run.source]
-        out.append(RunError(run, published_step_s(run, src), predict(run, pick(src)).step_time_s))
-    return out
-
-
-def summary(errors: list[RunError]) -> tuple[float, float]:
-    """(median, worst) absolute relative error."""
-    values = [abs(e.error) for e in errors]
-    return statistics.median(values), max(values)
 
 
 # ----- fitting and leave-one-source-out -------------------------------------------------------------

@@ -173,7 +173,7 @@ def validate(model: ModelSpec, gpus: int, global_batch: int, seq_len: int, cfg: 
     return micro_batches
 
 
-def _sat(x: float, half: float = 48.0) -> float:
+def _sat(x: float, half: float) -> float:
     """Share of the large-GEMM efficiency a GEMM dimension of ``x`` reaches."""
     return x / (x + half)
 

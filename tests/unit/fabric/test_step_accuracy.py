@@ -12,7 +12,7 @@ import pytest
 
 from gpuyard.fabric import accuracy
 from gpuyard.fabric.accuracy import Corpus, fit_efficiencies, flops_per_step, generation, published_step_s
-from gpuyard.fabric.published.runs import load_runs, load_sources, model_spec
+from gpuyard.fabric.published.runs import PublishedRun, load_runs, load_sources, model_spec
 
 pytestmark = pytest.mark.unit
 
@@ -26,10 +26,9 @@ def corpus() -> Corpus:
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.id for r in RUNS])
-def test_every_published_run_is_predicted_within_its_source_tolerance(run: object, corpus: Corpus) -> None:
-    from gpuyard.fabric.published.runs import PublishedRun
-
-    assert isinstance(run, PublishedRun)
+def test_every_published_run_is_predicted_within_its_source_tolerance(
+    run: PublishedRun, corpus: Corpus
+) -> None:
     predicted = corpus.predicted(run, None)  # the shipped presets, no refit
     error = predicted / corpus.published[run.id] - 1
     tolerance = SOURCES[run.source].tolerance_pct / 100

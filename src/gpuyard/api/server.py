@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from dataclasses import dataclass
 
@@ -59,6 +60,10 @@ def run_server(service: JobService, options: ServerOptions) -> None:
         "dashboard and API at http://%s:%d/ (OpenAPI at /docs)", shown_host, options.port
     )
     stop = threading.Event()
+    # uvicorn stops gracefully on SIGTERM as on SIGINT, then re-raises the signal with the handler it
+    # found: with the default one the process dies there, before the `finally` below gives the
+    # scheduler lease back (the next server then waits for its expiry). This handler ends it cleanly.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     loop = threading.Thread(target=service.run, args=(stop,), name="gpuyard-scheduler", daemon=True)
     loop.start()
     try:
@@ -71,3 +76,8 @@ def run_server(service: JobService, options: ServerOptions) -> None:
         service.wake.set()
         loop.join(timeout=5)
         service.executor.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)  # asked to stop (systemd, docker stop, kill): a clean stop, as SIGINT is

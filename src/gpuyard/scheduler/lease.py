@@ -9,7 +9,8 @@ The lease is one row of ``scheduler_lease``, read and written in one write trans
 store begins write transactions IMMEDIATE (the database write lock is held from the read on), on
 PostgreSQL the row is read ``FOR UPDATE``; a first insert that races another fails on the primary key
 and is retried. A lease is stale, and taken over, when it has expired or when its holder ran on this
-host and that process is gone (so a server restarted after kill -9 does not wait for the expiry).
+host and that process is gone or a zombie, exited but not yet reaped by its parent (so a server
+restarted after kill -9 does not wait for the expiry).
 """
 
 from __future__ import annotations
@@ -54,8 +55,12 @@ class LeaseHolder:
 
 
 def _process_start(pid: int) -> float | None:
+    """When ``pid`` started; ``None`` when it is gone or a zombie (exited, not yet reaped: dead)."""
     try:
-        return psutil.Process(pid).create_time()
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc.create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None
 

@@ -46,7 +46,12 @@ def job_doc(row: JobRow) -> dict[str, Any]:
 
 
 def move(
-    s: Session, row: JobRow, to: JobState, reason: str | None = None, data: dict[str, Any] | None = None
+    s: Session,
+    row: JobRow,
+    to: JobState,
+    reason: str | None = None,
+    data: dict[str, Any] | None = None,
+    at: datetime | None = None,
 ) -> None:
     """Change a job's state (only along ``TRANSITIONS``) and record the change as an event.
 
@@ -56,9 +61,12 @@ def move(
     frm = JobState(row.state)
     if to not in TRANSITIONS[frm]:
         raise ConflictError(f"job {row.id} is {frm.value}; it cannot become {to.value}")
+    when = at or utcnow()
     row.state, row.reason = to.value, reason
     if to is JobState.QUEUED:
-        row.queued_at = utcnow()
+        row.queued_at = when
     if to.terminal:
-        row.finished_at = utcnow()
-    s.add(JobEventRow(job_id=row.id, from_state=frm.value, to_state=to.value, reason=reason, data=data))
+        row.finished_at = when
+    s.add(
+        JobEventRow(job_id=row.id, at=when, from_state=frm.value, to_state=to.value, reason=reason, data=data)
+    )

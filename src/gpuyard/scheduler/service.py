@@ -438,7 +438,11 @@ class JobService:
                 self._finish(s, row, status)
 
     def _finish(self, s: Session, row: JobRow, status: ExitStatus) -> None:
-        ran = (utcnow() - row.started_at).total_seconds() if row.started_at else 0.0
+        # The executor's end time when it has one (a job that ended while no server ran), never
+        # before the start nor after now.
+        end = min(status.ended_at, utcnow()) if status.ended_at else utcnow()
+        end = max(end, row.started_at) if row.started_at else end
+        ran = max(0.0, (end - row.started_at).total_seconds()) if row.started_at else 0.0
         request = row.stop_requested
         row.exit_code, row.attained_s = status.code, row.attained_s + ran
         # The placement stays on record (where it last ran); only scheduled/running ones hold GPUs.
@@ -447,23 +451,24 @@ class JobService:
         if request == "cancel":
             # Like Slurm: a job stopped on request is cancelled, even when it exits cleanly on SIGTERM
             # (a model server does); its run time is not a sample of how long such jobs take.
-            move(s, row, JobState.CANCELLED, f"cancelled by user ({how})")
+            move(s, row, JobState.CANCELLED, f"cancelled by user ({how})", at=end)
         elif status.code == 0:
-            move(s, row, JobState.SUCCEEDED, "exit code 0")
+            move(s, row, JobState.SUCCEEDED, "exit code 0", at=end)
             self.estimator.observe(row.team, row.user, row.gpus, row.attained_s)
         elif request == "preempt" or status.preempted:
             row.preemptions += 1
-            move(s, row, JobState.PREEMPTED, f"preempted ({how}); resumes from its checkpoint")
-            move(s, row, JobState.QUEUED, "requeued after preemption")
+            move(s, row, JobState.PREEMPTED, f"preempted ({how}); resumes from its checkpoint", at=end)
+            move(s, row, JobState.QUEUED, "requeued after preemption", at=end)
         elif status.lost:
-            move(s, row, JobState.QUEUED, "process lost (never started); requeued")
+            move(s, row, JobState.QUEUED, "process lost (never started); requeued", at=end)
         else:
             row.failures += 1
             max_restarts = int(row.spec.get("max_restarts", 0))
             if row.failures <= max_restarts:
-                move(s, row, JobState.QUEUED, f"failed ({how}); restart {row.failures} of {max_restarts}")
+                why = f"failed ({how}); restart {row.failures} of {max_restarts}"
+                move(s, row, JobState.QUEUED, why, at=end)
             else:
-                move(s, row, JobState.FAILED, f"failed ({how})")
+                move(s, row, JobState.FAILED, f"failed ({how})", at=end)
 
     def _request_stop(self, row: JobRow, why: str) -> None:
         if row.stop_requested:

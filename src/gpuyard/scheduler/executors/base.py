@@ -12,6 +12,7 @@ import signal
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,9 @@ class ExitStatus:
     code: int | None
     killed: bool = False
     lost: bool = False
+    # When it ended, where the executor knows (the exit file's time): a job that ended while no server
+    # ran keeps its real end time instead of the moment a later server noticed.
+    ended_at: datetime | None = None
 
     def describe(self) -> str:
         """Short why for events: "exit code 3", "killed by SIGTERM", "killed (SIGKILL)"."""

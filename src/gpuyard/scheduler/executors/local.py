@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -178,7 +179,10 @@ def _alive(pid: int, create_time: float | None) -> bool:
 
 def _from_files(handle: dict[str, Any], lost: bool) -> ExitStatus:
     try:
-        return ExitStatus(code=int(Path(handle["exit_file"]).read_text()))
+        exit_file = Path(handle["exit_file"])
+        code = int(exit_file.read_text())
+        ended = datetime.fromtimestamp(exit_file.stat().st_mtime, timezone.utc)
+        return ExitStatus(code=code, ended_at=ended)
     except (OSError, ValueError, KeyError):
         # No exit code written: the group was SIGKILLed, or (lost) it never started.
         return ExitStatus(code=None, killed=not lost, lost=lost)

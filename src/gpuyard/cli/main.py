@@ -9,6 +9,7 @@ import traceback
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 import gpuyard
 from gpuyard.errors import GpuyardError
@@ -61,8 +62,20 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     _state["debug"] = "--debug" in args
     try:
-        # Standalone mode: usage errors print themselves and exit 2, as click does.
-        app(args=args, prog_name="gpuyard")
+        # Not standalone: click's usage errors come here, to be said in one line like ours.
+        code = app(args=args, prog_name="gpuyard", standalone_mode=False)
+    except typer.Abort:  # Ctrl-C at a prompt or in a command
+        err.print("interrupted")
+        sys.exit(130)
+    except typer.TyperException as exc:  # typer's (vendored click's) usage errors
+        ctx = getattr(exc, "ctx", None)
+        if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
+            typer.echo(ctx.get_help())  # `gpuyard` or `gpuyard data` alone: the help, as before
+            sys.exit(2)
+        message = " ".join(exc.format_message().split()) if hasattr(exc, "format_message") else str(exc)
+        where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        err.print(f"[red]error:[/red] {escape(message)}{where}", soft_wrap=True)
+        sys.exit(getattr(exc, "exit_code", 2))
     except GpuyardError as exc:
         if _state["debug"]:
             traceback.print_exc()
@@ -71,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    if isinstance(code, int) and code:  # typer.Exit(code) in a command
+        sys.exit(code)
 
 
 if __name__ == "__main__":

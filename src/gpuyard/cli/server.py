@@ -14,7 +14,7 @@ _SERVER_POLICIES = ", ".join(name for name, cls in POLICIES.items() if not cls.n
 
 def server(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-    port: int = typer.Option(8765, "--port", help="Port to listen on."),
+    port: int = typer.Option(8765, "--port", min=1, max=65535, help="Port to listen on."),
     policy: str = typer.Option("fifo", "--policy", help=f"Scheduling policy: {_SERVER_POLICIES}."),
     team: list[str] = typer.Option(
         [], "--team", help="TEAM[=WEIGHT]: a team that may submit, and its quota."

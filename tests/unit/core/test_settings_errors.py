@@ -59,3 +59,26 @@ def test_version_flag() -> None:
         [sys.executable, "-m", "gpuyard.cli.main", "--version"], capture_output=True, text=True
     )
     assert out.returncode == 0 and out.stdout.strip() == f"gpuyard {gpuyard.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["server", "--port", "99999"], "'--port'"),  # out of range: refused, not a random port
+        (["server", "--port", "0"], "'--port'"),
+        (["server", "--no-such-flag"], "--no-such-flag"),
+        (["plan", "--gpus", "many"], "'--gpus'"),
+        (["jobs", "show"], "job_id"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpuyard.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: ") and said in err, err
+    assert f"gpuyard {argv[0]}" in err  # and where to read more

@@ -11,17 +11,48 @@ The description (see ``tests/unit/hardware/fixtures/*.json``) has three parts:
 * ``host``: CPU model/flags/sockets/cores/threads, NUMA CPU lists, memory, and the PCI paths of the
   GPUs and NICs (``pci``) with their NUMA nodes.
 * ``infiniband``: RDMA devices with their PCI address, ports (rate, link layer, state) and netdevs.
+
+Faults for the node health checks: :meth:`FakeNvml.inject` puts one of :data:`FAULTS` on a GPU (ECC
+errors, Xid 79 and other Xids, throttling, NVLink errors, a lost GPU, a self-test failure) while the
+fake is in use; per-GPU ``nvlink.errors`` (``{"dl_replay": N, ...}``, counted on link 0) and
+``selftest`` (what :func:`fake_selftest` answers) can also be written in the description.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuyard.errors import ConfigError
 from gpuyard.hardware.inventory import parse_cpu_list
-from gpuyard.hardware.nvml import EccCounts, NvLinkRemote, NvmlCallError, PcieLink, RemappedRows, RetiredPages
+
+if TYPE_CHECKING:
+    from gpuyard.hardware.health import SelfTestResult
+from gpuyard.hardware.nvml import (
+    NVLINK_ERROR_COUNTERS,
+    EccCounts,
+    NvLinkRemote,
+    NvmlCallError,
+    PcieLink,
+    RemappedRows,
+    RetiredPages,
+)
+
+_ECC_KEYS = ("volatile_corrected", "volatile_uncorrected", "aggregate_corrected", "aggregate_uncorrected")
+
+# Faults FakeNvml.inject knows, and what each does to the GPU's answers.
+FAULTS: dict[str, str] = {
+    "ecc_uncorrectable": "volatile uncorrectable ECC errors (+count, default 1)",
+    "ecc_corrected": "volatile corrected ECC errors (+count, default 1000)",
+    "row_remap_pending": "a row remap waits for a GPU reset",
+    "xid": "an Xid error event (xid=N, default 79: fallen off the bus)",
+    "throttle": "a clock event reason held on (reason=hw_slowdown by default; any CLOCK_EVENT_REASONS name)",
+    "nvlink_errors": "NVLink replay errors (+count, default 1000)",
+    "lost": "every NVML call of the GPU fails like GPU_IS_LOST",
+    "selftest": "the GEMM/memory self-test fails (fake_selftest)",
+}
 
 
 def load_description(path: Path) -> dict[str, Any]:
@@ -47,6 +78,7 @@ class FakeNvml:
         self._nvml = nvml
         defaults = nvml.get("gpu_defaults") or {}
         self._gpus = [{**defaults, **g} for g in nvml.get("gpus") or []]
+        self._xids: list[tuple[int, int]] = []
 
     @classmethod
     def from_file(cls, path: Path) -> FakeNvml:
@@ -181,6 +213,94 @@ class FakeNvml:
     def nvlink_remote(self, i: int, link: int) -> NvLinkRemote:
         entry = self._link(i, link)
         return NvLinkRemote(bus_id=str(entry["bus"]), kind=str(entry["kind"]))
+
+    def nvlink_error_counter(self, i: int, link: int, counter: int) -> int:
+        self._link(i, link)
+        errors = self._field(i, "nvlink").get("errors") or {}
+        return int(errors.get(NVLINK_ERROR_COUNTERS[counter], 0)) if link == 0 else 0
+
+    def xid_events(self) -> list[tuple[int, int]]:
+        events, self._xids = self._xids, []
+        return events
+
+    # -- fault injection --------------------------------------------------------------------------
+
+    def inject(self, gpu: int, fault: str, count: int | None = None, xid: int = 79, reason: str = "") -> None:
+        """Put one fault on GPU ``gpu`` (see :data:`FAULTS`); faults add up.
+
+        Raises:
+            ConfigError: an unknown fault or GPU index.
+        """
+        if fault not in FAULTS:
+            raise ConfigError(f"fault {fault!r} is unknown; known: {', '.join(FAULTS)}")
+        if not 0 <= gpu < len(self._gpus):
+            raise ConfigError(f"GPU {gpu}: the fake node has {len(self._gpus)} GPUs")
+        g = self._gpus[gpu]
+        if fault in ("ecc_uncorrectable", "ecc_corrected"):
+            ecc = dict(g.get("ecc") or dict.fromkeys(_ECC_KEYS, 0))
+            kind = "uncorrected" if fault == "ecc_uncorrectable" else "corrected"
+            n = count if count is not None else (1 if kind == "uncorrected" else 1000)
+            for scope in ("volatile", "aggregate"):
+                ecc[f"{scope}_{kind}"] = int(ecc.get(f"{scope}_{kind}") or 0) + n
+            g["ecc"] = ecc
+        elif fault == "row_remap_pending":
+            rows = dict(g.get("remapped_rows") or {"corrected": 0, "uncorrected": 0, "failed": False})
+            g["remapped_rows"] = {**rows, "uncorrected": int(rows["uncorrected"]) + 1, "pending": True}
+        elif fault == "xid":
+            self._xids.append((gpu, xid))
+        elif fault == "throttle":
+            from gpuyard.hardware.nvml import CLOCK_EVENT_REASONS
+
+            bits = {name: bit for bit, name in CLOCK_EVENT_REASONS.items()}
+            name = reason or "hw_slowdown"
+            if name not in bits:
+                raise ConfigError(f"clock event reason {name!r} is unknown; known: {', '.join(bits)}")
+            g["clock_event_reasons"] = int(g.get("clock_event_reasons") or 0) | bits[name]
+        elif fault == "nvlink_errors":
+            spec = dict(g.get("nvlink") or {})
+            if not spec:
+                raise ConfigError(f"GPU {gpu} has no NVLinks to put errors on")
+            errors = dict(spec.get("errors") or {})
+            errors["dl_replay"] = int(errors.get("dl_replay", 0)) + (count if count is not None else 1000)
+            g["nvlink"] = {**spec, "errors": errors}
+        elif fault == "lost":
+            g["lost"] = True
+        else:
+            g["selftest"] = {"ok": False, "error": reason or "GEMM result differs from the reference"}
+
+    def clear(self, gpu: int) -> None:
+        """Take every injected fault off GPU ``gpu`` (as a GPU reset would): ECC volatile counters, pending
+        remaps, clock events, NVLink errors, lost, self-test; pending Xids of that GPU are dropped."""
+        g = self._gpus[gpu]
+        ecc = g.get("ecc")
+        if ecc:
+            g["ecc"] = {**ecc, "volatile_corrected": 0, "volatile_uncorrected": 0}
+        if g.get("remapped_rows"):
+            g["remapped_rows"] = {**g["remapped_rows"], "pending": False}
+        g["clock_event_reasons"] = 0 if g.get("clock_event_reasons") is not None else None
+        if g.get("nvlink"):
+            g["nvlink"] = {k: v for k, v in g["nvlink"].items() if k != "errors"}
+        g.pop("lost", None)
+        g.pop("selftest", None)
+        self._xids = [(i, x) for i, x in self._xids if i != gpu]
+
+    def selftest_answer(self, gpu: int) -> dict[str, Any] | None:
+        """The ``selftest`` entry of a GPU (None: it passes); used by :func:`fake_selftest`."""
+        return self._gpus[gpu].get("selftest") if gpu < len(self._gpus) else None
+
+
+def fake_selftest(fake: FakeNvml) -> Callable[[int], SelfTestResult]:
+    """A self-test runner for :func:`gpuyard.hardware.health.check_node` on a fake node: a GPU passes
+    (figures of an H100 SXM) unless its ``selftest`` entry (or an injected ``selftest`` fault) says
+    otherwise."""
+    from gpuyard.hardware.health import SelfTestResult
+
+    def run(gpu: int) -> SelfTestResult:
+        answer = fake.selftest_answer(gpu)
+        passed = {"ok": True, "seconds": 0.5, "gemm_tflops": 51.0, "gemm_rel_err": 1e-6}
+        return SelfTestResult(**{**passed, "gemm_repeat_mismatches": 0, "memory_errors": 0, **(answer or {})})
+
+    return run
 
 
 def _write(path: Path, text: str) -> None:

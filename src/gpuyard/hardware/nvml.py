@@ -37,6 +37,19 @@ NVLINK_VERSIONS = {1: "1.0", 2: "2.0", 3: "2.2", 4: "3.0", 5: "3.1", 6: "4.0", 7
 # nvmlNvLinkDeviceType values (nvml.h): what sits at the far end of an NVLink.
 NVLINK_REMOTE_TYPES = {0: "gpu", 1: "ibmnpu", 2: "switch", 255: "unknown"}
 
+# nvmlNvLinkErrorCounter_t (nvml.h): the data-link error counters of one NVLink, cumulative since the
+# driver loaded (or the counters were reset). Replays and recoveries are retransmissions the link
+# absorbed; a rising count means a marginal link (cable, connector, NVSwitch port).
+NVLINK_ERROR_COUNTERS: dict[int, str] = {
+    0: "dl_replay",
+    1: "dl_recovery",
+    2: "dl_crc_flit",
+    3: "dl_crc_data",
+}
+
+# nvmlEventTypeXidCriticalError (nvml.h): the event mask that delivers Xid errors.
+XID_CRITICAL_ERROR_EVENT = 0x8
+
 
 class NvmlCallError(Exception):
     """One NVML call failed; ``not_supported`` when the GPU or driver lacks the feature."""
@@ -125,6 +138,14 @@ class NvmlBackend(Protocol):
     def common_ancestor(self, i: int, j: int) -> str: ...
 
 
+class HealthNvmlBackend(NvmlBackend, Protocol):
+    """What the periodic node health check needs beyond the inventory's calls (see
+    :mod:`gpuyard.hardware.health`): NVLink error counters and the Xid errors seen since the last call."""
+
+    def nvlink_error_counter(self, i: int, link: int, counter: int) -> int: ...
+    def xid_events(self) -> list[tuple[int, int]]: ...  # (GPU index, Xid) pairs, oldest first
+
+
 def normalize_bus_id(bus_id: str | bytes) -> str:
     """Turn an NVML bus id (``00000000:18:00.0``) into the sysfs form (``0000:18:00.0``), lower case."""
     text = bus_id.decode() if isinstance(bus_id, bytes) else bus_id
@@ -145,6 +166,7 @@ class PynvmlBackend:
     def __init__(self, pynvml: Any) -> None:
         self._nv = pynvml
         self._handles: dict[int, Any] = {}
+        self._events: Any = None  # the Xid event set, created on the first xid_events()
 
     def _call(self, fn: str, *args: Any) -> Any:
         nv = self._nv
@@ -290,6 +312,38 @@ class PynvmlBackend:
             raise NvmlCallError(f"nvmlDeviceGetTopologyCommonAncestor: unknown level {level}")
         return TOPOLOGY_LEVELS[level]
 
+    def nvlink_error_counter(self, i: int, link: int, counter: int) -> int:
+        return int(self._call("nvmlDeviceGetNvLinkErrorCounter", self._h(i), link, counter))
+
+    def xid_events(self) -> list[tuple[int, int]]:
+        """Xid errors delivered since the previous call (the first call registers for them: Xids from
+        before it are not seen). Never blocks."""
+        nv = self._nv
+        if self._events is None:
+            events = self._call("nvmlEventSetCreate")
+            for i in range(self.device_count()):
+                with contextlib.suppress(NvmlCallError):  # a GPU without Xid events: the others still count
+                    self._call("nvmlDeviceRegisterEvents", self._h(i), XID_CRITICAL_ERROR_EVENT, events)
+            self._events = events
+            return []
+        out: list[tuple[int, int]] = []
+        while True:
+            try:
+                data = nv.nvmlEventSetWait_v2(self._events, 0)
+            except nv.NVMLError as exc:
+                if getattr(exc, "value", None) == nv.NVML_ERROR_TIMEOUT:
+                    return out  # nothing more pending
+                raise NvmlCallError(f"nvmlEventSetWait_v2: {exc}") from exc
+            index = int(self._call("nvmlDeviceGetIndex", data.device))
+            out.append((index, int(data.eventData)))
+
+    def close(self) -> None:
+        """Free the Xid event set (NVML itself is shut down by :func:`close_nvml`)."""
+        if self._events is not None:
+            with contextlib.suppress(self._nv.NVMLError):
+                self._nv.nvmlEventSetFree(self._events)
+            self._events = None
+
 
 def open_nvml() -> tuple[NvmlBackend | None, str | None]:
     """Initialise NVML if it can be.
@@ -314,5 +368,6 @@ def open_nvml() -> tuple[NvmlBackend | None, str | None]:
 def close_nvml(backend: NvmlBackend | None) -> None:
     """Shut NVML down after a probe (a no-op for fakes and for None)."""
     if isinstance(backend, PynvmlBackend):
+        backend.close()
         with contextlib.suppress(backend._nv.NVMLError):
             backend._nv.nvmlShutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any
@@ -10,6 +11,7 @@ from gpuyard.errors import ConfigError
 from gpuyard.scheduler.placement import NodeSpec
 
 FAKE_GPU_TYPE = "fake-gpu"
+log = logging.getLogger(__name__)
 
 
 def node_from_inventory(
@@ -160,3 +162,349 @@ def check_fabric_nodes(cluster: Any, nodes: list[NodeSpec]) -> None:
             f"cluster {name!r} has NVLink domains of {domain} GPUs across nodes, but these nodes do not "
             "say which of them share one (each would be costed as a domain of its own)"
         )
+
+
+# -- node health: states, history, drain/undrain, the periodic check ----------------------------------
+
+HEALTHY, DEGRADED, DRAINED = "healthy", "degraded", "drained"
+NODE_STATES = (HEALTHY, DEGRADED, DRAINED)
+
+
+def preemptible(spec: dict[str, Any]) -> bool:
+    """Whether a job can be moved off a drained node without losing its work: a ``train`` job (the
+    trainer checkpoints on SIGTERM) or one that names a ``checkpoint_dir``. Others run to their end."""
+    return bool(spec.get("train") or spec.get("checkpoint_dir"))
+
+
+def _state_doc(name: str, row: Any) -> dict[str, Any]:
+    if row is None:
+        return {
+            "node": name,
+            "state": HEALTHY,
+            "reason": None,
+            "source": None,
+            "by": None,
+            "since": None,
+            "checked_at": None,
+            "last_check": None,
+        }
+    return {
+        "node": name,
+        "state": row.state,
+        "reason": row.reason,
+        "source": row.source,
+        "by": row.by,
+        "since": row.since.isoformat(),
+        "checked_at": row.checked_at.isoformat() if row.checked_at else None,
+        "last_check": row.last_check,
+    }
+
+
+class NodeStates:
+    """Node health states in the state store (tables ``node_states`` and ``node_state_events``).
+
+    A node without a row is healthy. The rules (:meth:`record_check`): a failing check drains the node
+    (or, with ``drain_on_fail`` off, degrades it); a warning degrades a healthy node; a passing check
+    makes a degraded node healthy again. A drained node stays drained until an admin undrains it,
+    whatever later checks say: what drains a node (an Xid 79, a pending row remap) needs a person (a
+    GPU reset, a reboot, an RMA). Every change is an event with its reason, source and user.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def get(self, name: str) -> dict[str, Any]:
+        """One node's state document (healthy when never recorded)."""
+        from gpuyard.store.tables.health import NodeStateRow
+
+        with self.store.read() as s:
+            return _state_doc(name, s.get(NodeStateRow, name))
+
+    def states(self, names: list[str]) -> list[dict[str, Any]]:
+        """The state documents of ``names``, in that order."""
+        from sqlalchemy import select
+
+        from gpuyard.store.tables.health import NodeStateRow
+
+        with self.store.read() as s:
+            rows = {r.hostname: r for r in s.scalars(select(NodeStateRow))}
+            return [_state_doc(n, rows.get(n)) for n in names]
+
+    def drained(self) -> set[str]:
+        """Names of the drained nodes."""
+        from sqlalchemy import select
+
+        from gpuyard.store.tables.health import NodeStateRow
+
+        with self.store.read() as s:
+            return set(s.scalars(select(NodeStateRow.hostname).where(NodeStateRow.state == DRAINED)))
+
+    def history(self, name: str, limit: int = 100) -> list[dict[str, Any]]:
+        """A node's state changes, oldest first (the last ``limit``)."""
+        from sqlalchemy import select
+
+        from gpuyard.store.tables.health import NodeStateEventRow
+
+        q = (
+            select(NodeStateEventRow)
+            .where(NodeStateEventRow.hostname == name)
+            .order_by(NodeStateEventRow.id.desc())
+            .limit(limit)
+        )
+        with self.store.read() as s:
+            rows = list(s.scalars(q))
+            return [
+                {
+                    "at": e.at.isoformat(),
+                    "from": e.from_state,
+                    "to": e.to_state,
+                    "reason": e.reason,
+                    "source": e.source,
+                    "by": e.by,
+                    "data": e.data,
+                }
+                for e in reversed(rows)
+            ]
+
+    def drain(self, name: str, reason: str, by: str) -> dict[str, Any]:
+        """Drain a node by hand: nothing new is placed on it, its preemptible jobs move off.
+
+        Raises:
+            ConfigError: no reason given.
+        """
+        if not reason.strip():
+            raise ConfigError("drain needs a reason (--reason TEXT)")
+        return self._change(name, DRAINED, reason.strip(), "admin", by, keep_same=False)
+
+    def undrain(self, name: str, by: str, reason: str = "") -> dict[str, Any]:
+        """Put a node back into service (healthy; the next check grades it again).
+
+        Raises:
+            ConflictError: the node is not drained.
+        """
+        from gpuyard.errors import ConflictError
+
+        current = self.get(name)
+        if current["state"] != DRAINED:
+            raise ConflictError(f"node {name!r} is {current['state']}, not drained")
+        return self._change(name, HEALTHY, reason.strip() or "undrained", "admin", by, keep_same=False)
+
+    def record_check(self, name: str, check: Any, drain_on_fail: bool = True) -> dict[str, Any]:
+        """Store a :class:`gpuyard.hardware.health.NodeCheck` of ``name`` and move its state by the rules
+        above; returns the state document."""
+        reasons = check.reasons
+        reason = "; ".join(reasons[:3]) + (f" (+{len(reasons) - 3} more)" if len(reasons) > 3 else "")
+        current = self.get(name)["state"]
+        if check.verdict == "fail":
+            target = DRAINED if drain_on_fail or current == DRAINED else DEGRADED
+        elif check.verdict == "warn":
+            target = DRAINED if current == DRAINED else DEGRADED
+        else:
+            target = current if current == DRAINED else HEALTHY
+        # A drained node keeps its drain reason; a failing check of it is still recorded (an event
+        # when what it finds changes).
+        return self._change(
+            name, target, reason or "checks pass", "check", None, keep_same=True, check=check.to_dict()
+        )
+
+    def _change(
+        self,
+        name: str,
+        to: str,
+        reason: str,
+        source: str,
+        by: str | None,
+        keep_same: bool,
+        check: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        from sqlalchemy.exc import IntegrityError
+
+        from gpuyard.store.base import utcnow
+        from gpuyard.store.tables.health import NodeStateEventRow, NodeStateRow
+
+        for attempt in range(2):
+            try:
+                with self.store.session() as s:
+                    row = s.get(NodeStateRow, name, with_for_update=True)
+                    now = utcnow()
+                    if row is None:
+                        row = NodeStateRow(hostname=name, state=HEALTHY, source=source, since=now)
+                        s.add(row)
+                    frm = row.state
+                    if check is not None:
+                        row.checked_at, row.last_check = now, check
+                    moved = frm != to
+                    if moved or not keep_same:
+                        row.state, row.reason, row.source, row.by, row.since = to, reason, source, by, now
+                    elif check is not None and frm != DRAINED and row.reason != reason:
+                        row.reason = reason  # same state, new findings (a degraded node's reasons)
+                        moved = True
+                    elif check is not None and frm == DRAINED and check.get("verdict") == "fail":
+                        last = (row.last_check or {}).get("noted")
+                        moved = last != reason  # note a drained node's new failures once
+                        row.last_check = {**check, "noted": reason}
+                    if moved or not keep_same:
+                        s.add(
+                            NodeStateEventRow(
+                                hostname=name,
+                                at=now,
+                                from_state=frm,
+                                to_state=to,
+                                reason=reason,
+                                source=source,
+                                by=by,
+                                data={"check": check} if check is not None else None,
+                            )
+                        )
+                    s.flush()
+                    return _state_doc(name, row)
+            except IntegrityError:
+                if attempt:  # another writer created the row between our read and insert: once more
+                    raise
+        raise AssertionError("unreachable")
+
+
+class NodeHealthMonitor:
+    """Runs the periodic health check of one node (the one the server runs on) and records the result.
+
+    The scheduling loop calls :meth:`maybe_check` every tick; when a check is due it runs in a thread
+    of its own (a self-test takes seconds), so scheduling never waits for it.
+
+    Args:
+        states: where states are recorded.
+        node: the scheduler's name of the node checked.
+        config: what to check, how often, the limits.
+        nvml: the node's NVML (a :class:`gpuyard.hardware.nvml.HealthNvmlBackend`; default: opened on
+            the first check, and when it cannot be opened every check says why and passes).
+        selftest: runs the self-test of one GPU (default:
+            :func:`gpuyard.hardware.selftest.selftest_gpu` with the config's size and timeout).
+        clock: seconds, monotonic (tests).
+    """
+
+    def __init__(
+        self,
+        states: NodeStates,
+        node: str,
+        config: Any = None,
+        nvml: Any = None,
+        selftest: Any = None,
+        clock: Any = None,
+    ) -> None:
+        import threading
+        import time
+
+        from gpuyard.hardware.health import NodeCheckConfig
+
+        self.states, self.node = states, node
+        self.config = config or NodeCheckConfig()
+        self._nvml, self._nvml_note = nvml, ""
+        self._selftest = selftest
+        self._clock = clock or time.monotonic
+        self._next = 0.0
+        self._last_selftest: dict[int, float] = {}
+        self._nvlink: dict[int, int] | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.last: Any = None  # the last NodeCheck
+
+    def _backend(self) -> Any:
+        if self._nvml is None and not self._nvml_note:
+            from gpuyard.hardware.nvml import open_nvml
+
+            self._nvml, note = open_nvml()
+            self._nvml_note = note or ""
+        return self._nvml
+
+    def _run_selftest(self, gpu: int) -> Any:
+        if self._selftest is not None:
+            return self._selftest(gpu)
+        from gpuyard.hardware.selftest import selftest_gpu
+
+        c = self.config
+        return selftest_gpu(gpu, c.selftest_size, c.selftest_memory_mb, c.selftest_timeout_s)
+
+    def check_once(self, busy: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
+        """Check the node now (GPUs in ``busy`` are not self-tested) and record it; returns the state."""
+        from gpuyard.hardware.health import NodeCheck, check_node
+
+        with self._lock:
+            now = self._clock()
+            self._next = now + self.config.interval_s
+            nv = self._backend()
+            if nv is None:
+                check = NodeCheck("pass", {}, note=self._nvml_note or "no NVML")
+            else:
+                count = 0
+                try:
+                    count = nv.device_count()
+                except Exception:  # check_node says why
+                    count = 0
+                idle = {
+                    i
+                    for i in range(count)
+                    if i not in busy
+                    and now - self._last_selftest.get(i, -float("inf")) >= self.config.selftest_interval_s
+                }
+                check = check_node(nv, self.config, idle, self._run_selftest, self._nvlink)
+                for i in check.selftests:
+                    self._last_selftest[i] = now
+                self._nvlink = {**(self._nvlink or {}), **check.nvlink_errors}
+            self.last = check
+            return self.states.record_check(self.node, check, self.config.drain_on_fail)
+
+    def due(self) -> bool:
+        """Whether the next check's time has come."""
+        return self._clock() >= self._next
+
+    def maybe_check(self, busy: set[int] | frozenset[int] = frozenset()) -> bool:
+        """Start a check in a thread when one is due and none is running; True when one started."""
+        import threading
+
+        if not self.due() or (self._thread is not None and self._thread.is_alive()):
+            return False
+        self._next = self._clock() + self.config.interval_s  # not again while this one runs
+
+        def run() -> None:
+            try:
+                self.check_once(frozenset(busy))
+            except Exception:  # the next check tries again; the error is logged
+                log.exception("node health check of %s failed", self.node)
+
+        self._thread = threading.Thread(target=run, name="gpuyard-health", daemon=True)
+        self._thread.start()
+        return True
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for a running check (tests, shutdown)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def close(self) -> None:
+        """Shut NVML down if this monitor opened it."""
+        from gpuyard.hardware.nvml import close_nvml
+
+        self.join(5)
+        close_nvml(self._nvml)
+
+
+def load_health_config(path: str | None) -> Any:
+    """The health check config of a YAML file (its top level, or its ``health:`` section); the
+    defaults without a file.
+
+    Raises:
+        ConfigError: the file is unreadable or has an unknown key or a bad value.
+    """
+    from gpuyard.hardware.health import NodeCheckConfig, load_check_config
+
+    if not path:
+        return NodeCheckConfig()
+    import yaml
+
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"health config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"health config {path}: expected a mapping")
+    return load_check_config(dict(data.get("health", data)))

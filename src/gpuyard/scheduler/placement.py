@@ -10,6 +10,9 @@ a few vector operations, and :func:`place` picks the GPUs of one job, all of the
    domain that fits it;
 3. otherwise the fewest nodes under one leaf switch (whole free nodes first, the remainder best fit);
 4. only when no leaf can hold it, the fewest nodes across leaves.
+
+Nodes can be drained (:meth:`ClusterState.set_drained`, node health): :func:`place` puts nothing on
+them and their free slots do not count as free.
 """
 
 from __future__ import annotations
@@ -133,6 +136,7 @@ class ClusterState:
         self.cpu_capacity = np.array([n.cpus for n in self.nodes], dtype=np.int64)
         self.free = self.capacity.copy()
         self.free_cpus = self.cpu_capacity.copy()
+        self.drained = np.zeros(len(self.nodes), dtype=bool)
         self.domain, _ = _codes([n.nvlink_domain or n.name for n in self.nodes])
         self.leaf, _ = _codes([n.leaf for n in self.nodes])
         self.type_code, self.types = _codes([n.gpu_type for n in self.nodes])
@@ -147,8 +151,16 @@ class ClusterState:
 
     @property
     def free_gpus(self) -> int:
-        """GPUs free right now."""
+        """GPUs free right now (on nodes that are not drained)."""
+        if self.drained.any():
+            return int(self.free[~self.drained].sum())
         return int(self.free.sum())
+
+    def set_drained(self, indices: set[int] | frozenset[int]) -> None:
+        """Drain exactly the nodes at ``indices`` (node health): nothing new is placed on them."""
+        drained = np.zeros(len(self.nodes), dtype=bool)
+        drained[sorted(indices)] = True
+        self.drained = drained
 
     def copy(self) -> ClusterState:
         """A copy whose free slots can be changed without touching this one (the topology is shared)."""
@@ -218,9 +230,9 @@ def place(
         cpus: CPU slots for a CPU-only job.
         multi_node: whether the executor can spread one job over several nodes.
     """
-    free = state.free
+    free = np.where(state.drained, 0, state.free) if state.drained.any() else state.free
     if gpus == 0:
-        fits = np.flatnonzero(state.free_cpus >= cpus)
+        fits = np.flatnonzero((state.free_cpus >= cpus) & ~state.drained)
         if fits.size == 0:
             return None
         node = int(fits[np.argmin(state.free_cpus[fits])])

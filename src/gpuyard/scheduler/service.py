@@ -34,6 +34,7 @@ from gpuyard.scheduler.fabric_placement import (
     workload_of,
 )
 from gpuyard.scheduler.lease import DEFAULT_TTL_S, SchedulerLease, lease_conflict
+from gpuyard.scheduler.nodes import NodeHealthMonitor, NodeStates, preemptible
 from gpuyard.scheduler.placement import ClusterState, NodeSpec, Placement, place
 from gpuyard.scheduler.policies import make_policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
@@ -111,6 +112,9 @@ class JobService:
         self.estimator = RuntimeEstimator()
         self._lock = threading.RLock()
         self.wake = threading.Event()
+        # Node health: drained nodes get nothing new; ``health`` (set by the server) checks this node.
+        self.node_states = NodeStates(store)
+        self.health: NodeHealthMonitor | None = None
         self._learn_history()
 
     # -- requests ---------------------------------------------------------------------------------
@@ -376,6 +380,7 @@ class JobService:
             if not self.holds_lease():
                 return
             self._reap()
+            self._apply_node_health()
             self._schedule()
 
     def recover(self) -> dict[str, int]:
@@ -411,6 +416,23 @@ class JobService:
                 counts["adopted"] += 1
         self.wake.set()
         return counts
+
+    def _apply_node_health(self) -> None:
+        """Start a due health check; keep drained nodes out of placement and move preemptible jobs off."""
+        if self.health is not None:
+            self.health.maybe_check(self._used_indices().get(self.health.node, set()))
+        drained = self.node_states.drained() & set(self._node_index)
+        self.state.set_drained({self._node_index[n] for n in drained})
+        if not drained:
+            return
+        with self.store.session() as s:
+            for row in s.scalars(select(JobRow).where(JobRow.state == JobState.RUNNING.value)):
+                on = sorted(drained & {p["node"] for p in (row.placement or {}).get("nodes", [])})
+                if not on or row.stop_requested or not preemptible(row.spec):
+                    continue
+                self._request_stop(row, "preempt")
+                why = f"node {', '.join(on)} drained: preempted to move off it"
+                s.add(JobEventRow(job_id=row.id, from_state=row.state, to_state=row.state, reason=why))
 
     def _reap(self) -> None:
         now = utcnow()

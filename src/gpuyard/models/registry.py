@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError as SAIntegrityError
 
-from gpuyard.errors import ConfigError, ConflictError, NotFoundError
+from gpuyard.errors import ConfigError, ConflictError, GpuyardError, NotFoundError
 from gpuyard.models.flavors import (
     CONFIG_FILE,
     FILE_FOR_FLAVOR,
@@ -27,6 +27,7 @@ from gpuyard.models.flavors import (
     load_model,
     save_model,
 )
+from gpuyard.models.signature import RECIPE_KEY, attach_recipe
 from gpuyard.refs import ALIAS_RE, ModelRef, check_model_name
 from gpuyard.settings import load_settings
 from gpuyard.states import ModelStage, RunStatus
@@ -336,6 +337,8 @@ def register_folder(
         raise ConfigError(f"{config_path}: a torch model needs 'factory' (module:function) and 'kwargs'")
     if signature is None and (folder / "signature.json").exists():
         signature = json.loads((folder / "signature.json").read_text())
+    signature, recipe_note = _with_recipe(signature or {}, dataset_version)
+    lineage = {**(lineage or {}), "recipe": recipe_note} if recipe_note else dict(lineage or {})
     store = store or get_store()
     fields = dict(
         flavor=flavor,
@@ -344,13 +347,37 @@ def register_folder(
         dataset_version=dataset_version,
         code_version=code_version,
         metrics=metrics or {},
-        signature=signature or {},
+        signature=signature,
         files=_store_files(folder, flavor),
         config=config,
-        lineage=lineage or {},
+        lineage=lineage,
         description=description,
     )
     return _insert_version(store, name, fields, team)
+
+
+def _with_recipe(signature: dict[str, Any], dataset_version: str | None) -> tuple[dict[str, Any], str | None]:
+    """``signature`` carrying the serving contract of its training dataset, and a line saying what happened.
+
+    The contract (:func:`gpuyard.models.signature.serving_recipe`) is the dataset version's fitted
+    recipe: the model server applies it to raw records. A dataset that is not a gpuyard version
+    (``sklearn:``, ``npz:``) has none; a version that has gone from the catalog is said, not fatal.
+    """
+    if RECIPE_KEY in signature:
+        return signature, f"serving recipe of {signature[RECIPE_KEY].get('dataset')}"
+    if not dataset_version:
+        return signature, None
+    if not signature:
+        return signature, "none: the model has no signature"
+    if dataset_version.startswith(("sklearn:", "npz:")):
+        return signature, f"none: {dataset_version} is not a gpuyard dataset version (no recipe to apply)"
+    try:
+        out = attach_recipe(signature, dataset_version)
+    except GpuyardError as exc:
+        return signature, f"none: {exc}"
+    if RECIPE_KEY not in out:
+        return signature, f"none: {dataset_version} has no recipe whose features are the model's inputs"
+    return out, f"serving recipe of {out[RECIPE_KEY]['dataset']}"
 
 
 def register_from_run(

@@ -2,7 +2,12 @@
 
 Two request formats reach the same checks:
 
-- ``application/json``: ``{"inputs": [[...], ...]}`` (a batch) or ``{"inputs": [...]}`` (one sample).
+- ``application/json``: ``{"inputs": [[...], ...]}`` (a batch) or ``{"inputs": [...]}`` (one sample) of
+  the model's numeric features; or raw records, ``{"records": [{"column": value, ...}, ...]}`` (a
+  batch) or ``{"records": {...}}`` (one record; objects under ``"inputs"`` are read the same way),
+  which the model's serving recipe (:class:`gpuyard.models.signature.ServingRecipe`, the training
+  dataset's fitted transform) turns into features. A model without a recipe takes records keyed by
+  its feature names when its signature names every feature.
 - ``application/x-safetensors``: a safetensors file holding a tensor named ``inputs``. It is compact
   (raw little-endian numbers after a small JSON header), readable from any language that has a
   safetensors library, and its parser (Rust) never executes code from the body.
@@ -20,10 +25,12 @@ from typing import Any
 import numpy as np
 
 from gpuyard.errors import ConfigError, GpuyardError
+from gpuyard.models.signature import ServingRecipe
 
 JSON_MEDIA = "application/json"
 TENSOR_MEDIA = "application/x-safetensors"
 INPUT_KEY = "inputs"
+RECORDS_KEY = "records"
 # Values farther than this many training ranges outside the observed [min, max] are refused as
 # garbage (1e30, a unit error); milder shifts are accepted and show up in drift monitoring instead.
 RANGE_SLACK = 1.0
@@ -49,6 +56,7 @@ class InputSpec:
         high: largest accepted value per flattened feature.
         names: feature names, when the signature has them.
         max_rows: most samples one request may carry.
+        recipe: the serving recipe that turns raw records into features (None: the signature has none).
     """
 
     shape: tuple[int, ...]
@@ -56,6 +64,7 @@ class InputSpec:
     high: np.ndarray
     names: tuple[str, ...]
     max_rows: int
+    recipe: ServingRecipe | None = None
 
     @property
     def n_features(self) -> int:
@@ -94,7 +103,8 @@ def input_spec(signature: dict[str, Any], max_rows: int = 1024) -> InputSpec:
         low = (lo_a - RANGE_SLACK * span).astype(np.float32)
         high = (hi_a + RANGE_SLACK * span).astype(np.float32)
     names = tuple(str(x) for x in inputs.get("names") or ())
-    return InputSpec(shape=sample, low=low, high=high, names=names, max_rows=max_rows)
+    recipe = ServingRecipe.from_signature(signature)
+    return InputSpec(shape=sample, low=low, high=high, names=names, max_rows=max_rows, recipe=recipe)
 
 
 def decode_json(body: bytes, spec: InputSpec) -> np.ndarray:
@@ -107,20 +117,99 @@ def decode_json(body: bytes, spec: InputSpec) -> np.ndarray:
         doc = json.loads(body)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise BadInput(f"body is not valid JSON: {str(exc)[:200]}") from None
-    if not isinstance(doc, dict) or INPUT_KEY not in doc:
-        raise BadInput('body must be a JSON object with an "inputs" field (a list of samples)')
+    if not isinstance(doc, dict) or (INPUT_KEY in doc) == (RECORDS_KEY in doc):
+        raise BadInput(
+            'body must be a JSON object with either an "inputs" field (a list of samples) or a "records"'
+            " field (objects keyed by column)"
+        )
+    if RECORDS_KEY in doc:
+        return decode_records(doc[RECORDS_KEY], spec)
     values = doc[INPUT_KEY]
+    if isinstance(values, dict) or (isinstance(values, list) and values and isinstance(values[0], dict)):
+        return decode_records(values, spec)
     if not isinstance(values, list) or not values:
         raise InputMismatch('"inputs" must be a non-empty list of numbers or of samples')
     try:
         raw = np.asarray(values)
     except (ValueError, RecursionError):
         raise InputMismatch('"inputs" is ragged: every sample must have the same shape') from None
-    if raw.dtype.kind not in "iuf":  # strings, null, booleans and huge ints all land here
+    if raw.dtype.kind not in "iuf":  # strings, null, all-boolean lists and huge ints all land here
         raise InputMismatch(f'"inputs" must hold only numbers (got {_kind_name(raw.dtype)})')
+    if (b"true" in body or b"false" in body) and _has_bool(values):
+        # NumPy reads [1.5, true] as [1.5, 1.0]: a boolean among numbers is refused, as on its own.
+        raise InputMismatch('"inputs" must hold only numbers (got booleans): send 1 or 0, not true or false')
     with np.errstate(over="ignore", invalid="ignore"):
         batch = raw.astype(np.float32)
     return check_batch(batch, spec)
+
+
+def decode_records(values: Any, spec: InputSpec) -> np.ndarray:
+    """Raw records (one object keyed by column, or a list of them) -> the model's checked features.
+
+    With a serving recipe, the recipe's columns are checked and transformed as the training data was;
+    without one, the keys must be the signature's feature names and the values numbers.
+
+    Raises:
+        InputMismatch: not objects, too many, or a record the recipe refuses (the message names the
+        record and the column); then :func:`check_batch`'s checks on the features.
+    """
+    records = [values] if isinstance(values, dict) else values
+    if not isinstance(records, list) or not records:
+        raise InputMismatch('"records" must be an object keyed by column or a non-empty list of them')
+    if len(records) > spec.max_rows:
+        raise InputMismatch(f"a request carries 1 to {spec.max_rows} samples, got {len(records)}")
+    if spec.recipe is not None:
+        try:
+            batch = spec.recipe.features_of(records)
+        except GpuyardError as exc:
+            raise InputMismatch(str(exc)) from None
+        except Exception as exc:  # what the checks let through and the transform still refused
+            raise InputMismatch(f"the records could not be transformed: {str(exc)[:200]}") from None
+    else:
+        batch = _named_records(records, spec)
+    return check_batch(batch.reshape(len(records), *spec.shape), spec)
+
+
+def _named_records(records: list[Any], spec: InputSpec) -> np.ndarray:
+    """Records keyed by the signature's feature names, for a model without a serving recipe."""
+    if len(spec.names) != spec.n_features or len(spec.shape) != 1:
+        raise InputMismatch(
+            "this model takes no raw records: it has no serving recipe and its signature does not name"
+            ' its features; send "inputs" (numbers)'
+        )
+    known = set(spec.names)
+    out = np.empty((len(records), spec.n_features), dtype=np.float32)
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise InputMismatch(f"record {i} is not an object keyed by column")
+        unknown = [k for k in rec if k not in known]
+        if unknown:
+            raise InputMismatch(
+                f"record {i}: unknown column {unknown[0]!r} (the model reads {', '.join(spec.names)})"
+            )
+        for j, name in enumerate(spec.names):
+            if name not in rec:
+                raise InputMismatch(f"record {i}: column {name!r} is missing")
+            value = rec[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InputMismatch(
+                    f"record {i}, column {name!r}: a number is expected (booleans, strings, null refused)"
+                )
+            with np.errstate(over="ignore"):
+                out[i, j] = np.float32(value) if abs(value) < 1e39 else np.inf
+    return out
+
+
+def _has_bool(values: Any) -> bool:
+    """Whether nested lists ``values`` hold a boolean anywhere (called only when the body says true/false)."""
+    stack = [values]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, bool):
+            return True
+        if isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def decode_tensor(body: bytes, spec: InputSpec) -> np.ndarray:

@@ -8,13 +8,14 @@ the registry's predictors.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from gpuyard.errors import ConfigError
+from gpuyard.errors import ConfigError, GpuyardError
 from gpuyard.serve.codec import InputSpec, input_spec
 
 Outputs = dict[str, np.ndarray]
@@ -110,18 +111,24 @@ def load_served(ref: str, device: str = "cpu", max_rows: int = 1024) -> ServedMo
         IntegrityError: a stored file changed since registration.
     """
     from gpuyard.models.registry import load
+    from gpuyard.models.signature import RECIPE_KEY, attach_recipe
 
     loaded = load(ref)
     mv = loaded.version
-    spec = input_spec(mv.signature, max_rows=max_rows)
-    classes = (mv.signature.get("outputs") or {}).get("classes")
+    signature = mv.signature
+    if RECIPE_KEY not in signature and mv.dataset_version:
+        # Registered before versions carried their recipe: take it from the training dataset now.
+        with contextlib.suppress(GpuyardError):
+            signature = attach_recipe(signature, mv.dataset_version)
+    spec = input_spec(signature, max_rows=max_rows)
+    classes = (signature.get("outputs") or {}).get("classes")
     if mv.flavor == "torch":
         forward = torch_forward(loaded.model, mv.task, device, classes)
     else:
         if device != "cpu":
             raise ConfigError(f"{mv.ref} is a {mv.flavor} model: it runs on cpu only (got --device {device})")
         forward = predictor_forward(loaded.predictor, mv.task)
-    return ServedModel(mv.name, mv.version, mv.task, mv.signature, spec, forward, device, mv)
+    return ServedModel(mv.name, mv.version, mv.task, signature, spec, forward, device, mv)
 
 
 def warm_up(model: ServedModel, sizes: tuple[int, ...] = (1, 8)) -> None:

@@ -1,0 +1,201 @@
+"""The serving contract: a registered model carries its dataset's fitted recipe; raw records become the
+training features through it; malformed records and booleans among numbers are refused in one line."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from gpuyard.serve.codec import InputMismatch, decode_json, input_spec
+
+pytestmark = pytest.mark.unit
+
+
+def body(doc: object) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def shop_table(n: int = 300, seed: int = 0) -> pa.Table:
+    """A tabular set with a number, an integer, a text category, a boolean and a label."""
+    rng = np.random.default_rng(seed)
+    city = rng.choice(["paris", "lyon", "nice"], n)
+    income = rng.normal(50, 10, n)
+    age = rng.integers(18, 80, n)
+    member = rng.random(n) < 0.3
+    label = ((income > 50) ^ (city == "nice")).astype(np.int64)
+    return pa.table({"income": income, "age": age, "city": city, "member": member, "label": label})
+
+
+@pytest.fixture(scope="module")
+def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The shop set ingested, transformed (split, z-score, one-hot, ordinal), fitted and registered
+    (once for the module, in a GPUYARD_HOME of its own)."""
+    from gpuyard.store.db import reset_store_cache
+
+    tmp_path = tmp_path_factory.mktemp("records")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GPUYARD_HOME", str(tmp_path / "home"))
+        for var in ("GPUYARD_DATABASE_URL", "GPUYARD_ARTIFACTS"):
+            mp.delenv(var, raising=False)
+        reset_store_cache()
+        try:
+            yield _shop(tmp_path)
+        finally:
+            reset_store_cache()
+
+
+def _shop(tmp_path: Path) -> dict[str, Any]:
+    from gpuyard.data import IngestOptions, ingest, load_recipe, transform
+    from gpuyard.models.fit import fit
+    from gpuyard.models.registry import register_from_run
+    from gpuyard.models.spec import ModelSpec
+
+    table = shop_table()
+    pq.write_table(table, tmp_path / "shop.parquet")
+    raw = ingest(tmp_path / "shop.parquet", "shop", IngestOptions(label_column="label"))
+    recipe = load_recipe(
+        {
+            "split": {"method": "random", "seed": 0},
+            "normalize": [{"columns": ["income", "age"]}],
+            "encode": [{"column": "city"}, {"column": "member", "method": "ordinal"}],
+        }
+    )
+    prepared = transform(raw.ref, recipe, engine="serial")
+    spec = ModelSpec.model_validate(
+        {
+            "name": "shop",
+            "experiment": "shop",
+            "dataset": f"{prepared.ref}#split=train",
+            "trainer": "gpuyard.models.builtin:train_sklearn",
+            "metric": "accuracy",
+            "params": {"estimator": "sklearn.linear_model.LogisticRegression"},
+            "split": {"val": 0.2, "test": 0.2, "seed": 0},
+        }
+    )
+    result, model = fit(spec)
+    mv = register_from_run("shop", result.run_id)
+    return {"table": table, "raw": raw, "prepared": prepared, "version": mv, "model": model}
+
+
+def test_a_registered_model_carries_its_datasets_fitted_recipe_and_feature_names(shop: dict) -> None:
+    mv = shop["version"]
+    contract = mv.signature["recipe"]
+    # The dataset version was found from the run's record: fit passed nothing new to registration.
+    assert contract["dataset"] == shop["prepared"].ref and contract["source"] == shop["raw"].ref
+    assert [c["name"] for c in contract["columns"]] == ["income", "age", "city", "member"]
+    assert contract["transforms"][0]["fitted"] == shop["prepared"].manifest["fitted"]
+    names = ["income", "age", "city=lyon", "city=nice", "city=paris", "member"]
+    assert mv.signature["inputs"]["names"] == names
+    assert mv.lineage["recipe"] == f"serving recipe of {shop['prepared'].ref}"
+
+
+def test_raw_records_become_exactly_the_training_features(shop: dict) -> None:
+    from gpuyard.data.arrays import load_arrays
+    from gpuyard.models.signature import ServingRecipe
+
+    prepared = shop["prepared"]
+    split = np.array(prepared.to_arrow(["split"]).column("split").to_pylist())
+    records = shop["table"].filter(pa.array(split == "test")).drop_columns(["label"]).to_pylist()
+    recipe = ServingRecipe.from_signature(shop["version"].signature)
+    assert recipe is not None
+    X = recipe.features_of(records)
+    offline = load_arrays(f"{prepared.ref}#split=test").X
+    assert X.dtype == np.float32 and np.array_equal(X, offline)
+    # Through the server's decoder too: records in JSON give the same batch.
+    spec = input_spec(shop["version"].signature)
+    assert np.array_equal(decode_json(body({"records": records}), spec), offline)
+    assert np.array_equal(decode_json(body({"records": records[0]}), spec), offline[:1])
+    assert np.array_equal(decode_json(body({"inputs": records[:3]}), spec), offline[:3])
+
+
+def test_an_unseen_category_is_all_zeros_as_in_training_and_a_null_one_too(shop: dict) -> None:
+    spec = input_spec(shop["version"].signature)
+    rec = {"income": 50.0, "age": 30, "city": "oslo", "member": True}
+    x = decode_json(body({"records": [rec, {**rec, "city": None}]}), spec)
+    assert x[:, 2:5].tolist() == [[0, 0, 0], [0, 0, 0]] and x[0, 5] == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"income": True}, "record 0, column 'income': a boolean where a number is expected"),
+        ({"income": "12"}, "record 0, column 'income': a string where a number is expected"),
+        ({"income": None}, "record 0, column 'income': null, but the model needs a number"),
+        ({"age": 30.5}, "record 0, column 'age': 30.5 is not an integer"),
+        ({"city": 3}, "record 0, column 'city': a number where a string is expected"),
+        ({"member": 1}, "record 0, column 'member': a number where true or false is expected"),
+        ({"incme": 3}, "record 0: unknown column 'incme' (the model reads income, age, city, member)"),
+        ({"income": 1e30}, "outside the accepted range"),
+    ],
+)
+def test_malformed_records_are_refused_in_one_line(shop: dict, change: dict, words: str) -> None:
+    spec = input_spec(shop["version"].signature)
+    rec = {"income": 50.0, "age": 30, "city": "lyon", "member": False} | change
+    with pytest.raises(InputMismatch) as err:
+        decode_json(body({"records": [rec]}), spec)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("doc", "words"),
+    [
+        ({"records": [{"income": 50.0, "city": "lyon", "member": False}]}, "column 'age' is missing"),
+        ({"records": [[1, 2, 3]]}, "record 0 is a list, not an object keyed by column"),
+        ({"records": []}, "non-empty"),
+        ({"records": "x"}, "non-empty"),
+    ],
+)
+def test_missing_columns_and_non_objects_are_refused(shop: dict, doc: dict, words: str) -> None:
+    with pytest.raises(InputMismatch, match=words):
+        decode_json(body(doc), input_spec(shop["version"].signature))
+
+
+def test_the_label_and_unused_columns_of_the_source_may_come_along(shop: dict) -> None:
+    spec = input_spec(shop["version"].signature)
+    rec = {"income": 50.0, "age": 30, "city": "lyon", "member": False}
+    with_label = decode_json(body({"records": [rec | {"label": 1}]}), spec)
+    assert np.array_equal(with_label, decode_json(body({"records": [rec]}), spec))
+
+
+SIG = {
+    "inputs": {
+        "dtype": "float32",
+        "shape": [-1, 3],
+        "min": [0.0, -1.0, 5.0],
+        "max": [1.0, 1.0, 5.0],
+        "names": ["a", "b", "c"],
+    }
+}
+
+
+@pytest.mark.parametrize("inputs", [[[0.5, True, 5]], [0.5, 0, False], [[0.5, 0, 5], [1, 1, True]]])
+def test_booleans_among_numbers_are_refused_as_the_docs_say(inputs: list) -> None:
+    with pytest.raises(InputMismatch, match="booleans"):
+        decode_json(body({"inputs": inputs}), input_spec(SIG))
+
+
+def test_a_model_without_a_recipe_takes_records_keyed_by_its_feature_names() -> None:
+    spec = input_spec(SIG)
+    x = decode_json(body({"records": [{"a": 0.5, "b": 0, "c": 5}, {"c": 5, "b": 1, "a": 1}]}), spec)
+    assert x.tolist() == [[0.5, 0, 5], [1, 1, 5]]
+    with pytest.raises(InputMismatch, match="column 'b' is missing"):
+        decode_json(body({"records": {"a": 0.5, "c": 5}}), spec)
+    with pytest.raises(InputMismatch, match="booleans"):
+        decode_json(body({"records": {"a": 0.5, "b": True, "c": 5}}), spec)
+    unnamed = input_spec({"inputs": {"shape": [-1, 3]}})
+    with pytest.raises(InputMismatch, match="takes no raw records"):
+        decode_json(body({"records": {"a": 0.5, "b": 0, "c": 5}}), unnamed)
+
+
+def test_inputs_and_records_together_are_refused() -> None:
+    from gpuyard.serve.codec import BadInput
+
+    with pytest.raises(BadInput, match='either an "inputs" field'):
+        decode_json(body({"inputs": [[0.5, 0, 5]], "records": [{"a": 0.5, "b": 0, "c": 5}]}), input_spec(SIG))

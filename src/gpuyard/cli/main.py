@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
-    if isinstance(code, int) and code:  # typer.Exit(code) in a command
-        sys.exit(code)
+    sys.exit(code if isinstance(code, int) else 0)  # as click's standalone mode: typer.Exit(code) or 0
 
 
 if __name__ == "__main__":

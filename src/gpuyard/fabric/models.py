@@ -12,10 +12,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpuyard.errors import ConfigError, NotFoundError
+from gpuyard.textfiles import parse_yaml, read_text
 
 
 @dataclass(frozen=True)
@@ -199,14 +199,14 @@ def load_model(name_or_path: str) -> ModelSpec:
             f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) nor a YAML/JSON file"
         )
     try:
-        text = path.read_text()
-        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        text = read_text(path, "model file")
+        raw = json.loads(text) if path.suffix == ".json" else parse_yaml(text, path)
         data = _ModelFile.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(map(str, first["loc"]))
         message = first["msg"].removeprefix("Value error, ")
         raise ConfigError(f"{path}: {f'field {where!r}: ' if where else ''}{message}") from None
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read model file {path}: {exc}") from None
+    except ValueError as exc:  # JSON
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
     return data.spec(data.name or path.stem, data.seq_len)

@@ -16,6 +16,7 @@ from gpuyard.errors import ConfigError, NotFoundError
 from gpuyard.fabric.cluster import Cluster
 from gpuyard.fabric.local import local_cluster
 from gpuyard.hardware.catalog import get_spec
+from gpuyard.textfiles import parse_yaml, read_text
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -50,10 +51,12 @@ def read_cluster_file(path: Path) -> Cluster:
         ConfigError: the file cannot be parsed or a field is invalid (the message names it).
     """
     try:
-        text = path.read_text()
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read cluster file {path}: {exc}") from None
+        text = read_text(path, "cluster file")
+        data = json.loads(text) if path.suffix == ".json" else parse_yaml(text, path)
+    except NotFoundError as exc:
+        raise ConfigError(f"cannot read cluster file: {exc}") from None
+    except ValueError as exc:  # JSON
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
     return _parse(data, str(path))
 
 

@@ -19,13 +19,13 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gpuyard.errors import ConfigError, NotFoundError
 from gpuyard.refs import DatasetRef
 from gpuyard.states import ModelStage
 from gpuyard.store.base import utcnow
+from gpuyard.textfiles import load_yaml
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -155,11 +155,9 @@ def load_policy(path: str | Path) -> tuple[RetrainPolicy, Path]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"policy file {p} does not exist")
+    doc = load_yaml(p, "retraining policy")
     try:
-        doc = yaml.safe_load(p.read_text())
         return RetrainPolicy.model_validate(doc), p.parent
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
     except ValidationError as exc:
         first = exc.errors()[0]
         raise ConfigError(f"{p}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from exc

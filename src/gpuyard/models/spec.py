@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpuyard.errors import ConfigError
 from gpuyard.models.datasets import SplitSpec
 from gpuyard.models.metrics import METRICS, check_direction, check_task
+from gpuyard.textfiles import load_yaml
 
 
 class _Strict(BaseModel):
@@ -148,8 +148,4 @@ def load_spec(path: str | Path) -> ModelSpec:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"spec file {p} does not exist")
-    try:
-        doc = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
-    return parse_spec(doc, str(p))
+    return parse_spec(load_yaml(p, "model spec"), str(p))

@@ -11,10 +11,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpuyard.errors import ConfigError
+from gpuyard.textfiles import load_yaml
 
 REF = re.compile(r"\$\{([A-Za-z0-9_-]+)\.([A-Za-z0-9_.-]+)\}")
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -137,8 +137,4 @@ def load_pipeline(path: str | Path) -> PipelineSpec:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"pipeline file {p} does not exist")
-    try:
-        doc = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
-    return parse_pipeline(doc, str(p))
+    return parse_pipeline(load_yaml(p, "pipeline file"), str(p))

@@ -7,11 +7,11 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpuyard.errors import ConfigError, NotFoundError
 from gpuyard.states import StrEnum
+from gpuyard.textfiles import load_yaml
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 
@@ -280,13 +280,9 @@ def load_spec(path: str | Path) -> JobSpec:
         ConfigError: the YAML is malformed or a field is invalid (named).
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise NotFoundError(f"job spec {path}: no such file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"job spec {path}: not valid YAML: {exc}") from None
-    return parse_spec(data, str(path))
+    return parse_spec(load_yaml(path, "job spec"), str(path))
 
 
 def parse_team_weights(items: list[str]) -> dict[str, float]:

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gpuyard.errors import ConfigError
+from gpuyard.errors import ConfigError, NotFoundError
+from gpuyard.textfiles import load_yaml
 
 
 class _Strict(BaseModel):
@@ -89,6 +89,27 @@ class CheckpointSpec(_Strict):
     final: bool = Field(True, description="checkpoint the final step when training completes")
     async_save: bool = False
     resume: bool = Field(True, description="resume from the newest complete checkpoint in run_dir")
+    memory_every: int = Field(
+        0,
+        ge=0,
+        description="steps between in-memory snapshots (host memory, replicated on the next rank); 0: off",
+    )
+    persist_every: int = Field(
+        0,
+        ge=0,
+        description="steps between background writes of the in-memory snapshot to storage "
+        "(a multiple of memory_every); 0: never",
+    )
+
+    @model_validator(mode="after")
+    def _check_memory(self) -> CheckpointSpec:
+        if self.persist_every and not self.memory_every:
+            raise ValueError("persist_every needs memory_every (it writes the in-memory snapshot)")
+        if self.persist_every and self.persist_every % self.memory_every:
+            raise ValueError(
+                f"persist_every={self.persist_every} must be a multiple of memory_every={self.memory_every}"
+            )
+        return self
 
 
 class TrackingSpec(_Strict):
@@ -186,11 +207,9 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Trai
     """
     path = Path(path)
     try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the spec ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+        doc = load_yaml(path, "training spec")
+    except NotFoundError as exc:
+        raise ConfigError(str(exc)) from None  # as before: a missing spec is a bad argument
     if isinstance(doc, dict) and overrides:
         doc = dict(doc)
         if isinstance(doc.get("tracking"), str):  # so `--experiment X` keeps `tracking: jsonl`

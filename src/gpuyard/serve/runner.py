@@ -146,8 +146,10 @@ def serve(ref: str, opts: ServeOptions, on_ready: Any = None) -> None:
         opts: server options.
         on_ready: called with (url, pids) once ``/ready`` answers 200.
     """
+    from gpuyard.models.registry import get_version
     from gpuyard.serve.model import resolve_device
 
+    get_version(ref)  # an unknown model or version is said before anything is bound or printed
     devices = [resolve_device(opts.device, i) for i in range(opts.replicas)]  # fail before binding
     sock = bind(opts.host, opts.port)
     url = url_of(sock)

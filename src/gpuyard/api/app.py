@@ -47,7 +47,7 @@ def create_app(
         return {"status": "ok", "version": gpuyard.__version__, "jobs": app.state.jobs is not None}
 
     from gpuyard.api.auth import authenticated
-    from gpuyard.api.routes import cluster, datasets, deployments, fabric, models, runs, users
+    from gpuyard.api.routes import cluster, datasets, deployments, fabric, models, nodes, runs, users
     from gpuyard.api.routes import jobs as job_routes
     from gpuyard.auth import ensure_admin_token
     from gpuyard.errors import AuthenticationError
@@ -61,7 +61,7 @@ def create_app(
 
     # Every router needs a token (viewers read only); /health, the dashboard page and /docs do not.
     app.include_router(job_routes.router, dependencies=[Depends(authenticated)])
-    for module in (cluster, fabric, datasets, runs, models, deployments, users):
+    for module in (cluster, nodes, fabric, datasets, runs, models, deployments, users):
         app.include_router(module.router, dependencies=[Depends(authenticated)])
     mount_dashboard(app)
     _openapi = app.openapi

@@ -6,10 +6,13 @@ only read (GET/HEAD); ``/users`` and ``/tokens`` further need an admin (checked 
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from gpuyard.auth import Principal, authenticate, require_write
+from gpuyard.auth import Principal, authenticate, list_users, require_write
+from gpuyard.errors import NotFoundError
 
 # auto_error=False: a missing header must give 401 with our message, not FastAPI's 403.
 _bearer = HTTPBearer(auto_error=False, description="An API token from `gpuyard tokens create`.")
@@ -25,3 +28,30 @@ def authenticated(
         require_write(principal)
     request.state.principal = principal
     return principal
+
+
+def known_teams(request: Request) -> set[str]:
+    """The teams this server knows: ``default``, its users' teams and its job service's ``--team``s."""
+    known = {"default"} | {user["team"] for user in list_users()}
+    service = getattr(request.app.state, "jobs", None)
+    if service is not None:
+        known |= set(service.config.teams)
+    return known
+
+
+def team_listing(request: Request, team: str | None, rows: list[Any]) -> list[Any]:
+    """``rows``, a listing filtered by ``team``; an empty one for a team nobody knows is a 404 instead.
+
+    A typo in ``?team=`` (or ``--team`` of an ``ls`` command) would otherwise look like a team with
+    nothing in it. Objects may carry teams the server was not told of (a dataset ingested with
+    ``--team``), so only an empty listing is checked.
+
+    Raises:
+        NotFoundError: nothing matched and ``team`` is not a known team (the known ones are named).
+    """
+    if team is None or rows:
+        return rows
+    known = known_teams(request)
+    if team not in known:
+        raise NotFoundError(f"team {team!r} is unknown; known teams: {', '.join(sorted(known))}")
+    return rows

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 
-from gpuyard.api.auth import authenticated
+from gpuyard.api.auth import authenticated, team_listing
 from gpuyard.api.limits import NAME_LEN
 from gpuyard.api.params import Ref
 from gpuyard.auth import Principal, check_team, visible_team
@@ -20,6 +20,7 @@ router = APIRouter(prefix="/datasets", tags=["datasets"])
 
 @router.get("")
 def datasets(
+    request: Request,
     team: str | None = Query(None, max_length=NAME_LEN),
     principal: Principal = Depends(authenticated),
 ) -> list[dict[str, Any]]:
@@ -29,7 +30,8 @@ def datasets(
     """
     from gpuyard.data import list_datasets
 
-    return list_datasets(team=visible_team(principal, team))
+    team = visible_team(principal, team)
+    return team_listing(request, team, list_datasets(team=team))
 
 
 @router.get("/{name}")

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 
-from gpuyard.api.auth import authenticated
+from gpuyard.api.auth import authenticated, team_listing
 from gpuyard.api.limits import NAME_LEN, REF_LEN
 from gpuyard.api.params import DeploymentId
 from gpuyard.auth import Principal, check_team, visible_team
@@ -23,6 +23,7 @@ router = APIRouter(prefix="/deployments", tags=["deployments"])
 
 @router.get("")
 def deployments(
+    request: Request,
     all: bool = Query(False, description="include stopped, failed and dead ones"),
     team: str | None = Query(None, max_length=NAME_LEN),
     principal: Principal = Depends(authenticated),
@@ -33,11 +34,13 @@ def deployments(
     """
     from gpuyard.serve.deploy import list_deployments
 
-    return list_deployments(all_=all, team=visible_team(principal, team))
+    team = visible_team(principal, team)
+    return team_listing(request, team, list_deployments(all_=all, team=team))
 
 
 @router.get("/alerts")
 def alerts(
+    request: Request,
     model: str | None = Query(None, max_length=REF_LEN),
     limit: int = Query(100, ge=1, le=1000),
     team: str | None = Query(None, max_length=NAME_LEN),
@@ -49,7 +52,8 @@ def alerts(
     """
     from gpuyard.serve.alerts import list_alerts
 
-    return list_alerts(model, limit, team=visible_team(principal, team))
+    team = visible_team(principal, team)
+    return team_listing(request, team, list_alerts(model, limit, team=team))
 
 
 def _own_deployment(principal: Principal, deployment_id: int) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from gpuyard.api.auth import authenticated
+from gpuyard.api.auth import authenticated, team_listing
 from gpuyard.api.limits import NAME_LEN
 from gpuyard.api.params import JobId, Offset
 from gpuyard.auth import Principal, check_team, visible_team
@@ -130,7 +130,7 @@ def list_jobs(
 ) -> list[dict[str, Any]]:
     """Jobs, newest first (a non-admin sees only their team's)."""
     team = visible_team(principal, team)
-    return list(_service(request).list_jobs(state=state, team=team, limit=limit))
+    return team_listing(request, team, list(_service(request).list_jobs(state=state, team=team, limit=limit)))
 
 
 @router.get("/{job_id}")

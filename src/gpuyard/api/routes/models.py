@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpuyard.api.auth import authenticated
+from gpuyard.api.auth import authenticated, team_listing
 from gpuyard.api.limits import NAME_LEN, WORD_LEN
 from gpuyard.api.params import Ref, Version
 from gpuyard.auth import Principal, check_team, visible_team
@@ -37,6 +37,7 @@ def _own_model(principal: Principal, name: str) -> None:
 
 @router.get("")
 def models(
+    request: Request,
     team: str | None = Query(None, max_length=NAME_LEN),
     principal: Principal = Depends(authenticated),
 ) -> list[dict[str, Any]]:
@@ -46,7 +47,8 @@ def models(
     """
     from gpuyard.models.registry import list_models
 
-    return list_models(team=visible_team(principal, team))
+    team = visible_team(principal, team)
+    return team_listing(request, team, list_models(team=team))
 
 
 @router.get("/{name}")

@@ -75,9 +75,9 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 class Checkpointer:
@@ -101,7 +101,12 @@ class Checkpointer:
         _barrier()
 
     def save(
-        self, step: int, app_state: dict[str, Any], rank_state: dict[str, Any], meta: dict[str, Any]
+        self,
+        step: int,
+        app_state: dict[str, Any],
+        rank_state: dict[str, Any],
+        meta: dict[str, Any],
+        group: Any = None,
     ) -> Path:
         """Write a checkpoint for `step`; returns its final folder (complete once this returns, or once
         the next save/`wait()` returns when saving asynchronously).
@@ -111,6 +116,8 @@ class Checkpointer:
             app_state: DCP state dict (model and optimizer, possibly sharded).
             rank_state: this rank's small state (torch.save'd; tensors, numbers, lists, dicts).
             meta: JSON-able facts written into the marker.
+            group: the process group of its collectives (a synchronous save; default: the default
+                group). A background thread passes a group of its own (in-memory checkpoints).
         """
         self.wait()
         final = self.root / step_dirname(step)
@@ -120,9 +127,9 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        _barrier()
+        _barrier(group)
         torch.save(rank_state, tmp / f"rank{self.rank}.pt")
-        if self.async_save:
+        if self.async_save and group is None:
             with _quiet_single_process():
                 future = dcp.async_save(
                     app_state, checkpoint_id=str(tmp), process_group=self._group, no_dist=_no_dist()
@@ -130,8 +137,8 @@ class Checkpointer:
             self._pending = (future, tmp, {"step": step, **meta})  # type: ignore[assignment]
         else:
             with _quiet_single_process():
-                dcp.save(app_state, checkpoint_id=str(tmp), no_dist=_no_dist())
-            self._finalize(tmp, {"step": step, **meta})
+                dcp.save(app_state, checkpoint_id=str(tmp), process_group=group, no_dist=_no_dist())
+            self._finalize(tmp, {"step": step, **meta}, group)
         return final
 
     def wait(self) -> None:
@@ -147,10 +154,10 @@ class Checkpointer:
             upload.result()
         self._finalize(tmp, meta)
 
-    def _finalize(self, tmp: Path, meta: dict[str, Any]) -> None:
+    def _finalize(self, tmp: Path, meta: dict[str, Any], group: Any = None) -> None:
         # dcp.save returns on rank 0 only after every rank's shards are written and .metadata is
         # saved; the barrier makes the per-rank files (written before it) visible too.
-        _barrier()
+        _barrier(group)
         if self.rank == 0:
             final = self.root / tmp.name[len(_TMP) :]
             (tmp / MARKER).write_text(json.dumps({**meta, "time": time.time()}))
@@ -159,7 +166,7 @@ class Checkpointer:
             tmp.rename(final)
             for old in list_checkpoints(self.root)[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
-        _barrier()
+        _barrier(group)
 
     def load(self, path: str | Path, app_state: dict[str, Any]) -> dict[str, Any]:
         """Load shards into `app_state` in place and return this rank's small state.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from gpuyard.errors import ConfigError
 from gpuyard.refs import import_ref
 from gpuyard.states import RunStatus, TrainOutcome
 from gpuyard.tracking.training import tracked_run_id
+from gpuyard.train.memory_checkpoint import SNAPSHOT_DIR_ENV
 from gpuyard.train.spec import TrainSpec, load_plan, load_spec
 from gpuyard.train.trainer import STATUS_FILE
 from gpuyard.train.worker import LAUNCHED_ENV
@@ -165,6 +167,30 @@ def read_status(run_dir: str | Path) -> dict[str, Any]:
         return {}
 
 
+SNAPSHOT_PREFIX = "gpuyard-snap-launch-"
+
+
+def snapshot_dir(base: Path | None = None) -> Path:
+    """The node's folder for in-memory snapshots of this launch, in /dev/shm (host memory).
+
+    The launcher owns it: it outlives the ranks and torchrun's restarts of them, and is removed when
+    torchrun exits. Folders left by launchers that no longer run (killed outright) are removed here.
+    """
+    if base is None:
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    for stale in base.glob(f"{SNAPSHOT_PREFIX}*"):
+        try:
+            pid = int(stale.name[len(SNAPSHOT_PREFIX) :])
+            os.kill(pid, 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True)
+        except PermissionError:  # another user's live launcher
+            continue
+    return base / f"{SNAPSHOT_PREFIX}{os.getpid()}"
+
+
 def launch(cfg: LaunchConfig, stdout: Any = None, stderr: Any = None) -> LaunchResult:
     """Start torchrun, forward SIGTERM/SIGINT to it, wait, and map the outcome to an exit code.
 
@@ -176,6 +202,11 @@ def launch(cfg: LaunchConfig, stdout: Any = None, stderr: Any = None) -> LaunchR
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / STATUS_FILE).unlink(missing_ok=True)
     env = {**os.environ, LAUNCHED_ENV: "1"}
+    snapshots = None
+    if spec.checkpoint.memory_every:
+        snapshots = snapshot_dir()
+        snapshots.mkdir(mode=0o700, parents=True, exist_ok=True)
+        env[SNAPSHOT_DIR_ENV] = str(snapshots)
     # A session of its own: a signal reaches torchrun once (through us), which then stops its workers.
     proc = subprocess.Popen(
         torchrun_command(cfg, spec, overrides),
@@ -199,6 +230,8 @@ def launch(cfg: LaunchConfig, stdout: Any = None, stderr: Any = None) -> LaunchR
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+        if snapshots is not None:
+            shutil.rmtree(snapshots, ignore_errors=True)
     status = read_status(run_dir)
     if status.get("status") in set(TrainOutcome):
         return LaunchResult(TrainOutcome(status["status"]).exit_code, status, run_dir)

@@ -26,6 +26,7 @@ from gpuyard.tracking.training import DbRunTracker, db_metric_key
 from gpuyard.train import components as comp
 from gpuyard.train.checkpoint import Checkpointer, latest_checkpoint, step_dirname
 from gpuyard.train.data import DataSource, call_factory, count_batch, make_source, split_batch, to_device
+from gpuyard.train.memory_checkpoint import MemoryCheckpointer, default_snapshot_dir, fill
 from gpuyard.train.metrics import DeviceStats, Progress, catalog_peak_tflops, model_flops_utilization
 from gpuyard.train.parallel import (
     build_pipeline,
@@ -136,6 +137,8 @@ class Trainer:
         self.last_metrics: dict[str, float] = {}
         self.stop_requested = False
         self.resumed_from: Path | None = None
+        self.resumed_source: str | None = None  # storage | memory (in-memory snapshots, own or a peer's)
+        self.memory: MemoryCheckpointer | None = None
 
     # ----- set-up -------------------------------------------------------------------------------
     def _build_model(self) -> nn.Module:
@@ -211,6 +214,10 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints", spec.checkpoint.keep, ctx.rank, spec.checkpoint.async_save
         )
+        if spec.checkpoint.memory_every:
+            self.memory = MemoryCheckpointer(
+                default_snapshot_dir(self.run_dir), ctx.rank, ctx.world_size, self.checkpointer
+            )
         main = ctx.rank == 0
         if self._tracker_arg is not None:
             self.tracker: Any = self._tracker_arg if main else NullTracker()
@@ -283,18 +290,39 @@ class Trainer:
             "data": self.train_source.state_dict(),
         }
 
-    def save_checkpoint(self, reason: str) -> Path:
-        """Write a checkpoint of the current step on every rank (collective)."""
-        last = latest_checkpoint(self.checkpointer.root)
-        if last is not None and last.name == step_dirname(self.step):
-            return last  # already saved at this step (e.g. every_steps, then the epoch end)
-        meta = {
+    def _meta(self, reason: str) -> dict[str, Any]:
+        return {
             "epoch": self.epoch,
             "reason": reason,
             "world_size": self.ctx.world_size,
             "layout": [self.ctx.layout.pp, self.ctx.layout.dp, self.ctx.layout.tp],
         }
-        path = self.checkpointer.save(self.step, self._app_state(), self._rank_state(), meta)
+
+    def snapshot(self) -> float:
+        """Take an in-memory snapshot of the current step (collective); returns the training stall
+        in seconds. Persisted to storage in the background when the step is a ``persist_every`` one."""
+        if self.memory is None:
+            raise RuntimeError("snapshot: checkpoint.memory_every is 0")
+        every = self.spec.checkpoint.persist_every
+        persist = bool(every) and self.step % every == 0
+        start = time.perf_counter()
+        if persist:
+            self.checkpointer.wait()  # an async storage save still pending: its finalize is collective
+        self.memory.snapshot(
+            self.step, self._app_state(), self._rank_state(), self._meta("persist_every"), persist
+        )
+        total = time.perf_counter() - start
+        self._event("memory_snapshot", step=self.step, stall_s=round(total, 6), persist=persist)
+        return total
+
+    def save_checkpoint(self, reason: str) -> Path:
+        """Write a checkpoint of the current step on every rank (collective)."""
+        if self.memory is not None:
+            self.memory.wait()  # a background persist may be writing into the same folder
+        last = latest_checkpoint(self.checkpointer.root)
+        if last is not None and last.name == step_dirname(self.step):
+            return last  # already saved at this step (e.g. every_steps, then the epoch end)
+        path = self.checkpointer.save(self.step, self._app_state(), self._rank_state(), self._meta(reason))
         self._event("checkpoint", step=self.step, path=str(path), reason=reason)
         self._callback("checkpoint")
         return path
@@ -303,21 +331,58 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         path = latest_checkpoint(self.checkpointer.root)
+        if self.memory is not None:
+            storage_step = -1 if path is None else int(path.name.split("-")[1])
+            restored = self.memory.restore(storage_step)
+            if restored is not None:
+                start = time.perf_counter()
+                app = fill(self._app_state(), restored.app)
+                set_state_dict(
+                    self.model,
+                    self.optimizer,
+                    model_state_dict=app["model"],
+                    optim_state_dict=app[self._optim_key],
+                )
+                self._set_rank_state(restored.rank_state)
+                self.resumed_from = self.memory.holder_dir
+                self.resumed_source = "memory"
+                self._event(
+                    "resume",
+                    step=self.step,
+                    epoch=self.epoch,
+                    source="memory",
+                    ranks={str(k): v for k, v in restored.sources.items()},
+                    storage_step=storage_step,
+                    seconds=round(restored.seconds + time.perf_counter() - start, 6),
+                )
+                return
         if path is None:
             return
+        start = time.perf_counter()
         app = self._app_state()
         state = self.checkpointer.load(path, app)
         set_state_dict(
             self.model, self.optimizer, model_state_dict=app["model"], optim_state_dict=app[self._optim_key]
         )
+        self._set_rank_state(state)
+        self.resumed_from = path
+        self.resumed_source = "storage"
+        self._event(
+            "resume",
+            step=self.step,
+            epoch=self.epoch,
+            path=str(path),
+            source="storage",
+            seconds=round(time.perf_counter() - start, 6),
+        )
+
+    def _set_rank_state(self, state: dict[str, Any]) -> None:
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.batches_in_epoch = int(state["batches_in_epoch"])
         self.best, self.bad_validations = state["best"], int(state["bad_validations"])
         self.scheduler.load_state_dict(state["scheduler"])
         comp.set_rng_state(state["rng"])
         self.train_source.load_state_dict(state["data"])
-        self.resumed_from = path
-        self._event("resume", step=self.step, epoch=self.epoch, path=str(path))
 
     # ----- events -------------------------------------------------------------------------------
     def _event(self, name: str, **fields: Any) -> None:
@@ -476,6 +541,8 @@ class Trainer:
             tick = now
             if spec.checkpoint.every_steps and self.step % spec.checkpoint.every_steps == 0:
                 self.save_checkpoint("every_steps")
+            if spec.checkpoint.memory_every and self.step % spec.checkpoint.memory_every == 0:
+                self.snapshot()
             if (
                 spec.val_every_steps
                 and self.step % spec.val_every_steps == 0
@@ -545,6 +612,8 @@ class Trainer:
         return TrainOutcome.COMPLETED
 
     def _finish(self, status: TrainOutcome) -> TrainResult:
+        if self.memory is not None:
+            self.memory.wait()
         self.checkpointer.wait()
         last = latest_checkpoint(self.checkpointer.root)
         at_last = last is not None and int(last.name.split("-")[1]) == self.step
@@ -579,6 +648,10 @@ class Trainer:
         self.tracker.finish(status)
         if self.ctx.world_size > 1:
             dist.barrier()
+        if self.memory is not None:
+            # The run ended on its own and wrote a storage checkpoint where it could resume: the
+            # snapshots are no longer needed (every rank is past the barrier).
+            self.memory.close()
         return TrainResult(status, self.step, self.epoch, self.run_dir, last, dict(self.last_metrics))
 
     def close(self) -> None:

@@ -1,0 +1,147 @@
+"""In-memory checkpoints in one process: the restore plan, crash -> resume from host memory (bit-equal),
+background persists to storage, fallback to storage when the snapshots are gone, spec checks."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpuyard.errors import ConfigError
+from gpuyard.tracking.files import read_metrics
+from gpuyard.train.checkpoint import latest_checkpoint, list_checkpoints, read_marker
+from gpuyard.train.memory_checkpoint import (
+    SNAPSHOT_DIR_ENV,
+    Holding,
+    fill,
+    parse_name,
+    plan_restore,
+    snapshot_name,
+)
+from gpuyard.train.spec import parse_spec
+from gpuyard.train.trainer import Trainer
+
+from .conftest import run, weights
+
+pytestmark = pytest.mark.unit
+
+MEMORY = {"every_steps": 0, "at_epoch_end": False, "memory_every": 2}
+
+
+class Crash(RuntimeError):
+    """What the test callback raises to end a run the way a dead process would (no checkpoint)."""
+
+
+def crash_at(step: int) -> Any:
+    def callback(trainer: Trainer, event: str) -> None:
+        if event == "step" and trainer.step == step:
+            assert trainer.memory is not None
+            trainer.memory.wait()  # the last snapshot's background work is done, as in a real failure later
+            raise Crash(f"crash at step {step}")
+
+    return callback
+
+
+@pytest.fixture
+def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The node's snapshot folder, as the launcher hands it to the ranks."""
+    folder = tmp_path / "shm"
+    monkeypatch.setenv(SNAPSHOT_DIR_ENV, str(folder))
+    return folder
+
+
+def _resumes(run_dir: Path) -> list[dict[str, Any]]:
+    return [e for e in read_metrics(run_dir) if e["event"] == "resume"]
+
+
+def test_plan_prefers_the_newest_step_every_rank_can_get() -> None:
+    h = Holding
+    inventories = [
+        [h(0, 4, 2), h(0, 6, 2), h(1, 4, 2), h(1, 6, 2)],  # rank 0: its own and rank 1's replica
+        [h(1, 4, 2)],  # rank 1 lost step 6 (killed while writing it)
+    ]
+    assert plan_restore(inventories, 2, storage_step=-1) == (6, {0: 0, 1: 0})
+    # Storage newer than every snapshot: storage wins; as new: memory (faster).
+    assert plan_restore(inventories, 2, storage_step=8) is None
+    assert plan_restore(inventories, 2, storage_step=6) == (6, {0: 0, 1: 0})
+    # Rank 1's state at step 6 held nowhere: the newest complete step is 4, rank 1 from its own.
+    assert plan_restore([[h(0, 6, 2), h(0, 4, 2), h(1, 4, 2)], [h(1, 4, 2)]], 2, -1) == (4, {0: 0, 1: 1})
+    # Snapshots of another world size are never used; nothing held is a fresh start.
+    assert plan_restore([[h(0, 6, 4)], [h(1, 6, 4)]], 2, -1) is None
+    assert plan_restore([[], []], 2, -1) is None
+
+
+def test_snapshot_names_round_trip() -> None:
+    holding = Holding(owner=3, step=120, world_size=8)
+    assert parse_name(snapshot_name(holding)) == holding
+    assert parse_name(".tmp-" + snapshot_name(holding)) is None
+
+
+def test_fill_copies_in_place_and_refuses_another_shape() -> None:
+    live = {"w": torch.zeros(3), "groups": [{"lr": 0.1}]}
+    target = live["w"]
+    out = fill(live, {"w": torch.ones(3), "groups": [{"lr": 0.5}]})
+    assert out["w"] is target and torch.equal(target, torch.ones(3))
+    assert out["groups"][0]["lr"] == 0.5
+    with pytest.raises(ValueError, match="/w"):
+        fill(live, {"w": torch.ones(4), "groups": [{"lr": 0.5}]})
+
+
+def test_crash_resumes_from_host_memory_bit_equal(spec_factory, shm: Path) -> None:
+    whole_t, whole = run(spec_factory("whole", checkpoint=MEMORY))
+    spec = spec_factory("crashed", checkpoint=MEMORY)
+    with pytest.raises(Crash):
+        run(spec, callbacks=[crash_at(7)])
+    assert latest_checkpoint(spec.resolved_run_dir() / "checkpoints") is None  # nothing on storage
+    resumed, second = run(spec)
+    assert resumed.resumed_source == "memory"
+    [event] = _resumes(spec.resolved_run_dir())
+    assert event["step"] == 6 and event["source"] == "memory" and event["ranks"] == {"0": "memory"}
+    assert second.status == "completed" and second.step == whole.step
+    for key, value in weights(whole_t).items():
+        assert torch.equal(weights(resumed)[key], value), key
+    # A run that ended on its own drops its snapshots.
+    assert not any(shm.rglob("*.snap"))
+
+
+def test_persisted_snapshot_is_an_ordinary_checkpoint_and_the_fallback(spec_factory, shm: Path) -> None:
+    whole_t, _ = run(spec_factory("whole"))
+    spec = spec_factory("crashed", checkpoint={**MEMORY, "persist_every": 4, "keep": 5})
+    with pytest.raises(Crash):
+        run(spec, callbacks=[crash_at(11)])
+    root = spec.resolved_run_dir() / "checkpoints"
+    assert [p.name for p in list_checkpoints(root)] == ["step-000000004", "step-000000008"]
+    assert read_marker(list_checkpoints(root)[-1])["reason"] == "persist_every"
+    # The node is gone with its memory: the restart resumes from the persisted step 8.
+    shutil.rmtree(shm)
+    resumed, _ = run(spec)
+    [event] = _resumes(spec.resolved_run_dir())
+    assert event["source"] == "storage" and event["step"] == 8
+    assert resumed.resumed_from == root / "step-000000008"
+    for key, value in weights(whole_t).items():
+        assert torch.equal(weights(resumed)[key], value), key
+
+
+def test_memory_newer_than_storage_wins(spec_factory, shm: Path) -> None:
+    spec = spec_factory("crashed", checkpoint={**MEMORY, "persist_every": 4})
+    with pytest.raises(Crash):
+        run(spec, callbacks=[crash_at(7)])
+    run(spec)
+    [event] = _resumes(spec.resolved_run_dir())
+    assert event == {**event, "source": "memory", "step": 6, "storage_step": 4}
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "message"),
+    [
+        ({"persist_every": 4}, "persist_every needs memory_every"),
+        ({"memory_every": 3, "persist_every": 4}, "must be a multiple of memory_every=3"),
+        ({"memory_every": -1}, "checkpoint.memory_every"),
+    ],
+)
+def test_spec_checks_the_memory_options(checkpoint: dict[str, int], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_spec({"checkpoint": checkpoint})

@@ -7,7 +7,7 @@ hangs costs a timeout, not the server. The child:
 1. multiplies two random ``size x size`` FP32 matrices (TF32 off) twice; the two results must be
    bit-identical (same inputs, same kernel: a difference is silent data corruption), and 64 rows are
    compared with the same product in FP64 on the CPU (largest error relative to the largest value);
-2. times ``iters`` more GEMMs with CUDA events (TFLOP/s);
+2. times ``iters`` more GEMMs (TFLOP/s, wall clock between two synchronisations);
 3. fills ``memory_mb`` MiB with address-derived 32-bit words and their complement, and counts the
    words that read back wrong.
 
@@ -28,14 +28,15 @@ from typing import Any
 from gpuyard.hardware.health import SelfTestResult
 
 
-def _run(size: int, memory_mb: int, iters: int) -> dict[str, Any]:
+def _run(size: int, memory_mb: int, iters: int, device: str = "cuda") -> dict[str, Any]:
     import torch
 
-    if not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         return {"ok": None, "error": "CUDA is not available"}
     start = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = False
-    dev = torch.device("cuda:0")
+    dev = torch.device("cuda:0" if device == "cuda" else device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     gen = torch.Generator(device=dev).manual_seed(1234)
     a = torch.randn(size, size, device=dev, generator=gen)
     b = torch.randn(size, size, device=dev, generator=gen)
@@ -45,24 +46,24 @@ def _run(size: int, memory_mb: int, iters: int) -> dict[str, Any]:
     rows = min(64, size)
     ref = a[:rows].double().cpu() @ b.double().cpu()
     rel_err = float((c1[:rows].double().cpu() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
+    sync()
+    t0 = time.perf_counter()
     for _ in range(iters):
         torch.mm(a, b, out=c2)
-    end.record()
-    torch.cuda.synchronize()
-    tflops = 2 * size**3 * iters / (begin.elapsed_time(end) / 1e3) / 1e12
+    sync()
+    tflops = 2 * size**3 * iters / max(time.perf_counter() - t0, 1e-9) / 1e12
     del a, b, c1, c2
     errors = 0
     words = memory_mb * 2**20 // 4
     if words:
-        pattern = torch.arange(words, dtype=torch.int32, device=dev) * 2654435761 % 2**31
+        # Address-derived words (Knuth's multiplicative hash, wrapping in int32) and their complement.
+        pattern = torch.arange(words, dtype=torch.int32, device=dev) * -1640531535
         buf = pattern.clone()
         errors += int((buf != pattern).sum().item())
         buf = ~pattern
         errors += int((buf != ~pattern).sum().item())
         del buf, pattern
-    torch.cuda.synchronize()
+    sync()
     ok = mismatches == 0 and errors == 0
     return {
         "ok": ok,
@@ -76,7 +77,12 @@ def _run(size: int, memory_mb: int, iters: int) -> dict[str, Any]:
 
 
 def selftest_gpu(
-    gpu: int, size: int = 4096, memory_mb: int = 512, timeout_s: float = 120.0, iters: int = 10
+    gpu: int,
+    size: int = 4096,
+    memory_mb: int = 512,
+    timeout_s: float = 120.0,
+    iters: int = 10,
+    device: str = "cuda",
 ) -> SelfTestResult:
     """Self-test GPU ``gpu`` (an index as NVML and CUDA_VISIBLE_DEVICES count it) in a child process.
 
@@ -86,7 +92,7 @@ def selftest_gpu(
     """
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     argv = [sys.executable, "-m", "gpuyard.hardware.selftest", "--size", str(size)]
-    argv += ["--memory-mb", str(memory_mb), "--iters", str(iters)]
+    argv += ["--memory-mb", str(memory_mb), "--iters", str(iters), "--device", device]
     start = time.perf_counter()
     try:
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -109,8 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--memory-mb", type=int, default=512)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--device", default="cuda", help="cuda (the test), or cpu (to test the test)")
     args = parser.parse_args(argv)
-    print(json.dumps(_run(args.size, args.memory_mb, args.iters)), flush=True)
+    print(json.dumps(_run(args.size, args.memory_mb, args.iters, args.device)), flush=True)
 
 
 if __name__ == "__main__":

@@ -508,3 +508,24 @@ def load_health_config(path: str | None) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"health config {path}: expected a mapping")
     return load_check_config(dict(data.get("health", data)))
+
+
+def local_health_monitor(service: Any, config_path: str | None = None) -> NodeHealthMonitor | None:
+    """The health monitor of the machine a local-executor server runs on, to set as ``service.health``.
+
+    None when there is nothing real to check: more than one node (a Ray cluster's workers are other
+    machines), or a node of pretended GPUs (``--gpus N``).
+
+    Args:
+        service: the :class:`gpuyard.scheduler.service.JobService`.
+        config_path: a YAML file of :class:`gpuyard.hardware.health.NodeCheckConfig` fields (or with
+            them under ``health:``); None: the defaults.
+
+    Raises:
+        ConfigError: the config file is unreadable or wrong (checked even when no monitor results).
+    """
+    config = load_health_config(config_path)
+    nodes = service.nodes
+    if len(nodes) != 1 or not nodes[0].gpus or nodes[0].gpu_type == FAKE_GPU_TYPE:
+        return None
+    return NodeHealthMonitor(service.node_states, nodes[0].name, config)

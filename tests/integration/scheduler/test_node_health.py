@@ -178,3 +178,16 @@ def test_health_config_file(tmp_path: Path) -> None:
     path.write_text("interval: 15\n")
     with pytest.raises(ConfigError, match="unknown keys \\['interval'\\]"):
         load_health_config(str(path))
+
+
+def test_the_server_checks_only_a_real_local_node(service: Any, gpuyard_home: Path) -> None:
+    from dataclasses import replace
+
+    from gpuyard.scheduler.nodes import local_health_monitor
+
+    assert local_health_monitor(service) is None  # two nodes: not this machine alone
+    service.nodes = [replace(service.nodes[0], gpu_type="H100")]
+    monitor = local_health_monitor(service)
+    assert monitor is not None and monitor.node == "n1" and monitor.config.interval_s == 60
+    service.nodes = [replace(service.nodes[0], gpu_type="fake-gpu")]
+    assert local_health_monitor(service) is None

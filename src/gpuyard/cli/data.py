@@ -11,6 +11,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gpuyard.errors import ConfigError
@@ -120,19 +121,34 @@ def ingest_cmd(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Ingest a source into a new immutable version (bad rows go to the quarantine, with reasons)."""
+    """Ingest a source into a new immutable version (bad rows go to the quarantine, with reasons).
+
+    Prints a schema summary (column, type, nulls, warnings); a text column that is numbers but for a
+    few values becomes numeric, those rows quarantined with the value as the file held it. An empty
+    source (a header-only CSV) is refused.
+    """
     import yaml
 
     from gpuyard.data import IngestOptions, ValidationSpec, ingest
+    from gpuyard.data.infer import schema_summary
+    from gpuyard.data.sources import check_text_file, one_line
 
     spec = ValidationSpec()
     if checks is not None:
+        if not checks.is_file():
+            raise ConfigError(f"--checks {checks}: file not found")
+        try:
+            check_text_file(checks, "YAML")
+        except ConfigError as exc:
+            raise ConfigError(f"--checks {exc}") from exc
         try:
             spec = ValidationSpec.model_validate(yaml.safe_load(checks.read_text()) or {})
-        except FileNotFoundError as exc:
-            raise ConfigError(f"--checks {checks}: file not found") from exc
+        except yaml.MarkedYAMLError as exc:  # file:line:column of the problem, as compilers say it
+            mark = exc.problem_mark or exc.context_mark
+            where = f"{checks}:{mark.line + 1}:{mark.column + 1}" if mark else str(checks)
+            raise ConfigError(f"--checks {where}: {one_line(str(exc.problem or exc))}") from exc
         except Exception as exc:  # pydantic or YAML: one line naming the file
-            raise ConfigError(f"--checks {checks}: {exc}".splitlines()[0]) from exc
+            raise ConfigError(f"--checks {checks}: {one_line(str(exc))}") from exc
     label_set: list[Any] | None = None
     if labels:
         label_set = [x.strip() for x in labels.split(",") if x.strip()]
@@ -147,10 +163,34 @@ def ingest_cmd(
     with _progress(not as_json) as report:
         version = ingest(src, name, opts, progress=report, team=team)
     doc = _summary(version.manifest)
+    doc["schema"] = schema_summary(version.manifest)
     if as_json:
+        _warn_schema(doc["schema"])
         typer.echo(json.dumps(doc))
     else:
         _print_summary(doc)
+        _print_schema(doc["schema"])
+
+
+def _print_schema(rows: list[dict[str, Any]]) -> None:
+    """The schema summary: column, type, nulls, warnings (in yellow)."""
+    table = Table("column", "type", "nulls", "warnings")
+    for r in rows:
+        warned = escape("; ".join(r["warnings"]))
+        table.add_row(
+            r["column"], str(r["type"]), str(r["nulls"]), f"[yellow]{warned}[/yellow]" if warned else "-"
+        )
+    Console().print(table)
+
+
+def _warn_schema(rows: list[dict[str, Any]]) -> None:
+    """Each warning of the schema summary as a line on stderr (with --json, where no table is printed)."""
+    err = Console(stderr=True)
+    for r in rows:
+        for w in r["warnings"]:
+            err.print(
+                f"[yellow]warning:[/yellow] column {escape(repr(r['column']))}: {escape(w)}", soft_wrap=True
+            )
 
 
 @data_app.command("transform")
@@ -246,6 +286,13 @@ def show_cmd(
             str(s.get("distinct", "")),
         )  # fmt: skip
     console.print(table)
+    from gpuyard.data.infer import schema_summary
+
+    for r in schema_summary(version.manifest):
+        for w in r["warnings"]:
+            console.print(
+                f"[yellow]warning:[/yellow] column {escape(repr(r['column']))}: {escape(w)}", soft_wrap=True
+            )
     if version.fitted:
         console.print("fitted: " + json.dumps(version.fitted)[:2000])
 

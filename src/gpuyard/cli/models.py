@@ -7,9 +7,22 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from gpuyard.cli.runs import console, fmt
+from gpuyard.models.features import describe
+
+
+def print_feature_warnings(features: dict[str, Any]) -> None:
+    """One warning line on stderr per column a fit, cv or tune left out (see gpuyard.models.features)."""
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    for name, why in (features.get("dropped") or {}).items():
+        line = f"[yellow]warning:[/yellow] column {escape(repr(name))} not used: {escape(why)}"
+        err.print(line, soft_wrap=True)
+
 
 models_app = typer.Typer(
     help="The model registry: versions, lineage, aliases, stages, promotion.", no_args_is_help=True
@@ -40,14 +53,17 @@ def fit_cmd(
         "run_id": result.run_id,
         "status": result.status,
         "evaluations": result.evaluations,
+        "features": result.features,
     }
     if register_as:
         doc["registered"] = register_from_run(register_as, result.run_id).ref
+    print_feature_warnings(result.features)
     if as_json:
         typer.echo(json.dumps(doc))
         return
     con = console()
     con.print(f"run {result.run_id[:8]} {result.status}")
+    con.print(escape(describe(result.features)), soft_wrap=True)
     for split, metrics in result.evaluations.items():
         con.print(f"  {split:>10}: " + ", ".join(f"{k}={fmt(v)}" for k, v in metrics.items()))
     if register_as:

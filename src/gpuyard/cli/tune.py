@@ -9,7 +9,11 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+from gpuyard.cli.models import print_feature_warnings
+from gpuyard.models.features import describe
 
 STATE_STYLE = {"COMPLETE": "green", "PRUNED": "yellow", "FAIL": "red", "RUNNING": "cyan", "WAITING": "dim"}
 
@@ -67,6 +71,7 @@ def tune_cmd(
     title = f"{model_spec.name}: {model_spec.metric} ({model_spec.resolved_direction})"
     if as_json:
         result = tune(model_spec, executor_name=executor)
+        print_feature_warnings(result.features)
         typer.echo(json.dumps(result.__dict__))
         return
     console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -80,6 +85,8 @@ def tune_cmd(
         )
     if not console.is_terminal:  # Live leaves its last frame without a line end when not on a terminal
         console.line()
+    console.print(escape(describe(result.features)), soft_wrap=True)
+    print_feature_warnings(result.features)
     console.print(
         f"best trial run {result.best_run_id[:8]}: validation {model_spec.metric}={result.best_value:.4f} "
         f"params {json.dumps(result.best_params)}"
@@ -111,6 +118,7 @@ def cv_cmd(
     model_spec = load_spec(spec)
     params = params_of_run(params_from) if params_from else {}
     result = cross_validate(model_spec, params, folds=folds, parallel=parallel, executor_name=executor)
+    print_feature_warnings(result.features)
     if as_json:
         typer.echo(json.dumps(result.__dict__))
         return
@@ -124,6 +132,7 @@ def cv_cmd(
         table.add_row(name, f"{mean:.4f}", f"{std:.4f}", *(f"{v:.4f}" for v in result.per_fold[name]))
     console = Console() if sys.stdout.isatty() else Console(width=200)
     console.print(table)
+    console.print(escape(describe(result.features)), soft_wrap=True)
     console.print(f"cv run {result.run_id[:8]}")
 
 

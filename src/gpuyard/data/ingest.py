@@ -8,6 +8,7 @@ from typing import Any
 
 from gpuyard.data.catalog import check_new_version_team, record_version
 from gpuyard.data.dataset import DatasetVersion, open_dataset
+from gpuyard.data.infer import NUMERIC_SHARE, infer_types
 from gpuyard.data.manifest import build_manifest, store_quarantine
 from gpuyard.data.shards import DEFAULT_SHARD_BYTES, split_table, store_shard
 from gpuyard.data.sources import Progress, detect_format, read_source
@@ -48,10 +49,16 @@ def ingest(
 ) -> DatasetVersion:
     """Ingest ``src`` as a new version of dataset ``name`` and return it (the same version if unchanged).
 
+    Text columns of a CSV or JSONL source that are numbers but for a few values become numeric, and
+    the rows with those values go to the quarantine (the rule: :mod:`gpuyard.data.infer`); what was
+    inferred is recorded in the manifest's ``recipe.inference``.
+
     A new dataset belongs to ``team`` (default: ``default``); a new version keeps its dataset's team.
 
     Raises:
-        ConfigError: bad name, format, or checks naming columns the source lacks.
+        ConfigError: bad name, format, or checks naming columns the source lacks; a source with no
+            rows, or whose every row was quarantined (no empty versions are recorded); a binary file
+            given as CSV or JSONL.
         ConflictError: ``team`` is not the team of the dataset ``name`` already recorded.
         NotFoundError: ``src`` does not exist.
     """
@@ -69,7 +76,19 @@ def ingest(
     spec = spec.model_copy(update={"label_column": label, "labels": opts.labels or spec.labels})
     source = read_source(path, fmt, opts.image_size, progress)
     check_schema(source.table.schema, spec)
-    cleaned = clean(source.table, spec, source.bad)
+    if source.table.num_rows == 0:
+        what = "only a header" if fmt == "csv" else "no rows"
+        raise ConfigError(f"{path} has {what}: an empty dataset is not recorded")
+    declared = {n for n, c in spec.columns.items() if c.type is not None}
+    guesses = infer_types(source.table, fmt, declared)
+    numeric = {n: g.type for n, g in guesses.items() if g.type is not None}
+    cleaned = clean(source.table, spec, source.bad, numeric)
+    if cleaned.kept.num_rows == 0:
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(cleaned.by_reason.items(), key=lambda kv: -kv[1]))
+        raise ConfigError(
+            f"{path}: all {cleaned.rows_in} rows were quarantined ({reasons}); an empty dataset is not "
+            "recorded: fix the data or the checks"
+        )
     artifacts = get_artifacts()
     shards, parts = [], []
     pieces = list(split_table(cleaned.kept, opts.shard_bytes))
@@ -97,6 +116,10 @@ def ingest(
             "shard_bytes": opts.shard_bytes,
             "image_size": list(opts.image_size) if opts.image_size else None,
             "imputed": cleaned.imputed,
+            "inference": {
+                "rule": f"text columns with >= {NUMERIC_SHARE:.0%} numbers are numeric",
+                "columns": {n: g.to_json() for n, g in sorted(guesses.items())},
+            },
         },
         quarantine=quarantine,
         label_column=label,

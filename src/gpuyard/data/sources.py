@@ -19,6 +19,10 @@ from gpuyard.data.columns import tensor_array, tensor_field, with_tensor
 from gpuyard.errors import ConfigError, IntegrityError, NotFoundError
 
 FORMATS = ("csv", "parquet", "jsonl", "npy", "npz", "images")
+# Suffixes the CSV and JSON readers decompress by themselves: their bytes are not text.
+COMPRESSED_SUFFIXES = {".gz", ".bz2", ".zst", ".lz4", ".br"}
+# Bytes looked at to tell text from binary.
+SNIFF_BYTES = 64 * 1024
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 # 2-D NumPy arrays up to this width become one column per feature (tabular); wider ones a tensor column.
 MAX_SPLIT_WIDTH = 1024
@@ -62,6 +66,8 @@ def read_source(
         raise ConfigError(f"format {fmt!r} unknown; use one of {', '.join(FORMATS)}")
     if fmt == "images":
         return _read_images(src, image_size, progress)
+    if fmt in ("csv", "jsonl") and src.suffix.lower() not in COMPRESSED_SUFFIXES:
+        check_text_file(src, fmt.upper() if fmt == "csv" else "JSON lines")
     try:
         if fmt == "csv":
             import pyarrow.csv as pcsv
@@ -76,8 +82,44 @@ def read_source(
 
             return SourceTable(pjson.read_json(src))
     except (pa.ArrowInvalid, OSError) as exc:
-        raise ConfigError(f"{src} is not valid {fmt}: {exc}") from exc
+        raise ConfigError(f"{src} is not valid {fmt}: {one_line(str(exc))}") from exc
     return SourceTable(_read_numpy(src, fmt))
+
+
+def check_text_file(path: Path, what: str) -> None:
+    """Refuse a file that is not UTF-8 text (an executable, an image, a zip given as CSV or YAML).
+
+    Looks at the first ``SNIFF_BYTES``: a NUL byte, or bytes that are not UTF-8, mean binary.
+
+    Raises:
+        ConfigError: one line naming the file, what it was given as, and the first offending offset.
+        NotFoundError: no such file.
+    """
+    import codecs
+
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(SNIFF_BYTES)
+    except FileNotFoundError as exc:
+        raise NotFoundError(f"{path} does not exist") from exc
+    except IsADirectoryError as exc:
+        raise ConfigError(f"{path} is a directory, not a {what} file") from exc
+    nul = head.find(b"\0")
+    if nul >= 0:
+        raise ConfigError(f"{path} is a binary file, not {what} text (a NUL byte at offset {nul})")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < SNIFF_BYTES)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path} is not {what} text: bytes at offset {exc.start} are not UTF-8 (binary, or another "
+            "encoding: convert it to UTF-8)"
+        ) from exc
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """``text`` on one line of printable characters, at most ``limit`` long (for error messages)."""
+    flat = " ".join("".join(c if c.isprintable() or c.isspace() else "?" for c in text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def _read_numpy(src: Path, fmt: str) -> pa.Table:

@@ -1,8 +1,9 @@
 """Cleaning and validation: schema, types, nulls, duplicates, ranges and label sets.
 
 Nothing is dropped silently: each failing row goes to the quarantine with the first reason it failed
-(``null:age``, ``range:age``, ``type:age``, ``label``, ``duplicate``, ``image``), and
-``rows_in == rows_kept + rows_quarantined`` always holds (checked before a version is recorded).
+(``null:age``, ``range:age``, ``type:age``, ``label``, ``duplicate``, ``image``) and its values as
+read (a bad ``"n/a"`` stays ``"n/a"``), and ``rows_in == rows_kept + rows_quarantined`` always holds
+(checked before a version is recorded).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuyard.data.columns import column_kind
+from gpuyard.data.infer import INTEGER_RE as _INTEGER_RE
+from gpuyard.data.infer import NUMBER_RE as _NUMBER_RE
 from gpuyard.errors import ConfigError, IntegrityError
 
-_NUMBER_RE = r"^\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$"
 _TYPES = {"int": pa.int64(), "float": pa.float64(), "str": pa.string(), "bool": pa.bool_()}
 QUARANTINE_SCHEMA = pa.schema([("row", pa.int64()), ("reason", pa.string()), ("values", pa.string())])
 
@@ -72,14 +74,25 @@ def check_schema(schema: pa.Schema, spec: ValidationSpec) -> None:
         )
 
 
-def clean(table: pa.Table, spec: ValidationSpec, extra_bad: dict[int, str] | None = None) -> Cleaned:
-    """Apply ``spec`` to ``table``; ``extra_bad`` maps row indices already known bad to a reason."""
+def clean(
+    table: pa.Table,
+    spec: ValidationSpec,
+    extra_bad: dict[int, str] | None = None,
+    inferred: dict[str, str] | None = None,
+) -> Cleaned:
+    """Apply ``spec`` to ``table``; ``extra_bad`` maps row indices already known bad to a reason.
+
+    ``inferred`` maps text columns to the numeric type inference chose for them (``int``/``float``,
+    see :mod:`gpuyard.data.infer`); they are converted as a type in the checks would be. Quarantined
+    rows keep their values as read, before any conversion or imputation (``"unknown"``, not null).
+    """
     check_schema(table.schema, spec)
+    raw = table
     n = table.num_rows
     reasons = _Reasons(n)
     for idx, why in (extra_bad or {}).items():
         reasons.mark_one(idx, why)
-    table = _coerce_types(table, spec, reasons)
+    table = _coerce_types(table, spec, reasons, inferred)
     table, imputed = _impute(table, spec)
     for name in table.column_names:
         check = spec.columns.get(name)
@@ -92,7 +105,7 @@ def clean(table: pa.Table, spec: ValidationSpec, extra_bad: dict[int, str] | Non
         _mark_duplicates(table, reasons)
     bad = reasons.codes > 0
     kept = table.filter(pa.array(~bad))
-    quarantine = _quarantine_table(table, bad, reasons)
+    quarantine = _quarantine_table(raw, bad, reasons)
     by_reason = reasons.counts()
     if kept.num_rows + quarantine.num_rows != n:
         raise IntegrityError(f"row accounting broke: {n} in, {kept.num_rows} kept, {quarantine.num_rows} out")
@@ -137,29 +150,58 @@ def _mark(reasons: _Reasons, bad: np.ndarray, why: str) -> None:
     reasons.mark(bad, why)
 
 
-def _coerce_types(table: pa.Table, spec: ValidationSpec, reasons: _Reasons) -> pa.Table:
-    for name, check in spec.columns.items():
-        if check.type is None:
-            continue
-        col, target = table.column(name), _TYPES[check.type]
+def _coerce_types(
+    table: pa.Table, spec: ValidationSpec, reasons: _Reasons, inferred: dict[str, str] | None = None
+) -> pa.Table:
+    wanted: dict[str, str] = {n: c.type for n, c in spec.columns.items() if c.type is not None}
+    for name, kind in (inferred or {}).items():
+        wanted.setdefault(name, kind)  # a type in the checks wins over inference
+    for name, kind in wanted.items():
+        col, target = table.column(name), _TYPES[kind]
         if col.type == target:
             continue
-        if column_kind(table.schema.field(name)) == "string" and check.type in ("int", "float"):
+        if column_kind(table.schema.field(name)) == "string" and kind in ("int", "float"):
             # Text in a numeric column (a CSV cell like "n/a"): quarantine the row, keep the rest.
-            ok = _np(pc.match_substring_regex(col, _NUMBER_RE))
-            is_null = np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=bool)
-            _mark(reasons, ~ok & ~is_null, f"type:{name}")
-            col = pc.if_else(pa.array(ok), col, pa.scalar(None, col.type))
-            col = pc.cast(pc.cast(col, pa.float64()), target, safe=check.type == "float")
+            col = _text_to_number(col, kind, name, reasons)
         else:
             try:
                 col = pc.cast(col, target)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-                raise ConfigError(
-                    f"column {name!r} ({col.type}) cannot be read as {check.type}: {exc}"
-                ) from exc
+                raise ConfigError(f"column {name!r} ({col.type}) cannot be read as {kind}: {exc}") from exc
         table = table.set_column(table.schema.get_field_index(name), name, col)
     return table
+
+
+def _text_to_number(col: pa.ChunkedArray, kind: str, name: str, reasons: _Reasons) -> pa.Array:
+    """A text column as int64 or float64; the rows whose value is not such a number are marked bad.
+
+    Blank cells are nulls (the null check decides about them); ``int`` takes whole numbers only
+    (``3`` or ``3.0``, not ``2.5``): nothing is truncated or rounded.
+    """
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(pa.string())
+    text = pc.utf8_trim_whitespace(col.combine_chunks())
+    text = pc.if_else(pc.equal(text, ""), pa.scalar(None, text.type), text)
+    is_null = np.asarray(text.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+    ok = _np(pc.match_substring_regex(text, _NUMBER_RE)) | is_null
+    numbers = pc.cast(pc.if_else(pa.array(ok), text, pa.scalar(None, text.type)), pa.float64())
+    if kind == "int":
+        values = np.asarray(numbers.to_numpy(zero_copy_only=False), dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            ok &= is_null | (np.floor(values) == values)
+    _mark(reasons, ~ok, f"type:{name}")
+    if kind == "float":
+        return numbers
+    good = pc.if_else(pa.array(ok), text, pa.scalar(None, text.type))
+    if bool(pc.all(pc.match_substring_regex(pc.drop_null(good), _INTEGER_RE)).as_py() is not False):
+        try:  # exact, also beyond 2**53
+            return pc.cast(pc.replace_substring_regex(good, r"^\+", ""), pa.int64())
+        except pa.ArrowInvalid:
+            pass  # beyond int64: through float64 below, which the cast refuses if it loses the value
+    try:
+        return pc.cast(pc.if_else(pa.array(ok), numbers, pa.scalar(None, pa.float64())), pa.int64())
+    except pa.ArrowInvalid as exc:
+        raise ConfigError(f"column {name!r} holds whole numbers beyond int64; declare it float") from exc
 
 
 def _impute(table: pa.Table, spec: ValidationSpec) -> tuple[pa.Table, dict[str, dict[str, Any]]]:

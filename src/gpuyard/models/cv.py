@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from gpuyard.errors import ConfigError
 from gpuyard.models.evaluate import Evaluation, record_evaluation
+from gpuyard.models.features import feature_usage
 from gpuyard.models.spec import ModelSpec, parse_spec
 from gpuyard.scheduler.executors.tasks import Task, TaskExecutor, get_executor
 from gpuyard.states import RunStatus
@@ -24,6 +25,7 @@ class CVResult:
     summary: dict[str, tuple[float, float]]
     per_fold: dict[str, list[float]]
     dataset_version: str
+    features: dict[str, Any] = field(default_factory=dict)
 
 
 def run_fold(
@@ -73,12 +75,21 @@ def cross_validate(
         raise ConfigError(f"cross-validation needs at least 2 folds, got {k}")
     params = params or {}
     ds = cached_dataset(spec.dataset)
+    usage = feature_usage(spec.dataset, ds)
+    tags: dict[str, Any] = {
+        "metric": spec.metric,
+        "direction": spec.resolved_direction,
+        "trainer": spec.trainer,
+        "features": list(usage.used),
+    }
+    if usage.dropped:
+        tags["dropped_features"] = usage.dropped
     tracker = start_run(
         f"{spec.name}-cv",
         experiment=spec.experiment,
         kind="cv",
         params={**spec.params, **params, "folds": k},
-        tags={"metric": spec.metric, "direction": spec.resolved_direction, "trainer": spec.trainer},
+        tags=tags,
         dataset_version=ds.version,
     )
     own = executor is None
@@ -118,4 +129,5 @@ def cross_validate(
     )
     record_evaluation(ev, run_id=tracker.run_id, dataset_version=ds.version)
     tracker.finish(RunStatus.FINISHED)
-    return CVResult(tracker.run_id, [r["run_id"] for r in results], summary, per_fold, ds.version)
+    fold_runs = [r["run_id"] for r in results]
+    return CVResult(tracker.run_id, fold_runs, summary, per_fold, ds.version, usage.to_json())

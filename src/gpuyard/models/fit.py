@@ -14,6 +14,7 @@ import numpy as np
 from gpuyard.models.builtin import Pruned, TrainContext
 from gpuyard.models.datasets import Dataset, Splits, load_dataset, pin_dataset, split_dataset
 from gpuyard.models.evaluate import Evaluation, evaluate, log_evaluation
+from gpuyard.models.features import feature_usage
 from gpuyard.models.flavors import as_predictor, save_model
 from gpuyard.models.signature import infer_signature
 from gpuyard.models.spec import ModelSpec
@@ -24,11 +25,16 @@ from gpuyard.tracking.store import DbTracker, start_run
 
 @dataclass(frozen=True)
 class FitResult:
-    """A finished fit: its run, and its metrics per split."""
+    """A finished fit: its run, its metrics per split, and the columns it trained on.
+
+    ``features`` is :meth:`~gpuyard.models.features.FeatureUsage.to_json`: the feature columns used
+    and the columns left out, each with the reason.
+    """
 
     run_id: str
     status: RunStatus
     evaluations: dict[str, dict[str, float]] = field(default_factory=dict)
+    features: dict[str, Any] = field(default_factory=dict)
 
     def score(self, split: str, metric: str) -> float | None:
         """The value of ``metric`` on ``split``, when evaluated."""
@@ -112,6 +118,10 @@ def fit(
 ) -> tuple[FitResult, Any]:
     """Train ``spec.trainer`` with ``spec.params`` updated by ``params``, as one tracked run.
 
+    The feature columns used, and any column left out with the reason, come back in the result's
+    ``features``, are logged as warnings, and are recorded on the run (tags ``features`` and
+    ``dropped_features``): see :mod:`gpuyard.models.features`.
+
     Args:
         spec: the model spec.
         params: overrides of ``spec.params`` (a trial's sampled values, a tuned best).
@@ -130,7 +140,15 @@ def fit(
     merged = {**spec.params, **(params or {})}
     task = spec.resolved_task
     ds, data = fold_splits(spec, *fold) if fold else spec_splits(spec)
-    tags = {"trainer": spec.trainer, "metric": spec.metric, "direction": spec.resolved_direction}
+    usage = feature_usage(spec.dataset, ds)
+    tags: dict[str, Any] = {
+        "trainer": spec.trainer,
+        "metric": spec.metric,
+        "direction": spec.resolved_direction,
+        "features": list(usage.used),
+    }
+    if usage.dropped:
+        tags["dropped_features"] = usage.dropped
     if fold:
         tags["fold"] = f"{fold[0]}/{fold[1]}"
     tracker = start_run(
@@ -161,12 +179,13 @@ def fit(
             log_model(tracker, model, task, sig)
     except Pruned:
         tracker.finish(RunStatus.PRUNED)
-        return FitResult(tracker.run_id, RunStatus.PRUNED), None
+        return FitResult(tracker.run_id, RunStatus.PRUNED, features=usage.to_json()), None
     except BaseException as exc:
         tracker.finish(RunStatus.FAILED, error=f"{type(exc).__name__}: {exc}"[:2000])
         raise
     tracker.finish(RunStatus.FINISHED)
-    return FitResult(tracker.run_id, RunStatus.FINISHED, {k: v.metrics for k, v in evals.items()}), model
+    metrics = {k: v.metrics for k, v in evals.items()}
+    return FitResult(tracker.run_id, RunStatus.FINISHED, metrics, usage.to_json()), model
 
 
 def load_run_model(run_ref: str) -> Any:

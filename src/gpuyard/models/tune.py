@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuyard.errors import ConfigError
+from gpuyard.models.features import feature_usage
 from gpuyard.models.spec import ModelSpec, SearchSpec, parse_spec
 from gpuyard.scheduler.executors.tasks import Task, TaskExecutor, get_executor
 from gpuyard.settings import Settings, load_settings
@@ -202,6 +203,7 @@ class TuneResult:
     best_value: float
     test_metrics: dict[str, float]
     trials: list[dict[str, Any]] = field(default_factory=list)
+    features: dict[str, Any] = field(default_factory=dict)
 
 
 def trial_rows(study: Any) -> list[dict[str, Any]]:
@@ -248,6 +250,7 @@ def tune(
         raise ConfigError(f"spec {spec.name!r} has no 'search' section to tune")
     spec = pinned_spec(spec)  # every trial reads this one version, whatever is ingested meanwhile
     ds, data = spec_splits(spec)
+    usage = feature_usage(spec.dataset, ds)
     tracker = start_run(
         f"{spec.name}-tune",
         experiment=spec.experiment,
@@ -265,6 +268,8 @@ def tune(
             "direction": spec.resolved_direction,
             "trainer": spec.trainer,
             "dataset_ref": spec.dataset,
+            "features": list(usage.used),
+            **({"dropped_features": usage.dropped} if usage.dropped else {}),
         },
     )
     study_name = f"{spec.name}-{tracker.run_id[:12]}"
@@ -336,6 +341,7 @@ def tune(
         float(best.value or 0.0),
         test_ev.metrics,
         rows,
+        usage.to_json(),
     )
 
 

@@ -96,6 +96,6 @@ def _why(version: Any, name: str, kind: str, arrow_type: str) -> str:
         return (
             f"it is text although {guess.share:.1%} of its values are numbers (e.g. "
             f"{', '.join(map(repr, guess.examples))}): declare 'type: float' for it in the ingest "
-            f"--checks to make it numeric, or {hint}"
+            f"--checks to make it numeric (its other rows are then quarantined), or {hint}"
         )
     return f"it is text, and a model takes numbers: {hint}"

@@ -1,4 +1,4 @@
-"""Column type inference for text sources (CSV, JSONL) that never degrades a column silently.
+"""Column type inference for CSV sources that never degrades a column silently.
 
 The reader guesses each column's type from its values, and one stray word ("unknown") among thousands
 of numbers makes it text: every number becomes a string and a model then cannot use the column. The
@@ -36,7 +36,10 @@ NUMERIC_SHARE = 0.95
 MOSTLY_NUMERIC = 0.5
 # Non-numbers quoted in a warning.
 EXAMPLES = 3
-TEXT_FORMATS = ("csv", "jsonl")
+# Only CSV is inferred: its cells are untyped text. JSON types its values (a quoted "00123" is meant
+# as text, and a field mixing numbers and strings is refused by the reader); Parquet and NumPy files
+# carry their writer's types.
+TEXT_FORMATS = ("csv",)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,12 @@ class ColumnGuess:
         return self.numbers / self.values if self.values else 0.0
 
     @property
+    def percent(self) -> str:
+        """The share as a percentage that never rounds up to 100 % while a value is not a number."""
+        text = f"{self.share:.1%}"
+        return ">99.9%" if text == "100.0%" and self.bad else text
+
+    @property
     def bad(self) -> int:
         """Non-empty values that are not numbers."""
         return self.values - self.numbers
@@ -70,12 +79,12 @@ class ColumnGuess:
         quoted = ", ".join(repr(x) for x in self.examples)
         if self.type is not None and self.bad:
             return (
-                f"inferred {self.type}: {self.share:.1%} of values are numbers; {self.bad} row(s) with "
+                f"inferred {self.type}: {self.percent} of values are numbers; {self.bad} row(s) with "
                 f"text quarantined as type:{name} (e.g. {quoted})"
             )
         if self.type is None and self.share >= MOSTLY_NUMERIC:
             return (
-                f"kept as text although {self.share:.1%} of values are numbers (below "
+                f"kept as text although {self.percent} of values are numbers (below "
                 f"{NUMERIC_SHARE:.0%}; e.g. {quoted}): a model will not use it; declare "
                 f"'columns: {{{name}: {{type: float}}}}' in --checks to make it numeric"
             )
@@ -118,8 +127,8 @@ def guess_column(col: pa.ChunkedArray | pa.Array) -> ColumnGuess:
 def infer_types(table: pa.Table, fmt: str, declared: set[str]) -> dict[str, ColumnGuess]:
     """Guesses for the text columns of ``table`` read from a ``fmt`` source.
 
-    Only text formats are inferred (a Parquet or NumPy file typed its columns itself); columns in
-    ``declared`` (a type in the checks) are left to the checks.
+    Only CSV is inferred (``TEXT_FORMATS``); columns in ``declared`` (a type in the checks) are left
+    to the checks.
     """
     if fmt not in TEXT_FORMATS:
         return {}

@@ -49,7 +49,7 @@ def ingest(
 ) -> DatasetVersion:
     """Ingest ``src`` as a new version of dataset ``name`` and return it (the same version if unchanged).
 
-    Text columns of a CSV or JSONL source that are numbers but for a few values become numeric, and
+    Text columns of a CSV source that are numbers but for a few values become numeric, and
     the rows with those values go to the quarantine (the rule: :mod:`gpuyard.data.infer`); what was
     inferred is recorded in the manifest's ``recipe.inference``.
 

@@ -118,13 +118,22 @@ def test_checks_decide_over_inference(gpuyard_home: Path, tmp_path: Path) -> Non
     assert v.manifest["quarantine"]["rows_quarantined"] == 0
 
 
-def test_parquet_columns_are_not_inferred(gpuyard_home: Path, tmp_path: Path) -> None:
+def test_typed_sources_are_not_inferred(gpuyard_home: Path, tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
     src = tmp_path / "t.parquet"
     pq.write_table(pa.table({"code": [str(i) for i in range(50)] + ["x"], "y": list(range(51))}), src)
     v = ingest(src, "t", IngestOptions(label_column="y"))
     assert {c["name"]: c["kind"] for c in v.manifest["schema"]}["code"] == "string"
+    js = tmp_path / "t.jsonl"
+    js.write_text("".join(f'{{"zip": "0{i:04d}", "y": {i}}}\n' for i in range(30)))
+    v = ingest(js, "j", IngestOptions(label_column="y"))
+    assert {c["name"]: c["kind"] for c in v.manifest["schema"]}["zip"] == "string"  # quoted: meant as text
+
+
+def test_one_bad_value_in_many_is_never_shown_as_100_percent() -> None:
+    g = guess_column(pa.array([str(i) for i in range(5000)] + ["oops"]))
+    assert g.type == "int" and ">99.9% of values are numbers" in (g.warning("n") or "")
 
 
 def test_empty_sources_are_refused(gpuyard_home: Path, tmp_path: Path) -> None:

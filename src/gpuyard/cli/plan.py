@@ -39,13 +39,22 @@ def plan_command(
     calibration: Path = typer.Option(
         None, "--calibration", help="A `gpuyard fabric calibrate` file measured on this cluster's devices."
     ),
+    checkpoint_s: float = typer.Option(
+        None,
+        "--checkpoint-s",
+        min=0,
+        help="Training stall per checkpoint, seconds (default: the state at 2 GB/s per node).",
+    ),
+    restart_s: float = typer.Option(
+        600.0, "--restart-s", min=0, help="Failure to training again, seconds (for the expected ETTR)."
+    ),
     top: int = typer.Option(5, "--top", help="Plans to show."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Plan tp x pp x dp x cp and memory knobs for a model; plans that do not fit are dropped."""
     from gpuyard.fabric.calibrate import load_calibrated
     from gpuyard.fabric.models import load_model
-    from gpuyard.fabric.planner import Knobs, plan
+    from gpuyard.fabric.planner import Knobs, expected_ettr, plan
     from gpuyard.fabric.presets import load_cluster
 
     knobs = Knobs(
@@ -63,6 +72,7 @@ def plan_command(
     )
     spec, fabric = load_model(model), load_calibrated(load_cluster(cluster), calibration)
     result = plan(spec, fabric, gpus, global_batch, seq_len, knobs, top)
+    goodput = expected_ettr(spec, fabric, gpus, checkpoint_s, restart_s)
     if as_json:
         doc = {
             "model": spec.name,
@@ -74,10 +84,25 @@ def plan_command(
             "fitting": result.fitting,
             "plans": [p.to_dict() for p in result.plans],
             "warnings": result.warnings,
+            "ettr": goodput.to_dict(),
         }
         typer.echo(json.dumps(doc))
         return
     print_plans(result, f"{spec.name} on {gpus} x {fabric.device_name} ({fabric.name}), batch {global_batch}")
+    print_ettr(goodput)
+
+
+def print_ettr(goodput: object) -> None:
+    """The expected ETTR at the planned scale: one line, then ETTR per checkpoint interval."""
+    from gpuyard.fabric.failures import EttrPlan
+
+    assert isinstance(goodput, EttrPlan)
+    cells = "  ".join(f"{t / 60:g} min: {e:.1%}" for t, e in goodput.by_interval)
+    typer.echo(goodput.summary())
+    typer.echo(f"ETTR by checkpoint interval: {cells}")
+    typer.echo(f"failure model: {goodput.model.name}; {goodput.model.source}")
+    for note in goodput.notes:
+        typer.echo(note)
 
 
 def print_plans(result: object, title: str) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from gpuyard.errors import CapacityError, ConfigError
 from gpuyard.fabric.cluster import Cluster
+from gpuyard.fabric.failures import LLAMA3_405B, EttrPlan, FailureModel, plan_ettr
 from gpuyard.fabric.models import ModelSpec
 from gpuyard.fabric.published.ceilings import mfu_warning
 from gpuyard.fabric.stacks import STACKS
@@ -305,3 +306,57 @@ def plan(
         if warning:
             warnings.append(f"top plan: {warning}")
     return PlanResult(plans=chosen, considered=considered, fitting=len(plans), warnings=warnings)
+
+
+# -- expected ETTR at the planned scale (gpuyard.fabric.failures) -------------------------------------
+
+# Checkpointed training state per parameter: 16-bit weights, FP32 master weights, Adam's two moments.
+CHECKPOINT_BYTES_PER_PARAM = 2 + 4 + 8
+# Write bandwidth a node gets to checkpoint storage, and the storage's own limit (GB/s). The storage
+# figure is Llama 3's Tectonic: 2 TB/s sustained (The Llama 3 Herd of Models, section 3.3.1); the
+# per-node figure is an assumption (a shared file system client), to be replaced by a measured one.
+WRITE_GBPS_PER_NODE = 2.0
+STORAGE_GBPS = 2000.0
+# Failure to training again: detection (a collective's timeout), rescheduling, loading the
+# checkpoint, warming up. An assumption; Llama 3 names reducing it without giving a figure.
+RESTART_S = 600.0
+
+
+def checkpoint_stall_s(
+    model: ModelSpec,
+    gpus: int,
+    gpus_per_node: int,
+    write_gbps_per_node: float = WRITE_GBPS_PER_NODE,
+    storage_gbps: float = STORAGE_GBPS,
+) -> float:
+    """The training stall of one synchronous checkpoint: the state's bytes over the write bandwidth
+    (every node writes its share at once, up to the storage's limit)."""
+    nodes = -(-gpus // gpus_per_node)
+    bandwidth = min(nodes * write_gbps_per_node, storage_gbps) * 1e9
+    return model.params * CHECKPOINT_BYTES_PER_PARAM / bandwidth
+
+
+def expected_ettr(
+    model: ModelSpec,
+    cluster: Cluster,
+    gpus: int,
+    checkpoint_s: float | None = None,
+    restart_s: float = RESTART_S,
+    failures: FailureModel = LLAMA3_405B,
+) -> EttrPlan:
+    """Expected ETTR of training ``model`` on ``gpus`` GPUs of ``cluster``, per checkpoint interval and at
+    the best one (see :mod:`gpuyard.fabric.failures`).
+
+    Args:
+        checkpoint_s: the stall per checkpoint (default: :func:`checkpoint_stall_s`).
+        restart_s: failure to training again.
+        failures: GPU and node failure rates (default: the Llama 3 405B run's).
+    """
+    notes: list[str] = []
+    if checkpoint_s is None:
+        checkpoint_s = checkpoint_stall_s(model, gpus, cluster.gpus_per_node)
+        notes.append(
+            f"checkpoint stall: {model.params * CHECKPOINT_BYTES_PER_PARAM / 1e12:.2f} TB of state at "
+            f"{WRITE_GBPS_PER_NODE:g} GB/s per node (at most {STORAGE_GBPS:g} GB/s)"
+        )
+    return plan_ettr(gpus, cluster.gpus_per_node, checkpoint_s, restart_s, failures, notes=tuple(notes))

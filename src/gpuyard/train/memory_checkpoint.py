@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import io
+import mmap
 import os
 import shutil
 import tempfile
@@ -304,19 +305,21 @@ class MemoryCheckpointer:
         try:
             if event is not None:
                 event.synchronize()
-            buf = io.BytesIO()
+            own = self.holder_dir / snapshot_name(Holding(self.rank, step, self.world_size))
+            tmp = own.with_name(f".tmp-{own.name}")
+            # Straight into /dev/shm (one copy); renamed once whole, so a reader never sees half of it.
             torch.save(
                 {"step": step, "world_size": self.world_size, "app": _plain(host), "rank_state": rank_state},
-                buf,
+                tmp,
             )
-            data = buf.getbuffer()
-            _write_atomic(self.holder_dir / snapshot_name(Holding(self.rank, step, self.world_size)), data)
+            tmp.replace(own)
             if self._group is not None and self.world_size > 1:
-                incoming = self._exchange(data)
+                with open(own, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as data:
+                    incoming = self._exchange(memoryview(data))
                 prev = (self.rank - 1) % self.world_size
-                name = snapshot_name(Holding(prev, step, self.world_size))
-                _write_atomic(self.holder_dir / name, incoming)
-            del data
+                replica = self.holder_dir / snapshot_name(Holding(prev, step, self.world_size))
+                _write_atomic(replica, incoming)
+                del incoming
             self._prune()
             if persist and self.checkpointer is not None:
                 self.checkpointer.save(step, host, rank_state, meta, group=self._group)
@@ -380,20 +383,20 @@ class MemoryCheckpointer:
         if plan is None:
             return None
         step, holders = plan
-        data: bytes | memoryview | None = None
+        doc: dict[str, Any] | None = None
         for owner in range(self.world_size):
             holder = holders[owner]
             path = self.holder_dir / snapshot_name(Holding(owner, step, self.world_size))
             if holder == owner:
                 if owner == self.rank:
-                    data = path.read_bytes()
+                    # Mapped, not read: the tensors are views of the /dev/shm pages until fill() copies.
+                    doc = torch.load(path, mmap=True, weights_only=True)
             elif self.rank == holder:
                 self._send(path.read_bytes(), owner)
             elif self.rank == owner:
-                data = self._recv(holder)
-        if data is None:
+                doc = torch.load(io.BytesIO(self._recv(holder)), weights_only=True)
+        if doc is None:
             raise RuntimeError(f"in-memory checkpoint: rank {self.rank} got no snapshot of step {step}")
-        doc = torch.load(io.BytesIO(data), weights_only=True)
         sources = {o: "memory" if h == o else f"peer {h}" for o, h in holders.items()}
         return Restored(step, doc["app"], doc["rank_state"], sources, time.perf_counter() - start)
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuyard.cli.main import main
 from gpuyard.data import IngestOptions, ValidationSpec, ingest
@@ -223,3 +225,26 @@ def test_cli_quarantine_shows_the_raw_value(
     doc = json.loads(out)
     assert doc["rows_kept"] + doc["rows_quarantined"] == doc["rows_in"] == 200
     assert sorted(r["values"]["income"] for r in doc["rows"]) == sorted(STRAY.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(-(10**12), 10**12).map(str),
+            st.sampled_from(["unknown", "n/a?", "1,000", "$5", "2.5", "-", "12abc"]),
+            st.none(),
+        ),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_any_mix_accounts_for_every_row_and_keeps_raw_text(values: list[str | None]) -> None:
+    table = pa.table({"v": pa.array(values, pa.string()), "i": list(range(len(values)))})
+    out = clean(table, ValidationSpec(nulls="keep", duplicates="keep"), inferred={"v": "int"})
+    assert out.kept.num_rows + out.quarantine.num_rows == out.rows_in == len(values)
+    bad = {i: v for i, v in enumerate(values) if v is not None and not v.lstrip("-").isdigit()}
+    quarantined = {r["row"]: json.loads(r["values"])["v"] for r in out.quarantine.to_pylist()}
+    assert quarantined == bad  # exactly the non-integers, each as the file held it
+    kept = [None if v is None else int(v) for i, v in enumerate(values) if i not in bad]
+    assert out.kept.column("v").to_pylist() == kept

@@ -131,6 +131,8 @@ def serving_recipe(dataset_ref: str | None) -> dict[str, Any] | None:
             {k: schema[f][k] for k in ("name", "kind", "type", "tensor") if k in schema[f]} for f in features
         ],
         "names": _flat_names([schema[f] for f in features], last_fit.get("encode") or {}),
+        # The rows the model learnt from: the training distribution raw inputs are checked against.
+        "splits": list(DatasetRef.parse(dataset_ref).splits or ()),
     }
 
 
@@ -203,6 +205,46 @@ class ServingRecipe:
         """The columns a record must hold."""
         return [str(c["name"]) for c in self.columns]
 
+    def training_columns(self, rows: int = 2000, seed: int = 0) -> dict[str, tuple[str, np.ndarray]]:
+        """The raw columns of (a sample of) the rows the model was trained on, for the skew check.
+
+        The rows are the ingested version's, selected by the training dataset's split column (the
+        splits the training reference named; every row when it named none). Tensor columns are left
+        out (their values are the features, which drift monitoring already watches).
+
+        Returns:
+            column -> (kind, values): float64 for numbers, objects (text, booleans, None) otherwise.
+
+        Raises:
+            NotFoundError: the dataset versions are no longer in the catalog.
+        """
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        from gpuyard.data.dataset import open_dataset
+        from gpuyard.data.features import numeric
+
+        cols = [c for c in self.columns if c["kind"] != "tensor"]
+        if not cols:
+            return {}
+        table = open_dataset(str(self.contract["source"])).to_arrow([str(c["name"]) for c in cols])
+        splits = self.contract.get("splits") or []
+        if splits:
+            split = open_dataset(str(self.contract["dataset"])).to_arrow(["split"]).column("split")
+            table = table.filter(pc.is_in(split, value_set=pa.array(splits, pa.string())))
+        if table.num_rows > rows:
+            keep = np.sort(np.random.default_rng(seed).choice(table.num_rows, rows, replace=False))
+            table = table.take(pa.array(keep))
+        out: dict[str, tuple[str, np.ndarray]] = {}
+        for c in cols:
+            name, kind = str(c["name"]), str(c["kind"])
+            column = table.column(name)
+            if kind in _NUMBER_KINDS:
+                out[name] = ("numeric", numeric(column))
+            else:
+                out[name] = ("categorical", np.asarray(column.to_pylist(), dtype=object))
+        return out
+
     def table(self, records: list[Any]) -> Any:
         """The records as an Arrow table of the raw columns, each value checked against its kind.
 
@@ -234,9 +276,12 @@ class ServingRecipe:
 
     def features_of(self, records: list[Any]) -> np.ndarray:
         """The float32 feature matrix of ``records`` (see the class docstring)."""
+        return self.transform(self.table(records))
+
+    def transform(self, table: Any) -> np.ndarray:
+        """The float32 feature matrix of a raw table from :meth:`table`."""
         from gpuyard.data.arrays import _matrix  # training's one way from feature columns to X
 
-        table = self.table(records)
         for ft in self.transforms:
             table = ft.apply(table)
         return _matrix(self._leaf, table, self.features)
@@ -267,10 +312,10 @@ def _check_value(value: Any, col: dict[str, Any], i: int) -> Any:
             return None  # an unknown category, as a null was at training time
         raise RecordError(f"{where}: null, but the model needs a {_want(col)}")
     if kind in _NUMBER_KINDS:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RecordError(
-                f"{where}: {_json_kind(value)} where a number is expected (booleans are not numbers)"
-            )
+        if isinstance(value, bool):
+            raise RecordError(f"{where}: a boolean where a number is expected (send 1 or 0, not true)")
+        if not isinstance(value, (int, float)):
+            raise RecordError(f"{where}: {_json_kind(value)} where a number is expected")
         if isinstance(value, float) and not np.isfinite(value):
             raise RecordError(f"{where}: value is NaN or infinite")
         if kind == "int":

@@ -11,7 +11,7 @@ from sqlalchemy import select
 
 from gpuyard.errors import GpuyardError
 from gpuyard.models.retrain import on_drift_alert
-from gpuyard.serve.drift import build_reference
+from gpuyard.serve.drift import build_reference, build_skew_reference
 from gpuyard.serve.model import ServedModel
 from gpuyard.store import get_store
 from gpuyard.store.tables.serve import DeploymentRow, DriftAlertRow, DriftReferenceRow
@@ -60,6 +60,9 @@ def reference_for(model: ServedModel) -> tuple[dict[str, Any] | None, str]:
     """
     ref = load_reference(model.name, model.version)
     if ref is not None:
+        if model.spec.recipe is not None and "skew" not in ref:  # stored before skew was checked
+            ref = {**ref, "skew": skew_reference(model)}
+            save_reference(model.name, model.version, ref)
         return ref, f"stored reference ({ref['source']})"
     record = model.record
     lineage = getattr(record, "lineage", {}) or {}
@@ -70,9 +73,32 @@ def reference_for(model: ServedModel) -> tuple[dict[str, Any] | None, str]:
 
     try:
         ds = load_dataset(str(dataset))
-        return reference_from_array(model, ds.X, source=f"dataset:{dataset}"), f"built from {dataset}"
+        ref = reference_from_array(model, ds.X, source=f"dataset:{dataset}")
     except (GpuyardError, ValueError, OSError) as exc:
         return None, f"training dataset {dataset!r} could not be loaded: {exc}"
+    if model.spec.recipe is not None:
+        ref["skew"] = skew_reference(model)
+        save_reference(model.name, model.version, ref)
+    return ref, f"built from {dataset}"
+
+
+def skew_reference(model: ServedModel) -> dict[str, Any] | None:
+    """The skew reference of a model served with a recipe: its raw columns over the training rows.
+
+    None when the rows cannot be read any more (the datasets left the catalog): skew is then off and
+    drift of the features still runs.
+    """
+    recipe = model.spec.recipe
+    if recipe is None:
+        return None
+    try:
+        columns = recipe.training_columns(REFERENCE_ROWS)
+    except (GpuyardError, ValueError, OSError) as exc:
+        log.warning("skew reference of %s:%s not built: %s", model.name, model.version, exc)
+        return None
+    if not columns:
+        return None
+    return build_skew_reference(columns, source=f"dataset:{recipe.contract['source']}")
 
 
 def record_alerts(model: ServedModel, alerts: list[dict[str, Any]], deployment_id: int | None) -> list[int]:

@@ -18,7 +18,9 @@ that does not match the signature); nothing here lets a body reach the model unc
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,7 @@ JSON_MEDIA = "application/json"
 TENSOR_MEDIA = "application/x-safetensors"
 INPUT_KEY = "inputs"
 RECORDS_KEY = "records"
+RecordsHook = Callable[[Any], None]  # called with the raw records' Arrow table
 # Values farther than this many training ranges outside the observed [min, max] are refused as
 # garbage (1e30, a unit error); milder shifts are accepted and show up in drift monitoring instead.
 RANGE_SLACK = 1.0
@@ -107,8 +110,11 @@ def input_spec(signature: dict[str, Any], max_rows: int = 1024) -> InputSpec:
     return InputSpec(shape=sample, low=low, high=high, names=names, max_rows=max_rows, recipe=recipe)
 
 
-def decode_json(body: bytes, spec: InputSpec) -> np.ndarray:
+def decode_json(body: bytes, spec: InputSpec, on_records: RecordsHook | None = None) -> np.ndarray:
     """Parse a JSON body into a float32 batch and check it.
+
+    ``on_records`` is called with the raw records' Arrow table once a request of raw records has
+    passed every check (the skew window hangs here); its exceptions are swallowed.
 
     Raises:
         BadInput: not JSON, or no ``inputs`` list. InputMismatch: see :func:`check_batch`.
@@ -123,10 +129,10 @@ def decode_json(body: bytes, spec: InputSpec) -> np.ndarray:
             " field (objects keyed by column)"
         )
     if RECORDS_KEY in doc:
-        return decode_records(doc[RECORDS_KEY], spec)
+        return decode_records(doc[RECORDS_KEY], spec, on_records)
     values = doc[INPUT_KEY]
     if isinstance(values, dict) or (isinstance(values, list) and values and isinstance(values[0], dict)):
-        return decode_records(values, spec)
+        return decode_records(values, spec, on_records)
     if not isinstance(values, list) or not values:
         raise InputMismatch('"inputs" must be a non-empty list of numbers or of samples')
     try:
@@ -143,7 +149,7 @@ def decode_json(body: bytes, spec: InputSpec) -> np.ndarray:
     return check_batch(batch, spec)
 
 
-def decode_records(values: Any, spec: InputSpec) -> np.ndarray:
+def decode_records(values: Any, spec: InputSpec, on_records: RecordsHook | None = None) -> np.ndarray:
     """Raw records (one object keyed by column, or a list of them) -> the model's checked features.
 
     With a serving recipe, the recipe's columns are checked and transformed as the training data was;
@@ -158,16 +164,22 @@ def decode_records(values: Any, spec: InputSpec) -> np.ndarray:
         raise InputMismatch('"records" must be an object keyed by column or a non-empty list of them')
     if len(records) > spec.max_rows:
         raise InputMismatch(f"a request carries 1 to {spec.max_rows} samples, got {len(records)}")
+    table = None
     if spec.recipe is not None:
         try:
-            batch = spec.recipe.features_of(records)
+            table = spec.recipe.table(records)
+            batch = spec.recipe.transform(table)
         except GpuyardError as exc:
             raise InputMismatch(str(exc)) from None
         except Exception as exc:  # what the checks let through and the transform still refused
             raise InputMismatch(f"the records could not be transformed: {str(exc)[:200]}") from None
     else:
         batch = _named_records(records, spec)
-    return check_batch(batch.reshape(len(records), *spec.shape), spec)
+    checked = check_batch(batch.reshape(len(records), *spec.shape), spec)
+    if table is not None and on_records is not None:
+        with contextlib.suppress(Exception):  # monitoring never fails a request
+            on_records(table)
+    return checked
 
 
 def _named_records(records: list[Any], spec: InputSpec) -> np.ndarray:

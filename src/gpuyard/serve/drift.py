@@ -12,6 +12,11 @@ Two tests per feature, both standard in model monitoring:
 Predictions drift the same way: class proportions (PSI) for a classifier, values (PSI and KS) for a
 regressor, against the model's own predictions on the reference sample.
 
+Skew: a model served with a recipe also takes raw records; their raw columns (before the recipe) are
+tested the same way against the rows the model was trained on (:func:`build_skew_reference`): PSI
+and KS per numeric column, PSI over the training categories plus an "unseen" bin for a text or
+boolean column (KS means nothing there). Its alerts are ``input_skew``, named by the raw column.
+
 The reference (bin edges, expected proportions, a sample of at most ``SAMPLE`` values per feature)
 comes from the training dataset recorded in the model version's lineage: the dataset manifests keep
 count/mean/std/min/max per column, which is not enough for KS, so the reference is computed once from
@@ -31,6 +36,7 @@ from gpuyard.serve.options import DriftConfig
 
 SAMPLE = 500  # reference values kept per feature for KS (JSON in the store; ~4 kB per feature)
 MAX_FEATURES = 64  # the first features monitored; wider inputs (images) are summarised by these
+MAX_CATEGORIES = 50  # categories of a raw text column kept in a skew reference (the rest: unseen)
 BINS = 10
 EPS = 1e-4  # floor of a bin's share, so an empty bin does not make PSI infinite
 
@@ -100,17 +106,96 @@ def build_reference(
     return {"source": source, "rows": len(flat), "features": features, "predictions": pred_ref}
 
 
-def compare(
-    reference: dict[str, Any], inputs: np.ndarray, predictions: np.ndarray, cfg: DriftConfig
+def build_skew_reference(
+    columns: dict[str, tuple[str, np.ndarray]], source: str, seed: int = 0
 ) -> dict[str, Any]:
-    """Every drift figure of a window against ``reference``; ``drifted`` lists what crossed a threshold."""
+    """The skew reference of raw columns: ``column -> (kind, values)`` of the training rows, where kind
+    is ``numeric`` (float64 values) or ``categorical`` (text or booleans; None for a null)."""
+    rng = np.random.default_rng(seed)
+    features: list[dict[str, Any]] = []
+    rows = 0
+    for name, (kind, values) in columns.items():
+        rows = max(rows, len(values))
+        if kind == "numeric":
+            col = values[np.isfinite(values)]
+            if not len(col):
+                continue
+            edges = _edges(col)
+            sample = np.sort(rng.choice(col, size=min(SAMPLE, len(col)), replace=False))
+            features.append(
+                {
+                    "name": name,
+                    "edges": edges,
+                    "expected": _shares(col, edges).tolist(),
+                    "sample": sample.tolist(),
+                }
+            )
+            continue
+        labels, counts = _categories([v for v in values.tolist() if v is not None])
+        shares = counts / max(counts.sum(), 1)
+        features.append(
+            {
+                "name": name,
+                "kind": "categorical",
+                "labels": labels,
+                "edges": [i + 0.5 for i in range(len(labels))],  # code i -> bin i; unseen (len) -> last
+                "expected": [*shares.tolist(), 0.0],
+            }
+        )
+        if len(features) >= MAX_FEATURES:
+            break
+    return {"source": source, "rows": rows, "features": features, "predictions": None}
+
+
+def _categories(values: list[Any]) -> tuple[list[Any], np.ndarray]:
+    """The most frequent categories (at most ``MAX_CATEGORIES``, the rest count as unseen) and counts."""
+    from collections import Counter
+
+    common = Counter(values).most_common(MAX_CATEGORIES)
+    return [v for v, _ in common], np.asarray([c for _, c in common], dtype=np.float64)
+
+
+def skew_rows(reference: dict[str, Any], table: Any) -> np.ndarray:
+    """The raw columns of an Arrow ``table`` (records as the recipe reads them) as the skew window's
+    rows: numbers as they are (null as NaN), a category as its index among the reference's labels, an
+    unseen one (or null) as the number of labels."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    out = np.empty((table.num_rows, len(reference["features"])), dtype=np.float32)
+    for j, f in enumerate(reference["features"]):
+        column = table.column(f["name"])
+        if f.get("kind") == "categorical":
+            labels = f["labels"]
+            found = pc.index_in(column, value_set=pa.array(labels, column.type)) if labels else None
+            codes = (
+                np.full(table.num_rows, len(labels), dtype=np.float64)
+                if found is None
+                else np.asarray(pc.fill_null(found, len(labels)).to_numpy(zero_copy_only=False), np.float64)
+            )
+            out[:, j] = codes
+        else:
+            values = column.cast(pa.float64()).to_numpy(zero_copy_only=False)
+            out[:, j] = np.asarray(values, dtype=np.float64)
+    return out
+
+
+def compare(
+    reference: dict[str, Any], inputs: np.ndarray, predictions: np.ndarray | None, cfg: DriftConfig
+) -> dict[str, Any]:
+    """Every drift figure of a window against ``reference``; ``drifted`` lists what crossed a threshold.
+
+    A reference without ``predictions`` (skew: raw columns) has no prediction figures (None).
+    """
     feats = reference["features"]
-    ks_p = cfg.ks_alpha / max(len(feats), 1)
+    ks_p = cfg.ks_alpha / max(sum(f.get("kind") != "categorical" for f in feats), 1)
     out: list[dict[str, Any]] = []
     for j, f in enumerate(feats):
         col = inputs[:, j].astype(np.float64)
         out.append({"feature": f["name"], **_numeric_drift(f, col, ks_p, cfg)})
-    pred = _prediction_drift(reference["predictions"], predictions, ks_p, cfg)
+    pred = None
+    if reference.get("predictions") is not None and predictions is not None:
+        pred = _prediction_drift(reference["predictions"], predictions, ks_p, cfg)
     return {
         "rows": len(inputs),
         "ks_pvalue_threshold": ks_p,
@@ -137,7 +222,17 @@ def _prediction_drift(
 def _numeric_drift(ref: dict[str, Any], values: np.ndarray, ks_p: float, cfg: DriftConfig) -> dict[str, Any]:
     """PSI over the reference's bins and KS against its sample, for one numeric column (a feature, or a
     regressor's predictions)."""
+    values = values[np.isfinite(values)]  # a null raw number: not a value to compare
     p = psi(np.asarray(ref["expected"]), _shares(values, ref["edges"]))
+    if ref.get("kind") == "categorical" or not len(values):
+        # Categories have no order: PSI over them (and the unseen bin) is the test; KS means nothing.
+        return {
+            "psi": round(p, 5),
+            "ks": None,
+            "ks_pvalue": None,
+            "drift_psi": p >= cfg.psi_threshold,
+            "drift_ks": False,
+        }
     stat, pvalue = ks(np.asarray(ref["sample"]), values)
     return {
         "psi": round(p, 5),
@@ -156,6 +251,7 @@ class DriftMonitor:
         config: window and thresholds.
         on_alert: called (in the evaluator thread) with the list of new alerts.
         on_report: called with every report (metrics gauges hang here).
+        kind: the alerts' kind for inputs (``input_drift``; ``input_skew`` for raw columns).
     """
 
     def __init__(
@@ -164,8 +260,9 @@ class DriftMonitor:
         config: DriftConfig,
         on_alert: Callable[[list[dict[str, Any]]], None] | None = None,
         on_report: Callable[[dict[str, Any]], None] | None = None,
+        kind: str = "input_drift",
     ) -> None:
-        self.reference, self.config = reference, config
+        self.reference, self.config, self.kind = reference, config, kind
         self.on_alert, self.on_report = on_alert, on_report
         self.n_features = len(reference["features"])
         self._x = np.zeros((config.window, self.n_features), dtype=np.float32)
@@ -177,10 +274,11 @@ class DriftMonitor:
         self._last_alert: dict[tuple[str, str], float] = {}
         self.last_report: dict[str, Any] | None = None
 
-    def observe(self, inputs: np.ndarray, predictions: np.ndarray) -> None:
+    def observe(self, inputs: np.ndarray, predictions: np.ndarray | None = None) -> None:
         """Copy a batch into the window (called from the model thread: a copy, no statistics)."""
         x = inputs.reshape(len(inputs), -1)[:, : self.n_features]
-        p = np.asarray(predictions, dtype=np.float64).reshape(len(inputs))
+        p = np.zeros(len(inputs)) if predictions is None else np.asarray(predictions, dtype=np.float64)
+        p = p.reshape(len(inputs))
         w = self.config.window
         if len(x) > w:  # only the newest `window` rows can stay
             x, p = x[-w:], p[-w:]
@@ -218,9 +316,9 @@ class DriftMonitor:
 
     def _new_alerts(self, report: dict[str, Any]) -> list[dict[str, Any]]:
         now, alerts = time.monotonic(), []
-        rows = [("input_drift", f) for f in report["features"]] + [
-            ("prediction_drift", report["predictions"])
-        ]
+        rows = [(self.kind, f) for f in report["features"]]
+        if report["predictions"] is not None:
+            rows.append(("prediction_drift", report["predictions"]))
         for kind, fig in rows:
             for metric, threshold in (
                 ("psi", report["psi_threshold"]),
@@ -228,7 +326,7 @@ class DriftMonitor:
             ):
                 if not fig.get(f"drift_{metric}"):
                     continue
-                key = (str(fig.get("feature", "")), metric)
+                key = (f"{kind}:{fig.get('feature', '')}", metric)
                 if now - self._last_alert.get(key, -np.inf) < self.config.cooldown_s:
                     continue
                 self._last_alert[key] = now

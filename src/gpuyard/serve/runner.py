@@ -73,7 +73,7 @@ def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int 
     model = load_served(ref, resolve_device(opts.device, index), opts.max_rows)
     warm_up(model)
     metrics = ServeMetrics(model.name, model.version)
-    monitor, note = None, "disabled (--no-drift)"
+    monitor, skew, note = None, None, "disabled (--no-drift)"
     if opts.drift:
         reference, note = reference_for(model)
         if reference is not None:
@@ -83,6 +83,14 @@ def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int 
                 on_alert=lambda alerts: _record(model, alerts, opts.deployment_id),
                 on_report=lambda rep: _publish(metrics, rep),
             )
+            if reference.get("skew"):
+                skew = DriftMonitor(
+                    reference["skew"],
+                    opts.drift_config,
+                    on_alert=lambda alerts: _record(model, alerts, opts.deployment_id),
+                    on_report=lambda rep: _publish(metrics, rep, "skew_"),
+                    kind="input_skew",
+                )
 
     def on_batch(inputs: Any, outputs: dict[str, Any], _requests: int, seconds: float) -> None:
         metrics.observe_batch(len(inputs), seconds)
@@ -100,11 +108,12 @@ def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int 
         model.forward, BatchConfig(**{**asdict(opts.batch), "threads": threads}), on_batch, setup
     )
     app = create_app(
-        model, batcher, metrics, monitor, note, AppConfig(opts.max_body_bytes, opts.deployment_id)
+        model, batcher, metrics, monitor, note, AppConfig(opts.max_body_bytes, opts.deployment_id), skew
     )
     batcher.start()
-    if monitor is not None:
-        monitor.start()
+    for m in (monitor, skew):
+        if m is not None:
+            m.start()
     gc.collect()
     gc.freeze()  # everything loaded so far is never scanned again by the collector
     config = uvicorn.Config(
@@ -121,8 +130,9 @@ def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int 
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         batcher.stop()
-        if monitor is not None:
-            monitor.stop()
+        for m in (monitor, skew):
+            if m is not None:
+                m.stop()
 
 
 def _record(model: Any, alerts: list[dict[str, Any]], deployment_id: int | None) -> None:
@@ -131,11 +141,14 @@ def _record(model: Any, alerts: list[dict[str, Any]], deployment_id: int | None)
     record_alerts(model, alerts, deployment_id)
 
 
-def _publish(metrics: Any, report: dict[str, Any]) -> None:
+def _publish(metrics: Any, report: dict[str, Any], prefix: str = "") -> None:
+    """Drift gauges (``psi``, ``ks``); a skew report's are ``skew_psi``, ``skew_ks`` (raw columns)."""
     for f in report["features"]:
-        metrics.set_drift(f["feature"], "psi", f["psi"])
-        metrics.set_drift(f["feature"], "ks", f["ks"])
-    metrics.set_drift("__predictions__", "psi", report["predictions"]["psi"])
+        metrics.set_drift(f["feature"], f"{prefix}psi", f["psi"])
+        if f["ks"] is not None:
+            metrics.set_drift(f["feature"], f"{prefix}ks", f["ks"])
+    if report["predictions"] is not None:
+        metrics.set_drift("__predictions__", "psi", report["predictions"]["psi"])
 
 
 def serve(ref: str, opts: ServeOptions, on_ready: Any = None) -> None:

@@ -28,12 +28,13 @@ from gpuyard.serve.batching import AnyBatcher, BatchConfig
 from gpuyard.serve.codec import (
     JSON_MEDIA,
     TENSOR_MEDIA,
+    RecordsHook,
     decode_json,
     decode_tensor,
     encode_json,
     encode_tensor,
 )
-from gpuyard.serve.drift import DriftMonitor
+from gpuyard.serve.drift import DriftMonitor, skew_rows
 from gpuyard.serve.model import ServedModel
 from gpuyard.serve.monitor import ServeMetrics
 
@@ -72,16 +73,23 @@ def _request_schema(model: ServedModel) -> dict[str, Any]:
     for dim in reversed(sample_shape):
         sample = {"type": "array", "items": sample, "minItems": dim, "maxItems": dim}
     batch = {"type": "array", "items": sample, "minItems": 1, "maxItems": model.spec.max_rows}
+    body: dict[str, Any] = {
+        "type": "object",
+        "required": ["inputs"],
+        "properties": {"inputs": {"oneOf": [batch, sample]}},
+    }
+    record = _record_schema(model)
+    if record is not None:
+        many = {"type": "array", "items": record, "minItems": 1, "maxItems": model.spec.max_rows}
+        body = {
+            "type": "object",
+            "properties": {**body["properties"], "records": {"oneOf": [many, record]}},
+            "oneOf": [{"required": ["inputs"]}, {"required": ["records"]}],
+        }
     return {
         "required": True,
         "content": {
-            JSON_MEDIA: {
-                "schema": {
-                    "type": "object",
-                    "required": ["inputs"],
-                    "properties": {"inputs": {"oneOf": [batch, sample]}},
-                }
-            },
+            JSON_MEDIA: {"schema": body},
             TENSOR_MEDIA: {
                 "schema": {
                     "type": "string",
@@ -90,6 +98,42 @@ def _request_schema(model: ServedModel) -> dict[str, Any]:
                 }
             },
         },
+    }
+
+
+def _record_schema(model: ServedModel) -> dict[str, Any] | None:
+    """The JSON schema of one raw record (None when the model takes none)."""
+    spec = model.spec
+    recipe = spec.recipe
+    if recipe is None:
+        if len(spec.names) != spec.n_features or len(spec.shape) != 1:
+            return None
+        return {
+            "type": "object",
+            "required": list(spec.names),
+            "properties": {n: {"type": "number"} for n in spec.names},
+            "additionalProperties": False,
+        }
+    kinds: dict[str, dict[str, Any]] = {
+        "int": {"type": "integer"},
+        "float": {"type": "number"},
+        "bool": {"type": "boolean"},
+    }
+    props: dict[str, Any] = {}
+    for col in recipe.columns:
+        if col["kind"] == "tensor":
+            item: dict[str, Any] = {"type": "number"}
+            for dim in reversed(col["tensor"]["shape"]):
+                item = {"type": "array", "items": item, "minItems": dim, "maxItems": dim}
+            props[str(col["name"])] = item
+        else:
+            props[str(col["name"])] = kinds.get(col["kind"], {"type": ["string", "null"]})
+    props.update({name: {} for name in recipe.contract.get("ignored") or ()})
+    return {
+        "type": "object",
+        "required": recipe.raw_columns(),
+        "properties": props,
+        "additionalProperties": False,
     }
 
 
@@ -129,8 +173,10 @@ def create_app(
     drift: DriftMonitor | None = None,
     drift_note: str = "",
     config: AppConfig = AppConfig(),
+    skew: DriftMonitor | None = None,
 ) -> FastAPI:
-    """Build the app for one model; the caller starts/stops ``batcher`` and ``drift`` (see :mod:`runner`)."""
+    """Build the app for one model; the caller starts/stops ``batcher``, ``drift`` and ``skew`` (the raw
+    records' monitor, see :mod:`gpuyard.serve.drift`) (see :mod:`runner`)."""
     app = FastAPI(title=f"gpuyard model server: {model.name}:{model.version}", version="1")
 
     def info() -> dict[str, Any]:
@@ -148,7 +194,7 @@ def create_app(
             "max_body_bytes": config.max_body_bytes,
         }
 
-    handler = PredictHandler(model, batcher, metrics)
+    handler = PredictHandler(model, batcher, metrics, skew_hook(skew))
     base = f"/v1/models/{model.name}"
 
     @app.post(f"{base}/predict", openapi_extra={"requestBody": _request_schema(model)}, responses=_RESPONSES)
@@ -186,6 +232,7 @@ def create_app(
         if drift is None:
             return {"enabled": False, "reason": drift_note}
         report = await asyncio.to_thread(drift.evaluate)
+        doc = await asyncio.to_thread(skew_doc, skew)
         if report is None:
             rows = len(drift.snapshot()[0])
             # Each replica keeps its own window: say whose, or another replica's traffic looks lost.
@@ -196,8 +243,9 @@ def create_app(
                 "report": None,
                 "reason": reason,
                 "replica_pid": os.getpid(),
+                **doc,
             }
-        return {"enabled": True, "reference": drift_note, "report": report, "replica_pid": os.getpid()}
+        return {"enabled": True, "reference": drift_note, "report": report, "replica_pid": os.getpid(), **doc}
 
     @app.get(f"{base}/alerts")
     async def alerts() -> list[dict[str, Any]]:
@@ -234,11 +282,44 @@ def create_app(
     return app
 
 
+def skew_hook(skew: DriftMonitor | None) -> RecordsHook | None:
+    """What copies a raw-records request's columns into the skew window (None without a monitor)."""
+    if skew is None:
+        return None
+    monitor = skew
+
+    def observe(table: Any) -> None:
+        monitor.observe(skew_rows(monitor.reference, table))
+
+    return observe
+
+
+def skew_doc(skew: DriftMonitor | None) -> dict[str, Any]:
+    """The skew part of ``/drift``: raw records' columns against the training rows."""
+    if skew is None:
+        return {"skew": None, "skew_reason": "no serving recipe, or no training rows to compare with"}
+    report = skew.evaluate()
+    if report is None:
+        rows, start = len(skew.snapshot()[0]), skew.config.min_rows
+        return {
+            "skew": None,
+            "skew_reason": f"{rows} raw records in this replica's window; tests start at {start}",
+        }
+    return {"skew": report, "skew_reference": skew.reference.get("source")}
+
+
 class PredictHandler:
     """Body in, answer out: decode, check, batch, encode, count. Shared by the route and the fast path."""
 
-    def __init__(self, model: ServedModel, batcher: AnyBatcher, metrics: ServeMetrics) -> None:
+    def __init__(
+        self,
+        model: ServedModel,
+        batcher: AnyBatcher,
+        metrics: ServeMetrics,
+        on_records: RecordsHook | None = None,
+    ) -> None:
         self.model, self.batcher, self.metrics = model, batcher, metrics
+        self.on_records = on_records
 
     async def __call__(
         self, body: bytes, content_type: str, t0: float, source: Any = None
@@ -247,7 +328,10 @@ class PredictHandler:
         from connection ``source`` (the client's address)."""
         tensor = content_type.startswith(TENSOR_MEDIA)
         try:
-            batch = decode_tensor(body, self.model.spec) if tensor else decode_json(body, self.model.spec)
+            if tensor:
+                batch = decode_tensor(body, self.model.spec)
+            else:
+                batch = decode_json(body, self.model.spec, self.on_records)
             outputs = await self.batcher.submit(batch, source)
         except GpuyardError as exc:
             self.metrics.observe_error(exc.http_status, _REASONS.get(exc.http_status, "error"))

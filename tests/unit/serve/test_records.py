@@ -199,3 +199,57 @@ def test_inputs_and_records_together_are_refused() -> None:
 
     with pytest.raises(BadInput, match='either an "inputs" field'):
         decode_json(body({"inputs": [[0.5, 0, 5]], "records": [{"a": 0.5, "b": 0, "c": 5}]}), input_spec(SIG))
+
+
+def _skew_monitor(shop: dict) -> Any:
+    from gpuyard.models.signature import ServingRecipe
+    from gpuyard.serve.drift import DriftConfig, DriftMonitor, build_skew_reference
+
+    recipe = ServingRecipe.from_signature(shop["version"].signature)
+    assert recipe is not None
+    columns = recipe.training_columns()
+    # The training rows: the rows of the splits the model learnt from (train), as the source held them.
+    split = np.array(shop["prepared"].to_arrow(["split"]).column("split").to_pylist())
+    train_income = np.asarray(shop["table"].column("income").to_numpy())[split == "train"]
+    assert columns["income"][0] == "numeric" and np.array_equal(columns["income"][1], train_income)
+    assert columns["city"][0] == "categorical" and set(columns["city"][1]) == {"paris", "lyon", "nice"}
+    ref = build_skew_reference(columns, "test")
+    cfg = DriftConfig(window=200, min_rows=100, interval_s=60)
+    return recipe, DriftMonitor(ref, cfg, kind="input_skew")
+
+
+def test_raw_records_in_the_training_distribution_show_no_skew(shop: dict) -> None:
+    from gpuyard.serve.drift import skew_rows
+
+    recipe, monitor = _skew_monitor(shop)
+    calm = shop_table(200, seed=5).drop_columns(["label"]).to_pylist()
+    monitor.observe(skew_rows(monitor.reference, recipe.table(calm)))
+    report = monitor.evaluate()
+    assert [f["feature"] for f in report["features"]] == ["income", "age", "city", "member"]
+    assert not any(f["drift_psi"] or f["drift_ks"] for f in report["features"]), report["features"]
+    assert report["predictions"] is None and monitor._new_alerts(report) == []
+
+
+def test_shifted_numbers_and_unseen_categories_are_skew_alerts_named_by_raw_column(shop: dict) -> None:
+    from gpuyard.serve.drift import skew_rows
+
+    recipe, monitor = _skew_monitor(shop)
+    alerts: list[dict] = []
+    monitor.on_alert = alerts.extend
+    shifted = shop_table(200, seed=6).drop_columns(["label"]).to_pylist()
+    for i, rec in enumerate(shifted):
+        rec["income"] += 25.0  # 2.5 standard deviations: a unit or upstream change
+        if i % 2:
+            rec["city"] = "oslo"  # half the traffic from a city training never saw
+    monitor.observe(skew_rows(monitor.reference, recipe.table(shifted)))
+    report = monitor.evaluate()
+    by_name = {f["feature"]: f for f in report["features"]}
+    assert by_name["income"]["drift_psi"] and by_name["income"]["drift_ks"]
+    assert by_name["city"]["drift_psi"] and by_name["city"]["ks"] is None  # categories: PSI only
+    assert not by_name["age"]["drift_psi"] and not by_name["member"]["drift_psi"]
+    flagged = {(a["kind"], a["feature"], a["metric"]) for a in alerts}
+    assert flagged == {
+        ("input_skew", "income", "psi"),
+        ("input_skew", "income", "ks"),
+        ("input_skew", "city", "psi"),
+    }

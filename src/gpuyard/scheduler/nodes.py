@@ -200,6 +200,14 @@ def _state_doc(name: str, row: Any) -> dict[str, Any]:
     }
 
 
+def _findings(check: dict[str, Any] | None) -> list[str]:
+    """What a stored check found, as sorted ``GPU:code`` strings (empty for a clean or no check)."""
+    if not check:
+        return []
+    gpus = check.get("gpus") or {}
+    return sorted(f"{gpu}:{r['code']}" for gpu, doc in gpus.items() for r in doc.get("reasons", []))
+
+
 class NodeStates:
     """Node health states in the state store (tables ``node_states`` and ``node_state_events``).
 
@@ -330,20 +338,20 @@ class NodeStates:
                     if row is None:
                         row = NodeStateRow(hostname=name, state=HEALTHY, source=source, since=now)
                         s.add(row)
-                    frm = row.state
+                    frm, before = row.state, row.last_check
                     if check is not None:
                         row.checked_at, row.last_check = now, check
-                    moved = frm != to
-                    if moved or not keep_same:
+                    moved = frm != to or not keep_same
+                    if moved:
                         row.state, row.reason, row.source, row.by, row.since = to, reason, source, by, now
-                    elif check is not None and frm != DRAINED and row.reason != reason:
-                        row.reason = reason  # same state, new findings (a degraded node's reasons)
-                        moved = True
-                    elif check is not None and frm == DRAINED and check.get("verdict") == "fail":
-                        last = (row.last_check or {}).get("noted")
-                        moved = last != reason  # note a drained node's new failures once
-                        row.last_check = {**check, "noted": reason}
-                    if moved or not keep_same:
+                    elif check is not None:
+                        if frm != DRAINED:
+                            row.reason = reason  # a drained node keeps why it was drained
+                        # An event when what the checks find changes (which GPUs, which rules), not
+                        # when a number in the same finding moves (a temperature, a count).
+                        found = _findings(check)
+                        moved = bool(found) and found != _findings(before)
+                    if moved:
                         s.add(
                             NodeStateEventRow(
                                 hostname=name,

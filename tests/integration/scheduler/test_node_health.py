@@ -191,3 +191,20 @@ def test_the_server_checks_only_a_real_local_node(service: Any, gpuyard_home: Pa
     assert monitor is not None and monitor.node == "n1" and monitor.config.interval_s == 60
     service.nodes = [replace(service.nodes[0], gpu_type="fake-gpu")]
     assert local_health_monitor(service) is None
+
+
+def test_history_records_changes_of_findings_not_of_numbers(service: Any) -> None:
+    fake = FakeNvml(load_description(FIXTURE))
+    monitor = NodeHealthMonitor(service.node_states, "n1", NodeCheckConfig(checks=("nvml",)), nvml=fake)
+    assert monitor.check_once()["state"] == "healthy"
+    assert service.node_states.history("n1") == []  # a clean node has nothing to tell
+    fake._gpus[2]["temperature_c"] = 90  # hot: within 5 C of its slowdown threshold
+    assert "90 C" in monitor.check_once()["reason"]
+    fake._gpus[2]["temperature_c"] = 91
+    assert "91 C" in monitor.check_once()["reason"]  # the reason follows the numbers...
+    assert len(service.node_states.history("n1")) == 1  # ...but the history does not
+    fake.inject(3, "ecc_corrected", count=5000)
+    monitor.check_once()
+    history = service.node_states.history("n1")
+    assert [(h["from"], h["to"]) for h in history] == [("healthy", "degraded"), ("degraded", "degraded")]
+    assert "GPU 3" in history[-1]["reason"] and history[-1]["data"]["check"]["verdict"] == "warn"

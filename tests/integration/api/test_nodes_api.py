@@ -71,6 +71,12 @@ def test_cli_drains_and_says_one_line_when_refused(
     import json
 
     assert json.loads(capsys.readouterr().out)[0]["state"] == "drained"
+    monkeypatch.setenv("COLUMNS", "250")  # the table on one line, whatever the host name's length
+    assert run("nodes", "ls", token=alice) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if name in line)
+    assert "drained" in row and "PSU swap" in row
+    assert run("nodes", "show", name, token=alice) == 0
+    assert json.loads(capsys.readouterr().out)["history"][-1]["reason"] == "PSU swap"
     assert run("nodes", "undrain", "nope", token=live_api.admin_token) == 2
     assert "'nope' is not one of the scheduler's nodes" in capsys.readouterr().err
     assert run("nodes", "undrain", name, token=live_api.admin_token) == 0

@@ -161,7 +161,7 @@ def schema_summary(manifest: dict[str, Any]) -> list[dict[str, Any]]:
             text = guess.warning(name)
             if text:
                 warnings.append(text)
-        if col.get("kind") == "other":
+        if col.get("kind") == "other" and col.get("type") != "null":  # null: "every value is empty"
             warnings.append(f"type {col.get('type')} is neither a number, text nor a tensor")
         count, nulls = int(s.get("count", 0)), int(s.get("nulls", 0))
         if count and nulls == count:

@@ -85,9 +85,13 @@ def ingest(
     cleaned = clean(source.table, spec, source.bad, numeric)
     if cleaned.kept.num_rows == 0:
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(cleaned.by_reason.items(), key=lambda kv: -kv[1]))
+        top = max(cleaned.by_reason, key=lambda k: cleaned.by_reason[k])
+        hint = "fix the data or the checks"
+        if top.startswith("null:"):
+            hint += f" (an optional column: 'columns: {{{top[5:]}: {{nullable: true}}}}', or 'nulls: keep')"
         raise ConfigError(
             f"{path}: all {cleaned.rows_in} rows were quarantined ({reasons}); an empty dataset is not "
-            "recorded: fix the data or the checks"
+            f"recorded: {hint}"
         )
     artifacts = get_artifacts()
     shards, parts = [], []

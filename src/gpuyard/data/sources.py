@@ -104,6 +104,8 @@ def check_text_file(path: Path, what: str) -> None:
         raise NotFoundError(f"{path} does not exist") from exc
     except IsADirectoryError as exc:
         raise ConfigError(f"{path} is a directory, not a {what} file") from exc
+    if not head:
+        raise ConfigError(f"{path} is empty (0 bytes): an empty dataset is not recorded")
     nul = head.find(b"\0")
     if nul >= 0:
         raise ConfigError(f"{path} is a binary file, not {what} text (a NUL byte at offset {nul})")

@@ -148,6 +148,9 @@ def test_empty_sources_are_refused(gpuyard_home: Path, tmp_path: Path) -> None:
     src.write_text("a,label\n,1\n,2\n")
     with pytest.raises(ConfigError, match=r"all 2 rows were quarantined \(null:a=2\)"):
         ingest(src, "h")
+    src.write_text("")
+    with pytest.raises(ConfigError, match=r"is empty \(0 bytes\)"):
+        ingest(src, "h")
     assert list_datasets() == []  # nothing recorded
 
 
@@ -178,6 +181,8 @@ def test_cli_ingest_prints_the_schema_summary_with_warnings(
     )
     assert schema["age"]["warnings"] == []
     assert "warning: column 'code'" in err  # also said on stderr, where --json leaves room
+    code, out, _ = _run(capsys, "data", "show", "people")
+    assert code == 0 and "warning: column 'code': kept as text" in " ".join(out.split())
 
 
 def test_cli_refuses_a_header_only_csv_in_one_line(

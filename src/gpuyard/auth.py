@@ -24,12 +24,14 @@ from typing import Any
 
 import httpx
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from gpuyard.errors import AuthenticationError, ConfigError, ConflictError, NotFoundError, PermissionDenied
 from gpuyard.settings import Settings, load_settings
 from gpuyard.store.base import utcnow
 from gpuyard.store.db import Store, get_store
 from gpuyard.store.tables.auth import TokenRow, UserRow
+from gpuyard.store.tables.jobs import JobRow
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ TOKEN_FILE = "token"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 # last_used_at is refreshed at most this often, so reads do not turn every request into a write.
 _TOUCH_EVERY = timedelta(seconds=60)
+# A job's token works while the job is in one of these states (scheduler.spec.ACTIVE's values).
+_ACTIVE_JOB_STATES = ("queued", "scheduled", "running")
 # The longest token lifetime: ten years (a longer one overflows the date range soon after 1e6 days).
 MAX_TOKEN_DAYS = 3650
 
@@ -52,6 +56,7 @@ class Principal:
     team: str
     role: str
     token_id: int
+    job_id: int | None = None  # set for a job-scoped token: it reaches only this job
 
     @property
     def is_admin(self) -> bool:
@@ -90,6 +95,7 @@ def _token_doc(r: TokenRow) -> dict[str, Any]:
         "expires_at": iso(r.expires_at),
         "last_used_at": iso(r.last_used_at),
         "revoked": r.revoked_at is not None,
+        "job_id": r.job_id,
     }
 
 
@@ -196,6 +202,38 @@ def revoke_token(token_id: int, store: Store | None = None) -> dict[str, Any]:
         return _token_doc(row)
 
 
+def create_job_token(s: Session, job_id: int, user: str) -> str | None:
+    """A token for job ``job_id`` to call the API as ``user`` on its own job only (None: no such user).
+
+    Made in the caller's session ``s`` (the job's launch and its token commit together). It is given
+    to the job in GPUYARD_TOKEN, refused once the job is no longer queued, scheduled or running, and
+    revoked when its attempt ends (:func:`revoke_job_tokens`). A job submitted by someone who is not
+    an API user (an in-process service's OS user) gets none.
+    """
+    if s.get(UserRow, user) is None:
+        return None
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    s.add(
+        TokenRow(
+            user=user, label=f"job {job_id}", token_hash=hash_token(token), prefix=token[:9], job_id=job_id
+        )
+    )
+    return token
+
+
+def revoke_job_tokens(s: Session, job_id: int) -> int:
+    """Revoke the live tokens of job ``job_id`` in session ``s`` (its attempt ended); returns how many."""
+    live = list(s.scalars(select(TokenRow).where(TokenRow.job_id == job_id, TokenRow.revoked_at.is_(None))))
+    for row in live:
+        row.revoked_at = utcnow()
+    return len(live)
+
+
+def _job_active(s: Session, job_id: int) -> bool:
+    row = s.get(JobRow, job_id)
+    return row is not None and row.state in _ACTIVE_JOB_STATES
+
+
 def authenticate(token: str | None, store: Store | None = None) -> Principal:
     """The principal behind ``token``.
 
@@ -216,6 +254,12 @@ def authenticate(token: str | None, store: Store | None = None) -> Principal:
         if row is None or not hmac.compare_digest(row.token_hash, digest):
             raise AuthenticationError("invalid API token")
         now = utcnow()
+        if row.job_id is not None and (row.revoked_at is not None or not _job_active(s, row.job_id)):
+            # Revoked when the attempt ends; the job's state is checked too, for one that ended while
+            # no server ran (nobody revoked its token then).
+            raise AuthenticationError(
+                f"API token {row.prefix}... was job {row.job_id}'s, whose attempt has ended"
+            )
         if row.revoked_at is not None:
             raise AuthenticationError(f"API token {row.prefix}... was revoked")
         if row.expires_at is not None and row.expires_at <= now:
@@ -223,7 +267,9 @@ def authenticate(token: str | None, store: Store | None = None) -> Principal:
         user = s.get(UserRow, row.user)
         if user is None:
             raise AuthenticationError("invalid API token")
-        principal = Principal(user=user.name, team=user.team, role=user.role, token_id=row.id)
+        principal = Principal(
+            user=user.name, team=user.team, role=user.role, token_id=row.id, job_id=row.job_id
+        )
         stale = row.last_used_at is None or now - row.last_used_at > _TOUCH_EVERY
     if stale:
         with store.session() as s:

@@ -6,17 +6,31 @@ only read (GET/HEAD); ``/users`` and ``/tokens`` further need an admin (checked 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from gpuyard.auth import Principal, authenticate, list_users, require_write
-from gpuyard.errors import NotFoundError
+from gpuyard.errors import NotFoundError, PermissionDenied
 
 # auto_error=False: a missing header must give 401 with our message, not FastAPI's 403.
 _bearer = HTTPBearer(auto_error=False, description="An API token from `gpuyard tokens create`.")
 _READ_METHODS = ("GET", "HEAD", "OPTIONS")
+# What a job-scoped token reaches: its own job (read, events, logs, cancel) and who it is.
+_JOB_SCOPE = re.compile(r"^/jobs/(\d+)(?:/events|/logs|/cancel)?/?$")
+
+
+def _check_job_scope(request: Request, job_id: int) -> None:
+    path = request.url.path
+    match = _JOB_SCOPE.match(path)
+    if path.rstrip("/") == "/me" or (match is not None and int(match.group(1)) == job_id):
+        return
+    raise PermissionDenied(
+        f"a job token reaches only its own job: /jobs/{job_id} (and /events, /logs, /cancel) and /me, "
+        f"not {path}"
+    )
 
 
 def authenticated(
@@ -24,6 +38,8 @@ def authenticated(
 ) -> Principal:
     """The caller of this request (401 without a valid token; 403 for a viewer that writes)."""
     principal = authenticate(creds.credentials if creds else None)
+    if principal.job_id is not None:
+        _check_job_scope(request, principal.job_id)
     if request.method not in _READ_METHODS:
         require_write(principal)
     request.state.principal = principal

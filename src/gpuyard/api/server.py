@@ -59,6 +59,7 @@ def run_server(service: JobService, options: ServerOptions) -> None:
     logging.getLogger("gpuyard.server").info(
         "dashboard and API at http://%s:%d/ (OpenAPI at /docs)", shown_host, options.port
     )
+    service.api_url = f"http://{_url_host(shown_host)}:{options.port}"  # for the jobs' own tokens
     stop = threading.Event()
     # uvicorn stops gracefully on SIGTERM as on SIGINT, then re-raises the signal with the handler it
     # found: with the default one the process dies there, before the `finally` below gives the
@@ -81,3 +82,7 @@ def run_server(service: JobService, options: ServerOptions) -> None:
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)  # asked to stop (systemd, docker stop, kill): a clean stop, as SIGINT is
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host  # an IPv6 address in a URL

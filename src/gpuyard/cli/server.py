@@ -57,7 +57,8 @@ def server(
         None,
         "--job-user",
         help="Unix user the jobs run as (default: gpuyard-job when the server is root, else the server's"
-        " own user, not isolated).",
+        " own user, not isolated); a template such as gpuyard-{team} or gpuyard-{user} runs each team's"
+        " (or submitter's) jobs as its own user, so jobs of different teams cannot touch each other.",
     ),
     job_dir: str = typer.Option(
         None, "--job-dir", help="Folder of the jobs' working directories (default: in the temp folder)."

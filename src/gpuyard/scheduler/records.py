@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from gpuyard.auth import revoke_job_tokens
 from gpuyard.errors import ConflictError
 from gpuyard.scheduler.spec import TRANSITIONS, JobState
 from gpuyard.store.base import utcnow
@@ -62,6 +63,8 @@ def move(
     if to not in TRANSITIONS[frm]:
         raise ConflictError(f"job {row.id} is {frm.value}; it cannot become {to.value}")
     when = at or utcnow()
+    if frm in (JobState.SCHEDULED, JobState.RUNNING) and to is not JobState.RUNNING:
+        revoke_job_tokens(s, row.id)  # the attempt is over: its job-scoped token dies with it
     row.state, row.reason = to.value, reason
     if to is JobState.QUEUED:
         row.queued_at = when

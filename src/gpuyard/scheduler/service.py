@@ -23,6 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError as DuplicateRow
 from sqlalchemy.orm import Session
 
+from gpuyard.auth import TOKEN_ENV, create_job_token
 from gpuyard.errors import CapacityError, ConfigError, ConflictError, NotFoundError
 from gpuyard.scheduler.estimator import RuntimeEstimator
 from gpuyard.scheduler.executors.base import Executor, ExitStatus, NodeSlots
@@ -40,6 +41,7 @@ from gpuyard.scheduler.policies import make_policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
 from gpuyard.scheduler.records import ACTIVE, job_doc, move
 from gpuyard.scheduler.spec import JobSpec, JobState, WorkloadSpec
+from gpuyard.settings import SERVER_ENV
 from gpuyard.store.base import utcnow
 from gpuyard.store.db import Store
 from gpuyard.store.tables.jobs import JobEventRow, JobRow
@@ -92,6 +94,8 @@ class JobService:
         self.store, self.nodes, self.executor, self.config = store, nodes, executor, config
         self.lease = SchedulerLease(store, role=role, ttl_s=config.lease_ttl_s)
         self._lease_note: str | None = None
+        # The API's URL when a `gpuyard server` runs this service: its jobs then get a job-scoped token.
+        self.api_url: str | None = None
         if config.placement not in ("topology", "fabric"):
             raise ConfigError(f"placement {config.placement!r} is unknown; choose topology or fabric")
         if config.placement == "fabric" and fabric is None:
@@ -129,6 +133,9 @@ class JobService:
         if spec.team not in self.config.teams:
             known = ", ".join(sorted(self.config.teams))
             raise ConfigError(f"team: {spec.team!r} is unknown; known teams: {known} (server option --team)")
+        isolation = getattr(self.executor, "isolation", None)
+        if isolation is not None:
+            isolation.for_job(spec.team, spec.user)  # a --job-user template names an existing Unix user
         res = spec.resources
         if spec.workload is not None:
             self._check_workload(spec)
@@ -564,6 +571,11 @@ class JobService:
                 row.placement["predicted"] = placement.predicted.to_dict()
             row.handle, row.log_path = dict(plan.extra), plan.log_path
             move(s, row, JobState.SCHEDULED, placement.how)
+            if self.api_url is not None:
+                # A token for this attempt only, reaching only this job (never the submitter's own).
+                token = create_job_token(s, job_id, row.user)
+                if token is not None:
+                    plan.env.update({TOKEN_ENV: token, SERVER_ENV: self.api_url})
         try:
             handle = self.executor.launch(plan)
         except Exception as exc:  # any launch failure is the job's failure, recorded with why

@@ -29,7 +29,7 @@ import os
 import pwd
 import stat
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpuyard.errors import ConfigError
@@ -71,6 +71,35 @@ class JobIsolation:
     store_env: tuple[tuple[str, str], ...] = ()
     server_url: str | None = None
     python_problem: str | None = None
+    template: str | None = None
+
+    def for_job(self, team: str, user: str) -> JobIsolation:
+        """The isolation of one job: with a ``--job-user`` template (``gpuyard-{team}``,
+        ``gpuyard-{user}``) its team's or submitter's own Unix user, else this one.
+
+        Jobs of different teams (or users) then cannot signal, trace or read each other's processes
+        and files, as Slurm runs each job as its submitter.
+
+        Raises:
+            ConfigError: the Unix user the template names for this job does not exist (one line).
+        """
+        if self.template is None:
+            return self
+        name = self.template.format(team=team, user=user)
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            whose = f"team {team!r}" if "{team}" in self.template else f"user {user!r}"
+            raise ConfigError(
+                f"no Unix user {name!r} to run the jobs of {whose} (server option --job-user "
+                f"{self.template}): create it, e.g. useradd --system --no-create-home {name}"
+            ) from None
+        if entry.pw_uid == 0:
+            raise ConfigError(f"--job-user {self.template}: {name!r} is root; jobs never run as root")
+        own_home = entry.pw_dir if _owned_dir(entry.pw_dir, entry.pw_uid) else None
+        return replace(
+            self, user=entry.pw_name, uid=entry.pw_uid, gid=entry.pw_gid, home=own_home, template=None
+        )
 
     def workdir(self, job_id: int) -> Path:
         """The default working directory of job ``job_id``."""
@@ -89,6 +118,11 @@ class JobIsolation:
 
     def describe(self) -> str:
         """One line for the startup log: who jobs run as, and what that protects."""
+        if self.template is not None:
+            return (
+                f"jobs run as user {self.template} (one Unix user per {_template_key(self.template)}) in "
+                f"{self.work_root}, environment allow-listed, GPUYARD_HOME 0700"
+            )
         if self.switch:
             line = (
                 f"jobs run as user {self.user} (uid {self.uid}) in {self.work_root}, "
@@ -140,6 +174,8 @@ def resolve_isolation(settings: Settings, job_user: str | None, work_root: str |
     """
     me = pwd.getpwuid(os.geteuid())
     root = os.geteuid() == 0
+    if job_user is not None and "{" in job_user:
+        return _templated(settings, job_user, work_root, root)
     name = job_user if job_user is not None else (DEFAULT_JOB_USER if root else me.pw_name)
     try:
         entry = pwd.getpwnam(name)
@@ -259,3 +295,41 @@ def _owned_dir(path: str, uid: int) -> bool:
     except OSError:
         return False
     return stat.S_ISDIR(st.st_mode) and st.st_uid == uid
+
+
+def _template_key(template: str) -> str:
+    return "team" if "{team}" in template else "submitting user"
+
+
+def _templated(settings: Settings, template: str, work_root: str | None, root: bool) -> JobIsolation:
+    """The isolation for a ``--job-user`` template: each job's user is resolved when it is submitted."""
+    try:
+        sample = template.format(team="t", user="u")
+    except (KeyError, IndexError, ValueError):
+        sample = ""
+    if sample == template or not sample or not any(k in template for k in ("{team}", "{user}")):
+        raise ConfigError(
+            f"--job-user {template}: a template names {{team}} or {{user}} and nothing else in braces "
+            "(e.g. gpuyard-{team})"
+        )
+    if not root:
+        raise ConfigError(
+            f"--job-user {template}: running jobs as other users needs a server started as root"
+        )
+    home = settings.ensure_home()
+    _make_private(settings)
+    if work_root is not None:
+        folder = Path(work_root).expanduser().resolve()
+    else:
+        tag = hashlib.sha256(str(home).encode()).hexdigest()[:12]
+        folder = Path(tempfile.gettempdir()) / f"gpuyard-jobs-{tag}"
+    _make_work_root(folder, traverse=True)
+    return JobIsolation(
+        user=template,
+        uid=-1,
+        gid=-1,
+        switch=True,
+        work_root=folder,
+        server_url=os.environ.get(SERVER_ENV) or None,
+        template=template,
+    )

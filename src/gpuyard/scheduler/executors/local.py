@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -59,9 +60,12 @@ class LocalExecutor(Executor):
         if iso is None:
             cwd = spec.workdir or os.getcwd()
         else:
+            iso = iso.for_job(spec.team, spec.user)  # a --job-user template: the team's own user
             cwd = spec.workdir or str(iso.workdir(job_id))
             env = iso.environment(env, cwd)
-            extra.update(job_file=str(folder / f"attempt-{attempt}.job.json"), user=iso.user)
+            extra.update(
+                job_file=str(folder / f"attempt-{attempt}.job.json"), user=iso.user, uid=iso.uid, gid=iso.gid
+            )
         return LaunchPlan(
             job_id=job_id,
             attempt=attempt,
@@ -84,6 +88,14 @@ class LocalExecutor(Executor):
         else:
             # The shim keeps the server's environment (run with -I, nothing of the job's reaches it); the
             # command gets plan.env, the job's user and its working directory from the job file.
+            if iso.template is not None:  # the user plan() resolved for this job
+                iso = replace(
+                    iso,
+                    user=plan.extra["user"],
+                    uid=int(plan.extra["uid"]),
+                    gid=int(plan.extra["gid"]),
+                    template=None,
+                )
             iso.prepare(plan.job_id, plan.cwd)
             job: dict[str, Any] = {"env": plan.env, "cwd": plan.cwd, "uid": None, "gid": None}
             if iso.switch:

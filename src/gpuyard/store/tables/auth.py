@@ -37,8 +37,11 @@ class TokenRow(Base):
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # A job-scoped token (given to job N by the server): it reaches only that job, while it is active.
+    job_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     __table_args__ = (
         Index("ix_auth_tokens_token_hash", "token_hash", unique=True),
         Index("ix_auth_tokens_user", "user"),
+        Index("ix_auth_tokens_job_id", "job_id"),
     )

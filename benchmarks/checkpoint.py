@@ -157,7 +157,7 @@ def main() -> None:
         resume_child(args)
         return
     if args.quick:
-        args.hidden, args.layers, args.checkpoints = 2048, 6, 6
+        args.hidden, args.layers, args.checkpoints, args.every = 2048, 4, 6, 3
     args.steps = args.every * args.checkpoints
 
     storage = Path(tempfile.mkdtemp(prefix="gpuyard-ckpt-bench-", dir=args.storage))

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuyard.api.auth import authenticated
+from gpuyard.api.params import NodeName
 from gpuyard.auth import Principal, require_admin
 from gpuyard.errors import NotFoundError, StoreError
 
@@ -72,7 +73,7 @@ def list_nodes(request: Request) -> list[dict[str, Any]]:
 
 
 @router.get("/{name}")
-def show(name: str, request: Request, limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
+def show(name: NodeName, request: Request, limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
     """One node's state, last check and history of state changes (oldest first)."""
     service = _service(request)
     node = _node(service, name)
@@ -82,7 +83,7 @@ def show(name: str, request: Request, limit: int = Query(100, ge=1, le=1000)) ->
 
 @router.post("/{name}/drain")
 def drain(
-    name: str, body: DrainBody, request: Request, principal: Principal = Depends(authenticated)
+    name: NodeName, body: DrainBody, request: Request, principal: Principal = Depends(authenticated)
 ) -> dict[str, Any]:
     """Drain a node (admin): nothing new is placed on it; its preemptible jobs are moved off."""
     require_admin(principal)
@@ -95,7 +96,7 @@ def drain(
 
 @router.post("/{name}/undrain")
 def undrain(
-    name: str,
+    name: NodeName,
     request: Request,
     body: UndrainBody | None = None,
     principal: Principal = Depends(authenticated),

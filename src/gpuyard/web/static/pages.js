@@ -322,9 +322,14 @@ GY.pages.deployments = {
     Charts.line(tput, "throughput (requests/s)", h.t, [{ label: "req/s", values: h.rps }], { time: true, width: 480 });
     const d = live.drift || {};
     const r = d.report;
-    drift.innerHTML = !d.enabled ? `<p class="muted">Drift off: ${esc(d.reason)}</p>` : !r ? `<p class="muted">${esc(d.reason)}</p>` :
-      `<p class="muted">${r.rows} samples; PSI alert at ≥ ${r.psi_threshold}, KS at p < ${fmt.num(r.ks_pvalue_threshold, 2)}</p><table><tr><th>feature</th><th>PSI</th><th>KS</th><th>KS p</th><th>drift</th></tr>` +
-      r.features.slice(0, 64).map((f) => `<tr><td>${esc(f.feature)}</td><td>${fmt.num(f.psi, 3)}</td><td>${fmt.num(f.ks, 3)}</td><td>${fmt.num(f.ks_pvalue, 2)}</td><td>${f.drift_psi || f.drift_ks ? fmt.badge("fail") : fmt.badge("pass")}</td></tr>`).join("") + "</table>";
+    // One row per feature, named by its column (city=paris for a one-hot category, image[3,4] for a pixel).
+    const rows = (feats, head) => `<table class="${head}"><tr><th>${head === "skew" ? "raw column" : "feature"}</th><th>PSI</th><th>KS</th><th>KS p</th><th>${head}</th></tr>` +
+      feats.slice(0, 64).map((f) => `<tr><td>${esc(f.feature)}</td><td>${fmt.num(f.psi, 3)}</td><td>${f.ks == null ? "-" : fmt.num(f.ks, 3)}</td><td>${f.ks_pvalue == null ? "-" : fmt.num(f.ks_pvalue, 2)}</td><td>${f.drift_psi || f.drift_ks ? fmt.badge("fail") : fmt.badge("pass")}</td></tr>`).join("") + "</table>";
+    const k = d.skew;
+    const skew = !d.enabled ? "" : k ? `<h4>Raw records against the training rows (skew)</h4><p class="muted">${k.rows} records; text columns by PSI over their categories</p>${rows(k.features, "skew")}` :
+      d.skew_reason && d.skew_reason.includes("raw records") ? `<p class="muted">Skew: ${esc(d.skew_reason)}</p>` : "";
+    drift.innerHTML = !d.enabled ? `<p class="muted">Drift off: ${esc(d.reason)}</p>` : (!r ? `<p class="muted">${esc(d.reason)}</p>` :
+      `<p class="muted">${r.rows} samples; PSI alert at ≥ ${r.psi_threshold}, KS at p < ${fmt.num(r.ks_pvalue_threshold, 2)}</p>${rows(r.features, "drift")}`) + skew;
   },
 };
 

@@ -1,0 +1,649 @@
+"""GPU-sharing placement in the simulator: shares of GPUs, fragmentation, FGD and packing baselines.
+
+A task asks for CPU, memory and either a share of one GPU (``gpu_milli`` < 1000) or whole GPUs,
+possibly of given models (the openb traces, :mod:`gpuyard.scheduler.openb`). A node's GPUs are
+tracked one by one in thousandths, so shares from several tasks can sit on one GPU.
+
+Fragmentation, after FGD (Weng et al., "Beware of Fragmentation: Scheduling GPU-Sharing Workloads
+with Fragmentation Gradient Descent", USENIX ATC'23), measured against the workload's mix of task
+shapes M, each with popularity p_m:
+
+* for one task shape m, the fragment of node n is the GPU capacity left on n that m cannot use:
+  all of it when m cannot run on n at all (CPU, memory, GPU model, or too few GPUs with room),
+  else the capacity left on the GPUs with less room than m's per-GPU demand;
+* the node's fragmentation is the expected fragment F_n = sum_m p_m frag_n(m);
+* FGD places a task where F rises least (F after minus F before), choosing the GPU(s) on the node
+  the same way: the direction of steepest descent of the cluster's expected fragmentation.
+
+CPU-only shapes leave every free GPU to others either way, so their fragment is the node's whole
+free GPU capacity, the same for every placement decision: the mix keeps GPU shapes only.
+
+Baselines: first-fit, best-fit (least CPU and GPU left after placement, equal weights, as in the
+paper's baseline), random-fit, and dot-product (smallest product of normalised free and asked
+resources). Within a node the baselines take the tightest GPU with room (first-fit the first,
+random-fit any). ``fill`` runs the paper's experiment (tasks arrive until the cluster is full,
+measuring unallocated GPU capacity), ``replay`` a trace with durations (JCT).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from gpuyard.errors import CapacityError, ConfigError
+from gpuyard.scheduler.openb import MILLI, GpuNode, GpuTask
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+Placement = tuple[int, tuple[int, ...]]  # node index, GPU indexes on that node (empty: CPU only)
+
+
+class SharedCluster:
+    """Free CPU, memory and per-GPU thousandths of every node; ``version`` counts each node's changes."""
+
+    def __init__(self, nodes: Sequence[GpuNode]) -> None:
+        if not nodes:
+            raise ConfigError("a cluster needs at least one node")
+        self.nodes = list(nodes)
+        self.gpus = np.array([n.gpus for n in nodes], dtype=np.int64)
+        width = max(1, int(self.gpus.max()))
+        self.cpu_cap = np.array([n.cpu_milli for n in nodes], dtype=np.int64)
+        self.mem_cap = np.array([n.memory_mib for n in nodes], dtype=np.int64)
+        self.cpu = self.cpu_cap.copy()
+        self.mem = self.mem_cap.copy()
+        # Missing GPUs of a smaller node are columns with 0 left: they never fit and add no fragment.
+        self.left = np.zeros((len(nodes), width), dtype=np.int64)
+        for i, n in enumerate(nodes):
+            self.left[i, : n.gpus] = MILLI
+        self.models = sorted({n.model for n in nodes})
+        self.model = np.array([self.models.index(n.model) for n in nodes], dtype=np.int64)
+        self.free = self.left.sum(axis=1)  # GPU thousandths free per node
+        self.version = np.zeros(len(nodes), dtype=np.int64)
+        self.capacity_milli = int(self.gpus.sum()) * MILLI
+        self.allocated_milli = 0
+        self._spec_ok: dict[tuple[str, ...], BoolArray] = {}
+
+    @property
+    def unallocated(self) -> float:
+        """Fraction of the cluster's GPU capacity not allocated to any task."""
+        return 1.0 - self.allocated_milli / self.capacity_milli if self.capacity_milli else 0.0
+
+    def model_ok(self, spec: tuple[str, ...]) -> BoolArray:
+        """Per model index: may a task of GPU models ``spec`` (empty: any) run there."""
+        ok = self._spec_ok.get(spec)
+        if ok is None:
+            ok = np.array([not spec or m in spec for m in self.models], dtype=np.bool_)
+            self._spec_ok[spec] = ok
+        return ok
+
+    def feasible(self, task: GpuTask) -> BoolArray:
+        """Per node: can ``task`` start there now."""
+        ok: BoolArray = (self.cpu >= task.cpu_milli) & (self.mem >= task.memory_mib)
+        ok &= self.model_ok(task.gpu_spec)[self.model]
+        if task.num_gpu:
+            ok &= (self.left >= task.gpu_milli).sum(axis=1) >= task.num_gpu
+        return ok
+
+    def fits_empty(self, task: GpuTask) -> bool:
+        """Could ``task`` run on some node of the empty cluster."""
+        ok = (self.cpu_cap >= task.cpu_milli) & (self.mem_cap >= task.memory_mib)
+        ok &= self.model_ok(task.gpu_spec)[self.model] & (self.gpus >= task.num_gpu)
+        return bool(ok.any())
+
+    def place(self, task: GpuTask, placement: Placement) -> None:
+        """Take ``task``'s resources on ``placement``.
+
+        Raises:
+            CapacityError: they are not free there.
+        """
+        node, gpus = placement
+        if len(gpus) != task.num_gpu or len(set(gpus)) != len(gpus):
+            raise CapacityError(f"{task.name}: {len(gpus)} GPUs given for num_gpu {task.num_gpu}")
+        if self.cpu[node] < task.cpu_milli or self.mem[node] < task.memory_mib:
+            raise CapacityError(f"{task.name}: not enough CPU or memory on {self.nodes[node].name}")
+        if not self.model_ok(task.gpu_spec)[self.model[node]]:
+            raise CapacityError(f"{task.name}: GPU model {self.nodes[node].model} not in {task.gpu_spec}")
+        for g in gpus:
+            if g >= self.gpus[node] or self.left[node, g] < task.gpu_milli:
+                raise CapacityError(f"{task.name}: GPU {g} of {self.nodes[node].name} has no room")
+        self.cpu[node] -= task.cpu_milli
+        self.mem[node] -= task.memory_mib
+        for g in gpus:
+            self.left[node, g] -= task.gpu_milli
+        self.free[node] -= task.num_gpu * task.gpu_milli
+        self.allocated_milli += task.num_gpu * task.gpu_milli
+        self.version[node] += 1
+
+    def release(self, task: GpuTask, placement: Placement) -> None:
+        """Give back what :meth:`place` took."""
+        node, gpus = placement
+        self.cpu[node] += task.cpu_milli
+        self.mem[node] += task.memory_mib
+        for g in gpus:
+            self.left[node, g] += task.gpu_milli
+        self.free[node] += task.num_gpu * task.gpu_milli
+        self.allocated_milli -= task.num_gpu * task.gpu_milli
+        self.version[node] += 1
+
+
+@dataclass(frozen=True)
+class TaskMix:
+    """The workload's GPU task shapes and their popularity (fractions of GPU tasks, summing to 1)."""
+
+    cpu: IntArray
+    mem: IntArray
+    num_gpu: IntArray
+    milli: IntArray
+    spec: tuple[tuple[str, ...], ...]
+    p: FloatArray
+
+    @classmethod
+    def of(cls, tasks: Sequence[GpuTask]) -> TaskMix:
+        """The mix of ``tasks``' GPU shapes, popularity by count.
+
+        Raises:
+            ConfigError: no task asks for a GPU.
+        """
+        counts = Counter(t.shape for t in tasks if t.num_gpu)
+        if not counts:
+            raise ConfigError("no task asks for a GPU: the fragmentation measure needs GPU tasks")
+        shapes = sorted(counts)
+        total = sum(counts.values())
+        return cls(
+            cpu=np.array([s[0] for s in shapes], dtype=np.int64),
+            mem=np.array([s[1] for s in shapes], dtype=np.int64),
+            num_gpu=np.array([s[2] for s in shapes], dtype=np.int64),
+            milli=np.array([s[3] for s in shapes], dtype=np.int64),
+            spec=tuple(s[4] for s in shapes),
+            p=np.array([counts[s] / total for s in shapes], dtype=np.float64),
+        )
+
+    def __len__(self) -> int:
+        return len(self.p)
+
+
+class Fragmentation:
+    """Expected fragmentation F of node states against a :class:`TaskMix`, on one cluster's models."""
+
+    def __init__(self, mix: TaskMix, cluster: SharedCluster) -> None:
+        self.mix = mix
+        self.demands = np.unique(mix.milli)
+        self.didx = np.searchsorted(self.demands, mix.milli)
+        self.allowed = np.stack([cluster.model_ok(s) for s in mix.spec], axis=1)  # (models, shapes)
+
+    def of_states(self, cpu: IntArray, mem: IntArray, model: IntArray, left: IntArray) -> FloatArray:
+        """F (GPU thousandths) of each state: free CPU, memory, model index and per-GPU room (rows)."""
+        if left.shape[0] == 0:
+            return np.zeros(0, dtype=np.float64)
+        if left.shape[0] > 64:  # many nodes are alike (same model, both empty): evaluate each state once
+            rows = np.column_stack([cpu, mem, model, left])
+            mix_in = np.arange(1, rows.shape[1] + 1, dtype=np.int64) * np.int64(0x9E3779B97F4A7C15 >> 2)
+            _, first, inverse = np.unique(rows @ mix_in, return_index=True, return_inverse=True)
+            uniq = rows[first]
+            # A hash of each row finds the alike ones; the check keeps it exact (else no shortcut).
+            if len(uniq) < 0.8 * len(rows) and np.array_equal(uniq[inverse.ravel()], rows):
+                once = self._of_distinct(uniq[:, 0], uniq[:, 1], uniq[:, 2], uniq[:, 3:])
+                out: FloatArray = once[inverse.ravel()]
+                return out
+        return self._of_distinct(cpu, mem, model, left)
+
+    def _of_distinct(self, cpu: IntArray, mem: IntArray, model: IntArray, left: IntArray) -> FloatArray:
+        states, width = left.shape
+        total = left.sum(axis=1)
+        # A GPU's bucket b is how many demands it has room for: it fits demand j exactly when j < b.
+        nb = len(self.demands) + 1
+        bucket = np.searchsorted(self.demands, left, side="right")
+        flat = (np.arange(states)[:, None] * nb + bucket).ravel()
+        per_bucket = np.bincount(flat, minlength=states * nb).reshape(states, nb)
+        room_in = np.bincount(flat, weights=left.ravel(), minlength=states * nb).reshape(states, nb)
+        count = width - np.cumsum(per_bucket, axis=1)[:, :-1]  # GPUs with room for each demand
+        small = np.cumsum(room_in, axis=1)[:, :-1]  # room on the GPUs too small for each demand
+        m = self.mix
+        fits = (cpu[:, None] >= m.cpu[None, :]) & (mem[:, None] >= m.mem[None, :])
+        fits &= self.allowed[model]
+        fits &= count[:, self.didx] >= m.num_gpu[None, :]
+        frag = np.where(fits, small[:, self.didx], total[:, None].astype(np.float64))
+        out: FloatArray = frag @ m.p
+        return out
+
+    def of_nodes(self, cluster: SharedCluster, nodes: IntArray | None = None) -> FloatArray:
+        """F of the cluster's nodes as they are now (all, or those indexed by ``nodes``)."""
+        idx = np.arange(len(cluster.nodes)) if nodes is None else nodes
+        return self.of_states(cluster.cpu[idx], cluster.mem[idx], cluster.model[idx], cluster.left[idx])
+
+
+def fragmentation_rate(cluster: SharedCluster, mix: TaskMix) -> float:
+    """The cluster's expected fragment as a fraction of its GPU capacity."""
+    return float(Fragmentation(mix, cluster).of_nodes(cluster).sum()) / cluster.capacity_milli
+
+
+def _gpus_on(
+    left: IntArray, task: GpuTask, how: str, rng: np.random.Generator | None = None
+) -> tuple[int, ...]:
+    """GPUs of one node (its row of room) for ``task``: first, tightest or random among those with room."""
+    if not task.num_gpu:
+        return ()
+    fit = np.flatnonzero(left >= task.gpu_milli)
+    if how == "tightest":
+        fit = fit[np.argsort(left[fit], kind="stable")]
+    elif how == "random" and rng is not None:
+        fit = rng.permutation(fit)
+    return tuple(int(g) for g in fit[: task.num_gpu])
+
+
+def _leftover(cluster: SharedCluster, task: GpuTask, idx: IntArray) -> FloatArray:
+    """Best-fit's score of nodes ``idx``: CPU and GPU left after placing ``task``, each over the
+    largest node's, weighted equally (0: full; lower is tighter)."""
+    cpu_max = max(1, int(cluster.cpu_cap.max()))
+    gpu_max = max(1, int(cluster.gpus.max()) * MILLI)
+    asked = task.num_gpu * task.gpu_milli
+    score: FloatArray = 0.5 * (cluster.cpu[idx] - task.cpu_milli) / cpu_max
+    score += 0.5 * (cluster.free[idx] - asked) / gpu_max
+    return score
+
+
+class PackingPolicy(Protocol):
+    """Chooses the node and GPUs of a task on a :class:`SharedCluster`, or None when none fits."""
+
+    name: str
+
+    def choose(self, cluster: SharedCluster, task: GpuTask) -> Placement | None: ...
+
+
+class FirstFit:
+    """The first node (in list order) with room, its first GPUs with room."""
+
+    name = "firstfit"
+
+    def choose(self, cluster: SharedCluster, task: GpuTask) -> Placement | None:
+        idx = np.flatnonzero(cluster.feasible(task))
+        if not idx.size:
+            return None
+        node = int(idx[0])
+        return node, _gpus_on(cluster.left[node], task, "first")
+
+
+class RandomFit:
+    """A node with room drawn at random, random GPUs with room on it (seeded)."""
+
+    name = "randomfit"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def choose(self, cluster: SharedCluster, task: GpuTask) -> Placement | None:
+        idx = np.flatnonzero(cluster.feasible(task))
+        if not idx.size:
+            return None
+        node = int(self.rng.choice(idx))
+        return node, _gpus_on(cluster.left[node], task, "random", self.rng)
+
+
+class BestFit:
+    """The node left with the least CPU and GPU after placement (each normalised by the largest node)."""
+
+    name = "bestfit"
+
+    def choose(self, cluster: SharedCluster, task: GpuTask) -> Placement | None:
+        idx = np.flatnonzero(cluster.feasible(task))
+        if not idx.size:
+            return None
+        node = int(idx[int(np.argmin(_leftover(cluster, task, idx)))])
+        return node, _gpus_on(cluster.left[node], task, "tightest")
+
+
+class DotProduct:
+    """The node whose normalised free CPU and GPU has the smallest dot product with the request."""
+
+    name = "dotprod"
+
+    def choose(self, cluster: SharedCluster, task: GpuTask) -> Placement | None:
+        idx = np.flatnonzero(cluster.feasible(task))
+        if not idx.size:
+            return None
+        cpu_max = max(1, int(cluster.cpu_cap.max()))
+        gpu_max = max(1, int(cluster.gpus.max()) * MILLI)
+        asked = task.num_gpu * task.gpu_milli
+        score = (task.cpu_milli / cpu_max) * (cluster.cpu[idx] / cpu_max)
+        score = score + (asked / gpu_max) * (cluster.free[idx] / gpu_max)
+        node = int(idx[int(np.argmin(score))])
+        return node, _gpus_on(cluster.left[node], task, "tightest")
+
+
+@dataclass
+class _Choices:
+    stamp: IntArray  # node version the entry was computed at (-1: never)
+    delta: FloatArray  # rise of F when the task shape goes there
+    gpus: IntArray  # (nodes, num_gpu) GPUs chosen
+
+
+class FGD:
+    """Fragmentation gradient descent: the node and GPUs where the expected fragmentation rises least.
+
+    The rise for a task shape on a node changes only when that node does, so it is kept per shape
+    and recomputed, for all stale nodes at once, when a task of that shape arrives. Among equal rises
+    the tightest node wins (best-fit's score). ``packing_weight`` > 0 adds best-fit's score, times
+    that many GPUs, to the rise (a blend; 0 is FGD alone).
+    """
+
+    name = "fgd"
+
+    def __init__(self, mix: TaskMix, packing_weight: float = 0.0) -> None:
+        self.mix = mix
+        self.packing_weight = packing_weight
+        if packing_weight:
+            self.name = "fgd-bf" if packing_weight == FGD_BF_WEIGHT else f"fgd-bf{packing_weight:g}"
+        self._cluster: SharedCluster | None = None
+        self._frag: Fragmentation | None = None
+        self._f = np.zeros(0, dtype=np.float64)
+        self._f_stamp = np.zeros(0, dtype=np.int64)
+        self._choices: dict[tuple[Any, ...], _Choices] = {}
+
+    def _bind(self, cluster: SharedCluster) -> Fragmentation:
+        if self._cluster is not cluster or self._frag is None:
+            self._cluster = cluster
+            self._frag = Fragmentation(self.mix, cluster)
+            self._f = np.zeros(len(cluster.nodes), dtype=np.float64)
+            self._f_stamp = np.full(len(cluster.nodes), -1, dtype=np.int64)
+            self._choices = {}
+        return self._frag
+
+    def choose(self, cluster: SharedCluster, task: GpuTask) -> Placement | None:
+        frag = self._bind(cluster)
+        idx = np.flatnonzero(cluster.feasible(task))
+        if not idx.size:
+            return None
+        n = len(cluster.nodes)
+        choices = self._choices.get(task.shape)
+        if choices is None:
+            choices = _Choices(
+                np.full(n, -1, dtype=np.int64),
+                np.zeros(n, dtype=np.float64),
+                np.zeros((n, task.num_gpu), dtype=np.int64),
+            )
+            self._choices[task.shape] = choices
+        stale = idx[choices.stamp[idx] != cluster.version[idx]]
+        if stale.size:
+            old_stale = stale[self._f_stamp[stale] != cluster.version[stale]]
+            if old_stale.size:
+                self._f[old_stale] = frag.of_nodes(cluster, old_stale)
+                self._f_stamp[old_stale] = cluster.version[old_stale]
+            delta, gpus = self._rise(cluster, frag, task, stale)
+            choices.delta[stale] = delta
+            choices.gpus[stale] = gpus
+            choices.stamp[stale] = cluster.version[stale]
+        leftover = _leftover(cluster, task, idx)
+        score = choices.delta[idx] + self.packing_weight * MILLI * leftover
+        # Equal rises (identical nodes, or none that matters to the mix): the tightest node, best-fit's.
+        tied = np.flatnonzero(score <= score.min() + 1e-6)
+        node = int(idx[tied[int(np.argmin(leftover[tied]))]])
+        return node, tuple(int(g) for g in choices.gpus[node])
+
+    def _rise(
+        self, cluster: SharedCluster, frag: Fragmentation, task: GpuTask, nodes: IntArray
+    ) -> tuple[FloatArray, IntArray]:
+        """Least rise of F for ``task`` on each of ``nodes`` (all feasible), and the GPUs giving it."""
+        cpu = cluster.cpu[nodes] - task.cpu_milli
+        mem = cluster.mem[nodes] - task.memory_mib
+        model = cluster.model[nodes]
+        left = cluster.left[nodes]
+        before = self._f[nodes]
+        if task.num_gpu == 0:
+            return frag.of_states(cpu, mem, model, left) - before, np.zeros((len(nodes), 0), dtype=np.int64)
+        width = left.shape[1]
+        if task.num_gpu == 1:
+            # One candidate per GPU with room: the task's share taken from that GPU.
+            cand = np.repeat(left[:, None, :], width, axis=1)  # (nodes, candidate GPU, GPUs)
+            diag = np.arange(width)
+            cand[:, diag, diag] -= task.gpu_milli
+            ok = left >= task.gpu_milli
+            rows, cols = np.nonzero(ok)
+            after = np.full(left.shape, np.inf)
+            after[rows, cols] = frag.of_states(cpu[rows], mem[rows], model[rows], cand[rows, cols])
+            best = np.argmin(after, axis=1)
+            rise = after[np.arange(len(nodes)), best] - before
+            return rise, best[:, None].astype(np.int64)
+        # Whole GPUs: those with full room are alike; take the first ones.
+        full = left >= task.gpu_milli
+        order = np.argsort(~full, axis=1, kind="stable")[:, : task.num_gpu]
+        new = left.copy()
+        np.put_along_axis(new, order, np.take_along_axis(left, order, axis=1) - task.gpu_milli, axis=1)
+        return frag.of_states(cpu, mem, model, new) - before, order.astype(np.int64)
+
+
+PACKING_POLICIES = {
+    "fgd": "fragmentation gradient descent: least rise of the expected fragmentation",
+    "fgd-bf": "FGD's rise plus 0.05 GPU x best-fit's leftover score (a blend)",
+    "bestfit": "least CPU and GPU left after placement",
+    "firstfit": "first node with room",
+    "randomfit": "a random node with room",
+    "dotprod": "smallest dot product of free and asked CPU/GPU",
+}
+FGD_BF_WEIGHT = 0.05  # GPUs per unit of best-fit's score; chosen on arrival seeds 42-44 of the openb traces
+
+
+def make_packing(name: str, mix: TaskMix | None = None, seed: int = 0) -> PackingPolicy:
+    """A packing policy by name (one of :data:`PACKING_POLICIES`; the FGD ones need the task mix).
+
+    Raises:
+        ConfigError: unknown name, or FGD without a mix.
+    """
+    if name in ("fgd", "fgd-bf"):
+        if mix is None:
+            raise ConfigError(f"{name} needs the workload's task mix")
+        return FGD(mix, FGD_BF_WEIGHT if name == "fgd-bf" else 0.0)
+    if name == "bestfit":
+        return BestFit()
+    if name == "firstfit":
+        return FirstFit()
+    if name == "randomfit":
+        return RandomFit(seed)
+    if name == "dotprod":
+        return DotProduct()
+    raise ConfigError(f"packing {name!r}: choose one of {', '.join(PACKING_POLICIES)}")
+
+
+def inflate(tasks: Sequence[GpuTask], capacity_gpus: float, ratio: float, seed: int) -> list[GpuTask]:
+    """The paper's arrivals: the trace's tasks, topped up by random copies (or thinned at random)
+    until their GPU requests come to ``ratio`` x the cluster's GPUs, in a random order.
+    """
+    rng = np.random.default_rng(seed)
+    target = ratio * capacity_gpus
+    out = list(tasks)
+    asked = sum(t.gpu for t in out)
+    if not any(t.gpu for t in tasks):
+        raise ConfigError("no task asks for a GPU: nothing fills the cluster")
+    while asked > target:
+        asked -= out.pop(int(rng.integers(len(out)))).gpu
+    while True:
+        t = tasks[int(rng.integers(len(tasks)))]
+        if asked + t.gpu > target:
+            break
+        out.append(t)
+        asked += t.gpu
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+@dataclass
+class FillResult:
+    """Unallocated GPU capacity (fraction) as arrived GPU requests reach each of ``points`` (fractions
+    of the cluster's GPUs), the expected fragmentation rate there, and the tasks placed and refused.
+    """
+
+    policy: str
+    capacity_gpus: float
+    points: list[float]
+    unallocated: list[float]
+    fragmentation: list[float]
+    placed: int = 0
+    failed: int = 0
+    failed_gpu: float = 0.0
+
+    def at(self, point: float) -> float:
+        """Unallocated fraction when arrivals reached ``point`` (the nearest recorded point)."""
+        i = int(np.argmin(np.abs(np.array(self.points) - point)))
+        return self.unallocated[i]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return dict(self.__dict__)
+
+
+def fill(
+    cluster: SharedCluster,
+    arrivals: Sequence[GpuTask],
+    policy: PackingPolicy,
+    points: Sequence[float] | None = None,
+    mix: TaskMix | None = None,
+) -> FillResult:
+    """Place ``arrivals`` one after the other (none leaves; one that fits nowhere is dropped).
+
+    Records, as the arrived GPU requests pass each of ``points`` (default 0 to 1.3 by 0.05, as
+    fractions of the cluster's GPUs), the unallocated fraction of GPU capacity and, with ``mix``,
+    the expected fragmentation rate.
+    """
+    pts = sorted(points) if points is not None else [round(0.05 * i, 2) for i in range(27)]
+    capacity = cluster.capacity_milli / MILLI
+    frag = Fragmentation(mix, cluster) if mix is not None else None
+    result = FillResult(policy.name, capacity, [], [], [])
+
+    def record(point: float) -> None:
+        result.points.append(point)
+        result.unallocated.append(cluster.unallocated)
+        rate = float(frag.of_nodes(cluster).sum()) / cluster.capacity_milli if frag is not None else math.nan
+        result.fragmentation.append(rate)
+
+    arrived, k = 0.0, 0
+    for task in arrivals:
+        while k < len(pts) and arrived + task.gpu > pts[k] * capacity + 1e-9:
+            record(pts[k])
+            k += 1
+        arrived += task.gpu
+        choice = policy.choose(cluster, task)
+        if choice is None:
+            result.failed += 1
+            result.failed_gpu += task.gpu
+            continue
+        cluster.place(task, choice)
+        result.placed += 1
+    while k < len(pts):
+        record(pts[k])
+        k += 1
+    return result
+
+
+@dataclass
+class ReplayResult:
+    """JCT and queueing of a replay with durations (seconds), under one packing policy."""
+
+    policy: str
+    tasks: int
+    rejected: int  # fit no node of the empty cluster
+    avg_jct_s: float
+    median_jct_s: float
+    p99_jct_s: float
+    avg_wait_s: float
+    waited: int  # tasks that could not start at once
+    avg_unallocated: float  # time-average unallocated fraction of GPU capacity while some task waits
+    makespan_s: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return dict(self.__dict__)
+
+
+def time_scale_for(tasks: Sequence[GpuTask], capacity_gpus: float, load: float) -> float:
+    """The factor on creation times that makes the offered load (GPU-seconds asked per second of the
+    arrival span, over the cluster's GPUs) ``load``.
+
+    Raises:
+        ConfigError: no times, or nothing asked.
+    """
+    times = [t.creation for t in tasks if t.creation is not None]
+    work = sum(t.gpu * (t.duration or 0.0) for t in tasks)
+    if len(times) < 2 or max(times) == min(times) or work <= 0 or load <= 0:
+        raise ConfigError("an offered load needs tasks with creation times, durations and GPUs")
+    return work / ((max(times) - min(times)) * capacity_gpus * load)
+
+
+def replay(
+    cluster: SharedCluster, tasks: Sequence[GpuTask], policy: PackingPolicy, time_scale: float = 1.0
+) -> ReplayResult:
+    """Replay ``tasks`` (with creation and duration) on ``cluster``: arrivals at ``creation`` x
+    ``time_scale``, each runs ``duration`` s once started; waiting tasks start in arrival order
+    whenever one fits (a task that fits nowhere now does not hold back later ones).
+
+    Raises:
+        ConfigError: a task has no creation time or duration.
+        CapacityError: no task fits on the empty cluster.
+    """
+    if any(t.creation is None or t.duration is None for t in tasks):
+        raise ConfigError("replaying for JCT needs creation and deletion times (this pod list has none)")
+    runnable = [t for t in tasks if cluster.fits_empty(t)]
+    if not runnable:
+        raise CapacityError("no task of the trace fits on any node")
+    order = sorted(range(len(runnable)), key=lambda i: (runnable[i].creation or 0.0, i))
+    t0 = min(t.creation or 0.0 for t in runnable)
+    arrive = {i: ((runnable[i].creation or 0.0) - t0) * time_scale for i in order}
+    start: dict[int, float] = {}
+    ends: list[tuple[float, int]] = []
+    running: dict[int, Placement] = {}
+    waiting: list[int] = []
+    nxt, now = 0, 0.0
+    wait_area, wait_time, last = 0.0, 0.0, 0.0
+    while nxt < len(order) or ends or waiting:
+        t_arr = arrive[order[nxt]] if nxt < len(order) else math.inf
+        t_end = ends[0][0] if ends else math.inf
+        if math.isinf(t_arr) and math.isinf(t_end):
+            break  # tasks still waiting but nothing will change: cannot happen when all fit empty
+        now = min(t_arr, t_end)
+        if waiting:
+            wait_area += (now - last) * cluster.unallocated
+            wait_time += now - last
+        last = now
+        freed = bool(ends) and ends[0][0] <= now
+        while ends and ends[0][0] <= now:
+            _, i = heapq.heappop(ends)
+            cluster.release(runnable[i], running.pop(i))
+        arrived = []
+        while nxt < len(order) and arrive[order[nxt]] <= now:
+            arrived.append(order[nxt])
+            nxt += 1
+        # Without a completion nothing was freed: who waited still cannot start; try the newcomers.
+        still, refused = ([], set()) if freed else (waiting, {runnable[i].shape for i in waiting})
+        for i in waiting + arrived if freed else arrived:
+            task = runnable[i]
+            choice = None if task.shape in refused else policy.choose(cluster, task)
+            if choice is None:
+                refused.add(task.shape)
+                still.append(i)
+                continue
+            cluster.place(task, choice)
+            running[i] = choice
+            start[i] = now
+            heapq.heappush(ends, (now + (task.duration or 0.0), i))
+        waiting = still
+    jct = np.array([start[i] + (runnable[i].duration or 0.0) - arrive[i] for i in order])
+    wait = np.array([start[i] - arrive[i] for i in order])
+    finish = max(start[i] + (runnable[i].duration or 0.0) for i in order)
+    return ReplayResult(
+        policy=policy.name,
+        tasks=len(runnable),
+        rejected=len(tasks) - len(runnable),
+        avg_jct_s=float(jct.mean()),
+        median_jct_s=float(np.median(jct)),
+        p99_jct_s=float(np.percentile(jct, 99)),
+        avg_wait_s=float(wait.mean()),
+        waited=int((wait > 0).sum()),
+        avg_unallocated=wait_area / wait_time if wait_time > 0 else math.nan,
+        makespan_s=finish,
+    )

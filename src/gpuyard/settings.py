@@ -12,6 +12,8 @@ HOME_ENV = "GPUYARD_HOME"
 DATABASE_ENV = "GPUYARD_DATABASE_URL"
 ARTIFACTS_ENV = "GPUYARD_ARTIFACTS"
 SERVER_ENV = "GPUYARD_SERVER"
+# The team of a job's work: `gpuyard server` sets it for each job; runs the job tracks belong to it.
+TEAM_ENV = "GPUYARD_TEAM"
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ def ls(
     status: str | None = typer.Option(None, "--status", help="running, finished, failed or pruned."),
     kind: str | None = typer.Option(None, "--kind", help="train, tune, trial, cv, fold, eval, retrain."),
     parent: str | None = typer.Option(None, "--parent", help="Only children of this run (trials, folds)."),
+    team: str | None = typer.Option(None, "--team", help="Only this team's runs."),
     metric: list[str] = typer.Option([], "--metric", "-m", help="Metric columns to show (default: up to 4)."),
     limit: int = typer.Option(30, "--limit", "-n", help="How many runs, newest first."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -67,13 +68,15 @@ def ls(
     from gpuyard.models.runs import list_runs, resolve_run_id
 
     parent_id = resolve_run_id(parent) if parent else None
-    runs = list_runs(experiment=experiment, status=status, kind=kind, parent_id=parent_id, limit=limit)
+    runs = list_runs(
+        experiment=experiment, status=status, kind=kind, parent_id=parent_id, limit=limit, team=team
+    )
     if as_json:
         typer.echo(json.dumps([r.to_json() for r in runs]))
         return
     keys = metric or _default_columns(runs)
     table = Table(show_lines=False)
-    for col in ("id", "name", "kind", "status", "dataset", "started"):
+    for col in ("id", "name", "team", "kind", "status", "dataset", "started"):
         table.add_column(col, no_wrap=True)
     for col in keys:
         table.add_column(col, justify="right", no_wrap=True)
@@ -81,6 +84,7 @@ def ls(
         table.add_row(
             r.id[:8],
             r.name,
+            r.team,
             r.kind,
             r.status,
             r.dataset_version or "-",
@@ -106,7 +110,17 @@ def show(
         typer.echo(json.dumps(doc))
         return
     con = console()
-    for key in ("id", "name", "experiment", "kind", "status", "parent_id", "dataset_version", "code_version"):
+    for key in (
+        "id",
+        "name",
+        "experiment",
+        "team",
+        "kind",
+        "status",
+        "parent_id",
+        "dataset_version",
+        "code_version",
+    ):
         con.print(f"[bold]{key:>16}[/bold]  {fmt(doc[key])}")
     con.print(f"[bold]{'duration':>16}[/bold]  {_duration(doc)}")
     sysinfo = doc["system"]

@@ -33,6 +33,7 @@ class RunSummary:
     started_at: datetime
     ended_at: datetime | None
     error: str | None
+    team: str = "default"
     latest: dict[str, float | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -58,6 +59,7 @@ def _summary(row: RunRow, latest: dict[str, float | None]) -> RunSummary:
         started_at=row.started_at,
         ended_at=row.ended_at,
         error=row.error,
+        team=row.team,
         latest=latest,
     )
 
@@ -102,8 +104,9 @@ def list_runs(
     parent_id: str | None = None,
     limit: int = 50,
     store: Store | None = None,
+    team: str | None = None,
 ) -> list[RunSummary]:
-    """Runs, newest first, filtered by experiment, status, kind or parent."""
+    """Runs, newest first, filtered by experiment, status, kind, parent or team."""
     store = store or get_store()
     query = select(RunRow).order_by(RunRow.started_at.desc()).limit(limit)
     if experiment:
@@ -114,6 +117,8 @@ def list_runs(
         query = query.where(RunRow.kind == kind)
     if parent_id:
         query = query.where(RunRow.parent_id == parent_id)
+    if team:
+        query = query.where(RunRow.team == team)
     with store.read() as s:
         rows = list(s.scalars(query))
         latest = _latest_metrics(s, [r.id for r in rows])

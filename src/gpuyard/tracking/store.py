@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuyard.errors import ConfigError, ConflictError, NotFoundError, StoreError
+from gpuyard.settings import TEAM_ENV
 from gpuyard.states import RunStatus
 from gpuyard.store import get_artifacts, get_store
 from gpuyard.store.base import utcnow
@@ -34,6 +35,7 @@ from gpuyard.store.tables.models import RunArtifactRow, RunMetricRow, RunRow
 
 RUN_KINDS = ("train", "tune", "trial", "cv", "fold", "eval", "retrain")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.\-/ ]{1,200}$")
+TEAM_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 FLUSH_EVERY_POINTS = 500
 # Past this many unwritten points the training thread writes them itself (the database is behind).
 MAX_BUFFERED_POINTS = 100_000
@@ -339,6 +341,7 @@ def start_run(
     run_id: str | None = None,
     started_at: datetime | None = None,
     writer: bool = True,
+    team: str | None = None,
 ) -> DbTracker:
     """Open a new run in the state store and return its tracker.
 
@@ -356,9 +359,11 @@ def start_run(
             runtime chooses it up front so the run folder names its run before the database answers.
         started_at: when the run started (default: now), for a run recorded after it began.
         writer: start the run's writer thread (False: the caller calls :meth:`DbTracker.tick`).
+        team: the team the run belongs to (default: the parent run's, else GPUYARD_TEAM, which
+            `gpuyard server` sets for its jobs, else ``default``).
 
     Raises:
-        ConfigError: bad kind, names or run id.
+        ConfigError: bad kind, names, team or run id.
     """
     if kind not in RUN_KINDS:
         raise ConfigError(f"run kind {kind!r} must be one of {', '.join(RUN_KINDS)}")
@@ -371,11 +376,16 @@ def start_run(
     store = store or get_store()
     run_id = run_id or uuid.uuid4().hex
     with store.session() as s:
+        parent = s.get(RunRow, parent_id) if parent_id else None
+        team = team or (parent.team if parent is not None else None) or os.environ.get(TEAM_ENV) or "default"
+        if not TEAM_RE.fullmatch(team):
+            raise ConfigError(f"run team {team!r}: use letters, digits, '.', '_' or '-' (at most 100)")
         s.add(
             RunRow(
                 id=run_id,
                 name=name,
                 experiment=experiment,
+                team=team,
                 kind=kind,
                 status=RunStatus.RUNNING,
                 parent_id=parent_id,

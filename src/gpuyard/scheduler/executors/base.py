@@ -18,6 +18,7 @@ from typing import Any
 
 from gpuyard import exitcodes
 from gpuyard.scheduler.spec import JobSpec
+from gpuyard.settings import TEAM_ENV
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ def job_env(job_id: int, spec: JobSpec, attempt: int, gpus: tuple[int, ...]) -> 
         "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus),
         "GPUYARD_JOB_ID": str(job_id),
         "GPUYARD_JOB_NAME": spec.name,
+        TEAM_ENV: spec.team,  # the runs the job tracks belong to its team
         "GPUYARD_ATTEMPT": str(attempt),
     }
     if spec.checkpoint_dir:

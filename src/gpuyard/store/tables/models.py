@@ -19,6 +19,8 @@ class RunRow(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
     experiment: Mapped[str] = mapped_column(String(200), index=True)
+    # The team the run belongs to (a study's trials and a cv's folds have their parent's team).
+    team: Mapped[str] = mapped_column(String(100), default="default", server_default="default", index=True)
     kind: Mapped[str] = mapped_column(String(16))
     status: Mapped[str] = mapped_column(String(16), index=True)
     parent_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"), index=True)

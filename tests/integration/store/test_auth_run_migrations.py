@@ -1,4 +1,4 @@
-"""Migration 0014_token_job: existing tokens stay users' own (job_id NULL); the column goes on downgrade."""
+"""Migrations 0014_token_job (tokens stay users' own) and 0015_run_team (runs go to team default)."""
 
 from __future__ import annotations
 
@@ -50,5 +50,35 @@ def test_existing_tokens_belong_to_no_job(db_url: str) -> None:
             conn.commit()
             assert "job_id" not in {c["name"] for c in inspect(conn).get_columns("auth_tokens")}
             assert conn.execute(text("SELECT label FROM auth_tokens")).scalar() == "mine"
+    finally:
+        store.dispose()
+
+
+def test_existing_runs_go_to_the_default_team(db_url: str) -> None:
+    # Migration 0015_run_team: runs (studies, trials, their artifacts) from before it are team default's.
+    from alembic import command
+
+    store = Store(db_url)
+    try:
+        with store.engine.connect() as conn:
+            cfg = _alembic_config(store.engine)
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "0010_model_team")
+            conn.execute(
+                text(
+                    "INSERT INTO runs (id, name, experiment, kind, status, params, tags, system,"
+                    " started_at) VALUES ('r1', 'old', 'default', 'train', 'finished', '{}', '{}', '{}',"
+                    " CURRENT_TIMESTAMP)"
+                )
+            )
+            conn.commit()
+        store.migrate()
+        with store.engine.connect() as conn:
+            assert conn.execute(text("SELECT team FROM runs WHERE id = 'r1'")).scalar() == "default"
+            cfg = _alembic_config(store.engine)
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0010_model_team")
+            conn.commit()
+            assert "team" not in {c["name"] for c in inspect(conn).get_columns("runs")}
     finally:
         store.dispose()

@@ -253,3 +253,34 @@ def test_shifted_numbers_and_unseen_categories_are_skew_alerts_named_by_raw_colu
         ("input_skew", "income", "ks"),
         ("input_skew", "city", "psi"),
     }
+
+
+def test_a_version_registered_without_its_recipe_gets_it_when_served(shop: dict) -> None:
+    """Versions registered before signatures carried the recipe: the server takes it from the
+    training dataset version the registry recorded."""
+    from sqlalchemy import select
+
+    from gpuyard.serve.model import load_served
+    from gpuyard.store import get_store
+    from gpuyard.store.tables.models import ModelVersionRow
+
+    mv = shop["version"]
+    bare = {k: v for k, v in mv.signature.items() if k != "recipe"}
+    bare["inputs"] = {k: v for k, v in mv.signature["inputs"].items() if k != "names"}
+
+    def set_signature(signature: dict) -> None:
+        with get_store().session() as s:
+            q = select(ModelVersionRow).where(
+                ModelVersionRow.name == mv.name, ModelVersionRow.version == mv.version
+            )
+            s.scalars(q).one().signature = signature
+
+    set_signature(bare)
+    try:
+        served = load_served(mv.ref)
+    finally:
+        set_signature(mv.signature)
+    assert served.spec.recipe is not None and served.spec.names == tuple(mv.signature["inputs"]["names"])
+    rec = {"income": 50.0, "age": 30, "city": "lyon", "member": False}
+    x = decode_json(body({"records": [rec]}), served.spec)
+    assert served.forward(x)["predictions"].tolist() == shop["model"].predict(x).tolist()

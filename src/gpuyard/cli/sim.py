@@ -7,14 +7,23 @@ from pathlib import Path
 
 import typer
 
+from gpuyard.scheduler.packing import PACKING_POLICIES
 from gpuyard.scheduler.policies import POLICIES
 
+_PACKING_HELP = "openb: GPU-sharing placement(s), comma-separated: " + "; ".join(
+    f"{name} ({summary})" for name, summary in PACKING_POLICIES.items()
+)
 _POLICY_HELP = "Scheduling policy: " + "; ".join(f"{name} ({cls.summary})" for name, cls in POLICIES.items())
 
 
 def sim(
-    trace: Path = typer.Option(..., "--trace", help="Trace CSV (generic or Philly)."),
-    nodes: int = typer.Option(..., "--nodes", min=1, help="Nodes of the virtual cluster."),
+    trace: Path = typer.Option(..., "--trace", help="Trace CSV (generic, Philly, or an openb pod list)."),
+    nodes: int = typer.Option(
+        None,
+        "--nodes",
+        min=1,
+        help="Nodes of the virtual cluster (not with an openb trace: see --node-list).",
+    ),
     gpus_per_node: int = typer.Option(8, "--gpus-per-node", min=1, help="GPUs per node."),
     policy: str = typer.Option("fifo", "--policy", help=_POLICY_HELP),
     nodes_per_leaf: int = typer.Option(
@@ -40,10 +49,46 @@ def sim(
         None, "--calibration", help="With --cluster: a `gpuyard fabric calibrate` file of its devices."
     ),
     max_wait: float = typer.Option(600.0, "--max-wait", min=0.0, help="Fabric placement: longest wait (s)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the workload assignment."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the workload assignment (openb: of the arrivals)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    openb_nodes: Path = typer.Option(
+        None,
+        "--node-list",
+        help="openb node list (default: openb_node_list_gpu_node.csv beside the openb trace).",
+    ),
+    packing: str = typer.Option(
+        "fgd,bestfit",
+        "--packing",
+        help=_PACKING_HELP,
+    ),
+    mode: str = typer.Option(
+        "fill",
+        "--mode",
+        help="openb: fill (tasks sampled from the trace arrive until --ratio x the GPUs, none leaves: "
+        "unallocated GPUs as the cluster fills) or replay (creation times x --time-scale, trace "
+        "durations: JCT).",
+    ),
+    ratio: float = typer.Option(
+        1.3, "--ratio", min=0.01, help="openb fill: arrived GPU requests / GPUs at the end."
+    ),
+    time_scale: float = typer.Option(
+        1.0, "--time-scale", min=1e-9, help="openb replay: factor on creation times (< 1: arrivals faster)."
+    ),
 ) -> None:
-    """Replay a trace through the scheduler's policy and placement code; print JCT, queueing, utilization."""
+    """Replay a trace through the scheduler's policy and placement code; print JCT, queueing, utilization.
+
+    With an openb pod list (Alibaba's GPU-sharing trace, told by its header), place shares of GPUs and
+    multi-GPU tasks on the openb node list under each --packing policy instead.
+    """
+    from gpuyard.scheduler.openb import is_openb_pods
+
+    if trace.is_file() and is_openb_pods(trace):
+        _sim_openb(trace, openb_nodes, packing, mode, ratio, time_scale, seed, as_json)
+        return
+    if nodes is None:
+        from gpuyard.errors import ConfigError
+
+        raise ConfigError("--nodes is needed with a generic or Philly trace")
     from gpuyard.errors import ConfigError
     from gpuyard.scheduler.placement import uniform_cluster
     from gpuyard.scheduler.policies import make_policy
@@ -113,6 +158,81 @@ def sim(
             f"{t['gpu_hours']:,.0f}",
         )
     console.print(table)
+
+
+def _sim_openb(
+    trace: Path,
+    node_list: Path | None,
+    packing: str,
+    mode: str,
+    ratio: float,
+    time_scale: float,
+    seed: int,
+    as_json: bool,
+) -> None:
+    """`gpuyard sim` on an openb pod list: the fill experiment or the JCT replay, per packing policy."""
+    from gpuyard.errors import ConfigError
+    from gpuyard.scheduler.openb import NODE_LIST, load_openb_nodes, load_openb_tasks
+    from gpuyard.scheduler.packing import (
+        PACKING_POLICIES,
+        SharedCluster,
+        TaskMix,
+        fill,
+        inflate,
+        make_packing,
+        replay,
+    )
+
+    if mode not in ("fill", "replay"):
+        raise ConfigError(f"--mode {mode!r}: choose fill or replay")
+    names = [p.strip() for p in packing.split(",") if p.strip()]
+    for name in names:
+        if name not in PACKING_POLICIES:
+            raise ConfigError(f"--packing {name!r}: choose from {', '.join(PACKING_POLICIES)}")
+    if not names:
+        raise ConfigError("--packing: name at least one policy")
+    node_file = node_list or trace.parent / NODE_LIST
+    nodes = load_openb_nodes(node_file)
+    tasks = load_openb_tasks(trace)
+    mix = TaskMix.of(tasks)
+    capacity = sum(n.gpus for n in nodes)
+    head = f"{trace.name}: {len(tasks)} tasks on {len(nodes)} nodes ({capacity} GPUs, {node_file.name})"
+    if mode == "fill":
+        arrivals = inflate(tasks, capacity, ratio, seed)
+        points = sorted({round(0.1 * i, 2) for i in range(1, int(ratio * 10) + 1)} | {1.0, ratio})
+        results = [
+            fill(SharedCluster(nodes), arrivals, make_packing(n, mix, seed), points, mix) for n in names
+        ]
+        if as_json:
+            doc = {"trace": str(trace), "mode": mode, "gpus": capacity, "arrivals": len(arrivals)}
+            typer.echo(json.dumps({**doc, "results": [r.to_dict() for r in results]}))
+            return
+        typer.echo(f"{head}; {len(arrivals)} arrivals to {ratio:.0%} of the GPUs (seed {seed})")
+        typer.echo("unallocated GPU % as arrived GPU requests reach each share of the cluster's GPUs:")
+        typer.echo(f"{'arrived':>8} " + " ".join(f"{r.policy:>9}" for r in results))
+        for i, point in enumerate(results[0].points):
+            typer.echo(f"{point:8.0%} " + " ".join(f"{100 * r.unallocated[i]:9.2f}" for r in results))
+        for r in results:
+            frag = r.fragmentation[r.points.index(1.0)]
+            typer.echo(
+                f"{r.policy}: {r.placed} placed, {r.failed} fit nowhere ({r.failed_gpu:.1f} GPUs asked);"
+                f" at 100%: {r.at(1.0):.2%} unallocated, expected fragmentation {frag:.2%}"
+            )
+        return
+    replays = [replay(SharedCluster(nodes), tasks, make_packing(n, mix, seed), time_scale) for n in names]
+    if as_json:
+        doc = {"trace": str(trace), "mode": mode, "gpus": capacity, "time_scale": time_scale}
+        typer.echo(json.dumps({**doc, "results": [r.to_dict() for r in replays]}))
+        return
+    typer.echo(f"{head}; creation times x {time_scale:g}")
+    typer.echo(
+        f"{'packing':>9} {'avg JCT s':>10} {'median s':>9} {'avg wait s':>10} {'waited':>7} {'rejected':>8}"
+    )
+    for rr in replays:
+        typer.echo(
+            f"{rr.policy:>9} {rr.avg_jct_s:10.0f} {rr.median_jct_s:9.0f} {rr.avg_wait_s:10.1f}"
+            f" {rr.waited:7d} {rr.rejected:8d}"
+        )
 
 
 def register(app: typer.Typer) -> None:

@@ -1,4 +1,8 @@
-"""Job traces for the simulator: the generic CSV and the Philly trace, read into plain records."""
+"""Job traces for the simulator: the generic CSV and the Philly trace, read into plain records.
+
+Alibaba's openb GPU-sharing traces (shares of GPUs, CPU, memory, GPU models) have their own reader,
+:mod:`gpuyard.scheduler.openb`; ``load_trace`` tells them apart by the header and points there.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from gpuyard.errors import ConfigError, NotFoundError
 
 GENERIC_COLUMNS = ("submit_time", "duration", "num_gpus")
 PHILLY_COLUMNS = ("timestamp", "duration", "num_gpus", "cluster")
+OPENB_POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")  # gpuyard.scheduler.openb
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,11 @@ def load_trace(path: str | Path) -> list[TraceJob]:
         reader = csv.DictReader(fh)
         header = set(reader.fieldnames or [])
         philly = set(PHILLY_COLUMNS) <= header
+        if set(OPENB_POD_COLUMNS) <= header:
+            raise ConfigError(
+                f"trace {path} is an openb pod list (GPU shares): read it with gpuyard.scheduler.openb;"
+                " `gpuyard sim --trace` places it on the openb node list (--node-list)"
+            )
         if not philly and not set(GENERIC_COLUMNS) <= header:
             raise ConfigError(
                 f"trace {path}: header {sorted(header)} has neither "

@@ -128,7 +128,12 @@ def serve(
     model: str = typer.Argument(..., help=_REF_HELP),
     deployment_id: int = typer.Option(None, "--deployment-id", hidden=True),
 ) -> None:
-    """Serve MODEL over HTTP: POST /v1/models/NAME/predict, /health, /ready, /metrics, /docs."""
+    """Serve MODEL over HTTP: POST /v1/models/NAME/predict, /health, /ready, /metrics, /docs.
+
+    Raw records: {"records": [{"column": value, ...}]}, made features by the model's training recipe.
+
+    Features: {"inputs": [[...], ...]} or a safetensors body. See docs/serving.md.
+    """
     from gpuyard.serve.runner import serve_with_record
 
     serve_with_record(model, replace(opts, deployment_id=deployment_id))

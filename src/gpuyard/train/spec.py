@@ -112,6 +112,17 @@ class CheckpointSpec(_Strict):
         return self
 
 
+class StragglerSpec(_Strict):
+    """Straggler detection (ranks > 1): a rank slower at `min_fraction` of the last `window` steps
+    by `slowdown` x the other ranks' median and at least `min_seconds` is named (docs/training.md)."""
+
+    enabled: bool = True
+    window: int = Field(20, gt=1, description="steps compared at a time")
+    min_fraction: float = Field(0.75, gt=0, le=1, description="share of the window a rank must be slower at")
+    slowdown: float = Field(1.2, gt=1, description="slower means this many times the other ranks' median")
+    min_seconds: float = Field(0.005, ge=0, description="and at least this much slower, in seconds")
+
+
 class TrackingSpec(_Strict):
     """Where the run is recorded; `tracking: db` / `tracking: jsonl` is short for `{backend: ...}`."""
 
@@ -154,6 +165,7 @@ class TrainSpec(_Strict):
     parallel: ParallelSpec = Field(default_factory=lambda: ParallelSpec.model_validate({}))
     checkpoint: CheckpointSpec = Field(default_factory=lambda: CheckpointSpec.model_validate({}))
     max_restarts: int = Field(3, ge=0, description="torchrun worker restarts after a failure")
+    straggler: StragglerSpec = Field(default_factory=lambda: StragglerSpec.model_validate({}))
     log_every_steps: int = Field(1, gt=0)
     callbacks: list[str] = Field(default_factory=list, description="'module:function'(trainer, event)")
     tracking: TrackingSpec = Field(default_factory=lambda: TrackingSpec.model_validate({}))

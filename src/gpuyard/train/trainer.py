@@ -37,6 +37,7 @@ from gpuyard.train.parallel import (
 )
 from gpuyard.train.spec import TrainSpec
 from gpuyard.train.step import apply_update, batch_loss
+from gpuyard.train.straggler import CommTimer, StepTimes, StragglerDetector
 from gpuyard.train.validation import drive_pipeline, early_stopping_update, evaluate
 
 STATUS_FILE = "status.json"
@@ -139,6 +140,10 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.resumed_source: str | None = None  # storage | memory (in-memory snapshots, own or a peer's)
         self.memory: MemoryCheckpointer | None = None
+        self.stragglers: StragglerDetector | None = None  # rank 0 of a multi-rank job
+        self._comm_timer: CommTimer | None = None
+        self._comm_wait = 0.0  # this step's wait in DDP's gradient all-reduce
+        self._agree_wait = 0.0  # the previous step's wait in the loss agreement
 
     # ----- set-up -------------------------------------------------------------------------------
     def _build_model(self) -> nn.Module:
@@ -229,9 +234,24 @@ class Trainer:
         )
         if spec.checkpoint.resume:
             self._resume()
+        self._setup_stragglers()
         if main and self._tracker_arg is None and spec.tracking.backend == "db":
             # After resuming: the database run continues from the checkpoint's step.
             self.tracker = self._db_tracker()
+
+    def _setup_stragglers(self) -> None:
+        s = self.spec.straggler
+        if not s.enabled or self.ctx.world_size == 1:
+            return
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(self.model, DistributedDataParallel):
+            self._comm_timer = CommTimer()
+            self.model.register_comm_hook(self.ctx.group("dp"), self._comm_timer.hook)
+        if self.ctx.rank == 0:
+            self.stragglers = StragglerDetector(
+                self.ctx.world_size, s.window, s.min_fraction, s.slowdown, s.min_seconds
+            )
 
     def _db_tracker(self) -> DbRunTracker:
         layout = self.ctx.layout
@@ -420,6 +440,8 @@ class Trainer:
             with gradient_sync(self.model, i == len(micro) - 1), self._autocast():
                 loss = batch_loss(self.model, self.loss_fn, inputs, targets, parts=len(micro))
             loss.backward()
+            if self._comm_timer is not None and i == len(micro) - 1:
+                self._comm_wait = self._comm_timer.wait_since_launch()
             total = loss.detach() if len(micro) == 1 else total + loss.detach()
         if self.spec.clip_grad_norm:
             self.last_grad_norm = clip_grad_norm(
@@ -442,18 +464,45 @@ class Trainer:
             return torch.zeros((), device=self.ctx.device)
         return torch.stack([loss.detach().float() for loss in losses]).mean()
 
-    def _agree(self, loss: torch.Tensor) -> tuple[float, bool, bool]:
-        """One all-reduce: mean loss over loss-owning ranks, and whether any rank diverged or must stop."""
+    def _agree(self, loss: torch.Tensor, data_s: float = 0.0, start: float = 0.0) -> tuple[float, bool, bool]:
+        """One all-reduce: mean loss over loss-owning ranks, and whether any rank diverged or must stop.
+
+        With straggler detection on, the same all-reduce carries every rank's step times (`data_s`
+        waiting for batches; compute from `start`, after the batches, to the loss on the host,
+        less the gradient all-reduce wait).
+        """
         value = float(loss.item())  # one device sync per step: the loss is logged every step anyway
         if self.ctx.world_size == 1:
             return value, not math.isfinite(value), self.stop_requested
         owner = 1.0 if self.ctx.is_loss_owner else 0.0
         bad = float(owner and not math.isfinite(value))
         stop = 1.0 if self.stop_requested else 0.0
-        vec = torch.tensor([0.0 if bad else value * owner, owner, bad, stop], device=self.ctx.device)
+        head = [0.0 if bad else value * owner, owner, bad, stop]
+        timed = self.spec.straggler.enabled
+        if timed:
+            compute = max(0.0, time.perf_counter() - start - self._comm_wait)
+            times = [0.0] * (3 * self.ctx.world_size)
+            r = 3 * self.ctx.rank
+            times[r : r + 3] = [data_s, compute, self._comm_wait + self._agree_wait]
+            self._comm_wait = 0.0
+            head += times
+        vec = torch.tensor(head, device=self.ctx.device)
+        began = time.perf_counter()
         dist.all_reduce(vec)
-        total, owners, any_bad, any_stop = vec.tolist()
+        self._agree_wait = time.perf_counter() - began
+        values = vec.tolist()
+        total, owners, any_bad, any_stop = values[:4]
+        if timed and self.stragglers is not None:
+            self._observe_times(values[4:])
         return (float("nan") if any_bad else total / max(owners, 1.0)), bool(any_bad), bool(any_stop)
+
+    def _observe_times(self, flat: list[float]) -> None:
+        if self.stragglers is None:
+            return
+        times = [StepTimes(*flat[i : i + 3]) for i in range(0, len(flat), 3)]
+        for found in self.stragglers.observe(self.step, times):
+            self._event("straggler", **found.as_dict())
+            print(f"gpuyard train: {found.message()}", file=sys.stderr, flush=True)
 
     # ----- validation ---------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
@@ -526,12 +575,14 @@ class Trainer:
         it = iter(self.train_source)
         tick = time.perf_counter()
         while True:
+            fetch = time.perf_counter()
             micro = self._next_micro(it)
             if micro is None:
                 return None
+            fetched = time.perf_counter()
             loss_t, samples, tokens = self._train_step(micro)
             self.step += 1
-            loss, diverged, stop = self._agree(loss_t)
+            loss, diverged, stop = self._agree(loss_t, fetched - fetch, fetched)
             now = time.perf_counter()
             if diverged:
                 return TrainOutcome.DIVERGED
@@ -640,6 +691,7 @@ class Trainer:
                 "step": self.step,
                 "epoch": self.epoch,
                 "checkpoint": str(last) if last else None,
+                "stragglers": [f.as_dict() for f in self.stragglers.found] if self.stragglers else [],
                 "metrics": {k: v for k, v in self.last_metrics.items() if math.isfinite(v)},
             }
             tmp = self.run_dir / f".{STATUS_FILE}.tmp"

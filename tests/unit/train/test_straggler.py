@@ -1,0 +1,82 @@
+"""The straggler rule on synthetic step times: who is named, with which cause, and who is not."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gpuyard.errors import ConfigError
+from gpuyard.train.spec import parse_spec
+from gpuyard.train.straggler import StepTimes, StragglerDetector, slower_at_step
+
+pytestmark = pytest.mark.unit
+
+NORMAL = StepTimes(data_s=0.010, compute_s=0.100, collective_s=0.020)
+
+
+def _run(detector: StragglerDetector, steps: int, make: object) -> list:
+    found = []
+    for step in range(1, steps + 1):
+        found += detector.observe(step, make(step))  # type: ignore[operator]
+    return found
+
+
+def test_a_rank_slower_in_compute_is_named_once_with_its_cause() -> None:
+    slow = StepTimes(0.010, 0.200, 0.001)  # the others wait for it in the all-reduce
+    waiting = StepTimes(0.010, 0.100, 0.110)
+    detector = StragglerDetector(4, window=10, min_fraction=0.8)
+    found = _run(detector, 30, lambda s: [waiting, waiting, slow, waiting])
+    assert len(found) == 1
+    [s] = found
+    assert (s.rank, s.cause, s.step, s.slow_steps) == (2, "compute", 10, 10)
+    assert s.slowdown == pytest.approx(0.21 / 0.11, rel=1e-3)
+    assert "rank 2 is a straggler (compute)" in s.message()
+
+
+def test_a_rank_waiting_for_its_data_is_named_with_cause_data() -> None:
+    slow = StepTimes(0.080, 0.100, 0.001)
+    detector = StragglerDetector(2, window=10)
+    [s] = _run(detector, 12, lambda s: [StepTimes(0.010, 0.100, 0.070), slow])
+    assert (s.rank, s.cause) == (1, "data")
+
+
+def test_occasional_or_small_slowness_is_not_named() -> None:
+    rng = random.Random(0)
+    # Every rank within +-10% each step: nobody is 1.2x the others' median.
+    noisy = StragglerDetector(8, window=20)
+    assert (
+        _run(noisy, 200, lambda s: [StepTimes(0.01, 0.1 * rng.uniform(0.9, 1.1), 0.02) for _ in range(8)])
+        == []
+    )
+    # Rank 1 twice as slow at every other step: 50% of the window, below min_fraction 0.75.
+    half = StragglerDetector(2, window=20)
+    assert _run(half, 100, lambda s: [NORMAL, StepTimes(0.01, 0.2 if s % 2 else 0.1, 0.0)]) == []
+    # 2x slower, but by 4 ms only: below min_seconds (5 ms).
+    tiny = StragglerDetector(2, window=10)
+    assert _run(tiny, 30, lambda s: [StepTimes(0.0, 0.004, 0.0), StepTimes(0.0, 0.008, 0.0)]) == []
+
+
+def test_named_again_only_after_recovering() -> None:
+    detector = StragglerDetector(2, window=10, min_fraction=0.8)
+    slow = [NORMAL, StepTimes(0.01, 0.3, 0.0)]
+    fine = [NORMAL, NORMAL]
+    phases = [slow] * 20 + [fine] * 20 + [slow] * 20
+    found = _run(detector, len(phases), lambda s: phases[s - 1])
+    # Named at step 10 (10 of 10 slow), cleared in the fine phase, named again at step 48 (41-48: 8 of 10).
+    assert [(f.rank, f.step) for f in found] == [(1, 10), (1, 48)]
+
+
+def test_collective_wait_without_a_slower_rank_is_a_link() -> None:
+    times = [NORMAL, NORMAL, StepTimes(0.010, 0.100, 0.090), NORMAL]
+    assert slower_at_step(times, 1.2, 0.005) == {2: ("link", pytest.approx(4.5))}
+    # When a rank is slower in its own work, the others' waiting is its doing, not their links'.
+    times = [StepTimes(0.01, 0.1, 0.09), StepTimes(0.01, 0.19, 0.0)]
+    assert slower_at_step(times, 1.2, 0.005) == {1: ("compute", pytest.approx(2.0 / 1.1))}
+    assert slower_at_step([NORMAL], 1.2, 0.005) == {}
+
+
+def test_spec_thresholds_are_checked() -> None:
+    assert parse_spec({}).straggler.window == 20
+    with pytest.raises(ConfigError, match=r"straggler\.slowdown"):
+        parse_spec({"straggler": {"slowdown": 1.0}})

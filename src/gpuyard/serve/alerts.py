@@ -60,6 +60,11 @@ def reference_for(model: ServedModel) -> tuple[dict[str, Any] | None, str]:
     """
     ref = load_reference(model.name, model.version)
     if ref is not None:
+        names = model.spec.feature_names()
+        if len(names) >= len(ref["features"]):
+            # A reference stored while the signature had no names (f0, f1...): the columns' names now.
+            for feature, name in zip(ref["features"], names, strict=False):
+                feature["name"] = name
         if model.spec.recipe is not None and "skew" not in ref:  # stored before skew was checked
             ref = {**ref, "skew": skew_reference(model)}
             save_reference(model.name, model.version, ref)

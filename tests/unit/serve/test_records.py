@@ -284,3 +284,21 @@ def test_a_version_registered_without_its_recipe_gets_it_when_served(shop: dict)
     rec = {"income": 50.0, "age": 30, "city": "lyon", "member": False}
     x = decode_json(body({"records": [rec]}), served.spec)
     assert served.forward(x)["predictions"].tolist() == shop["model"].predict(x).tolist()
+
+
+def test_a_drift_reference_stored_with_f0_names_is_read_with_the_columns_names_and_gains_skew(
+    shop: dict,
+) -> None:
+    from gpuyard.serve.alerts import load_reference, reference_for, save_reference
+    from gpuyard.serve.drift import build_reference
+    from gpuyard.serve.model import load_served
+
+    served = load_served(shop["version"].ref)
+    X = np.random.default_rng(0).normal(size=(300, 6)).astype(np.float32)
+    old = build_reference(X, np.zeros(300), "classification", [f"f{i}" for i in range(6)], "old")
+    save_reference(served.name, served.version, old)
+    ref, note = reference_for(served)
+    assert ref is not None and "stored reference (old)" in note
+    assert [f["name"] for f in ref["features"]] == list(shop["version"].signature["inputs"]["names"])
+    assert [f["name"] for f in ref["skew"]["features"]] == ["income", "age", "city", "member"]
+    assert load_reference(served.name, served.version)["skew"] == ref["skew"]  # kept for the next start

@@ -16,6 +16,11 @@ Faults for the node health checks: :meth:`FakeNvml.inject` puts one of :data:`FA
 errors, Xid 79 and other Xids, throttling, NVLink errors, a lost GPU, a self-test failure) while the
 fake is in use; per-GPU ``nvlink.errors`` (``{"dl_replay": N, ...}``, counted on link 0) and
 ``selftest`` (what :func:`fake_selftest` answers) can also be written in the description.
+
+MIG: a GPU with ``"mig_mode": {"current": true, ...}`` and ``"mig_devices": [{"profile": "1g.10gb",
+"uuid": "MIG-..."}, ...]`` presents those slices; :func:`set_mig` puts a GPU of a description in MIG
+mode with given profiles (checked against NVIDIA's profile table, UUIDs made up). Only descriptions
+change: no real GPU's MIG settings are ever touched.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ if TYPE_CHECKING:
 from gpuyard.hardware.nvml import (
     NVLINK_ERROR_COUNTERS,
     EccCounts,
+    MigDevice,
     NvLinkRemote,
     NvmlCallError,
     PcieLink,
@@ -167,6 +173,17 @@ class FakeNvml:
         m = self._field(i, "mig_mode")
         return bool(m["current"]), bool(m["pending"])
 
+    def mig_devices(self, i: int) -> list[MigDevice]:
+        if not self.mig_mode(i)[0]:
+            raise NvmlCallError("nvmlDeviceGetMigDeviceHandleByIndex: Not Found (MIG mode is off)")
+        devices = self._gpus[i].get("mig_devices") or []
+        return [
+            MigDevice(
+                index=k, uuid=str(d["uuid"]), profile=d.get("profile"), memory_bytes=d.get("memory_bytes")
+            )
+            for k, d in enumerate(devices)
+        ]
+
     def pcie_link(self, i: int) -> PcieLink:
         return PcieLink(**self._field(i, "pcie"))
 
@@ -287,6 +304,43 @@ class FakeNvml:
     def selftest_answer(self, gpu: int) -> dict[str, Any] | None:
         """The ``selftest`` entry of a GPU (None: it passes); used by :func:`fake_selftest`."""
         return self._gpus[gpu].get("selftest") if gpu < len(self._gpus) else None
+
+
+def set_mig(description: dict[str, Any], gpu: int, profiles: list[str]) -> list[str]:
+    """Put GPU ``gpu`` of a node description in MIG mode with one slice per profile; returns their UUIDs.
+
+    The profiles are checked against NVIDIA's table for the GPU's model (A100 40GB/80GB, H100 80GB:
+    :mod:`gpuyard.hardware.mig`); an empty list leaves the GPU in MIG mode with no slices. The UUIDs are
+    made up, stable for a GPU UUID and slice index.
+
+    Raises:
+        ConfigError: no such GPU, a GPU without MIG, or slices that one GPU cannot hold.
+    """
+    import uuid as uuidlib
+
+    from gpuyard.hardware.mig import check_layout, mig_model, profiles_of
+
+    nvml = description.setdefault("nvml", {})
+    gpus = nvml.get("gpus") or []
+    if not 0 <= gpu < len(gpus):
+        raise ConfigError(f"GPU {gpu}: the description has {len(gpus)} GPUs")
+    g = {**(nvml.get("gpu_defaults") or {}), **gpus[gpu]}
+    model = mig_model(str(g.get("name", "")))
+    if model is None:
+        raise ConfigError(f"GPU {gpu} ({g.get('name')}) has no MIG profiles here")
+    try:
+        check_layout(model, profiles)
+    except ValueError as exc:
+        raise ConfigError(f"GPU {gpu}: {exc}") from None
+    sizes = {p.name: p for p in profiles_of(model)}
+    total = int((g.get("memory") or {}).get("total", 0))
+    devices: list[dict[str, Any]] = []
+    for k, name in enumerate(profiles):
+        uid = uuidlib.uuid5(uuidlib.NAMESPACE_OID, f"{g.get('uuid', gpu)}/mig/{k}")
+        memory = total * sizes[name].memory // 8 if total else None
+        devices.append({"profile": name, "uuid": f"MIG-{uid}", "memory_bytes": memory})
+    gpus[gpu] = {**gpus[gpu], "mig_mode": {"current": True, "pending": False}, "mig_devices": devices}
+    return [str(d["uuid"]) for d in devices]
 
 
 def fake_selftest(fake: FakeNvml) -> Callable[[int], SelfTestResult]:

@@ -177,6 +177,18 @@ def _signals(
     )
 
 
+def _mig(nv: NvmlBackend, i: int, mode: tuple[bool, bool] | None, f: _Fields) -> dict[str, Any] | None:
+    """MIG mode, and in MIG mode the MIG devices (uuid, profile, memory) when NVML can list them."""
+    if mode is None:
+        return None
+    doc: dict[str, Any] = {"enabled": mode[0], "pending": mode[1]}
+    if mode[0] and hasattr(nv, "mig_devices"):
+        devices = f.get("mig.devices", nv.mig_devices, i)
+        if devices is not None:
+            doc["devices"] = [dataclasses.asdict(d) for d in devices]
+    return doc
+
+
 def _unreachable(i: int, f: _Fields) -> Accelerator:
     why = f.missing.get("name", "no answer")
     health = assess(GpuSignals(reachable=False, unreachable_reason=f"NVML cannot query GPU {i}: {why}"))
@@ -223,7 +235,7 @@ def probe_gpu(
         cpu_affinity=tuple(affinity),
         pcie=dataclasses.asdict(pcie) if pcie else None,
         nvlink=nvlink,
-        mig={"enabled": mig[0], "pending": mig[1]} if mig else None,
+        mig=_mig(nv, i, mig, f),
         telemetry=readings.to_dict(memory[1] if memory else None),
         health=assess(_signals(readings, pcie, nvlink, mig), thresholds),
         spec=_spec(name) if name else None,

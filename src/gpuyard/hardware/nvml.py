@@ -99,6 +99,23 @@ class PcieLink:
 
 
 @dataclass(frozen=True)
+class MigDevice:
+    """One MIG device (a GPU instance with its compute instance) of a GPU in MIG mode.
+
+    Attributes:
+        index: the MIG device's index on its GPU (``nvmlDeviceGetMigDeviceHandleByIndex``).
+        uuid: ``MIG-...``: what ``CUDA_VISIBLE_DEVICES`` takes to show a process only this slice.
+        profile: the GPU instance profile, e.g. ``1g.10gb`` (None when NVML's name does not say).
+        memory_bytes: the slice's memory (None when unknown).
+    """
+
+    index: int
+    uuid: str
+    profile: str | None
+    memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class NvLinkRemote:
     """The far end of one NVLink: its PCI bus id and its kind (gpu, switch, ibmnpu, unknown)."""
 
@@ -129,6 +146,7 @@ class NvmlBackend(Protocol):
     def remapped_rows(self, i: int) -> RemappedRows: ...
     def clock_event_reasons(self, i: int) -> int: ...
     def mig_mode(self, i: int) -> tuple[bool, bool]: ...
+    def mig_devices(self, i: int) -> list[MigDevice]: ...  # read only: MIG is never reconfigured here
     def pcie_link(self, i: int) -> PcieLink: ...
     def cpu_affinity(self, i: int) -> list[int]: ...
     def nvlink_max_links(self) -> int: ...
@@ -269,6 +287,27 @@ class PynvmlBackend:
     def mig_mode(self, i: int) -> tuple[bool, bool]:
         current, pending = self._call("nvmlDeviceGetMigMode", self._h(i))
         return bool(current), bool(pending)
+
+    def mig_devices(self, i: int) -> list[MigDevice]:
+        """The MIG devices of GPU ``i`` (in MIG mode), by read-only queries; the profile comes from the
+        device's name (``NVIDIA A100-SXM4-40GB MIG 1g.5gb``)."""
+        from gpuyard.hardware.mig import profile_from_name
+
+        h = self._h(i)
+        out: list[MigDevice] = []
+        for k in range(int(self._call("nvmlDeviceGetMaxMigDeviceCount", h))):
+            try:
+                mig = self._call("nvmlDeviceGetMigDeviceHandleByIndex", h, k)
+            except NvmlCallError:
+                continue  # no instance at this index (NVML answers NOT_FOUND)
+            name = _text(self._call("nvmlDeviceGetName", mig))
+            try:
+                memory: int | None = int(self._call("nvmlDeviceGetMemoryInfo", mig).total)
+            except NvmlCallError:
+                memory = None
+            uuid = _text(self._call("nvmlDeviceGetUUID", mig))
+            out.append(MigDevice(index=k, uuid=uuid, profile=profile_from_name(name), memory_bytes=memory))
+        return out
 
     def pcie_link(self, i: int) -> PcieLink:
         h = self._h(i)

@@ -8,7 +8,7 @@ import socket
 from typing import Any
 
 from gpuyard.errors import ConfigError
-from gpuyard.scheduler.placement import NodeSpec
+from gpuyard.scheduler.placement import MigSlice, NodeSpec
 
 FAKE_GPU_TYPE = "fake-gpu"
 log = logging.getLogger(__name__)
@@ -42,6 +42,14 @@ def node_from_inventory(
     accels = node.get("accelerators") or []
     excluded = frozenset(i for i, a in enumerate(accels) if a.get("health") == "fail")
     gpu_type = str(accels[0].get("name") or accels[0].get("kind") or "gpu") if accels else ""
+    memory = [a["memory_bytes"] for a in accels if a.get("memory_bytes")]
+    mig_mode = tuple(i for i, a in enumerate(accels) if (a.get("mig") or {}).get("enabled"))
+    slices = tuple(
+        MigSlice(i, str(d["profile"]), str(d["uuid"]))
+        for i, a in enumerate(accels)
+        for d in (a.get("mig") or {}).get("devices") or []
+        if d.get("profile") and d.get("uuid")
+    )
     return NodeSpec(
         name=name,
         gpus=len(accels),
@@ -50,6 +58,10 @@ def node_from_inventory(
         leaf="local",
         excluded=excluded,
         cpus=cpus or cores,
+        gpu_memory_gb=min(memory) / 2**30 if memory else 0.0,
+        mig_mode=mig_mode,
+        mig=slices,
+        gpu_uuids=tuple(str(a.get("uuid") or "") for a in accels),
     )
 
 

@@ -13,15 +13,32 @@ a few vector operations, and :func:`place` picks the GPUs of one job, all of the
 
 Nodes can be drained (:meth:`ClusterState.set_drained`, node health): :func:`place` puts nothing on
 them and their free slots do not count as free.
+
+Sharing (:class:`GpuShare`): a job may ask for part of one GPU (a fraction and/or GPU memory) or for
+MIG slices of one profile. Shares pack onto the GPU already most used that still holds them (up to
+1.0 of its compute and all its memory); a GPU with any share is no longer free for whole-GPU jobs. GPUs
+in MIG mode are never handed out whole: only their slices, each to one job. See :func:`place_share`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 _BIG = np.iinfo(np.int64).max
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class MigSlice:
+    """One MIG device of a node: its GPU, its profile (``1g.10gb``) and its ``MIG-...`` UUID."""
+
+    gpu: int
+    profile: str
+    uuid: str
 
 
 @dataclass(frozen=True)
@@ -36,6 +53,10 @@ class NodeSpec:
         leaf: id of the leaf switch the node hangs from.
         excluded: GPU indices that failed the health check and are never handed out.
         cpus: CPU slots, used by CPU-only jobs (``gpus: 0``).
+        gpu_memory_gb: memory of one GPU in GiB (0: unknown; shares by memory need it).
+        mig_mode: GPUs in MIG mode: never handed out whole, only their slices.
+        mig: the MIG slices of those GPUs (as the administrator created them).
+        gpu_uuids: the GPUs' UUIDs by index, when known (MPS clients name GPUs by UUID).
     """
 
     name: str
@@ -45,11 +66,26 @@ class NodeSpec:
     leaf: str = "leaf0"
     excluded: frozenset[int] = frozenset()
     cpus: int = 0
+    gpu_memory_gb: float = 0.0
+    mig_mode: tuple[int, ...] = ()
+    mig: tuple[MigSlice, ...] = ()
+    gpu_uuids: tuple[str, ...] = ()
 
     @property
     def healthy_gpus(self) -> list[int]:
-        """Indices of the GPUs that may be handed out."""
+        """Indices of the GPUs that pass their health check."""
         return [i for i in range(self.gpus) if i not in self.excluded]
+
+    @property
+    def whole_gpus(self) -> list[int]:
+        """Indices of the GPUs that may be handed out whole or shared: healthy and not in MIG mode."""
+        mig = set(self.mig_mode) | {s.gpu for s in self.mig}
+        return [i for i in self.healthy_gpus if i not in mig]
+
+    @property
+    def healthy_slices(self) -> list[MigSlice]:
+        """The MIG slices of healthy GPUs."""
+        return [s for s in self.mig if s.gpu not in self.excluded]
 
 
 @dataclass(frozen=True)
@@ -87,13 +123,78 @@ class PredictedStep:
 
 
 @dataclass(frozen=True)
+class GpuShare:
+    """A request for part of one GPU, or for MIG slices.
+
+    Attributes:
+        fraction: share of one GPU's compute (0-1); None: the memory asked over the GPU's memory.
+        memory_gb: GPU memory (GiB); None: ``fraction`` of the GPU's memory.
+        mig: a MIG profile (``1g.10gb``): the job gets ``slices`` free slices of it on one node.
+        slices: MIG slices asked.
+    """
+
+    fraction: float | None = None
+    memory_gb: float | None = None
+    mig: str | None = None
+    slices: int = 1
+
+    def describe(self) -> str:
+        """``0.5 GPU``, ``20 GB of a GPU``, ``0.25 GPU, 10 GB``, ``2x MIG 1g.10gb``."""
+        if self.mig:
+            return f"{self.slices}x MIG {self.mig}" if self.slices > 1 else f"MIG {self.mig}"
+        parts = [f"{self.fraction:g} GPU"] if self.fraction is not None else []
+        if self.memory_gb is not None:
+            parts.append(f"{self.memory_gb:g} GB" + ("" if parts else " of a GPU"))
+        return ", ".join(parts)
+
+
+def share_of(resources: Mapping[str, Any] | None) -> GpuShare | None:
+    """The share or MIG request in a spec's ``resources`` (as stored: a dict), None for whole GPUs."""
+    res = resources or {}
+    if res.get("mig"):
+        return GpuShare(mig=str(res["mig"]), slices=int(res.get("slices") or 1))
+    fraction, memory = res.get("gpu_fraction"), res.get("gpu_memory_gb")
+    if fraction is None and memory is None:
+        return None
+    return GpuShare(
+        fraction=float(fraction) if fraction is not None else None,
+        memory_gb=float(memory) if memory is not None else None,
+    )
+
+
+@dataclass(frozen=True)
+class SharePart:
+    """A placed share or MIG slice.
+
+    Attributes:
+        node: node index.
+        gpu: GPU index; negative: a whole free GPU of the node, chosen at launch (a fresh shared GPU).
+        fraction: share of the GPU's compute held (1/7 per compute slice for MIG).
+        memory_gb: GPU memory held (0 when unknown).
+        mig_uuid: the MIG device's UUID ("" for a share).
+        profile: the MIG profile ("" for a share).
+    """
+
+    node: int
+    gpu: int
+    fraction: float
+    memory_gb: float
+    mig_uuid: str = ""
+    profile: str = ""
+
+
+@dataclass(frozen=True)
 class Placement:
-    """Where one job runs: (node index, GPU count) pairs, and a short why for logs and dry runs."""
+    """Where one job runs: (node index, GPU count) pairs, and a short why for logs and dry runs.
+
+    A share or MIG job has no whole GPUs (``nodes`` is empty) and its ``parts`` say what it holds.
+    """
 
     nodes: tuple[tuple[int, int], ...]
     how: str
     cpus: int = 0
     predicted: PredictedStep | None = None  # set by fabric-aware placement
+    parts: tuple[SharePart, ...] = ()
 
     @property
     def gpus(self) -> int:
@@ -132,7 +233,13 @@ class ClusterState:
     free_cpus: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        self.capacity = np.array([len(n.healthy_gpus) for n in self.nodes], dtype=np.int64)
+        self.capacity = np.array([len(n.whole_gpus) for n in self.nodes], dtype=np.int64)
+        self.gpu_memory = np.array([n.gpu_memory_gb for n in self.nodes], dtype=np.float64)
+        self.slices = [n.healthy_slices for n in self.nodes]
+        # Shared GPUs: (node, gpu) -> [fraction, memory] held; MIG slices held, by UUID.
+        self.shared: dict[tuple[int, int], list[float]] = {}
+        self.mig_used: set[str] = set()
+        self._fresh = 0
         self.cpu_capacity = np.array([n.cpus for n in self.nodes], dtype=np.int64)
         self.free = self.capacity.copy()
         self.free_cpus = self.cpu_capacity.copy()
@@ -168,7 +275,51 @@ class ClusterState:
         other.__dict__.update(self.__dict__)
         other.free = self.free.copy()
         other.free_cpus = self.free_cpus.copy()
+        other.shared = {k: list(v) for k, v in self.shared.items()}
+        other.mig_used = set(self.mig_used)
         return other
+
+    def reset(self) -> None:
+        """Everything free again (before holding what the records say is in use)."""
+        self.free = self.capacity.copy()
+        self.free_cpus = self.cpu_capacity.copy()
+        self.shared, self.mig_used, self._fresh = {}, set(), 0
+
+    def hold_record(self, node: int, part: Mapping[str, Any]) -> None:
+        """Hold one node's part of a job's placement record (``{"node", "gpus", "cpus"}``, with
+        ``share`` or ``mig`` for a share or MIG job; see :func:`record_part`)."""
+        gpus = list(part.get("gpus") or [])
+        if part.get("mig"):
+            self.mig_used.update(str(m["uuid"]) for m in part["mig"])
+        elif part.get("share"):
+            share = part["share"]
+            for g in gpus:
+                self._hold_share(node, int(g), float(share["fraction"]), float(share.get("memory_gb") or 0.0))
+        else:
+            self.free[node] -= len(gpus)
+            self.free_cpus[node] -= int(part.get("cpus") or 0) if not gpus else 0
+
+    def _hold_share(self, node: int, gpu: int, fraction: float, memory: float) -> None:
+        used = self.shared.get((node, gpu))
+        if used is None:
+            self.free[node] -= 1  # a whole free GPU becomes a shared one
+            used = self.shared[(node, gpu)] = [0.0, 0.0]
+        used[0] += fraction
+        used[1] += memory
+
+    def _release_share(self, node: int, gpu: int, fraction: float, memory: float) -> None:
+        used = self.shared.get((node, gpu))
+        if used is None:
+            return
+        used[0] -= fraction
+        used[1] -= memory
+        if used[0] <= _EPS and used[1] <= _EPS:
+            del self.shared[(node, gpu)]
+            self.free[node] += 1
+
+    def gpu_use(self) -> dict[tuple[int, int], tuple[float, float]]:
+        """Shared GPUs: (node, gpu) -> (fraction, memory GiB) held by share jobs."""
+        return {k: (v[0], v[1]) for k, v in self.shared.items()}
 
     def type_mask(self, gpu_type: str | None) -> np.ndarray | None:
         """Boolean mask of the nodes with that GPU type (None: any type)."""
@@ -189,12 +340,22 @@ class ClusterState:
         for node, n in placement.nodes:
             self.free[node] -= n
             self.free_cpus[node] -= placement.cpus if n == 0 else 0
+        for p in placement.parts:
+            if p.mig_uuid:
+                self.mig_used.add(p.mig_uuid)
+            else:
+                self._hold_share(p.node, p.gpu, p.fraction, p.memory_gb)
 
     def release(self, placement: Placement) -> None:
         """Give a placement's slots back."""
         for node, n in placement.nodes:
             self.free[node] += n
             self.free_cpus[node] += placement.cpus if n == 0 else 0
+        for p in placement.parts:
+            if p.mig_uuid:
+                self.mig_used.discard(p.mig_uuid)
+            else:
+                self._release_share(p.node, p.gpu, p.fraction, p.memory_gb)
 
 
 def _fill(free: np.ndarray, idx: np.ndarray, gpus: int) -> list[tuple[int, int]] | None:
@@ -219,7 +380,12 @@ def _fill(free: np.ndarray, idx: np.ndarray, gpus: int) -> list[tuple[int, int]]
 
 
 def place(
-    state: ClusterState, gpus: int, gpu_type: str | None = None, cpus: int = 1, multi_node: bool = True
+    state: ClusterState,
+    gpus: int,
+    gpu_type: str | None = None,
+    cpus: int = 1,
+    multi_node: bool = True,
+    share: GpuShare | None = None,
 ) -> Placement | None:
     """Choose the GPUs for one job, all or nothing; ``None`` when it cannot start now.
 
@@ -229,7 +395,10 @@ def place(
         gpu_type: required GPU type, or None for any.
         cpus: CPU slots for a CPU-only job.
         multi_node: whether the executor can spread one job over several nodes.
+        share: part of one GPU or MIG slices instead of whole GPUs (see :func:`place_share`).
     """
+    if share is not None:
+        return place_share(state, share, gpu_type)
     free = np.where(state.drained, 0, state.free) if state.drained.any() else state.free
     if gpus == 0:
         fits = np.flatnonzero((state.free_cpus >= cpus) & ~state.drained)
@@ -278,3 +447,159 @@ def fragmentation(state: ClusterState) -> float:
         return 0.0
     whole = int(state.free[state.free == state.capacity].sum())
     return 1.0 - whole / total
+
+
+# -- shares and MIG slices ------------------------------------------------------------------------
+
+
+def _share_size(share: GpuShare, gpu_memory: float) -> tuple[float, float] | None:
+    """(fraction, memory GiB) a share holds on a GPU of ``gpu_memory`` GiB (0: unknown); None when
+    the GPU's memory is needed and unknown."""
+    if share.fraction is not None:
+        fraction = share.fraction
+    elif gpu_memory > 0 and share.memory_gb is not None:
+        fraction = share.memory_gb / gpu_memory
+    else:
+        return None
+    memory = share.memory_gb if share.memory_gb is not None else fraction * gpu_memory
+    return fraction, memory
+
+
+def _candidates(state: ClusterState, gpu_type: str | None) -> list[int]:
+    mask = state.type_mask(gpu_type)
+    ok = ~state.drained if mask is None else (mask & ~state.drained)
+    return [int(i) for i in np.flatnonzero(ok)]
+
+
+def place_share(state: ClusterState, share: GpuShare, gpu_type: str | None = None) -> Placement | None:
+    """Place part of one GPU, or MIG slices; ``None`` when it cannot start now.
+
+    A share goes to the shared GPU with the most already held that still has room for it (its
+    fraction within 1.0 and its memory within the GPU's), else to a whole free GPU of the node with the
+    fewest free GPUs (best fit, as whole-GPU jobs). MIG slices: ``slices`` free slices of the profile on
+    one node, the node with the fewest such free slices first.
+    """
+    nodes = _candidates(state, gpu_type)
+    if share.mig:
+        best: tuple[int, list[MigSlice]] | None = None
+        for n in nodes:
+            free = [s for s in state.slices[n] if s.profile == share.mig and s.uuid not in state.mig_used]
+            if len(free) >= share.slices and (best is None or len(free) < len(best[1])):
+                best = (n, free)
+        if best is None:
+            return None
+        n, free = best
+        size = int(share.mig.split("g.")[0]) / 7
+        memory = float(share.mig.split(".")[1].removesuffix("gb"))
+        parts = tuple(SharePart(n, s.gpu, size, memory, s.uuid, s.profile) for s in free[: share.slices])
+        where = ", ".join(f"GPU {p.gpu}" for p in parts)
+        return Placement((), f"MIG {share.mig} slice(s) on {where}", parts=parts)
+    choice: tuple[tuple[float, int], SharePart] | None = None
+    for n in nodes:
+        sized = _share_size(share, float(state.gpu_memory[n]))
+        if sized is None:
+            continue
+        fraction, memory = sized
+        limit = float(state.gpu_memory[n])
+        for (node, gpu), (f_used, m_used) in state.shared.items():
+            if node != n or f_used + fraction > 1 + _EPS or (limit > 0 and m_used + memory > limit + _EPS):
+                continue
+            key = (f_used, -int(state.free[n]))
+            if choice is None or key > choice[0]:
+                choice = (key, SharePart(n, gpu, fraction, memory))
+        if state.free[n] >= 1 and fraction <= 1 + _EPS and (limit <= 0 or memory <= limit + _EPS):
+            key = (-1.0, -int(state.free[n]))
+            if choice is None or key > choice[0]:
+                state._fresh -= 1
+                choice = (key, SharePart(n, state._fresh, fraction, memory))
+    if choice is None:
+        return None
+    part = choice[1]
+    how = f"shares GPU {part.gpu}" if part.gpu >= 0 else "a free GPU, shared"
+    return Placement((), f"{share.describe()}: {how}", parts=(part,))
+
+
+def share_never_fits(state: ClusterState, share: GpuShare, gpu_type: str | None = None) -> str | None:
+    """Why a share or MIG request could never start on this cluster (one line), or None when it could."""
+    mask = state.type_mask(gpu_type)
+    nodes = [i for i in range(len(state.nodes)) if mask is None or mask[i]]
+    if share.mig:
+        offered: dict[str, int] = {}
+        for n in nodes:
+            for s in state.slices[n]:
+                offered[s.profile] = offered.get(s.profile, 0) + 1
+        most = max((sum(s.profile == share.mig for s in state.slices[n]) for n in nodes), default=0)
+        if most >= share.slices:
+            return None
+        have = ", ".join(f"{p} x{c}" for p, c in sorted(offered.items())) or "none"
+        if not most:
+            return f"resources.mig: no GPU here has a {share.mig} slice; MIG slices here: {have}"
+        return (
+            f"resources.slices: {share.slices} {share.mig} slices asked, a node here has at most {most}: "
+            "it could never start"
+        )
+    whole = [n for n in nodes if state.capacity[n] > 0]
+    if not whole:
+        return (
+            "resources: no GPU here can be shared (each is in MIG mode or unhealthy, or none is of gpu_type)"
+        )
+    if share.fraction is None and not any(state.gpu_memory[n] > 0 for n in whole):
+        return "resources.gpu_memory_gb: the GPUs here do not report their memory; ask for a fraction instead"
+    if share.memory_gb is not None:
+        known = [float(state.gpu_memory[n]) for n in whole if state.gpu_memory[n] > 0]
+        if known and share.memory_gb > max(known) + _EPS:
+            return (
+                f"resources.gpu_memory_gb: {share.memory_gb:g} GB asked, the largest GPU here has "
+                f"{max(known):.1f} GB: it could never start"
+            )
+    return None
+
+
+def record_part(node: str, gpus: tuple[int, ...], cpus: int, parts: list[SharePart]) -> dict[str, Any]:
+    """The placement record of one node of a job (``JobRow.placement["nodes"]`` items): its GPUs and
+    CPU slots, and for a share ``share: {fraction, memory_gb}``, for MIG ``mig: [{gpu, profile, uuid}]``."""
+    doc: dict[str, Any] = {"node": node, "gpus": list(gpus), "cpus": cpus}
+    mig = [p for p in parts if p.mig_uuid]
+    if mig:
+        doc["mig"] = [{"gpu": p.gpu, "profile": p.profile, "uuid": p.mig_uuid} for p in mig]
+    elif parts:
+        doc["share"] = {"fraction": round(parts[0].fraction, 6), "memory_gb": round(parts[0].memory_gb, 3)}
+    return doc
+
+
+def why_waiting(
+    state: ClusterState,
+    gpus: int,
+    gpu_type: str | None = None,
+    share: GpuShare | None = None,
+    cpus: int = 1,
+    multi_node: bool = True,
+) -> str:
+    """Why a job that did not start waits, in one line, on ``state`` (after this decision's starts)."""
+    mask = state.type_mask(gpu_type)
+    nodes = [i for i in range(len(state.nodes)) if (mask is None or mask[i]) and not state.drained[i]]
+    of = f" {gpu_type}" if gpu_type else ""
+    drained = f"; {int(state.drained.sum())} node(s) drained" if state.drained.any() else ""
+    if place(state.copy(), gpus, gpu_type, cpus, multi_node, share) is not None:
+        return f"waiting for its turn: it fits now, but jobs before it in policy order go first{drained}"
+    if share is not None and share.mig:
+        slices = [s for n in nodes for s in state.slices[n] if s.profile == share.mig]
+        free = sum(s.uuid not in state.mig_used for s in slices)
+        return f"waiting for {share.describe()}: {free} of {len(slices)} such slices free{drained}"
+    free = sum(int(state.free[n]) for n in nodes)
+    if share is not None:
+        busy = sorted((v[0], n, g) for (n, g), v in state.shared.items() if n in nodes)
+        used = ", ".join(f"{state.nodes[n].name}:{max(g, 0)} {f:.2g} held" for f, n, g in busy[-4:])
+        return (
+            f"waiting for {share.describe()}: no shared GPU has room ({used or 'none shared'}) and "
+            f"{free} whole{of} GPUs free{drained}"
+        )
+    if gpus == 0:
+        return f"waiting for {cpus} CPU slot(s): none free on one node{drained}"
+    shared = len({k for k in state.shared if k[0] in nodes})
+    mig = sum(len(set(state.nodes[n].mig_mode) | {s.gpu for s in state.nodes[n].mig}) for n in nodes)
+    notes = [f"{shared} shared"] if shared else []
+    notes += [f"{mig} in MIG mode"] if mig else []
+    extra = f" ({', '.join(notes)})" if notes else ""
+    where = "" if multi_node else " on one node"
+    return f"waiting for {gpus}{of} GPU{'s' if gpus > 1 else ''}{where}: {free} whole free{extra}{drained}"

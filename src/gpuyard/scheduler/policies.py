@@ -53,8 +53,8 @@ class Policy:
 def _try(
     work: ClusterState, job: QueuedJob, multi_node: bool, fabric: FabricPass | None = None
 ) -> Placement | None:
-    if fabric is None:
-        placement = place(work, job.gpus, job.gpu_type, job.cpus, multi_node)
+    if fabric is None or job.share is not None:  # shares and MIG slices: no fabric cost to weigh
+        placement = place(work, job.gpus, job.gpu_type, job.cpus, multi_node, share=job.share)
     else:
         placement = fabric.place(work, job, multi_node)
     if placement is not None:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuyard.scheduler.placement import Placement
+from gpuyard.scheduler.placement import GpuShare, Placement
 
 
 @dataclass
@@ -30,6 +30,7 @@ class QueuedJob:
         attained: seconds it has already run before a preemption.
         enqueued_at: when it (re)entered the queue.
         workload: a ``gpuyard.fabric.placement_cost.Workload`` for fabric-aware placement, or None.
+        share: part of one GPU or MIG slices (then ``gpus`` is 0), or None for whole GPUs.
     """
 
     id: int
@@ -45,6 +46,7 @@ class QueuedJob:
     attained: float = 0.0
     enqueued_at: float = 0.0
     workload: Any = None
+    share: GpuShare | None = None
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,16 @@ from gpuyard.scheduler.fabric_placement import (
 )
 from gpuyard.scheduler.lease import DEFAULT_TTL_S, SchedulerLease, lease_conflict
 from gpuyard.scheduler.nodes import NodeHealthMonitor, NodeStates, preemptible
-from gpuyard.scheduler.placement import ClusterState, NodeSpec, Placement, place
+from gpuyard.scheduler.placement import (
+    ClusterState,
+    NodeSpec,
+    Placement,
+    place,
+    record_part,
+    share_never_fits,
+    share_of,
+    why_waiting,
+)
 from gpuyard.scheduler.policies import make_policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
 from gpuyard.scheduler.records import ACTIVE, job_doc, move
@@ -137,6 +146,14 @@ class JobService:
         if isolation is not None:
             isolation.for_job(spec.team, spec.user)  # a --job-user template names an existing Unix user
         res = spec.resources
+        if res.shared:  # part of one GPU or MIG slices (docs/scheduler.md, sharing)
+            share = share_of(res.model_dump())
+            why = share_never_fits(self.state, share, res.gpu_type) if share else None
+            if self.executor.name == "ray":
+                why = "resources: shares and MIG slices run on the local executor, not on Ray"
+            if why:
+                raise CapacityError(why)
+            return
         if spec.workload is not None:
             self._check_workload(spec)
         if res.gpus == 0:
@@ -315,7 +332,8 @@ class JobService:
                 self._refresh_state(s)
                 active = list(s.scalars(select(JobRow).where(JobRow.state.in_(ACTIVE))))
             res = spec.resources
-            p = place(self.state, res.gpus, res.gpu_type, res.cpus, self.executor.multi_node)
+            share = share_of(res.model_dump())
+            p = place(self.state, res.gpus, res.gpu_type, res.cpus, self.executor.multi_node, share=share)
             if p is None:
                 return {"fits_now": False, "placement": None, "plan": None}
             fabric: dict[str, Any] | None = None
@@ -518,7 +536,8 @@ class JobService:
         queue = JobQueue(self.policy.key)
         for row in queued:
             queue.add(self._queued(row))
-        running = [self._running(r) for r in active if r.placement]
+        # Share and MIG jobs hold no whole GPU: policies neither count nor preempt them.
+        running = [self._running(r) for r in active if r.placement and not share_of(r.spec.get("resources"))]
         decision = self.policy.decide(self.state, queue, running, now, multi_node=self.executor.multi_node)
         if decision.preempt:
             with self.store.session() as s:
@@ -536,9 +555,10 @@ class JobService:
                         )
         if decision.waits:
             self._note_waits(decision.waits)
-        used = self._used_indices()
+        self._note_waiting(queue, decision)
+        used, fresh = self._used_indices(), dict[tuple[int, int], int]()
         for qjob, placement in decision.starts:
-            slots = self._slots(placement, used)
+            slots = self._slots(placement, used, fresh)
             for sl in slots:
                 used.setdefault(sl.node, set()).update(sl.gpus)
             self._start(qjob.id, placement, slots)
@@ -553,6 +573,23 @@ class JobService:
                 row.reason = note
                 s.add(JobEventRow(job_id=jid, from_state=row.state, to_state=row.state, reason=note))
 
+    def _note_waiting(self, queue: JobQueue, decision: Any) -> None:
+        """Say why each job left queued waits (the job's reason, no event: it changes as GPUs free up)."""
+        work = self.state.copy()
+        for _, placement in decision.starts:
+            work.take(placement)
+        started = {j.id for j, _ in decision.starts} | set(decision.waits)
+        notes = {
+            j.id: why_waiting(work, j.gpus, j.gpu_type, j.share, j.cpus, self.executor.multi_node)
+            for j in queue.ordered()
+            if j.id not in started
+        }
+        with self.store.session() as s:
+            for jid, note in notes.items():
+                row = s.get(JobRow, jid)
+                if row is not None and row.state == JobState.QUEUED.value and row.reason != note:
+                    row.reason = note
+
     def _start(self, job_id: int, placement: Placement, slots: list[NodeSlots]) -> None:
         with self.store.session() as s:
             # Locked (PostgreSQL; SQLite's write lock already covers it) so that a start racing a
@@ -565,7 +602,7 @@ class JobService:
             row.attempts += 1
             row.placement = {
                 "how": placement.how,
-                "nodes": [{"node": sl.node, "gpus": list(sl.gpus), "cpus": sl.cpus} for sl in slots],
+                "nodes": [record_part(sl.node, sl.gpus, sl.cpus, _parts_on(placement, sl)) for sl in slots],
             }
             if placement.predicted is not None:
                 row.placement["predicted"] = placement.predicted.to_dict()
@@ -606,14 +643,12 @@ class JobService:
                 self.estimator.observe(r.team, r.user, r.gpus, r.attained_s)
 
     def _refresh_state(self, s: Session) -> None:
-        self.state.free = self.state.capacity.copy()
-        self.state.free_cpus = self.state.cpu_capacity.copy()
+        self.state.reset()
         for row in s.scalars(select(JobRow).where(JobRow.state.in_(ACTIVE))):
             for part in (row.placement or {}).get("nodes", []):
                 i = self._node_index.get(part["node"])
                 if i is not None:
-                    self.state.free[i] -= len(part["gpus"])
-                    self.state.free_cpus[i] -= part.get("cpus", 0) if not part["gpus"] else 0
+                    self.state.hold_record(i, part)
 
     def _used_indices(self) -> dict[str, set[int]]:
         used: dict[str, set[int]] = {}
@@ -623,7 +658,11 @@ class JobService:
                     used.setdefault(part["node"], set()).update(part["gpus"])
         return used
 
-    def _slots(self, placement: Placement, used: dict[str, set[int]]) -> list[NodeSlots]:
+    def _slots(
+        self, placement: Placement, used: dict[str, set[int]], fresh: dict[tuple[int, int], int] | None = None
+    ) -> list[NodeSlots]:
+        if placement.parts:
+            return self._share_slots(placement, used, {} if fresh is None else fresh)
         slots = []
         for idx, count in placement.nodes:
             node = self.nodes[idx]
@@ -631,6 +670,25 @@ class JobService:
             free = [g for g in node.healthy_gpus if g not in taken][:count]
             slots.append(NodeSlots(node.name, tuple(free), placement.cpus if count == 0 else 0))
         return slots
+
+    def _share_slots(
+        self, placement: Placement, used: dict[str, set[int]], fresh: dict[tuple[int, int], int]
+    ) -> list[NodeSlots]:
+        """The slots of a share or MIG placement; a share on a fresh GPU (negative index) gets the first
+        whole free GPU of its node, the same one for every share placed on it in this decision."""
+        p = placement.parts[0]
+        node = self.nodes[p.node]
+        if p.mig_uuid:
+            gpus = tuple(sorted({q.gpu for q in placement.parts}))
+            return [NodeSlots(node.name, gpus, 0, mig=tuple(q.mig_uuid for q in placement.parts))]
+        gpu = p.gpu
+        if gpu < 0:
+            if (p.node, gpu) not in fresh:
+                taken = used.get(node.name, set())
+                fresh[(p.node, gpu)] = next(g for g in node.whole_gpus if g not in taken)
+            gpu = fresh[(p.node, gpu)]
+        uuid = node.gpu_uuids[gpu] if gpu < len(node.gpu_uuids) else ""
+        return [NodeSlots(node.name, (gpu,), 0, share=p.fraction, memory_gb=p.memory_gb, uuid=uuid)]
 
     def _queued(self, row: JobRow) -> QueuedJob:
         res = row.spec.get("resources", {})
@@ -647,6 +705,7 @@ class JobService:
             attained=row.attained_s,
             enqueued_at=row.queued_at.timestamp(),
             workload=self._workload(row),
+            share=share_of(res),
         )
 
     def _workload(self, row: JobRow) -> Any:
@@ -678,6 +737,17 @@ class JobService:
             stopping=bool(row.stop_requested),
             attained=row.attained_s,
         )
+
+
+def _parts_on(placement: Placement, slot: NodeSlots) -> list[Any]:
+    """The share/MIG parts of a placement that a slot carries (with the slot's real GPU index)."""
+    if slot.mig:
+        return [p for p in placement.parts if p.mig_uuid in slot.mig]
+    if slot.share is not None and placement.parts:
+        from dataclasses import replace
+
+        return [replace(placement.parts[0], gpu=slot.gpus[0])]
+    return []
 
 
 def active_gpus(docs: Iterable[dict[str, Any]]) -> int:

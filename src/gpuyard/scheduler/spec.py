@@ -7,7 +7,15 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gpuyard.errors import ConfigError, NotFoundError
 from gpuyard.states import StrEnum
@@ -62,11 +70,24 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 
 
 class Resources(BaseModel):
-    """What a job needs, all at once."""
+    """What a job needs, all at once.
+
+    Whole GPUs (``gpus: 2``), part of one GPU (``gpus: 0.25`` and/or ``gpu_memory_gb: 20``: a share,
+    see docs/scheduler.md on its isolation) or MIG slices (``mig: 1g.10gb``, ``slices: 2``). A
+    fractional ``gpus`` is stored as ``gpu_fraction`` (``gpus`` stays the whole-GPU count, 0).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    gpus: int = Field(0, ge=0, le=65536, description="GPUs (0: a CPU-only job)")
+    gpus: int = Field(0, ge=0, le=65536, description="GPUs (0: a CPU-only job); 0 < gpus < 1: a share")
+    gpu_fraction: float | None = Field(
+        None, gt=0, lt=1, description="share of one GPU's compute (what gpus: 0.25 becomes)"
+    )
+    gpu_memory_gb: float | None = Field(
+        None, gt=0, le=4096, description="GPU memory (GiB) of a share of one GPU"
+    )
+    mig: str | None = Field(None, max_length=20, description="MIG profile, e.g. 1g.10gb (A100, H100)")
+    slices: int | None = Field(None, ge=1, le=64, description="MIG slices of that profile (default 1)")
     gpu_type: str | None = Field(
         None, max_length=100, description="required GPU type, e.g. A100-80GB; any when absent"
     )
@@ -74,6 +95,63 @@ class Resources(BaseModel):
     memory_gb: float | None = Field(
         None, gt=0, le=1_048_576, description="host memory, recorded for the executor"
     )
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _whole_or_share(cls, value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, float) and value > 1:
+            raise ValueError(
+                f"{value:g} GPUs: above 1 only whole GPUs (a share is part of one GPU: 0 < gpus < 1)"
+            )
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fraction(cls, data: Any) -> Any:
+        # gpus: 0.25 is a share: it becomes gpu_fraction, and gpus (whole GPUs) 0.
+        if isinstance(data, dict):
+            value = data.get("gpus")
+            if isinstance(value, float) and 0 < value < 1:
+                if data.get("gpu_fraction") is not None:
+                    raise ValueError("give the share once: gpus: 0.25 or gpu_fraction: 0.25")
+                data = {**data, "gpus": 0, "gpu_fraction": value}
+        return data
+
+    @field_validator("gpu_fraction", "gpu_memory_gb")
+    @classmethod
+    def _share_alone(cls, value: float | None, info: ValidationInfo) -> float | None:
+        gpus = info.data.get("gpus")
+        if value is not None and gpus:
+            raise ValueError(f"a share is part of one GPU; it cannot go with gpus: {gpus} (whole GPUs)")
+        return value
+
+    @field_validator("mig")
+    @classmethod
+    def _mig_profile(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        from gpuyard.hardware.mig import PROFILE_NAMES
+
+        if value not in PROFILE_NAMES:
+            raise ValueError(f"{value!r} is not an A100/H100 MIG profile; known: {', '.join(PROFILE_NAMES)}")
+        d = info.data
+        if d.get("gpus") or d.get("gpu_fraction") is not None or d.get("gpu_memory_gb") is not None:
+            raise ValueError("MIG slices go alone, without gpus, gpu_fraction or gpu_memory_gb")
+        return value
+
+    @field_validator("slices")
+    @classmethod
+    def _slices_of_mig(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("mig"):
+            raise ValueError("counts MIG slices; give mig: PROFILE with it")
+        return value
+
+    @property
+    def shared(self) -> bool:
+        """Whether the job asks for part of a GPU or MIG slices rather than whole GPUs."""
+        return self.mig is not None or self.gpu_fraction is not None or self.gpu_memory_gb is not None
 
 
 class ModelDims(BaseModel):

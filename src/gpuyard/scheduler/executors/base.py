@@ -23,11 +23,20 @@ from gpuyard.settings import TEAM_ENV
 
 @dataclass(frozen=True)
 class NodeSlots:
-    """The part of a job on one node: its host name, GPU indices and CPU slots."""
+    """The part of a job on one node: its host name, GPU indices and CPU slots.
+
+    A share of one GPU has that GPU in ``gpus`` and its ``share`` (fraction of compute) and
+    ``memory_gb``; ``uuid`` is the GPU's UUID when known (MPS clients should name GPUs by UUID). A MIG
+    job has its slices' GPUs in ``gpus`` and their ``MIG-...`` UUIDs in ``mig``.
+    """
 
     node: str
     gpus: tuple[int, ...]
     cpus: int = 0
+    share: float | None = None
+    memory_gb: float = 0.0
+    uuid: str = ""
+    mig: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,8 +120,75 @@ def job_argv(spec: JobSpec, nproc: int | None = None, nnodes: int = 1, rdzv: str
     return argv
 
 
-def job_env(job_id: int, spec: JobSpec, attempt: int, gpus: tuple[int, ...]) -> dict[str, str]:
-    """Variables a job gets: its GPUs (none visible for a CPU-only job), identity and checkpoint folder."""
+@dataclass(frozen=True)
+class MpsConfig:
+    """An NVIDIA MPS control daemon that share jobs join (``nvidia-cuda-mps-control -d``, started by
+    the administrator with the same pipe directory). gpuyard never starts or stops it.
+
+    Attributes:
+        pipe_dir: its ``CUDA_MPS_PIPE_DIRECTORY``.
+        log_dir: its ``CUDA_MPS_LOG_DIRECTORY`` ("" : the default).
+    """
+
+    pipe_dir: str
+    log_dir: str = ""
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> MpsConfig | None:
+        """The daemon named by ``GPUYARD_MPS_PIPE_DIRECTORY`` (and ``GPUYARD_MPS_LOG_DIRECTORY``) in the
+        server's environment; None when unset (shares are then time-sliced)."""
+        import os
+
+        env = os.environ if environ is None else environ
+        pipe = env.get("GPUYARD_MPS_PIPE_DIRECTORY", "")
+        return cls(pipe, env.get("GPUYARD_MPS_LOG_DIRECTORY", "")) if pipe else None
+
+
+def share_env(slot: NodeSlots, mps: MpsConfig | None) -> dict[str, str]:
+    """The GPU variables of a share or MIG job on one node.
+
+    MIG: ``CUDA_VISIBLE_DEVICES`` lists the slices' ``MIG-...`` UUIDs (hardware isolation). A share
+    with an MPS daemon: the GPU (by UUID when known), ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (its
+    fraction of the SMs) and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (its memory, on the one device it
+    sees, ordinal 0). Without MPS: the GPU's index only, shared by time-slicing (no limit enforced);
+    ``GPUYARD_GPU_SHARE`` and ``GPUYARD_GPU_MEMORY_GB`` tell the job its share either way.
+    """
+    if slot.mig:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(slot.mig), "GPUYARD_MIG": "1"}
+    share = slot.share if slot.share is not None else 1.0
+    env = {
+        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in slot.gpus),
+        "GPUYARD_GPU_SHARE": f"{share:.4g}",
+        "GPUYARD_GPU_MEMORY_GB": f"{slot.memory_gb:.4g}",
+        "GPUYARD_GPU_SHARING": "time-slicing",
+    }
+    if mps is not None:
+        env.update(
+            CUDA_VISIBLE_DEVICES=slot.uuid or env["CUDA_VISIBLE_DEVICES"],
+            CUDA_MPS_PIPE_DIRECTORY=mps.pipe_dir,
+            CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(max(1, min(100, round(share * 100)))),
+            GPUYARD_GPU_SHARING="mps",
+        )
+        if mps.log_dir:
+            env["CUDA_MPS_LOG_DIRECTORY"] = mps.log_dir
+        if slot.memory_gb > 0:
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={max(1, int(slot.memory_gb * 1024))}M"
+    return env
+
+
+def job_env(
+    job_id: int,
+    spec: JobSpec,
+    attempt: int,
+    gpus: tuple[int, ...],
+    slot: NodeSlots | None = None,
+    mps: MpsConfig | None = None,
+) -> dict[str, str]:
+    """Variables a job gets: its GPUs (none visible for a CPU-only job), identity and checkpoint folder.
+
+    ``slot``: the job's part of the node; for a share or MIG job its variables come from
+    :func:`share_env` (with ``mps``, the MPS daemon shares join).
+    """
     env = {
         "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus),
         "GPUYARD_JOB_ID": str(job_id),
@@ -120,6 +196,8 @@ def job_env(job_id: int, spec: JobSpec, attempt: int, gpus: tuple[int, ...]) -> 
         TEAM_ENV: spec.team,  # the runs the job tracks belong to its team
         "GPUYARD_ATTEMPT": str(attempt),
     }
+    if slot is not None and (slot.mig or slot.share is not None):
+        env.update(share_env(slot, mps))
     if spec.checkpoint_dir:
         env["GPUYARD_CHECKPOINT_DIR"] = spec.checkpoint_dir
     env.update(spec.env)

@@ -25,7 +25,15 @@ from typing import Any
 
 import psutil
 
-from gpuyard.scheduler.executors.base import Executor, ExitStatus, LaunchPlan, NodeSlots, job_argv, job_env
+from gpuyard.scheduler.executors.base import (
+    Executor,
+    ExitStatus,
+    LaunchPlan,
+    MpsConfig,
+    NodeSlots,
+    job_argv,
+    job_env,
+)
 from gpuyard.scheduler.executors.isolation import JobIsolation
 from gpuyard.scheduler.spec import JobSpec
 
@@ -38,9 +46,13 @@ class LocalExecutor(Executor):
     name = "local"
     multi_node = False
 
-    def __init__(self, jobs_dir: Path, isolation: JobIsolation | None = None) -> None:
+    def __init__(
+        self, jobs_dir: Path, isolation: JobIsolation | None = None, mps: MpsConfig | None = None
+    ) -> None:
         self.jobs_dir = Path(jobs_dir)
         self.isolation = isolation
+        # Share jobs join this MPS daemon (default: GPUYARD_MPS_PIPE_DIRECTORY); none: time-slicing.
+        self.mps = mps if mps is not None else MpsConfig.from_env()
         self._children: dict[int, subprocess.Popen[bytes]] = {}
 
     def plan(self, job_id: int, spec: JobSpec, nodes: list[NodeSlots], attempt: int) -> LaunchPlan:
@@ -51,7 +63,7 @@ class LocalExecutor(Executor):
         """
         folder = self.jobs_dir / str(job_id)
         gpus = nodes[0].gpus if nodes else ()
-        env = job_env(job_id, spec, attempt, gpus)
+        env = job_env(job_id, spec, attempt, gpus, nodes[0] if nodes else None, self.mps)
         extra: dict[str, Any] = {
             "pid_file": str(folder / f"attempt-{attempt}.pid"),
             "exit_file": str(folder / f"attempt-{attempt}.exit"),

@@ -302,3 +302,20 @@ def test_a_drift_reference_stored_with_f0_names_is_read_with_the_columns_names_a
     assert [f["name"] for f in ref["features"]] == list(shop["version"].signature["inputs"]["names"])
     assert [f["name"] for f in ref["skew"]["features"]] == ["income", "age", "city", "member"]
     assert load_reference(served.name, served.version)["skew"] == ref["skew"]  # kept for the next start
+
+
+def test_a_null_gets_the_value_ingest_imputed_for_that_column(gpuyard_home: Path, tmp_path: Path) -> None:
+    from gpuyard.data import IngestOptions, ValidationSpec, ingest, load_recipe, transform
+    from gpuyard.models.signature import ServingRecipe, serving_recipe
+
+    income = pa.array([10.0, None, 30.0, 40.0, None, 60.0] * 20, pa.float64())
+    pq.write_table(pa.table({"income": income, "y": [0, 1] * 60}), tmp_path / "t.parquet")
+    checks = ValidationSpec.model_validate({"columns": {"income": {"impute": "median"}}})
+    raw = ingest(tmp_path / "t.parquet", "imputed", IngestOptions(label_column="y", checks=checks))
+    prepared = transform(raw.ref, load_recipe({"normalize": [{"columns": ["income"]}]}), engine="serial")
+    contract = serving_recipe(prepared.ref)
+    assert contract is not None and contract["columns"] == [
+        {"name": "income", "kind": "float", "type": "double", "impute": 35.0}
+    ]
+    X = ServingRecipe(contract).features_of([{"income": None}, {"income": 35.0}, {"income": 10.0}])
+    assert X[0, 0] == X[1, 0] == 0.0 and X[2, 0] < 0  # the median, z-scored: 0

@@ -40,13 +40,18 @@ def run_server(service: JobService, options: ServerOptions) -> None:
         if placer is not None
         else "topology"
     )
+    health = (
+        f"node health checked every {service.health.config.interval_s:g} s"
+        if service.health is not None
+        else "no node health checks (no real GPUs here, or Ray's workers)"
+    )
     isolation = getattr(service.executor, "isolation", None)
     jobs_as = isolation.describe() if isolation is not None else "jobs run as the executor's user"
     # Jobs that are not isolated from the server are said once, in this line, as a warning.
     level = logging.WARNING if isolation is not None and not isolation.switch else logging.INFO
     logging.getLogger("gpuyard.server").log(
         level,
-        "recovered: %d adopted, %d requeued; policy %s, placement %s, executor %s, %d nodes; %s",
+        "recovered: %d adopted, %d requeued; policy %s, placement %s, executor %s, %d nodes; %s; %s",
         counts["adopted"],
         counts["requeued"],
         service.policy.name,
@@ -54,6 +59,7 @@ def run_server(service: JobService, options: ServerOptions) -> None:
         service.executor.name,
         len(service.nodes),
         jobs_as,
+        health,
     )
     shown_host = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
     logging.getLogger("gpuyard.server").info(
@@ -77,6 +83,8 @@ def run_server(service: JobService, options: ServerOptions) -> None:
         service.wake.set()
         loop.join(timeout=5)
         service.executor.close()
+        if service.health is not None:
+            service.health.close()
         signal.signal(signal.SIGTERM, previous)
 
 

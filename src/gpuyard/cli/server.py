@@ -63,6 +63,11 @@ def server(
     job_dir: str = typer.Option(
         None, "--job-dir", help="Folder of the jobs' working directories (default: in the temp folder)."
     ),
+    health_config: str = typer.Option(
+        None,
+        "--health-config",
+        help="YAML of node health checks (interval, checks, limits, drain on failure; docs/scheduler.md).",
+    ),
     body_timeout: float = typer.Option(
         DEFAULT_BODY_TIMEOUT_S,
         "--body-timeout",
@@ -91,6 +96,7 @@ def server(
         calibration=calibration,
         job_user=job_user,
         job_dir=job_dir,
+        health_config=health_config,
     )
     options = ServerOptions(
         host=host, port=port, max_body_bytes=int(max_body_mb * 2**20), body_timeout_s=body_timeout

@@ -518,16 +518,15 @@ def load_health_config(path: str | None) -> Any:
 
     if not path:
         return NodeCheckConfig()
-    import yaml
+    from gpuyard.textfiles import load_yaml
 
-    try:
-        with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"health config {path}: {exc}") from exc
+    data = load_yaml(path, "health config") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"health config {path}: expected a mapping")
-    return load_check_config(dict(data.get("health", data)))
+    try:
+        return load_check_config(dict(data.get("health", data)))
+    except ConfigError as exc:
+        raise ConfigError(f"health config {path}: {exc}") from None
 
 
 def local_health_monitor(service: Any, config_path: str | None = None) -> NodeHealthMonitor | None:

@@ -29,6 +29,7 @@ def build_service(
     calibration: str | None = None,
     job_user: str | None = None,
     job_dir: str | None = None,
+    health_config: str | None = None,
 ) -> JobService:
     """The job service of `gpuyard server`.
 
@@ -48,6 +49,9 @@ def build_service(
         job_user: ``server`` role on this machine: the Unix user jobs run as (None: ``gpuyard-job`` when
             root, else the server's own); see :mod:`gpuyard.scheduler.executors.isolation`.
         job_dir: ``server`` role on this machine: the folder of the jobs' working directories.
+        health_config: ``server`` role on this machine: a YAML file of node health check settings
+            (:class:`gpuyard.hardware.health.NodeCheckConfig`); None: the defaults. The server's own
+            node is checked periodically when it has real GPUs (not with ``fake_gpus``, not on Ray).
 
     Raises:
         ConfigError: an unknown placement, fabric placement without a cluster (or a cluster without
@@ -101,7 +105,14 @@ def build_service(
         nodes = [local_node(fake_gpus=fake_gpus, cpus=cpus, record=True)]
     if fabric is not None:
         check_fabric_nodes(fabric, nodes)
-    return JobService(store, nodes, executor, config, role=role, fabric=fabric)
+    service = JobService(store, nodes, executor, config, role=role, fabric=fabric)
+    if role == "server" and not ray_address:
+        from gpuyard.scheduler.nodes import local_health_monitor
+
+        service.health = local_health_monitor(service, health_config)
+    elif health_config is not None:
+        raise ConfigError("--health-config applies to a server on this machine (not to Ray's workers)")
+    return service
 
 
 def _fabric_cluster(

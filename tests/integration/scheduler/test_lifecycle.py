@@ -87,3 +87,25 @@ def test_a_job_that_ended_while_no_server_ran_keeps_its_end_time(
     assert abs((finished - ended).total_seconds()) < 1.0
     events = client.events(job["id"])
     assert datetime.fromisoformat(events[-1]["at"]) == finished
+
+
+def test_health_config_is_checked_before_the_server_starts(gpuyard_home: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "health.yaml"
+    bad.write_text("interval_s: -1\n")
+    argv = [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", "1", "--health-config", str(bad)]
+    out = subprocess.run(
+        argv, capture_output=True, text=True, env={**os.environ, "GPUYARD_HOME": str(gpuyard_home)}
+    )
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and f"health config {bad}: " in lines[0], out.stderr
+    bad.write_text("interval_s: [1\n")
+    out = subprocess.run(
+        argv, capture_output=True, text=True, env={**os.environ, "GPUYARD_HOME": str(gpuyard_home)}
+    )
+    assert out.returncode == 2 and f"{bad}:2:1: not valid YAML" in out.stderr, out.stderr
+
+
+def test_the_startup_line_says_whether_node_health_is_checked(server: ServerStarter, tmp_path: Path) -> None:
+    server()  # pretended GPUs (--gpus 1): nothing real to check
+    log = (tmp_path / "server0.log").read_text()
+    assert "no node health checks" in log, log

@@ -1,0 +1,155 @@
+"""Shares and MIG slices end to end: a job service on fake H100s (one whole, one in MIG mode) runs real
+processes through the local executor."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuyard.errors import CapacityError
+from gpuyard.hardware.fake import FakeNvml, load_description, set_mig, write_host_tree
+from gpuyard.hardware.probe import probe_node
+from gpuyard.hardware.sysfs import HostRoots
+from gpuyard.scheduler.spec import parse_spec
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.integration
+
+H100 = Path(__file__).parents[2] / "unit" / "hardware" / "fixtures" / "h100_hgx.json"
+
+# Says what it got, marks that it started, then runs until the test releases it.
+HOLD = (
+    'echo "visible=$CUDA_VISIBLE_DEVICES share=$GPUYARD_GPU_SHARE sharing=$GPUYARD_GPU_SHARING"; '
+    'touch "{dir}/started-$GPUYARD_JOB_ID"; while [ ! -e "{dir}/release" ]; do sleep 0.02; done'
+)
+
+
+@pytest.fixture
+def mig_service(gpuyard_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A job service on one fake node: GPU 0 an ordinary H100, GPU 1 in MIG mode with two 3g.40gb."""
+    from gpuyard.scheduler.executors.local import LocalExecutor
+    from gpuyard.scheduler.nodes import node_from_inventory
+    from gpuyard.scheduler.service import JobService, ServiceConfig
+    from gpuyard.store import get_store
+
+    monkeypatch.delenv("GPUYARD_MPS_PIPE_DIRECTORY", raising=False)  # no MPS daemon: time-slicing
+    desc = copy.deepcopy(load_description(H100))
+    desc["nvml"]["gpus"] = desc["nvml"]["gpus"][:2]
+    set_mig(desc, 1, ["3g.40gb", "3g.40gb"])
+    roots = HostRoots.under(write_host_tree(desc, tmp_path / "host"))
+    inventory = probe_node(FakeNvml(desc), roots=roots, frameworks=False, hostname="local")
+    node = node_from_inventory(inventory.to_dict(), cpus=2)
+    config = ServiceConfig(tick_s=0.05, grace_s=2.0, min_run_s=0.0)
+    service = JobService(get_store(), [node], LocalExecutor(gpuyard_home / "jobs"), config)
+    yield service
+    (tmp_path / "release").touch()
+    for doc in service.list_jobs():
+        if doc["state"] in ("running", "scheduled"):
+            with contextlib.suppress(Exception):
+                service.cancel(doc["id"])
+    for doc in service.list_jobs():
+        handle = service.executor._resolve(
+            {"pid_file": str(gpuyard_home / "jobs" / str(doc["id"]) / "attempt-1.pid")}
+        )
+        if handle.get("pid"):
+            service.executor.stop(handle, kill=True)
+
+
+def _submit(service: Any, name: str, resources: dict[str, Any], command: str) -> int:
+    spec = parse_spec({"name": name, "command": ["sh", "-c", command], "resources": resources})
+    return int(service.submit(spec)["id"])
+
+
+def _tick_until(service: Any, cond: Any, timeout: float = 30.0) -> Any:
+    def check() -> Any:
+        service.tick()
+        return cond()
+
+    return wait_for(check, timeout)
+
+
+def test_two_half_shares_run_at_once_on_one_gpu_and_a_mig_job_sees_its_slice(
+    mig_service: Any, tmp_path: Path
+) -> None:
+    service = mig_service
+    node = service.nodes[0]
+    hold = HOLD.format(dir=tmp_path)
+    a = _submit(service, "half-a", {"gpus": 0.5}, hold)
+    b = _submit(service, "half-b", {"gpus": 0.5}, hold)
+    # Both run together: each waits for the test's release, so both started files mean concurrency.
+    _tick_until(
+        service, lambda: (tmp_path / f"started-{a}").exists() and (tmp_path / f"started-{b}").exists()
+    )
+    docs = [service.get(a), service.get(b)]
+    assert [d["state"] for d in docs] == ["running", "running"]
+    for d in docs:
+        assert d["placement"]["nodes"] == [
+            {
+                "node": "local",
+                "gpus": [0],
+                "cpus": 0,
+                "share": {"fraction": 0.5, "memory_gb": pytest.approx(39.8, abs=0.1)},
+            }
+        ]
+        assert "visible=0 share=0.5 sharing=time-slicing" in service.read_log(d["id"])["text"]
+
+    # A MIG job gets its slice's UUID in CUDA_VISIBLE_DEVICES, while the shares run.
+    mig = _submit(service, "slice", {"mig": "3g.40gb"}, 'echo "visible=$CUDA_VISIBLE_DEVICES"')
+    doc = _tick_until(service, lambda: (d := service.get(mig))["state"] == "succeeded" and d)
+    first = node.mig[0]
+    assert service.read_log(mig)["text"].strip() == f"visible={first.uuid}"
+    assert doc["placement"]["nodes"] == [
+        {
+            "node": "local",
+            "gpus": [1],
+            "cpus": 0,
+            "mig": [{"gpu": 1, "profile": "3g.40gb", "uuid": first.uuid}],
+        }
+    ]
+
+    # GPU 0 is full of shares and GPU 1 is in MIG mode: a third share and a whole-GPU job wait, saying why.
+    c = _submit(service, "half-c", {"gpus": 0.5}, "true")
+    whole = _submit(service, "whole", {"gpus": 1}, "true")
+    service.tick()
+    assert service.get(c)["state"] == "queued"
+    assert service.get(c)["reason"].startswith("waiting for 0.5 GPU: no shared GPU has room (local:0 1 held)")
+    assert (
+        service.get(whole)["reason"]
+        == "waiting for 1 GPU on one node: 0 whole free (1 shared, 1 in MIG mode)"
+    )
+
+    # Under fifo a job that fits waits behind the blocked ones, and says so.
+    later = _submit(service, "slice-2", {"mig": "3g.40gb"}, "true")
+    service.tick()
+    assert service.get(later)["reason"] == (
+        "waiting for its turn: it fits now, but jobs before it in policy order go first"
+    )
+
+    # Released, the shares end; the GPU is whole again and the waiting jobs run.
+    (tmp_path / "release").touch()
+    for jid in (a, b, c, whole, later):
+        _tick_until(service, lambda jid=jid: service.get(jid)["state"] == "succeeded")
+
+
+def test_what_can_never_fit_is_refused_at_submit_in_one_line(mig_service: Any) -> None:
+    service = mig_service
+    cases = [
+        ({"mig": "1g.10gb"}, "resources.mig: no GPU here has a 1g.10gb slice; MIG slices here: 3g.40gb x2"),
+        (
+            {"mig": "3g.40gb", "slices": 3},
+            "resources.slices: 3 3g.40gb slices asked, a node here has at most 2",
+        ),
+        ({"gpu_memory_gb": 100}, "resources.gpu_memory_gb: 100 GB asked, the largest GPU here has 79.6 GB"),
+        ({"gpus": 2}, "resources.gpus: 2 GPUs asked, but one node (the local executor does not span nodes)"),
+    ]
+    for resources, message in cases:
+        with pytest.raises(CapacityError) as err:
+            _submit(service, "never", resources, "true")
+        assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert service.list_jobs() == []

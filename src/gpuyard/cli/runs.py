@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from gpuyard.errors import NotFoundError
+
 runs_app = typer.Typer(
     help="Tracked runs: parameters, metric series, artifacts, lineage.", no_args_is_help=True
 )
@@ -71,6 +73,13 @@ def ls(
     runs = list_runs(
         experiment=experiment, status=status, kind=kind, parent_id=parent_id, limit=limit, team=team
     )
+    if team and not runs:
+        from gpuyard.auth import list_users
+        from gpuyard.models.runs import run_teams
+
+        known = run_teams() | {u["team"] for u in list_users()} | {"default"}
+        if team not in known:
+            raise NotFoundError(f"team {team!r} is unknown; known teams: {', '.join(sorted(known))}")
     if as_json:
         typer.echo(json.dumps([r.to_json() for r in runs]))
         return

@@ -125,6 +125,13 @@ def list_runs(
     return [_summary(r, latest[r.id]) for r in rows]
 
 
+def run_teams(store: Store | None = None) -> set[str]:
+    """The teams that have runs."""
+    store = store or get_store()
+    with store.read() as s:
+        return set(s.scalars(select(RunRow.team).distinct()))
+
+
 def get_run(ref: str, store: Store | None = None) -> RunSummary:
     """One run by id or unique id prefix, with the last value of every metric."""
     store = store or get_store()

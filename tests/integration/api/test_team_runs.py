@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,17 @@ def test_a_jobs_runs_belong_to_its_team(gpuyard_home: Path, monkeypatch: pytest.
     assert get_run(other.run_id).team == "default"
     with pytest.raises(ConfigError, match="run team"):
         start_run("bad", team="../etc", system_interval_s=None)
+
+
+def test_runs_ls_names_an_unknown_team(gpuyard_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gpuyard.cli.main import main
+    from gpuyard.tracking.store import start_run
+
+    start_run("r", team="vision", system_interval_s=None).finish()
+    with pytest.raises(SystemExit) as exit_:
+        main(["runs", "ls", "--team", "visoin"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "'visoin' is unknown; known teams: default, vision" in err, err
+    with pytest.raises(SystemExit) as exit_:
+        main(["runs", "ls", "--team", "vision", "--json"])
+    assert exit_.value.code == 0 and [r["team"] for r in json.loads(capsys.readouterr().out)] == ["vision"]

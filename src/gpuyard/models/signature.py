@@ -111,7 +111,9 @@ def serving_recipe(dataset_ref: str | None) -> dict[str, Any] | None:
             entry["impute"] = imputed[name].get("value")
         columns.append(entry)
     schema = {str(c["name"]): c for c in leaf.manifest["schema"]}
-    last_fit = (transforms[-1].manifest.get("fitted") or {}) if transforms else {}
+    encoded: dict[str, Any] = {}  # the categories of every one-hot step of the chain, the last one winning
+    for v in transforms:
+        encoded.update((v.manifest.get("fitted") or {}).get("encode") or {})
     return {
         "dataset": leaf.ref,
         "source": root.ref,
@@ -130,7 +132,7 @@ def serving_recipe(dataset_ref: str | None) -> dict[str, Any] | None:
         "features": [
             {k: schema[f][k] for k in ("name", "kind", "type", "tensor") if k in schema[f]} for f in features
         ],
-        "names": _flat_names([schema[f] for f in features], last_fit.get("encode") or {}),
+        "names": _flat_names([schema[f] for f in features], encoded),
         # The rows the model learnt from: the training distribution raw inputs are checked against.
         "splits": list(DatasetRef.parse(dataset_ref).splits or ()),
     }

@@ -319,3 +319,47 @@ def test_a_null_gets_the_value_ingest_imputed_for_that_column(gpuyard_home: Path
     ]
     X = ServingRecipe(contract).features_of([{"income": None}, {"income": 35.0}, {"income": 10.0}])
     assert X[0, 0] == X[1, 0] == 0.0 and X[2, 0] < 0  # the median, z-scored: 0
+
+
+def test_a_chain_of_transforms_with_derived_hashed_and_dropped_columns(
+    gpuyard_home: Path, tmp_path: Path
+) -> None:
+    """Two recipes one after the other: records of the ingested columns give the second version's rows."""
+    from gpuyard.data import IngestOptions, ingest, load_recipe, transform
+    from gpuyard.data.arrays import load_arrays
+    from gpuyard.models.signature import ServingRecipe, serving_recipe
+
+    rng = np.random.default_rng(0)
+    n = 300
+    table = pa.table(
+        {
+            "a": rng.normal(size=n),
+            "b": rng.integers(1, 9, n),
+            "note": rng.choice(["red fox", "blue cat", "green owl dog"], n),
+            "city": rng.choice(["paris", "lyon"], n),
+            "id": [f"x{i}" for i in range(n)],
+            "y": rng.integers(0, 2, n),
+        }
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    raw = ingest(tmp_path / "t.parquet", "chain", IngestOptions(label_column="y"))
+    first = load_recipe(
+        {
+            "derive": [{"name": "ab", "expr": "a * b"}],
+            "text_hash": [{"column": "note", "buckets": 4}],
+            "encode": [{"column": "city"}],
+            "drop": ["id"],
+        }
+    )
+    one = transform(raw.ref, first, engine="serial", output="chain-1")
+    second = load_recipe({"split": {"seed": 1}, "normalize": [{"columns": ["ab", "a"], "method": "minmax"}]})
+    two = transform(one.ref, second, engine="serial", output="chain-2")
+    contract = serving_recipe(f"{two.ref}#split=test")
+    assert contract is not None and [t["dataset"] for t in contract["transforms"]] == [one.ref, two.ref]
+    assert [c["name"] for c in contract["columns"]] == ["a", "b", "note", "city"]
+    assert contract["ignored"] == ["id", "y"] and contract["splits"] == ["test"]
+    assert "city=lyon" in contract["names"] and "note[3]" in contract["names"] and "ab" in contract["names"]
+    split = np.array(two.to_arrow(["split"]).column("split").to_pylist())
+    records = table.filter(pa.array(split == "test")).to_pylist()  # id and y come along: ignored
+    X = ServingRecipe(contract).features_of(records)
+    assert np.array_equal(X, load_arrays(f"{two.ref}#split=test").X)

@@ -107,6 +107,7 @@ class Checkpointer:
         rank_state: dict[str, Any],
         meta: dict[str, Any],
         group: Any = None,
+        background: bool = False,
     ) -> Path:
         """Write a checkpoint for `step`; returns its final folder (complete once this returns, or once
         the next save/`wait()` returns when saving asynchronously).
@@ -116,10 +117,12 @@ class Checkpointer:
             app_state: DCP state dict (model and optimizer, possibly sharded).
             rank_state: this rank's small state (torch.save'd; tensors, numbers, lists, dicts).
             meta: JSON-able facts written into the marker.
-            group: the process group of its collectives (a synchronous save; default: the default
-                group). A background thread passes a group of its own (in-memory checkpoints).
+            group: the process group of its collectives (default: the default group).
+            background: called from a background thread with a `group` of its own (in-memory
+                checkpoints): always synchronous there, whatever `async_save` says.
         """
-        self.wait()
+        if not background:
+            self.wait()
         final = self.root / step_dirname(step)
         if (final / MARKER).is_file():
             return final  # already saved at this step (e.g. epoch end then stop at the same step)
@@ -129,7 +132,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier(group)
         torch.save(rank_state, tmp / f"rank{self.rank}.pt")
-        if self.async_save and group is None:
+        if self.async_save and not background:
             with _quiet_single_process():
                 future = dcp.async_save(
                     app_state, checkpoint_id=str(tmp), process_group=self._group, no_dist=_no_dist()

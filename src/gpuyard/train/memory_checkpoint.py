@@ -322,7 +322,7 @@ class MemoryCheckpointer:
                 del incoming
             self._prune()
             if persist and self.checkpointer is not None:
-                self.checkpointer.save(step, host, rank_state, meta, group=self._group)
+                self.checkpointer.save(step, host, rank_state, meta, group=self._group, background=True)
         except BaseException as exc:  # handed to the training thread at the next wait()
             self._error = exc
         finally:

@@ -3,6 +3,7 @@ background persists to storage, fallback to storage when the snapshots are gone,
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,40 @@ def test_memory_newer_than_storage_wins(spec_factory, shm: Path) -> None:
 def test_spec_checks_the_memory_options(checkpoint: dict[str, int], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_spec({"checkpoint": checkpoint})
+
+
+def test_with_async_storage_saves_too(spec_factory, shm: Path) -> None:
+    """Epoch-end async DCP saves and background persists share the folder: both complete, resume exact."""
+    whole_t, _ = run(spec_factory("whole"))
+    checkpoint = {**MEMORY, "persist_every": 4, "async_save": True, "at_epoch_end": True, "keep": 5}
+    spec = spec_factory("crashed", checkpoint=checkpoint)
+    with pytest.raises(Crash):
+        run(spec, callbacks=[crash_at(13)])
+    root = spec.resolved_run_dir() / "checkpoints"
+    # 4 and 12 persisted from memory, 8 (the epoch end, persisted too) and nothing torn.
+    assert [p.name for p in list_checkpoints(root)] == ["step-000000004", "step-000000008", "step-000000012"]
+    assert not list(root.glob(".tmp-*"))
+    resumed, _ = run(spec)
+    [event] = _resumes(spec.resolved_run_dir())
+    assert event["source"] == "memory" and event["step"] == 12
+    for key, value in weights(whole_t).items():
+        assert torch.equal(weights(resumed)[key], value), key
+
+
+def test_launcher_snapshot_folder_removes_those_of_dead_launchers(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from gpuyard.train.launch import SNAPSHOT_PREFIX, snapshot_dir
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    gone = tmp_path / f"{SNAPSHOT_PREFIX}{int(dead.stdout)}"
+    alive = tmp_path / f"{SNAPSHOT_PREFIX}1"  # pid 1 always runs
+    other = tmp_path / f"{SNAPSHOT_PREFIX}not-a-pid"
+    for folder in (gone, alive, other):
+        (folder / "holder-0").mkdir(parents=True)
+    mine = snapshot_dir(tmp_path)
+    assert mine == tmp_path / f"{SNAPSHOT_PREFIX}{os.getpid()}"
+    assert not gone.exists() and alive.exists() and other.exists()

@@ -65,3 +65,22 @@ def test_lost_node_resumes_from_the_peer_replica(tmp_path: Path, reference) -> N
     assert resume["source"] == "memory" and resume["step"] == 10
     assert resume["ranks"] == {"0": "memory", "1": "peer 0"}
     _assert_bit_equal(final_weights(tmp_path / "run"), reference)
+
+
+def test_fsdp_shards_resume_from_memory_bit_equal(tmp_path: Path) -> None:
+    """FSDP2: snapshots hold each rank's shards (DTensor local parts), persisted as sharded DCP."""
+    fsdp = {"data_parallel": "fsdp"}
+    ref_dir = tmp_path / "reference"
+    code, _, err = finish(start_train(write_spec(ref_dir, parallel=fsdp), env_for(ref_dir)))
+    assert code == 0, err[-3000:]
+    run = tmp_path / "killed"
+    spec = write_spec(run, parallel=fsdp, checkpoint=MEMORY, callbacks=["memory_hooks:kill_rank1"])
+    proc = start_train(spec, env_for(run, mode="lose_node", step="11"))
+    wait_for_file(run / "victim.pid", proc)
+    os.kill(int((run / "victim.pid").read_text()), signal.SIGKILL)
+    code, _, err = finish(proc)
+    assert code == 0, err[-3000:]
+    [resume] = [e for e in read_metrics(run / "run") if e["event"] == "resume"]
+    assert resume["source"] == "memory" and resume["step"] == 10
+    assert resume["ranks"] == {"0": "memory", "1": "peer 0"}
+    _assert_bit_equal(final_weights(run / "run"), final_weights(ref_dir / "run"))

@@ -57,6 +57,7 @@ def _devices(console: Console, accels: list[dict[str, Any]]) -> None:
         "power",
         "temp",
         "util",
+        "MIG",
         "health",
     ):
         t.add_column(col)
@@ -78,8 +79,100 @@ def _devices(console: Console, accels: list[dict[str, Any]]) -> None:
             f"{power:.0f}/{limit:.0f} W" if power is not None and limit is not None else "-",
             _dash(a.get("temperature_c"), "{} C"),
             f"{util['gpu']}%" if util else "-",
+            _mig_text(a.get("mig")),
             _status(a["health"]),
         )
+    console.print(t)
+
+
+def _mig_text(mig: dict[str, Any] | None) -> str:
+    """``-`` (not reported), ``off``, ``on: 3g.40gb x2`` (its slices), ``off -> on`` (pending reset)."""
+    if not mig:
+        return "-"
+    state = "on" if mig.get("enabled") else "off"
+    if mig.get("pending") != mig.get("enabled"):
+        state += f" -> {'on' if mig.get('pending') else 'off'}"
+    counts: dict[str, int] = {}
+    for d in mig.get("devices") or []:
+        counts[str(d.get("profile"))] = counts.get(str(d.get("profile")), 0) + 1
+    slices = ", ".join(f"{p} x{n}" for p, n in counts.items())
+    return f"{state}: {slices}" if slices else state
+
+
+def _mig_slices(console: Console, accels: list[dict[str, Any]]) -> None:
+    t = Table(title="MIG slices", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("GPU", "#", "profile", "memory", "UUID (CUDA_VISIBLE_DEVICES)"):
+        t.add_column(col)
+    for a in accels:
+        for d in (a.get("mig") or {}).get("devices") or []:
+            t.add_row(
+                str(a["index"]), str(d["index"]), str(d["profile"]), _gib(d.get("memory_bytes")), d["uuid"]
+            )
+    console.print(t)
+
+
+def gpu_use_rows(view: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per GPU (and per MIG slice) of the scheduler's nodes, what holds it: the ``/cluster/scheduler``
+    document (nodes and active jobs) as rows ``{node, gpu, kind, use, jobs}``.
+
+    ``kind``: ``whole``, ``shared``, ``MIG <profile>``, ``unhealthy`` or ``free``.
+    """
+    whole: dict[tuple[str, int], list[str]] = {}
+    shares: dict[tuple[str, int], list[tuple[str, float, float]]] = {}
+    slices: dict[str, str] = {}
+    for job in sorted(view.get("active") or [], key=lambda j: int(j["id"])):
+        label = f"{job['id']} {job['name']}"
+        for part in (job.get("placement") or {}).get("nodes", []):
+            if part.get("mig"):
+                slices.update({str(m["uuid"]): label for m in part["mig"]})
+            elif part.get("share"):
+                sh = part["share"]
+                for g in part.get("gpus") or []:
+                    shares.setdefault((part["node"], g), []).append(
+                        (label, float(sh["fraction"]), float(sh.get("memory_gb") or 0.0))
+                    )
+            else:
+                for g in part.get("gpus") or []:
+                    whole.setdefault((part["node"], g), []).append(label)
+    rows: list[dict[str, Any]] = []
+    for n in view.get("nodes") or []:
+        name, memory = n["name"], float(n.get("gpu_memory_gb") or 0.0)
+        mig = n.get("mig") or []
+        mig_gpus = set(n.get("mig_mode") or []) | {int(m["gpu"]) for m in mig}
+        for g in range(int(n["gpus"])):
+            row = {"node": name, "gpu": g}
+            if g in set(n.get("excluded") or []):
+                rows.append({**row, "kind": "unhealthy", "use": "failed its health check", "jobs": []})
+            elif g in mig_gpus:
+                mine = [m for m in mig if int(m["gpu"]) == g]
+                if not mine:
+                    rows.append({**row, "kind": "MIG", "use": "MIG mode, no slices", "jobs": []})
+                for m in mine:
+                    holder = slices.get(str(m["uuid"]))
+                    use = f"{m['uuid']} {'held' if holder else 'free'}"
+                    rows.append(
+                        {**row, "kind": f"MIG {m['profile']}", "use": use, "jobs": [holder] if holder else []}
+                    )
+            elif (name, g) in whole:
+                rows.append({**row, "kind": "whole", "use": "whole GPU", "jobs": whole[(name, g)]})
+            elif (name, g) in shares:
+                held = shares[(name, g)]
+                fraction, gb = sum(h[1] for h in held), sum(h[2] for h in held)
+                of = f"/{memory:.0f}" if memory else ""
+                use = f"{fraction:.2g}/1.0 of compute, {gb:.0f}{of} GB"
+                jobs = [f"{h[0]} ({h[1]:.2g})" for h in held]
+                rows.append({**row, "kind": "shared", "use": use, "jobs": jobs})
+            else:
+                rows.append({**row, "kind": "free", "use": "", "jobs": []})
+    return rows
+
+
+def _gpu_use(console: Console, rows: list[dict[str, Any]]) -> None:
+    t = Table(title="GPU use (the scheduler's jobs)", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("node", "GPU", "kind", "use", "jobs"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["node"], str(r["gpu"]), r["kind"], r["use"], "; ".join(r["jobs"]))
     console.print(t)
 
 
@@ -141,6 +234,8 @@ def render(doc: dict[str, Any], console: Console) -> None:
     accels = node["accelerators"]
     if accels:
         _devices(console, accels)
+        if any((a.get("mig") or {}).get("devices") for a in accels):
+            _mig_slices(console, accels)
     else:
         console.print("  no accelerator found: CPU-only inventory")
     if node["topology"]["devices"]:
@@ -169,11 +264,34 @@ def hw(
         exists=True,
         dir_okay=False,
     ),
+    jobs: bool = typer.Option(
+        False,
+        "--jobs",
+        help="Instead of the inventory: what holds each GPU and MIG slice of the server's nodes "
+        "(whole, shares, slices, free).",
+    ),
+    server: str | None = typer.Option(
+        None, "--server", help="With --jobs: server URL (default: GPUYARD_SERVER or http://127.0.0.1:8765)."
+    ),
 ) -> None:
     """Inventory this node: CPU and ISA, GPUs (NVML), NVLink/PCIe topology, RDMA NICs, GPU health."""
     from gpuyard.hardware.probe import probe_node
 
     err = Console(stderr=True, highlight=False)
+    if jobs:
+        from gpuyard.scheduler.client import JobClient
+        from gpuyard.settings import load_settings
+
+        client = JobClient(server or load_settings().server_url)
+        try:
+            rows = gpu_use_rows(client.scheduler_view())
+        finally:
+            client.close()
+        if as_json:
+            typer.echo(json.dumps(rows))
+        else:
+            _gpu_use(Console(width=160) if not Console().is_terminal else Console(), rows)
+        return
     if replay is not None:
         import tempfile
 

@@ -26,6 +26,38 @@ def _echo_json(doc: Any) -> None:
     typer.echo(json.dumps(doc))
 
 
+def resources_text(doc: dict[str, Any]) -> str:
+    """What a job asks for, short: ``2``, ``0.5``, ``20 GB``, ``0.25, 10 GB``, ``MIG 1g.10gb``."""
+    res = (doc.get("spec") or {}).get("resources") or {}
+    if res.get("mig"):
+        n = int(res.get("slices") or 1)
+        return f"{n}x MIG {res['mig']}" if n > 1 else f"MIG {res['mig']}"
+    parts = [f"{res['gpu_fraction']:g}"] if res.get("gpu_fraction") is not None else []
+    if res.get("gpu_memory_gb") is not None:
+        parts.append(f"{res['gpu_memory_gb']:g} GB")
+    return ", ".join(parts) or str(doc.get("gpus", 0))
+
+
+def placement_text(placement: dict[str, Any] | None) -> str:
+    """Where a job runs, per node: ``local:0,1``, ``local:0 (0.5 of the GPU, 39.8 GB)``, MIG slices."""
+    out = []
+    for part in (placement or {}).get("nodes", []):
+        gpus = ",".join(map(str, part.get("gpus") or []))
+        if part.get("mig"):
+            slices = ", ".join(f"MIG {m['profile']} {str(m['uuid'])[:13]}" for m in part["mig"])
+            out.append(f"{part['node']}:{gpus} {slices}")
+        elif part.get("share"):
+            sh = part["share"]
+            out.append(
+                f"{part['node']}:{gpus} ({sh['fraction']:.3g} of the GPU, {sh.get('memory_gb', 0):.3g} GB)"
+            )
+        else:
+            out.append(
+                f"{part['node']}:{gpus}" if gpus else f"{part['node']} ({part.get('cpus', 0)} CPU slots)"
+            )
+    return "; ".join(out)
+
+
 @jobs_app.command("submit")
 def submit(
     spec: Path = typer.Argument(..., help="Job spec YAML."),
@@ -60,14 +92,16 @@ def ls(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("id", "name", "team", "state", "gpus", "attempts", "submitted", "reason")
+    table = Table("id", "name", "team", "state", "gpus", "where", "attempts", "submitted", "reason")
     for d in docs:
+        active = d["state"] in ("scheduled", "running")
         table.add_row(
             str(d["id"]),
             d["name"],
             d["team"],
             d["state"],
-            str(d["gpus"]),
+            resources_text(d),
+            placement_text(d["placement"]) if active else "",
             str(d["attempts"]),
             (d["submitted_at"] or "")[:19],
             d["reason"] or "",
@@ -102,7 +136,14 @@ def show(
         "reason",
         "log_path",
     ):
-        typer.echo(f"{key:>12}  {doc[key]}")
+        value = doc[key]
+        if key == "gpus":
+            value = resources_text(doc)
+        elif key == "placement" and value:
+            value = f"{placement_text(value)} ({value.get('how', '')})"
+        elif key == "reason" and doc["state"] == "queued" and value:
+            key, value = "waiting", value  # why it has not started
+        typer.echo(f"{key:>12}  {value}")
     predicted = (doc["placement"] or {}).get("predicted")
     if predicted:  # fabric-aware placement: what the step model said about where it runs
         slower = predicted["step_s"] / predicted["consolidated_step_s"] - 1

@@ -339,7 +339,7 @@ def set_mig(description: dict[str, Any], gpu: int, profiles: list[str]) -> list[
         uid = uuidlib.uuid5(uuidlib.NAMESPACE_OID, f"{g.get('uuid', gpu)}/mig/{k}")
         memory = total * sizes[name].memory // 8 if total else None
         devices.append({"profile": name, "uuid": f"MIG-{uid}", "memory_bytes": memory})
-    gpus[gpu] = {**gpus[gpu], "mig_mode": {"current": True, "pending": False}, "mig_devices": devices}
+    gpus[gpu] = {**gpus[gpu], "mig_mode": {"current": True, "pending": True}, "mig_devices": devices}
     return [str(d["uuid"]) for d in devices]
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +77,7 @@ def _tick_until(service: Any, cond: Any, timeout: float = 30.0) -> Any:
 
 
 def test_two_half_shares_run_at_once_on_one_gpu_and_a_mig_job_sees_its_slice(
-    mig_service: Any, tmp_path: Path
+    mig_service: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     service = mig_service
     node = service.nodes[0]
@@ -100,11 +102,11 @@ def test_two_half_shares_run_at_once_on_one_gpu_and_a_mig_job_sees_its_slice(
         assert "visible=0 share=0.5 sharing=time-slicing" in service.read_log(d["id"])["text"]
 
     # A MIG job gets its slice's UUID in CUDA_VISIBLE_DEVICES, while the shares run.
-    mig = _submit(service, "slice", {"mig": "3g.40gb"}, 'echo "visible=$CUDA_VISIBLE_DEVICES"')
-    doc = _tick_until(service, lambda: (d := service.get(mig))["state"] == "succeeded" and d)
+    mig = _submit(service, "slice", {"mig": "3g.40gb"}, hold)
+    _tick_until(service, lambda: (tmp_path / f"started-{mig}").exists())
     first = node.mig[0]
-    assert service.read_log(mig)["text"].strip() == f"visible={first.uuid}"
-    assert doc["placement"]["nodes"] == [
+    assert service.read_log(mig)["text"].startswith(f"visible={first.uuid} ")
+    assert service.get(mig)["placement"]["nodes"] == [
         {
             "node": "local",
             "gpus": [1],
@@ -131,10 +133,66 @@ def test_two_half_shares_run_at_once_on_one_gpu_and_a_mig_job_sees_its_slice(
         "waiting for its turn: it fits now, but jobs before it in policy order go first"
     )
 
+    # What the CLI shows: per GPU (gpuyard hw --jobs), per job (gpuyard jobs ls / show).
+    _check_cli(service, monkeypatch, a, b, mig, c)
+
     # Released, the shares end; the GPU is whole again and the waiting jobs run.
     (tmp_path / "release").touch()
-    for jid in (a, b, c, whole, later):
+    for jid in (a, b, mig, c, whole, later):
         _tick_until(service, lambda jid=jid: service.get(jid)["state"] == "succeeded")
+
+
+class _Client:
+    """The CLI's JobClient, answered by the job service itself (the same documents the API returns)."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+
+    def list_jobs(self, state: str | None = None, team: str | None = None) -> list[dict[str, Any]]:
+        return list(self.service.list_jobs(state=state, team=team))
+
+    def get(self, job_id: int) -> dict[str, Any]:
+        return dict(self.service.get(job_id))
+
+    def events(self, job_id: int) -> list[dict[str, Any]]:
+        return list(self.service.events(job_id))
+
+    def scheduler_view(self) -> dict[str, Any]:  # as /cluster/scheduler builds it
+        active = [*self.service.list_jobs(state="running"), *self.service.list_jobs(state="scheduled")]
+        nodes = [asdict(n) | {"excluded": sorted(n.excluded)} for n in self.service.nodes]
+        return json.loads(json.dumps({"nodes": nodes, "active": active}))
+
+    def close(self) -> None:
+        pass
+
+
+def _check_cli(service: Any, monkeypatch: pytest.MonkeyPatch, a: int, b: int, mig: int, c: int) -> None:
+    from typer.testing import CliRunner
+
+    from gpuyard.cli.main import app
+
+    monkeypatch.setattr("gpuyard.scheduler.client.JobClient", lambda url: _Client(service))
+    runner = CliRunner()
+    result = runner.invoke(app, ["hw", "--jobs", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {(r["gpu"], r["use"].split(" ")[0]): r for r in json.loads(result.output)}
+    gpu0 = rows[(0, "1/1.0")]
+    assert gpu0["kind"] == "shared" and gpu0["use"] == "1/1.0 of compute, 80/80 GB"
+    assert gpu0["jobs"] == [f"{a} half-a (0.5)", f"{b} half-b (0.5)"]
+    first, second = service.nodes[0].mig
+    assert rows[(1, first.uuid)]["kind"] == "MIG 3g.40gb" and rows[(1, first.uuid)]["jobs"] == [
+        f"{mig} slice"
+    ]
+    assert rows[(1, second.uuid)]["use"].endswith(" free") and rows[(1, second.uuid)]["jobs"] == []
+    table = runner.invoke(app, ["hw", "--jobs"]).output
+    assert "shared" in table and "MIG 3g.40gb" in table and f"{a} half-a (0.5)" in table
+
+    listing = runner.invoke(app, ["jobs", "ls"], env={"COLUMNS": "300"}).output
+    assert "local:0 (0.5 of the GPU, 39.8 GB)" in listing and "MIG 3g.40gb" in listing
+    shown = runner.invoke(app, ["jobs", "show", str(c)]).output
+    assert "gpus  0.5" in shown and "waiting  waiting for 0.5 GPU: no shared GPU has room" in shown
+    shown = runner.invoke(app, ["jobs", "show", str(mig)]).output
+    assert f"placement  local:1 MIG 3g.40gb {first.uuid[:13]}" in shown
 
 
 def test_what_can_never_fit_is_refused_at_submit_in_one_line(mig_service: Any) -> None:

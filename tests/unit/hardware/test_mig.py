@@ -65,6 +65,7 @@ def test_fake_gpus_in_mig_mode_show_their_slices(
     accels = probe_description(desc).to_dict()["node"]["accelerators"]
     mig = accels[3]["mig"]
     assert mig["enabled"] is True and [d["profile"] for d in mig["devices"]] == ["3g.40gb", "3g.40gb"]
+    assert mig["pending"] is True and accels[3]["health"] == "pass"  # in MIG mode, no change waiting
     assert [d["uuid"] for d in mig["devices"]] == uuids
     assert mig["devices"][0]["memory_bytes"] == accels[3]["memory_bytes"] // 2
     assert accels[0]["mig"] == {"enabled": False, "pending": False}  # no devices key outside MIG mode

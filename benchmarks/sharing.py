@@ -28,7 +28,7 @@ import numpy as np
 from gpuyard.scheduler.openb import NODE_LIST, POD_LISTS, load_openb_nodes, load_openb_tasks, traces_dir
 from gpuyard.scheduler.packing import SharedCluster, TaskMix, fill, inflate, make_packing, replay
 
-POLICIES = ("fgd", "fgd-bf", "bestfit", "firstfit", "randomfit", "dotprod")
+POLICIES = ("fgd", "fgd-bf", "fgd-online", "bestfit", "firstfit", "randomfit", "dotprod")
 FIRST_SEED = 100  # fgd-bf's weight was chosen on seeds 42-44: these are other arrival orders
 POINTS = [round(0.05 * i, 2) for i in range(10, 27)]  # 50% .. 130% of the cluster's GPUs
 # The FGD artifact's expected results (hkust-adsl/kubernetes-scheduler-simulator,
@@ -89,6 +89,13 @@ def main() -> None:
         )
         blend = at100[trace]["fgd-bf"]
         print(f"         fgd-bf {blend:.2f}% (sd {spread['fgd-bf']:.2f}), reduction {1 - blend / bf:.3f}")
+        if "fgd-online" in at100[trace]:
+            online = at100[trace]["fgd-online"]
+            print(
+                f"         fgd-online (mix learned from arrivals) {online:.2f}%,"
+                f" reduction {1 - online / bf:.3f}"
+            )
+            summary.append(f"{trace}_fgd_online_pct={online:.2f}")
         summary.append(
             f"{trace}_reduction={1 - fgd / bf:.3f} {trace}_fgd_bf_reduction={1 - blend / bf:.3f}"
             f" {trace}_fgd_pct={fgd:.2f} {trace}_fgd_bf_pct={blend:.2f} {trace}_bestfit_pct={bf:.2f}"

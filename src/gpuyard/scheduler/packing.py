@@ -152,7 +152,16 @@ class TaskMix:
         Raises:
             ConfigError: no task asks for a GPU.
         """
-        counts = Counter(t.shape for t in tasks if t.num_gpu)
+        return cls.of_counts(Counter(t.shape for t in tasks if t.num_gpu))
+
+    @classmethod
+    def of_counts(cls, counts: Counter[tuple[Any, ...]]) -> TaskMix:
+        """The mix of GPU shapes counted in ``counts`` (shape -> tasks; CPU-only shapes are dropped).
+
+        Raises:
+            ConfigError: no GPU shape.
+        """
+        counts = Counter({shape: n for shape, n in counts.items() if shape[2] and n > 0})
         if not counts:
             raise ConfigError("no task asks for a GPU: the fragmentation measure needs GPU tasks")
         shapes = sorted(counts)
@@ -336,18 +345,37 @@ class FGD:
 
     name = "fgd"
 
-    def __init__(self, mix: TaskMix, packing_weight: float = 0.0) -> None:
+    def __init__(self, mix: TaskMix | None, packing_weight: float = 0.0) -> None:
         self.mix = mix
         self.packing_weight = packing_weight
         if packing_weight:
             self.name = "fgd-bf" if packing_weight == FGD_BF_WEIGHT else f"fgd-bf{packing_weight:g}"
+        # Without a mix, it is learned from the GPU tasks that arrive, re-estimated each time their
+        # number doubles (each estimate drops what was kept: every rise depends on the mix).
+        self.online = mix is None
+        if self.online:
+            self.name += "-online"
+        self._seen: Counter[tuple[Any, ...]] = Counter()
+        self._next_estimate = 1
         self._cluster: SharedCluster | None = None
         self._frag: Fragmentation | None = None
         self._f = np.zeros(0, dtype=np.float64)
         self._f_stamp = np.zeros(0, dtype=np.int64)
         self._choices: dict[tuple[Any, ...], _Choices] = {}
 
-    def _bind(self, cluster: SharedCluster) -> Fragmentation:
+    def _learn(self, task: GpuTask) -> None:
+        if not task.num_gpu:
+            return
+        self._seen[task.shape] += 1
+        seen = sum(self._seen.values())
+        if seen >= self._next_estimate:
+            self.mix = TaskMix.of_counts(self._seen)
+            self._next_estimate = 2 * seen
+            self._frag = None
+
+    def _bind(self, cluster: SharedCluster) -> Fragmentation | None:
+        if self.mix is None:
+            return None
         if self._cluster is not cluster or self._frag is None:
             self._cluster = cluster
             self._frag = Fragmentation(self.mix, cluster)
@@ -357,7 +385,11 @@ class FGD:
         return self._frag
 
     def choose(self, cluster: SharedCluster, task: GpuTask) -> Placement | None:
+        if self.online:
+            self._learn(task)
         frag = self._bind(cluster)
+        if frag is None:  # learning, and no GPU task seen yet: best-fit
+            return BestFit().choose(cluster, task)
         idx = np.flatnonzero(cluster.feasible(task))
         if not idx.size:
             return None
@@ -422,6 +454,7 @@ class FGD:
 PACKING_POLICIES = {
     "fgd": "fragmentation gradient descent: least rise of the expected fragmentation",
     "fgd-bf": "FGD's rise plus 0.05 GPU x best-fit's leftover score (a blend)",
+    "fgd-online": "FGD with the task mix learned from the arrivals so far",
     "bestfit": "least CPU and GPU left after placement",
     "firstfit": "first node with room",
     "randomfit": "a random node with room",
@@ -431,11 +464,13 @@ FGD_BF_WEIGHT = 0.05  # GPUs per unit of best-fit's score; chosen on arrival see
 
 
 def make_packing(name: str, mix: TaskMix | None = None, seed: int = 0) -> PackingPolicy:
-    """A packing policy by name (one of :data:`PACKING_POLICIES`; the FGD ones need the task mix).
+    """A packing policy by name (one of :data:`PACKING_POLICIES`; fgd and fgd-bf need the task mix).
 
     Raises:
         ConfigError: unknown name, or FGD without a mix.
     """
+    if name == "fgd-online":
+        return FGD(None)
     if name in ("fgd", "fgd-bf"):
         if mix is None:
             raise ConfigError(f"{name} needs the workload's task mix")

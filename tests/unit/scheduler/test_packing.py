@@ -222,3 +222,24 @@ def test_replay_starts_waiting_tasks_in_order_when_room_frees() -> None:
     assert faster.avg_jct_s == pytest.approx((10 + 19.5 + 5) / 3)  # second arrives at 0.5
     with pytest.raises(ConfigError, match="creation and deletion times"):
         replay(cluster, [_task(500)], BestFit())
+
+
+def test_online_fgd_learns_the_mix_from_arrivals() -> None:
+    cluster = SharedCluster([_node("a", 1), _node("b", 1)])
+    _set_room(cluster, 0, [700])
+    policy = make_packing("fgd-online")
+    assert isinstance(policy, FGD) and policy.name == "fgd-online" and policy.mix is None
+    cpu_only = GpuTask("cpu", 1000, 1, 0, 0)
+    assert policy.choose(cluster, cpu_only) == BestFit().choose(cluster, cpu_only)  # nothing learned yet
+    assert policy.mix is None
+    # The first GPU task is the whole mix: a 700 share fills a's 700 exactly (no rise; on b, 300
+    # would be left that no 700 share can use).
+    assert policy.choose(cluster, _task(700)) == (0, (0,))
+    assert policy.mix is not None and policy.mix.milli.tolist() == [700]
+    # Now 300 and 700 shares, half each: a 300 on a would leave 400, lost to 700s; on b, 700 stays.
+    assert policy.choose(cluster, _task(300)) == (1, (0,))
+    # Re-estimated when the GPU tasks seen double: 1, 2, 4, ...
+    assert sorted(policy.mix.milli.tolist()) == [300, 700] and policy.mix.p.tolist() == [0.5, 0.5]
+    for _ in range(2):
+        policy.choose(cluster, _task(1000))
+    assert sorted(policy.mix.p.tolist()) == [0.25, 0.25, 0.5]

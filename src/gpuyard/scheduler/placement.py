@@ -589,7 +589,7 @@ def why_waiting(
     free = sum(int(state.free[n]) for n in nodes)
     if share is not None:
         busy = sorted((v[0], n, g) for (n, g), v in state.shared.items() if n in nodes)
-        used = ", ".join(f"{state.nodes[n].name}:{max(g, 0)} {f:.2g} held" for f, n, g in busy[-4:])
+        used = ", ".join(f"{state.nodes[n].name}:{max(g, 0)} {f:.2g}/1.0 held" for f, n, g in busy[-4:])
         return (
             f"waiting for {share.describe()}: no shared GPU has room ({used or 'none shared'}) and "
             f"{free} whole{of} GPUs free{drained}"

@@ -120,7 +120,8 @@ def test_two_half_shares_run_at_once_on_one_gpu_and_a_mig_job_sees_its_slice(
     whole = _submit(service, "whole", {"gpus": 1}, "true")
     service.tick()
     assert service.get(c)["state"] == "queued"
-    assert service.get(c)["reason"].startswith("waiting for 0.5 GPU: no shared GPU has room (local:0 1 held)")
+    waiting = "waiting for 0.5 GPU: no shared GPU has room (local:0 1/1.0 held) and 0 whole GPUs free"
+    assert service.get(c)["reason"] == waiting
     assert (
         service.get(whole)["reason"]
         == "waiting for 1 GPU on one node: 0 whole free (1 shared, 1 in MIG mode)"

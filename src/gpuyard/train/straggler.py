@@ -78,8 +78,19 @@ class Straggler:
         )
 
 
-def _others_median(values: list[float], rank: int) -> float:
-    return statistics.median(v for i, v in enumerate(values) if i != rank)
+def others_medians(values: list[float]) -> list[float]:
+    """For each index, the median of the other values (O(n log n) for all of them, not O(n^2))."""
+    n = len(values) - 1
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranked = [values[i] for i in order]
+    out = [0.0] * len(values)
+    for pos, i in enumerate(order):
+
+        def kth(k: int, pos: int = pos) -> float:  # k-th smallest once ranked[pos] is left out
+            return ranked[k] if k < pos else ranked[k + 1]
+
+        out[i] = kth(n // 2) if n % 2 else (kth(n // 2 - 1) + kth(n // 2)) / 2
+    return out
 
 
 def slower_at_step(
@@ -88,22 +99,24 @@ def slower_at_step(
     """Rules 1 and 2 for one step: {rank: (cause, ratio)} of the ranks slower at it."""
     if len(times) < 2:
         return {}
-    own = [t.own_s for t in times]
-    data = [t.data_s for t in times]
-    compute = [t.compute_s for t in times]
+    own_ref = others_medians([t.own_s for t in times])
     out: dict[int, tuple[str, float]] = {}
-    for r, t in enumerate(times):
-        ref = _others_median(own, r)
-        if t.own_s > slowdown * ref and t.own_s - ref >= min_seconds:
-            extra_data = t.data_s - _others_median(data, r)
-            extra_compute = t.compute_s - _others_median(compute, r)
-            cause = "data" if extra_data > extra_compute else "compute"
+    slow = [
+        r
+        for r, t in enumerate(times)
+        if t.own_s > slowdown * own_ref[r] and t.own_s - own_ref[r] >= min_seconds
+    ]
+    if slow:
+        data_ref = others_medians([t.data_s for t in times])
+        compute_ref = others_medians([t.compute_s for t in times])
+        for r in slow:
+            t, ref = times[r], own_ref[r]
+            cause = "data" if t.data_s - data_ref[r] > t.compute_s - compute_ref[r] else "compute"
             out[r] = (cause, t.own_s / ref if ref > 0 else float("inf"))
-    if out:
         return out
-    wait = [t.collective_s for t in times]
+    wait_ref = others_medians([t.collective_s for t in times])
     for r, t in enumerate(times):
-        ref = _others_median(wait, r)
+        ref = wait_ref[r]
         if t.collective_s > slowdown * ref and t.collective_s - ref >= min_seconds:
             out[r] = ("link", t.collective_s / ref if ref > 0 else float("inf"))
     return out
@@ -124,22 +137,27 @@ class StragglerDetector:
         self.window = window
         self.needed = max(1, round(min_fraction * window))
         self.slowdown, self.min_seconds = slowdown, min_seconds
-        self._steps: deque[tuple[dict[int, tuple[str, float]], list[StepTimes]]] = deque(maxlen=window)
+        self._steps: deque[tuple[dict[int, tuple[str, float]], list[StepTimes]]] = deque()
+        self._counts: Counter[int] = Counter()  # rank -> steps of the window it was slower at
         self._named: dict[int, str] = {}  # rank -> cause, while it stays named
         self.found: list[Straggler] = []
 
     def observe(self, step: int, times: list[StepTimes]) -> list[Straggler]:
         """Add one step's times (indexed by rank); returns the ranks newly named at this step."""
-        self._steps.append((slower_at_step(times, self.slowdown, self.min_seconds), times))
+        slower = slower_at_step(times, self.slowdown, self.min_seconds)
+        self._steps.append((slower, times))
+        self._counts.update(slower.keys())
+        if len(self._steps) > self.window:
+            old, _ = self._steps.popleft()
+            self._counts.subtract(old.keys())
+        for r in [r for r in self._named if self._counts[r] < self.needed / 2]:
+            del self._named[r]  # recovered: may be named again later
         if len(self._steps) < self.window:
             return []
         new = []
-        for r in range(self.world_size):
+        # Only ranks slower at enough steps are looked at: O(window) each, not O(world x window).
+        for r in sorted(r for r, n in self._counts.items() if n >= self.needed):
             verdicts = [(s[r], t[r]) for s, t in self._steps if r in s]
-            if len(verdicts) < self.needed:
-                if r in self._named and len(verdicts) < self.needed / 2:
-                    del self._named[r]  # recovered: may be named again later
-                continue
             cause = Counter(c for (c, _), _ in verdicts).most_common(1)[0][0]
             if self._named.get(r) == cause:
                 continue

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
 
 from gpuyard.errors import ConfigError
 from gpuyard.train.spec import parse_spec
-from gpuyard.train.straggler import StepTimes, StragglerDetector, slower_at_step
+from gpuyard.train.straggler import StepTimes, StragglerDetector, others_medians, slower_at_step
 
 pytestmark = pytest.mark.unit
 
@@ -80,3 +81,11 @@ def test_spec_thresholds_are_checked() -> None:
     assert parse_spec({}).straggler.window == 20
     with pytest.raises(ConfigError, match=r"straggler\.slowdown"):
         parse_spec({"straggler": {"slowdown": 1.0}})
+
+
+def test_others_medians_match_the_slow_way() -> None:
+    rng = random.Random(1)
+    for n in (2, 3, 4, 7, 10):
+        values = [rng.choice([0.1, 0.2, rng.random()]) for _ in range(n)]
+        slow = [statistics.median(v for j, v in enumerate(values) if j != i) for i in range(n)]
+        assert others_medians(values) == pytest.approx(slow)

@@ -104,6 +104,9 @@ def main() -> None:
     fgd_total = sum(v["fgd"] for v in at100.values())
     blend_total = sum(v["fgd-bf"] for v in at100.values())
     bf_total = sum(v["bestfit"] for v in at100.values())
+    if all("fgd-online" in v for v in at100.values()):
+        online_total = sum(v["fgd-online"] for v in at100.values())
+        summary.insert(0, f"fgd_online_reduction_vs_bestfit={1 - online_total / bf_total:.3f}")
     paper_red = 1 - sum(v[0] for v in PAPER.values()) / sum(v[1] for v in PAPER.values())
 
     if not args.quick:

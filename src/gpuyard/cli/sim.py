@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from gpuyard.scheduler.openb import GpuNode, GpuTask
 from gpuyard.scheduler.packing import PACKING_POLICIES
 from gpuyard.scheduler.policies import POLICIES
 
@@ -62,11 +63,11 @@ def sim(
         help=_PACKING_HELP,
     ),
     mode: str = typer.Option(
-        "fill",
+        None,
         "--mode",
-        help="openb: fill (tasks sampled from the trace arrive until --ratio x the GPUs, none leaves: "
-        "unallocated GPUs as the cluster fills) or replay (creation times x --time-scale, trace "
-        "durations: JCT).",
+        help="GPU shares: fill (tasks sampled from the trace arrive until --ratio x the GPUs, none "
+        "leaves: unallocated GPUs as the cluster fills; openb's default) or replay (submit times x "
+        "--time-scale, trace durations: JCT; the default for a generic trace with shares).",
     ),
     ratio: float = typer.Option(
         1.3, "--ratio", min=0.01, help="openb fill: arrived GPU requests / GPUs at the end."
@@ -80,15 +81,32 @@ def sim(
     With an openb pod list (Alibaba's GPU-sharing trace, told by its header), place shares of GPUs and
     multi-GPU tasks on the openb node list under each --packing policy instead.
     """
-    from gpuyard.scheduler.openb import is_openb_pods
+    from gpuyard.errors import ConfigError
+    from gpuyard.scheduler.openb import NODE_LIST, is_openb_pods, load_openb_nodes, load_openb_tasks
+    from gpuyard.scheduler.trace import has_gpu_shares, load_share_trace
 
     if trace.is_file() and is_openb_pods(trace):
-        _sim_openb(trace, openb_nodes, packing, mode, ratio, time_scale, seed, as_json)
+        node_file = openb_nodes or trace.parent / NODE_LIST
+        openb = load_openb_nodes(node_file)
+        gpus = sum(n.gpus for n in openb)
+        head = f"{trace.name} on {len(openb)} nodes ({gpus} GPUs, {node_file.name})"
+        _sim_shares(
+            head, openb, load_openb_tasks(trace), packing, mode or "fill", ratio, time_scale, seed, as_json
+        )
         return
     if nodes is None:
-        from gpuyard.errors import ConfigError
-
         raise ConfigError("--nodes is needed with a generic or Philly trace")
+    if has_gpu_shares(trace):  # jobs asking for part of a GPU: placed GPU by GPU, as openb's
+        if policy != "fifo" or cluster or placement:
+            raise ConfigError(
+                "a trace with GPU shares is replayed in arrival order, waiting jobs starting as they fit;"
+                " --packing chooses where (--policy, --cluster and --placement are for whole-GPU traces)"
+            )
+        uniform = [GpuNode(f"node-{i}", 10**9, 10**12, gpus_per_node, "") for i in range(nodes)]
+        head = f"{trace.name} on {nodes}x{gpus_per_node} GPUs"
+        tasks = load_share_trace(trace)
+        _sim_shares(head, uniform, tasks, packing, mode or "replay", ratio, time_scale, seed, as_json)
+        return
     from gpuyard.errors import ConfigError
     from gpuyard.scheduler.placement import uniform_cluster
     from gpuyard.scheduler.policies import make_policy
@@ -160,9 +178,10 @@ def sim(
     console.print(table)
 
 
-def _sim_openb(
-    trace: Path,
-    node_list: Path | None,
+def _sim_shares(
+    head: str,
+    nodes: list[GpuNode],
+    tasks: list[GpuTask],
     packing: str,
     mode: str,
     ratio: float,
@@ -170,18 +189,9 @@ def _sim_openb(
     seed: int,
     as_json: bool,
 ) -> None:
-    """`gpuyard sim` on an openb pod list: the fill experiment or the JCT replay, per packing policy."""
+    """`gpuyard sim` with GPU shares: the fill experiment or the JCT replay, per packing policy."""
     from gpuyard.errors import ConfigError
-    from gpuyard.scheduler.openb import NODE_LIST, load_openb_nodes, load_openb_tasks
-    from gpuyard.scheduler.packing import (
-        PACKING_POLICIES,
-        SharedCluster,
-        TaskMix,
-        fill,
-        inflate,
-        make_packing,
-        replay,
-    )
+    from gpuyard.scheduler.packing import SharedCluster, TaskMix, fill, inflate, make_packing, replay
 
     if mode not in ("fill", "replay"):
         raise ConfigError(f"--mode {mode!r}: choose fill or replay")
@@ -191,12 +201,9 @@ def _sim_openb(
             raise ConfigError(f"--packing {name!r}: choose from {', '.join(PACKING_POLICIES)}")
     if not names:
         raise ConfigError("--packing: name at least one policy")
-    node_file = node_list or trace.parent / NODE_LIST
-    nodes = load_openb_nodes(node_file)
-    tasks = load_openb_tasks(trace)
     mix = TaskMix.of(tasks)
     capacity = sum(n.gpus for n in nodes)
-    head = f"{trace.name}: {len(tasks)} tasks on {len(nodes)} nodes ({capacity} GPUs, {node_file.name})"
+    head = f"{head}: {len(tasks)} tasks"
     if mode == "fill":
         arrivals = inflate(tasks, capacity, ratio, seed)
         points = sorted({round(0.1 * i, 2) for i in range(1, int(ratio * 10) + 1)} | {1.0, ratio})
@@ -204,7 +211,7 @@ def _sim_openb(
             fill(SharedCluster(nodes), arrivals, make_packing(n, mix, seed), points, mix) for n in names
         ]
         if as_json:
-            doc = {"trace": str(trace), "mode": mode, "gpus": capacity, "arrivals": len(arrivals)}
+            doc = {"trace": head, "mode": mode, "gpus": capacity, "arrivals": len(arrivals)}
             typer.echo(json.dumps({**doc, "results": [r.to_dict() for r in results]}))
             return
         typer.echo(f"{head}; {len(arrivals)} arrivals to {ratio:.0%} of the GPUs (seed {seed})")
@@ -221,7 +228,7 @@ def _sim_openb(
         return
     replays = [replay(SharedCluster(nodes), tasks, make_packing(n, mix, seed), time_scale) for n in names]
     if as_json:
-        doc = {"trace": str(trace), "mode": mode, "gpus": capacity, "time_scale": time_scale}
+        doc = {"trace": head, "mode": mode, "gpus": capacity, "time_scale": time_scale}
         typer.echo(json.dumps({**doc, "results": [r.to_dict() for r in replays]}))
         return
     typer.echo(f"{head}; creation times x {time_scale:g}")

@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 
 from gpuyard.errors import ConfigError, NotFoundError
+from gpuyard.scheduler.openb import MILLI, GpuTask
 
 GENERIC_COLUMNS = ("submit_time", "duration", "num_gpus")
 PHILLY_COLUMNS = ("timestamp", "duration", "num_gpus", "cluster")
@@ -81,7 +82,13 @@ def load_trace(path: str | Path) -> list[TraceJob]:
                 team = row.get("team") or "default"
                 priority = int(_number(row, "priority", where)) if row.get("priority") else 0
             duration = _number(row, "duration", where)
-            gpus = int(_number(row, "num_gpus", where))
+            asked = _number(row, "num_gpus", where)
+            if asked != int(asked):
+                raise ConfigError(
+                    f"{where}: num_gpus {asked:g} is a share of a GPU: a GPU-sharing trace, which"
+                    " `gpuyard sim` places GPU by GPU with --packing (load_share_trace)"
+                )
+            gpus = int(asked)
             if duration < 0 or gpus < 0:
                 raise ConfigError(f"{where}: duration and num_gpus must be >= 0")
             rows.append((submit, duration, gpus, team, priority))
@@ -90,3 +97,62 @@ def load_trace(path: str | Path) -> list[TraceJob]:
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0]
     return [TraceJob(i, s - t0, d, g, t, p) for i, (s, d, g, t, p) in enumerate(rows)]
+
+
+def has_gpu_shares(path: str | Path) -> bool:
+    """True when ``path`` is a generic trace with a job asking for part of a GPU (num_gpus < 1)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        if not set(GENERIC_COLUMNS) <= set(reader.fieldnames or []):
+            return False
+        for row in reader:
+            try:
+                asked = float(row["num_gpus"])
+            except (TypeError, ValueError):
+                return False  # load_trace names the bad value
+            if asked != int(asked):
+                return True
+    return False
+
+
+def load_share_trace(path: str | Path) -> list[GpuTask]:
+    """Read a generic trace whose ``num_gpus`` may be a share of one GPU (0.25), for the packing
+    simulator (:mod:`gpuyard.scheduler.packing`): submit time and duration become creation and
+    duration, a share ``gpu_milli`` thousandths of one GPU; no CPU or memory is asked.
+
+    Raises:
+        NotFoundError: the file does not exist.
+        ConfigError: not the generic format, or a bad value (a share above 1 GPU, such as 1.5).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise NotFoundError(f"trace {path}: no such file")
+    tasks: list[GpuTask] = []
+    with path.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        if not set(GENERIC_COLUMNS) <= set(reader.fieldnames or []):
+            raise ConfigError(
+                f"trace {path}: a GPU-sharing trace needs the columns {','.join(GENERIC_COLUMNS)}"
+            )
+        for i, row in enumerate(reader, start=2):
+            where = f"trace {path} line {i}"
+            submit, duration = _number(row, "submit_time", where), _number(row, "duration", where)
+            asked = _number(row, "num_gpus", where)
+            if duration < 0 or asked < 0:
+                raise ConfigError(f"{where}: duration and num_gpus must be >= 0")
+            if asked > 1 and asked != int(asked):
+                raise ConfigError(f"{where}: num_gpus {asked:g}: a share of one GPU (< 1) or whole GPUs")
+            whole = asked >= 1 or asked == 0
+            milli = MILLI if asked >= 1 else round(asked * MILLI)
+            if not whole and milli < 1:
+                raise ConfigError(f"{where}: num_gpus {asked:g} is less than a thousandth of a GPU")
+            num = int(asked) if whole else 1
+            tasks.append(
+                GpuTask(f"job-{i - 2}", 0, 0, num, milli if num else 0, creation=submit, duration=duration)
+            )
+    if not tasks:
+        raise ConfigError(f"trace {path}: no jobs")
+    return tasks

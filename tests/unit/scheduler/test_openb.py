@@ -200,3 +200,37 @@ def test_sim_refuses_bad_openb_options_in_one_line(
     philly = _write(tmp_path / "jobs.csv", "submit_time,duration,num_gpus", ["0,10,1"])
     code, _, err = _sim(["--trace", str(philly)], capsys)
     assert code == 2 and "--nodes is needed" in err
+
+
+def test_a_generic_trace_with_gpu_shares_is_placed_gpu_by_gpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpuyard.scheduler.trace import has_gpu_shares, load_share_trace
+
+    trace = _write(
+        tmp_path / "jobs.csv", "submit_time,duration,num_gpus", ["0,10,0.5", "0,10,0.5", "0,5,0.25", "0,1,1"]
+    )
+    assert has_gpu_shares(trace)
+    assert [(t.num_gpu, t.gpu_milli, t.duration) for t in load_share_trace(trace)] == [
+        (1, 500, 10.0),
+        (1, 500, 10.0),
+        (1, 250, 5.0),
+        (1, 1000, 1.0),
+    ]
+    with pytest.raises(ConfigError, match=r"num_gpus 0\.5 is a share of a GPU"):
+        load_trace(trace)  # the whole-GPU simulator does not round a share away
+    # One GPU: the two halves share it; the quarter waits for them (10 s), the whole GPU for the
+    # quarter too (15 s): JCTs 10, 10, 15, 16.
+    code, out, err = _sim(["--trace", str(trace), "--nodes", "1", "--gpus-per-node", "1", "--json"], capsys)
+    assert code == 0, err
+    results = json.loads(out)["results"]
+    assert [r["policy"] for r in results] == ["fgd", "bestfit"]
+    assert all(
+        r["avg_jct_s"] == pytest.approx(12.75) and r["avg_wait_s"] == pytest.approx(6.25) for r in results
+    )
+    code, _, err = _sim(["--trace", str(trace), "--nodes", "1", "--policy", "las"], capsys)
+    assert code == 2 and "replayed in arrival order" in err
+    bad = _write(tmp_path / "bad.csv", "submit_time,duration,num_gpus", ["0,10,1.5"])
+    code, _, err = _sim(["--trace", str(bad), "--nodes", "1"], capsys)
+    assert code == 2 and "num_gpus 1.5: a share of one GPU (< 1) or whole GPUs" in err
+    assert not has_gpu_shares(_write(tmp_path / "whole.csv", "submit_time,duration,num_gpus", ["0,10,2"]))

@@ -220,7 +220,8 @@ class Fragmentation:
         fits &= self.allowed[model]
         fits &= count[:, self.didx] >= m.num_gpu[None, :]
         frag = np.where(fits, small[:, self.didx], total[:, None].astype(np.float64))
-        out: FloatArray = frag @ m.p
+        # Rounded so that equal states tie exactly, however many rows the product was computed with.
+        out: FloatArray = np.round(frag @ m.p, 6)
         return out
 
     def of_nodes(self, cluster: SharedCluster, nodes: IntArray | None = None) -> FloatArray:

@@ -26,6 +26,7 @@ rank killed halfway through a snapshot leaves the previous step complete everywh
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import mmap
@@ -222,6 +223,7 @@ class MemoryCheckpointer:
         self._error: BaseException | None = None
         self._from_cuda = False
         self.stalls: list[float] = []
+        self.warnings: list[str] = []  # snapshots not written (the run goes on); the trainer reports them
         self.last_background_s = 0.0
 
     # ----- taking a snapshot --------------------------------------------------------------------
@@ -305,21 +307,9 @@ class MemoryCheckpointer:
         try:
             if event is not None:
                 event.synchronize()
-            own = self.holder_dir / snapshot_name(Holding(self.rank, step, self.world_size))
-            tmp = own.with_name(f".tmp-{own.name}")
-            # Straight into /dev/shm (one copy); renamed once whole, so a reader never sees half of it.
-            torch.save(
-                {"step": step, "world_size": self.world_size, "app": _plain(host), "rank_state": rank_state},
-                tmp,
-            )
-            tmp.replace(own)
+            own = self._write_own(step, host, rank_state)
             if self._group is not None and self.world_size > 1:
-                with open(own, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as data:
-                    incoming = self._exchange(memoryview(data))
-                prev = (self.rank - 1) % self.world_size
-                replica = self.holder_dir / snapshot_name(Holding(prev, step, self.world_size))
-                _write_atomic(replica, incoming)
-                del incoming
+                self._share(step, own)
             self._prune()
             if persist and self.checkpointer is not None:
                 self.checkpointer.save(step, host, rank_state, meta, group=self._group, background=True)
@@ -328,15 +318,55 @@ class MemoryCheckpointer:
         finally:
             self.last_background_s = time.perf_counter() - start
 
+    def _write_own(self, step: int, host: dict[str, Any], rank_state: dict[str, Any]) -> Path | None:
+        """This rank's snapshot file, or None when it could not be written (/dev/shm full, say):
+        that step then has no snapshot here, and training goes on."""
+        own = self.holder_dir / snapshot_name(Holding(self.rank, step, self.world_size))
+        tmp = own.with_name(f".tmp-{own.name}")
+        doc = {"step": step, "world_size": self.world_size, "app": _plain(host), "rank_state": rank_state}
+        try:
+            torch.save(doc, tmp)  # straight into /dev/shm (one copy); renamed once whole
+            tmp.replace(own)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            self.warnings.append(f"step {step}: rank {self.rank} could not write its snapshot: {exc}")
+            return None
+        return own
+
+    def _share(self, step: int, own: Path | None) -> None:
+        """Send this rank's snapshot to the next rank, keep the previous rank's. A rank without a
+        snapshot takes part all the same (an empty one), or the next rank would wait for it."""
+        with contextlib.ExitStack() as stack:
+            data = memoryview(b"")
+            if own is not None:
+                f = stack.enter_context(open(own, "rb"))
+                data = memoryview(stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)))
+            incoming = self._exchange(data)
+            del data
+        prev = (self.rank - 1) % self.world_size
+        replica = self.holder_dir / snapshot_name(Holding(prev, step, self.world_size))
+        try:
+            if len(incoming):
+                _write_atomic(replica, incoming)
+        except OSError as exc:
+            replica.with_name(f".tmp-{replica.name}").unlink(missing_ok=True)
+            self.warnings.append(f"step {step}: rank {self.rank} could not keep rank {prev}'s replica: {exc}")
+
     def _exchange(self, data: memoryview) -> memoryview:
         """Send this rank's snapshot to the next rank and receive the previous rank's."""
         nxt, prev = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         size_out = torch.tensor([len(data)], dtype=torch.int64)
         size_in = torch.zeros(1, dtype=torch.int64)
         _wait_all(dist.isend(size_out, nxt, group=self._group), dist.irecv(size_in, prev, group=self._group))
-        payload = torch.frombuffer(data, dtype=torch.uint8)
         incoming = torch.empty(int(size_in.item()), dtype=torch.uint8)
-        _wait_all(dist.isend(payload, nxt, group=self._group), dist.irecv(incoming, prev, group=self._group))
+        # An empty snapshot (not written) is announced by its size and not sent.
+        send = (
+            dist.isend(torch.frombuffer(data, dtype=torch.uint8), nxt, group=self._group)
+            if len(data)
+            else None
+        )
+        recv = dist.irecv(incoming, prev, group=self._group) if incoming.numel() else None
+        _wait_all(send, recv)
         return _bytes_of(incoming)
 
     def _prune(self) -> None:

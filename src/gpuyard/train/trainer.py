@@ -333,7 +333,16 @@ class Trainer:
         )
         total = time.perf_counter() - start
         self._event("memory_snapshot", step=self.step, stall_s=round(total, 6), persist=persist)
+        self._snapshot_warnings()
         return total
+
+    def _snapshot_warnings(self) -> None:
+        if self.memory is None:
+            return
+        while self.memory.warnings:
+            msg = self.memory.warnings.pop(0)
+            self._event("memory_snapshot_failed", message=msg)
+            print(f"gpuyard train: warning: in-memory checkpoint: {msg}", file=sys.stderr, flush=True)
 
     def save_checkpoint(self, reason: str) -> Path:
         """Write a checkpoint of the current step on every rank (collective)."""
@@ -665,6 +674,7 @@ class Trainer:
     def _finish(self, status: TrainOutcome) -> TrainResult:
         if self.memory is not None:
             self.memory.wait()
+            self._snapshot_warnings()
         self.checkpointer.wait()
         last = latest_checkpoint(self.checkpointer.root)
         at_last = last is not None and int(last.name.split("-")[1]) == self.step

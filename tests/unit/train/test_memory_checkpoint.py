@@ -183,3 +183,29 @@ def test_launcher_snapshot_folder_removes_those_of_dead_launchers(tmp_path: Path
     mine = snapshot_dir(tmp_path)
     assert mine == tmp_path / f"{SNAPSHOT_PREFIX}{os.getpid()}"
     assert not gone.exists() and alive.exists() and other.exists()
+
+
+def test_a_snapshot_that_cannot_be_written_is_reported_and_training_goes_on(
+    spec_factory, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_save = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(f, Path) and f.name.startswith(".tmp-o0-s000000006"):
+            f.write_bytes(b"half")  # then the device is full
+            raise OSError(28, "No space left on device")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    spec = spec_factory("crashed", checkpoint=MEMORY)
+    with pytest.raises(Crash):
+        run(spec, callbacks=[crash_at(9)])
+    events = read_metrics(spec.resolved_run_dir())
+    # Reported once the training thread next looks (the snapshot of step 8 waits for step 6's work).
+    [failed] = [e for e in events if e["event"] == "memory_snapshot_failed"]
+    assert "step 6: rank 0 could not write its snapshot" in failed["message"]
+    assert not list(shm.rglob(".tmp-*"))  # the half-written file is gone
+    assert sorted(p.name for p in shm.rglob("*.snap")) == ["o0-s000000004-w1.snap", "o0-s000000008-w1.snap"]
+    run(spec)
+    [event] = _resumes(spec.resolved_run_dir())
+    assert event["source"] == "memory" and event["step"] == 8

@@ -35,6 +35,7 @@ from gpuyard.hardware.inventory import parse_cpu_list
 
 if TYPE_CHECKING:
     from gpuyard.hardware.health import SelfTestResult
+    from gpuyard.hardware.inventory import NodeInventory
 from gpuyard.hardware.nvml import (
     NVLINK_ERROR_COUNTERS,
     EccCounts,
@@ -304,6 +305,19 @@ class FakeNvml:
     def selftest_answer(self, gpu: int) -> dict[str, Any] | None:
         """The ``selftest`` entry of a GPU (None: it passes); used by :func:`fake_selftest`."""
         return self._gpus[gpu].get("selftest") if gpu < len(self._gpus) else None
+
+
+def replay_inventory(path: Path, hostname: str) -> NodeInventory:
+    """Probe a node description file (FakeNvml, its /proc and /sys laid out in a temporary folder)."""
+    import tempfile
+
+    from gpuyard.hardware.probe import probe_node
+    from gpuyard.hardware.sysfs import HostRoots
+
+    desc = load_description(path)
+    with tempfile.TemporaryDirectory(prefix="gpuyard-replay-") as tmp:
+        roots = HostRoots.under(write_host_tree(desc, Path(tmp)))
+        return probe_node(FakeNvml(desc), roots=roots, frameworks=False, hostname=hostname)
 
 
 def set_mig(description: dict[str, Any], gpu: int, profiles: list[str]) -> list[str]:

@@ -11,6 +11,8 @@ from gpuyard.errors import ConfigError
 from gpuyard.scheduler.placement import MigSlice, NodeSpec
 
 FAKE_GPU_TYPE = "fake-gpu"
+# A node description (JSON, as `gpuyard hw --replay` reads) whose GPUs the local node pretends to have.
+FAKE_NODE_ENV = "GPUYARD_FAKE_NODE"
 log = logging.getLogger(__name__)
 
 
@@ -76,6 +78,16 @@ def local_node(fake_gpus: int | None = None, cpus: int | None = None, record: bo
     """
     from gpuyard.hardware.probe import probe_node
 
+    replay = os.environ.get(FAKE_NODE_ENV)
+    if replay and fake_gpus is None:
+        # Pretended GPUs, as --gpus N but with a recorded node's models, memory and MIG slices; the
+        # jobs run on this machine (never recorded as its inventory, never health-checked).
+        from pathlib import Path
+
+        from gpuyard.hardware.fake import replay_inventory
+
+        doc = replay_inventory(Path(replay), socket.gethostname()).to_dict()
+        return node_from_inventory(doc, cpus=cpus or os.cpu_count() or 1)
     inventory = probe_node()
     if record:
         from gpuyard.hardware.record import record_inventory
@@ -546,5 +558,7 @@ def local_health_monitor(service: Any, config_path: str | None = None) -> NodeHe
     config = load_health_config(config_path)
     nodes = service.nodes
     if len(nodes) != 1 or not nodes[0].gpus or nodes[0].gpu_type == FAKE_GPU_TYPE:
+        return None
+    if os.environ.get(FAKE_NODE_ENV):  # pretended GPUs of a recorded node: nothing real to check
         return None
     return NodeHealthMonitor(service.node_states, nodes[0].name, config)

@@ -29,7 +29,10 @@ from typing import Any
 import numpy as np
 
 _BIG = np.iinfo(np.int64).max
-_EPS = 1e-9
+# Records keep fractions to 6 decimals and GiB to 3: sums of recorded shares may pass the exact
+# figure by that rounding, so comparisons allow it (1e-5 of a GPU, about 10 MiB).
+_EPS = 1e-5
+_MEM_EPS = 0.01
 
 
 @dataclass(frozen=True)
@@ -313,7 +316,7 @@ class ClusterState:
             return
         used[0] -= fraction
         used[1] -= memory
-        if used[0] <= _EPS and used[1] <= _EPS:
+        if used[0] <= _EPS and used[1] <= _MEM_EPS:
             del self.shared[(node, gpu)]
             self.free[node] += 1
 
@@ -502,12 +505,16 @@ def place_share(state: ClusterState, share: GpuShare, gpu_type: str | None = Non
         fraction, memory = sized
         limit = float(state.gpu_memory[n])
         for (node, gpu), (f_used, m_used) in state.shared.items():
-            if node != n or f_used + fraction > 1 + _EPS or (limit > 0 and m_used + memory > limit + _EPS):
+            if (
+                node != n
+                or f_used + fraction > 1 + _EPS
+                or (limit > 0 and m_used + memory > limit + _MEM_EPS)
+            ):
                 continue
             key = (f_used, -int(state.free[n]))
             if choice is None or key > choice[0]:
                 choice = (key, SharePart(n, gpu, fraction, memory))
-        if state.free[n] >= 1 and fraction <= 1 + _EPS and (limit <= 0 or memory <= limit + _EPS):
+        if state.free[n] >= 1 and fraction <= 1 + _EPS and (limit <= 0 or memory <= limit + _MEM_EPS):
             key = (-1.0, -int(state.free[n]))
             if choice is None or key > choice[0]:
                 state._fresh -= 1
@@ -547,7 +554,7 @@ def share_never_fits(state: ClusterState, share: GpuShare, gpu_type: str | None 
         return "resources.gpu_memory_gb: the GPUs here do not report their memory; ask for a fraction instead"
     if share.memory_gb is not None:
         known = [float(state.gpu_memory[n]) for n in whole if state.gpu_memory[n] > 0]
-        if known and share.memory_gb > max(known) + _EPS:
+        if known and share.memory_gb > max(known) + _MEM_EPS:
             return (
                 f"resources.gpu_memory_gb: {share.memory_gb:g} GB asked, the largest GPU here has "
                 f"{max(known):.1f} GB: it could never start"

@@ -19,7 +19,7 @@ from gpuyard.hardware.probe import probe_node
 from gpuyard.hardware.sysfs import HostRoots
 from gpuyard.scheduler.spec import parse_spec
 
-from .conftest import wait_for
+from .conftest import ServerStarter, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -212,3 +212,62 @@ def test_what_can_never_fit_is_refused_at_submit_in_one_line(mig_service: Any) -
             _submit(service, "never", resources, "true")
         assert str(err.value).startswith(message) and "\n" not in str(err.value)
     assert service.list_jobs() == []
+
+
+def test_a_server_on_fake_mig_gpus_over_http(
+    server: ServerStarter, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import httpx
+    from typer.testing import CliRunner
+
+    from gpuyard.auth import TokenAuth
+    from gpuyard.cli.main import app
+    from gpuyard.scheduler.client import JobClient
+
+    desc = copy.deepcopy(load_description(H100))
+    desc["nvml"]["gpus"] = desc["nvml"]["gpus"][:2]
+    uuids = set_mig(desc, 1, ["3g.40gb", "3g.40gb"])
+    node_file = tmp_path / "mig_node.json"
+    node_file.write_text(json.dumps(desc))
+    monkeypatch.setenv("GPUYARD_FAKE_NODE", str(node_file))  # the server pretends to have these GPUs
+    monkeypatch.delenv("GPUYARD_MPS_PIPE_DIRECTORY", raising=False)
+    _, url = server("--cpus", "2", "--grace", "2")
+    client = JobClient(url)
+    hold = HOLD.format(dir=tmp_path)
+
+    def submit(name: str, resources: dict[str, Any]) -> int:
+        spec = {"name": name, "command": ["sh", "-c", hold], "resources": resources}
+        return int(client.submit(parse_spec(spec))["id"])
+
+    ids = [
+        submit("half-a", {"gpus": 0.5}),
+        submit("half-b", {"gpus": 0.5}),
+        submit("slice", {"mig": "3g.40gb"}),
+    ]
+    wait_for(lambda: all((tmp_path / f"started-{i}").exists() for i in ids), timeout=60)
+    assert [client.get(i)["state"] for i in ids] == ["running"] * 3  # the two halves at once, on GPU 0
+    logs = ["".join(client.logs(i)) for i in ids]
+    assert logs[0].startswith("visible=0 share=0.5") and logs[1].startswith("visible=0 share=0.5")
+    assert logs[2].startswith(f"visible={uuids[0]} ")
+
+    # Over HTTP: a fractional gpus above 1 and a slice no GPU has are refused in one line (422).
+    auth = TokenAuth()
+    bad = httpx.post(
+        f"{url}/jobs", json={"name": "x", "command": ["true"], "resources": {"gpus": 1.5}}, auth=auth
+    )
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "resources", "gpus"]
+    never = httpx.post(
+        f"{url}/jobs", json={"name": "x", "command": ["true"], "resources": {"mig": "1g.10gb"}}, auth=auth
+    )
+    assert never.status_code == 422 and never.json()["detail"].startswith("resources.mig: no GPU here has")
+
+    result = CliRunner().invoke(app, ["hw", "--jobs", "--json", "--server", url])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert [(r["gpu"], r["kind"], len(r["jobs"])) for r in rows] == [
+        (0, "shared", 2),
+        (1, "MIG 3g.40gb", 1),
+        (1, "MIG 3g.40gb", 0),
+    ]
+    (tmp_path / "release").touch()
+    wait_for(lambda: all(client.get(i)["state"] == "succeeded" for i in ids), timeout=60)

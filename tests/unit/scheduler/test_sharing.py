@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,27 @@ def test_records_rebuild_the_same_state() -> None:
     assert state.gpu_use() == {(0, 0): (0.5, 40.0)}
     again = place(state, 0, share=GpuShare(fraction=0.5))
     assert again is not None and again.parts[0].gpu == 0  # the recorded GPU, not a fresh one
+
+
+def test_recorded_shares_rounded_to_their_record_still_fill_a_gpu() -> None:
+    # 79.6 GiB (an H100 80GB as NVML reports it): each half holds 39.8237 GiB, recorded as 39.824, so
+    # two recorded halves sum past the GPU's memory by the rounding; the second half still fits.
+    node = _node(gpus=1, memory_gb=85520809984 / 2**30)
+    state = ClusterState([node])
+    half = place(state, 0, share=GpuShare(fraction=0.5))
+    assert half is not None
+    state.reset()
+    state.hold_record(0, record_part("n0", (0,), 0, [half.parts[0]]))
+    second = place(state, 0, share=GpuShare(fraction=0.5))
+    assert second is not None and second.parts[0].gpu == 0
+    state.hold_record(0, record_part("n0", (0,), 0, [second.parts[0]]))
+    assert place(state, 0, share=GpuShare(fraction=0.01)) is None  # now it is full
+    thirds = ClusterState([node])
+    for _ in range(3):
+        p = place(thirds, 0, share=GpuShare(fraction=1 / 3))
+        assert p is not None and p.parts[0].gpu in (0, -1)  # the recorded GPU 0, or a fresh one at first
+        thirds.hold_record(0, record_part("n0", (0,), 0, [replace(p.parts[0], gpu=0)]))
+    assert thirds.free_gpus == 0 and len(thirds.gpu_use()) == 1
 
 
 def test_what_can_never_fit_is_said_in_one_line() -> None:

@@ -351,8 +351,9 @@ class FGD:
         self.packing_weight = packing_weight
         if packing_weight:
             self.name = "fgd-bf" if packing_weight == FGD_BF_WEIGHT else f"fgd-bf{packing_weight:g}"
-        # Without a mix, it is learned from the GPU tasks that arrive, re-estimated each time their
-        # number doubles (each estimate drops what was kept: every rise depends on the mix).
+        # Without a mix, it is learned from the GPU tasks it is asked to place (a task retried while
+        # it waits counts again), re-estimated each time their number doubles (each estimate drops
+        # what was kept: every rise depends on the mix).
         self.online = mix is None
         if self.online:
             self.name += "-online"

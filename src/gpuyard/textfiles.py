@@ -28,6 +28,31 @@ def check_text(sample: bytes, where: str | Path, what: str = "text file") -> Non
         raise ConfigError(f"{where}: a binary file, not a {what}")
 
 
+def sniff_text(path: str | Path, what: str = "text file", size: int = 1 << 16) -> None:
+    """Refuse ``path`` when its first ``size`` bytes are binary or not UTF-8 (a cheap look at a big file).
+
+    Raises:
+        NotFoundError: no such file.
+        ConfigError: a folder, unreadable, binary, or not UTF-8 at the start (one line).
+    """
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            head = fh.read(size)
+    except FileNotFoundError:
+        raise NotFoundError(f"{p}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{p}: a folder, not a {what}") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read it ({exc.strerror})") from None
+    check_text(head, p, what)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 3:  # not just a character cut at the end of the sample
+            raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start}); a {what} must be UTF-8") from None
+
+
 def read_text(path: str | Path, what: str = "text file") -> str:
     """The UTF-8 text of ``path`` (``what`` names the kind of file in errors, e.g. ``job spec``).
 

@@ -84,7 +84,11 @@ def sim(
     from gpuyard.errors import ConfigError
     from gpuyard.scheduler.openb import NODE_LIST, is_openb_pods, load_openb_nodes, load_openb_tasks
     from gpuyard.scheduler.trace import has_gpu_shares, load_share_trace
+    from gpuyard.textfiles import sniff_text
 
+    for path in (trace, openb_nodes):
+        if path is not None and path.is_file():
+            sniff_text(path, "trace CSV")  # a binary file is said so, not a UnicodeDecodeError
     if trace.is_file() and is_openb_pods(trace):
         node_file = openb_nodes or trace.parent / NODE_LIST
         openb = load_openb_nodes(node_file)

@@ -59,3 +59,19 @@ def test_every_spec_command_says_it_in_one_line(
         main(argv)
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and err.count("\n") == 0 and "a binary file" in err, err
+
+
+def test_sim_refuses_a_binary_or_latin1_trace_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpuyard.cli.main import main
+
+    blob = tmp_path / "trace.csv"
+    blob.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)) * 8)  # a gzip file named .csv
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("submit_time,duration,num_gpus,team\n0,10,1,\u00e9quipe\n".encode("latin-1"))
+    for path, said in ((blob, "a binary file, not a trace CSV"), (latin, "not UTF-8 text")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["sim", "--trace", str(path), "--nodes", "2"])
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and err.count("\n") == 0 and said in err, err

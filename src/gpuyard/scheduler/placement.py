@@ -495,8 +495,8 @@ def place_share(state: ClusterState, share: GpuShare, gpu_type: str | None = Non
         size = int(share.mig.split("g.")[0]) / 7
         memory = float(share.mig.split(".")[1].removesuffix("gb"))
         parts = tuple(SharePart(n, s.gpu, size, memory, s.uuid, s.profile) for s in free[: share.slices])
-        where = ", ".join(f"GPU {p.gpu}" for p in parts)
-        return Placement((), f"MIG {share.mig} slice(s) on {where}", parts=parts)
+        where = ", ".join(f"GPU {g}" for g in sorted({p.gpu for p in parts}))
+        return Placement((), f"{share.describe()} on {where}", parts=parts)
     choice: tuple[tuple[float, int], SharePart] | None = None
     for n in nodes:
         sized = _share_size(share, float(state.gpu_memory[n]))

@@ -59,7 +59,7 @@ def _try(
         placement = fabric.place(work, job, multi_node)
     if placement is not None:
         work.take(placement)
-        if fabric is not None:
+        if fabric is not None and job.share is None:
             fabric.started(job, placement)
     return placement
 
@@ -166,6 +166,7 @@ class PriorityBackfill(Policy):
             elif reservation is not None and now + job.estimate > reservation[1] and job.gpus > extra:
                 continue  # would still hold GPUs the reserved job needs when it is due to start
             else:
+                before = work.free_gpus
                 placement = _try(work, job, multi_node, fab)
             if placement is None:
                 if reservation is None:
@@ -173,10 +174,15 @@ class PriorityBackfill(Policy):
                     shadow, extra = _shadow(job, work, [*running, *started], now)
                     reservation = (job.id, shadow)
                 continue
+            # Whole GPUs it took: its GPUs, or for a share 1 when it opened a free GPU (else 0).
+            took = before - work.free_gpus
             if reservation is not None and now + job.estimate > reservation[1]:
-                extra -= job.gpus
+                if took > extra:  # a share that opens a GPU the reserved job needs: not now
+                    work.release(placement)
+                    continue
+                extra -= took
             starts.append((job, placement))
-            free -= job.gpus
+            free -= took
         return Decision(starts=starts, reservation=reservation, waits=_waits(fab))
 
 

@@ -223,6 +223,25 @@ def test_fifo_starts_two_half_shares_on_one_gpu_and_a_whole_job_waits_with_why()
     assert why_waiting(work, 1) == "waiting for 1 GPU: 0 whole free (1 shared)"
 
 
+def test_backfill_keeps_a_share_off_the_gpu_a_reserved_job_needs() -> None:
+    from gpuyard.scheduler.placement import Placement
+    from gpuyard.scheduler.queue import RunningJob
+
+    state = ClusterState([_node(gpus=2)])
+    held = Placement(((0, 1),), "running")
+    state.take(held)
+    running = [RunningJob(9, 1, "default", 0, started_at=0.0, expected_end=100.0, placement=held)]
+    policy = make_policy("priority")
+    queue = JobQueue(policy.key)
+    queue.add(QueuedJob(id=1, gpus=2, priority=5, submit_time=1))  # blocked: reserved for t=100
+    queue.add(QueuedJob(id=2, gpus=0, submit_time=2, estimate=1000.0, share=GpuShare(fraction=0.5)))
+    queue.add(QueuedJob(id=3, gpus=0, submit_time=3, estimate=10.0, share=GpuShare(fraction=0.5)))
+    decision = policy.decide(state, queue, running, now=0.0)
+    assert decision.reservation == (1, 100.0)
+    # The long share would still hold the free GPU at t=100; the short one ends before: it backfills.
+    assert [j.id for j, _ in decision.starts] == [3]
+
+
 # -- the inventory and the launch environment ----------------------------------------------------
 
 

@@ -166,7 +166,7 @@ class PriorityBackfill(Policy):
             elif reservation is not None and now + job.estimate > reservation[1] and job.gpus > extra:
                 continue  # would still hold GPUs the reserved job needs when it is due to start
             else:
-                before = work.free_gpus
+                before = work.free_gpus if job.share is not None else 0
                 placement = _try(work, job, multi_node, fab)
             if placement is None:
                 if reservation is None:
@@ -175,7 +175,7 @@ class PriorityBackfill(Policy):
                     reservation = (job.id, shadow)
                 continue
             # Whole GPUs it took: its GPUs, or for a share 1 when it opened a free GPU (else 0).
-            took = before - work.free_gpus
+            took = before - work.free_gpus if job.share is not None else job.gpus
             if reservation is not None and now + job.estimate > reservation[1]:
                 if took > extra:  # a share that opens a GPU the reserved job needs: not now
                     work.release(placement)

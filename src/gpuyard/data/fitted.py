@@ -14,8 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gpuyard.data.columns import tensor_array, tensor_field
-from gpuyard.data.features import derive, image_features, numeric, text_hash
+from gpuyard.data.columns import TensorSpec, tensor_array, tensor_field
+from gpuyard.data.features import derive, image_features, text_hash
 from gpuyard.data.recipe import Recipe
 from gpuyard.data.shards import FEW_VALUES_KEY
 
@@ -54,58 +54,144 @@ class FittedTransform:
 
     def finish(self, table: pa.Table) -> pa.Table:
         """The fitted steps (normalize, encode) and ``drop``."""
+        return self.finish_counted(table)[0]
+
+    def finish_counted(self, table: pa.Table) -> tuple[pa.Table, dict[str, int]]:
+        """:meth:`finish`, and for each one-hot column the number of rows with a known category.
+
+        The count is all the one-hot column's statistics need (each such row holds one 1), so a
+        transform records them without reading the vectors again.
+        """
+        known: dict[str, int] = {}
         for col, p in self.fitted.get("normalize", {}).items():
             if col in table.column_names:
                 table = table.set_column(table.schema.get_field_index(col), col, _scale(table.column(col), p))
         for col, p in self.fitted.get("encode", {}).items():
             if col in table.column_names:
-                table = _encode(table, col, p)
+                table = _encode(table, col, p, known)
         gone = [c for c in self.recipe.drop if c in table.column_names]
-        return table.drop_columns(gone) if gone else table
+        for c in gone:
+            known.pop(c, None)
+        return (table.drop_columns(gone) if gone else table), known
 
     def apply(self, table: pa.Table) -> pa.Table:
         """Transform new rows exactly as the training data was (no split, no augmentation)."""
         return self.finish(self.features(table))
 
 
+def _arrow_empty(shape: tuple[int, ...], dtype: Any) -> tuple[np.ndarray, pa.Buffer]:
+    """An uninitialised NumPy array living in a buffer from Arrow's memory pool, and that buffer.
+
+    Arrow's allocator keeps freed memory for the next piece; a fresh NumPy array of a few MiB is a
+    new mapping whose every page faults in again (measured: most of a transform's page faults).
+    """
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dt.itemsize
+    buf = pa.allocate_buffer(nbytes)
+    return np.frombuffer(buf, dtype=np.uint8, count=nbytes).view(dt).reshape(shape), buf
+
+
+# Rows per slice when scaling: a float64 slice this long stays in the CPU cache between its operations.
+_SLICE = 1 << 15
+
+
+def _float_chunks(col: pa.ChunkedArray | pa.Array) -> list[np.ndarray]:
+    """Each chunk of a numeric or boolean column as float64 (nulls as NaN), without joining the chunks."""
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    out = []
+    for chunk in chunks:
+        if pa.types.is_null(chunk.type):  # only nulls (a raw record with no value): all missing
+            out.append(np.full(len(chunk), np.nan))
+            continue
+        if pa.types.is_boolean(chunk.type):
+            chunk = chunk.cast(pa.uint8())
+        # No nulls: a zero-copy view of Arrow's buffer (ints are converted, as np.asarray would).
+        values = chunk.to_numpy(zero_copy_only=False)
+        out.append(np.asarray(values, dtype=np.float64))
+    return out
+
+
 def _scale(col: pa.ChunkedArray, p: dict[str, Any]) -> pa.Array:
-    values = numeric(col)
+    """``(x - shift) / scale`` as float32, computed in float64; nulls (and NaN) stay null.
+
+    Elementwise the same operations as ``((x - shift) * (1 / scale)).astype(float32)`` over the whole
+    column, done in cache-sized slices of each chunk straight into the float32 result: no joined copy
+    of the column and no float64 copy of it either.
+    """
     if p["method"] == "zscore":
         shift, scale = p["mean"], p["std"]
     else:
         shift, scale = p["min"], p["max"] - p["min"]
-    out = values - shift
-    out *= 1.0 / (scale if scale else 1.0)  # a constant column maps to 0, not to NaN
-    return pa.array(out.astype(np.float32), pa.float32(), from_pandas=True)
+    inv = 1.0 / (scale if scale else 1.0)  # a constant column maps to 0, not to NaN
+    out, buf = _arrow_empty((len(col),), np.float32)
+    tmp = np.empty(min(_SLICE, max(len(col), 1)), dtype=np.float64)
+    start = 0
+    for values in _float_chunks(col):
+        for i in range(0, len(values), _SLICE):
+            part = values[i : i + _SLICE]
+            t = tmp[: len(part)]
+            np.subtract(part, shift, out=t)
+            t *= inv
+            out[start + i : start + i + len(part)] = t
+        start += len(values)
+    nan = np.isnan(out)
+    if nan.any():
+        return pa.array(out, pa.float32(), mask=nan)
+    return pa.Array.from_buffers(pa.float32(), len(out), [None, buf])
 
 
-def _codes(column: pa.ChunkedArray, categories: list[Any]) -> np.ndarray:
+def _codes(column: pa.ChunkedArray | pa.Array, categories: list[Any]) -> np.ndarray:
     """Category index of every row (-1 for unknown or null)."""
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    if pa.types.is_null(column.type) or not categories:  # only nulls, or nothing to find
+        return np.full(len(column), -1, dtype=np.int32)
     if pa.types.is_dictionary(column.type):
         # Shards store text dictionary-encoded: look up the few dictionary entries, then index.
-        parts = []
-        for chunk in column.chunks:
-            lookup = _codes(pa.chunked_array([chunk.dictionary]), categories)
-            idx = chunk.indices.to_numpy(zero_copy_only=False)
-            nulls = np.asarray(chunk.is_null().to_numpy(zero_copy_only=False), dtype=bool)
-            parts.append(np.where(nulls, -1, lookup[np.where(nulls, 0, idx).astype(np.int64)]))
-        return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
+        out = np.empty(len(column), dtype=np.int32)
+        start = 0
+        for chunk in chunks:
+            lookup = _codes(chunk.dictionary, categories)
+            stop = start + len(chunk)
+            if chunk.null_count:
+                nulls = np.asarray(chunk.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+                idx = chunk.indices.fill_null(0).to_numpy(zero_copy_only=False)
+                np.take(lookup, idx, out=out[start:stop])
+                out[start:stop][nulls] = -1
+            else:
+                np.take(lookup, chunk.indices.to_numpy(zero_copy_only=False), out=out[start:stop])
+            start = stop
+        return out
     cats = pa.array(categories).cast(column.type)
     found = pc.fill_null(pc.index_in(column, value_set=cats), -1)
     return np.asarray(found.to_numpy(zero_copy_only=False), dtype=np.int32)
 
 
-def _encode(table: pa.Table, col: str, p: dict[str, Any]) -> pa.Table:
+def _onehot(codes: np.ndarray, k: int) -> tuple[np.ndarray, pa.Buffer]:
+    """``(N, k)`` uint8 rows with a 1 at each row's code, a row of zeros for -1 (unknown or null);
+    and the Arrow buffer holding them."""
+    rows = np.zeros((k + 1, k), dtype=np.uint8)
+    rows[np.arange(k), np.arange(k)] = 1  # row k (unknown) stays all zeros
+    out, buf = _arrow_empty((len(codes), k), np.uint8)
+    np.take(rows, np.where(codes < 0, k, codes), axis=0, out=out)
+    return out, buf
+
+
+def _encode(table: pa.Table, col: str, p: dict[str, Any], known: dict[str, int] | None = None) -> pa.Table:
     codes = _codes(table.column(col), p["categories"])
     idx = table.schema.get_field_index(col)
     if p["method"] == "ordinal":
         return table.set_column(idx, col, pa.array(codes))
     # One uint8 vector per row in a single tensor column: Parquet has no 8-bit integers, so k separate
     # flag columns would be stored as k int32 values per row; the vector is k bytes, and model-ready.
-    onehot = np.zeros((len(codes), len(p["categories"])), dtype=np.uint8)
-    known = np.flatnonzero(codes >= 0)
-    onehot[known, codes[known]] = 1
-    arr, spec = tensor_array(onehot, copy=False)  # onehot is ours alone: share, do not copy
+    k = len(p["categories"])
+    if known is not None:
+        known[col] = int(np.count_nonzero(codes >= 0))
+    if k:
+        _, buf = _onehot(codes, k)
+        arr: pa.Array = pa.FixedSizeBinaryArray.from_buffers(pa.binary(k), len(codes), [None, buf])
+        spec = TensorSpec(dtype="uint8", shape=(k,))
+    else:  # no category was seen: vectors of no values
+        arr, spec = tensor_array(np.zeros((len(codes), 0), dtype=np.uint8))
     field = tensor_field(col, spec)
     field = field.with_metadata({**(field.metadata or {}), FEW_VALUES_KEY: b"1"})
     return table.set_column(idx, field, arr)

@@ -52,30 +52,77 @@ def rows_per_shard(table: pa.Table, target_bytes: int) -> int:
     return max(1, int(target_bytes // per_row))
 
 
-def encode_shard(table: pa.Table) -> bytes:
-    """The Parquet bytes of ``table`` (snappy, page checksums, row groups of about 8 MiB)."""
-    sink = io.BytesIO()
-    group_rows = rows_per_shard(table, ROW_GROUP_BYTES)
+def _dictionary_columns(schema: pa.Schema) -> list[str]:
     # Dictionary encoding pays off for text and for columns known to hold few distinct values (one-hot
     # vectors: k + 1 values, so pages of small indices instead of k bytes per row to compress);
     # on numbers and other tensors it mostly costs write time.
-    few = [
+    return [
         f.name
-        for f in table.schema
+        for f in schema
         if pa.types.is_string(f.type)
         or pa.types.is_large_string(f.type)
         or (f.metadata or {}).get(FEW_VALUES_KEY) is not None
     ]
-    pq.write_table(
-        table,
-        sink,
-        compression=COMPRESSION,
-        row_group_size=group_rows,
-        use_dictionary=few,
-        write_page_checksum=True,
-        write_statistics=False,
-    )
+
+
+def _write_options(schema: pa.Schema) -> dict[str, Any]:
+    return {
+        "compression": COMPRESSION,
+        "use_dictionary": _dictionary_columns(schema),
+        "write_page_checksum": True,
+        "write_statistics": False,
+    }
+
+
+def encode_shard(table: pa.Table) -> bytes:
+    """The Parquet bytes of ``table`` (snappy, page checksums, row groups of about 8 MiB)."""
+    sink = io.BytesIO()
+    group_rows = rows_per_shard(table, ROW_GROUP_BYTES)
+    pq.write_table(table, sink, row_group_size=group_rows, **_write_options(table.schema))
     return sink.getvalue()
+
+
+class ShardWriter:
+    """Encode a shard piece by piece, as :func:`encode_shard` encodes a whole table.
+
+    Pieces are written as they come (a transform never holds a whole shard decoded), gathered into
+    row groups of ``group_rows`` rows (the last one shorter): the same settings, the same layout.
+    """
+
+    def __init__(self, schema: pa.Schema, group_rows: int) -> None:
+        self.sink = pa.BufferOutputStream()
+        self.schema = schema
+        self.group_rows = max(1, group_rows)
+        self.rows = 0
+        self._writer = pq.ParquetWriter(self.sink, schema, **_write_options(schema))
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+
+    @classmethod
+    def like(cls, first: pa.Table) -> ShardWriter:
+        """A writer whose row groups hold about ROW_GROUP_BYTES of rows like ``first``'s."""
+        return cls(first.schema, rows_per_shard(first, ROW_GROUP_BYTES))
+
+    def write(self, table: pa.Table) -> None:
+        """Add rows (their schema must be the writer's)."""
+        self._pending.append(table)
+        self._pending_rows += table.num_rows
+        if self._pending_rows >= self.group_rows:
+            rows = pa.concat_tables(self._pending)
+            full = rows.num_rows - rows.num_rows % self.group_rows
+            self._writer.write_table(rows.slice(0, full), row_group_size=self.group_rows)
+            self.rows += full
+            rest = rows.slice(full)
+            self._pending, self._pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
+
+    def finish(self) -> pa.Buffer:
+        """Write what is left and close: the Parquet bytes."""
+        if self._pending_rows or self.rows == 0:
+            rows = pa.concat_tables(self._pending) if self._pending else self.schema.empty_table()
+            self._writer.write_table(rows, row_group_size=self.group_rows)
+            self.rows += rows.num_rows
+        self._writer.close()
+        return self.sink.getvalue()
 
 
 def store_shard(table: pa.Table, artifacts: ArtifactStore) -> ShardInfo:
@@ -83,6 +130,12 @@ def store_shard(table: pa.Table, artifacts: ArtifactStore) -> ShardInfo:
     data = encode_shard(table)
     info = artifacts.put_blob(data)
     return ShardInfo(key=info.key, sha256=info.sha256, rows=table.num_rows, bytes=info.size)
+
+
+def store_encoded(data: pa.Buffer, rows: int, artifacts: ArtifactStore) -> ShardInfo:
+    """Store Parquet bytes of ``rows`` rows (from :class:`ShardWriter`) content-addressed."""
+    info = artifacts.put_blob(pa.BufferReader(data))
+    return ShardInfo(key=info.key, sha256=info.sha256, rows=rows, bytes=info.size)
 
 
 def split_table(table: pa.Table, target_bytes: int) -> Iterator[pa.Table]:
@@ -123,6 +176,18 @@ def read_shard(
     pf = open_parquet(source, name, dictionary)
     try:
         if row_groups is None:
+            return pf.read(columns=columns, use_threads=False)
+        return pf.read_row_groups(row_groups, columns=columns, use_threads=False)
+    except (pa.ArrowException, OSError) as exc:
+        raise IntegrityError(f"shard {name} is truncated or corrupt: {exc}") from exc
+
+
+def read_groups(
+    pf: pq.ParquetFile, name: str, row_groups: list[int], columns: list[str] | None = None
+) -> pa.Table:
+    """Some row groups of an open shard (page checksums verified as it was opened)."""
+    try:
+        if not row_groups:
             return pf.read(columns=columns, use_threads=False)
         return pf.read_row_groups(row_groups, columns=columns, use_threads=False)
     except (pa.ArrowException, OSError) as exc:

@@ -8,7 +8,10 @@ them and writes the output shards. The fitted statistics are saved in the manife
 
 from __future__ import annotations
 
-from collections import Counter
+import itertools
+import threading
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -16,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gpuyard.data.catalog import check_new_version_team, record_version
+from gpuyard.data.columns import tensor_spec
 from gpuyard.data.dataset import DatasetVersion, open_dataset
 from gpuyard.data.features import numeric
 from gpuyard.data.fitted import FittedTransform
@@ -27,29 +31,61 @@ from gpuyard.refs import check_dataset_name
 
 # -- tasks run by the pool or by Ray (module-level so they pickle by reference) -----------------------
 
+# Row groups read at once by a transform: each is about 8 MiB of input (shards.ROW_GROUP_BYTES).
+GROUPS_PER_PIECE = 1
+# Threads of one shard's task that read and transform pieces (one more encodes them).
+READ_THREADS = 2
 
-def _load(task: dict[str, Any]) -> tuple[pa.Table, FittedTransform]:
+
+def _open(task: dict[str, Any]) -> tuple[Any, str, FittedTransform]:
+    """The task's shard opened for reading and its fitted transform."""
     from pathlib import Path
 
     from gpuyard.data.cache import ShardCache
     from gpuyard.data.dataset import shard_location
-    from gpuyard.data.shards import ShardInfo, read_shard
+    from gpuyard.data.shards import ShardInfo, open_parquet
     from gpuyard.store.artifacts import ArtifactStore
 
     artifacts = ArtifactStore(task["root"])
     shard = ShardInfo.from_json(task["shard"])
     cache = ShardCache(Path(task["cache_dir"]), task["cache_bytes"])
-    encoded = [e.column for e in Recipe.model_validate(task["recipe"]).encode]
+    recipe = Recipe.model_validate(task["recipe"])
+    encoded = [e.column for e in recipe.encode]
     path = shard_location(artifacts, shard, cache)
-    table = read_shard(path, artifacts.url(shard.key), columns=task.get("columns"), dictionary=encoded)
-    ft = FittedTransform(Recipe.model_validate(task["recipe"]), task.get("fitted", {}))
+    name = artifacts.url(shard.key)
+    pf = open_parquet(path, name, dictionary=encoded)
+    return pf, name, FittedTransform(recipe, task.get("fitted", {}))
+
+
+def _piece_plan(pf: Any) -> list[tuple[int, list[int]]]:
+    """(first row, row groups) of each piece of a shard: a few row groups at a time.
+
+    A shard without row groups (no rows) is one piece of no groups, read as the whole empty shard.
+    """
+    from gpuyard.data.shards import row_group_bounds
+
+    bounds = row_group_bounds(pf)
+    if not bounds:
+        return [(0, [])]
+    return [
+        (bounds[i][0], list(range(i, min(i + GROUPS_PER_PIECE, len(bounds)))))
+        for i in range(0, len(bounds), GROUPS_PER_PIECE)
+    ]
+
+
+def _load(task: dict[str, Any]) -> tuple[pa.Table, FittedTransform]:
+    from gpuyard.data.shards import read_groups
+
+    pf, name, ft = _open(task)
+    table = read_groups(pf, name, list(range(pf.num_row_groups)), task.get("columns"))
     return ft.features(table), ft
 
 
-def _train_rows(table: pa.Table, task: dict[str, Any]) -> pa.Table:
+def _train_rows(table: pa.Table, task: dict[str, Any], start: int = 0) -> pa.Table:
     if task.get("split") is None:
         return table
-    return table.filter(pa.array(task["split"] == task["train_code"]))
+    codes = task["split"][start : start + table.num_rows]
+    return table.filter(pa.array(codes == task["train_code"]))
 
 
 def fit_shard(task: dict[str, Any]) -> dict[str, Any]:
@@ -75,20 +111,100 @@ def fit_shard(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_shard(task: dict[str, Any]) -> dict[str, Any]:
-    """Transform one shard, store it, and return its shard info and partial statistics."""
-    from gpuyard.data.shards import store_shard
-    from gpuyard.data.stats import partial_stats
+    """Transform one shard, store it, and return its shard info and partial statistics.
+
+    The shard streams through in pieces of a few row groups. ``READ_THREADS`` threads read, transform
+    and take the statistics of pieces (each with the shard opened on its own), while one more thread
+    encodes the transformed pieces, in order, into the output shard. Memory holds a few pieces and
+    the encoded output, never the decoded shard; and a lone shard still keeps every core busy.
+    """
+    from gpuyard.data.shards import ShardWriter, read_groups, store_encoded
+    from gpuyard.data.stats import merge
     from gpuyard.store.artifacts import ArtifactStore
 
-    table, ft = _load(task)
-    if task.get("split") is not None:
-        names = np.array(task["split_names"], dtype=object)
-        table = table.append_column("split", pa.array(names[task["split"]], pa.string()))
-        if task.get("fold") is not None:
-            table = table.append_column("fold", pa.array(task["fold"].astype(np.int8)))
-    table = ft.finish(table)
-    info = store_shard(table, ArtifactStore(task["root"]))
-    return {"shard": info.to_json(), "stats": partial_stats(table), "schema": table.schema}
+    pf, name, ft = _open(task)
+    plan = _piece_plan(pf)
+    names = np.array(task.get("split_names") or [], dtype=object)
+    local = threading.local()
+
+    def piece(start: int, groups: list[int]) -> tuple[pa.Table, dict[str, Any]]:
+        if not hasattr(local, "pf"):  # a Parquet reader is not shared between threads
+            local.pf = _open(task)[0]
+        table = _with_split(ft.features(read_groups(local.pf, name, groups)), task, names, start)
+        table, known = ft.finish_counted(table)
+        return table, _piece_stats(table, known)
+
+    writer: ShardWriter | None = None
+    partials: list[dict[str, Any]] = []
+    reads: deque[Future[tuple[pa.Table, dict[str, Any]]]] = deque()
+    writes: deque[Future[None]] = deque()
+    todo = iter(plan)
+    with (
+        ThreadPoolExecutor(READ_THREADS, thread_name_prefix="gpuyard-transform") as readers,
+        ThreadPoolExecutor(1, thread_name_prefix="gpuyard-encode") as encoder,
+    ):
+        try:
+            reads.extend(readers.submit(piece, *p) for p in itertools.islice(todo, READ_THREADS + 1))
+            while reads:
+                table, partial = reads.popleft().result()
+                following = next(todo, None)
+                if following is not None:
+                    reads.append(readers.submit(piece, *following))
+                partials.append(partial)
+                writer = writer or ShardWriter.like(table)
+                writes.append(encoder.submit(writer.write, table))  # one encoder thread: in order
+                while len(writes) > 1:  # at most one piece waits for the encoder
+                    writes.popleft().result()
+            while writes:
+                writes.popleft().result()
+        finally:
+            for waiting in (reads, writes):
+                for fut in waiting:
+                    fut.cancel()
+    assert writer is not None  # the plan has at least one piece
+    info = store_encoded(writer.finish(), writer.rows, ArtifactStore(task["root"]))
+    return {"shard": info.to_json(), "stats": merge(partials), "schema": writer.schema}
+
+
+def _with_split(table: pa.Table, task: dict[str, Any], names: np.ndarray, start: int) -> pa.Table:
+    """``table`` (rows from ``start`` of the shard) with its split and fold columns, when there is a split."""
+    if task.get("split") is None:
+        return table
+    stop = start + table.num_rows
+    table = table.append_column("split", pa.array(names[task["split"][start:stop]], pa.string()))
+    if task.get("fold") is not None:
+        table = table.append_column("fold", pa.array(task["fold"][start:stop].astype(np.int8)))
+    return table
+
+
+def _piece_stats(table: pa.Table, known: dict[str, int]) -> dict[str, Any]:
+    """Partial statistics of transformed rows; one-hot columns' from their known-row counts."""
+    from gpuyard.data.stats import partial_stats
+
+    rest = partial_stats(table.drop_columns(list(known)) if known else table)
+    return {
+        f.name: onehot_partial(f, table.num_rows, known[f.name]) if f.name in known else rest[f.name]
+        for f in table.schema
+    }
+
+
+def onehot_partial(field: pa.Field, rows: int, known: int) -> dict[str, Any]:
+    """The partial statistics of a one-hot column of ``rows`` rows, ``known`` of them with a 1.
+
+    Exactly what :func:`gpuyard.data.stats.partial_stats` computes from the vectors (each known row
+    holds one 1 and k-1 zeros; an unknown row k zeros), from two counts.
+    """
+    spec = tensor_spec(field)
+    assert spec is not None and spec.dtype == "uint8", f"{field.name} is not a one-hot column"
+    size = rows * int(np.prod(spec.shape))
+    out: dict[str, Any] = {"kind": "tensor", "count": rows, "nulls": 0}
+    if size == 0:
+        out.update(n=0, sum=0.0, sumsq=0.0, min=None, max=None)
+    else:
+        out.update(n=size, sum=float(known), sumsq=float(known))
+        out.update(min=1.0 if known == size else 0.0, max=1.0 if known else 0.0)
+    out.update(shape=list(spec.shape), dtype=spec.dtype)
+    return out
 
 
 def fit_from_stats(recipe: Recipe, ds: DatasetVersion) -> dict[str, Any] | None:

@@ -3,14 +3,16 @@
 One Trainer run (one process, CPU, an MLP whose model + AdamW state is --hidden/--layers sized)
 takes a checkpoint every --every steps, alternating the two kinds on the same state:
 
-* memory: ``Trainer.snapshot()``: the copy of model and optimizer tensors into reused host buffers
-  in the training thread (the stall), then in a background thread the serialised snapshot written
-  to /dev/shm (and, with more than one rank, sent to the next rank);
+* memory: ``Trainer.snapshot()``: buffers (none in an MLP) copied into reused host buffers in the
+  training thread; parameters and optimizer state copied by a background thread while the next
+  forward and backward run (the next optimizer step waits for that copy: counted in the stall),
+  then the serialised snapshot written to /dev/shm (and, with more ranks, sent to the next rank);
 * sync: ``Trainer.save_checkpoint()``: ``torch.distributed.checkpoint.save`` of the same state to
   storage (a folder on this machine's disk, files fsynced as DCP does by default), the per-rank file
   and the completeness marker, in the training thread.
 
-The stall is the time the training thread spends in the call (both include ``get_state_dict``).
+The stall is the time the training thread spends in the call (both include ``get_state_dict``),
+plus for a snapshot any wait before the next optimizer step.
 Before each sync save the benchmark waits, outside the timing, for the previous snapshot's
 background work, so neither kind is charged for the other. After the last checkpoint the run is
 cut short (an exception, as a dying process leaves no checkpoint), and a fresh process resumes it
@@ -81,7 +83,7 @@ def make_trainer(spec: TrainSpec, hidden: int, layers: int, callbacks: list[Any]
 def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """The training run with alternating checkpoints; returns the stalls and step times."""
     spec = make_spec(run_dir, args.hidden, args.layers, args.steps)
-    out: dict[str, Any] = {"memory": [], "sync": [], "background": [], "steps": []}
+    out: dict[str, Any] = {"memory": [], "memory_steps": [], "sync": [], "background": [], "steps": []}
     last = {"t": time.perf_counter()}
     checkpoints = args.steps // args.every
 
@@ -89,12 +91,13 @@ def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         if event != "step":
             return
         now = time.perf_counter()
-        out["steps"].append(now - last["t"])
+        out["steps"].append((trainer.step, now - last["t"]))
         k, rest = divmod(trainer.step, args.every)
         if rest == 0 and 1 <= k <= checkpoints:
             assert trainer.memory is not None
             if k % 2 == 0:  # the last one is a snapshot: newer than storage (memory_every < persist_every)
                 out["memory"].append(trainer.snapshot())
+                out["memory_steps"].append(trainer.step)
             else:
                 trainer.memory.wait()  # outside the timing: the previous snapshot's background work
                 out["background"].append(trainer.memory.last_background_s)
@@ -110,6 +113,12 @@ def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     trainer = make_trainer(spec, args.hidden, args.layers, [callback])
     with contextlib.suppress(Stop):
         trainer.fit()
+    assert trainer.memory is not None
+    # The snapshot's stall: the call, plus the wait before the next optimizer step for the
+    # background copy of parameters and optimizer state (0 when it was done by then).
+    waits = [trainer.memory.copy_waits.get(step, 0.0) for step in out["memory_steps"]]
+    out["copy_wait"] = waits
+    out["memory"] = [call + wait for call, wait in zip(out["memory"], waits, strict=True)]
     out["state_mb"] = (
         sum(
             t.numel() * t.element_size()
@@ -178,10 +187,28 @@ def main() -> None:
     assert from_storage["source"] == "storage", from_storage
 
     mem, sync = statistics.median(res["memory"]), statistics.median(res["sync"])
-    step = statistics.median(res["steps"])
+    step = statistics.median(t for _, t in res["steps"])
+    times = dict(res["steps"])
+    after = {s + 1 for s in res["memory_steps"]}
+    # The steps after a snapshot run beside its background copy and serialisation (on 2 cores
+    # here, they slow down): their extra time over the median step, up to the next checkpoint,
+    # is a cost the stall does not show. The same for the steps after a sync save, to compare.
+    step_after = statistics.median(t for s, t in res["steps"] if s in after)
+
+    def extra(steps: list[int]) -> float:
+        return statistics.median(
+            sum(max(0.0, times.get(s + i, step) - step) for i in range(1, args.every)) for s in steps
+        )
+
+    sync_steps = [s for s in range(args.every, args.steps + 1, args.every) if s not in res["memory_steps"]]
+    mem_extra, sync_extra = extra(res["memory_steps"]), extra(sync_steps)
+    cost_ratio = (sync + sync_extra) / (mem + mem_extra)
+    mem_mean = statistics.mean(res["memory"])
+    ratio_mean = statistics.mean(res["sync"]) / mem_mean
     print(
         f"state {res['state_mb']:.0f} MiB (model {res['params'] / 1e6:.1f} M params + AdamW), "
-        f"step {step * 1e3:.0f} ms, {len(res['memory'])} snapshots + {len(res['sync'])} sync saves"
+        f"step {step * 1e3:.0f} ms (the step after a snapshot: {step_after * 1e3:.0f} ms), "
+        f"{len(res['memory'])} snapshots + {len(res['sync'])} sync saves"
     )
     print(
         f"stall per checkpoint: in-memory {mem * 1e3:.1f} ms (all: "
@@ -189,6 +216,16 @@ def main() -> None:
         + f"), sync DCP {sync * 1e3:.0f} ms (all: "
         + ", ".join(f"{s * 1e3:.0f}" for s in res["sync"])
         + ")"
+    )
+    print(
+        "of which waiting before the next optimizer step for the background copy: "
+        + ", ".join(f"{w * 1e3:.1f}" for w in res["copy_wait"])
+        + " ms"
+    )
+    print(
+        f"extra time of the steps up to the next checkpoint (median): after a snapshot "
+        f"{mem_extra * 1e3:.0f} ms, after a sync save {sync_extra * 1e3:.0f} ms; stall + that: "
+        f"{(mem + mem_extra) * 1e3:.0f} ms vs {(sync + sync_extra) * 1e3:.0f} ms"
     )
     print(
         f"snapshot background work (serialise + /dev/shm write, off the training thread): "
@@ -200,7 +237,9 @@ def main() -> None:
         f"new process to resumed: {restart_memory:.1f} s / {restart_storage:.1f} s"
     )
     print(
-        f"checkpoint: stall_ratio={sync / mem:.1f} recovery_s={from_memory['seconds']:.3f} "
+        f"checkpoint: stall_ratio={sync / mem:.1f} stall_ratio_mean={ratio_mean:.1f} "
+        f"cost_ratio={cost_ratio:.1f} "
+        f"recovery_s={from_memory['seconds']:.3f} "
         f"recovery_storage_s={from_storage['seconds']:.3f} restart_s={restart_memory:.1f} "
         f"memory_stall_ms={mem * 1e3:.1f} sync_stall_ms={sync * 1e3:.0f} state_mib={res['state_mb']:.0f}"
     )

@@ -35,7 +35,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,7 +122,7 @@ def plan_restore(
     return None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     # A DTensor's shard on this rank; a plain tensor itself.
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
@@ -135,7 +135,7 @@ def _plain(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(_plain(v) for v in tree)
     if isinstance(tree, torch.Tensor):
-        return _local(tree)
+        return local_tensor(tree)
     return tree
 
 
@@ -155,7 +155,7 @@ def fill(live: Any, snap: Any, where: str = "") -> Any:
             raise ValueError(f"snapshot does not match the state at {where}")
         return type(live)(fill(a, b, f"{where}/{i}") for i, (a, b) in enumerate(zip(live, snap, strict=True)))
     if isinstance(live, torch.Tensor):
-        target = _local(live)
+        target = local_tensor(live)
         if not isinstance(snap, torch.Tensor) or target.shape != snap.shape:
             raise ValueError(f"snapshot tensor {where} does not match the state's shape")
         target.copy_(snap)
@@ -223,6 +223,10 @@ class MemoryCheckpointer:
         self._error: BaseException | None = None
         self._from_cuda = False
         self.stalls: list[float] = []
+        self.copy_waits: dict[int, float] = {}  # snapshot step -> wait before the next update
+        self._copied: tuple[int, threading.Event] | None = None
+        self._defer: set[int] = set()
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.warnings: list[str] = []  # snapshots not written (the run goes on); the trainer reports them
         self.last_background_s = 0.0
 
@@ -234,6 +238,7 @@ class MemoryCheckpointer:
         rank_state: dict[str, Any],
         meta: dict[str, Any],
         persist: bool = False,
+        defer: Collection[int] = (),
     ) -> float:
         """Copy the state to host memory and hand the rest to a background thread (collective).
 
@@ -243,15 +248,24 @@ class MemoryCheckpointer:
             rank_state: this rank's small state.
             meta: JSON-able facts (also written into a persisted checkpoint's marker).
             persist: also write this snapshot to storage (in the background).
+            defer: ``data_ptr()`` of CPU tensors that only the next optimizer step changes
+                (parameters, optimizer state): their copy is left to the background thread, and
+                the caller calls :meth:`before_update` before that step. Others are copied here.
 
         Returns:
             The seconds the calling (training) thread was held: waiting for the previous
-            snapshot's background work, plus the copy.
+            snapshot's background work, plus the copies not deferred.
         """
         start = time.perf_counter()
         self.wait()
         self._from_cuda = False
+        self._defer = set(defer)
+        self._deferred = []
         host = self._copy(app_state, "")
+        copied = threading.Event()
+        if not self._deferred:
+            copied.set()
+        self._copied = (step, copied)
         event = None
         if self._from_cuda:
             # The copies are queued on the current stream, ahead of the next step's kernels; the
@@ -261,7 +275,7 @@ class MemoryCheckpointer:
         small = copy.deepcopy(rank_state)
         self._thread = threading.Thread(
             target=self._background,
-            args=(step, host, small, dict(meta), persist, event),
+            args=(step, host, small, dict(meta), persist, event, self._deferred, copied),
             name=f"gpuyard-snapshot-{step}",
             daemon=True,
         )
@@ -277,14 +291,17 @@ class MemoryCheckpointer:
             return type(tree)(self._copy(v, f"{path}/{i}") for i, v in enumerate(tree))
         if not isinstance(tree, torch.Tensor):
             return copy.deepcopy(tree)
-        src = _local(tree).detach()
+        src = local_tensor(tree).detach()
         self._from_cuda = self._from_cuda or src.device.type == "cuda"
         buf = self._buffers.get(path)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
             pin = src.device.type == "cuda"
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
             self._buffers[path] = buf
-        buf.copy_(src, non_blocking=src.device.type == "cuda")
+        if src.device.type == "cpu" and src.data_ptr() in self._defer:
+            self._deferred.append((buf, src))  # copied by the background thread, first thing
+        else:
+            buf.copy_(src, non_blocking=src.device.type == "cuda")
         from torch.distributed.tensor import DTensor
 
         if not isinstance(tree, DTensor):
@@ -302,9 +319,16 @@ class MemoryCheckpointer:
         meta: dict[str, Any],
         persist: bool,
         event: Any,
+        deferred: list[tuple[torch.Tensor, torch.Tensor]],
+        copied: threading.Event,
     ) -> None:
         start = time.perf_counter()
         try:
+            try:
+                for buf, src in deferred:
+                    buf.copy_(src)
+            finally:
+                copied.set()  # the optimizer step may go on (an error is raised at wait())
             if event is not None:
                 event.synchronize()
             own = self._write_own(step, host, rank_state)
@@ -375,6 +399,19 @@ class MemoryCheckpointer:
         for h, p in held:
             if h.step not in keep:
                 p.unlink(missing_ok=True)
+
+    def before_update(self) -> float:
+        """Wait until the deferred copies of the last snapshot are done (call before the optimizer
+        step that follows it); returns the seconds waited, also kept in ``copy_waits[step]``."""
+        if self._copied is None:
+            return 0.0
+        step, copied = self._copied
+        self._copied = None
+        began = time.perf_counter()
+        copied.wait()
+        waited = time.perf_counter() - began
+        self.copy_waits[step] = waited
+        return waited
 
     def wait(self) -> None:
         """Finish the background work of the last snapshot (collective); re-raise its error."""

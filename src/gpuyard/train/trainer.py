@@ -26,7 +26,7 @@ from gpuyard.tracking.training import DbRunTracker, db_metric_key
 from gpuyard.train import components as comp
 from gpuyard.train.checkpoint import Checkpointer, latest_checkpoint, step_dirname
 from gpuyard.train.data import DataSource, call_factory, count_batch, make_source, split_batch, to_device
-from gpuyard.train.memory_checkpoint import MemoryCheckpointer, default_snapshot_dir, fill
+from gpuyard.train.memory_checkpoint import MemoryCheckpointer, default_snapshot_dir, fill, local_tensor
 from gpuyard.train.metrics import DeviceStats, Progress, catalog_peak_tflops, model_flops_utilization
 from gpuyard.train.parallel import (
     build_pipeline,
@@ -329,12 +329,27 @@ class Trainer:
         if persist:
             self.checkpointer.wait()  # an async storage save still pending: its finalize is collective
         self.memory.snapshot(
-            self.step, self._app_state(), self._rank_state(), self._meta("persist_every"), persist
+            self.step,
+            self._app_state(),
+            self._rank_state(),
+            self._meta("persist_every"),
+            persist,
+            defer=self._update_only_tensors(),
         )
         total = time.perf_counter() - start
         self._event("memory_snapshot", step=self.step, stall_s=round(total, 6), persist=persist)
         self._snapshot_warnings()
         return total
+
+    def _update_only_tensors(self) -> set[int]:
+        """data_ptr() of the CPU tensors only the optimizer step changes (parameters and optimizer
+        state): a snapshot copies them in the background while the next forward and backward run,
+        and the next step waits for that copy (`before_update`). Buffers (BatchNorm statistics,
+        which forward changes) are copied at once."""
+        ptrs = {local_tensor(p).data_ptr() for p in self.model.parameters()}
+        for state in self.optimizer.state.values():
+            ptrs.update(local_tensor(v).data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+        return ptrs
 
     def _snapshot_warnings(self) -> None:
         if self.memory is None:
@@ -461,6 +476,10 @@ class Trainer:
                 # report the step as diverged (the loss check below sees the NaN).
                 self.optimizer.zero_grad(set_to_none=True)
                 return torch.full((), float("nan"), device=self.ctx.device), samples, tokens
+        if self.memory is not None:
+            waited = self.memory.before_update()  # the last snapshot's copy of what the step changes
+            if waited > 0.0005:
+                self._event("memory_snapshot_wait", step=self.step, seconds=round(waited, 6))
         apply_update(self.optimizer, self.scheduler)
         return total, samples, tokens
 

@@ -209,3 +209,19 @@ def test_a_snapshot_that_cannot_be_written_is_reported_and_training_goes_on(
     run(spec)
     [event] = _resumes(spec.resolved_run_dir())
     assert event["source"] == "memory" and event["step"] == 8
+
+
+def test_update_only_tensors_are_copied_before_the_next_update(tmp_path: Path) -> None:
+    from gpuyard.train.memory_checkpoint import MemoryCheckpointer
+
+    memory = MemoryCheckpointer(tmp_path / "shm", rank=0, world_size=1)
+    param, buffer = torch.arange(4.0), torch.zeros(2)
+    memory.snapshot(1, {"p": param, "b": buffer}, {"step": 1}, {}, defer={param.data_ptr()})
+    buffer += 5  # what a forward pass does to BatchNorm statistics: copied at once, not affected
+    memory.before_update()
+    assert 1 in memory.copy_waits
+    param.mul_(-1)  # the optimizer step, after before_update()
+    memory.wait()
+    [path] = (tmp_path / "shm").rglob("*.snap")
+    saved = torch.load(path, weights_only=True)["app"]
+    assert torch.equal(saved["p"], torch.arange(4.0)) and torch.equal(saved["b"], torch.zeros(2))

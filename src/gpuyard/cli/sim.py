@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -51,6 +52,21 @@ def sim(
     ),
     max_wait: float = typer.Option(600.0, "--max-wait", min=0.0, help="Fabric placement: longest wait (s)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the workload assignment (openb: of the arrivals)."),
+    failures: str = typer.Option(
+        "none",
+        "--failures",
+        help="Inject failures into running jobs: none, or llama3-405b (per-GPU and per-node rates of"
+        " Llama 3 405B's run; docs/scheduler.md). A failed job loses the work since its checkpoint.",
+    ),
+    checkpoint_interval: float = typer.Option(
+        600.0, "--checkpoint-interval", min=1.0, help="Seconds between the jobs' checkpoints."
+    ),
+    restart_s: float = typer.Option(
+        60.0, "--restart-s", min=0.0, help="Seconds a preempted or failed job takes to restart."
+    ),
+    checkpoint_s: float = typer.Option(
+        0.0, "--checkpoint-s", min=0.0, help="Seconds each checkpoint stalls a job's training."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
     openb_nodes: Path = typer.Option(
         None,
@@ -145,7 +161,17 @@ def sim(
             nodes, gpus_per_node, nodes_per_leaf=nodes_per_leaf or 16, nodes_per_domain=nodes_per_domain
         )
     chosen = make_policy(policy, weights=parse_team_weights(team_weight), placer=placer)
-    result = simulate(jobs, node_list, chosen, workloads=workloads, fabric=fabric)
+    from gpuyard.scheduler.simulator import SimConfig
+
+    config = SimConfig(
+        checkpoint_interval_s=checkpoint_interval,
+        restart_overhead_s=restart_s,
+        failures=_failure_model(failures),
+        failure_seed=seed,
+        gpus_per_node=gpus_per_node,
+        checkpoint_stall_s=checkpoint_s,
+    )
+    result = simulate(jobs, node_list, chosen, config=config, workloads=workloads, fabric=fabric)
     doc = result.to_dict()
     if placement:
         doc["placement"] = placement
@@ -164,6 +190,11 @@ def sim(
         console.print(f"  {key:>14}  {doc[key]:,.0f}")
     console.print(f"  {'utilization':>14}  {result.utilization:.1%}")
     console.print(f"  {'fairness_jain':>14}  {result.fairness_jain:.3f}  (per-team bounded slowdown)")
+    if config.failures is not None or result.preemptions:
+        console.print(
+            f"  {'ettr':>14}  {result.ettr:.1%}  ({result.failures} failures injected, "
+            f"{result.lost_gpu_hours:,.0f} GPU hours lost; checkpoint every {checkpoint_interval:g} s)"
+        )
     if placement:
         console.print(
             f"  placement {placement}: {result.multi_node_jobs} jobs on several nodes,"
@@ -249,3 +280,14 @@ def _sim_shares(
 def register(app: typer.Typer) -> None:
     """Add `gpuyard sim` to the CLI."""
     app.command("sim")(sim)
+
+
+def _failure_model(name: str) -> Any:
+    """The failure model ``--failures`` names (None for ``none``)."""
+    from gpuyard.errors import ConfigError
+    from gpuyard.fabric.failures import LLAMA3_405B
+
+    models = {"none": None, "llama3-405b": LLAMA3_405B}
+    if name not in models:
+        raise ConfigError(f"--failures {name!r}: choose {', '.join(models)}")
+    return models[name]

@@ -35,14 +35,32 @@ class SimConfig:
     """Knobs of the virtual cluster's behaviour (not of the policy).
 
     Attributes:
-        checkpoint_interval_s: a preempted job loses the work done since its last periodic checkpoint.
+        checkpoint_interval_s: a preempted or failed job loses the work done since its last periodic
+            checkpoint.
         restart_overhead_s: grace period + restart + checkpoint load, paid by a resumed job.
         preempt_check_s: a preemptive policy may preempt at most this often (its scheduling interval).
+        failures: the failure model injected into running jobs (None: jobs never fail).
+        failure_seed: seed of the failure times.
+        gpus_per_node: GPUs per node, for the failure model's per-node rate.
+        checkpoint_stall_s: training time each checkpoint stops the job for (0: free checkpoints,
+            as before failures were modelled).
     """
 
     checkpoint_interval_s: float = 600.0
     restart_overhead_s: float = 60.0
     preempt_check_s: float = 300.0
+    # Failures injected into running jobs (``gpuyard.fabric.failures.FailureModel``; None: none). A job
+    # on G GPUs fails after an exponential time of rate ``failures.rate_per_hour(G, gpus_per_node)``;
+    # it loses the work since its last checkpoint, is queued again and pays the restart overhead.
+    failures: Any = None
+    failure_seed: int = 0
+    gpus_per_node: int = 8
+    checkpoint_stall_s: float = 0.0
+
+    @property
+    def stall_factor(self) -> float:
+        """Wall time per second of work: each checkpoint interval also pays the checkpoint's stall."""
+        return 1.0 + self.checkpoint_stall_s / self.checkpoint_interval_s
 
 
 @dataclass
@@ -53,6 +71,7 @@ class _Run:
     finish: float = math.nan
     busy: float = 0.0  # GPU-holding seconds, for utilization
     preemptions: int = 0
+    failures: int = 0
     attained: float = 0.0
     started_at: float = 0.0
     version: int = 0
@@ -82,6 +101,12 @@ class SimResult:
     multi_leaf_jobs: int = 0  # jobs that ran across leaf switches at least once
     slowed_jobs: int = 0  # jobs that ran slower than on their consolidated placement (fabric model)
     fabric_waits: int = 0  # jobs that fabric-aware placement kept waiting for consolidation at least once
+    failures: int = 0  # injected failures (SimConfig.failures)
+    # GPU-weighted effective training time ratio: the work of the trace over the time from each job's
+    # first start to its end (restarts, requeue waits after failures, lost work and slowdowns count
+    # against it; the first queueing does not).
+    ettr: float = 1.0
+    lost_gpu_hours: float = 0.0  # GPU time held without progress kept (work lost + restart overheads)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -127,8 +152,10 @@ def simulate(
     queue = JobQueue(policy.key)
     estimator = RuntimeEstimator()
     running: dict[int, RunningJob] = {}
-    ends: list[tuple[float, int, int]] = []  # (time, job id, version): lazy deletion on preemption
-    preemptions, nxt, next_check = 0, 0, 0.0
+    # (time, job id, version, failed): lazy deletion on preemption; failed: a failure, not the end
+    ends: list[tuple[float, int, int, bool]] = []
+    rng = np.random.default_rng(config.failure_seed)
+    preemptions, failures, nxt, next_check = 0, 0, 0, 0.0
     waited: set[int] = set()
     now = 0.0
     while nxt < len(arrivals) or ends:
@@ -136,9 +163,13 @@ def simulate(
             arrivals[nxt].job.submit if nxt < len(arrivals) else math.inf, ends[0][0] if ends else math.inf
         )
         while ends and ends[0][0] <= now:
-            _, jid, version = heapq.heappop(ends)
+            _, jid, version, failed = heapq.heappop(ends)
             run = runs[jid]
             if version != run.version:
+                continue
+            if failed:
+                failures += 1
+                _preempt(run, running.pop(jid), state, queue, estimator, now, config, workloads, failed=True)
                 continue
             state.release(running.pop(jid).placement)
             run.busy += now - run.started_at
@@ -177,10 +208,20 @@ def simulate(
                 placement,
                 attained=qjob.attained,
             )
-            heapq.heappush(ends, (now + run.remaining * run.ratio, qjob.id, run.version))
+            end = now + run.remaining * run.ratio * config.stall_factor
+            fail = _failure_time(config, qjob.gpus, now, rng)
+            heapq.heappush(ends, (min(end, fail), qjob.id, run.version, fail < end))
     result = _result(policy.name, list(runs.values()), len(trace) - len(runs), total, preemptions)
-    result.fabric_waits = len(waited)
+    result.fabric_waits, result.failures = len(waited), failures
     return result
+
+
+def _failure_time(config: SimConfig, gpus: int, now: float, rng: np.random.Generator) -> float:
+    """When a job starting ``now`` on ``gpus`` GPUs next fails (inf without a failure model)."""
+    if config.failures is None:
+        return math.inf
+    rate = config.failures.rate_per_hour(gpus, config.gpus_per_node) / 3600.0
+    return now + float(rng.exponential(1.0 / rate)) if rate > 0 else math.inf
 
 
 def _slowdown(
@@ -229,16 +270,24 @@ def _preempt(
     now: float,
     config: SimConfig,
     workloads: dict[int, Any],
+    failed: bool = False,
 ) -> None:
+    """Stop a running job (preempted, or ``failed``): it keeps the work of its last checkpoint."""
     state.release(held.placement)
     ran = now - run.started_at
     run.busy += ran
-    overhead = config.restart_overhead_s if run.preemptions else 0.0
-    progress = max(0.0, ran - overhead) / run.ratio  # work, in seconds on the consolidated placement
+    # A resumed attempt spends its first restart_overhead_s restarting, not progressing.
+    overhead = config.restart_overhead_s if run.preemptions + run.failures else 0.0
+    # Work, in seconds on the consolidated placement without checkpoint stalls.
+    progress = max(0.0, ran - overhead) / (run.ratio * config.stall_factor)
     saved = progress - progress % config.checkpoint_interval_s
-    run.remaining = run.remaining - saved + config.restart_overhead_s
+    # The restart this attempt began with is spent, finished or not; the next attempt pays its own.
+    run.remaining = run.remaining - overhead - saved + config.restart_overhead_s
     run.attained += saved
-    run.preemptions += 1
+    if failed:
+        run.failures += 1
+    else:
+        run.preemptions += 1
     run.version += 1  # its pending completion event no longer counts
     queue.add(_queued(run, estimator, now, workloads))
 
@@ -278,7 +327,15 @@ def _result(name: str, runs: list[_Run], rejected: int, total_gpus: int, preempt
         rejected=rejected,
         fairness_jain=jain,
         teams=teams,
+        ettr=_ettr(runs),
+        lost_gpu_hours=float(sum(r.job.gpus * max(0.0, r.busy - r.job.duration) for r in runs) / 3600.0),
         multi_node_jobs=sum(r.multi_node for r in runs),
         multi_leaf_jobs=sum(r.multi_leaf for r in runs),
         slowed_jobs=sum(r.slowed for r in runs),
     )
+
+
+def _ettr(runs: list[_Run]) -> float:
+    """GPU-weighted work / (end - first start): what failures, restarts and slowdowns cost the jobs."""
+    wall = sum(r.job.gpus * (r.finish - r.first_start) for r in runs)
+    return float(sum(r.job.gpus * r.job.duration for r in runs) / wall) if wall > 0 else 1.0

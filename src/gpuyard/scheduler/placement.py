@@ -587,7 +587,7 @@ def why_waiting(
     nodes = [i for i in range(len(state.nodes)) if (mask is None or mask[i]) and not state.drained[i]]
     of = f" {gpu_type}" if gpu_type else ""
     drained = f"; {int(state.drained.sum())} node(s) drained" if state.drained.any() else ""
-    if place(state.copy(), gpus, gpu_type, cpus, multi_node, share) is not None:
+    if place(state, gpus, gpu_type, cpus, multi_node, share) is not None:  # place() changes nothing
         return f"waiting for its turn: it fits now, but jobs before it in policy order go first{drained}"
     if share is not None and share.mig:
         slices = [s for n in nodes for s in state.slices[n] if s.profile == share.mig]

@@ -128,6 +128,7 @@ class JobService:
         # Node health: drained nodes get nothing new; ``health`` (set by the server) checks this node.
         self.node_states = NodeStates(store)
         self.health: NodeHealthMonitor | None = None
+        self._wait_notes: dict[tuple[int, float], str] = {}  # (job, queued at) -> why it waits, as written
         self._learn_history()
 
     # -- requests ---------------------------------------------------------------------------------
@@ -579,16 +580,21 @@ class JobService:
         for _, placement in decision.starts:
             work.take(placement)
         started = {j.id for j, _ in decision.starts} | set(decision.waits)
-        notes = {
-            j.id: why_waiting(work, j.gpus, j.gpu_type, j.share, j.cpus, self.executor.multi_node)
-            for j in queue.ordered()
-            if j.id not in started
-        }
+        notes, seen = {}, {}
+        for j in queue.ordered():
+            if j.id in started:
+                continue
+            note = why_waiting(work, j.gpus, j.gpu_type, j.share, j.cpus, self.executor.multi_node)
+            seen[(j.id, j.enqueued_at)] = note
+            if self._wait_notes.get((j.id, j.enqueued_at)) != note:  # (re)queued or changed: write it
+                notes[j.id] = note
+        self._wait_notes = seen
+        if not notes:
+            return
         with self.store.session() as s:
-            for jid, note in notes.items():
-                row = s.get(JobRow, jid)
-                if row is not None and row.state == JobState.QUEUED.value and row.reason != note:
-                    row.reason = note
+            for row in s.scalars(select(JobRow).where(JobRow.id.in_(list(notes)))):
+                if row.state == JobState.QUEUED.value and row.reason != notes[row.id]:
+                    row.reason = notes[row.id]
 
     def _start(self, job_id: int, placement: Placement, slots: list[NodeSlots]) -> None:
         with self.store.session() as s:

@@ -280,7 +280,7 @@ def test_job_env_of_mig_mps_and_time_sliced_shares() -> None:
     mps = job_env(1, spec, 1, share.gpus, share, MpsConfig("/tmp/mps-pipe", "/tmp/mps-log"))
     assert mps["CUDA_VISIBLE_DEVICES"] == "GPU-1"  # MPS remaps indices: clients name GPUs by UUID
     assert mps["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
-    assert mps["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
+    assert mps["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480MB"
     assert (mps["CUDA_MPS_PIPE_DIRECTORY"], mps["CUDA_MPS_LOG_DIRECTORY"]) == (
         "/tmp/mps-pipe",
         "/tmp/mps-log",

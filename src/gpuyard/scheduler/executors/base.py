@@ -172,7 +172,7 @@ def share_env(slot: NodeSlots, mps: MpsConfig | None) -> dict[str, str]:
         if mps.log_dir:
             env["CUDA_MPS_LOG_DIRECTORY"] = mps.log_dir
         if slot.memory_gb > 0:
-            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={max(1, int(slot.memory_gb * 1024))}M"
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={max(1, int(slot.memory_gb * 1024))}MB"
     return env
 
 

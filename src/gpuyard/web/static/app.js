@@ -113,4 +113,70 @@ const fmt = {
   num(v, d = 3) { return v === null || v === undefined ? "-" : (typeof v === "number" ? (Number.isInteger(v) ? String(v) : v.toPrecision(d)) : esc(v)); },
   gib(b) { return b === null || b === undefined ? "-" : `${(b / 2 ** 30).toFixed(1)} GiB`; },
   badge(s) { return `<span class="badge ${esc(s)}">${esc(s)}</span>`; },
+  /** Escaped, and free to break after / _ @ # : . (validation/<wbr>f1_<wbr>macro, patients@<wbr>478e6e21142f). */
+  breaks(v) { return String(v ?? "").split(/(?<=[/_@#:.])/).map(esc).join("<wbr>"); },
+  /** Params as key=value pairs that wrap (nested values as JSON); past `limit`, "+N more". */
+  pairs(params, limit = Infinity, maxLen = Infinity) {
+    const entries = Object.entries(params || {});
+    if (!entries.length) return "-";
+    const value = (v) => {
+      const s = typeof v === "string" ? v : JSON.stringify(v);
+      return s.length > maxLen ? `${s.slice(0, maxLen - 1)}…` : s;
+    };
+    const shown = entries.slice(0, limit).map(([k, v]) => `<span class="pair"><span class="k">${esc(k)}</span>=${esc(value(v))}</span>`);
+    if (entries.length > limit) shown.push(`<span class="muted">+${entries.length - limit} more</span>`);
+    return `<span class="pairs">${shown.join(" ")}</span>`;
+  },
+};
+
+/** Which metrics to show as columns when the rows (runs, model versions) record different ones. */
+const metrics = {
+  /** {"validation/mse": 1} and {validation: {mse: 1}} (a registered version's) both as {"validation/mse": 1}; numbers only. */
+  flat(m) {
+    const out = {};
+    for (const [k, v] of Object.entries(m || {})) {
+      if (typeof v === "number") out[k] = v;
+      else if (v && typeof v === "object") for (const [k2, v2] of Object.entries(v)) if (typeof v2 === "number") out[`${k}/${k2}`] = v2;
+    }
+    return out;
+  },
+  /** Held-out test first, then validation, then the rest, training last. */
+  rank(k) { return k.startsWith("test/") ? 0 : k.startsWith("validation/") ? 1 : k.startsWith("train/") ? 3 : 2; },
+  /** The keys its objective `metric` has in one row (validation/mse, test/mse, or any other split/mse but train/). */
+  objective(row, metric) {
+    if (!metric) return [];
+    const keys = Object.keys(row).filter((k) => k === metric || k.endsWith(`/${metric}`));
+    const heldOut = keys.filter((k) => this.rank(k) < 3);  // train/loss only where nothing else is
+    return (heldOut.length ? heldOut : keys).sort((a, b) => this.rank(a) - this.rank(b) || a.localeCompare(b));
+  },
+  /**
+   * Columns for `rows` (each {key: number}): the `preferred` keys (the rows' objectives), then for any
+   * row still without a filled cell the key that fills most such rows (a held-out one before a
+   * training one), then the keys most rows share, up to `max` (exceeded only where it takes more to
+   * give every row with a metric a filled cell).
+   */
+  columns(rows, preferred = [], max = 6) {
+    const count = new Map();
+    for (const r of rows) for (const [k, v] of Object.entries(r)) if (v !== null && v !== undefined) count.set(k, (count.get(k) || 0) + 1);
+    const has = (r, k) => r[k] !== null && r[k] !== undefined;
+    const better = (a, b) => b === null || count.get(a) > count.get(b) || (count.get(a) === count.get(b) && (this.rank(a) - this.rank(b) || a.localeCompare(b)) < 0);
+    const picked = [];
+    for (const k of preferred) if (count.has(k) && !picked.includes(k) && picked.length < max) picked.push(k);
+    for (;;) {
+      const bare = rows.filter((r) => Object.keys(r).some((k) => has(r, k)) && !picked.some((k) => has(r, k)));
+      if (!bare.length) break;
+      let best = null, filled = 0;
+      for (const k of count.keys()) {
+        if (picked.includes(k)) continue;
+        const n = bare.filter((r) => has(r, k)).length;
+        const tie = n === filled && n > 0 && (this.rank(k) < this.rank(best) || (this.rank(k) === this.rank(best) && better(k, best)));
+        if (n > filled || tie) { best = k; filled = n; }
+      }
+      picked.push(best);
+    }
+    const rest = [...count.keys()].filter((k) => !picked.includes(k)).sort((a, b) => (better(a, b) ? -1 : 1));
+    for (const k of rest) { if (picked.length >= max) break; picked.push(k); }
+    const lead = picked.filter((k) => preferred.includes(k));
+    return [...lead, ...picked.filter((k) => !lead.includes(k)).sort((a, b) => this.rank(a) - this.rank(b) || a.localeCompare(b))];
+  },
 };

@@ -170,9 +170,13 @@ GY.pages.runs = {
       <div id="runs-table"></div></div><div id="run-detail"></div>`;
     const el = main.querySelector("#runs-table");
     if (!runs.length) { el.innerHTML = '<p class="muted">No run tracked yet (<code>gpuyard train</code>, <code>gpuyard tune</code>).</p>'; return; }
-    const keys = [...new Set(runs.flatMap((r) => Object.keys(r.latest)))].slice(0, 5);
-    el.innerHTML = `<table><tr><th></th><th>id</th><th>name</th><th>experiment</th><th>kind</th><th>status</th><th>dataset</th><th>started</th>${keys.map((k) => `<th>${esc(k)}</th>`).join("")}</tr>` +
-      runs.map((r) => `<tr class="clickable" data-id="${esc(r.id)}"><td><input type="checkbox" class="pick"></td><td class="mono">${esc(r.id.slice(0, 8))}</td><td>${esc(r.name)}</td><td>${esc(r.experiment)}</td><td>${esc(r.kind)}</td><td>${fmt.badge(r.status)}</td><td class="mono">${esc(r.dataset_version || "-")}</td><td>${fmt.time(r.started_at)}</td>${keys.map((k) => `<td>${fmt.num(r.latest[k], 4)}</td>`).join("")}</tr>`).join("") + "</table>";
+    // Columns from every run shown: each run's objective (validation/<its metric>, test/<...>), then
+    // whatever gives a run with metrics but no column yet a filled cell, then the most shared keys.
+    const latest = runs.map((r) => metrics.flat(r.latest));
+    const objectives = [...new Set(runs.flatMap((r, i) => metrics.objective(latest[i], (r.tags || {}).metric)))];
+    const keys = metrics.columns(latest, objectives, 6);
+    el.innerHTML = `<table class="runs"><tr><th></th><th>id</th><th>name</th><th>experiment</th><th>kind</th><th>status</th><th>dataset</th><th>started</th><th>params</th>${keys.map((k) => `<th class="metric">${fmt.breaks(k)}</th>`).join("")}</tr>` +
+      runs.map((r, i) => `<tr class="clickable" data-id="${esc(r.id)}"><td><input type="checkbox" class="pick"></td><td class="mono">${esc(r.id.slice(0, 8))}</td><td>${esc(r.name)}</td><td>${esc(r.experiment)}</td><td>${esc(r.kind)}</td><td>${fmt.badge(r.status)}</td><td class="mono">${fmt.breaks(r.dataset_version || "-")}</td><td>${fmt.time(r.started_at)}</td><td class="params mono" title="${esc(JSON.stringify(r.params))}">${fmt.pairs(r.params, 6, 40)}</td>${keys.map((k) => `<td class="metric">${fmt.num(latest[i][k], 4)}</td>`).join("")}</tr>`).join("") + "</table>";
     el.querySelectorAll("tr[data-id]").forEach((tr) => tr.addEventListener("click", (ev) => {
       if (ev.target.classList.contains("pick")) {
         ev.target.checked ? this.chosen.add(tr.dataset.id) : this.chosen.delete(tr.dataset.id);
@@ -192,7 +196,7 @@ GY.pages.runs = {
     if (ids.length > 1) {
       const cmp = await GY.api(`/runs/compare?${ids.map((i) => `ids=${encodeURIComponent(i)}`).join("&")}`);
       const tr = (k, vals, differs) => `<tr class="${differs ? "differs" : ""}"><td class="mono">${esc(k)}</td>${vals.map((v) => `<td>${typeof v === "number" ? fmt.num(v, 4) : esc(JSON.stringify(v))}</td>`).join("")}</tr>`;
-      head = `<div class="card"><h2>Compare ${ids.length} runs</h2><table><tr><th></th>${cmp.runs.map((r, i) => `<th>${esc(cmp.names[i])} <span class="mono muted">${esc(r.slice(0, 8))}</span></th>`).join("")}</tr>
+      head = `<div class="card"><h2>Compare ${ids.length} runs</h2><table class="compare"><tr><th></th>${cmp.runs.map((r, i) => `<th>${esc(cmp.names[i])} <span class="mono muted">${esc(r.slice(0, 8))}</span></th>`).join("")}</tr>
         <tr><td class="muted">dataset</td>${cmp.dataset_versions.map((d) => `<td class="mono">${esc(d || "-")}</td>`).join("")}</tr>
         ${Object.entries(cmp.params).map(([k, v]) => tr(k, v, cmp.differs.includes(k))).join("")}
         ${Object.entries(cmp.metrics).map(([k, v]) => tr(k, v, false)).join("")}</table><p class="muted">Highlighted: parameters that differ.</p></div>`;
@@ -200,7 +204,7 @@ GY.pages.runs = {
       const r = await GY.api(`/runs/${encodeURIComponent(ids[0])}`);
       head = `<div class="card"><h2>${esc(r.name)} <span class="mono muted">${esc(r.id)}</span> ${fmt.badge(r.status)}</h2>
         <dl class="kv"><dt>experiment</dt><dd>${esc(r.experiment)}</dd><dt>dataset</dt><dd class="mono">${esc(r.dataset_version || "-")}</dd>
-        <dt>code</dt><dd class="mono">${esc(r.code_version || "-")}</dd><dt>params</dt><dd class="mono">${esc(JSON.stringify(r.params))}</dd>
+        <dt>code</dt><dd class="mono">${esc(r.code_version || "-")}</dd><dt>params</dt><dd class="mono">${fmt.pairs(r.params)}</dd>
         <dt>artifacts</dt><dd>${r.artifacts.map((a) => `<span class="mono">${esc(a.name)}</span> (${a.size} B)`).join(", ") || "-"}</dd>
         ${r.error ? `<dt>error</dt><dd class="error">${esc(r.error)}</dd>` : ""}</dl></div>`;
     }
@@ -237,7 +241,10 @@ GY.pages.models = {
   async show(name) {
     const m = await GY.api(`/models/${encodeURIComponent(name)}`);
     const el = document.getElementById("model-detail");
-    const metricKeys = [...new Set(m.versions.flatMap((v) => Object.keys(v.metrics).filter((k) => typeof v.metrics[k] === "number")))].sort().slice(0, 6);
+    // A version registered from a run holds {split: {metric: value}}; one registered by hand, {key: value}.
+    const flat = new Map(m.versions.map((v) => [v.version, metrics.flat(v.metrics)]));
+    const objectives = [...new Set(m.versions.flatMap((v) => metrics.objective(flat.get(v.version), (v.lineage || {}).metric)))];
+    const metricKeys = metrics.columns([...flat.values()], objectives, 6);
     const canWrite = GY.me.role !== "viewer";
     const stageCell = (v) => canWrite && v.stage !== "production"
       ? `<select class="stage" data-v="${v.version}">${["none", "staging", "archived"].map((s) => `<option ${s === v.stage ? "selected" : ""}>${s}</option>`).join("")}</select>`
@@ -245,17 +252,17 @@ GY.pages.models = {
     const lineage = (v) => `<div class="lineage"><span class="node">dataset <span class="mono">${esc(v.dataset_version || "-")}</span></span><span class="arrow">→</span>
       <span class="node">run <span class="mono">${esc((v.run_id || "-").slice(0, 8))}</span></span><span class="arrow">→</span>
       <span class="node"><b>${esc(v.name)}:${v.version}</b> ${fmt.badge(v.stage)}</span>
-      ${v.lineage && Object.keys(v.lineage).length ? `<span class="muted mono">${esc(JSON.stringify(v.lineage).slice(0, 200))}</span>` : ""}</div>`;
-    el.innerHTML = `<div class="card"><h2>${esc(name)}: versions</h2><table><tr><th>version</th><th>stage</th><th>aliases</th><th>flavor</th><th>run</th><th>dataset</th><th>code</th>${metricKeys.map((k) => `<th>${esc(k)}</th>`).join("")}<th>created</th></tr>` +
-      m.versions.map((v) => `<tr><td><b>${v.version}</b></td><td>${stageCell(v)}</td><td>${v.aliases.map(esc).join(", ") || "-"}</td><td>${esc(v.flavor)}</td><td class="mono">${esc((v.run_id || "-").slice(0, 8))}</td><td class="mono">${esc(v.dataset_version || "-")}</td><td class="mono">${esc((v.code_version || "-").slice(0, 10))}</td>${metricKeys.map((k) => `<td>${fmt.num(v.metrics[k], 4)}</td>`).join("")}<td>${fmt.time(v.created_at)}</td></tr>`).join("") +
+      ${v.lineage && Object.keys(v.lineage).length ? `<span class="muted mono wrap">${esc(JSON.stringify(v.lineage).slice(0, 200))}</span>` : ""}</div>`;
+    el.innerHTML = `<div class="card"><h2>${esc(name)}: versions</h2><table id="versions"><tr><th>version</th><th>stage</th><th>aliases</th><th>flavor</th><th>run</th><th>dataset</th><th>code</th>${metricKeys.map((k) => `<th class="metric">${fmt.breaks(k)}</th>`).join("")}<th>created</th></tr>` +
+      m.versions.map((v) => `<tr data-v="${v.version}"><td><b>${v.version}</b></td><td>${stageCell(v)}</td><td>${v.aliases.map(esc).join(", ") || "-"}</td><td>${esc(v.flavor)}</td><td class="mono">${esc((v.run_id || "-").slice(0, 8))}</td><td class="mono">${fmt.breaks(v.dataset_version || "-")}</td><td class="mono">${esc((v.code_version || "-").slice(0, 10))}</td>${metricKeys.map((k) => `<td class="metric">${fmt.num(flat.get(v.version)[k], 4)}</td>`).join("")}<td>${fmt.time(v.created_at)}</td></tr>`).join("") +
       `</table></div><div class="row"><div class="card"><h2>Lineage</h2>${m.versions.slice(0, 5).map(lineage).join("<br>")}</div>
-      <div class="card"><h2>Metrics by version</h2><div class="charts" id="model-metrics"></div></div></div>
+      <div class="card"><h2>Metrics by version</h2><div class="charts" id="model-metrics">${metricKeys.length ? "" : '<p class="muted">No version recorded a metric.</p>'}</div></div></div>
       <div class="card"><h2>Events</h2><table><tr><th>at</th><th>version</th><th>action</th><th>detail</th></tr>${m.events.map((e) => `<tr><td>${fmt.time(e.at)}</td><td>${e.version ?? "-"}</td><td>${esc(e.action)}</td><td class="mono">${esc(JSON.stringify(e.detail).slice(0, 160))}</td></tr>`).join("")}</table></div>`;
     const vs = [...m.versions].reverse();
     if (metricKeys.length && vs.length) {
       const div = document.createElement("div");
       document.getElementById("model-metrics").appendChild(div);
-      Charts.line(div, "metric per version", vs.map((v) => v.version), metricKeys.map((k) => ({ label: k, values: vs.map((v) => v.metrics[k] ?? null) })), { xlabel: "version", width: 460, integerX: true });
+      Charts.line(div, "metric per version", vs.map((v) => v.version), metricKeys.map((k) => ({ label: k, values: vs.map((v) => flat.get(v.version)[k] ?? null) })), { xlabel: "version", width: 460, integerX: true });
     }
     el.querySelectorAll("select.stage").forEach((s) => s.addEventListener("change", async () => {
       try { await GY.api(`/models/${encodeURIComponent(name)}/versions/${s.dataset.v}/stage`, { json: { stage: s.value } }); GY.toast(`${name}:${s.dataset.v} → ${s.value}`); await this.show(name); }

@@ -253,9 +253,9 @@ GY.pages.models = {
       <span class="node">run <span class="mono">${esc((v.run_id || "-").slice(0, 8))}</span></span><span class="arrow">→</span>
       <span class="node"><b>${esc(v.name)}:${v.version}</b> ${fmt.badge(v.stage)}</span>
       ${v.lineage && Object.keys(v.lineage).length ? `<span class="muted mono wrap">${esc(JSON.stringify(v.lineage).slice(0, 200))}</span>` : ""}</div>`;
-    el.innerHTML = `<div class="card"><h2>${esc(name)}: versions</h2><table id="versions"><tr><th>version</th><th>stage</th><th>aliases</th><th>flavor</th><th>run</th><th>dataset</th><th>code</th>${metricKeys.map((k) => `<th class="metric">${fmt.breaks(k)}</th>`).join("")}<th>created</th></tr>` +
+    el.innerHTML = `<div class="card"><h2>${esc(name)}: versions</h2><div class="scroll-x"><table id="versions"><tr><th>version</th><th>stage</th><th>aliases</th><th>flavor</th><th>run</th><th>dataset</th><th>code</th>${metricKeys.map((k) => `<th class="metric">${fmt.breaks(k)}</th>`).join("")}<th>created</th></tr>` +
       m.versions.map((v) => `<tr data-v="${v.version}"><td><b>${v.version}</b></td><td>${stageCell(v)}</td><td>${v.aliases.map(esc).join(", ") || "-"}</td><td>${esc(v.flavor)}</td><td class="mono">${esc((v.run_id || "-").slice(0, 8))}</td><td class="mono">${fmt.breaks(v.dataset_version || "-")}</td><td class="mono">${esc((v.code_version || "-").slice(0, 10))}</td>${metricKeys.map((k) => `<td class="metric">${fmt.num(flat.get(v.version)[k], 4)}</td>`).join("")}<td>${fmt.time(v.created_at)}</td></tr>`).join("") +
-      `</table></div><div class="row"><div class="card"><h2>Lineage</h2>${m.versions.slice(0, 5).map(lineage).join("<br>")}</div>
+      `</table></div></div><div class="row"><div class="card"><h2>Lineage</h2>${m.versions.slice(0, 5).map(lineage).join("<br>")}</div>
       <div class="card"><h2>Metrics by version</h2><div class="charts" id="model-metrics">${metricKeys.length ? "" : '<p class="muted">No version recorded a metric.</p>'}</div></div></div>
       <div class="card"><h2>Events</h2><table><tr><th>at</th><th>version</th><th>action</th><th>detail</th></tr>${m.events.map((e) => `<tr><td>${fmt.time(e.at)}</td><td>${e.version ?? "-"}</td><td>${esc(e.action)}</td><td class="mono">${esc(JSON.stringify(e.detail).slice(0, 160))}</td></tr>`).join("")}</table></div>`;
     const vs = [...m.versions].reverse();

@@ -4,7 +4,10 @@ All read the same N samples (28x28 uint8 image + int64 label), shuffled, in batc
 the same number of workers, for one full epoch; each batch is touched (a sum) so nothing is left
 lazy. gpuyard runs twice: with thread workers (``worker_mode="thread"``, its best configuration for
 small samples; the headline ``vs_files``) and with DataLoader worker processes (``proc_vs_files``).
-Both yield the very same batches. Baselines in their best configuration that we know of:
+Both yield the very same batches. A third run uses whole mode (``LoaderConfig(whole=True)``: the
+version is decoded into memory in the first epoch, each later epoch one global permutation gathered
+batch by batch; ``whole_vs_files``), for versions that fit in memory. Baselines in their best
+configuration that we know of:
 
 - files: one raw 785-byte file per sample (no decoder cost: ``np.frombuffer``), a map-style
   Dataset with ``shuffle=True`` and the default collate.
@@ -18,7 +21,7 @@ of an epoch that lasts 60-100 ms (and the GIL from gpuyard's thread workers).
 
 Usage: python benchmarks/loader.py [--quick] [--samples N] [--workers W]
 
-``--quick``: 20,000 samples; WebDataset reads its first tar shard only (10,000 samples: it is the
+``--quick``: 12,000 samples; WebDataset reads its first tar shard only (10,000 samples: it is the
 slowest by far, and its rate per sample is what is compared).
 """
 
@@ -158,14 +161,14 @@ def setup_wds(root: Path, images: np.ndarray, labels: np.ndarray) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="20,000 samples instead of 100,000")
+    ap.add_argument("--quick", action="store_true", help="12,000 samples instead of 100,000")
     ap.add_argument("--samples", type=int, default=None)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument(
         "--rounds", type=int, default=None, help="epochs per contender, best kept (default 2, quick 1)"
     )
     args = ap.parse_args()
-    n = args.samples or (20_000 if args.quick else 100_000)
+    n = args.samples or (12_000 if args.quick else 100_000)
     w = args.workers
     args.rounds = args.rounds or (1 if args.quick else 2)
     root = Path(tempfile.mkdtemp(prefix="gpuyard-bench-loader-"))
@@ -188,9 +191,9 @@ def main() -> None:
         tars = tars[:1]
     del images
 
-    def make_gpuyard(mode: str) -> Callable[[], Any]:
+    def make_gpuyard(mode: str, whole: bool = False) -> Callable[[], Any]:
         def make() -> Any:
-            cfg = LoaderConfig(batch_size=BATCH, columns=("image", "label"))
+            cfg = LoaderConfig(batch_size=BATCH, columns=("image", "label"), whole=whole)
             return ShardLoader(version, cfg, num_workers=w, persistent_workers=True, worker_mode=mode)
 
         return make
@@ -208,6 +211,7 @@ def main() -> None:
     contenders: list[tuple[str, Callable[[], Any], Callable[[Any], tuple[torch.Tensor, torch.Tensor]]]] = [
         ("gpuyard", make_gpuyard("thread"), lambda b: (b["image"], b["label"])),
         ("gpuyard_proc", make_gpuyard("process"), lambda b: (b["image"], b["label"])),
+        ("gpuyard_whole", make_gpuyard("thread", whole=True), lambda b: (b["image"], b["label"])),
         ("files", make_files, lambda b: (b[0], b[1])),
         ("webdataset", make_wds, lambda b: (torch.as_tensor(b[0]), torch.as_tensor(b[1]))),
     ]
@@ -245,11 +249,14 @@ def main() -> None:
     print(
         f"loader: vs_files={ratio_files:.1f}x vs_webdataset={ratio_wds:.1f}x "
         f"proc_vs_files={rate['gpuyard_proc'] / rate['files']:.1f}x "
+        f"whole_vs_files={rate['gpuyard_whole'] / rate['files']:.1f}x "
         f"cold_vs_files={cold_rate['gpuyard'] / cold_rate['files']:.1f}x "
         f"gpuyard_samples_s={rate['gpuyard']:.0f} gpuyard_proc_samples_s={rate['gpuyard_proc']:.0f} "
         f"files_samples_s={rate['files']:.0f} webdataset_samples_s={rate['webdataset']:.0f} "
         f"gpuyard_peak_pss_mib={results['gpuyard'][2] / 2**20:.0f} "
-        f"gpuyard_proc_peak_pss_mib={results['gpuyard_proc'][2] / 2**20:.0f} samples={n} workers={w} "
+        f"gpuyard_proc_peak_pss_mib={results['gpuyard_proc'][2] / 2**20:.0f} "
+        f"gpuyard_whole_samples_s={rate['gpuyard_whole']:.0f} "
+        f"gpuyard_whole_peak_pss_mib={results['gpuyard_whole'][2] / 2**20:.0f} samples={n} workers={w} "
         f"load_avg={os.getloadavg()[0]:.1f}"
     )
     shutil.rmtree(root, ignore_errors=True)  # 100,000 files or 10M rows per run: leave nothing behind

@@ -62,6 +62,11 @@ class LoaderConfig:
         split: only rows of this split (``train``, ``val``, ...), from a recipe's split step.
         augment: apply the version's ``augment`` recipe step (turn off for evaluation).
         drop_last: drop each worker's last, partial batch.
+        whole: "whole" mode, for versions that fit in memory: the columns are read and decoded once
+            (the first epoch), and every epoch is one global seeded permutation of this rank's rows,
+            each batch a gather from memory. No workers (``num_workers`` is ignored) and no
+            ``shuffle_buffer``; memory holds the decoded columns. Batches differ from streaming
+            mode's; a state saved in one mode is refused by the other.
     """
 
     batch_size: int = 256
@@ -72,6 +77,7 @@ class LoaderConfig:
     split: str | None = None
     augment: bool = True
     drop_last: bool = False
+    whole: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.shuffle_buffer < 1:
@@ -376,14 +382,55 @@ class ShardDataset(IterableDataset[Batch]):
         out[SIZES_KEY] = torch.tensor(sizes, dtype=torch.int64)
         return out
 
+    # -- whole mode ----------------------------------------------------------------------------------
+
+    def whole_arrays(self) -> dict[str, np.ndarray]:
+        """Every selected row's columns, decoded once and kept (tensor columns as ``(N, *shape)``)."""
+        found: dict[str, np.ndarray] | None = self.__dict__.get("_whole")
+        if found is None:
+            table = self.version.to_arrow(self._columns, self.config.split)
+            found = {c: self._to_numpy(table, c) for c in self._columns}
+            for name, arr in found.items():
+                if arr.dtype != object and not arr.flags.c_contiguous:
+                    found[name] = np.ascontiguousarray(arr)
+            self.__dict__["_whole"] = found
+        return found
+
+    def whole_rows(self, rank: int, world: int) -> np.ndarray:
+        """This rank's rows (indices into :meth:`whole_arrays`) this epoch, in the order they are read.
+
+        One permutation of all rows seeded by (seed, epoch), cut into ``world`` equal parts (up to
+        ``world_size - 1`` rows per epoch are left out so ranks stay in step, as when streaming).
+        """
+        n = len(next(iter(self.whole_arrays().values()))) if self._columns else 0
+        order = (
+            np.random.default_rng([self.config.seed, self.epoch]).permutation(n)
+            if self.config.shuffle
+            else np.arange(n)
+        )
+        per_rank = n // world
+        return order[rank * per_rank : (rank + 1) * per_rank]
+
+    def iter_whole(self, rank: int, world: int, start: int = 0) -> Iterator[Batch]:
+        """Batches of whole mode for ``rank`` this epoch, from row position ``start``."""
+        arrays = self.whole_arrays()
+        rows = self.whole_rows(rank, world)
+        bs = self.config.batch_size
+        total = len(rows) - (len(rows) % bs if self.config.drop_last else 0)
+        key = (self.config.seed, self.epoch, rank, 0)
+        for pos in range(start, total, bs):
+            idx = rows[pos : min(pos + bs, total)]
+            picked = {c: a[idx] if a.dtype == object else np.take(a, idx, axis=0) for c, a in arrays.items()}
+            yield self._batch(picked, 0, pos + len(idx), key)
+
     def __getstate__(self) -> dict[str, Any]:
         # Open files and decoded row groups stay in the process that opened them.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_files", "_groups")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_files", "_groups", "_whole")}
 
 
 def _unpack(shipment: Batch) -> Iterator[tuple[Batch, int, int]]:
     """(batch, worker, position after it) for each batch of a shipment."""
-    worker, end, _ = (int(x) for x in shipment.pop(POSITION_KEY))
+    worker, end, _ = shipment.pop(POSITION_KEY).tolist()  # iterating the tensor costs ~20 us
     sizes = shipment.pop(SIZES_KEY, None)
     if sizes is None:
         yield shipment, worker, end
@@ -457,6 +504,9 @@ class ShardLoader:
         workers = max(1, self.num_workers)
         r, w = topology(self.dataset.rank, self.dataset.world_size)
         bs, drop = self.dataset.config.batch_size, self.dataset.config.drop_last
+        if self.dataset.config.whole:
+            n = len(self.dataset.whole_rows(r, w))
+            return n // bs if drop else -(-n // bs)
         sizes = [
             sum(len(x) for _, x in self.dataset.consumer_range(r, w, k, workers)) for k in range(workers)
         ]
@@ -466,6 +516,10 @@ class ShardLoader:
         ds = self.dataset
         # Resolved here, in the main process: DataLoader workers have no process group.
         ds.rank, ds.world_size = topology(ds.rank, ds.world_size)
+        if ds.config.whole:
+            batches = ds.iter_whole(ds.rank, ds.world_size, self._positions.get(0, 0))
+            yield from self._batches(batches, ds.config.batch_size, 1, pin=self.pin_memory)
+            return
         ds._rows_per_shard()  # read split membership once, before workers copy the dataset
         workers = max(1, self.num_workers)
         ds.start_positions = dict(self._positions)
@@ -536,6 +590,7 @@ class ShardLoader:
             "batch_size": ds.config.batch_size,
             "shuffle_buffer": ds.config.shuffle_buffer,
             "num_workers": self.num_workers,
+            "whole": ds.config.whole,
             "rank": rank,
             "world_size": world,
             "next_worker": self._next_worker,
@@ -557,10 +612,11 @@ class ShardLoader:
             "batch_size": ds.config.batch_size,
             "shuffle_buffer": ds.config.shuffle_buffer,
             "num_workers": self.num_workers,
+            "whole": ds.config.whole,
             "world_size": world,
         }
         for key, value in mine.items():
-            if state.get(key) != value:
+            if state.get(key, False if key == "whole" else None) != value:
                 raise ConfigError(f"loader state has {key}={state.get(key)!r}, this loader has {value!r}")
         ds.set_epoch(int(state["epoch"]))
         self._positions = {int(k): int(v) for k, v in state["positions"].items()}

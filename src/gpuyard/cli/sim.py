@@ -67,6 +67,21 @@ def sim(
     checkpoint_s: float = typer.Option(
         0.0, "--checkpoint-s", min=0.0, help="Seconds each checkpoint stalls a job's training."
     ),
+    elastic_share: float = typer.Option(
+        0.0,
+        "--elastic-share",
+        min=0.0,
+        max=1.0,
+        help="Share of the jobs (drawn with --seed) that are elastic: between half and twice the GPUs"
+        " they asked for, grown into idle GPUs and shrunk to let queued jobs start.",
+    ),
+    elastic_alpha: float = typer.Option(
+        0.8,
+        "--elastic-alpha",
+        min=0.0,
+        max=1.0,
+        help="An elastic job's speed on g GPUs instead of g0: (g/g0)^alpha (1: linear scaling).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
     openb_nodes: Path = typer.Option(
         None,
@@ -170,8 +185,12 @@ def sim(
         failure_seed=seed,
         gpus_per_node=gpus_per_node,
         checkpoint_stall_s=checkpoint_s,
+        elastic_alpha=elastic_alpha,
     )
-    result = simulate(jobs, node_list, chosen, config=config, workloads=workloads, fabric=fabric)
+    elastic = _elastic_jobs(jobs, elastic_share, seed)
+    result = simulate(
+        jobs, node_list, chosen, config=config, workloads=workloads, fabric=fabric, elastic=elastic
+    )
     doc = result.to_dict()
     if placement:
         doc["placement"] = placement
@@ -190,6 +209,8 @@ def sim(
         console.print(f"  {key:>14}  {doc[key]:,.0f}")
     console.print(f"  {'utilization':>14}  {result.utilization:.1%}")
     console.print(f"  {'fairness_jain':>14}  {result.fairness_jain:.3f}  (per-team bounded slowdown)")
+    if elastic:
+        console.print(f"  {'elastic':>14}  {result.elastic_jobs} jobs, {result.resizes} resizes")
     if config.failures is not None or result.preemptions:
         console.print(
             f"  {'ettr':>14}  {result.ettr:.1%}  ({result.failures} failures injected, "
@@ -291,3 +312,13 @@ def _failure_model(name: str) -> Any:
     if name not in models:
         raise ConfigError(f"--failures {name!r}: choose {', '.join(models)}")
     return models[name]
+
+
+def _elastic_jobs(jobs: list[Any], share: float, seed: int) -> dict[int, tuple[int, int]]:
+    """``share`` of the jobs, drawn with ``seed``, made elastic: half to twice the GPUs asked for."""
+    if share <= 0:
+        return {}
+    import numpy as np
+
+    pick = np.random.default_rng(seed).random(len(jobs)) < share
+    return {j.id: (max(1, j.gpus // 2), 2 * j.gpus) for j, chosen in zip(jobs, pick, strict=True) if chosen}

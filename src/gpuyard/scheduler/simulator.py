@@ -22,7 +22,7 @@ import numpy as np
 from gpuyard.errors import CapacityError, ConfigError
 from gpuyard.scheduler.estimator import RuntimeEstimator
 from gpuyard.scheduler.fabric_placement import FabricPlacer, shape_of
-from gpuyard.scheduler.placement import ClusterState, NodeSpec, Placement
+from gpuyard.scheduler.placement import ClusterState, NodeSpec, Placement, place
 from gpuyard.scheduler.policies import Policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
 from gpuyard.scheduler.trace import TraceJob
@@ -44,6 +44,7 @@ class SimConfig:
         gpus_per_node: GPUs per node, for the failure model's per-node rate.
         checkpoint_stall_s: training time each checkpoint stops the job for (0: free checkpoints,
             as before failures were modelled).
+        elastic_alpha: how an elastic job's speed scales with its GPUs (``(g / g0) ** alpha``).
     """
 
     checkpoint_interval_s: float = 600.0
@@ -56,6 +57,9 @@ class SimConfig:
     failure_seed: int = 0
     gpus_per_node: int = 8
     checkpoint_stall_s: float = 0.0
+    # Elastic jobs (``simulate(elastic=...)``): a job on g GPUs instead of the g0 it asked for runs at
+    # (g / g0) ** elastic_alpha of its speed (sublinear scaling: an assumption, not a measurement).
+    elastic_alpha: float = 0.8
 
     @property
     def stall_factor(self) -> float:
@@ -66,7 +70,12 @@ class SimConfig:
 @dataclass
 class _Run:
     job: TraceJob
-    remaining: float  # work left, seconds
+    remaining: float  # work left, seconds on its asked-for GPUs, consolidated, without stalls
+    overhead: float = 0.0  # restart seconds the current (or next) attempt spends before progressing
+    alloc: int = 0  # GPUs it holds now (an elastic job's change)
+    bounds: tuple[int, int] | None = None  # an elastic job's (min, max) GPUs
+    resizes: int = 0
+    resized_at: float = -math.inf
     first_start: float = math.nan
     finish: float = math.nan
     busy: float = 0.0  # GPU-holding seconds, for utilization
@@ -107,6 +116,8 @@ class SimResult:
     # against it; the first queueing does not).
     ettr: float = 1.0
     lost_gpu_hours: float = 0.0  # GPU time held without progress kept (work lost + restart overheads)
+    elastic_jobs: int = 0
+    resizes: int = 0  # elastic grows and shrinks (each a checkpoint and a restart at the new size)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -120,6 +131,7 @@ def simulate(
     config: SimConfig | None = None,
     workloads: dict[int, Any] | None = None,
     fabric: Any = None,
+    elastic: dict[int, tuple[int, int]] | None = None,
 ) -> SimResult:
     """Replay ``trace`` on ``nodes`` under ``policy``.
 
@@ -133,6 +145,11 @@ def simulate(
         workloads: job id -> ``gpuyard.fabric.placement_cost.Workload``; jobs of this map run slower
             on placements the fabric model predicts slower than their consolidated one.
         fabric: the fabric cluster of ``nodes`` (needed with ``workloads``).
+        elastic: job id -> (min, max) GPUs of the jobs that may grow and shrink. Such a job is queued
+            at its minimum; when nothing waits it grows into idle GPUs (the job with the most work
+            left first), and it shrinks toward its minimum so that the first queued job can start.
+            A resize is a checkpoint on demand (no work lost) and a restart at the new size; a job
+            is resized at most once per ``preempt_check_s``.
 
     Raises:
         CapacityError: no job of the trace fits on the cluster.
@@ -146,6 +163,11 @@ def simulate(
     state = ClusterState(nodes)
     total = state.total_gpus
     runs = {j.id: _Run(j, j.duration) for j in trace if 0 < j.gpus <= total}
+    for jid, (low, high) in (elastic or {}).items():
+        if jid in runs:
+            if not 1 <= low <= high:
+                raise ConfigError(f"elastic job {jid}: bounds {low}..{high} are not 1 <= min <= max")
+            runs[jid].bounds = (low, min(high, total))
     if not runs:
         raise CapacityError(f"no job of the trace fits on {total} GPUs")
     arrivals = sorted(runs.values(), key=lambda r: (r.job.submit, r.job.id))
@@ -158,6 +180,41 @@ def simulate(
     preemptions, failures, nxt, next_check = 0, 0, 0, 0.0
     waited: set[int] = set()
     now = 0.0
+
+    def start(run: _Run, placement: Placement, at: float, estimate: float) -> None:
+        """Run ``run`` on ``placement`` from ``at``: its end (or failure) event goes on the heap."""
+        state.take(placement)
+        run.alloc = placement.gpus
+        run.started_at, run.version = at, run.version + 1
+        speed = _speed(run, config)
+        running[run.job.id] = RunningJob(
+            run.job.id,
+            run.alloc,
+            run.job.team,
+            run.job.priority,
+            at,
+            at + max(estimate, 1.0) * run.ratio / speed,
+            placement,
+            attained=run.attained,
+        )
+        end = at + run.overhead + run.remaining * run.ratio * config.stall_factor / speed
+        fail = _failure_time(config, run.alloc, at, rng)
+        heapq.heappush(ends, (min(end, fail), run.job.id, run.version, fail < end))
+
+    def resize(run: _Run, gpus: int, at: float) -> bool:
+        """Checkpoint ``run`` on demand and restart it on ``gpus`` GPUs (False: no room, nothing done)."""
+        held = running[run.job.id]
+        state.release(held.placement)
+        placement = place(state, gpus, held.gpu_type)
+        if placement is None:
+            state.take(held.placement)
+            return False
+        del running[run.job.id]
+        _stop(run, at, config, keep_all=True)
+        run.resizes, run.resized_at = run.resizes + 1, at
+        start(run, placement, at, run.remaining)
+        return True
+
     while nxt < len(arrivals) or ends:
         now = min(
             arrivals[nxt].job.submit if nxt < len(arrivals) else math.inf, ends[0][0] if ends else math.inf
@@ -178,42 +235,116 @@ def simulate(
         while nxt < len(arrivals) and arrivals[nxt].job.submit <= now:
             queue.add(_queued(arrivals[nxt], estimator, now, workloads))
             nxt += 1
-        if not queue:
-            continue
-        check = policy.preemptive and now >= next_check
-        if state.free_gpus < queue.min_gpus() and not check:
-            continue
-        if check:
-            next_check = now + config.preempt_check_s
-        decision = policy.decide(state, queue, list(running.values()), now, preempt=check)
-        waited.update(decision.waits)
-        for jid in decision.preempt:
-            preemptions += 1
-            _preempt(runs[jid], running.pop(jid), state, queue, estimator, now, config, workloads)
-        for qjob, placement in decision.starts:
-            queue.remove(qjob.id)
-            run = runs[qjob.id]
-            _slowdown(run, placement, state, costs, workloads.get(qjob.id))
-            state.take(placement)
-            if math.isnan(run.first_start):
-                run.first_start = now
-            run.started_at, run.version = now, run.version + 1
-            running[qjob.id] = RunningJob(
-                qjob.id,
-                qjob.gpus,
-                qjob.team,
-                qjob.priority,
-                now,
-                now + max(qjob.estimate - qjob.attained, 1.0) * run.ratio,
-                placement,
-                attained=qjob.attained,
-            )
-            end = now + run.remaining * run.ratio * config.stall_factor
-            fail = _failure_time(config, qjob.gpus, now, rng)
-            heapq.heappush(ends, (min(end, fail), qjob.id, run.version, fail < end))
+        if queue and elastic:
+            _shrink_for_first(queue, runs, running, state, now, config, resize)
+        if queue:
+            check = policy.preemptive and now >= next_check
+            if state.free_gpus >= queue.min_gpus() or check:
+                if check:
+                    next_check = now + config.preempt_check_s
+                decision = policy.decide(state, queue, list(running.values()), now, preempt=check)
+                waited.update(decision.waits)
+                for jid in decision.preempt:
+                    preemptions += 1
+                    _preempt(runs[jid], running.pop(jid), state, queue, estimator, now, config, workloads)
+                for qjob, placement in decision.starts:
+                    queue.remove(qjob.id)
+                    run = runs[qjob.id]
+                    _slowdown(run, placement, state, costs, workloads.get(qjob.id))
+                    if math.isnan(run.first_start):
+                        run.first_start = now
+                    start(run, placement, now, qjob.estimate - qjob.attained)
+        if elastic and not queue and state.free_gpus:
+            _grow(runs, running, state, now, config, resize)
     result = _result(policy.name, list(runs.values()), len(trace) - len(runs), total, preemptions)
     result.fabric_waits, result.failures = len(waited), failures
+    result.elastic_jobs = sum(r.bounds is not None for r in runs.values())
+    result.resizes = sum(r.resizes for r in runs.values())
     return result
+
+
+def _speed(run: _Run, config: SimConfig) -> float:
+    """Speed of ``run`` on the GPUs it holds, relative to the GPUs it asked for."""
+    if run.bounds is None or run.alloc == run.job.gpus:
+        return 1.0
+    return float((run.alloc / run.job.gpus) ** config.elastic_alpha)
+
+
+def _stop(run: _Run, now: float, config: SimConfig, keep_all: bool) -> float:
+    """Account an attempt that stops ``now``; returns the work it keeps (seconds on the asked-for GPUs).
+
+    The attempt first spent its restart overhead; its progress after that, at its speed, is kept up to
+    the last periodic checkpoint (all of it with ``keep_all``: a checkpoint on demand). The next
+    attempt pays the restart overhead again.
+    """
+    ran = now - run.started_at
+    run.busy += ran
+    progress = max(0.0, ran - run.overhead) * _speed(run, config) / (run.ratio * config.stall_factor)
+    progress = min(progress, run.remaining)
+    saved = progress if keep_all else progress - progress % config.checkpoint_interval_s
+    run.remaining -= saved
+    run.attained += saved
+    run.overhead = config.restart_overhead_s
+    run.version += 1  # its pending end event no longer counts
+    return saved
+
+
+def _shrink_for_first(
+    queue: JobQueue,
+    runs: dict[int, _Run],
+    running: dict[int, RunningJob],
+    state: ClusterState,
+    now: float,
+    config: SimConfig,
+    resize: Any,
+) -> None:
+    """Shrink elastic jobs toward their minimum when that lets the first queued job start."""
+    first = next(queue.ordered())
+    need = first.gpus - state.free_gpus
+    if need <= 0:
+        return
+    cool = [
+        runs[jid]
+        for jid in running
+        if runs[jid].bounds is not None and now - runs[jid].resized_at >= config.preempt_check_s
+    ]
+    cool = [r for r in cool if r.bounds is not None and r.alloc > r.bounds[0]]
+    if sum(r.alloc - r.bounds[0] for r in cool if r.bounds) < need:
+        return  # shrinking all of them would not be enough: keep them as they are
+    for run in sorted(cool, key=lambda r: (-r.alloc, r.job.id)):
+        if need <= 0 or run.bounds is None:
+            break
+        give = min(run.alloc - run.bounds[0], need)
+        if resize(run, run.alloc - give, now):
+            need -= give
+
+
+def _grow(
+    runs: dict[int, _Run],
+    running: dict[int, RunningJob],
+    state: ClusterState,
+    now: float,
+    config: SimConfig,
+    resize: Any,
+) -> None:
+    """Nothing waits: give idle GPUs to elastic jobs below their maximum, most work left first.
+
+    A job grows only when its work left is worth the restart: more than ten restarts' time.
+    """
+    candidates = [
+        runs[jid]
+        for jid in running
+        if runs[jid].bounds is not None
+        and now - runs[jid].resized_at >= config.preempt_check_s
+        and runs[jid].remaining > 10 * config.restart_overhead_s
+    ]
+    for run in sorted(candidates, key=lambda r: (-r.remaining, r.job.id)):
+        free = state.free_gpus
+        if free <= 0 or run.bounds is None:
+            break
+        more = min(run.bounds[1] - run.alloc, free)
+        if more > 0:
+            resize(run, run.alloc + more, now)
 
 
 def _failure_time(config: SimConfig, gpus: int, now: float, rng: np.random.Generator) -> float:
@@ -248,7 +379,7 @@ def _queued(run: _Run, estimator: RuntimeEstimator, now: float, workloads: dict[
     j = run.job
     return QueuedJob(
         id=j.id,
-        gpus=j.gpus,
+        gpus=run.bounds[0] if run.bounds is not None else j.gpus,
         team=j.team,
         user=j.user,
         priority=j.priority,
@@ -274,21 +405,11 @@ def _preempt(
 ) -> None:
     """Stop a running job (preempted, or ``failed``): it keeps the work of its last checkpoint."""
     state.release(held.placement)
-    ran = now - run.started_at
-    run.busy += ran
-    # A resumed attempt spends its first restart_overhead_s restarting, not progressing.
-    overhead = config.restart_overhead_s if run.preemptions + run.failures else 0.0
-    # Work, in seconds on the consolidated placement without checkpoint stalls.
-    progress = max(0.0, ran - overhead) / (run.ratio * config.stall_factor)
-    saved = progress - progress % config.checkpoint_interval_s
-    # The restart this attempt began with is spent, finished or not; the next attempt pays its own.
-    run.remaining = run.remaining - overhead - saved + config.restart_overhead_s
-    run.attained += saved
+    _stop(run, now, config, keep_all=False)
     if failed:
         run.failures += 1
     else:
         run.preemptions += 1
-    run.version += 1  # its pending completion event no longer counts
     queue.add(_queued(run, estimator, now, workloads))
 
 

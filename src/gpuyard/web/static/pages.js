@@ -195,7 +195,7 @@ GY.pages.runs = {
     let head;
     if (ids.length > 1) {
       const cmp = await GY.api(`/runs/compare?${ids.map((i) => `ids=${encodeURIComponent(i)}`).join("&")}`);
-      const tr = (k, vals, differs) => `<tr class="${differs ? "differs" : ""}"><td class="mono">${esc(k)}</td>${vals.map((v) => `<td>${typeof v === "number" ? fmt.num(v, 4) : esc(JSON.stringify(v))}</td>`).join("")}</tr>`;
+      const tr = (k, vals, differs) => `<tr class="${differs ? "differs" : ""}"><td class="mono">${esc(k)}</td>${vals.map((v) => `<td>${v === null || v === undefined ? "-" : typeof v === "number" ? fmt.num(v, 4) : typeof v === "string" ? esc(v) : esc(JSON.stringify(v))}</td>`).join("")}</tr>`;
       head = `<div class="card"><h2>Compare ${ids.length} runs</h2><table class="compare"><tr><th></th>${cmp.runs.map((r, i) => `<th>${esc(cmp.names[i])} <span class="mono muted">${esc(r.slice(0, 8))}</span></th>`).join("")}</tr>
         <tr><td class="muted">dataset</td>${cmp.dataset_versions.map((d) => `<td class="mono">${esc(d || "-")}</td>`).join("")}</tr>
         ${Object.entries(cmp.params).map(([k, v]) => tr(k, v, cmp.differs.includes(k))).join("")}

@@ -19,6 +19,13 @@ Both start from the same rows in Parquet and end with the transformed rows in Pa
 Each runs in a fresh process; also prints its peak RSS (``ru_maxrss`` of the process and its workers).
 
 Usage: python benchmarks/transform.py [--quick] [--rows N] [--workers W]
+
+``--engines``: instead, compare the engines a recipe could run on, each in a fresh process over the
+same source file with the same fitted statistics: NumPy and Arrow (gpuyard's ``FittedTransform``),
+Polars and DuckDB when installed (``PYTHONPATH`` may point at a folder holding them). Two figures
+each: the whole job with the engine's own Parquet reader and writer (one-hot as k uint8 columns for
+Polars and DuckDB, as one vector column for gpuyard), and the fitted steps alone on an Arrow table
+already in memory (Arrow in, Arrow out). Last line ``engines: ...``.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -124,10 +132,124 @@ def _peak_kib() -> int:
     return max(me.ru_maxrss, kids.ru_maxrss)
 
 
+def _fitted(src: Path) -> dict[str, Any]:
+    """The recipe's statistics over every row of ``src`` (as a transform without a split fits them)."""
+    import pyarrow.compute as pc
+
+    table = pq.read_table(src, columns=["a", "b", "c", "d"])
+    fitted: dict[str, Any] = {"normalize": {}, "encode": {}}
+    for col in ("a", "b"):
+        v = table.column(col).to_numpy()
+        fitted["normalize"][col] = {"method": "zscore", "mean": float(v.mean()), "std": float(v.std())}
+    for col in ("c", "d"):
+        lo_hi = pc.min_max(table.column(col))
+        lo, hi = lo_hi["min"].as_py(), lo_hi["max"].as_py()
+        fitted["normalize"][col] = {"method": "minmax", "min": lo, "max": hi}
+    fitted["encode"]["cat"] = {"method": "onehot", "categories": CATEGORIES}
+    return fitted
+
+
+def run_engine(engine: str, part: str, src: Path, dest: Path, fitted: dict[str, Any]) -> float:
+    """Seconds of one engine's whole job (``part="job"``) or of its fitted steps alone (``"steps"``)."""
+    norm = fitted["normalize"]
+    shifts = {
+        c: (p["mean"], p["std"]) if p["method"] == "zscore" else (p["min"], p["max"] - p["min"])
+        for c, p in norm.items()
+    }
+    table = pq.read_table(src, read_dictionary=["cat"]) if part == "steps" else None
+    pa.array(np.zeros(1))  # pyarrow's lazy pandas import, outside the timing
+    if engine == "numpy-arrow":
+        from gpuyard.data import load_recipe
+        from gpuyard.data.fitted import FittedTransform
+        from gpuyard.data.shards import encode_shard
+
+        ft = FittedTransform(load_recipe(RECIPE), fitted)
+        t0 = time.perf_counter()
+        if part == "steps":
+            ft.finish(table)
+        else:
+            dest.write_bytes(encode_shard(ft.finish(pq.read_table(src, read_dictionary=["cat"]))))
+        return time.perf_counter() - t0
+    if engine == "polars":
+        import polars as pl
+
+        def steps(frame: Any) -> Any:
+            cols = [
+                ((pl.col(c) - s) * (1.0 / (k or 1.0))).cast(pl.Float32).alias(c)
+                for c, (s, k) in shifts.items()
+            ]
+            dummies = [(pl.col("cat") == v).cast(pl.UInt8).alias(f"cat={v}") for v in CATEGORIES]
+            return frame.with_columns(cols + dummies).drop("cat")
+
+        t0 = time.perf_counter()
+        if part == "steps":
+            steps(pl.from_arrow(table)).to_arrow()
+        else:
+            steps(pl.read_parquet(src)).write_parquet(dest, compression="snappy")
+        return time.perf_counter() - t0
+    if engine == "duckdb":
+        import duckdb
+
+        exprs = ", ".join(
+            f'CAST(("{c}" - {s!r}) * {1.0 / (k or 1.0)!r} AS FLOAT) AS "{c}"' for c, (s, k) in shifts.items()
+        )
+        dummies = ", ".join(f"CAST(cat = '{v}' AS UTINYINT) AS \"cat={v}\"" for v in CATEGORIES)
+        con = duckdb.connect()
+        t0 = time.perf_counter()
+        if part == "steps":
+            con.register("t", table)
+            con.sql(f"SELECT id, {exprs}, {dummies} FROM t").fetch_arrow_table()
+        else:
+            query = f"SELECT id, {exprs}, {dummies} FROM read_parquet('{src}')"
+            con.sql(f"COPY ({query}) TO '{dest}' (FORMAT parquet, COMPRESSION snappy)")
+        return time.perf_counter() - t0
+    raise ValueError(engine)
+
+
+def compare_engines(rows: int, rounds: int) -> None:
+    import importlib.util
+    import json
+
+    root = Path(tempfile.mkdtemp(prefix="gpuyard-bench-engines-"))
+    src = root / "src.parquet"
+    make_source(src, rows)
+    fitted = json.dumps(_fitted(src))
+    engines = ["numpy-arrow"] + [e for e in ("polars", "duckdb") if importlib.util.find_spec(e)]
+    best: dict[tuple[str, str], tuple[float, float]] = {}
+    for _ in range(rounds):
+        for engine in engines:
+            for part in ("job", "steps"):
+                sec, peak, _cpu = _spawn(
+                    "--child", f"engine-{engine}-{part}", str(src), str(root / "out"), fitted
+                )
+                old = best.get((engine, part))
+                best[(engine, part)] = (sec, peak) if old is None else (min(old[0], sec), max(old[1], peak))
+    versions = {e: __import__(e).__version__ for e in engines if e != "numpy-arrow"}
+    for engine in engines:
+        (job, job_rss), (steps, _) = best[(engine, "job")], best[(engine, "steps")]
+        print(f"{engine:>12}: whole job {job:.2f} s (peak RSS {job_rss / 1024:.0f} MiB), steps {steps:.3f} s")
+    print(
+        "engines: "
+        + " ".join(
+            f"{e}_job_s={best[(e, 'job')][0]:.2f} {e}_steps_s={best[(e, 'steps')][0]:.3f}" for e in engines
+        )
+        + f" rows={rows} rounds={rounds} "
+        + " ".join(f"{e}={v}" for e, v in versions.items())
+        + f" load_avg={os.getloadavg()[0]:.1f}"
+    )
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def child(which: str, argv: list[str]) -> None:
     """Run one contender in this (fresh) process; print seconds and peak RSS (KiB, self and children)."""
     if which == "pandas":
         dt = run_pandas(Path(argv[0]), Path(argv[1]))
+        peak = _peak_kib()
+    elif which.startswith("engine-"):
+        import json
+
+        engine, part = which.split("-", 1)[1].rsplit("-", 1)
+        dt = run_engine(engine, part, Path(argv[0]), Path(argv[1]), json.loads(argv[2]))
         peak = _peak_kib()
     else:
         dt, peak = run_gpuyard(which.split("-")[1], int(argv[0]), argv[1], Path(argv[2]))
@@ -149,8 +271,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=None)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="runs per contender, best kept")
+    ap.add_argument("--engines", action="store_true", help="compare NumPy/Arrow, Polars and DuckDB instead")
     args = ap.parse_args()
     rows = args.rows or (3_000_000 if args.quick else 10_000_000)
+    if args.engines:
+        compare_engines(rows, max(args.rounds, 3))
+        return
     root = Path(tempfile.mkdtemp(prefix="gpuyard-bench-transform-"))
     os.environ["GPUYARD_HOME"] = str(root / "home")
     os.environ.pop("GPUYARD_DATABASE_URL", None)

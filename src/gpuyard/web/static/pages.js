@@ -28,16 +28,35 @@ GY.pages.cluster = {
     const el = document.getElementById("sched");
     if (!el) return;
     if (!s.policy) { el.innerHTML = '<p class="muted">This server runs no job service.</p>'; return; }
-    const holder = {};
-    for (const j of s.active) for (const p of (j.placement || {}).nodes || []) for (const g of p.gpus) holder[`${p.node}/${g}`] = j;
+    // Who holds what: whole GPUs, shares of a GPU (fraction), MIG slices (by UUID).
+    const holder = {}, shares = {}, slices = {};
+    for (const j of s.active) for (const p of (j.placement || {}).nodes || []) {
+      if (p.mig) for (const m of p.mig) slices[m.uuid] = j;
+      else if (p.share) for (const g of p.gpus) (shares[`${p.node}/${g}`] ||= []).push([j, p.share.fraction]);
+      else for (const g of p.gpus) holder[`${p.node}/${g}`] = j;
+    }
+    const who = (j) => `job ${j.id} ${esc(j.name)} (${esc(j.team)})`;
     let h = `<p>policy <b>${esc(s.policy)}</b> · executor <b>${esc(s.executor)}</b> · teams ${Object.entries(s.teams).map(([t, w]) => `${esc(t)} (weight ${w})`).join(", ")} · ${s.active.length} job(s) holding resources</p>`;
     for (const n of s.nodes) {
-      const busy = Object.keys(holder).filter((k) => k.startsWith(`${n.name}/`)).length;
+      const mine = (k) => k.startsWith(`${n.name}/`);
+      const migBusy = (n.mig || []).filter((m) => slices[m.uuid]).map((m) => `${n.name}/${m.gpu}`);
+      const busy = new Set([...Object.keys(holder), ...Object.keys(shares), ...migBusy].filter(mine)).size;
       h += `<h3>${esc(n.name)} · ${n.gpus} GPU slot(s) ${esc(n.gpu_type)} · ${n.cpus} CPU slot(s) · ${busy} busy</h3><div class="slots">`;
       for (let g = 0; g < n.gpus; g++) {
-        const j = holder[`${n.name}/${g}`];
-        const cls = n.excluded.includes(g) ? "excluded" : j ? "busy" : "";
-        h += `<div class="slot ${cls}" title="${j ? `job ${j.id} ${esc(j.name)} (${esc(j.team)})` : cls || "free"}"><b>GPU${g}</b>${j ? `job ${j.id}` : cls || "free"}</div>`;
+        const key = `${n.name}/${g}`, j = holder[key], parts = shares[key] || [];
+        if ((n.mig_mode || []).includes(g)) {  // a MIG GPU: its slices, each free or held by one job
+          const rows = (n.mig || []).filter((m) => m.gpu === g).map((m) => {
+            const sj = slices[m.uuid];
+            return `<span class="mig ${sj ? "busy" : ""}" title="${esc(m.uuid)}${sj ? `: ${who(sj)}` : ""}">${esc(m.profile)}: ${sj ? `job ${sj.id}` : "free"}</span>`;
+          }).join("");
+          h += `<div class="slot mig-gpu"><b>GPU${g} MIG</b>${rows || '<span class="muted">no slice</span>'}</div>`;
+        } else if (parts.length) {  // shares of one GPU: how much is held, by whom
+          const used = parts.reduce((a, [, f]) => a + f, 0);
+          h += `<div class="slot busy shared" title="${parts.map(([pj, f]) => `${who(pj)}: ${f}`).join("; ")}"><b>GPU${g} shared</b>${Math.round(used * 100)}% · ${parts.map(([pj, f]) => `job ${pj.id} (${f})`).join(", ")}</div>`;
+        } else {
+          const cls = n.excluded.includes(g) ? "excluded" : j ? "busy" : "";
+          h += `<div class="slot ${cls}" title="${j ? who(j) : cls || "free"}"><b>GPU${g}</b>${j ? `job ${j.id}` : cls || "free"}</div>`;
+        }
       }
       h += "</div>";
     }

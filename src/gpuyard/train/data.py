@@ -3,7 +3,9 @@
 Two kinds of training data are accepted:
 
 * a map-style ``torch.utils.data.Dataset`` (``__getitem__`` + ``__len__``): gpuyard owns the order
-  through :class:`ResumableSampler`, a ``DistributedSampler`` that can start part-way into an epoch;
+  through :class:`ResumableSampler`, a ``DistributedSampler`` that can start part-way into an epoch,
+  or, with ``data.global_batch_size``, :class:`GlobalBatchSampler`, whose order and global batches
+  do not depend on the world size (a run can resume at another world size);
 * any iterable loader with ``state_dict()`` / ``load_state_dict()`` (and optionally
   ``set_epoch(epoch)``): the loader owns its position, gpuyard saves and restores it per rank.
 """
@@ -15,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from gpuyard.errors import ConfigError
 
@@ -48,8 +50,92 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
         return self.num_samples - self.start
 
 
+class GlobalBatchSampler(Sampler[int]):
+    """This rank's slice of each global batch of an epoch order that does not depend on the world size.
+
+    An epoch's order is a permutation of the dataset seeded by ``seed + epoch`` (the one
+    ``DistributedSampler`` draws; the identity without shuffling), cut to a whole number of global
+    batches of ``global_batch`` samples: the tail is dropped (``drop_last``) or filled by wrapping
+    around to the start of the order, as ``DistributedSampler`` pads to the world size. Global batch
+    k is ``order[k * global_batch : (k + 1) * global_batch]``; data-parallel rank r takes its r-th
+    contiguous slice of ``global_batch // dp_size`` samples. So the samples of every step, and the
+    position after k batches, are the same at any world size that divides the global batch.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+    ) -> None:
+        n = len(dataset)
+        if global_batch % dp_size:
+            raise ConfigError(
+                f"data.global_batch_size: {global_batch} samples do not split evenly over {dp_size} "
+                "data-parallel ranks"
+            )
+        if drop_last and n < global_batch:
+            raise ConfigError(
+                f"data: {n} samples is fewer than one global batch of {global_batch} (with drop_last)"
+            )
+        self.n, self.global_batch, self.dp_rank, self.dp_size = n, global_batch, dp_rank, dp_size
+        self.per_rank = global_batch // dp_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = 0
+        self.start = 0  # this rank's samples to skip in the next iteration
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Global batches in an epoch."""
+        return self.n // self.global_batch if self.drop_last else -(-self.n // self.global_batch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch `epoch`'s order from the next iteration on."""
+        self.epoch = epoch
+
+    def set_start(self, start: int) -> None:
+        """Skip this rank's first `start` samples (whole batches: a multiple of its slice) next time."""
+        self.start = start
+
+    def epoch_order(self, epoch: int | None = None) -> torch.Tensor:
+        """The global order of an epoch: every global batch, concatenated (world-size independent)."""
+        epoch = self.epoch if epoch is None else epoch
+        if self.shuffle:
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+        else:
+            order = torch.arange(self.n)
+        total = self.batches_per_epoch * self.global_batch
+        if total <= self.n:
+            return order[:total]
+        reps = -(-total // self.n)
+        return order.repeat(reps)[:total]
+
+    def rank_indices(self, epoch: int | None = None) -> torch.Tensor:
+        """This rank's samples of an epoch, in order: its slice of each global batch."""
+        batches = self.epoch_order(epoch).view(self.batches_per_epoch, self.global_batch)
+        lo = self.dp_rank * self.per_rank
+        return batches[:, lo : lo + self.per_rank].reshape(-1)
+
+    def __iter__(self) -> Iterator[int]:
+        indices = self.rank_indices()[self.start :].tolist()
+        self.start = 0
+        return iter(indices)
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch * self.per_rank - self.start
+
+
 class MapSource:
-    """Batches from a map-style dataset, with position {epoch, batches_done} for exact resume."""
+    """Batches from a map-style dataset, with position {epoch, batches_done} for exact resume.
+
+    With `global_batch` (samples per micro-batch over all data-parallel ranks) the order comes from
+    :class:`GlobalBatchSampler` and `batch_size` must be ``global_batch // dp_size``: the position,
+    counted in global batches, then means the same samples at any world size.
+    """
 
     def __init__(
         self,
@@ -61,9 +147,20 @@ class MapSource:
         seed: int,
         drop_last: bool,
         num_workers: int = 0,
+        global_batch: int | None = None,
     ) -> None:
         self.batch_size = batch_size
-        self.sampler = ResumableSampler(dataset, dp_size, dp_rank, shuffle, seed, drop_last)
+        self.dp_size = dp_size
+        self.global_batch = global_batch
+        self.sampler: ResumableSampler | GlobalBatchSampler
+        if global_batch is None:
+            self.sampler = ResumableSampler(dataset, dp_size, dp_rank, shuffle, seed, drop_last)
+        else:
+            if batch_size * dp_size != global_batch:
+                raise ValueError(f"batch_size {batch_size} x dp {dp_size} != global batch {global_batch}")
+            self.sampler = GlobalBatchSampler(
+                dataset, global_batch, dp_rank, dp_size, shuffle, seed, drop_last
+            )
         # A generator of its own: each new iterator draws a worker seed from it, and drawing from the
         # global RNG instead would shift dropout masks whenever an epoch is resumed part-way.
         self.loader = DataLoader(
@@ -92,15 +189,57 @@ class MapSource:
             yield batch
         # A finished epoch: the next iteration of the same epoch would be empty; the trainer moves on.
 
-    def state_dict(self) -> dict[str, int]:
-        """Position: the epoch and how many batches of it this rank has consumed."""
-        return {"epoch": self.epoch, "batches_done": self.batches_done}
+    def state_dict(self) -> dict[str, Any]:
+        """Position: the epoch and how many batches of it this rank has consumed (each rank consumes
+        one slice of every global batch, so it is also the number of global batches), and what the
+        position means: the data-parallel size and per-rank batch, or the global batch."""
+        return {
+            "epoch": self.epoch,
+            "batches_done": self.batches_done,
+            "dp_size": self.dp_size,
+            "batch_size": self.batch_size,
+            "global_batch": self.global_batch,
+        }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a saved position."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position.
+
+        Raises:
+            ConfigError: when the position would mean other samples here: another global batch, or
+                another data-parallel size without ``data.global_batch_size`` (the per-rank order and
+                the global batch of ``DistributedSampler`` change with the world size).
+        """
+        check_position(state, self.dp_size, self.batch_size, self.global_batch)
         self.epoch = int(state["epoch"])
         self.sampler.set_epoch(self.epoch)
         self.batches_done = int(state["batches_done"])
+
+
+def check_position(state: dict[str, Any], dp_size: int, batch_size: int, global_batch: int | None) -> None:
+    """Refuse a saved map-style position that does not mean the same samples with these settings.
+
+    States written before these keys existed carry only epoch and batches_done: accepted as before.
+
+    Raises:
+        ConfigError: one line naming the setting that differs.
+    """
+    if "dp_size" not in state:
+        return
+    saved_global, saved_dp = state.get("global_batch"), int(state["dp_size"])
+    if saved_global is not None or global_batch is not None:
+        if saved_global != global_batch:
+            raise ConfigError(
+                f"data.global_batch_size: the checkpoint was written with {saved_global}, this run has "
+                f"{global_batch}; resuming exactly needs the same global batch (samples per micro-batch "
+                "over all ranks)"
+            )
+        return
+    if saved_dp != dp_size or int(state["batch_size"]) != batch_size:
+        raise ConfigError(
+            f"data.global_batch_size: the checkpoint was written at data-parallel size {saved_dp} "
+            f"(batch {state['batch_size']} per rank), this run has {dp_size} (batch {batch_size}); "
+            "to resume at another world size, train with data.global_batch_size set from the start"
+        )
 
 
 class LoaderSource:
@@ -127,6 +266,26 @@ class LoaderSource:
 
 
 DataSource = MapSource | LoaderSource
+
+
+def rank_batch_size(
+    batch_size: int, global_batch_size: int | None, dp_size: int, grad_accum: int
+) -> tuple[int, int | None]:
+    """(samples per micro-batch on each data-parallel rank, samples per micro-batch over all ranks or
+    None): `batch_size` per rank, or `global_batch_size` per optimizer step split over the
+    data-parallel ranks and the accumulation steps.
+
+    Raises:
+        ConfigError: when the global batch does not split evenly.
+    """
+    if global_batch_size is None:
+        return batch_size, None
+    if global_batch_size % (dp_size * grad_accum):
+        raise ConfigError(
+            f"data.global_batch_size: {global_batch_size} is not divisible by data-parallel size "
+            f"{dp_size} x grad_accum {grad_accum}"
+        )
+    return global_batch_size // (dp_size * grad_accum), global_batch_size // grad_accum
 
 
 def is_resumable_loader(obj: Any) -> bool:
@@ -158,18 +317,25 @@ def make_source(
     seed: int,
     drop_last: bool,
     num_workers: int = 0,
+    global_batch: int | None = None,
 ) -> DataSource:
-    """Wrap what a data factory returned as a resumable source.
+    """Wrap what a data factory returned as a resumable source (`global_batch`: see MapSource).
 
     Raises:
         ConfigError: for an iterable without a saveable position (exact resume would be impossible).
     """
     if is_resumable_loader(obj) and not (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")):
+        if global_batch is not None:
+            raise ConfigError(
+                f"{field}: data.global_batch_size needs a map-style Dataset; a loader sets its own batch"
+            )
         return LoaderSource(obj)
     if hasattr(obj, "__getitem__") and hasattr(obj, "__len__"):
         if len(obj) < dp_size:
             raise ConfigError(f"{field}: {len(obj)} samples is fewer than the {dp_size} data-parallel ranks")
-        return MapSource(obj, batch_size, dp_rank, dp_size, shuffle, seed, drop_last, num_workers)
+        return MapSource(
+            obj, batch_size, dp_rank, dp_size, shuffle, seed, drop_last, num_workers, global_batch
+        )
     raise ConfigError(
         f"{field}: a {type(obj).__name__} has no resumable position; return a map-style Dataset "
         "(__getitem__ + __len__) or a loader with state_dict()/load_state_dict()"

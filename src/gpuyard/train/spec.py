@@ -32,11 +32,24 @@ class DataSpec(_Strict):
     )
     val: EntrypointSpec | None = None
     batch_size: int = Field(32, gt=0, description="samples per micro-batch per data-parallel rank")
+    global_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="samples per optimizer step over all data-parallel ranks, instead of batch_size "
+        "(each rank takes global_batch_size / (dp x grad_accum)): the sample order and the steps "
+        "then do not depend on the world size, so a run can resume at another one",
+    )
     shuffle: bool = True
     drop_last: bool = True
     num_workers: int = Field(0, ge=0, description="DataLoader workers for map-style datasets")
     input_key: str = Field("inputs", description="key of the inputs when a batch is a mapping")
     target_key: str = Field("targets", description="key of the targets when a batch is a mapping")
+
+    @model_validator(mode="after")
+    def _one_batch_size(self) -> DataSpec:
+        if self.global_batch_size is not None and "batch_size" in self.model_fields_set:
+            raise ValueError("set data.batch_size (per rank) or data.global_batch_size, not both")
+        return self
 
 
 class OptimizerSpec(_Strict):

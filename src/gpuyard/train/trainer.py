@@ -24,8 +24,17 @@ from gpuyard.states import RunStatus, TrainOutcome
 from gpuyard.tracking.files import JsonlTracker, NullTracker, Tracker
 from gpuyard.tracking.training import DbRunTracker, db_metric_key
 from gpuyard.train import components as comp
-from gpuyard.train.checkpoint import Checkpointer, latest_checkpoint, step_dirname
-from gpuyard.train.data import DataSource, call_factory, count_batch, make_source, split_batch, to_device
+from gpuyard.train.checkpoint import Checkpointer, latest_checkpoint, read_marker, step_dirname
+from gpuyard.train.data import (
+    DataSource,
+    call_factory,
+    count_batch,
+    make_source,
+    rank_batch_size,
+    split_batch,
+    to_device,
+)
+from gpuyard.train.elastic import adapt_rank_state
 from gpuyard.train.memory_checkpoint import MemoryCheckpointer, default_snapshot_dir, fill, local_tensor
 from gpuyard.train.metrics import DeviceStats, Progress, catalog_peak_tflops, model_flops_utilization
 from gpuyard.train.parallel import (
@@ -173,16 +182,21 @@ class Trainer:
             factory = import_ref(entry.entrypoint, f"data.{which}.entrypoint")
             arg = call_factory(factory, entry.kwargs, ctx.dp_rank, ctx.layout.dp)
         train = which == "train"
+        # With data.global_batch_size the per-rank batch follows the world size (elastic resume).
+        batch, global_batch = rank_batch_size(
+            d.batch_size, d.global_batch_size, ctx.layout.dp, self.spec.grad_accum
+        )
         return make_source(
             arg,
             f"data.{which}",
-            d.batch_size,
+            batch,
             ctx.dp_rank,
             ctx.layout.dp,
             shuffle=d.shuffle and train,
             seed=self.spec.seed,
             drop_last=d.drop_last or not train,
             num_workers=d.num_workers,
+            global_batch=global_batch if train else None,
         )
 
     def setup(self) -> None:
@@ -405,6 +419,17 @@ class Trainer:
         start = time.perf_counter()
         app = self._app_state()
         state = self.checkpointer.load(path, app)
+        meta, layout = read_marker(path), [self.ctx.layout.pp, self.ctx.layout.dp, self.ctx.layout.tp]
+        state = adapt_rank_state(
+            state,
+            meta,
+            world_size=self.ctx.world_size,
+            layout=layout,
+            seed=self.spec.seed,
+            dp_rank=self.ctx.dp_rank,
+            stage=self.ctx.coord("pp"),
+            source=self.train_source,
+        )
         set_state_dict(
             self.model, self.optimizer, model_state_dict=app["model"], optim_state_dict=app[self._optim_key]
         )
@@ -417,6 +442,7 @@ class Trainer:
             epoch=self.epoch,
             path=str(path),
             source="storage",
+            world_size=meta.get("world_size"),
             seconds=round(time.perf_counter() - start, 6),
         )
 

@@ -196,11 +196,58 @@ def launch(cfg: LaunchConfig, stdout: Any = None, stderr: Any = None) -> LaunchR
 
     Exit codes: 0 completed (or early-stopped); PREEMPTED (75) stopped by SIGTERM after a checkpoint;
     DIVERGED (76) non-finite loss; otherwise torchrun's own failure code (restarts exhausted).
+    The launch and its end are events in metrics.jsonl; the run's goodput so far (all its launches)
+    is in the result's status (``goodput``) and recorded with its database run.
     """
     spec, overrides = prepare(cfg)
     run_dir = spec.resolved_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / STATUS_FILE).unlink(missing_ok=True)
+    _launch_event(run_dir, "launch", pid=os.getpid(), job_id=os.environ.get("GPUYARD_JOB_ID"))
+    result = _launch(cfg, spec, overrides, run_dir, stdout, stderr)
+    _launch_event(run_dir, "launch_end", exit_code=result.exit_code)
+    _record_goodput(spec, run_dir, result.status)
+    return result
+
+
+def _launch_event(run_dir: Path, name: str, **fields: Any) -> None:
+    """Append an event to metrics.jsonl (no rank writes to it before torchrun starts or after it ends)."""
+    import time
+
+    line = json.dumps({"time": round(time.time(), 3), "event": name, **fields})
+    with open(run_dir / "metrics.jsonl", "a") as fh:
+        fh.write(line + "\n")
+
+
+def _record_goodput(spec: TrainSpec, run_dir: Path, status: dict[str, Any]) -> None:
+    """Put the run's goodput into ``status`` and keep it with the database run (never fatal)."""
+    from gpuyard.train.goodput import record, run_goodput
+
+    try:
+        goodput = run_goodput(run_dir)
+    except (OSError, ValueError) as exc:
+        _log.warning("gpuyard train: warning: goodput not computed: %s", exc)
+        return
+    if goodput is None:
+        return
+    status["goodput"] = goodput
+    run_id = tracked_run_id(run_dir)
+    if spec.tracking.backend != "db" or run_id is None:
+        return
+    try:
+        record(run_id, goodput)
+    except Exception as exc:  # the database is a record of the outcome, not part of it
+        _log.warning("gpuyard train: warning: could not record goodput of run %s: %s", run_id[:8], exc)
+
+
+def _launch(
+    cfg: LaunchConfig,
+    spec: TrainSpec,
+    overrides: dict[str, Any],
+    run_dir: Path,
+    stdout: Any,
+    stderr: Any,
+) -> LaunchResult:
     env = {**os.environ, LAUNCHED_ENV: "1"}
     snapshots = None
     if spec.checkpoint.memory_every:

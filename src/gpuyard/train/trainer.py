@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -35,6 +36,7 @@ from gpuyard.train.data import (
     to_device,
 )
 from gpuyard.train.elastic import adapt_rank_state
+from gpuyard.train.goodput import step_waits
 from gpuyard.train.memory_checkpoint import MemoryCheckpointer, default_snapshot_dir, fill, local_tensor
 from gpuyard.train.metrics import DeviceStats, Progress, catalog_peak_tflops, model_flops_utilization
 from gpuyard.train.parallel import (
@@ -153,6 +155,11 @@ class Trainer:
         self._comm_timer: CommTimer | None = None
         self._comm_wait = 0.0  # this step's wait in DDP's gradient all-reduce
         self._agree_wait = 0.0  # the previous step's wait in the loss agreement
+        # Goodput (gpuyard.train.goodput): when this process built the trainer, and the data and
+        # straggler waits (and step times) summed since the last logged metrics line.
+        self._created = time.time()
+        self._waits = (0.0, 0.0)  # this step's (data wait, straggler wait)
+        self._unlogged = [0.0, 0.0, 0.0]  # step seconds, data wait, straggler wait
 
     # ----- set-up -------------------------------------------------------------------------------
     def _build_model(self) -> nn.Module:
@@ -276,6 +283,8 @@ class Trainer:
             **self._run_params,
         }
         tags: dict[str, Any] = {}
+        if os.environ.get("GPUYARD_JOB_ID"):  # a scheduler job: its goodput includes this run's
+            tags["job_id"] = os.environ["GPUYARD_JOB_ID"]
         if self.val_source is not None:  # the objective `gpuyard runs ls` shows as validation/<metric>
             watched = self.spec.early_stopping.metric if self.spec.early_stopping else "val_loss"
             tags["metric"] = db_metric_key(watched).removeprefix("validation/")
@@ -380,8 +389,10 @@ class Trainer:
         last = latest_checkpoint(self.checkpointer.root)
         if last is not None and last.name == step_dirname(self.step):
             return last  # already saved at this step (e.g. every_steps, then the epoch end)
+        began = time.perf_counter()
         path = self.checkpointer.save(self.step, self._app_state(), self._rank_state(), self._meta(reason))
-        self._event("checkpoint", step=self.step, path=str(path), reason=reason)
+        seconds = round(time.perf_counter() - began, 6)
+        self._event("checkpoint", step=self.step, path=str(path), reason=reason, seconds=seconds)
         self._callback("checkpoint")
         return path
 
@@ -526,6 +537,7 @@ class Trainer:
         less the gradient all-reduce wait).
         """
         value = float(loss.item())  # one device sync per step: the loss is logged every step anyway
+        self._waits = (data_s, 0.0)
         if self.ctx.world_size == 1:
             return value, not math.isfinite(value), self.stop_requested
         owner = 1.0 if self.ctx.is_loss_owner else 0.0
@@ -548,6 +560,11 @@ class Trainer:
         total, owners, any_bad, any_stop = values[:4]
         if timed and self.stragglers is not None:
             self._observe_times(values[4:])
+        if timed and self.ctx.rank == 0:
+            flat, s = values[4:], self.spec.straggler
+            data = flat[0::3]
+            own = [d + c for d, c in zip(data, flat[1::3], strict=True)]
+            self._waits = step_waits(data, own, s.slowdown, s.min_seconds)
         return (float("nan") if any_bad else total / max(owners, 1.0)), bool(any_bad), bool(any_stop)
 
     def _observe_times(self, flat: list[float]) -> None:
@@ -602,6 +619,11 @@ class Trainer:
         }
         if getattr(self, "last_grad_norm", None) is not None:
             metrics["grad_norm"] = self.last_grad_norm
+        acc = self._unlogged
+        acc[0], acc[1], acc[2] = acc[0] + seconds, acc[1] + self._waits[0], acc[2] + self._waits[1]
+        metrics["data_wait_s"], metrics["straggler_wait_s"] = acc[1], acc[2]
+        if self.spec.log_every_steps > 1:
+            metrics["steps_time_s"] = acc[0]  # the steps since the last logged line (goodput)
         if self.peak_tflops and tokens:
             metrics["mfu"] = model_flops_utilization(
                 self.num_params, metrics["tokens_per_s"], self.ctx.world_size, self.peak_tflops
@@ -610,6 +632,7 @@ class Trainer:
         self.last_metrics.update(metrics)
         if self.step % self.spec.log_every_steps == 0:
             self.tracker.log_metrics(self.step, metrics)
+            self._unlogged = [0.0, 0.0, 0.0]
 
     def _next_micro(self, it: Any) -> list[Any] | None:
         micro = []
@@ -667,6 +690,13 @@ class Trainer:
         previous = self._install_sigterm()
         if self.ctx.rank == 0:
             self.tracker.log_params(spec.model_dump(mode="json"))
+        self._event(
+            "attempt",
+            started=round(self._created, 3),
+            step=self.step,
+            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            world_size=self.ctx.world_size,
+        )
         progress = Progress(self.total_steps, enabled=self.ctx.rank == 0 and sys.stdout.isatty())
         progress.update(self.step, "")
         status = TrainOutcome.COMPLETED

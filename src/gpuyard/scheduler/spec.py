@@ -75,11 +75,16 @@ class Resources(BaseModel):
     Whole GPUs (``gpus: 2``), part of one GPU (``gpus: 0.25`` and/or ``gpu_memory_gb: 20``: a share,
     see docs/scheduler.md on its isolation) or MIG slices (``mig: 1g.10gb``, ``slices: 2``). A
     fractional ``gpus`` is stored as ``gpu_fraction`` (``gpus`` stays the whole-GPU count, 0).
+    An elastic job gives a range, ``gpus: {min: 2, max: 8}``: stored as ``gpus`` (the minimum, what
+    admission and a scheduler that does not resize use) and ``gpus_max``; see :meth:`start_gpus`.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     gpus: int = Field(0, ge=0, le=65536, description="GPUs (0: a CPU-only job); 0 < gpus < 1: a share")
+    gpus_max: int | None = Field(
+        None, ge=1, le=65536, description="elastic: the most GPUs, gpus the fewest (gpus: {min: 2, max: 8})"
+    )
     gpu_fraction: float | None = Field(
         None, gt=0, lt=1, description="share of one GPU's compute (what gpus: 0.25 becomes)"
     )
@@ -99,6 +104,11 @@ class Resources(BaseModel):
     @field_validator("gpus", mode="before")
     @classmethod
     def _whole_or_share(cls, value: Any) -> Any:
+        if isinstance(value, dict):  # not turned into gpus/gpus_max by _range: malformed
+            raise ValueError(
+                "an elastic range is {min: N, max: M} with whole numbers 1 <= N <= M <= 65536, got "
+                f"{_short(value)}"
+            )
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, float) and value > 1:
@@ -106,6 +116,21 @@ class Resources(BaseModel):
                 f"{value:g} GPUs: above 1 only whole GPUs (a share is part of one GPU: 0 < gpus < 1)"
             )
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _range(cls, data: Any) -> Any:
+        # gpus: {min: 2, max: 8} becomes gpus: 2, gpus_max: 8; a malformed range is left for the
+        # gpus field validator, so the error names resources.gpus.
+        if isinstance(data, dict) and isinstance(data.get("gpus"), dict):
+            rng = data["gpus"]
+            low, high = rng.get("min"), rng.get("max")
+            whole = all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high))
+            if set(rng) == {"min", "max"} and whole and 1 <= low <= high <= 65536:
+                if data.get("gpus_max") is not None:
+                    raise ValueError("give the range once: gpus: {min: 2, max: 8} or gpus and gpus_max")
+                data = {**data, "gpus": low, "gpus_max": high}
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -118,6 +143,18 @@ class Resources(BaseModel):
                     raise ValueError("give the share once: gpus: 0.25 or gpu_fraction: 0.25")
                 data = {**data, "gpus": 0, "gpu_fraction": value}
         return data
+
+    @field_validator("gpus_max")
+    @classmethod
+    def _max_above_min(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is None:
+            return None
+        gpus = info.data.get("gpus")
+        if not gpus:
+            raise ValueError("an elastic range needs whole GPUs: gpus: {min: 2, max: 8}")
+        if value < gpus:
+            raise ValueError(f"{value} is below the minimum gpus: {gpus}")
+        return None if value == gpus else value  # a range of one size is a rigid job
 
     @field_validator("gpu_fraction", "gpu_memory_gb")
     @classmethod
@@ -147,6 +184,19 @@ class Resources(BaseModel):
         if value is not None and not info.data.get("mig"):
             raise ValueError("counts MIG slices; give mig: PROFILE with it")
         return value
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job may run on any GPU count from ``gpus`` to ``gpus_max``."""
+        return self.gpus_max is not None
+
+    def start_gpus(self, free: int) -> int | None:
+        """GPUs to start the job with when `free` whole GPUs fit it: its maximum if they are free, else
+        its minimum, else None (it waits). A rigid job: its ``gpus`` or None."""
+        most = self.gpus_max or self.gpus
+        if free >= most:
+            return most
+        return self.gpus if free >= self.gpus else None
 
     @property
     def shared(self) -> bool:
@@ -267,6 +317,13 @@ class JobSpec(BaseModel):
         if size > MAX_COMMAND_CHARS:
             raise ValueError(f"command and env hold {size} characters together; at most {MAX_COMMAND_CHARS}")
         layout = self.workload.layout if self.workload else None
+        if self.resources.elastic:
+            if self.nproc is not None:
+                raise ValueError("nproc: an elastic job runs one process per GPU it gets; leave nproc out")
+            if layout is not None and layout.dp is not None:
+                raise ValueError(
+                    "workload.layout.dp: an elastic job changes its data-parallel size; leave dp out"
+                )
         if layout is not None and layout.dp is not None:
             used = (layout.tp or 1) * (layout.pp or 1) * layout.dp * (layout.cp or 1)
             if used != self.resources.gpus:
@@ -318,6 +375,11 @@ def split_command(text: str) -> list[str]:
     if in_word:
         words.append("".join(parts))
     return words
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _whoami() -> str:

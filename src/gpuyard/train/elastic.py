@@ -17,11 +17,16 @@ from whatever shards the checkpoint holds, so DCP reshards. The per-rank state n
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from gpuyard.errors import ConfigError
 from gpuyard.train import components as comp
-from gpuyard.train.data import LoaderSource
+from gpuyard.train.data import LoaderSource, check_position, rank_batch_size
+
+if TYPE_CHECKING:
+    from gpuyard.train.parallel import MeshLayout
+    from gpuyard.train.spec import TrainSpec
 
 
 def saved_world(meta: dict[str, Any]) -> tuple[int, list[int] | None]:
@@ -41,6 +46,30 @@ def fresh_rng(seed: int, step: int, dp_rank: int, stage: int) -> dict[str, Any]:
     run is reproducible and ranks draw different dropout masks."""
     comp.seed_everything(seed + 1_000_003 * (step + 1) + 1000 * dp_rank + stage)
     return comp.rng_state()
+
+
+def check_resizable(meta: dict[str, Any], world_size: int, layout: list[int], source: Any) -> None:
+    """Refuse what cannot change between the checkpoint's world (`meta`) and this one.
+
+    Raises:
+        ConfigError: pipeline or tensor-parallel size changed, or the data position is a loader's
+            own (per-rank) one.
+    """
+    saved_size, saved_layout = saved_world(meta)
+    if saved_layout is not None:
+        pairs = (("pp", saved_layout[0], layout[0]), ("tp", saved_layout[2], layout[2]))
+        for name, old, new in pairs:
+            if old != new:
+                raise ConfigError(
+                    f"parallel.{name}: the checkpoint was written with {name}={old}, this run has "
+                    f"{name}={new}; a resume at another world size may change only dp"
+                )
+    if isinstance(source, LoaderSource):
+        raise ConfigError(
+            f"data.train: the checkpoint was written at world size {saved_size}, this run has "
+            f"{world_size}, and a loader keeps its own per-rank position; use a map-style Dataset "
+            "with data.global_batch_size to resume at another world size"
+        )
 
 
 def adapt_rank_state(
@@ -66,20 +95,35 @@ def adapt_rank_state(
     """
     if not resized(meta, world_size, layout):
         return state
-    saved_size, saved_layout = saved_world(meta)
-    if saved_layout is not None:
-        pairs = (("pp", saved_layout[0], layout[0]), ("tp", saved_layout[2], layout[2]))
-        for name, old, new in pairs:
-            if old != new:
-                raise ConfigError(
-                    f"parallel.{name}: the checkpoint was written with {name}={old}, this run has "
-                    f"{name}={new}; a resume at another world size may change only dp"
-                )
-    if isinstance(source, LoaderSource):
-        raise ConfigError(
-            f"data.train: the checkpoint was written at world size {saved_size}, this run has "
-            f"{world_size}, and a loader keeps its own per-rank position; use a map-style Dataset "
-            "with data.global_batch_size to resume at another world size"
-        )
+    check_resizable(meta, world_size, layout, source)
     step = int(state["step"])
     return {**state, "rng": fresh_rng(seed, step, dp_rank, stage)}
+
+
+def check_resume(spec: TrainSpec, layout: MeshLayout) -> None:
+    """Before any process starts (the launcher): refuse a resume the workers would refuse, in one line
+    and without torchrun restarting workers that fail the same way each time.
+
+    Raises:
+        ConfigError: the newest checkpoint was written at another world size and cannot be resumed
+            at this one (pp/tp changed, a per-rank batch, a loader's own position).
+    """
+    import torch
+
+    from gpuyard.train.checkpoint import latest_checkpoint, read_marker
+
+    if not spec.checkpoint.resume:
+        return
+    path = latest_checkpoint(Path(spec.resolved_run_dir()) / "checkpoints")
+    new = [layout.pp, layout.dp, layout.tp]
+    if path is None or not resized(meta := read_marker(path), layout.world_size, new):
+        return
+    rank0 = path / "rank0.pt"
+    state = torch.load(rank0, weights_only=True) if rank0.is_file() else {}
+    data = state.get("data", {})
+    source = None if "batches_done" in data or not data else LoaderSource(None)
+    check_resizable(meta, layout.world_size, new, source)
+    d = spec.data
+    batch, global_batch = rank_batch_size(d.batch_size, d.global_batch_size, layout.dp, spec.grad_accum)
+    if "batches_done" in data:
+        check_position(data, layout.dp, batch, global_batch)

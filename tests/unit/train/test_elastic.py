@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +181,29 @@ def test_adapt_rank_state_refuses_what_cannot_change() -> None:
             stage=0,
             source=loader,
         )
+
+
+def test_the_launcher_refuses_before_start_what_the_workers_would_refuse(tmp_path: Path) -> None:
+    from gpuyard.train.elastic import check_resume
+    from gpuyard.train.parallel import MeshLayout
+    from gpuyard.train.spec import TrainSpec
+
+    from .conftest import make_spec, run
+
+    per_rank = make_spec(tmp_path / "per-rank", max_steps=3, grad_accum=1)
+    run(per_rank, model=ex.mlp)
+    check_resume(per_rank, MeshLayout(1, 1, 1))  # the same world: nothing to check
+    with pytest.raises(ConfigError, match=r"size 1 \(batch 16 per rank\), this run has 2"):
+        check_resume(per_rank, MeshLayout(1, 2, 1))
+    with pytest.raises(ConfigError, match=r"parallel\.tp: .* tp=1, this run has tp=2"):
+        check_resume(per_rank, MeshLayout(1, 1, 2))
+
+    doc = make_spec(tmp_path / "global", max_steps=3, grad_accum=1).model_dump()
+    doc["data"].pop("batch_size")
+    doc["data"]["global_batch_size"] = 16
+    glob = TrainSpec.model_validate(doc)
+    run(glob, model=ex.mlp)
+    check_resume(glob, MeshLayout(1, 2, 1))
+    check_resume(glob, MeshLayout(1, 4, 1))
+    with pytest.raises(ConfigError, match="16 is not divisible by data-parallel size 3"):
+        check_resume(glob, MeshLayout(1, 3, 1))

@@ -190,7 +190,9 @@ class TrainSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_pipeline(self) -> TrainSpec:
-        if self.parallel.pp > 1 and self.data.batch_size % self.parallel.microbatches:
+        # With global_batch_size the per-rank batch is known only with the world size (not checked here).
+        per_rank = self.data.global_batch_size is None
+        if per_rank and self.parallel.pp > 1 and self.data.batch_size % self.parallel.microbatches:
             raise ValueError(
                 f"data.batch_size={self.data.batch_size} must be a multiple of "
                 f"parallel.microbatches={self.parallel.microbatches}"

@@ -207,3 +207,11 @@ def test_the_launcher_refuses_before_start_what_the_workers_would_refuse(tmp_pat
     check_resume(glob, MeshLayout(1, 4, 1))
     with pytest.raises(ConfigError, match="16 is not divisible by data-parallel size 3"):
         check_resume(glob, MeshLayout(1, 3, 1))
+
+
+def test_a_global_batch_skips_the_per_rank_pipeline_check() -> None:
+    # batch_size keeps its default (32) when global_batch_size is given: not checked against microbatches
+    spec = parse_spec({"data": {"global_batch_size": 48}, "parallel": {"pp": 2, "microbatches": 3}})
+    assert spec.data.global_batch_size == 48
+    with pytest.raises(ConfigError, match="batch_size=32 must be a multiple"):
+        parse_spec({"parallel": {"pp": 2, "microbatches": 3}})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -215,3 +216,28 @@ def test_a_global_batch_skips_the_per_rank_pipeline_check() -> None:
     assert spec.data.global_batch_size == 48
     with pytest.raises(ConfigError, match="batch_size=32 must be a multiple"):
         parse_spec({"parallel": {"pp": 2, "microbatches": 3}})
+
+
+def test_a_global_batch_resumes_bit_exactly_at_the_same_world_size(tmp_path: Path) -> None:
+    from gpuyard.train.spec import TrainSpec
+
+    from .conftest import make_spec, run, weights
+
+    def spec(name: str) -> TrainSpec:
+        doc = make_spec(tmp_path / name).model_dump()  # 2 epochs, grad_accum 2, dropout model
+        doc["data"].pop("batch_size")
+        doc["data"]["global_batch_size"] = 32
+        return TrainSpec.model_validate(doc)
+
+    def stop_after_4(trainer: Any, event: str) -> None:
+        if event == "step" and trainer.step == 4:
+            trainer.request_stop()
+
+    whole_t, whole = run(spec("whole"))
+    stopped = spec("stopped")
+    _, first = run(stopped, callbacks=[stop_after_4])
+    assert (first.status, first.step) == ("preempted", 5)
+    resumed, second = run(stopped)
+    assert (second.status, second.step) == ("completed", whole.step) and whole.step == 16
+    a, b = weights(resumed), weights(whole_t)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # dropout RNG restored too

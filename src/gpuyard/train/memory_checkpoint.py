@@ -1,18 +1,27 @@
 """In-memory checkpoints: a host-memory snapshot every N steps, a replica on the next rank, storage every M.
 
+Where a snapshot lives: in the node's snapshot folder (``$GPUYARD_SNAPSHOT_DIR/holder-<rank>/``,
+in ``/dev/shm``, so host memory), each owner (this rank, and the previous rank whose replica this
+rank keeps) has two data files, ``o<owner>-slot<0|1>.bin``: its tensors back to back, mapped into
+the process and reused from snapshot to snapshot, and a small description per snapshot,
+``o<owner>-s<step>-w<world>-g<slot>.snap`` (the tree, where each tensor lies, the rank's small
+state), written last: a snapshot is complete once its description exists. A new snapshot goes
+into the slot not holding the owner's newest one, whose description is removed first, so the
+newest complete snapshot is never overwritten and a rank killed halfway leaves it whole.
+
 What happens at a snapshot step (every rank, ``checkpoint.memory_every``):
 
-1. **In the training thread** (the only stall): the model and optimizer tensors are copied into
-   host buffers allocated once and reused (pinned, non-blocking device-to-host copies on CUDA; the
-   copy is stream-ordered, so the next optimizer step cannot overtake it), plus this rank's small
-   state (counters, LR schedule, RNG, data position).
-2. **In a background thread**: the host copy is serialised into this rank's folder under the node's
-   snapshot folder (``$GPUYARD_SNAPSHOT_DIR/holder-<rank>/``; ``/dev/shm``, so host memory), sent to
-   rank ``(r + 1) % world`` over a gloo side group (isend/irecv of a byte tensor), which keeps it as
-   a replica in its own folder; every ``checkpoint.persist_every`` steps the same host copy is also
-   written to storage as an ordinary checkpoint (``dcp.save`` on the side group, then the marker
-   and rename of :class:`~gpuyard.train.checkpoint.Checkpointer`). The next snapshot, a storage
-   checkpoint and the end of the run wait for it first.
+1. **In the training thread**: buffers (which the next forward may change) are copied into the
+   slot's data file; on CUDA every tensor is copied non-blocking into pinned staging buffers
+   (stream-ordered: the next optimizer step cannot overtake it).
+2. **In a background thread**: parameters and optimizer state (changed only by the optimizer
+   step, which waits for this: :meth:`MemoryCheckpointer.before_update`) are copied into the data
+   file; then, at a lower CPU priority, the description is written, the snapshot is sent to rank
+   ``(r + 1) % world`` over a gloo side group (isend/irecv straight from and into the mapped data
+   files), which keeps it as a replica; every ``checkpoint.persist_every`` steps the same host copy
+   is also written to storage as an ordinary checkpoint (``dcp.save`` on the side group, then the
+   marker and rename of :class:`~gpuyard.train.checkpoint.Checkpointer`). The next snapshot, a
+   storage checkpoint and the end of the run wait for it first.
 
 The snapshot folder belongs to the node's launcher (``gpuyard train`` creates it, hands it to every
 rank through ``GPUYARD_SNAPSHOT_DIR`` and removes it when torchrun exits), so it outlives a killed
@@ -20,23 +29,21 @@ rank and torchrun's restart of the worker group. On restart every rank lists wha
 snapshots and the replicas it keeps), the ranks agree on the newest step every rank can get (from its
 own folder, else from the rank holding its replica) and restore from memory when that step is not
 older than the newest storage checkpoint; otherwise they resume from storage as before.
-Files are written to a temporary name and renamed, and the last two snapshot steps are kept, so a
-rank killed halfway through a snapshot leaves the previous step complete everywhere.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import io
-import mmap
 import os
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,16 +72,23 @@ def default_snapshot_dir(run_dir: Path) -> Path:
 
 @dataclass(frozen=True, order=True)
 class Holding:
-    """One snapshot file a rank holds: whose state (`owner`), at which step, for which world size."""
+    """One snapshot a rank holds: whose state (`owner`), at which step, for which world size, and
+    in which of the owner's two data files (`slot`) its tensors are."""
 
     owner: int
     step: int
     world_size: int
+    slot: int = field(default=0, compare=False)
 
 
 def snapshot_name(h: Holding) -> str:
-    """File name of a snapshot (owner, step and world size are read back from it)."""
-    return f"o{h.owner}-s{h.step:09d}-w{h.world_size}{_SUFFIX}"
+    """File name of a snapshot's description (owner, step, world size and slot are read back)."""
+    return f"o{h.owner}-s{h.step:09d}-w{h.world_size}-g{h.slot}{_SUFFIX}"
+
+
+def data_name(owner: int, slot: int) -> str:
+    """File name of one of an owner's two data files (the tensors, back to back, reused)."""
+    return f"o{owner}-slot{slot}.bin"
 
 
 def parse_name(name: str) -> Holding | None:
@@ -82,8 +96,8 @@ def parse_name(name: str) -> Holding | None:
     if not name.endswith(_SUFFIX) or not name.startswith("o"):
         return None
     try:
-        owner, step, world = name[: -len(_SUFFIX)].split("-")
-        return Holding(int(owner[1:]), int(step[1:]), int(world[1:]))
+        owner, step, world, slot = name[: -len(_SUFFIX)].split("-")
+        return Holding(int(owner[1:]), int(step[1:]), int(world[1:]), int(slot[1:]))
     except ValueError:
         return None
 
@@ -126,17 +140,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     # A DTensor's shard on this rank; a plain tensor itself.
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
-
-
-def _plain(tree: Any) -> Any:
-    """The tree with DTensors replaced by their local shards (what a snapshot file holds)."""
-    if isinstance(tree, dict):
-        return {k: _plain(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_plain(v) for v in tree)
-    if isinstance(tree, torch.Tensor):
-        return local_tensor(tree)
-    return tree
 
 
 def fill(live: Any, snap: Any, where: str = "") -> Any:
@@ -183,9 +186,71 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 def _write_atomic(path: Path, data: memoryview | bytes) -> None:
     tmp = path.with_name(f".tmp-{path.name}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    tmp.replace(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+_ALIGN = 64
+
+
+def _layout(tree: Any, out: list[tuple[int, int, str, list[int]]]) -> Any:
+    """The tree with each tensor replaced by ``{"__t": i}``; ``out[i]`` = (offset, bytes, dtype,
+    shape) of its local data in the data file, packed in order and 64-byte aligned."""
+    if isinstance(tree, dict):
+        return {k: _layout(v, out) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_layout(v, out) for v in tree)
+    if not isinstance(tree, torch.Tensor):
+        return copy.deepcopy(tree)
+    t = local_tensor(tree)
+    offset = 0 if not out else -(-(out[-1][0] + out[-1][1]) // _ALIGN) * _ALIGN
+    out.append((offset, t.numel() * t.element_size(), str(t.dtype).removeprefix("torch."), list(t.shape)))
+    return {"__t": len(out) - 1}
+
+
+def _total(layout: list[tuple[int, int, str, list[int]]]) -> int:
+    return max(1, layout[-1][0] + layout[-1][1]) if layout else 1
+
+
+def _view(store: torch.Tensor, entry: tuple[int, int, str, list[int]]) -> torch.Tensor:
+    offset, nbytes, dtype, shape = entry
+    return store[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
+
+
+def _rebuild(tree: Any, views: list[torch.Tensor]) -> Any:
+    if isinstance(tree, dict):
+        if tree.keys() == {"__t"}:
+            return views[tree["__t"]]
+        return {k: _rebuild(v, views) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_rebuild(v, views) for v in tree)
+    return tree
+
+
+def _map(path: Path, size: int) -> torch.Tensor:
+    """A uint8 tensor over a /dev/shm file of `size` bytes (created or resized when needed).
+
+    The file is sized, not filled: its pages are allocated when first written, by the background
+    copy rather than the training thread. A full /dev/shm would then be a SIGBUS at that write, so
+    the free space is checked first (an OSError here instead; another process filling /dev/shm in
+    between is not guarded against).
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        have = os.fstat(fd).st_size
+        if have != size:
+            vfs = os.fstatvfs(fd)
+            if size - have > vfs.f_bavail * vfs.f_frsize:
+                raise OSError(errno.ENOSPC, f"{size} bytes do not fit in {path.parent}")
+            os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
 
 
 @dataclass
@@ -198,6 +263,17 @@ class Restored:
     rank_state: dict[str, Any]
     sources: dict[int, str]
     seconds: float
+
+
+def read_snapshot(meta: dict[str, Any], data: torch.Tensor) -> dict[str, Any]:
+    """The trees of a snapshot from its description and its data bytes (tensors are views of them)."""
+    views = [_view(data, entry) for entry in meta["layout"]]
+    return {
+        "step": meta["step"],
+        "world_size": meta["world_size"],
+        "app": _rebuild(meta["tree"], views),
+        "rank_state": meta["rank_state"],
+    }
 
 
 class MemoryCheckpointer:
@@ -225,17 +301,46 @@ class MemoryCheckpointer:
             # group keeps them from interleaving with the training collectives (and works on CPU
             # tensors whatever the training backend is).
             self._group = dist.new_group(backend="gloo")
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._stores: dict[tuple[int, int], torch.Tensor] = {}  # (owner, slot) -> mapped data file
+        self._staging: dict[int, torch.Tensor] = {}  # pinned buffers for CUDA tensors, by index
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._from_cuda = False
         self.stalls: list[float] = []
         self.copy_waits: dict[int, float] = {}  # snapshot step -> wait before the next update
         self._copied: tuple[int, threading.Event] | None = None
-        self._defer: set[int] = set()
-        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.warnings: list[str] = []  # snapshots not written (the run goes on); the trainer reports them
         self.last_background_s = 0.0
+
+    # ----- files --------------------------------------------------------------------------------
+    def _free_slot(self, owner: int) -> int:
+        """The slot not holding the owner's newest snapshot here (that one must stay whole)."""
+        held = [h for h in self.inventory() if h.owner == owner]
+        return 1 - max(held).slot if held else 0
+
+    def _drop_slot(self, owner: int, slot: int) -> None:
+        """Forget the snapshot in a slot before its data file is overwritten."""
+        for h in self.inventory():
+            if h.owner == owner and h.slot == slot:
+                (self.holder_dir / snapshot_name(h)).unlink(missing_ok=True)
+
+    def _store(self, owner: int, slot: int, size: int) -> torch.Tensor:
+        store = self._stores.get((owner, slot))
+        if store is None or store.numel() != size:
+            self._stores.pop((owner, slot), None)
+            store = _map(self.holder_dir / data_name(owner, slot), size)
+            self._stores[(owner, slot)] = store
+        return store
+
+    def _write_meta(self, h: Holding, doc: dict[str, Any]) -> Path:
+        path = self.holder_dir / snapshot_name(h)
+        tmp = path.with_name(f".tmp-{path.name}")
+        try:
+            torch.save(doc, tmp)
+            tmp.replace(path)  # the snapshot is complete once its description is there
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        return path
 
     # ----- taking a snapshot --------------------------------------------------------------------
     def snapshot(
@@ -247,7 +352,8 @@ class MemoryCheckpointer:
         persist: bool = False,
         defer: Collection[int] = (),
     ) -> float:
-        """Copy the state to host memory and hand the rest to a background thread (collective).
+        """Copy the state into this rank's data file in /dev/shm and hand the rest to a background
+        thread (collective).
 
         Args:
             step: optimizer step of the state.
@@ -265,24 +371,40 @@ class MemoryCheckpointer:
         """
         start = time.perf_counter()
         self.wait()
-        self._from_cuda = False
-        self._defer = set(defer)
-        self._deferred = []
-        host = self._copy(app_state, "")
+        layout: list[tuple[int, int, str, list[int]]] = []
+        tree = _layout(app_state, layout)
+        slot = self._free_slot(self.rank)
+        self._drop_slot(self.rank, slot)
+        host: dict[str, Any] | None = None
+        deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        event = None
+        try:
+            store = self._store(self.rank, slot, _total(layout))
+        except OSError as exc:  # /dev/shm full, say: no snapshot here this step, training goes on
+            self.warnings.append(f"step {step}: rank {self.rank} could not write its snapshot: {exc}")
+        else:
+            views = [_view(store, entry) for entry in layout]
+            host = self._copy(app_state, iter(range(len(layout))), views, set(defer), deferred, staged)
+            if staged:
+                # Queued on the current stream ahead of the next step's kernels; the background
+                # thread waits for this event before reading the pinned buffers.
+                event = torch.cuda.Event()
+                event.record()
         copied = threading.Event()
-        if not self._deferred:
+        if not deferred:
             copied.set()
         self._copied = (step, copied)
-        event = None
-        if self._from_cuda:
-            # The copies are queued on the current stream, ahead of the next step's kernels; the
-            # background thread waits for this event before reading the buffers.
-            event = torch.cuda.Event()
-            event.record()
-        small = copy.deepcopy(rank_state)
+        doc = {
+            "step": step,
+            "world_size": self.world_size,
+            "tree": tree,
+            "layout": layout,
+            "rank_state": copy.deepcopy(rank_state),
+        }
         self._thread = threading.Thread(
             target=self._background,
-            args=(step, host, small, dict(meta), persist, event, self._deferred, copied),
+            args=(step, slot, host, doc, dict(meta), persist, event, deferred, staged, copied),
             name=f"gpuyard-snapshot-{step}",
             daemon=True,
         )
@@ -291,123 +413,153 @@ class MemoryCheckpointer:
         self.stalls.append(stall)
         return stall
 
-    def _copy(self, tree: Any, path: str) -> Any:
+    def _copy(
+        self,
+        tree: Any,
+        index: Any,
+        views: list[torch.Tensor],
+        defer: set[int],
+        deferred: list[tuple[torch.Tensor, torch.Tensor]],
+        staged: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> Any:
+        """The tree with each tensor replaced by its view in the data file (DTensors keep their
+        sharding, so a persisted checkpoint has the same DCP layout as a direct save)."""
         if isinstance(tree, dict):
-            return {k: self._copy(v, f"{path}/{k}") for k, v in tree.items()}
+            return {k: self._copy(v, index, views, defer, deferred, staged) for k, v in tree.items()}
         if isinstance(tree, (list, tuple)):
-            return type(tree)(self._copy(v, f"{path}/{i}") for i, v in enumerate(tree))
+            return type(tree)(self._copy(v, index, views, defer, deferred, staged) for v in tree)
         if not isinstance(tree, torch.Tensor):
             return copy.deepcopy(tree)
-        src = local_tensor(tree).detach()
-        self._from_cuda = self._from_cuda or src.device.type == "cuda"
-        buf = self._buffers.get(path)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            pin = src.device.type == "cuda"
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
-            self._buffers[path] = buf
-        if src.device.type == "cpu" and src.data_ptr() in self._defer:
-            self._deferred.append((buf, src))  # copied by the background thread, first thing
+        i = next(index)
+        src, dst = local_tensor(tree).detach(), views[i]
+        if src.device.type == "cuda":
+            pinned = self._staging.get(i)
+            if pinned is None or pinned.shape != src.shape or pinned.dtype != src.dtype:
+                pinned = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
+                self._staging[i] = pinned
+            pinned.copy_(src, non_blocking=True)
+            staged.append((dst, pinned))
+        elif src.data_ptr() in defer:
+            deferred.append((dst, src))  # copied by the background thread, first thing
         else:
-            buf.copy_(src, non_blocking=src.device.type == "cuda")
+            dst.copy_(src)
         from torch.distributed.tensor import DTensor
 
         if not isinstance(tree, DTensor):
-            return buf
-        # Keep the sharding so a persisted checkpoint is the same DCP layout as a direct save.
+            return dst
         return DTensor.from_local(
-            buf, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape, stride=tree.stride()
+            dst, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape, stride=tree.stride()
         )
 
     def _background(
         self,
         step: int,
-        host: dict[str, Any],
-        rank_state: dict[str, Any],
+        slot: int,
+        host: dict[str, Any] | None,
+        doc: dict[str, Any],
         meta: dict[str, Any],
         persist: bool,
         event: Any,
         deferred: list[tuple[torch.Tensor, torch.Tensor]],
+        staged: list[tuple[torch.Tensor, torch.Tensor]],
         copied: threading.Event,
     ) -> None:
         start = time.perf_counter()
         try:
             try:
-                for buf, src in deferred:
-                    buf.copy_(src)
+                for dst, src in deferred:
+                    dst.copy_(src)
             finally:
                 copied.set()  # the optimizer step may go on (an error is raised at wait())
             # The rest is not waited for by the next step: let training have the CPU first.
             _lower_priority()
             if event is not None:
                 event.synchronize()
-            own = self._write_own(step, host, rank_state)
+            for dst, pinned in staged:
+                dst.copy_(pinned)
+            own = None
+            if host is not None:
+                try:
+                    self._write_meta(Holding(self.rank, step, self.world_size, slot), {**doc, "slot": slot})
+                    own = self._stores[(self.rank, slot)]
+                except OSError as exc:
+                    self.warnings.append(f"step {step}: rank {self.rank} could not write its snapshot: {exc}")
             if self._group is not None and self.world_size > 1:
-                self._share(step, own)
+                self._share(step, doc if own is not None else None, own)
             self._prune()
+            if own is not None:
+                # Make the other slot ready now, off the training thread: the next snapshot then
+                # finds its file allocated (only a run's first snapshot pays for that).
+                other = self.holder_dir / data_name(self.rank, 1 - slot)
+                fresh = not other.exists()
+                with contextlib.suppress(OSError):
+                    if fresh:  # (an existing one may hold the previous snapshot: left alone)
+                        # Its pages allocated now, rather than in the next snapshot's copy.
+                        self._store(self.rank, 1 - slot, own.numel()).zero_()
             if persist and self.checkpointer is not None:
-                self.checkpointer.save(step, host, rank_state, meta, group=self._group, background=True)
+                if host is None:
+                    raise RuntimeError(f"step {step}: no host copy to persist (see the warning before)")
+                self.checkpointer.save(
+                    step, host, doc["rank_state"], meta, group=self._group, background=True
+                )
         except BaseException as exc:  # handed to the training thread at the next wait()
             self._error = exc
         finally:
             self.last_background_s = time.perf_counter() - start
 
-    def _write_own(self, step: int, host: dict[str, Any], rank_state: dict[str, Any]) -> Path | None:
-        """This rank's snapshot file, or None when it could not be written (/dev/shm full, say):
-        that step then has no snapshot here, and training goes on."""
-        own = self.holder_dir / snapshot_name(Holding(self.rank, step, self.world_size))
-        tmp = own.with_name(f".tmp-{own.name}")
-        doc = {"step": step, "world_size": self.world_size, "app": _plain(host), "rank_state": rank_state}
-        try:
-            torch.save(doc, tmp)  # straight into /dev/shm (one copy); renamed once whole
-            tmp.replace(own)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            self.warnings.append(f"step {step}: rank {self.rank} could not write its snapshot: {exc}")
-            return None
-        return own
-
-    def _share(self, step: int, own: Path | None) -> None:
+    def _share(self, step: int, doc: dict[str, Any] | None, data: torch.Tensor | None) -> None:
         """Send this rank's snapshot to the next rank, keep the previous rank's. A rank without a
         snapshot takes part all the same (an empty one), or the next rank would wait for it."""
-        with contextlib.ExitStack() as stack:
-            data = memoryview(b"")
-            if own is not None:
-                f = stack.enter_context(open(own, "rb"))
-                data = memoryview(stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)))
-            incoming = self._exchange(data)
-            del data
-        prev = (self.rank - 1) % self.world_size
-        replica = self.holder_dir / snapshot_name(Holding(prev, step, self.world_size))
+        nxt, prev = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+        meta_out = torch.empty(0, dtype=torch.uint8)
+        if doc is not None and data is not None:
+            buf = io.BytesIO()
+            torch.save(doc, buf)
+            meta_out = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        data_out = data if data is not None and meta_out.numel() else torch.empty(0, dtype=torch.uint8)
+        sizes_out = torch.tensor([meta_out.numel(), data_out.numel()], dtype=torch.int64)
+        sizes_in = torch.zeros(2, dtype=torch.int64)
+        self._pair(sizes_out, sizes_in, nxt, prev)
+        meta_in = torch.empty(int(sizes_in[0]), dtype=torch.uint8)
+        self._pair(meta_out, meta_in, nxt, prev)
+        size = int(sizes_in[1])
+        replica: torch.Tensor | None = None
+        slot = self._free_slot(prev)
+        if size and meta_in.numel():
+            self._drop_slot(prev, slot)
+            try:
+                replica = self._store(prev, slot, size)
+            except OSError as exc:
+                self.warnings.append(
+                    f"step {step}: rank {self.rank} could not keep rank {prev}'s replica: {exc}"
+                )
+        # Received straight into the replica's data file (or, without room for it, dropped).
+        self._pair(
+            data_out, replica if replica is not None else torch.empty(size, dtype=torch.uint8), nxt, prev
+        )
+        if replica is None or not meta_in.numel():
+            return
+        received = torch.load(io.BytesIO(_bytes_of(meta_in)), weights_only=True)
         try:
-            if len(incoming):
-                _write_atomic(replica, incoming)
+            self._write_meta(Holding(prev, step, self.world_size, slot), {**received, "slot": slot})
         except OSError as exc:
-            replica.with_name(f".tmp-{replica.name}").unlink(missing_ok=True)
             self.warnings.append(f"step {step}: rank {self.rank} could not keep rank {prev}'s replica: {exc}")
 
-    def _exchange(self, data: memoryview) -> memoryview:
-        """Send this rank's snapshot to the next rank and receive the previous rank's."""
-        nxt, prev = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
-        size_out = torch.tensor([len(data)], dtype=torch.int64)
-        size_in = torch.zeros(1, dtype=torch.int64)
-        _wait_all(dist.isend(size_out, nxt, group=self._group), dist.irecv(size_in, prev, group=self._group))
-        incoming = torch.empty(int(size_in.item()), dtype=torch.uint8)
-        # An empty snapshot (not written) is announced by its size and not sent.
-        send = (
-            dist.isend(torch.frombuffer(data, dtype=torch.uint8), nxt, group=self._group)
-            if len(data)
-            else None
-        )
-        recv = dist.irecv(incoming, prev, group=self._group) if incoming.numel() else None
+    def _pair(self, out: torch.Tensor, into: torch.Tensor, to: int, source: int) -> None:
+        """isend `out` to `to` and irecv `into` from `source` (an empty side is skipped: both
+        ends know the sizes)."""
+        send = dist.isend(out, to, group=self._group) if out.numel() else None
+        recv = dist.irecv(into, source, group=self._group) if into.numel() else None
         _wait_all(send, recv)
-        return _bytes_of(incoming)
 
     def _prune(self) -> None:
-        held = [(h, p) for p in self.holder_dir.iterdir() if (h := parse_name(p.name)) is not None]
-        keep = sorted({h.step for h, _ in held}, reverse=True)[:KEEP_STEPS]
-        for h, p in held:
-            if h.step not in keep:
-                p.unlink(missing_ok=True)
+        """Keep each owner's two newest snapshots (its two slots); forget older descriptions."""
+        by_owner: dict[int, list[Holding]] = {}
+        for h in self.inventory():
+            by_owner.setdefault(h.owner, []).append(h)
+        for held in by_owner.values():
+            for h in sorted(held, reverse=True)[KEEP_STEPS:]:
+                (self.holder_dir / snapshot_name(h)).unlink(missing_ok=True)
 
     def before_update(self) -> float:
         """Wait until the deferred copies of the last snapshot are done (call before the optimizer
@@ -438,6 +590,12 @@ class MemoryCheckpointer:
             return []
         return sorted(h for p in self.holder_dir.iterdir() if (h := parse_name(p.name)) is not None)
 
+    def _read_local(self, h: Holding) -> tuple[dict[str, Any], torch.Tensor]:
+        meta = torch.load(self.holder_dir / snapshot_name(h), weights_only=True)
+        path = self.holder_dir / data_name(h.owner, h.slot)
+        data = torch.from_file(str(path), shared=True, size=path.stat().st_size, dtype=torch.uint8)
+        return meta, data
+
     def restore(self, storage_step: int) -> Restored | None:
         """Agree on a snapshot step and load this rank's state from memory (collective).
 
@@ -445,8 +603,9 @@ class MemoryCheckpointer:
             storage_step: the newest complete storage checkpoint's step (-1: none).
 
         Returns:
-            The restored trees (plain tensors; :func:`fill` them into the live state), or None
-            when no snapshot step is held for every rank at or after `storage_step`.
+            The restored trees (tensors are views of the snapshot's data: :func:`fill` them into
+            the live state), or None when no snapshot step is held for every rank at or after
+            `storage_step`.
         """
         start = time.perf_counter()
         mine = self.inventory()
@@ -459,35 +618,42 @@ class MemoryCheckpointer:
         if plan is None:
             return None
         step, holders = plan
+        held = {(h.owner, h.step): h for h in mine}
         doc: dict[str, Any] | None = None
         for owner in range(self.world_size):
             holder = holders[owner]
-            path = self.holder_dir / snapshot_name(Holding(owner, step, self.world_size))
             if holder == owner:
                 if owner == self.rank:
-                    # Mapped, not read: the tensors are views of the /dev/shm pages until fill() copies.
-                    doc = torch.load(path, mmap=True, weights_only=True)
+                    doc = read_snapshot(*self._read_local(held[(owner, step)]))
             elif self.rank == holder:
-                self._send(path.read_bytes(), owner)
+                meta, data = self._read_local(held[(owner, step)])
+                buf = io.BytesIO()
+                torch.save(meta, buf)
+                self._send(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8), owner)
+                self._send(data, owner)
             elif self.rank == owner:
-                doc = torch.load(io.BytesIO(self._recv(holder)), weights_only=True)
+                meta_bytes = self._recv(holder)
+                doc = read_snapshot(
+                    torch.load(io.BytesIO(_bytes_of(meta_bytes)), weights_only=True), self._recv(holder)
+                )
         if doc is None:
             raise RuntimeError(f"in-memory checkpoint: rank {self.rank} got no snapshot of step {step}")
         sources = {o: "memory" if h == o else f"peer {h}" for o, h in holders.items()}
         return Restored(step, doc["app"], doc["rank_state"], sources, time.perf_counter() - start)
 
-    def _send(self, data: bytes, to: int) -> None:
-        dist.send(torch.tensor([len(data)], dtype=torch.int64), to, group=self._group)
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), to, group=self._group)
+    def _send(self, data: torch.Tensor, to: int) -> None:
+        dist.send(torch.tensor([data.numel()], dtype=torch.int64), to, group=self._group)
+        dist.send(data, to, group=self._group)
 
-    def _recv(self, source: int) -> memoryview:
+    def _recv(self, source: int) -> torch.Tensor:
         size = torch.zeros(1, dtype=torch.int64)
         dist.recv(size, source, group=self._group)
         out = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.recv(out, source, group=self._group)
-        return _bytes_of(out)
+        return out
 
     def close(self) -> None:
         """Wait for background work and drop this rank's snapshots (the run ended cleanly)."""
         self.wait()
+        self._stores.clear()
         shutil.rmtree(self.holder_dir, ignore_errors=True)

@@ -76,8 +76,9 @@ def test_plan_prefers_the_newest_step_every_rank_can_get() -> None:
 
 
 def test_snapshot_names_round_trip() -> None:
-    holding = Holding(owner=3, step=120, world_size=8)
+    holding = Holding(owner=3, step=120, world_size=8, slot=1)
     assert parse_name(snapshot_name(holding)) == holding
+    assert parse_name(snapshot_name(holding)).slot == 1  # type: ignore[union-attr]
     assert parse_name(".tmp-" + snapshot_name(holding)) is None
 
 
@@ -205,14 +206,18 @@ def test_a_snapshot_that_cannot_be_written_is_reported_and_training_goes_on(
     [failed] = [e for e in events if e["event"] == "memory_snapshot_failed"]
     assert "step 6: rank 0 could not write its snapshot" in failed["message"]
     assert not list(shm.rglob(".tmp-*"))  # the half-written file is gone
-    assert sorted(p.name for p in shm.rglob("*.snap")) == ["o0-s000000004-w1.snap", "o0-s000000008-w1.snap"]
+    # Steps 4 and 8 are held (in the two slots; step 6's data went into step 2's slot, undescribed).
+    assert sorted(p.name for p in shm.rglob("*.snap")) == [
+        "o0-s000000004-w1-g1.snap",
+        "o0-s000000008-w1-g0.snap",
+    ]
     run(spec)
     [event] = _resumes(spec.resolved_run_dir())
     assert event["source"] == "memory" and event["step"] == 8
 
 
 def test_update_only_tensors_are_copied_before_the_next_update(tmp_path: Path) -> None:
-    from gpuyard.train.memory_checkpoint import MemoryCheckpointer
+    from gpuyard.train.memory_checkpoint import MemoryCheckpointer, read_snapshot
 
     memory = MemoryCheckpointer(tmp_path / "shm", rank=0, world_size=1)
     param, buffer = torch.arange(4.0), torch.zeros(2)
@@ -222,6 +227,6 @@ def test_update_only_tensors_are_copied_before_the_next_update(tmp_path: Path) -
     assert 1 in memory.copy_waits
     param.mul_(-1)  # the optimizer step, after before_update()
     memory.wait()
-    [path] = (tmp_path / "shm").rglob("*.snap")
-    saved = torch.load(path, weights_only=True)["app"]
+    [held] = memory.inventory()
+    saved = read_snapshot(*memory._read_local(held))["app"]
     assert torch.equal(saved["p"], torch.arange(4.0)) and torch.equal(saved["b"], torch.zeros(2))

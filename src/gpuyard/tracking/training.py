@@ -82,6 +82,11 @@ def _number(value: Any) -> float | None:
     return None
 
 
+# Trainer events that also reach the run in the state store (its ``events`` tag; the last 100 kept):
+# what a user looks for after the fact. Per-step metrics stay in metrics.jsonl and the metric table.
+RUN_EVENTS = ("checkpoint", "diverged", "straggler", "memory_snapshot_failed")
+
+
 class DbRunTracker:
     """Rank 0's tracker under ``tracking: db``: metrics.jsonl as before, plus one run in the state store.
 
@@ -160,9 +165,9 @@ class DbRunTracker:
                 self._points.append((step, {db_metric_key(k): v for k, v in metrics.items()}))
 
     def log_event(self, event: str, **fields: Any) -> None:
-        """Write an event to metrics.jsonl; checkpoints and divergence also go to the run's events."""
+        """Write an event to metrics.jsonl; those of :data:`RUN_EVENTS` also go to the run's events."""
         self.jsonl.log_event(event, **fields)
-        if event in ("checkpoint", "diverged"):
+        if event in RUN_EVENTS:
             self._put("event", event, fields)
 
     def finish(self, status: str, error: str | None = None) -> None:

@@ -192,3 +192,28 @@ def test_the_run_has_one_writer_thread_which_writes_points_and_system_samples(
     tracker.finish("completed")
     samples = metric_series(run_id, ["sys/cpu_percent"])["sys/cpu_percent"]
     assert [step for step, _ in samples] == [1, 2]  # one when the run opened, one when it closed
+
+
+def test_straggler_and_snapshot_failure_events_reach_the_run(gpuyard_home: Path, tmp_path: Path) -> None:
+    from tests.waiting import wait_for
+
+    spec = _spec(tmp_path / "run")
+    tracker = _attempt(spec, range(1, 3), start=0, resumed=False)
+    tracker.log_event("straggler", rank=1, cause="data", step=2)
+    tracker.log_event("memory_snapshot_failed", step=2, error="No space left on device")
+    tracker.log_event("metrics_only", step=2)  # not a run event
+    run_id = str(tracker.run_id)
+
+    def events() -> list[str]:
+        from gpuyard.errors import NotFoundError
+
+        try:  # the writer thread creates the run
+            return [e["event"] for e in get_run(run_id).tags.get("events", [])]
+        except NotFoundError:
+            return []
+
+    wait_for(lambda: "memory_snapshot_failed" in events(), 30)
+    tracker.finish("completed")
+    assert "straggler" in events() and "metrics_only" not in events()
+    straggler = next(e for e in get_run(run_id).tags["events"] if e["event"] == "straggler")
+    assert straggler["rank"] == 1 and straggler["cause"] == "data"

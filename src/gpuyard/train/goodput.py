@@ -202,7 +202,8 @@ def compute(events: Iterable[dict[str, Any]], now: float | None = None) -> Goodp
                     cursor, before_step = max(cursor, t_end), "other"
             # After its last step: checkpoints, then shutdown (it finished) or the failure (it did not).
             last = max([_float(e.get("time")) for e in attempt.events if "time" in e] + [cursor])
-            finished = any(e.get("event") == "finish" for e in attempt.events)
+            # An attempt that raised (a peer died) writes finish/failed: a failure like a kill.
+            finished = any(e.get("event") == "finish" and e.get("status") != "failed" for e in attempt.events)
             gap = last - cursor
             gp.lose("checkpoint", min(gap, ckpt))
             gp.lose("other" if finished else "restart", gap - min(gap, ckpt))

@@ -113,6 +113,27 @@ def db_tracker(
     )
 
 
+def pin_ddp_buckets(model: nn.Module) -> bool:
+    """Give a DDP model whose gradients fit in one bucket its final bucket layout before the first step.
+
+    DDP reduces the first iteration of every process in its initial layout (parameters in module
+    order) and later ones in the layout rebuilt from the order gradients became ready (about the
+    reverse). An all-reduce over 3 or more ranks sums each element in an order that depends on its
+    place in the bucket, so a process that resumed did its first step with other rounding than the
+    run it continues: not bit-exact. With one bucket there is no overlap to keep, so the layout is
+    fixed at once (and never rebuilt). Returns whether it was; larger models are left to DDP.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return False
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    if grads > getattr(model, "bucket_bytes_cap", 0):
+        return False
+    model.reducer._push_all_rebuilt_params()
+    return bool(model.reducer._rebuild_buckets())
+
+
 class Trainer:
     """Runs one training job described by a TrainSpec, on one process or as one rank of many.
 
@@ -224,6 +245,7 @@ class Trainer:
             self.model = self.pipeline.module
         else:
             self.model = parallelize(full, ctx, spec.parallel)
+            pin_ddp_buckets(self.model)
             if spec.compile:
                 self.model.compile()  # in place: parameter names (and checkpoints) stay the same
         # Different randomness per data shard (dropout), same within a tensor-parallel group.

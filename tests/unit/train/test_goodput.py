@@ -62,7 +62,8 @@ def test_a_killed_attempt_loses_the_steps_past_the_checkpoint_and_the_restart() 
         step(3.0, 2, 1.0),
         {"time": 3.2, "event": "memory_snapshot", "step": 2, "stall_s": 0.2},
         step(4.2, 3, 1.0),
-        step(5.2, 4, 1.5 - 0.5),  # killed after this line (at 5.5, unseen)
+        step(5.2, 4, 1.5 - 0.5),  # a peer killed after this line: this rank raises and says so
+        {"time": 5.5, "event": "finish", "status": "failed"},
         attempt(9.0, 8.0, resumed=2),  # the new processes resumed from step 2
         step(10.0, 3, 1.0),  # restart: 5.2 -> 9.0
         step(11.0, 4, 1.0),
@@ -73,7 +74,7 @@ def test_a_killed_attempt_loses_the_steps_past_the_checkpoint_and_the_restart() 
     gp = compute(events)
     assert gp.wall_s == pytest.approx(12.5)
     assert gp.lost_s["recomputed"] == pytest.approx(2.0)  # steps 3 and 4 of the first attempt
-    assert gp.lost_s["restart"] == pytest.approx(3.8)
+    assert gp.lost_s["restart"] == pytest.approx(3.8)  # 5.2 -> 9.0
     assert gp.lost_s["startup"] == pytest.approx(1.0)
     assert gp.lost_s["checkpoint"] == pytest.approx(0.2)
     assert gp.productive_s == pytest.approx(5.0)  # steps 1, 2 (first attempt), 3, 4, 5 (second)

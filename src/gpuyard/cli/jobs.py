@@ -152,6 +152,10 @@ def show(
             f"{predicted['consolidated_step_s']:.3g} s on {predicted['consolidated']} ({slower:+.0%}); "
             f"{predicted['choice']}"
         )
+    if doc.get("goodput"):
+        from gpuyard.train.goodput import describe
+
+        typer.echo(f"{'goodput':>12}  {describe(doc['goodput'])}")
     for e in doc["events"]:
         typer.echo(f"  {e['at'][:19]}  {e['from'] or '-':>9} -> {e['to']:<9}  {e['reason'] or ''}")
 

@@ -111,8 +111,10 @@ def show(
 ) -> None:
     """Show one run: lineage, parameters, latest metrics, evaluations, artifacts."""
     from gpuyard.models.runs import plot_curves, run_details
+    from gpuyard.train.goodput import describe, of_run_doc
 
     doc = run_details(run)
+    doc["goodput"] = of_run_doc(doc, live=True)  # from its folder while a launch still runs
     if plot is not None:
         doc["plot"] = str(plot_curves([doc["id"]], plot))
     if as_json:
@@ -132,6 +134,8 @@ def show(
     ):
         con.print(f"[bold]{key:>16}[/bold]  {fmt(doc[key])}")
     con.print(f"[bold]{'duration':>16}[/bold]  {_duration(doc)}")
+    if doc["goodput"]:
+        con.print(f"[bold]{'goodput':>16}[/bold]  {describe(doc['goodput'])}")
     sysinfo = doc["system"]
     machine = f"{sysinfo.get('host')} python {sysinfo.get('python')} torch {sysinfo.get('torch', '-')}"
     con.print(

@@ -14,6 +14,7 @@ from gpuyard.api.limits import NAME_LEN
 from gpuyard.api.params import JobId, Offset
 from gpuyard.auth import Principal, check_team, visible_team
 from gpuyard.errors import StoreError
+from gpuyard.scheduler.goodput import add_goodput
 from gpuyard.scheduler.spec import JobSpec, JobState
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -130,13 +131,33 @@ def list_jobs(
 ) -> list[dict[str, Any]]:
     """Jobs, newest first (a non-admin sees only their team's)."""
     team = visible_team(principal, team)
-    return team_listing(request, team, list(_service(request).list_jobs(state=state, team=team, limit=limit)))
+    service = _service(request)
+    docs = add_goodput(service.store, list(service.list_jobs(state=state, team=team, limit=limit)))
+    return team_listing(request, team, docs)
+
+
+@router.get("/metrics")
+def metrics(
+    request: Request,
+    team: str | None = Query(None, max_length=NAME_LEN),
+    limit: int = Query(200, ge=1, le=10000),
+    principal: Principal = Depends(authenticated),
+) -> Response:
+    """Prometheus gauges of the newest jobs' goodput (a non-admin: their team's): ETTR, wall,
+    productive and lost seconds by cause, labelled job, name, team, state."""
+    from gpuyard.scheduler.goodput import prometheus_text
+
+    team = visible_team(principal, team)
+    service = _service(request)
+    docs = add_goodput(service.store, list(service.list_jobs(team=team, limit=limit)))
+    return Response(prometheus_text(docs), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @router.get("/{job_id}")
 def show(job_id: JobId, request: Request, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
-    """One job."""
-    return dict(_own_job(request, principal, job_id).get(job_id))
+    """One job, with its goodput (ETTR and the time lost by cause; docs/scheduler.md)."""
+    service = _own_job(request, principal, job_id)
+    return add_goodput(service.store, [dict(service.get(job_id))])[0]
 
 
 @router.get("/{job_id}/events")

@@ -56,10 +56,14 @@ def compare(
 
 @router.get("/{ref}")
 def run(ref: Ref, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
-    """One run in full: params, system info, artifacts, evaluations, children, series lengths."""
+    """One run in full: params, system info, artifacts, evaluations, children, series lengths, and
+    ``goodput`` (ETTR and the time lost by cause, recorded when its last launch ended; else null)."""
     from gpuyard.models.runs import run_details
+    from gpuyard.train.goodput import of_run_doc
 
-    return run_details(_own_run(principal, ref))
+    doc = run_details(_own_run(principal, ref))
+    doc["goodput"] = of_run_doc(doc)
+    return doc
 
 
 @router.get("/{ref}/metrics")

@@ -87,6 +87,18 @@ GY.pages.cluster = {
 };
 
 /* ---------------------------------------------------------------- Jobs */
+/* A job's wall time as one stacked bar: productive, then the time lost by cause (docs/scheduler.md). */
+const GOODPUT_COLORS = { productive: "#2e9d5b", queueing: "#b8bec8", startup: "#7fb3e0", restart: "#d9534f",
+  recomputed: "#f0a030", checkpoint: "#9b7fd0", data: "#e6cf4a", straggler: "#e07fb3", other: "#dde1e6" };
+function goodputBar(gp) {
+  if (!gp || !gp.wall_s) return '<span class="muted">-</span>';
+  const parts = [["productive", gp.productive_s], ...Object.entries(gp.lost_s)].filter(([, s]) => s > 0);
+  const tip = parts.map(([k, s]) => `${k} ${s.toFixed(1)} s`).join(", ");
+  const ettr = gp.ettr === null ? "-" : `${(gp.ettr * 100).toFixed(1)}%`;
+  return `<div class="stack goodput" style="display:inline-flex;vertical-align:middle;width:120px;height:10px" title="ETTR ${ettr} of ${gp.wall_s.toFixed(1)} s: ${esc(tip)}">` +
+    parts.map(([k, s]) => `<span data-cause="${k}" style="width:${(100 * s / gp.wall_s).toFixed(2)}%;background:${GOODPUT_COLORS[k] || "#ccc"}"></span>`).join("") +
+    `</div><span class="muted">${ettr}</span>`;
+}
 GY.pages.jobs = {
   title: "Jobs",
   every: 2000,
@@ -139,10 +151,10 @@ GY.pages.jobs = {
     catch (e) { document.getElementById("jobs-table").innerHTML = `<p class="error">${esc(e.message)}</p>`; return; }
     const el = document.getElementById("jobs-table");
     if (!el) return;
-    el.innerHTML = jobs.length ? `<table id="jobs"><tr><th>id</th><th>name</th><th>team</th><th>user</th><th>state</th><th>GPUs</th><th>attempts</th><th>submitted</th><th>reason</th><th></th></tr>` +
+    el.innerHTML = jobs.length ? `<table id="jobs"><tr><th>id</th><th>name</th><th>team</th><th>user</th><th>state</th><th>GPUs</th><th>attempts</th><th>submitted</th><th>goodput</th><th>reason</th><th></th></tr>` +
       jobs.map((j) => `<tr data-id="${j.id}" class="${j.id === this.selected ? "sel" : ""}"><td>${j.id}</td><td>${esc(j.name)}</td><td>${esc(j.team)}</td><td>${esc(j.user)}</td>
         <td class="state">${fmt.badge(j.state)}${j.stop_requested ? ' <span class="muted">stopping</span>' : ""}</td><td>${j.gpus}</td><td>${j.attempts}</td>
-        <td>${fmt.time(j.submitted_at)}</td><td class="muted">${esc(j.reason)}</td>
+        <td>${fmt.time(j.submitted_at)}</td><td>${goodputBar(j.goodput)}</td><td class="muted">${esc(j.reason)}</td>
         <td><button class="secondary logs" type="button">Logs</button>
         ${["succeeded", "failed", "cancelled"].includes(j.state) || GY.me.role === "viewer" ? "" : '<button class="danger cancel" type="button">Cancel</button>'}</td></tr>`).join("") + "</table>"
       : '<p class="muted">No job matches.</p>';

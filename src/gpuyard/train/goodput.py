@@ -30,7 +30,10 @@ launch left no end, e.g. the launcher was killed). Each second of it belongs to 
                 (rank 0's own without straggler detection or on one rank);
 ``straggler``   of each kept step, how much longer the slowest rank's own time (data + compute) was
                 than the other ranks' median, when it is slower by the straggler rule (slowdown and
-                min_seconds of ``spec.straggler``): the time every other rank waited for it;
+                min_seconds of ``spec.straggler``): the time every other rank waited for it; and
+                a stall: of a step (not an attempt's first) whose time less these waits is over
+                ``STALL_FACTOR`` x the run's median step and ``STALL_MIN_S`` more, that excess
+                (a rank stopped inside a collective keeps every rank waiting there alike);
 ``other``       the rest: validation, logging and callbacks between steps, the end of a launch after
                 its last step (shutdown), steps not logged at all.
 """
@@ -43,6 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# A kept step whose time (less its waits) is over STALL_FACTOR x the run's median and at least
+# STALL_MIN_S more counts its excess as straggler wait (a stall inside a collective).
+STALL_FACTOR = 3.0
+STALL_MIN_S = 0.1
 CAUSES = ("queueing", "startup", "restart", "recomputed", "checkpoint", "data", "straggler", "other")
 
 
@@ -102,6 +109,13 @@ class _Step:
     data: float
     straggler: float
     snapshot: float
+    steps: int = 1  # how many steps the line covers (log_every_steps > 1)
+    first: bool = False  # the first step of an attempt (warm-up: never taken for a stall)
+
+    @property
+    def rest(self) -> float:
+        """The step time less its data, straggler and snapshot waits."""
+        return max(0.0, self.seconds - self.data - self.snapshot - min(self.straggler, self.seconds))
 
 
 @dataclass
@@ -177,6 +191,7 @@ def compute(events: Iterable[dict[str, Any]], now: float | None = None) -> Goodp
                 for step in [s for s in kept if s > attempt.resumed]:
                     gp.lose("recomputed", kept.pop(step).seconds)
             ckpt = wait = 0.0  # checkpoint seconds since the last step; snapshot waits in the next
+            prev = attempt.resumed if attempt.started is not None else None
             for ev in attempt.events:
                 name = ev.get("event")
                 if name in ("checkpoint", "memory_snapshot"):
@@ -197,7 +212,10 @@ def compute(events: Iterable[dict[str, Any]], now: float | None = None) -> Goodp
                         min(seconds, _float(ev.get("data_wait_s"))),
                         _float(ev.get("straggler_wait_s")),
                         min(seconds, wait),
+                        steps=max(1, step - prev) if prev is not None else 1,
+                        first=prev == attempt.resumed,
                     )
+                    prev = step
                     ckpt = wait = 0.0
                     cursor, before_step = max(cursor, t_end), "other"
             # After its last step: checkpoints, then shutdown (it finished) or the failure (it did not).
@@ -210,8 +228,20 @@ def compute(events: Iterable[dict[str, Any]], now: float | None = None) -> Goodp
             cursor = last
             before_step = "other" if finished else "restart"
         gp.lose("other" if finished else "restart", end - cursor)
+    per_step = [st.rest / st.steps for st in kept.values() if not st.first]
+    typical = statistics.median(per_step) if per_step else 0.0
     for st in kept.values():
         straggler = min(st.straggler, max(0.0, st.seconds - st.data - st.snapshot))
+        # A stall: every rank waited inside a collective for a stopped (or slow there) rank, which
+        # no rank's own time shows; the step's excess over the typical step is straggler wait.
+        excess = st.rest - st.steps * typical
+        if (
+            not st.first
+            and typical > 0
+            and st.rest > STALL_FACTOR * st.steps * typical
+            and excess >= STALL_MIN_S
+        ):
+            straggler += excess
         gp.productive_s += st.seconds - st.data - st.snapshot - straggler
         gp.lose("data", st.data)
         gp.lose("straggler", straggler)

@@ -167,3 +167,18 @@ def test_describe_names_the_biggest_losses_first() -> None:
     doc["lost_s"].update(restart=40.0, data=20.0)
     assert describe(doc) == "ETTR 50.0% of 2m00s (lost: restart 40s, data 20s)"
     assert describe(None) == "-"
+
+
+def test_a_stall_inside_a_collective_is_straggler_wait() -> None:
+    # Every rank's own time is small at step 4; the step took 1.05 s: all waited in a collective.
+    lines = [step(float(n), n, 0.05) for n in (1, 2, 3)] + [step(4.05, 4, 1.05)]
+    lines += [step(4.05 + 0.05 * k, 4 + k, 0.05) for k in (1, 2, 3)]
+    events = [{"time": 0.0, "event": "launch"}, attempt(0.0, 0.0), *lines, {"time": 5.0, "event": "finish"}]
+    gp = compute(events)
+    assert gp.lost_s["straggler"] == pytest.approx(1.0)
+    assert gp.productive_s == pytest.approx(7 * 0.05)
+    balanced(gp)
+    # The first step of an attempt (warm-up) is never taken for a stall.
+    first = [{"time": 0.0, "event": "launch"}, attempt(0.0, 0.0), step(1.0, 1, 1.0)]
+    first += [step(1.0 + 0.05 * k, 1 + k, 0.05) for k in (1, 2, 3)]
+    assert compute(first).lost_s["straggler"] == 0.0

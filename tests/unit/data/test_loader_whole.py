@@ -55,9 +55,7 @@ def test_whole_mode_reads_every_row_once_per_rank_and_reshuffles_each_epoch(
     assert _ids(list(plain)) == list(range(N))
     # Ranks: disjoint, the same count each (at most world - 1 rows left out), drop_last honoured.
     for world in (2, 3):
-        parts = [
-            _ids(list(ShardLoader(ids_version, cfg, rank=r, world_size=world))) for r in range(world)
-        ]
+        parts = [_ids(list(ShardLoader(ids_version, cfg, rank=r, world_size=world))) for r in range(world)]
         flat = [i for p in parts for i in p]
         assert len(flat) == len(set(flat)) == N // world * world and len({len(p) for p in parts}) == 1
     dropped = list(ShardLoader(ids_version, LoaderConfig(batch_size=64, whole=True, drop_last=True)))

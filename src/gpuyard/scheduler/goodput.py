@@ -6,8 +6,9 @@ From the job's state changes (``job_events``): time ``queued`` or ``preempted`` 
 goodput (``gpuyard.train.goodput``: the launcher keeps it with the database run, which carries the
 job's id in its tags): the run's productive time and its losses by cause, and the running time
 outside the run's launches (the job's process before the launcher starts and after it ends) as
-``startup`` (first attempt) or ``restart``. A job without such a run (a command job, or a run not
-yet recorded: it is written when a launch ends) counts its running time as productive, except the
+``startup`` (first attempt) or ``restart``; while the job runs, its time since the run's goodput was
+computed (``as_of``; the launcher records it every minute) counts as productive. A job without such
+a run (a command job, or a run not recorded yet) counts its running time as productive, except the
 attempts that failed, which are ``restart`` (nothing says what they kept).
 """
 
@@ -76,9 +77,15 @@ def job_goodput(
         for cause, seconds in run["lost_s"].items():
             if cause in lost and isinstance(seconds, int | float):
                 lost[cause] += float(seconds)
-        outside = ran - float(run.get("wall_s") or 0.0)
+        # A job still running: its time since the run's goodput was computed is not split yet.
+        pending = 0.0
+        as_of = run.get("as_of")
+        current = next((c.to for c in reversed(changes) if c.at <= end), "queued")
+        if current == "running" and isinstance(as_of, int | float):
+            pending = max(0.0, end.timestamp() - float(as_of))
+            productive += pending
+        outside = ran - float(run.get("wall_s") or 0.0) - pending
         lost["startup" if attempts <= 1 else "restart"] += max(0.0, outside)
-        ran = max(ran, float(run.get("wall_s") or 0.0))
     else:
         for seconds, how in running:
             if how == "failed":

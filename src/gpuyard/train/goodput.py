@@ -40,7 +40,9 @@ launch left no end, e.g. the launcher was killed). Each second of it belongs to 
 
 from __future__ import annotations
 
+import json
 import statistics
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,17 +178,20 @@ def compute(events: Iterable[dict[str, Any]], now: float | None = None) -> Goodp
     """
     gp = Goodput()
     kept: dict[int, _Step] = {}  # step -> the execution of it the model descends from (so far)
-    for n, launch in enumerate(_launches(events)):
+    launches = _launches(events)
+    for n, launch in enumerate(launches):
         times = [_float(e.get("time")) for a in launch.attempts for e in a.events if "time" in e]
         start = launch.start if launch.start is not None else (min(times) if times else None)
         if start is None:
             continue
-        end = launch.end if launch.end is not None else max([*times, start, now or 0.0])
+        running = now if n == len(launches) - 1 else None  # only the last launch may still run
+        end = launch.end if launch.end is not None else max([*times, start, running or 0.0])
         gp.wall_s += max(0.0, end - start)
         cursor = start  # everything before it is accounted for
         before_step = "startup" if n == 0 else "restart"  # the cause of the time up to the next step
         finished = False
-        for attempt in launch.attempts:
+        live = running is not None and launch.end is None  # still running: its tail is no failure
+        for k, attempt in enumerate(launch.attempts):
             if attempt.started is not None:  # it resumed from attempt.resumed: later steps are lost
                 for step in [s for s in kept if s > attempt.resumed]:
                     gp.lose("recomputed", kept.pop(step).seconds)
@@ -224,10 +229,13 @@ def compute(events: Iterable[dict[str, Any]], now: float | None = None) -> Goodp
             finished = any(e.get("event") == "finish" and e.get("status") != "failed" for e in attempt.events)
             gap = last - cursor
             gp.lose("checkpoint", min(gap, ckpt))
-            gp.lose("other" if finished else "restart", gap - min(gap, ckpt))
+            if live and k == len(launch.attempts) - 1:  # running: starting up, or between steps
+                gp.lose(before_step, gap - min(gap, ckpt))
+            else:
+                gp.lose("other" if finished else "restart", gap - min(gap, ckpt))
+                before_step = "other" if finished else "restart"
             cursor = last
-            before_step = "other" if finished else "restart"
-        gp.lose("other" if finished else "restart", end - cursor)
+        gp.lose(before_step, end - cursor)  # shutdown, a failure's end, or (running) so far
     per_step = [st.rest / st.steps for st in kept.values() if not st.first]
     typical = statistics.median(per_step) if per_step else 0.0
     for st in kept.values():
@@ -249,11 +257,42 @@ def compute(events: Iterable[dict[str, Any]], now: float | None = None) -> Goodp
     return gp
 
 
-def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The events of ``<run_dir>/metrics.jsonl`` (a torn line skipped)."""
-    from gpuyard.tracking.files import read_metrics
+# The fields goodput reads, by event; any other event is kept as its time only (a sign of life).
+_FIELDS = {
+    "launch": ("time",),
+    "launch_end": ("time",),
+    "attempt": ("time", "started", "step"),
+    "metrics": ("time", "step", "step_time", "steps_time_s", "data_wait_s", "straggler_wait_s"),
+    "checkpoint": ("time", "seconds"),
+    "memory_snapshot": ("time", "stall_s"),
+    "memory_snapshot_wait": ("time", "seconds"),
+    "finish": ("time", "status"),
+}
 
-    return read_metrics(run_dir)
+
+def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The events of ``<run_dir>/metrics.jsonl`` that goodput reads, with only the fields it reads
+    (a torn line skipped; none when there is no file)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    out: list[dict[str, Any]] = []
+    try:
+        fh = path.open("rb")
+    except FileNotFoundError:
+        return out
+    with fh:
+        for line in fh:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(ev, dict):
+                continue
+            name = ev.get("event")
+            fields = _FIELDS.get(name, ("time",)) if isinstance(name, str) else ("time",)
+            out.append(
+                {"event": name if name in _FIELDS else "other", **{k: ev[k] for k in fields if k in ev}}
+            )
+    return out
 
 
 def run_goodput(run_dir: str | Path, now: float | None = None) -> dict[str, Any] | None:
@@ -261,7 +300,8 @@ def run_goodput(run_dir: str | Path, now: float | None = None) -> dict[str, Any]
     events = read_events(run_dir)
     if not any(e.get("event") in ("launch", "attempt", "metrics") for e in events):
         return None
-    return compute(events, now).as_dict()
+    # as_of: when it was computed (a job still running counts the time since as not yet split).
+    return {**compute(events, now).as_dict(), "as_of": round(time.time() if now is None else now, 3)}
 
 
 def record(run_id: str, goodput: dict[str, Any]) -> None:

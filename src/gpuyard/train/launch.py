@@ -14,6 +14,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,19 +216,23 @@ def launch(cfg: LaunchConfig, stdout: Any = None, stderr: Any = None) -> LaunchR
 
 def _launch_event(run_dir: Path, name: str, **fields: Any) -> None:
     """Append an event to metrics.jsonl (no rank writes to it before torchrun starts or after it ends)."""
-    import time
-
     line = json.dumps({"time": round(time.time(), 3), "event": name, **fields})
     with open(run_dir / "metrics.jsonl", "a") as fh:
         fh.write(line + "\n")
 
 
-def _record_goodput(spec: TrainSpec, run_dir: Path, status: dict[str, Any]) -> None:
-    """Put the run's goodput into ``status`` and keep it with the database run (never fatal)."""
+# While torchrun runs, the run's goodput is recorded this often (more seldom when computing it takes
+# long: at most 5% of the time), so a job's goodput is split by its run's causes as it goes.
+GOODPUT_EVERY_S = 60.0
+
+
+def _record_goodput(spec: TrainSpec, run_dir: Path, status: dict[str, Any], now: float | None = None) -> None:
+    """Put the run's goodput into ``status`` and keep it with the database run (never fatal).
+    ``now``: the launch is still running (its time so far)."""
     from gpuyard.train.goodput import record, run_goodput
 
     try:
-        goodput = run_goodput(run_dir)
+        goodput = run_goodput(run_dir, now)
     except (OSError, ValueError) as exc:
         _log.warning("gpuyard train: warning: goodput not computed: %s", exc)
         return
@@ -240,6 +246,14 @@ def _record_goodput(spec: TrainSpec, run_dir: Path, status: dict[str, Any]) -> N
         record(run_id, goodput)
     except Exception as exc:  # the database is a record of the outcome, not part of it
         _log.warning("gpuyard train: warning: could not record goodput of run %s: %s", run_id[:8], exc)
+
+
+def _goodput_loop(spec: TrainSpec, run_dir: Path, stop: threading.Event) -> None:
+    every = GOODPUT_EVERY_S
+    while not stop.wait(every):
+        began = time.monotonic()
+        _record_goodput(spec, run_dir, {}, now=time.time())
+        every = max(GOODPUT_EVERY_S, 20 * (time.monotonic() - began))
 
 
 def _launch(
@@ -274,9 +288,15 @@ def _launch(
             proc.send_signal(signal.SIGTERM)
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stop = threading.Event()
+    # On a thread of its own: the main thread keeps forwarding signals at once.
+    meter = threading.Thread(target=_goodput_loop, args=(spec, run_dir, stop), daemon=True)
+    meter.start()
     try:
         code = proc.wait()
     finally:
+        stop.set()
+        meter.join()
         for sig, handler in old.items():
             signal.signal(sig, handler)
         if snapshots is not None:

@@ -65,3 +65,12 @@ def test_with_its_run_the_running_time_is_split_by_the_runs_causes() -> None:
     assert gp["lost_s"]["startup"] == 1.0 + 7.0 + 3.0
     assert gp["lost_s"]["recomputed"] == 2.0 and gp["lost_s"]["queueing"] == 5.0
     assert gp["wall_s"] == 106.0 and gp["ettr"] == pytest.approx(80 / 106, abs=1e-4)
+
+
+def test_a_running_job_counts_the_time_since_its_runs_last_record_as_not_yet_split() -> None:
+    changes = [Change(at(0), "queued"), Change(at(2), "scheduled"), Change(at(3), "running")]
+    run = {"wall_s": 50.0, "productive_s": 40.0, "lost_s": {"startup": 10.0}, "as_of": at(55).timestamp()}
+    gp = job_goodput(at(0), changes, at(60), run)  # the launcher started at 5 s; recorded at 55 s
+    assert gp["productive_s"] == 40.0 + 5.0
+    assert gp["lost_s"]["startup"] == 1.0 + 10.0 + 2.0  # scheduled, the run's, before the launcher
+    assert gp["wall_s"] == 60.0

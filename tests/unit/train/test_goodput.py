@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -182,3 +183,56 @@ def test_a_stall_inside_a_collective_is_straggler_wait() -> None:
     first = [{"time": 0.0, "event": "launch"}, attempt(0.0, 0.0), step(1.0, 1, 1.0)]
     first += [step(1.0 + 0.05 * k, 1 + k, 0.05) for k in (1, 2, 3)]
     assert compute(first).lost_s["straggler"] == 0.0
+
+
+def test_a_running_launch_ends_now_and_an_earlier_killed_one_at_its_last_event(tmp_path: Any) -> None:
+    from gpuyard.train.goodput import run_goodput
+
+    lines = [
+        {"time": 0.0, "event": "launch"},
+        attempt(0.0, 0.0),
+        step(1.0, 1, 1.0),  # the launcher was killed after this: no launch_end
+        {"time": 10.0, "event": "launch"},
+        {"time": 10.5, "event": "params", "params": {"big": "x" * 100}},
+        attempt(11.0, 10.5, resumed=0),
+        step(12.0, 1, 1.0),
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in lines) + "\n{torn")
+    gp = run_goodput(tmp_path, now=20.0)
+    assert gp is not None and gp["as_of"] == 20.0
+    assert gp["wall_s"] == pytest.approx(1.0 + 10.0)  # 0 -> 1, then 10 -> now
+    assert gp["lost_s"]["recomputed"] == pytest.approx(1.0)  # step 1 of the first launch, redone
+    assert gp["lost_s"]["other"] == pytest.approx(8.0)  # still running after its last step
+    assert gp["productive_s"] + sum(gp["lost_s"].values()) == pytest.approx(gp["wall_s"], abs=0.01)
+    # A first launch still setting up: all of it is startup so far.
+    starting = [{"time": 0.0, "event": "launch"}, {"time": 2.0, "event": "params"}]
+    assert compute(starting, now=5.0).lost_s["startup"] == pytest.approx(5.0)
+
+
+def test_the_launcher_records_the_goodput_while_torchrun_runs(tmp_path: Any, monkeypatch: Any) -> None:
+    import threading
+    from types import SimpleNamespace
+
+    from tests.waiting import wait_for
+
+    from gpuyard.train import goodput, launch
+
+    seen: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(goodput, "record", lambda run_id, gp: seen.append((run_id, gp)))
+    monkeypatch.setattr(launch, "GOODPUT_EVERY_S", 0.01)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"time": 1.0, "event": "launch"}) + "\n")
+    (tmp_path / "tracking.json").write_text(json.dumps({"run_id": "abc"}))
+    spec = SimpleNamespace(tracking=SimpleNamespace(backend="db"))
+    stop = threading.Event()
+    meter = threading.Thread(target=launch._goodput_loop, args=(spec, tmp_path, stop))
+    meter.start()
+    try:
+        wait_for(lambda: seen)
+    finally:
+        stop.set()
+        meter.join()
+    run_id, gp = seen[0]
+    # Still starting up (no attempt yet): launch to now is startup, and as_of says when.
+    assert run_id == "abc" and gp["as_of"] > 1.0
+    assert gp["lost_s"]["startup"] == pytest.approx(gp["wall_s"]) and gp["wall_s"] > 0

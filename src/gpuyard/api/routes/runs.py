@@ -57,7 +57,8 @@ def compare(
 @router.get("/{ref}")
 def run(ref: Ref, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
     """One run in full: params, system info, artifacts, evaluations, children, series lengths, and
-    ``goodput`` (ETTR and the time lost by cause, recorded when its last launch ended; else null)."""
+    ``goodput`` (ETTR and the time lost by cause, recorded every minute while it runs and when a
+    launch ends; else null)."""
     from gpuyard.models.runs import run_details
     from gpuyard.train.goodput import of_run_doc
 

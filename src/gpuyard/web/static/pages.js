@@ -97,7 +97,7 @@ function goodputBar(gp) {
   const ettr = gp.ettr === null ? "-" : `${(gp.ettr * 100).toFixed(1)}%`;
   return `<div class="stack goodput" style="display:inline-flex;vertical-align:middle;width:120px;height:10px" title="ETTR ${ettr} of ${gp.wall_s.toFixed(1)} s: ${esc(tip)}">` +
     parts.map(([k, s]) => `<span data-cause="${k}" style="width:${(100 * s / gp.wall_s).toFixed(2)}%;background:${GOODPUT_COLORS[k] || "#ccc"}"></span>`).join("") +
-    `</div><span class="muted">${ettr}</span>`;
+    `</div> <span class="muted">${ettr}</span>`;
 }
 GY.pages.jobs = {
   title: "Jobs",

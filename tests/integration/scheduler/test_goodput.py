@@ -65,3 +65,24 @@ def test_job_documents_get_their_goodput_and_the_runs_split_once_recorded(
     assert f"gpuyard_job_productive_seconds{{{ok_labels}}} 0.25" in text
     assert f'gpuyard_job_lost_seconds{{cause="straggler",{ok_labels}}} 0.15' in text
     assert f'gpuyard_job_ettr{{job="{bad}",name="bad",state="failed",team="default"}} 0.0' in text
+
+
+def test_over_http_jobs_carry_goodput_and_prometheus_gets_gauges(server: Any) -> None:
+    import httpx
+
+    from gpuyard.auth import TokenAuth
+    from gpuyard.scheduler.client import JobClient
+
+    _, url = server()
+    client = JobClient(url)
+    job = client.submit(parse_spec({"name": "tick", "command": ["true"]}))
+    wait_for(lambda: client.get(job["id"])["state"] == "succeeded", 60)
+    gp = client.get(job["id"])["goodput"]
+    assert gp["source"] == "job" and gp["productive_s"] > 0 and 0 < gp["ettr"] <= 1
+    assert [d["goodput"] for d in client.list_jobs() if d["id"] == job["id"]] == [gp]
+
+    resp = httpx.get(f"{url}/jobs/metrics", auth=TokenAuth(), timeout=30)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    labels = f'job="{job["id"]}",name="tick",state="succeeded",team="{job["team"]}"'
+    assert f"gpuyard_job_ettr{{{labels}}} {gp['ettr']}" in resp.text
+    assert httpx.get(f"{url}/jobs/metrics", timeout=30).status_code == 401  # the API token is needed

@@ -103,40 +103,47 @@ def job_goodput(
 
 
 def run_goodputs(s: Session, job_ids: Iterable[int]) -> dict[int, dict[str, Any]]:
-    """The goodput each job's training run recorded, by job id (one query; the newest run wins)."""
+    """The goodput each job's training run recorded, by job id (a query per 500 jobs; the newest
+    run wins)."""
     from gpuyard.store.tables.models import RunRow
 
     ids = [str(i) for i in job_ids]
-    if not ids:
-        return {}
     out: dict[int, dict[str, Any]] = {}
-    rows = s.execute(
-        select(RunRow.tags, RunRow.system)
-        .where(RunRow.tags["job_id"].as_string().in_(ids))
-        .order_by(RunRow.started_at)
-    )
-    for tags, system in rows:
-        goodput = (system or {}).get("goodput")
-        if isinstance(goodput, dict):
-            out[int(tags["job_id"])] = goodput
+    for part in _batches(ids):
+        rows = s.execute(
+            select(RunRow.tags, RunRow.system)
+            .where(RunRow.tags["job_id"].as_string().in_(part))
+            .order_by(RunRow.started_at)
+        )
+        for tags, system in rows:
+            goodput = (system or {}).get("goodput")
+            if isinstance(goodput, dict):
+                out[int(tags["job_id"])] = goodput
     return out
+
+
+def _batches(ids: list[Any], size: int = 500) -> list[list[Any]]:
+    """``ids`` in parts small enough for any database's limit on bound parameters."""
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
 def goodputs(
     s: Session, jobs: Sequence[tuple[int, datetime, datetime | None]], now: datetime | None = None
 ) -> dict[int, dict[str, Any]]:
-    """The goodput of each ``(id, submitted_at, finished_at)`` job, by id (two queries in all)."""
+    """The goodput of each ``(id, submitted_at, finished_at)`` job, by id (two queries per 500 jobs)."""
     if not jobs:
         return {}
     now = now or utcnow()
     ids = [j[0] for j in jobs]
     changes: dict[int, list[Change]] = {i: [] for i in ids}
-    for job_id, at, to, reason in s.execute(
-        select(JobEventRow.job_id, JobEventRow.at, JobEventRow.to_state, JobEventRow.reason)
-        .where(JobEventRow.job_id.in_(ids), JobEventRow.from_state.is_distinct_from(JobEventRow.to_state))
-        .order_by(JobEventRow.id)
-    ):
-        changes[job_id].append(Change(at, to, reason))
+    for part in _batches(ids):
+        for job_id, at, to, reason in s.execute(
+            select(JobEventRow.job_id, JobEventRow.at, JobEventRow.to_state, JobEventRow.reason)
+            .where(JobEventRow.job_id.in_(part))
+            .where(JobEventRow.from_state.is_distinct_from(JobEventRow.to_state))  # notes are no changes
+            .order_by(JobEventRow.id)
+        ):
+            changes[job_id].append(Change(at, to, reason))
     runs = run_goodputs(s, ids)
     return {i: job_goodput(sub, changes[i], fin or now, runs.get(i)) for i, sub, fin in jobs}
 

@@ -86,3 +86,16 @@ def test_over_http_jobs_carry_goodput_and_prometheus_gets_gauges(server: Any) ->
     labels = f'job="{job["id"]}",name="tick",state="succeeded",team="{job["team"]}"'
     assert f"gpuyard_job_ettr{{{labels}}} {gp['ettr']}" in resp.text
     assert httpx.get(f"{url}/jobs/metrics", timeout=30).status_code == 401  # the API token is needed
+
+
+def test_more_jobs_than_a_query_batch_all_get_their_goodput(make_service: Callable[..., Any]) -> None:
+    service = make_service(gpus=1)
+    first = service.submit(parse_spec({"name": "ran", "command": ["true"]}))["id"]
+    _finished(service, first)
+    for i in range(500):  # queued, never ticked: all of their time is queueing
+        service.submit(parse_spec({"name": f"q{i}", "command": ["true"]}))
+    docs = add_goodput(service.store, service.list_jobs(limit=1000))  # newest first: `first` is last
+    assert len(docs) == 501 and docs[-1]["id"] == first
+    # The oldest job is in the second batch of ids: its events (it ran) are found all the same.
+    assert docs[-1]["goodput"]["productive_s"] > 0
+    assert all(d["goodput"]["lost_s"]["queueing"] == d["goodput"]["wall_s"] for d in docs[:-1])

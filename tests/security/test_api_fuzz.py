@@ -37,7 +37,9 @@ def member_api(gpuyard_home: Path) -> Iterator[tuple[str, str]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # log_config=None: uvicorn must not reconfigure logging for the tests that run after this one.
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", log_config=None)
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

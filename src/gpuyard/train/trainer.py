@@ -130,8 +130,11 @@ def pin_ddp_buckets(model: nn.Module) -> bool:
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if grads > getattr(model, "bucket_bytes_cap", 0):
         return False
-    model.reducer._push_all_rebuilt_params()
-    return bool(model.reducer._rebuild_buckets())
+    try:  # private Reducer calls (torch 2.x): where a version lacks them, DDP keeps its own layout
+        model.reducer._push_all_rebuilt_params()
+        return bool(model.reducer._rebuild_buckets())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class Trainer:

@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)  # as click's standalone mode: typer.Exit(code) or 0
+    # As click's standalone mode: typer.Exit(code)'s code, else 0 (a bool a command returned is not one).
+    sys.exit(code if type(code) is int else 0)
 
 
 if __name__ == "__main__":

@@ -82,3 +82,13 @@ def test_usage_errors_are_one_line_exit_2(
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error: ") and said in err, err
     assert f"gpuyard {argv[0]}" in err  # and where to read more
+
+
+def test_a_commands_exit_code_is_kept() -> None:
+    # `gpuyard models promote` exits 1 when it does not promote: typer.Exit(code) must reach the shell.
+    code = (
+        "import typer\nimport gpuyard.cli.main as m\n@m.app.command('boom')\ndef boom() -> None:\n"
+        "    raise typer.Exit(3)\nm.main()"
+    )
+    out = subprocess.run([sys.executable, "-c", code, "boom"], capture_output=True, text=True)
+    assert out.returncode == 3 and out.stderr == "", out.stderr

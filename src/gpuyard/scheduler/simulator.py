@@ -76,6 +76,8 @@ class _Run:
     bounds: tuple[int, int] | None = None  # an elastic job's (min, max) GPUs
     resizes: int = 0
     resized_at: float = -math.inf
+    productive: float = 0.0  # wall seconds whose progress was kept (at its speed, on its placement)
+    lost_gpu_s: float = 0.0  # GPU-seconds held without kept progress: restarts, lost work, stalls
     first_start: float = math.nan
     finish: float = math.nan
     busy: float = 0.0  # GPU-holding seconds, for utilization
@@ -229,7 +231,7 @@ def simulate(
                 _preempt(run, running.pop(jid), state, queue, estimator, now, config, workloads, failed=True)
                 continue
             state.release(running.pop(jid).placement)
-            run.busy += now - run.started_at
+            _account(run, now - run.started_at, run.remaining, config)
             run.finish = now
             estimator.observe(run.job.team, run.job.user, run.job.gpus, run.job.duration)
         while nxt < len(arrivals) and arrivals[nxt].job.submit <= now:
@@ -278,10 +280,10 @@ def _stop(run: _Run, now: float, config: SimConfig, keep_all: bool) -> float:
     attempt pays the restart overhead again.
     """
     ran = now - run.started_at
-    run.busy += ran
     progress = max(0.0, ran - run.overhead) * _speed(run, config) / (run.ratio * config.stall_factor)
     progress = min(progress, run.remaining)
     saved = progress if keep_all else progress - progress % config.checkpoint_interval_s
+    _account(run, ran, saved, config)
     run.remaining -= saved
     run.attained += saved
     run.overhead = config.restart_overhead_s
@@ -449,14 +451,27 @@ def _result(name: str, runs: list[_Run], rejected: int, total_gpus: int, preempt
         fairness_jain=jain,
         teams=teams,
         ettr=_ettr(runs),
-        lost_gpu_hours=float(sum(r.job.gpus * max(0.0, r.busy - r.job.duration) for r in runs) / 3600.0),
+        lost_gpu_hours=float(sum(r.lost_gpu_s for r in runs) / 3600.0),
         multi_node_jobs=sum(r.multi_node for r in runs),
         multi_leaf_jobs=sum(r.multi_leaf for r in runs),
         slowed_jobs=sum(r.slowed for r in runs),
     )
 
 
+def _account(run: _Run, ran: float, kept: float, config: SimConfig) -> None:
+    """An attempt held ``run.alloc`` GPUs for ``ran`` s and kept ``kept`` s of work: what was productive."""
+    productive = min(ran, kept * run.ratio / _speed(run, config))
+    run.busy += ran
+    run.productive += productive
+    run.lost_gpu_s += run.alloc * (ran - productive)
+
+
 def _ettr(runs: list[_Run]) -> float:
-    """GPU-weighted work / (end - first start): what failures, restarts and slowdowns cost the jobs."""
+    """GPU-weighted productive time / (end - first start): the share of a job's time that advanced it.
+
+    Productive: wall time whose progress was kept (slower on a spread placement or fewer GPUs, but
+    progress). Not: restarts, work lost since the last checkpoint, checkpoint stalls and requeue
+    waits after a failure or preemption.
+    """
     wall = sum(r.job.gpus * (r.finish - r.first_start) for r in runs)
-    return float(sum(r.job.gpus * r.job.duration for r in runs) / wall) if wall > 0 else 1.0
+    return float(sum(r.job.gpus * r.productive for r in runs) / wall) if wall > 0 else 1.0

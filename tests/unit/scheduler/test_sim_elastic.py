@@ -21,6 +21,10 @@ def test_an_elastic_job_alone_grows_to_its_maximum_and_keeps_all_its_work() -> N
     result = simulate(trace, uniform_cluster(1, 8), make_policy("fifo"), config=LINEAR, elastic={0: (2, 8)})
     assert result.resizes == 1 and result.elastic_jobs == 1
     assert result.avg_jct_s == pytest.approx(60.0 + 10_000.0 / 2)
+    # Faster on more GPUs is still productive time, never more than the wall time: only the restart
+    # (60 s on 8 GPUs) is lost.
+    assert result.ettr == pytest.approx(5_000.0 / 5_060.0)
+    assert result.lost_gpu_hours == pytest.approx(60.0 * 8 / 3600.0)
     rigid = simulate(trace, uniform_cluster(1, 8), make_policy("fifo"), config=LINEAR)
     assert rigid.avg_jct_s == pytest.approx(10_000.0) and rigid.resizes == 0
 

@@ -87,7 +87,7 @@ def _fuzz(
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
 
-    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(op.as_strategy(generation_mode=mode))  # type: ignore[attr-defined]
     def check(case: schemathesis.Case) -> None:
         response = case.call(base_url=url, headers=headers, timeout=30)

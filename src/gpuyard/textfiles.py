@@ -28,6 +28,30 @@ def check_text(sample: bytes, where: str | Path, what: str = "text file") -> Non
         raise ConfigError(f"{where}: a binary file, not a {what}")
 
 
+def _read_bytes(p: Path, what: str, size: int = -1) -> bytes:
+    """The first ``size`` bytes of ``p`` (all with -1), refused in one line unless text-like."""
+    try:
+        with p.open("rb") as fh:
+            data = fh.read(size)
+    except FileNotFoundError:
+        raise NotFoundError(f"{p}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{p}: a folder, not a {what}") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read it ({exc.strerror})") from None
+    check_text(data, p, what)
+    return data
+
+
+def _decode(data: bytes, p: Path, what: str, cut_tail: bool = False) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if cut_tail and exc.start >= len(data) - 3:  # a character cut at the end of a sample
+            return data[: exc.start].decode("utf-8")
+        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start}); a {what} must be UTF-8") from None
+
+
 def sniff_text(path: str | Path, what: str = "text file", size: int = 1 << 16) -> None:
     """Refuse ``path`` when its first ``size`` bytes are binary or not UTF-8 (a cheap look at a big file).
 
@@ -36,21 +60,7 @@ def sniff_text(path: str | Path, what: str = "text file", size: int = 1 << 16) -
         ConfigError: a folder, unreadable, binary, or not UTF-8 at the start (one line).
     """
     p = Path(path)
-    try:
-        with p.open("rb") as fh:
-            head = fh.read(size)
-    except FileNotFoundError:
-        raise NotFoundError(f"{p}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{p}: a folder, not a {what}") from None
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read it ({exc.strerror})") from None
-    check_text(head, p, what)
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        if exc.start < len(head) - 3:  # not just a character cut at the end of the sample
-            raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start}); a {what} must be UTF-8") from None
+    _decode(_read_bytes(p, what, size), p, what, cut_tail=True)
 
 
 def read_text(path: str | Path, what: str = "text file") -> str:
@@ -61,19 +71,7 @@ def read_text(path: str | Path, what: str = "text file") -> str:
         ConfigError: a folder, unreadable, binary, or not UTF-8 (one line naming the file).
     """
     p = Path(path)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise NotFoundError(f"{p}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{p}: a folder, not a {what}") from None
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read it ({exc.strerror})") from None
-    check_text(data, p, what)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start}); a {what} must be UTF-8") from None
+    return _decode(_read_bytes(p, what), p, what)
 
 
 def parse_yaml(text: str, where: str | Path) -> Any:

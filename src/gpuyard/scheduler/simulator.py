@@ -238,7 +238,7 @@ def simulate(
             queue.add(_queued(arrivals[nxt], estimator, now, workloads))
             nxt += 1
         if queue and elastic:
-            _shrink_for_first(queue, runs, running, state, now, config, resize)
+            _shrink_for_first(queue, _resizable(runs, running, now, config), state.free_gpus, now, resize)
         if queue:
             check = policy.preemptive and now >= next_check
             if state.free_gpus >= queue.min_gpus() or check:
@@ -257,7 +257,7 @@ def simulate(
                         run.first_start = now
                     start(run, placement, now, qjob.estimate - qjob.attained)
         if elastic and not queue and state.free_gpus:
-            _grow(runs, running, state, now, config, resize)
+            _grow(_resizable(runs, running, now, config), state, now, config, resize)
     result = _result(policy.name, list(runs.values()), len(trace) - len(runs), total, preemptions)
     result.fabric_waits, result.failures = len(waited), failures
     result.elastic_jobs = sum(r.bounds is not None for r in runs.values())
@@ -291,60 +291,47 @@ def _stop(run: _Run, now: float, config: SimConfig, keep_all: bool) -> float:
     return saved
 
 
+def _resizable(
+    runs: dict[int, _Run], running: dict[int, RunningJob], now: float, config: SimConfig
+) -> list[tuple[_Run, int, int]]:
+    """The running elastic jobs a resize may touch now (none twice within ``preempt_check_s``),
+    each with its (min, max) GPUs."""
+    out = []
+    for jid in running:
+        run = runs[jid]
+        if run.bounds is not None and now - run.resized_at >= config.preempt_check_s:
+            out.append((run, *run.bounds))
+    return out
+
+
 def _shrink_for_first(
-    queue: JobQueue,
-    runs: dict[int, _Run],
-    running: dict[int, RunningJob],
-    state: ClusterState,
-    now: float,
-    config: SimConfig,
-    resize: Any,
+    queue: JobQueue, elastic: list[tuple[_Run, int, int]], free: int, now: float, resize: Any
 ) -> None:
-    """Shrink elastic jobs toward their minimum when that lets the first queued job start."""
-    first = next(queue.ordered())
-    need = first.gpus - state.free_gpus
-    if need <= 0:
-        return
-    cool = [
-        runs[jid]
-        for jid in running
-        if runs[jid].bounds is not None and now - runs[jid].resized_at >= config.preempt_check_s
-    ]
-    cool = [r for r in cool if r.bounds is not None and r.alloc > r.bounds[0]]
-    if sum(r.alloc - r.bounds[0] for r in cool if r.bounds) < need:
-        return  # shrinking all of them would not be enough: keep them as they are
-    for run in sorted(cool, key=lambda r: (-r.alloc, r.job.id)):
-        if need <= 0 or run.bounds is None:
+    """Shrink elastic jobs toward their minimum (largest first) when that lets the first queued job start."""
+    need = next(queue.ordered()).gpus - free
+    spare = [(run, run.alloc - low) for run, low, _ in elastic if run.alloc > low]
+    if need <= 0 or sum(give for _, give in spare) < need:
+        return  # it fits already, or shrinking all of them would not be enough: keep them as they are
+    for run, give in sorted(spare, key=lambda rg: (-rg[0].alloc, rg[0].job.id)):
+        if need <= 0:
             break
-        give = min(run.alloc - run.bounds[0], need)
+        give = min(give, need)
         if resize(run, run.alloc - give, now):
             need -= give
 
 
 def _grow(
-    runs: dict[int, _Run],
-    running: dict[int, RunningJob],
-    state: ClusterState,
-    now: float,
-    config: SimConfig,
-    resize: Any,
+    elastic: list[tuple[_Run, int, int]], state: ClusterState, now: float, config: SimConfig, resize: Any
 ) -> None:
     """Nothing waits: give idle GPUs to elastic jobs below their maximum, most work left first.
 
     A job grows only when its work left is worth the restart: more than ten restarts' time.
     """
-    candidates = [
-        runs[jid]
-        for jid in running
-        if runs[jid].bounds is not None
-        and now - runs[jid].resized_at >= config.preempt_check_s
-        and runs[jid].remaining > 10 * config.restart_overhead_s
-    ]
-    for run in sorted(candidates, key=lambda r: (-r.remaining, r.job.id)):
-        free = state.free_gpus
-        if free <= 0 or run.bounds is None:
+    worth = [(run, high) for run, _, high in elastic if run.remaining > 10 * config.restart_overhead_s]
+    for run, high in sorted(worth, key=lambda rh: (-rh[0].remaining, rh[0].job.id)):
+        more = min(high - run.alloc, state.free_gpus)
+        if state.free_gpus <= 0:
             break
-        more = min(run.bounds[1] - run.alloc, free)
         if more > 0:
             resize(run, run.alloc + more, now)
 

@@ -2,70 +2,26 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from sqlalchemy import inspect, text
 
-from gpuyard.store.db import Store, _alembic_config
+from .conftest import backfill_round_trip
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'state.db'}"
-    return str(request.getfixturevalue("pg_url"))
-
-
 def test_existing_datasets_go_to_the_default_team(db_url: str) -> None:
-    from alembic import command
-
-    store = Store(db_url)
-    try:
-        with store.engine.connect() as conn:
-            cfg = _alembic_config(store.engine)
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "0002_data")
-            conn.execute(text("INSERT INTO datasets (name, created_at) VALUES ('old', CURRENT_TIMESTAMP)"))
-            conn.commit()
-        store.migrate()
-        with store.engine.connect() as conn:
-            assert conn.execute(text("SELECT team FROM datasets WHERE name = 'old'")).scalar() == "default"
-            cfg = _alembic_config(store.engine)
-            cfg.attributes["connection"] = conn
-            command.downgrade(cfg, "0002_data")  # and back: the column goes
-            conn.commit()
-            assert "team" not in {c["name"] for c in inspect(conn).get_columns("datasets")}
-    finally:
-        store.dispose()
+    old = "INSERT INTO datasets (name, created_at) VALUES ('old', CURRENT_TIMESTAMP)"
+    backfill_round_trip(
+        db_url, "0002_data", [old], "SELECT team FROM datasets WHERE name = 'old'", "default", "datasets"
+    )
 
 
 def test_existing_deployments_go_to_the_default_team(db_url: str) -> None:
-    from alembic import command
-
-    store = Store(db_url)
-    try:
-        with store.engine.connect() as conn:
-            cfg = _alembic_config(store.engine)
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "0008_serve_job")
-            conn.execute(
-                text(
-                    "INSERT INTO serve_deployments (model_name, model_version, model_ref, replicas, device,"
-                    " status, pids, config, created_at, updated_at) VALUES ('clf', 1, 'clf', 1, 'cpu',"
-                    " 'stopped', '{}', '{}', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
-                )
-            )
-            conn.commit()
-        store.migrate()
-        with store.engine.connect() as conn:
-            assert conn.execute(text("SELECT team FROM serve_deployments")).scalar() == "default"
-            cfg = _alembic_config(store.engine)
-            cfg.attributes["connection"] = conn
-            command.downgrade(cfg, "0008_serve_job")
-            conn.commit()
-            assert "team" not in {c["name"] for c in inspect(conn).get_columns("serve_deployments")}
-    finally:
-        store.dispose()
+    old = (
+        "INSERT INTO serve_deployments (model_name, model_version, model_ref, replicas, device,"
+        " status, pids, config, created_at, updated_at) VALUES ('clf', 1, 'clf', 1, 'cpu',"
+        " 'stopped', '{}', '{}', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+    )
+    backfill_round_trip(
+        db_url, "0008_serve_job", [old], "SELECT team FROM serve_deployments", "default", "serve_deployments"
+    )

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from sqlalchemy import inspect, text
 
 from gpuyard.store.db import Store, _alembic_config
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'state.db'}"
-    return str(request.getfixturevalue("pg_url"))
 
 
 def test_node_state_tables_upgrade_and_downgrade(db_url: str) -> None:

@@ -17,13 +17,6 @@ from gpuyard.store.tables.core import NodeRow
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'state.db'}"
-    return str(request.getfixturevalue("pg_url"))
-
-
 def test_first_use_applies_every_migration(db_url: str) -> None:
     store = get_store(url=db_url)
     current, heads = store.revision_status()

@@ -8,20 +8,17 @@ artifacts, the server's environment, and to signal vision's process.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pwd
 import shutil
-import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
-from tests.integration.scheduler.conftest import free_port
+from tests.integration.scheduler.conftest import ServerStarter, free_port
 from tests.waiting import wait_for
 
 from gpuyard.auth import add_user, create_token
@@ -49,32 +46,13 @@ def team_users() -> dict[str, str]:
 
 @pytest.fixture
 def per_team_server(
-    gpuyard_home: Path, tmp_path: Path, team_users: dict[str, str]
+    server: ServerStarter, team_users: dict[str, str]
 ) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
     """A root server running each team's jobs as gpuyard-TEAM; (url, process, job folder root)."""
-    port, work = free_port(), Path("/tmp") / f"gpuyard-attacks-{os.getpid()}-{free_port()}"
-    url, log = f"http://127.0.0.1:{port}", tmp_path / "server.log"
-    argv = [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", str(port), "--cpus", "4"]
+    work = Path("/tmp") / f"gpuyard-attacks-{os.getpid()}-{free_port()}"
     teams = [f"--team={t}" for t in (*TEAMS, "nousers")]  # team nousers has no Unix user of its own
-    argv += ["--job-user", "gpuyard-{team}", "--job-dir", str(work), *teams]
-    with open(log, "wb") as out:
-        env = {**os.environ, "GPUYARD_HOME": str(gpuyard_home)}
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            assert proc.poll() is None, log.read_text()
-            return False
-
-    wait_for(healthy, timeout=60, every=0.1)
-    yield url, proc, work
-    proc.kill()
-    proc.wait()
-    for pid_file in gpuyard_home.glob("jobs/*/attempt-*.pid"):
-        with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
-            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+    proc, url = server("--cpus", "4", "--job-user", "gpuyard-{team}", "--job-dir", str(work), *teams)
+    yield url, proc, work  # the server fixture stops the server and the jobs' process groups
     shutil.rmtree(work, ignore_errors=True)
 
 

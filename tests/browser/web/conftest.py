@@ -98,6 +98,26 @@ def _register_model(run_ids: list[str]) -> None:
     set_stage("digits-clf:2", "staging")
 
 
+def start_server(options: list[str], env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Start `gpuyard server OPTIONS` on a free port with ``env``; wait for /health (fail with its log)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", str(port), *options]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start:\n{log.read_text()}")
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A seeded home and `gpuyard server --gpus 2` on it (teams research and vision); killed at the end."""
@@ -111,26 +131,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         reset_store_cache()
         seed(home)
         reset_store_cache()
-        port = _free_port()
         log = home.parent / "server.log"
         env = {k: v for k, v in os.environ.items() if k != "GPUYARD_TOKEN"} | {"GPUYARD_HOME": str(home)}
-        cmd = [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", str(port), "--gpus", "2"]
-        cmd += ["--cpus", "2", "--team", "research", "--team", "vision", "--grace", "1"]
-        cmd += ["--job-user", getpass.getuser()]  # the seeded jobs run as the server's user
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"server did not start:\n{log.read_text()}")
-            time.sleep(0.1)
+        options = ["--gpus", "2", "--cpus", "2", "--team", "research", "--team", "vision", "--grace", "1"]
+        options += ["--job-user", getpass.getuser()]  # the seeded jobs run as the server's user
+        proc, url = start_server(options, env, log)
         try:
             yield Server(url, home, (home / "token").read_text().strip(), log, proc)
         finally:

@@ -6,9 +6,6 @@ import copy
 import getpass
 import json
 import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +13,7 @@ import httpx
 import pytest
 from tests.waiting import wait_for
 
-from .conftest import H100_NODE, _free_port
+from .conftest import H100_NODE, start_server
 
 pytestmark = pytest.mark.browser
 
@@ -33,26 +30,11 @@ def mig_server(tmp_path: Path) -> Iterator[tuple[str, str]]:
     set_mig(desc, 1, ["3g.40gb", "3g.40gb"])
     node_file = tmp_path / "mig_node.json"
     node_file.write_text(json.dumps(desc))
-    home, port = tmp_path / "home", _free_port()
+    home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if k not in ("GPUYARD_TOKEN", "GPUYARD_MPS_PIPE_DIRECTORY")}
     env |= {"GPUYARD_HOME": str(home), "GPUYARD_FAKE_NODE": str(node_file)}
-    cmd = [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", str(port), "--cpus", "4"]
-    cmd += ["--grace", "1", "--job-user", getpass.getuser()]
-    log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start:\n{log.read_text()}")
-        time.sleep(0.1)
+    options = ["--cpus", "4", "--grace", "1", "--job-user", getpass.getuser()]
+    proc, url = start_server(options, env, tmp_path / "server.log")
     token = (home / "token").read_text().strip()
     try:
         yield url, token

@@ -80,10 +80,8 @@ def cross_validate(
         "metric": spec.metric,
         "direction": spec.resolved_direction,
         "trainer": spec.trainer,
-        "features": list(usage.used),
+        **usage.run_tags(),
     }
-    if usage.dropped:
-        tags["dropped_features"] = usage.dropped
     tracker = start_run(
         f"{spec.name}-cv",
         experiment=spec.experiment,

@@ -43,6 +43,13 @@ class FeatureUsage:
             "width": self.width,
         }
 
+    def run_tags(self) -> dict[str, Any]:
+        """The run tags fit, cv and tune record: ``features``, and ``dropped_features`` when any."""
+        return {
+            "features": list(self.used),
+            **({"dropped_features": dict(self.dropped)} if self.dropped else {}),
+        }
+
     def warnings(self) -> list[str]:
         """One line per column left out."""
         return [f"column {name!r} is not used as a feature: {why}" for name, why in self.dropped.items()]

@@ -145,10 +145,8 @@ def fit(
         "trainer": spec.trainer,
         "metric": spec.metric,
         "direction": spec.resolved_direction,
-        "features": list(usage.used),
+        **usage.run_tags(),
     }
-    if usage.dropped:
-        tags["dropped_features"] = usage.dropped
     if fold:
         tags["fold"] = f"{fold[0]}/{fold[1]}"
     tracker = start_run(

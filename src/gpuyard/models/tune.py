@@ -268,8 +268,7 @@ def tune(
             "direction": spec.resolved_direction,
             "trainer": spec.trainer,
             "dataset_ref": spec.dataset,
-            "features": list(usage.used),
-            **({"dropped_features": usage.dropped} if usage.dropped else {}),
+            **usage.run_tags(),
         },
     )
     study_name = f"{spec.name}-{tracker.run_id[:12]}"

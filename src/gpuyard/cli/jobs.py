@@ -27,8 +27,12 @@ def _echo_json(doc: Any) -> None:
 
 
 def resources_text(doc: dict[str, Any]) -> str:
-    """What a job asks for, short: ``2``, ``0.5``, ``20 GB``, ``0.25, 10 GB``, ``MIG 1g.10gb``."""
+    """What a job asks for, short: ``2``, ``0.5``, ``20 GB``, ``0.25, 10 GB``, ``MIG 1g.10gb``; an
+    elastic job: what it holds (or waits for) and its range, ``4 (elastic 1-4)``."""
     res = (doc.get("spec") or {}).get("resources") or {}
+    if res.get("gpus_max"):
+        resize = f", restarts on {doc['resize_to']}" if doc.get("resize_to") else ""
+        return f"{doc.get('gpus', res['gpus'])} (elastic {res['gpus']}-{res['gpus_max']}{resize})"
     if res.get("mig"):
         n = int(res.get("slices") or 1)
         return f"{n}x MIG {res['mig']}" if n > 1 else f"MIG {res['mig']}"

@@ -27,6 +27,18 @@ def server(
         10.0, "--grace", help="Seconds from SIGTERM to SIGKILL on cancel/preemption."
     ),
     min_run: float = typer.Option(300.0, "--min-run", help="Seconds a job runs before it may be preempted."),
+    resize_interval: float = typer.Option(
+        300.0,
+        "--resize-interval",
+        min=0,
+        max=86400,
+        help="Seconds an elastic job (gpus: {min, max}) runs before it may grow or shrink again.",
+    ),
+    no_resize: bool = typer.Option(
+        False,
+        "--no-resize",
+        help="Never grow or shrink running elastic jobs (they still start at their best size).",
+    ),
     ray: str = typer.Option(None, "--ray", help="Run jobs on the Ray cluster at ADDRESS instead of here."),
     placement: str = typer.Option(
         "topology",
@@ -88,6 +100,7 @@ def server(
         cpus=cpus,
         grace_s=grace,
         min_run_s=min_run,
+        resize_interval_s=None if no_resize else resize_interval,
         ray_address=ray,
         role="server",
         placement=placement,

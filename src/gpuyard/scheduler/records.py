@@ -38,6 +38,7 @@ def job_doc(row: JobRow) -> dict[str, Any]:
         "exit_code": row.exit_code,
         "reason": row.reason,
         "stop_requested": row.stop_requested,
+        "resize_to": row.resize_to,
         "log_path": row.log_path,
         "submitted_at": _iso(row.submitted_at),
         "started_at": _iso(row.started_at),

@@ -25,6 +25,14 @@ from sqlalchemy.orm import Session
 
 from gpuyard.auth import TOKEN_ENV, create_job_token
 from gpuyard.errors import CapacityError, ConfigError, ConflictError, NotFoundError
+from gpuyard.scheduler.elastic import (
+    ElasticConfig,
+    ElasticJob,
+    allowed_sizes,
+    largest_fit,
+    plan_grows,
+    plan_shrinks,
+)
 from gpuyard.scheduler.estimator import RuntimeEstimator
 from gpuyard.scheduler.executors.base import Executor, ExitStatus, NodeSlots
 from gpuyard.scheduler.fabric_placement import (
@@ -72,6 +80,7 @@ class ServiceConfig:
         placement: "topology" (heuristics only) or "fabric" (jobs with a workload are placed by predicted
             step time: spread now or wait for a consolidated placement; needs the fabric cluster).
         max_wait_s: under fabric placement, the longest a job waits for a consolidated placement.
+        elastic: how elastic jobs (``gpus: {min, max}``) grow and shrink (:mod:`.elastic`).
     """
 
     policy: str = "fifo"
@@ -82,6 +91,7 @@ class ServiceConfig:
     lease_ttl_s: float = DEFAULT_TTL_S
     placement: str = "topology"
     max_wait_s: float = DEFAULT_MAX_WAIT_S
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
 
 class JobService:
@@ -129,6 +139,7 @@ class JobService:
         self.node_states = NodeStates(store)
         self.health: NodeHealthMonitor | None = None
         self._wait_notes: dict[tuple[int, float], str] = {}  # (job, queued at) -> why it waits, as written
+        self._sizes: dict[int, tuple[int, ...]] = {}  # elastic job -> its allowed sizes (read once)
         self._learn_history()
 
     # -- requests ---------------------------------------------------------------------------------
@@ -157,6 +168,8 @@ class JobService:
             return
         if spec.workload is not None:
             self._check_workload(spec)
+        if res.elastic:
+            allowed_sizes(spec)  # a training job's global batch must split at some size of its range
         if res.gpus == 0:
             most = int(self.state.cpu_capacity.max()) if self.nodes else 0
             if res.cpus > most:
@@ -503,6 +516,10 @@ class JobService:
         elif status.code == 0:
             move(s, row, JobState.SUCCEEDED, "exit code 0", at=end)
             self.estimator.observe(row.team, row.user, row.gpus, row.attained_s)
+        elif request == "resize" and row.resize_to:
+            why = f"resized ({how}): restarts on {row.resize_to} GPUs instead of {row.gpus}"
+            move(s, row, JobState.PREEMPTED, why, at=end)
+            move(s, row, JobState.QUEUED, "requeued to resize; resumes from its checkpoint", at=end)
         elif request == "preempt" or status.preempted:
             row.preemptions += 1
             move(s, row, JobState.PREEMPTED, f"preempted ({how}); resumes from its checkpoint", at=end)
@@ -517,6 +534,10 @@ class JobService:
                 move(s, row, JobState.QUEUED, why, at=end)
             else:
                 move(s, row, JobState.FAILED, f"failed ({how})", at=end)
+        if request != "resize":
+            row.resize_to = None
+        if row.state == JobState.QUEUED.value and row.spec.get("resources", {}).get("gpus_max"):
+            row.gpus = int(row.spec["resources"]["gpus"])  # an elastic job queues at its minimum
 
     def _request_stop(self, row: JobRow, why: str) -> None:
         if row.stop_requested:
@@ -532,6 +553,7 @@ class JobService:
             queued = list(s.scalars(select(JobRow).where(JobRow.state == JobState.QUEUED.value)))
             active = list(s.scalars(select(JobRow).where(JobRow.state.in_(ACTIVE))))
         if not queued:
+            self._grow(active)
             return
         now = time.time()
         queue = JobQueue(self.policy.key)
@@ -556,9 +578,13 @@ class JobService:
                         )
         if decision.waits:
             self._note_waits(decision.waits)
-        self._note_waiting(queue, decision)
+        starts = self._elastic_starts(decision.starts, queued)
+        self._note_waiting(queue, starts, decision.waits)
+        first = next(queue.ordered())
+        if first.id not in {j.id for j, _ in starts} | set(decision.waits) and not decision.preempt:
+            self._shrink_for(first, active, starts)
         used, fresh = self._used_indices(), dict[tuple[int, int], int]()
-        for qjob, placement in decision.starts:
+        for qjob, placement in starts:
             slots = self._slots(placement, used, fresh)
             for sl in slots:
                 used.setdefault(sl.node, set()).update(sl.gpus)
@@ -574,12 +600,14 @@ class JobService:
                 row.reason = note
                 s.add(JobEventRow(job_id=jid, from_state=row.state, to_state=row.state, reason=note))
 
-    def _note_waiting(self, queue: JobQueue, decision: Any) -> None:
+    def _note_waiting(
+        self, queue: JobQueue, starts: list[tuple[QueuedJob, Placement]], waits: dict[int, str]
+    ) -> None:
         """Say why each job left queued waits (the job's reason, no event: it changes as GPUs free up)."""
         work = self.state.copy()
-        for _, placement in decision.starts:
+        for _, placement in starts:
             work.take(placement)
-        started = {j.id for j, _ in decision.starts} | set(decision.waits)
+        started = {j.id for j, _ in starts} | set(waits)
         notes, seen = {}, {}
         for j in queue.ordered():
             if j.id in started:
@@ -596,6 +624,114 @@ class JobService:
                 if row.state == JobState.QUEUED.value and row.reason != notes[row.id]:
                     row.reason = notes[row.id]
 
+    # -- elastic jobs (docs/scheduler.md, "Elastic jobs"; the rules in gpuyard.scheduler.elastic) ------
+
+    def _job_sizes(self, row: JobRow) -> tuple[int, ...]:
+        """An elastic job's allowed sizes (its minimum alone if its train spec no longer splits)."""
+        if row.id not in self._sizes:
+            spec = JobSpec.model_validate(row.spec)
+            try:
+                self._sizes[row.id] = allowed_sizes(spec)
+            except ConfigError as exc:
+                log.warning("job %s: runs at its minimum size: %s", row.id, exc)
+                self._sizes[row.id] = (spec.resources.gpus,)
+        return self._sizes[row.id]
+
+    def _elastic_starts(
+        self, starts: list[tuple[QueuedJob, Placement]], queued: list[JobRow]
+    ) -> list[tuple[QueuedJob, Placement]]:
+        """The policy's starts, with each elastic job grown to its size: the size it was resized to,
+        else its maximum when no other job is left waiting, as far as the free GPUs allow."""
+        rows = {r.id: r for r in queued}
+        if not any(rows[j.id].spec.get("resources", {}).get("gpus_max") for j, _ in starts):
+            return starts
+        work = self.state.copy()
+        for _, placement in starts:
+            work.take(placement)
+        waiting = len(queued) > len(starts)
+        out = []
+        for qjob, placement in starts:
+            row = rows[qjob.id]
+            sizes = self._job_sizes(row) if row.spec.get("resources", {}).get("gpus_max") else ()
+            target = row.resize_to or (sizes[-1] if sizes and not waiting else placement.gpus)
+            if placement.parts or not placement.gpus or target <= placement.gpus:
+                out.append((qjob, placement))
+                continue
+            work.release(placement)
+            fits = [n for n in sizes if placement.gpus <= n <= target]
+            grown = largest_fit(work, fits, qjob.gpu_type, self.executor.multi_node) or placement
+            work.take(grown)
+            out.append((qjob, grown))
+        return out
+
+    def _elastic_running(self, active: list[JobRow]) -> list[ElasticJob]:
+        """The running elastic jobs a resize may touch; none while an earlier resize is stopping one."""
+        if not self.config.elastic.enabled or any(r.stop_requested == "resize" for r in active):
+            return []
+        now, out = time.time(), []
+        for row in active:
+            res = row.spec.get("resources", {})
+            if row.state != JobState.RUNNING.value or row.stop_requested or not res.get("gpus_max"):
+                continue
+            run = self._running(row)
+            # Work left: the estimate from history less what it ran; past that, as long again as it
+            # ran (run times are heavy-tailed: a job that outlived its estimate is likely a long one).
+            ran = row.attained_s + now - run.started_at
+            left = max(self.estimator.estimate(row.team, row.user, row.gpus) - ran, ran)
+            out.append(
+                ElasticJob(
+                    id=row.id,
+                    gpus=row.gpus,
+                    sizes=self._job_sizes(row),
+                    placement=run.placement,
+                    started_at=run.started_at,
+                    remaining_s=left,
+                    gpu_type=res.get("gpu_type"),
+                )
+            )
+        return out
+
+    def _grow(self, active: list[JobRow]) -> None:
+        """Nothing waits: grow running elastic jobs into idle GPUs when it pays (``plan_grows``)."""
+        jobs = self._elastic_running(active) if self.state.free_gpus > 0 else []
+        if jobs:
+            plans = plan_grows(self.state, jobs, time.time(), self.config.elastic, self.executor.multi_node)
+            self._resize(plans, "grow into idle GPUs")
+
+    def _shrink_for(
+        self, first: QueuedJob, active: list[JobRow], starts: list[tuple[QueuedJob, Placement]]
+    ) -> None:
+        """The first queued job cannot start: shrink running elastic jobs when that lets it start."""
+        jobs = self._elastic_running(active) if first.share is None else []
+        if jobs:
+            after = self.state.copy()  # with this tick's starts taken
+            for _, placement in starts:
+                after.take(placement)
+            plans = plan_shrinks(
+                after,
+                first.gpus,
+                first.gpu_type,
+                jobs,
+                time.time(),
+                self.config.elastic,
+                self.executor.multi_node,
+            )
+            self._resize(plans, f"shrink to let job {first.id} start")
+
+    def _resize(self, plans: list[tuple[int, int]], why: str) -> None:
+        """Stop each job as for a preemption, to restart at its new size."""
+        if not plans:
+            return
+        with self.store.session() as s:
+            for jid, size in plans:
+                row = self._row(s, jid)
+                if row.state != JobState.RUNNING.value or row.stop_requested:
+                    continue
+                row.resize_to = size
+                self._request_stop(row, "resize")
+                note = f"{why}: from {row.gpus} to {size} GPUs (checkpoint, then restart at the new size)"
+                s.add(JobEventRow(job_id=jid, from_state=row.state, to_state=row.state, reason=note))
+
     def _start(self, job_id: int, placement: Placement, slots: list[NodeSlots]) -> None:
         with self.store.session() as s:
             # Locked (PostgreSQL; SQLite's write lock already covers it) so that a start racing a
@@ -606,6 +742,10 @@ class JobService:
             spec = JobSpec.model_validate(row.spec)
             plan = self.executor.plan(job_id, spec, slots, row.attempts + 1)
             row.attempts += 1
+            how = placement.how
+            if spec.resources.elastic:
+                row.gpus, row.resize_to = placement.gpus, None
+                how += f"; {placement.gpus} GPUs of {spec.resources.gpus}-{spec.resources.gpus_max}"
             row.placement = {
                 "how": placement.how,
                 "nodes": [record_part(sl.node, sl.gpus, sl.cpus, _parts_on(placement, sl)) for sl in slots],
@@ -613,7 +753,7 @@ class JobService:
             if placement.predicted is not None:
                 row.placement["predicted"] = placement.predicted.to_dict()
             row.handle, row.log_path = dict(plan.extra), plan.log_path
-            move(s, row, JobState.SCHEDULED, placement.how)
+            move(s, row, JobState.SCHEDULED, how)
             if self.api_url is not None:
                 # A token for this attempt only, reaching only this job (never the submitter's own).
                 token = create_job_token(s, job_id, row.user)

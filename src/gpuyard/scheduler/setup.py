@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpuyard.errors import ConfigError
+from gpuyard.scheduler.elastic import ElasticConfig
 from gpuyard.scheduler.executors.base import Executor
 from gpuyard.scheduler.fabric_placement import DEFAULT_MAX_WAIT_S
 from gpuyard.scheduler.lease import SchedulerLease, lease_conflict
@@ -30,6 +31,7 @@ def build_service(
     job_user: str | None = None,
     job_dir: str | None = None,
     health_config: str | None = None,
+    resize_interval_s: float | None = 300.0,
 ) -> JobService:
     """The job service of `gpuyard server`.
 
@@ -52,6 +54,8 @@ def build_service(
         health_config: ``server`` role on this machine: a YAML file of node health check settings
             (:class:`gpuyard.hardware.health.NodeCheckConfig`); None: the defaults. The server's own
             node is checked periodically when it has real GPUs (not with ``fake_gpus``, not on Ray).
+        resize_interval_s: the least time between an elastic job's start and its next grow or shrink;
+            None: running elastic jobs are never resized (they still start at their best size).
 
     Raises:
         ConfigError: an unknown placement, fabric placement without a cluster (or a cluster without
@@ -75,6 +79,7 @@ def build_service(
         min_run_s=min_run_s,
         placement=placement,
         max_wait_s=max_wait_s,
+        elastic=ElasticConfig(enabled=resize_interval_s is not None, interval_s=resize_interval_s or 0.0),
     )
     # Refuse before building the executor: a refused server must not touch Ray or the GPUs. This only
     # looks (a service built to list jobs must not hold the store); recover() or the first tick takes it.

@@ -76,7 +76,7 @@ class Resources(BaseModel):
     see docs/scheduler.md on its isolation) or MIG slices (``mig: 1g.10gb``, ``slices: 2``). A
     fractional ``gpus`` is stored as ``gpu_fraction`` (``gpus`` stays the whole-GPU count, 0).
     An elastic job gives a range, ``gpus: {min: 2, max: 8}``: stored as ``gpus`` (the minimum, what
-    admission and a scheduler that does not resize use) and ``gpus_max``; see :meth:`start_gpus`.
+    admission and policies use) and ``gpus_max``; see :mod:`gpuyard.scheduler.elastic`.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -189,14 +189,6 @@ class Resources(BaseModel):
     def elastic(self) -> bool:
         """Whether the job may run on any GPU count from ``gpus`` to ``gpus_max``."""
         return self.gpus_max is not None
-
-    def start_gpus(self, free: int) -> int | None:
-        """GPUs to start the job with when `free` whole GPUs fit it: its maximum if they are free, else
-        its minimum, else None (it waits). A rigid job: its ``gpus`` or None."""
-        most = self.gpus_max or self.gpus
-        if free >= most:
-            return most
-        return self.gpus if free >= self.gpus else None
 
     @property
     def shared(self) -> bool:

@@ -32,13 +32,6 @@ def test_a_range_is_stored_as_its_minimum_and_maximum(tmp_path: Path) -> None:
     assert (one.gpus, one.gpus_max, one.elastic) == (4, None, False)
 
 
-def test_start_at_the_maximum_when_free_else_the_minimum() -> None:
-    res = parse_spec(_job(resources={"gpus": {"min": 2, "max": 8}})).resources
-    assert [res.start_gpus(free) for free in (16, 8, 7, 2, 1, 0)] == [8, 8, 2, 2, None, None]
-    rigid = parse_spec(_job(resources={"gpus": 4})).resources
-    assert [rigid.start_gpus(free) for free in (8, 4, 3)] == [4, 4, None]
-
-
 @pytest.mark.parametrize(
     ("resources", "message"),
     [

@@ -81,7 +81,8 @@ class LocalExecutor(Executor):
         return LaunchPlan(
             job_id=job_id,
             attempt=attempt,
-            argv=job_argv(spec),
+            # An elastic job runs one rank per GPU it got this attempt.
+            argv=job_argv(spec, nproc=len(gpus) if spec.resources.elastic and gpus else None),
             env=env,
             cwd=cwd,
             log_path=str(folder / "output.log"),

@@ -46,6 +46,8 @@ class JobRow(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
     # "USER:KEY" from the submission's Idempotency-Key header: a retry with it returns this job.
     idempotency_key: Mapped[str | None] = mapped_column(String(300), nullable=True)
+    # An elastic job stopped to resize: the GPUs it restarts at (migration 0016); null otherwise.
+    resize_to: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     __table_args__ = (
         Index("ix_jobs_state", "state"),

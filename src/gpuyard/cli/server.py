@@ -34,6 +34,13 @@ def server(
         max=86400,
         help="Seconds an elastic job (gpus: {min, max}) runs before it may grow or shrink again.",
     ),
+    restart_cost: float = typer.Option(
+        60.0,
+        "--restart-cost",
+        min=0,
+        max=86400,
+        help="Seconds one restart of an elastic job is taken to cost: a grow must save twice that.",
+    ),
     no_resize: bool = typer.Option(
         False,
         "--no-resize",
@@ -101,6 +108,7 @@ def server(
         grace_s=grace,
         min_run_s=min_run,
         resize_interval_s=None if no_resize else resize_interval,
+        restart_cost_s=restart_cost,
         ray_address=ray,
         role="server",
         placement=placement,

@@ -32,6 +32,7 @@ def build_service(
     job_dir: str | None = None,
     health_config: str | None = None,
     resize_interval_s: float | None = 300.0,
+    restart_cost_s: float = 60.0,
 ) -> JobService:
     """The job service of `gpuyard server`.
 
@@ -56,6 +57,7 @@ def build_service(
             node is checked periodically when it has real GPUs (not with ``fake_gpus``, not on Ray).
         resize_interval_s: the least time between an elastic job's start and its next grow or shrink;
             None: running elastic jobs are never resized (they still start at their best size).
+        restart_cost_s: what one restart of an elastic job is taken to cost; a grow must save twice it.
 
     Raises:
         ConfigError: an unknown placement, fabric placement without a cluster (or a cluster without
@@ -79,7 +81,11 @@ def build_service(
         min_run_s=min_run_s,
         placement=placement,
         max_wait_s=max_wait_s,
-        elastic=ElasticConfig(enabled=resize_interval_s is not None, interval_s=resize_interval_s or 0.0),
+        elastic=ElasticConfig(
+            enabled=resize_interval_s is not None,
+            interval_s=resize_interval_s or 0.0,
+            restart_cost_s=restart_cost_s,
+        ),
     )
     # Refuse before building the executor: a refused server must not touch Ray or the GPUs. This only
     # looks (a service built to list jobs must not hold the store); recover() or the first tick takes it.

@@ -15,8 +15,13 @@ shapes M, each with popularity p_m:
 * FGD places a task where F rises least (F after minus F before), choosing the GPU(s) on the node
   the same way: the direction of steepest descent of the cluster's expected fragmentation.
 
-CPU-only shapes leave every free GPU to others either way, so their fragment is the node's whole
-free GPU capacity, the same for every placement decision: the mix keeps GPU shapes only.
+``fgd`` is FGD as the paper's artifact (hkust-adsl/kubernetes-scheduler-simulator) runs it, whose
+runs give the paper's figures: the mix is its "typical pods" (every task counts, CPU-only ones too,
+whose fragment is the node's whole free GPU capacity; no memory; the most popular shapes covering
+95% of the tasks), and the rise goes through its Kubernetes score, an integer 0-100
+(:func:`fgd_node_score`), so rises a score step apart or less tie, and ties go to a random order of
+the nodes. ``fgd-exact`` takes the least rise itself, on every GPU shape of the trace with memory
+(CPU-only shapes left out: they change no decision there), ties to the tightest node.
 
 Baselines: first-fit, best-fit (least CPU and GPU left after placement, equal weights, as in the
 paper's baseline), random-fit, and dot-product (smallest product of normalised free and asked
@@ -44,6 +49,7 @@ IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 Placement = tuple[int, tuple[int, ...]]  # node index, GPU indexes on that node (empty: CPU only)
+TYPICAL_POPULARITY = 0.95  # the FGD artifact's experiments: shapes covering 95% of the tasks
 
 
 class SharedCluster:
@@ -136,7 +142,11 @@ class SharedCluster:
 
 @dataclass(frozen=True)
 class TaskMix:
-    """The workload's GPU task shapes and their popularity (fractions of GPU tasks, summing to 1)."""
+    """The workload's task shapes and their popularity (fractions of the tasks counted, summing to 1).
+
+    ``counts`` keeps every shape of the tasks the mix was made from, CPU-only ones included, with
+    its number of tasks (what :meth:`typical` derives the FGD artifact's mix from).
+    """
 
     cpu: IntArray
     mem: IntArray
@@ -144,36 +154,67 @@ class TaskMix:
     milli: IntArray
     spec: tuple[tuple[str, ...], ...]
     p: FloatArray
+    counts: tuple[tuple[tuple[Any, ...], int], ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def of(cls, tasks: Sequence[GpuTask]) -> TaskMix:
-        """The mix of ``tasks``' GPU shapes, popularity by count.
+        """The mix of ``tasks``' GPU shapes, popularity by count (CPU-only shapes are left out).
 
         Raises:
             ConfigError: no task asks for a GPU.
         """
-        return cls.of_counts(Counter(t.shape for t in tasks if t.num_gpu))
+        return cls.of_counts(Counter(t.shape for t in tasks))
 
     @classmethod
     def of_counts(cls, counts: Counter[tuple[Any, ...]]) -> TaskMix:
-        """The mix of GPU shapes counted in ``counts`` (shape -> tasks; CPU-only shapes are dropped).
+        """The mix of GPU shapes counted in ``counts`` (shape -> tasks; CPU-only shapes are dropped
+        from the mix, kept in ``counts``).
 
         Raises:
             ConfigError: no GPU shape.
         """
-        counts = Counter({shape: n for shape, n in counts.items() if shape[2] and n > 0})
-        if not counts:
+        gpu = Counter({shape: n for shape, n in counts.items() if shape[2] and n > 0})
+        if not gpu:
             raise ConfigError("no task asks for a GPU: the fragmentation measure needs GPU tasks")
-        shapes = sorted(counts)
-        total = sum(counts.values())
+        return cls._make(gpu, counts)
+
+    @classmethod
+    def _make(cls, kept: Counter[tuple[Any, ...]], every: Counter[tuple[Any, ...]]) -> TaskMix:
+        shapes = sorted(kept)
+        total = sum(kept.values())
         return cls(
             cpu=np.array([s[0] for s in shapes], dtype=np.int64),
             mem=np.array([s[1] for s in shapes], dtype=np.int64),
             num_gpu=np.array([s[2] for s in shapes], dtype=np.int64),
             milli=np.array([s[3] for s in shapes], dtype=np.int64),
             spec=tuple(s[4] for s in shapes),
-            p=np.array([counts[s] / total for s in shapes], dtype=np.float64),
+            p=np.array([kept[s] / total for s in shapes], dtype=np.float64),
+            counts=tuple(sorted((s, n) for s, n in every.items() if n > 0)),
         )
+
+    def typical(self, popularity: float = TYPICAL_POPULARITY) -> TaskMix:
+        """The FGD artifact's "typical pods" (``GetTypicalPods`` in its ``pkg/utils/frag.go``, with
+        the settings of its experiments): every task counts, CPU-only ones too; a shape is (CPU,
+        GPUs, thousandths per GPU, models), memory left out; the most popular shapes are kept until
+        they cover ``popularity`` of the tasks, and their popularity renormalised over them.
+
+        Raises:
+            ConfigError: the mix keeps no task counts (made by hand), or they have no GPU shape.
+        """
+        every: Counter[tuple[Any, ...]] = Counter()
+        for (cpu, _mem, num_gpu, milli, spec), n in self.counts:
+            every[(cpu, 0, num_gpu, milli, spec)] += n
+        if not any(s[2] for s in every):
+            raise ConfigError("no task counts with a GPU: the typical mix needs the tasks' shapes")
+        # Most tasks first; among equal counts the artifact's order (larger CPU, thousandths, GPUs).
+        order = sorted(every, key=lambda s: (-every[s], -s[0], -s[3], -s[2], "|".join(s[4])))
+        total = sum(every.values())
+        kept: Counter[tuple[Any, ...]] = Counter()
+        for shape in order:
+            if sum(kept.values()) >= popularity * total:
+                break
+            kept[shape] = every[shape]
+        return TaskMix._make(kept, every)
 
     def __len__(self) -> int:
         return len(self.p)
@@ -219,6 +260,7 @@ class Fragmentation:
         fits = (cpu[:, None] >= m.cpu[None, :]) & (mem[:, None] >= m.mem[None, :])
         fits &= self.allowed[model]
         fits &= count[:, self.didx] >= m.num_gpu[None, :]
+        fits &= (m.num_gpu > 0)[None, :]  # a CPU-only shape uses no GPU: all free GPU is lost to it
         frag = np.where(fits, small[:, self.didx], total[:, None].astype(np.float64))
         # Rounded so that equal states tie exactly, however many rows the product was computed with.
         out: FloatArray = np.round(frag @ m.p, 6)
@@ -338,25 +380,45 @@ class _Choices:
 class FGD:
     """Fragmentation gradient descent: the node and GPUs where the expected fragmentation rises least.
 
+    ``score="k8s"`` scores it as the FGD artifact's Kubernetes score plugin does (``FGDScore``), and
+    ``make_packing("fgd")`` gives it the artifact's typical mix (:meth:`TaskMix.typical`): each node's
+    score is :func:`fgd_node_score` of its least rise, an integer 0-100 (one step is about 0.04 GPU of
+    rise near 0, coarser further out); the highest score wins, equal scores go to the first node in a
+    random order of the nodes drawn once per cluster from ``seed`` (the artifact's scheduler takes the
+    first node name, and its simulator prefixes each name with a random rank); a share goes to the
+    first GPU (index order) with the node's best score. ``score="exact"`` takes the least rise itself,
+    equal rises going to the tightest node (best-fit's score); ``packing_weight`` > 0 (exact only)
+    adds best-fit's score, times that many GPUs, to the rise (a blend; 0 is FGD alone).
+
     The rise for a task shape on a node changes only when that node does, so it is kept per shape
-    and recomputed, for all stale nodes at once, when a task of that shape arrives. Among equal rises
-    the tightest node wins (best-fit's score). ``packing_weight`` > 0 adds best-fit's score, times
-    that many GPUs, to the rise (a blend; 0 is FGD alone).
+    and recomputed, for all stale nodes at once, when a task of that shape arrives.
     """
 
     name = "fgd"
 
-    def __init__(self, mix: TaskMix | None, packing_weight: float = 0.0) -> None:
+    def __init__(
+        self, mix: TaskMix | None, packing_weight: float = 0.0, score: str = "exact", seed: int = 0
+    ) -> None:
+        if score not in ("exact", "k8s"):
+            raise ConfigError(f"FGD score {score!r}: exact or k8s")
+        if packing_weight and score != "exact":
+            raise ConfigError("FGD's blend with best-fit adds to the exact rise: score='exact'")
         self.mix = mix
         self.packing_weight = packing_weight
-        if packing_weight:
+        self.k8s = score == "k8s"
+        self.seed = seed
+        if self.k8s:
+            self.name = "fgd"
+        elif packing_weight:
             self.name = "fgd-bf" if packing_weight == FGD_BF_WEIGHT else f"fgd-bf{packing_weight:g}"
+        else:
+            self.name = "fgd-exact"
         # Without a mix, it is learned from the GPU tasks it is asked to place (a task retried while
         # it waits counts again), re-estimated each time their number doubles (each estimate drops
         # what was kept: every rise depends on the mix).
         self.online = mix is None
         if self.online:
-            self.name += "-online"
+            self.name = "fgd-online" if self.name == "fgd-exact" else self.name + "-online"
         self._seen: Counter[tuple[Any, ...]] = Counter()
         self._next_estimate = 1
         self._cluster: SharedCluster | None = None
@@ -364,6 +426,7 @@ class FGD:
         self._f = np.zeros(0, dtype=np.float64)
         self._f_stamp = np.zeros(0, dtype=np.int64)
         self._choices: dict[tuple[Any, ...], _Choices] = {}
+        self._order = np.zeros(0, dtype=np.int64)  # k8s: each node's place in the tie-break order
 
     def _learn(self, task: GpuTask) -> None:
         if not task.num_gpu:
@@ -379,6 +442,8 @@ class FGD:
         if self.mix is None:
             return None
         if self._cluster is not cluster or self._frag is None:
+            if self._cluster is not cluster:
+                self._order = np.random.default_rng(self.seed).permutation(len(cluster.nodes))
             self._cluster = cluster
             self._frag = Fragmentation(self.mix, cluster)
             self._f = np.zeros(len(cluster.nodes), dtype=np.float64)
@@ -414,10 +479,16 @@ class FGD:
             choices.delta[stale] = delta
             choices.gpus[stale] = gpus
             choices.stamp[stale] = cluster.version[stale]
+        if self.k8s:
+            # The highest integer score; equal ones: the first node in the random order.
+            score = fgd_node_score(choices.delta[idx])
+            tied = np.flatnonzero(score == score.max())
+            node = int(idx[tied[int(np.argmin(self._order[idx[tied]]))]])
+            return node, tuple(int(g) for g in choices.gpus[node])
         leftover = _leftover(cluster, task, idx)
-        score = choices.delta[idx] + self.packing_weight * MILLI * leftover
+        rise = choices.delta[idx] + self.packing_weight * MILLI * leftover
         # Equal rises (identical nodes, or none that matters to the mix): the tightest node, best-fit's.
-        tied = np.flatnonzero(score <= score.min() + 1e-6)
+        tied = np.flatnonzero(rise <= rise.min() + 1e-6)
         node = int(idx[tied[int(np.argmin(leftover[tied]))]])
         return node, tuple(int(g) for g in choices.gpus[node])
 
@@ -442,7 +513,10 @@ class FGD:
             rows, cols = np.nonzero(ok)
             after = np.full(left.shape, np.inf)
             after[rows, cols] = frag.of_states(cpu[rows], mem[rows], model[rows], cand[rows, cols])
-            best = np.argmin(after, axis=1)
+            if self.k8s:  # the first GPU with the node's best integer score
+                best = np.argmax(np.where(ok, fgd_node_score(after - before[:, None]), -1), axis=1)
+            else:
+                best = np.argmin(after, axis=1)
             rise = after[np.arange(len(nodes)), best] - before
             return rise, best[:, None].astype(np.int64)
         # Whole GPUs: those with full room are alike; take the first ones.
@@ -453,10 +527,21 @@ class FGD:
         return frag.of_states(cpu, mem, model, new) - before, order.astype(np.int64)
 
 
+def fgd_node_score(rise: FloatArray) -> IntArray:
+    """The FGD artifact's node score for rises of F (GPU thousandths): ``int(100 x sigmoid(-rise /
+    1000))``, truncated as its Go code converts to ``int64`` (0 rise: 50; any rise above 0: 49 or
+    less). The artifact's ``calculateGpuShareFragExtendScore`` in
+    ``pkg/simulator/plugin/fgd_score.go``."""
+    x = np.clip(np.asarray(rise, dtype=np.float64) / MILLI, -60.0, 60.0)  # exp stays finite
+    out: IntArray = np.floor(100.0 / (1.0 + np.exp(x))).astype(np.int64)
+    return out
+
+
 PACKING_POLICIES = {
-    "fgd": "fragmentation gradient descent: least rise of the expected fragmentation",
-    "fgd-bf": "FGD's rise plus 0.05 GPU x best-fit's leftover score (a blend)",
-    "fgd-online": "FGD with the task mix learned from the arrivals so far",
+    "fgd": "fragmentation gradient descent as the paper's artifact scores it (typical mix, 0-100 score)",
+    "fgd-exact": "FGD taking the least rise itself, on every GPU shape of the trace (with memory)",
+    "fgd-bf": "fgd-exact's rise plus 0.05 GPU x best-fit's leftover score (a blend)",
+    "fgd-online": "fgd-exact with the task mix learned from the arrivals so far",
     "bestfit": "least CPU and GPU left after placement",
     "firstfit": "first node with room",
     "randomfit": "a random node with room",
@@ -466,16 +551,20 @@ FGD_BF_WEIGHT = 0.05  # GPUs per unit of best-fit's score; chosen on arrival see
 
 
 def make_packing(name: str, mix: TaskMix | None = None, seed: int = 0) -> PackingPolicy:
-    """A packing policy by name (one of :data:`PACKING_POLICIES`; fgd and fgd-bf need the task mix).
+    """A packing policy by name (one of :data:`PACKING_POLICIES`; fgd, fgd-exact and fgd-bf need the
+    task mix, fgd one made by :meth:`TaskMix.of` or :meth:`TaskMix.of_counts`; ``seed`` draws
+    random-fit's choices and fgd's tie-break order).
 
     Raises:
         ConfigError: unknown name, or FGD without a mix.
     """
     if name == "fgd-online":
         return FGD(None)
-    if name in ("fgd", "fgd-bf"):
+    if name in ("fgd", "fgd-exact", "fgd-bf"):
         if mix is None:
             raise ConfigError(f"{name} needs the workload's task mix")
+        if name == "fgd":
+            return FGD(mix.typical(), score="k8s", seed=seed)
         return FGD(mix, FGD_BF_WEIGHT if name == "fgd-bf" else 0.0)
     if name == "bestfit":
         return BestFit()

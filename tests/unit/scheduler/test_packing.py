@@ -16,6 +16,7 @@ from gpuyard.scheduler.packing import (
     RandomFit,
     SharedCluster,
     TaskMix,
+    fgd_node_score,
     fill,
     fragmentation_rate,
     inflate,
@@ -94,7 +95,7 @@ def test_fgd_keeps_a_node_whole_where_best_fit_fragments_it() -> None:
     mix = _mix((_task(700), 1))
     first, later = _task(300), _task(700)
     placed = {}
-    for policy in (FGD(mix), BestFit()):
+    for policy in (FGD(mix), FGD(mix, score="k8s"), BestFit()):
         cluster = SharedCluster(nodes)
         _set_room(cluster, 0, [700])
         choice = policy.choose(cluster, first)
@@ -107,7 +108,7 @@ def test_fgd_keeps_a_node_whole_where_best_fit_fragments_it() -> None:
         placed[policy.name] = (choice[0], fits)
     # Best-fit takes the tightest node (a: 400 left, lost to 700 shares); FGD the free GPU of b,
     # leaving 700 on each: both later shares fit.
-    assert placed == {"fgd": (1, 2), "bestfit": (0, 1)}
+    assert placed == {"fgd-exact": (1, 2), "fgd": (1, 2), "bestfit": (0, 1)}
 
 
 def test_fgd_chooses_the_gpu_on_a_node_too() -> None:
@@ -118,6 +119,82 @@ def test_fgd_chooses_the_gpu_on_a_node_too() -> None:
     assert BestFit().choose(cluster, share) == (0, (1,))  # tightest GPU: 1000 and 400
     # With whole-GPU tasks in the workload, FGD fills the used GPU instead.
     assert FGD(_mix((_task(1000), 1))).choose(cluster, share) == (0, (1,))
+
+
+def test_the_typical_mix_is_the_artifacts() -> None:
+    """The FGD artifact's typical pods: every task counts (CPU-only too), memory is not part of a
+    shape, and the most popular shapes covering 95% of the tasks are kept, renormalised."""
+    tasks = (
+        [_task(500, mem=1024)] * 10
+        + [_task(500, mem=4096)] * 8  # the same shape once memory is left out: 18 tasks
+        + [GpuTask("cpu", 2000, 1, 0, 0)] * 6
+        + [_task(250)]  # 1 of 25 tasks: past the 95% the first two shapes cover (24 of 25)
+    )
+    ours = TaskMix.of(tasks)
+    assert len(ours) == 3 and sorted(ours.mem.tolist()) == [1024, 1024, 4096]
+    typical = ours.typical()
+    assert list(zip(typical.num_gpu.tolist(), typical.milli.tolist(), typical.p.tolist(), strict=True)) == [
+        (1, 500, 0.75),
+        (0, 0, 0.25),
+    ]
+    assert typical.mem.tolist() == [0, 0] and typical.cpu.tolist() == [1000, 2000]
+    assert sorted(ours.typical(1.0).p.tolist()) == pytest.approx([1 / 25, 6 / 25, 18 / 25])
+    hand_made = TaskMix(ours.cpu, ours.mem, ours.num_gpu, ours.milli, ours.spec, ours.p)
+    with pytest.raises(ConfigError, match="typical mix needs"):
+        hand_made.typical()
+
+
+def test_a_cpu_only_shape_loses_every_free_gpu_and_memory_does_not_count_in_the_typical_mix() -> None:
+    typical = TaskMix.of([_task(500, mem=8192)] * 3 + [GpuTask("cpu", 1000, 1, 0, 0)]).typical()
+    cluster = SharedCluster([_node("a", 2, mem=4096)])
+    # The share cannot run for memory, but the artifact's measure has no memory: no fragment for it;
+    # the CPU-only quarter finds 2000 free thousandths it cannot use, though it fits.
+    assert _frag(cluster, typical) == [500.0]
+    assert _frag(cluster, TaskMix.of([_task(500, mem=8192)])) == [2000.0]  # ours counts memory
+
+
+def test_fgd_node_score_is_the_artifacts_integer_sigmoid() -> None:
+    rises = np.array([0.0, 0.001, 30.0, -30.0, -60.0, 1000.0, 5000.0, 1e9, -1e9])
+    assert fgd_node_score(rises).tolist() == [50, 49, 49, 50, 51, 26, 0, 0, 100]
+
+
+def test_k8s_fgd_ties_rises_within_a_score_step_and_breaks_ties_by_a_random_node_order() -> None:
+    # 97% light shares, 2% CPU-heavy shares, 1% whole GPUs. A 100 share with 2000 CPU: on a (41,000
+    # CPU) both the heavy and the whole shapes lose the GPU (rise 27), on b only the whole one (9).
+    mix = _mix((_task(500), 97), (_task(500, cpu=40_000), 2), (_task(1000), 1))
+    nodes = [_node("a", 1, cpu=41_000), _node("b", 1)]
+    task = _task(100, cpu=2000)
+    assert FGD(mix).choose(SharedCluster(nodes), task) == (1, (0,))  # the least rise
+    # Both rises score 49: the node comes first in the random order, which differs between seeds.
+    picks = {FGD(mix, score="k8s", seed=seed).choose(SharedCluster(nodes), task) for seed in range(12)}
+    assert picks == {(0, (0,)), (1, (0,))}
+    # Alike nodes: exact FGD takes the tightest (the first of equals), k8s the random order's first.
+    alike = [_node(f"n{i}", 2) for i in range(6)]
+    assert FGD(mix).choose(SharedCluster(alike), task) == (0, (0,))
+    assert (
+        len({FGD(mix, score="k8s", seed=seed).choose(SharedCluster(alike), task) for seed in range(12)}) > 1
+    )
+
+
+def test_k8s_fgd_gives_a_share_the_first_gpu_with_the_best_score() -> None:
+    # GPU 0 free, GPU 1 with 600 left; 98% 500 shares, 1% 600 shares, 1% whole GPUs. A 100 share on
+    # GPU 0 raises F by 9 (no whole GPU left), on GPU 1 by 4: both score 49.
+    mix = _mix((_task(500), 98), (_task(600), 1), (_task(1000), 1))
+    cluster = SharedCluster([_node("a", 2)])
+    _set_room(cluster, 0, [1000, 600])
+    assert FGD(mix).choose(cluster, _task(100)) == (0, (1,))
+    assert FGD(mix, score="k8s").choose(cluster, _task(100)) == (0, (0,))
+
+
+def test_make_packing_fgd_is_the_artifacts_form_and_fgd_exact_the_least_rise() -> None:
+    mix = TaskMix.of([_task(500, mem=4096)] * 9 + [GpuTask("cpu", 1000, 1, 0, 0)])
+    fgd, exact = make_packing("fgd", mix, seed=3), make_packing("fgd-exact", mix)
+    assert isinstance(fgd, FGD) and isinstance(exact, FGD)
+    assert (fgd.name, fgd.k8s, fgd.seed) == ("fgd", True, 3)
+    assert fgd.mix is not None and fgd.mix.num_gpu.tolist() == [0, 1] and fgd.mix.mem.tolist() == [0, 0]
+    assert (exact.name, exact.k8s, exact.mix) == ("fgd-exact", False, mix)
+    with pytest.raises(ConfigError, match="exact or k8s"):
+        FGD(mix, score="closest")
 
 
 def test_fgd_rise_matches_a_recomputation_from_scratch() -> None:

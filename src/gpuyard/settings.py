@@ -14,6 +14,8 @@ ARTIFACTS_ENV = "GPUYARD_ARTIFACTS"
 SERVER_ENV = "GPUYARD_SERVER"
 # The team of a job's work: `gpuyard server` sets it for each job; runs the job tracks belong to it.
 TEAM_ENV = "GPUYARD_TEAM"
+# Set by the scheduler for every job: the scheduler's name of the node a process runs on.
+NODE_ENV = "GPUYARD_NODE"
 
 
 @dataclass(frozen=True)

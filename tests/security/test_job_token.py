@@ -31,8 +31,11 @@ calls = [("GET", f"/jobs/{me}"), ("GET", f"/jobs/{me}/events"), ("GET", f"/jobs/
          ("GET", f"/jobs/{other}"), ("GET", f"/jobs/{other}/logs"), ("POST", f"/jobs/{other}/cancel"),
          ("GET", "/jobs"), ("POST", "/jobs"), ("GET", "/users"), ("POST", "/users"), ("GET", "/tokens"),
          ("GET", "/datasets"), ("GET", "/models"), ("GET", "/runs"), ("GET", "/deployments"),
-         ("POST", "/users/admin/tokens")]
-status = {f"{m} {p}": httpx.request(m, url + p, headers=auth, json={}, timeout=10).status_code
+         ("POST", "/users/admin/tokens"), ("POST", f"/jobs/{me}/stragglers"),
+         ("POST", f"/jobs/{other}/stragglers")]
+report = {"rank": 1, "node": "elsewhere", "cause": "compute", "slowdown": 1.8, "step": 40}
+status = {f"{m} {p}": httpx.request(m, url + p, headers=auth, timeout=10,
+                                    json=report if p.endswith("/stragglers") else {}).status_code
           for m, p in calls}
 json.dump({"status": status, "token": token}, open(out, "w"))
 """
@@ -66,7 +69,12 @@ def test_a_jobs_token_reaches_only_its_own_job_and_ends_with_it(server, tmp_path
         f"GET /jobs/{me}/events": 200,
         f"GET /jobs/{me}/logs": 200,
         "GET /me": 200,
+        f"POST /jobs/{me}/stragglers": 200,  # its launcher reports a slow rank of its own
     }
+    # The report is an event on the job (reported only: the job did not ask for a restart).
+    reasons = [e["reason"] or "" for e in alice.get(f"/jobs/{me}/events").json()]
+    named = "straggler: rank 1 on node elsewhere is 1.80x slower"
+    assert any(r.startswith(named) and "reported" in r for r in reasons), reasons
     assert all(v == 403 for k, v in status.items() if str(me) not in k and k != "GET /me"), status
     assert token not in (alice_token, token_path().read_text().strip())  # the job's own, not its submitter's
     # The attempt is over: the token is refused from now on, even where it reached before.

@@ -18,8 +18,9 @@ from gpuyard.errors import NotFoundError, PermissionDenied
 # auto_error=False: a missing header must give 401 with our message, not FastAPI's 403.
 _bearer = HTTPBearer(auto_error=False, description="An API token from `gpuyard tokens create`.")
 _READ_METHODS = ("GET", "HEAD", "OPTIONS")
-# What a job-scoped token reaches: its own job (read, events, logs, cancel) and who it is.
-_JOB_SCOPE = re.compile(r"^/jobs/(\d+)(?:/events|/logs|/cancel)?/?$")
+# What a job-scoped token reaches: its own job (read, events, logs, cancel, straggler reports) and who
+# it is.
+_JOB_SCOPE = re.compile(r"^/jobs/(\d+)(?:/events|/logs|/cancel|/stragglers)?/?$")
 
 
 def _check_job_scope(request: Request, job_id: int) -> None:
@@ -28,8 +29,8 @@ def _check_job_scope(request: Request, job_id: int) -> None:
     if path.rstrip("/") == "/me" or (match is not None and int(match.group(1)) == job_id):
         return
     raise PermissionDenied(
-        f"a job token reaches only its own job: /jobs/{job_id} (and /events, /logs, /cancel) and /me, "
-        f"not {path}"
+        f"a job token reaches only its own job: /jobs/{job_id} (and /events, /logs, /cancel, "
+        f"/stragglers) and /me, not {path}"
     )
 
 

@@ -272,6 +272,10 @@ class ClusterState:
         drained[sorted(indices)] = True
         self.drained = drained
 
+    def drain_more(self, indices: set[int] | frozenset[int]) -> None:
+        """Also drain the nodes at ``indices`` (a new array: copies of this state keep theirs)."""
+        self.set_drained(set(np.flatnonzero(self.drained).tolist()) | set(indices))
+
     def copy(self) -> ClusterState:
         """A copy whose free slots can be changed without touching this one (the topology is shared)."""
         other = object.__new__(ClusterState)

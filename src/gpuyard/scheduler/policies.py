@@ -53,10 +53,16 @@ class Policy:
 def _try(
     work: ClusterState, job: QueuedJob, multi_node: bool, fabric: FabricPass | None = None
 ) -> Placement | None:
-    if fabric is None or job.share is not None:  # shares and MIG slices: no fabric cost to weigh
-        placement = place(work, job.gpus, job.gpu_type, job.cpus, multi_node, share=job.share)
-    else:
-        placement = fabric.place(work, job, multi_node)
+    drained = work.drained
+    if job.avoid:  # nodes this job must not use: drained for its own placement only
+        work.drain_more(job.avoid)
+    try:
+        if fabric is None or job.share is not None:  # shares and MIG slices: no fabric cost to weigh
+            placement = place(work, job.gpus, job.gpu_type, job.cpus, multi_node, share=job.share)
+        else:
+            placement = fabric.place(work, job, multi_node)
+    finally:
+        work.drained = drained
     if placement is not None:
         work.take(placement)
         if fabric is not None and job.share is None:

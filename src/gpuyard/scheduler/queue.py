@@ -31,6 +31,7 @@ class QueuedJob:
         enqueued_at: when it (re)entered the queue.
         workload: a ``gpuyard.fabric.placement_cost.Workload`` for fabric-aware placement, or None.
         share: part of one GPU or MIG slices (then ``gpus`` is 0), or None for whole GPUs.
+        avoid: indices of nodes it must not be placed on (where a straggler of it ran).
     """
 
     id: int
@@ -47,6 +48,7 @@ class QueuedJob:
     enqueued_at: float = 0.0
     workload: Any = None
     share: GpuShare | None = None
+    avoid: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

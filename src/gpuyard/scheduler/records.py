@@ -39,6 +39,7 @@ def job_doc(row: JobRow) -> dict[str, Any]:
         "reason": row.reason,
         "stop_requested": row.stop_requested,
         "resize_to": row.resize_to,
+        "avoid_nodes": row.avoid_nodes or [],
         "log_path": row.log_path,
         "submitted_at": _iso(row.submitted_at),
         "started_at": _iso(row.started_at),

@@ -338,6 +338,66 @@ class JobService:
             "state": doc["state"],
         }
 
+    def report_straggler(self, job_id: int, report: dict[str, Any]) -> dict[str, Any]:
+        """A running job's launcher names a rank that stays slower (``gpuyard.train.straggler``).
+
+        The report becomes an event on the job. With ``on_straggler: restart`` the job is also stopped
+        (SIGTERM: it checkpoints) and requeued to run without that rank's node, when the node is one of
+        the job's, the job spans other GPUs it could use, and a placement of its size without that node
+        (and the nodes it already avoids) is free now counting its own GPUs elsewhere; else the event
+        says why it stays.
+
+        Args:
+            report: ``rank``, ``node`` (the scheduler's name of the rank's node), ``cause`` (data,
+                compute or link), ``slowdown`` (x the other ranks' median) and ``step``.
+
+        Returns:
+            ``{"restarting": bool, "reason": str}``.
+        """
+        node = str(report["node"])
+        what = (
+            f"straggler: rank {report['rank']} on node {node} is {float(report['slowdown']):.2f}x slower "
+            f"than the median rank (cause: {report['cause']}) at step {report['step']}"
+        )
+        with self._lock, self.store.session() as s:
+            row = self._row(s, job_id)
+            restart, why = self._straggler_restart(s, row, node)
+            if restart:
+                row.avoid_nodes = sorted({*(row.avoid_nodes or []), node})
+                self._request_stop(row, "straggler")
+            note = f"{what}; {why}"
+            s.add(
+                JobEventRow(job_id=job_id, from_state=row.state, to_state=row.state, reason=note, data=report)
+            )
+        if restart:
+            self.wake.set()
+        return {"restarting": restart, "reason": note}
+
+    def _straggler_restart(self, s: Session, row: JobRow, node: str) -> tuple[bool, str]:
+        """Whether to restart ``row`` without ``node`` now, and why (not)."""
+        if row.spec.get("on_straggler", "report") != "restart":
+            return False, "reported (on_straggler: report)"
+        if row.state != JobState.RUNNING.value or row.stop_requested:
+            return (
+                False,
+                f"not restarted: the job is {row.state}{' and stopping' if row.stop_requested else ''}",
+            )
+        parts = (row.placement or {}).get("nodes", [])
+        if node not in {p["node"] for p in parts} or node not in self._node_index:
+            return False, f"not restarted: node {node} is not one of the job's"
+        self._refresh_state(s)
+        work = self.state.copy()
+        work.release(self._running(row).placement)
+        avoid = {self._node_index[n] for n in (row.avoid_nodes or []) if n in self._node_index}
+        work.drain_more(avoid | {self._node_index[node]})
+        res = row.spec.get("resources", {})
+        if (
+            place(work, row.gpus, res.get("gpu_type"), int(res.get("cpus", 1)), self.executor.multi_node)
+            is None
+        ):
+            return False, f"not restarted: no placement of {row.gpus} GPUs without node {node} is free now"
+        return True, f"restarting without node {node} (checkpoint, requeue)"
+
     def dry_run(self, spec: JobSpec) -> dict[str, Any]:
         """What launching ``spec`` would do now: checks, placement on the current free GPUs, launch plan."""
         self.check(spec)
@@ -516,6 +576,10 @@ class JobService:
         elif status.code == 0:
             move(s, row, JobState.SUCCEEDED, "exit code 0", at=end)
             self.estimator.observe(row.team, row.user, row.gpus, row.attained_s)
+        elif request == "straggler":
+            move(s, row, JobState.PREEMPTED, f"stopped to move off a straggler's node ({how})", at=end)
+            avoid = ", ".join(row.avoid_nodes or [])
+            move(s, row, JobState.QUEUED, f"requeued to run without node {avoid}; resumes", at=end)
         elif request == "resize" and row.resize_to:
             why = f"resized ({how}): restarts on {row.resize_to} GPUs instead of {row.gpus}"
             move(s, row, JobState.PREEMPTED, why, at=end)
@@ -852,6 +916,7 @@ class JobService:
             enqueued_at=row.queued_at.timestamp(),
             workload=self._workload(row),
             share=share_of(res),
+            avoid=frozenset(self._node_index[n] for n in row.avoid_nodes or () if n in self._node_index),
         )
 
     def _workload(self, row: JobRow) -> Any:

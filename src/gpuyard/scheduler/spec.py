@@ -289,6 +289,11 @@ class JobSpec(BaseModel):
     env: dict[EnvName, Arg] = Field(default_factory=dict, max_length=MAX_ENV)
     workdir: str | None = Field(None, max_length=MAX_PATH_CHARS)
     workload: WorkloadSpec | None = Field(None, description="model and batch, for fabric-aware placement")
+    on_straggler: Literal["report", "restart"] = Field(
+        "report",
+        description="when a rank stays slower: report it (an event on the job), or also restart the job "
+        "without that rank's node when another placement of its size is free now",
+    )
 
     @field_validator("command", mode="before")
     @classmethod

@@ -31,7 +31,11 @@ the collectives inside forward and backward are not separated from compute.
 
 from __future__ import annotations
 
+import os
+import socket
 import statistics
+import sys
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass
@@ -204,3 +208,66 @@ class CommTimer:
         waited = time.perf_counter() - self.last_launch
         self.last_launch = None
         return waited
+
+
+class SchedulerReporter:
+    """Sends each named straggler to the scheduler that runs this job, with the job's own token.
+
+    Active only in a job of `gpuyard server` (``GPUYARD_JOB_ID``, ``GPUYARD_SERVER`` and
+    ``GPUYARD_TOKEN`` set): ``POST /jobs/ID/stragglers`` with the rank, the scheduler's name of its node
+    (``GPUYARD_NODE`` of each rank, gathered at start; else its host name), the cause, the slowdown and
+    the step. The server records an event on the job and, with ``on_straggler: restart``, restarts the
+    job without that node when it can. Sent from a background thread with a short timeout: a server
+    that does not answer never holds up training; a failure is one line on stderr.
+    """
+
+    def __init__(self, nodes: list[str], env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ) if env is None else env
+        self.nodes = nodes
+        self.url = env.get("GPUYARD_SERVER", "").rstrip("/")
+        self.token = env.get("GPUYARD_TOKEN", "")
+        self.job_id = env.get("GPUYARD_JOB_ID", "")
+        self.sent: list[threading.Thread] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether this job reports to a scheduler."""
+        return bool(self.url and self.token and self.job_id.isdigit())
+
+    def body(self, found: Straggler) -> dict[str, Any]:
+        """The report of one straggler."""
+        node = self.nodes[found.rank] if found.rank < len(self.nodes) else "unknown"
+        return {
+            "rank": found.rank,
+            "node": node,
+            "cause": found.cause,
+            "slowdown": round(found.slowdown, 4),
+            "step": found.step,
+        }
+
+    def report(self, found: Straggler) -> None:
+        """Send ``found`` in the background (nothing without a scheduler)."""
+        if not self.active:
+            return
+        thread = threading.Thread(target=self._post, args=(self.body(found),), daemon=True)
+        thread.start()
+        self.sent.append(thread)
+
+    def _post(self, body: dict[str, Any]) -> None:
+        import httpx
+
+        url = f"{self.url}/jobs/{self.job_id}/stragglers"
+        try:
+            r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {self.token}"}, timeout=5.0)
+            r.raise_for_status()
+            print(f"gpuyard train: scheduler: {r.json().get('reason', '')}", file=sys.stderr, flush=True)
+        except (httpx.HTTPError, ValueError) as exc:
+            print(
+                f"gpuyard train: could not report the straggler to {url}: {exc}", file=sys.stderr, flush=True
+            )
+
+
+def node_name(env: dict[str, str] | None = None) -> str:
+    """The scheduler's name of this process's node (``GPUYARD_NODE``), else the host name."""
+    env = dict(os.environ) if env is None else env
+    return env.get("GPUYARD_NODE") or socket.gethostname()

@@ -48,7 +48,13 @@ from gpuyard.train.parallel import (
 )
 from gpuyard.train.spec import TrainSpec
 from gpuyard.train.step import apply_update, batch_loss
-from gpuyard.train.straggler import CommTimer, StepTimes, StragglerDetector
+from gpuyard.train.straggler import (
+    CommTimer,
+    SchedulerReporter,
+    StepTimes,
+    StragglerDetector,
+    node_name,
+)
 from gpuyard.train.validation import drive_pipeline, early_stopping_update, evaluate
 
 STATUS_FILE = "status.json"
@@ -176,6 +182,7 @@ class Trainer:
         self.resumed_source: str | None = None  # storage | memory (in-memory snapshots, own or a peer's)
         self.memory: MemoryCheckpointer | None = None
         self.stragglers: StragglerDetector | None = None  # rank 0 of a multi-rank job
+        self._reporter: SchedulerReporter | None = None  # rank 0: tells the job's scheduler
         self._comm_timer: CommTimer | None = None
         self._comm_wait = 0.0  # this step's wait in DDP's gradient all-reduce
         self._agree_wait = 0.0  # the previous step's wait in the loss agreement
@@ -294,10 +301,14 @@ class Trainer:
         if isinstance(self.model, DistributedDataParallel):
             self._comm_timer = CommTimer()
             self.model.register_comm_hook(self.ctx.group("dp"), self._comm_timer.hook)
+        # Every rank's node, once (a scheduler restarting the job without a straggler's node needs it).
+        nodes: list[Any] = [None] * self.ctx.world_size
+        torch.distributed.all_gather_object(nodes, node_name())
         if self.ctx.rank == 0:
             self.stragglers = StragglerDetector(
                 self.ctx.world_size, s.window, s.min_fraction, s.slowdown, s.min_seconds
             )
+            self._reporter = SchedulerReporter([str(n) for n in nodes])
 
     def _db_tracker(self) -> DbRunTracker:
         layout = self.ctx.layout
@@ -599,6 +610,8 @@ class Trainer:
         for found in self.stragglers.observe(self.step, times):
             self._event("straggler", **found.as_dict())
             print(f"gpuyard train: {found.message()}", file=sys.stderr, flush=True)
+            if self._reporter is not None:
+                self._reporter.report(found)
 
     # ----- validation ---------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:

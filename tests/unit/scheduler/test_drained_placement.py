@@ -38,3 +38,23 @@ def test_a_copy_keeps_the_drained_nodes() -> None:
     state.set_drained({0})
     work = state.copy()
     assert place(work, 4).nodes == ((1, 4),)  # type: ignore[union-attr]
+
+
+def test_a_job_avoiding_a_node_is_placed_elsewhere_and_others_still_use_it() -> None:
+    from gpuyard.scheduler.policies import make_policy
+    from gpuyard.scheduler.queue import JobQueue, QueuedJob
+
+    state = ClusterState(uniform_cluster(2, 4))
+    state.free[:] = [2, 4]  # node 0 is every 2-GPU job's best fit
+    policy = make_policy("fifo")
+    queue = JobQueue(policy.key)
+    queue.add(QueuedJob(id=1, gpus=2, avoid=frozenset({0}), enqueued_at=1.0))
+    queue.add(QueuedJob(id=2, gpus=2, enqueued_at=2.0))
+    starts = {j.id: p.nodes for j, p in policy.decide(state, queue, [], now=3.0).starts}
+    assert starts == {1: ((1, 2),), 2: ((0, 2),)}
+    assert not state.drained.any()  # the avoided node is drained for that job's placement only
+    # With only the avoided node free, it waits.
+    state.free[:] = [4, 0]
+    queue = JobQueue(policy.key)
+    queue.add(QueuedJob(id=1, gpus=2, avoid=frozenset({0}), enqueued_at=1.0))
+    assert policy.decide(state, queue, [], now=3.0).starts == []

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import random
+import socket
 import statistics
 
 import pytest
 
 from gpuyard.errors import ConfigError
 from gpuyard.train.spec import parse_spec
-from gpuyard.train.straggler import StepTimes, StragglerDetector, others_medians, slower_at_step
+from gpuyard.train.straggler import (
+    SchedulerReporter,
+    StepTimes,
+    Straggler,
+    StragglerDetector,
+    node_name,
+    others_medians,
+    slower_at_step,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -89,3 +98,74 @@ def test_others_medians_match_the_slow_way() -> None:
         values = [rng.choice([0.1, 0.2, rng.random()]) for _ in range(n)]
         slow = [statistics.median(v for j, v in enumerate(values) if j != i) for i in range(n)]
         assert others_medians(values) == pytest.approx(slow)
+
+
+def _found(rank: int) -> Straggler:
+    return Straggler(rank, "data", 42, 2.5, 9, 10, 0.2, 0.1, 0.0)
+
+
+def test_the_launcher_reports_a_straggler_to_its_scheduler_with_the_jobs_token() -> None:
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    got: list[tuple[str, str, dict[str, object]]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            got.append((self.path, self.headers["Authorization"], body))
+            reply = json.dumps({"restarting": False, "reason": "reported"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {
+            "GPUYARD_SERVER": f"http://127.0.0.1:{server.server_port}/",
+            "GPUYARD_TOKEN": "job-token",
+            "GPUYARD_JOB_ID": "7",
+        }
+        reporter = SchedulerReporter(["n0", "n0", "n1"], env)
+        assert reporter.active
+        reporter.report(_found(2))
+        for thread in reporter.sent:
+            thread.join(10)
+        assert got == [
+            (
+                "/jobs/7/stragglers",
+                "Bearer job-token",
+                {"rank": 2, "node": "n1", "cause": "data", "slowdown": 2.5, "step": 42},
+            )
+        ]
+    finally:
+        server.shutdown()
+
+
+def test_outside_a_scheduler_job_nothing_is_sent_and_the_node_is_the_host() -> None:
+    reporter = SchedulerReporter(["n0"], {"GPUYARD_SERVER": "http://127.0.0.1:1"})
+    assert not reporter.active
+    reporter.report(_found(0))
+    assert reporter.sent == []
+    assert node_name({"GPUYARD_NODE": "gpu-07"}) == "gpu-07"
+    assert node_name({}) == socket.gethostname()
+
+
+def test_a_scheduler_that_does_not_answer_is_one_line_and_training_goes_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    env = {"GPUYARD_SERVER": "http://127.0.0.1:1", "GPUYARD_TOKEN": "t", "GPUYARD_JOB_ID": "3"}
+    reporter = SchedulerReporter(["n0", "n1"], env)
+    reporter.report(_found(1))
+    reporter.sent[0].join(10)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "gpuyard train: could not report the straggler to http://127.0.0.1:1/jobs/3/stragglers"
+    )

@@ -1,13 +1,14 @@
-"""/jobs: submit, list, show, events, logs, cancel and dry-run; each route calls one JobService method."""
+"""/jobs: submit, list, show, events, logs, cancel, dry-run and straggler reports; each route calls one
+JobService method."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuyard.api.auth import authenticated, team_listing
 from gpuyard.api.limits import NAME_LEN
@@ -177,6 +178,28 @@ def logs(
 ) -> dict[str, Any]:
     """A chunk of the job's log from ``offset``: ``{"text", "offset", "done", "state"}``."""
     return dict(_own_job(request, principal, job_id).read_log(job_id, offset))
+
+
+class StragglerReport(BaseModel):
+    """A rank that stays slower than the others (``gpuyard.train.straggler``), as its launcher saw it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(ge=0, le=1_048_576, description="global rank")
+    node: str = Field(min_length=1, max_length=255, description="the scheduler's name of the rank's node")
+    cause: Literal["data", "compute", "link"]
+    slowdown: float = Field(gt=0, le=1e6, description="its time over the other ranks' median")
+    step: int = Field(ge=0, le=2**53, description="the step it was named at")
+
+
+@router.post("/{job_id}/stragglers")
+def straggler(
+    job_id: JobId, report: StragglerReport, request: Request, principal: Principal = Depends(authenticated)
+) -> dict[str, Any]:
+    """Report a straggler of a job (its launcher does, with the job's token): an event on the job; with
+    ``on_straggler: restart`` also a restart without that node when one is free. ``{"restarting",
+    "reason"}``."""
+    return dict(_own_job(request, principal, job_id).report_straggler(job_id, report.model_dump()))
 
 
 @router.post("/{job_id}/cancel")

@@ -18,7 +18,7 @@ from typing import Any
 
 from gpuyard import exitcodes
 from gpuyard.scheduler.spec import JobSpec
-from gpuyard.settings import TEAM_ENV
+from gpuyard.settings import NODE_ENV, TEAM_ENV
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,8 @@ def job_env(
         TEAM_ENV: spec.team,  # the runs the job tracks belong to its team
         "GPUYARD_ATTEMPT": str(attempt),
     }
+    if slot is not None:
+        env[NODE_ENV] = slot.node  # the scheduler's name of the node (straggler reports name it)
     if slot is not None and (slot.mig or slot.share is not None):
         env.update(share_env(slot, mps))
     if spec.checkpoint_dir:

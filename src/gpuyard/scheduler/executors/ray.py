@@ -26,6 +26,7 @@ from gpuyard.errors import StoreError
 from gpuyard.scheduler.executors.base import Executor, ExitStatus, LaunchPlan, NodeSlots, job_argv, job_env
 from gpuyard.scheduler.placement import NodeSpec
 from gpuyard.scheduler.spec import JobSpec
+from gpuyard.settings import NODE_ENV
 
 NAMESPACE = "gpuyard"
 READY_TIMEOUT_S = 60.0
@@ -163,6 +164,7 @@ class RayExecutor(Executor):
             raise RuntimeError(f"placement group {extra['pg']} not ready after {READY_TIMEOUT_S:g} s")
         for rank, (name, bundle) in enumerate(zip(extra["actors"], extra["bundles"], strict=True)):
             env = {**plan.env, "NODE_RANK": str(rank), "RANK": str(rank), "LOCAL_RANK": "0"}
+            env[NODE_ENV] = plan.nodes[rank].node  # the scheduler's name of this worker's node
             log = plan.log_path if rank == 0 else plan.log_path.replace(".log", f"-rank{rank}.log")
             _Worker.options(  # type: ignore[attr-defined]
                 name=name,

@@ -48,6 +48,8 @@ class JobRow(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(300), nullable=True)
     # An elastic job stopped to resize: the GPUs it restarts at (migration 0016); null otherwise.
     resize_to: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Nodes the job is not placed on again: where a straggler of it ran (migration 0017).
+    avoid_nodes: Mapped[list[str] | None] = mapped_column(JSONType, nullable=True)
 
     __table_args__ = (
         Index("ix_jobs_state", "state"),

@@ -62,6 +62,7 @@ def test_cluster_page_shows_shares_and_mig_slices(
     a, b = submit("half-a", {"gpus": 0.5}), submit("quarter-b", {"gpus": 0.25})
     m = submit("slice", {"mig": "3g.40gb"})
     waiting = submit("whole", {"gpus": 1})  # GPU 0 is shared and GPU 1 is MIG: it waits
+    elastic = submit("stretchy", {"gpus": {"min": 1, "max": 2}})  # waits too, at its minimum
     states = lambda: {httpx.get(f"{url}/jobs/{i}", headers=headers).json()["state"] for i in (a, b, m)}  # noqa: E731
     wait_for(lambda: states() == {"running"}, timeout=60)
     page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()  # type: ignore[attr-defined]
@@ -86,3 +87,6 @@ def test_cluster_page_shows_shares_and_mig_slices(
     row = page.locator(f"#jobs tr[data-id='{waiting}']")
     row.wait_for()
     assert "queued" in row.inner_text() and row.locator("td.muted").inner_text().strip() != ""
+    # The GPUs column says what each job asks for: a share, a MIG profile, an elastic range.
+    gpus = {i: page.locator(f"#jobs tr[data-id='{i}'] td").nth(5).inner_text() for i in (a, m, elastic)}
+    assert gpus == {a: "0.5", m: "MIG 3g.40gb", elastic: "1 (elastic 1-2)"}

@@ -90,6 +90,17 @@ GY.pages.cluster = {
 /* A job's wall time as one stacked bar: productive, then the time lost by cause (docs/scheduler.md). */
 const GOODPUT_COLORS = { productive: "#2e9d5b", queueing: "#b8bec8", startup: "#7fb3e0", restart: "#d9534f",
   recomputed: "#f0a030", checkpoint: "#9b7fd0", data: "#e6cf4a", straggler: "#e07fb3", other: "#dde1e6" };
+// What a job asks for, as `gpuyard jobs show` says it: 2, 0.5, 20 GB, MIG 1g.10gb, 4 (elastic 1-4).
+function asked(j) {
+  const r = (j.spec && j.spec.resources) || {};
+  if (r.mig) return (r.slices > 1 ? `${r.slices}x ` : "") + `MIG ${esc(r.mig)}`;
+  if (r.gpus_max) return `${j.gpus} (elastic ${r.gpus}-${r.gpus_max}${j.resize_to ? `, restarts on ${j.resize_to}` : ""})`;
+  const parts = [];
+  if (r.gpu_fraction != null) parts.push(`${r.gpu_fraction}`);
+  if (r.gpu_memory_gb != null) parts.push(`${r.gpu_memory_gb} GB`);
+  return parts.length ? parts.join(", ") : `${j.gpus}`;
+}
+
 function goodputBar(gp) {
   if (!gp || !gp.wall_s) return '<span class="muted">-</span>';
   const parts = [["productive", gp.productive_s], ...Object.entries(gp.lost_s)].filter(([, s]) => s > 0);
@@ -153,7 +164,7 @@ GY.pages.jobs = {
     if (!el) return;
     el.innerHTML = jobs.length ? `<table id="jobs"><tr><th>id</th><th>name</th><th>team</th><th>user</th><th>state</th><th>GPUs</th><th>attempts</th><th>submitted</th><th>goodput</th><th>reason</th><th></th></tr>` +
       jobs.map((j) => `<tr data-id="${j.id}" class="${j.id === this.selected ? "sel" : ""}"><td>${j.id}</td><td>${esc(j.name)}</td><td>${esc(j.team)}</td><td>${esc(j.user)}</td>
-        <td class="state">${fmt.badge(j.state)}${j.stop_requested ? ' <span class="muted">stopping</span>' : ""}</td><td>${j.gpus}</td><td>${j.attempts}</td>
+        <td class="state">${fmt.badge(j.state)}${j.stop_requested ? ' <span class="muted">stopping</span>' : ""}</td><td>${asked(j)}</td><td>${j.attempts}</td>
         <td>${fmt.time(j.submitted_at)}</td><td>${goodputBar(j.goodput)}</td><td class="muted">${esc(j.reason)}</td>
         <td><button class="secondary logs" type="button">Logs</button>
         ${["succeeded", "failed", "cancelled"].includes(j.state) || GY.me.role === "viewer" ? "" : '<button class="danger cancel" type="button">Cancel</button>'}</td></tr>`).join("") + "</table>"

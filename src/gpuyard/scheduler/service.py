@@ -600,8 +600,11 @@ class JobService:
                 move(s, row, JobState.FAILED, f"failed ({how})", at=end)
         if request != "resize":
             row.resize_to = None
-        if row.state == JobState.QUEUED.value and row.spec.get("resources", {}).get("gpus_max"):
-            row.gpus = int(row.spec["resources"]["gpus"])  # an elastic job queues at its minimum
+        if row.spec.get("resources", {}).get("gpus_max"):
+            if row.state == JobState.QUEUED.value:
+                row.gpus = self._job_sizes(row)[0]  # an elastic job queues at its smallest size
+            elif JobState(row.state).terminal:
+                self._sizes.pop(row.id, None)
 
     def _request_stop(self, row: JobRow, why: str) -> None:
         if row.stop_requested:
@@ -904,7 +907,8 @@ class JobService:
         res = row.spec.get("resources", {})
         return QueuedJob(
             id=row.id,
-            gpus=row.gpus,
+            # An elastic job waits for its smallest allowed size (its minimum may not split the batch).
+            gpus=self._job_sizes(row)[0] if res.get("gpus_max") else row.gpus,
             team=row.team,
             user=row.user,
             priority=row.priority,

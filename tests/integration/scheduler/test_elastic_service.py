@@ -104,3 +104,25 @@ def test_elastic_training_job_without_global_batch_is_refused_at_submit(
     with pytest.raises(ConfigError, match=r"needs data\.global_batch_size"):
         service.submit(spec)
     assert service.list_jobs() == []
+
+
+def test_an_elastic_training_job_starts_only_at_a_size_that_splits_its_global_batch(
+    make_service: Callable[..., Any], tmp_path: Path
+) -> None:
+    service = make_service(gpus=4, elastic=ElasticConfig(enabled=False))
+    blocker = service.submit(parse_spec({"name": "b", "command": ["sleep", "30"], "resources": {"gpus": 1}}))
+    _tick_until(service, lambda: service.get(blocker["id"])["state"] == "running")
+    train = tmp_path / "train.yaml"
+    train.write_text(
+        "model: {entrypoint: pkg.mod:model}\n"
+        "data: {train: {entrypoint: pkg.mod:data}, global_batch_size: 16}\n"
+    )
+    # 3 GPUs are free and 3 is its minimum, but 16 does not split over 3: it waits for 4.
+    spec = {"name": "t", "train": str(train), "resources": {"gpus": {"min": 3, "max": 4}}}
+    job = service.submit(parse_spec(spec))["id"]
+    for _ in range(3):
+        service.tick()
+    assert service.get(job)["state"] == "queued"
+    service.cancel(blocker["id"])
+    _tick_until(service, lambda: service.get(job)["attempts"] == 1)
+    assert any((e["reason"] or "").endswith("4 GPUs of 3-4") for e in service.events(job))

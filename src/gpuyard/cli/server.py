@@ -99,6 +99,7 @@ def server(
     from gpuyard.api.server import ServerOptions, run_server
     from gpuyard.scheduler.setup import build_service
     from gpuyard.scheduler.spec import parse_team_weights
+    from gpuyard.train.resize import allowed_world_sizes
 
     service = build_service(
         policy=policy,
@@ -109,6 +110,7 @@ def server(
         min_run_s=min_run,
         resize_interval_s=None if no_resize else resize_interval,
         restart_cost_s=restart_cost,
+        train_sizes=allowed_world_sizes,
         ray_address=ray,
         role="server",
         placement=placement,

@@ -92,8 +92,9 @@ class _JobRunner:
             self.service = _ServerJobs()
             return
         from gpuyard.scheduler.setup import build_service
+        from gpuyard.train.resize import allowed_world_sizes
 
-        self.service = build_service()
+        self.service = build_service(train_sizes=allowed_world_sizes)
         self._thread = threading.Thread(target=self.service.run, args=(self._stop,), daemon=True)
         self._thread.start()
 

@@ -29,11 +29,10 @@ simpler test for a grow: work left above ten restarts):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuyard.errors import ConfigError
 from gpuyard.scheduler.placement import ClusterState, Placement, place
 from gpuyard.scheduler.spec import JobSpec
 
@@ -69,54 +68,34 @@ class ElasticJob:
     gpu_type: str | None = None
 
 
-def allowed_sizes(spec: JobSpec) -> tuple[int, ...]:
+# The sizes of a training spec's range it can run at: (path of the train spec, low, high) -> sizes.
+# Given by the front end (``gpuyard.train.resize.allowed_world_sizes``): the scheduler does not
+# import the training package.
+TrainSizes = Callable[[Path, int, int], tuple[int, ...]]
+
+
+def allowed_sizes(spec: JobSpec, train_sizes: TrainSizes | None = None) -> tuple[int, ...]:
     """The GPU counts an elastic job may run at, ascending (a rigid job: its own count).
 
-    For a training job the server reads its train spec (a path relative to the job's ``workdir``);
-    when there is no such file here, every size in the range is allowed and the trainer refuses a bad
-    one at start.
+    For a training job, ``train_sizes`` reads its train spec (a path relative to the job's
+    ``workdir``). Without it, or when there is no such file here, every size in the range is allowed
+    and the trainer refuses a bad one when it starts.
 
     Raises:
-        ConfigError: the train spec is invalid, has no ``data.global_batch_size``, or no size in the
-            range splits it evenly (one line, naming the spec).
+        ConfigError: from ``train_sizes``: the train spec is invalid, has no
+            ``data.global_batch_size``, or no size in the range splits it (one line, naming the spec).
     """
     res = spec.resources
     low, high = res.gpus, res.gpus_max or res.gpus
     sizes = tuple(range(low, high + 1))
-    if not res.elastic or spec.train is None:
+    if not res.elastic or spec.train is None or train_sizes is None:
         return sizes
     path = Path(spec.train)
     if not path.is_absolute() and spec.workdir:
         path = Path(spec.workdir) / path
     if not path.is_file():
         return sizes  # not here (another machine's path, or not there yet): the trainer checks at start
-    from gpuyard.train.spec import load_spec
-
-    train = load_spec(path)  # a spec that is there but invalid is refused now, in one line
-    global_batch = train.data.global_batch_size
-    if global_batch is None:
-        raise ConfigError(
-            f"{spec.train}: an elastic training job needs data.global_batch_size (instead of "
-            "data.batch_size), so that its global batch and sample order stay the same at every size"
-        )
-    from gpuyard.train.data import rank_batch_size
-    from gpuyard.train.parallel import resolve_layout
-
-    fits = []
-    for size in sizes:
-        try:
-            layout = resolve_layout(train.parallel, size)
-            rank_batch_size(train.data.batch_size, global_batch, layout.dp, train.grad_accum)
-        except ConfigError:
-            continue
-        fits.append(size)
-    if not fits:
-        raise ConfigError(
-            f"resources.gpus: no size from {low} to {high} GPUs splits data.global_batch_size "
-            f"{global_batch} of {spec.train} evenly (over its parallel layout and grad_accum "
-            f"{train.grad_accum})"
-        )
-    return tuple(fits)
+    return train_sizes(path, low, high)  # a spec that is there but does not fit is refused now
 
 
 def largest_fit(

@@ -28,6 +28,7 @@ from gpuyard.errors import CapacityError, ConfigError, ConflictError, NotFoundEr
 from gpuyard.scheduler.elastic import (
     ElasticConfig,
     ElasticJob,
+    TrainSizes,
     allowed_sizes,
     largest_fit,
     plan_grows,
@@ -140,6 +141,9 @@ class JobService:
         self.health: NodeHealthMonitor | None = None
         self._wait_notes: dict[tuple[int, float], str] = {}  # (job, queued at) -> why it waits, as written
         self._sizes: dict[int, tuple[int, ...]] = {}  # elastic job -> its allowed sizes (read once)
+        # The sizes a training job's spec can run at (set by the front end: gpuyard.train.resize);
+        # None: every size of an elastic job's range (the trainer checks when it starts).
+        self.train_sizes: TrainSizes | None = None
         self._learn_history()
 
     # -- requests ---------------------------------------------------------------------------------
@@ -169,7 +173,7 @@ class JobService:
         if spec.workload is not None:
             self._check_workload(spec)
         if res.elastic:
-            allowed_sizes(spec)  # a training job's global batch must split at some size of its range
+            allowed_sizes(spec, self.train_sizes)  # a training job's batch must split at some size
         if res.gpus == 0:
             most = int(self.state.cpu_capacity.max()) if self.nodes else 0
             if res.cpus > most:
@@ -518,8 +522,8 @@ class JobService:
 
     def _apply_node_health(self) -> None:
         """Start a due health check; keep drained nodes out of placement and move preemptible jobs off."""
-        if self.health is not None:
-            self.health.maybe_check(self._used_indices().get(self.health.node, set()))
+        if self.health is not None:  # the busy GPUs of every node: a Ray cluster's monitor checks them all
+            self.health.maybe_check_nodes(self._used_indices())
         drained = self.node_states.drained() & set(self._node_index)
         self.state.set_drained({self._node_index[n] for n in drained})
         if not drained:
@@ -698,7 +702,7 @@ class JobService:
         if row.id not in self._sizes:
             spec = JobSpec.model_validate(row.spec)
             try:
-                self._sizes[row.id] = allowed_sizes(spec)
+                self._sizes[row.id] = allowed_sizes(spec, self.train_sizes)
             except ConfigError as exc:
                 log.warning("job %s: runs at its minimum size: %s", row.id, exc)
                 self._sizes[row.id] = (spec.resources.gpus,)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpuyard.errors import ConfigError
-from gpuyard.scheduler.elastic import ElasticConfig
+from gpuyard.scheduler.elastic import ElasticConfig, TrainSizes
 from gpuyard.scheduler.executors.base import Executor
 from gpuyard.scheduler.fabric_placement import DEFAULT_MAX_WAIT_S
 from gpuyard.scheduler.lease import SchedulerLease, lease_conflict
@@ -33,6 +33,7 @@ def build_service(
     health_config: str | None = None,
     resize_interval_s: float | None = 300.0,
     restart_cost_s: float = 60.0,
+    train_sizes: TrainSizes | None = None,
 ) -> JobService:
     """The job service of `gpuyard server`.
 
@@ -52,12 +53,15 @@ def build_service(
         job_user: ``server`` role on this machine: the Unix user jobs run as (None: ``gpuyard-job`` when
             root, else the server's own); see :mod:`gpuyard.scheduler.executors.isolation`.
         job_dir: ``server`` role on this machine: the folder of the jobs' working directories.
-        health_config: ``server`` role on this machine: a YAML file of node health check settings
-            (:class:`gpuyard.hardware.health.NodeCheckConfig`); None: the defaults. The server's own
-            node is checked periodically when it has real GPUs (not with ``fake_gpus``, not on Ray).
+        health_config: ``server`` role: a YAML file of node health check settings
+            (:class:`gpuyard.hardware.health.NodeCheckConfig`); None: the defaults. On this machine its
+            node is checked periodically when it has real GPUs (not with ``fake_gpus``); on Ray every
+            node is, each on its node (:class:`gpuyard.scheduler.nodes.RayHealthMonitor`).
         resize_interval_s: the least time between an elastic job's start and its next grow or shrink;
             None: running elastic jobs are never resized (they still start at their best size).
         restart_cost_s: what one restart of an elastic job is taken to cost; a grow must save twice it.
+        train_sizes: the sizes an elastic training job's spec can run at
+            (``gpuyard.train.resize.allowed_world_sizes``; None: every size of its range).
 
     Raises:
         ConfigError: an unknown placement, fabric placement without a cluster (or a cluster without
@@ -93,6 +97,7 @@ def build_service(
     if holder is not None:
         raise lease_conflict(store, role, holder)
     executor: Executor
+    ray_health = None  # the health config of a Ray server's node checks
     if ray_address:
         from gpuyard.scheduler.executors.ray import RayExecutor
 
@@ -101,6 +106,10 @@ def build_service(
                 "--job-user/--job-dir apply to the local executor; Ray runs jobs as its workers' user"
             )
 
+        if role == "server":  # checked before Ray is reached
+            from gpuyard.scheduler.nodes import load_health_config
+
+            ray_health = load_health_config(health_config)
         ray_executor = RayExecutor(ray_address, settings.ensure_home() / "jobs")
         nodes, executor = ray_executor.nodes(), ray_executor
     else:
@@ -117,12 +126,17 @@ def build_service(
     if fabric is not None:
         check_fabric_nodes(fabric, nodes)
     service = JobService(store, nodes, executor, config, role=role, fabric=fabric)
-    if role == "server" and not ray_address:
+    service.train_sizes = train_sizes
+    if role == "server" and ray_address:
+        from gpuyard.scheduler.nodes import ray_health_monitor
+
+        service.health = ray_health_monitor(service, ray_health)
+    elif role == "server":
         from gpuyard.scheduler.nodes import local_health_monitor
 
         service.health = local_health_monitor(service, health_config)
     elif health_config is not None:
-        raise ConfigError("--health-config applies to a server on this machine (not to Ray's workers)")
+        raise ConfigError("--health-config applies to `gpuyard server`")
     return service
 
 

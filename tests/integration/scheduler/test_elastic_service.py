@@ -14,6 +14,7 @@ import pytest
 from gpuyard.errors import ConfigError
 from gpuyard.scheduler.elastic import ElasticConfig
 from gpuyard.scheduler.spec import parse_spec
+from gpuyard.train.resize import allowed_world_sizes
 
 from .conftest import wait_for
 
@@ -96,6 +97,7 @@ def test_elastic_training_job_without_global_batch_is_refused_at_submit(
     make_service: Callable[..., Any], tmp_path: Path
 ) -> None:
     service = make_service(gpus=2)
+    service.train_sizes = allowed_world_sizes  # as gpuyard server sets it
     train = tmp_path / "train.yaml"
     train.write_text(
         "model: {entrypoint: pkg.mod:model}\ndata: {train: {entrypoint: pkg.mod:data}, batch_size: 8}\n"
@@ -110,6 +112,7 @@ def test_an_elastic_training_job_starts_only_at_a_size_that_splits_its_global_ba
     make_service: Callable[..., Any], tmp_path: Path
 ) -> None:
     service = make_service(gpus=4, elastic=ElasticConfig(enabled=False))
+    service.train_sizes = allowed_world_sizes
     blocker = service.submit(parse_spec({"name": "b", "command": ["sleep", "30"], "resources": {"gpus": 1}}))
     _tick_until(service, lambda: service.get(blocker["id"])["state"] == "running")
     train = tmp_path / "train.yaml"

@@ -9,7 +9,8 @@ import pytest
 from gpuyard.errors import ConfigError
 from gpuyard.scheduler.elastic import ElasticConfig, ElasticJob, allowed_sizes, plan_grows, plan_shrinks
 from gpuyard.scheduler.placement import ClusterState, Placement, uniform_cluster
-from gpuyard.scheduler.spec import parse_spec
+from gpuyard.scheduler.spec import JobSpec, parse_spec
+from gpuyard.train.resize import allowed_world_sizes
 
 pytestmark = pytest.mark.unit
 
@@ -24,44 +25,57 @@ def _train_spec(tmp_path: Path, data: str, extra: str = "") -> str:
     return str(path)
 
 
-def _elastic(train: str | None, low: int, high: int, workdir: str | None = None) -> object:
-    job = {"name": "el", "resources": {"gpus": {"min": low, "max": high}}, "workdir": workdir}
+def _elastic(train: str | None, low: int, high: int, workdir: str | None = None) -> JobSpec:
+    job: dict[str, object] = {
+        "name": "el",
+        "resources": {"gpus": {"min": low, "max": high}},
+        "workdir": workdir,
+    }
     job.update({"train": train} if train else {"command": ["true"]})
     return parse_spec(job)
 
 
+def _sizes(train: str | None, low: int, high: int, workdir: str | None = None) -> tuple[int, ...]:
+    return allowed_sizes(_elastic(train, low, high, workdir), allowed_world_sizes)
+
+
 def test_sizes_are_those_that_split_the_global_batch(tmp_path: Path) -> None:
-    assert allowed_sizes(_elastic(None, 2, 5)) == (2, 3, 4, 5)  # type: ignore[arg-type]
+    assert _sizes(None, 2, 5) == (2, 3, 4, 5)
     spec = _train_spec(tmp_path, "global_batch_size: 12")
-    assert allowed_sizes(_elastic(spec, 1, 8)) == (1, 2, 3, 4, 6)  # type: ignore[arg-type]
+    assert _sizes(spec, 1, 8) == (1, 2, 3, 4, 6)
     # grad_accum divides it further; tensor parallel takes 2 ranks of every size.
     spec = _train_spec(tmp_path, "global_batch_size: 12", "grad_accum: 2\n")
-    assert allowed_sizes(_elastic(spec, 1, 8)) == (1, 2, 3, 6)  # type: ignore[arg-type]
+    assert _sizes(spec, 1, 8) == (1, 2, 3, 6)
     spec = _train_spec(tmp_path, "global_batch_size: 8", "parallel: {tp: 2, data_parallel: fsdp}\n")
-    assert allowed_sizes(_elastic(spec, 2, 8)) == (2, 4, 8)  # type: ignore[arg-type]
+    assert _sizes(spec, 2, 8) == (2, 4, 8)
     # A relative path is read from the job's workdir.
     _train_spec(tmp_path, "global_batch_size: 6")
-    assert allowed_sizes(_elastic("train.yaml", 1, 4, workdir=str(tmp_path))) == (1, 2, 3)  # type: ignore[arg-type]
+    assert _sizes("train.yaml", 1, 4, workdir=str(tmp_path)) == (1, 2, 3)
 
 
 def test_a_training_job_without_a_global_batch_or_any_size_is_refused(tmp_path: Path) -> None:
     spec = _train_spec(tmp_path, "batch_size: 8")
     with pytest.raises(ConfigError, match=r"needs data\.global_batch_size") as err:
-        allowed_sizes(_elastic(spec, 1, 4))  # type: ignore[arg-type]
+        _sizes(spec, 1, 4)
     assert "\n" not in str(err.value)
     spec = _train_spec(tmp_path, "global_batch_size: 7")
     with pytest.raises(ConfigError, match=r"no size from 2 to 6 GPUs splits data\.global_batch_size 7"):
-        allowed_sizes(_elastic(spec, 2, 6))  # type: ignore[arg-type]
+        _sizes(spec, 2, 6)
+
+
+def test_without_the_training_package_every_size_of_the_range_is_allowed(tmp_path: Path) -> None:
+    spec = _train_spec(tmp_path, "global_batch_size: 7")
+    assert allowed_sizes(_elastic(spec, 2, 4)) == (2, 3, 4)  # the trainer checks when it starts
 
 
 def test_a_train_spec_not_on_the_server_allows_the_whole_range_an_invalid_one_is_refused(
     tmp_path: Path,
 ) -> None:
-    assert allowed_sizes(_elastic(str(tmp_path / "elsewhere.yaml"), 2, 4)) == (2, 3, 4)  # type: ignore[arg-type]
+    assert _sizes(str(tmp_path / "elsewhere.yaml"), 2, 4) == (2, 3, 4)
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: pkg.mod:model\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: model: Input should be a valid dictionary"):
-        allowed_sizes(_elastic(str(bad), 2, 4))  # type: ignore[arg-type]
+        _sizes(str(bad), 2, 4)
 
 
 def _state(nodes: int, gpus: int, held: list[tuple[int, int]]) -> ClusterState:

@@ -41,9 +41,9 @@ def run_server(service: JobService, options: ServerOptions) -> None:
         else "topology"
     )
     health = (
-        f"node health checked every {service.health.config.interval_s:g} s"
+        service.health.describe()
         if service.health is not None
-        else "no node health checks (no real GPUs here, or Ray's workers)"
+        else "no node health checks (no real GPUs here)"
     )
     isolation = getattr(service.executor, "isolation", None)
     jobs_as = isolation.describe() if isolation is not None else "jobs run as the executor's user"

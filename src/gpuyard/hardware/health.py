@@ -261,6 +261,9 @@ class NodeCheckConfig:
         drain_on_fail: a failing node is drained at once (its preemptible jobs move off); when
             False it is only marked degraded and an admin decides.
         thresholds: the limits of the NVML rules.
+        remote_timeout_s: on a Ray cluster, how long the server waits for a node's check (each node's
+            runs on it), on top of ``selftest_timeout_s`` per GPU when self-tests may run; a node that
+            has not answered by then is recorded degraded.
     """
 
     interval_s: float = 60.0
@@ -276,6 +279,7 @@ class NodeCheckConfig:
     xid_warn: frozenset[int] = XID_WARN
     drain_on_fail: bool = True
     thresholds: HealthThresholds = field(default_factory=HealthThresholds)
+    remote_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         from gpuyard.errors import ConfigError
@@ -283,8 +287,13 @@ class NodeCheckConfig:
         unknown = sorted(set(self.checks) - set(CHECKS))
         if unknown:
             raise ConfigError(f"health checks {unknown} are unknown; known: {', '.join(CHECKS)}")
-        if self.interval_s <= 0 or self.selftest_interval_s <= 0 or self.selftest_timeout_s <= 0:
-            raise ConfigError("health check intervals and the self-test timeout must be > 0 seconds")
+        if (
+            self.interval_s <= 0
+            or self.selftest_interval_s <= 0
+            or self.selftest_timeout_s <= 0
+            or self.remote_timeout_s <= 0
+        ):
+            raise ConfigError("health check intervals and timeouts must be > 0 seconds")
         if self.selftest_size < 1 or self.selftest_memory_mb < 0:
             raise ConfigError("selftest_size must be >= 1 and selftest_memory_mb >= 0")
 
@@ -563,3 +572,96 @@ def check_node(
     statuses = {h.status for h in gpus.values()}
     verdict = "fail" if "fail" in statuses else "warn" if "warn" in statuses else "pass"
     return NodeCheck(verdict, gpus, tuple(xids), nvlink, tests)
+
+
+class NodeChecker:
+    """The health check of the node this process runs on, with what it keeps from one run to the next.
+
+    NVML is opened on the first run and kept open (Xid events are delivered to the process that
+    registered for them, from then on); each GPU's NVLink error total is the baseline of the next run;
+    a GPU is self-tested at most every ``selftest_interval_s``. The server's
+    :class:`gpuyard.scheduler.nodes.NodeHealthMonitor` holds one for its own machine; on a Ray cluster
+    an actor pinned to each node holds that node's
+    (:meth:`gpuyard.scheduler.executors.ray.RayExecutor.check_nodes_health`).
+
+    Args:
+        config: what to check and the limits.
+        nvml: the node's NVML (default: opened on the first run; when it cannot be, every run passes
+            with a note saying why).
+        selftest: runs the self-test of one GPU (default: :func:`gpuyard.hardware.selftest.selftest_gpu`
+            with the config's size and timeout).
+        clock: seconds, monotonic (tests).
+    """
+
+    def __init__(
+        self,
+        config: NodeCheckConfig | None = None,
+        nvml: HealthNvmlBackend | None = None,
+        selftest: Callable[[int], SelfTestResult] | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        import time
+
+        self.config = config or NodeCheckConfig()
+        self._nvml, self._nvml_note = nvml, ""
+        self._selftest = selftest
+        self._clock = clock or time.monotonic
+        self._last_selftest: dict[int, float] = {}
+        self._nvlink: dict[int, int] | None = None
+
+    @classmethod
+    def from_description(cls, path: str, config: NodeCheckConfig | None = None) -> NodeChecker:
+        """A checker of a fake node: NVML and self-tests answered from a node description file
+        (:class:`gpuyard.hardware.fake.FakeNvml`, faults written in it included)."""
+        from pathlib import Path
+
+        from gpuyard.hardware.fake import FakeNvml, fake_selftest
+
+        fake = FakeNvml.from_file(Path(path))
+        return cls(config, nvml=fake, selftest=fake_selftest(fake))
+
+    def _backend(self) -> HealthNvmlBackend | None:
+        if self._nvml is None and not self._nvml_note:
+            from gpuyard.hardware.nvml import open_nvml
+
+            nv, note = open_nvml()
+            self._nvml = nv  # type: ignore[assignment]  # the real backend also counts Xids and NVLink errors
+            self._nvml_note = note or ("" if nv is not None else "no NVML")
+        return self._nvml
+
+    def _run_selftest(self, gpu: int) -> SelfTestResult:
+        if self._selftest is not None:
+            return self._selftest(gpu)
+        from gpuyard.hardware.selftest import selftest_gpu
+
+        c = self.config
+        return selftest_gpu(gpu, c.selftest_size, c.selftest_memory_mb, c.selftest_timeout_s)
+
+    def run(self, busy: frozenset[int] | set[int] = frozenset(), selftest: bool = True) -> NodeCheck:
+        """Check the node now: GPUs in ``busy`` (and all of them when ``selftest`` is False) are not
+        self-tested; the others are when their last self-test is ``selftest_interval_s`` old."""
+        now = self._clock()
+        nv = self._backend()
+        if nv is None:
+            return NodeCheck("pass", {}, note=self._nvml_note or "no NVML")
+        try:
+            count = nv.device_count()
+        except Exception:  # check_node says why
+            count = 0
+        interval = self.config.selftest_interval_s
+        idle = {
+            i
+            for i in range(count)
+            if selftest and i not in busy and now - self._last_selftest.get(i, -float("inf")) >= interval
+        }
+        check = check_node(nv, self.config, idle, self._run_selftest, self._nvlink)
+        for i in check.selftests:
+            self._last_selftest[i] = now
+        self._nvlink = {**(self._nvlink or {}), **check.nvlink_errors}
+        return check
+
+    def close(self) -> None:
+        """Shut NVML down (a no-op for a fake or when it never opened)."""
+        from gpuyard.hardware.nvml import close_nvml
+
+        close_nvml(self._nvml)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from gpuyard.errors import ConfigError
@@ -339,6 +340,23 @@ class NodeStates:
             name, target, reason or "checks pass", "check", None, keep_same=True, check=check.to_dict()
         )
 
+    def record_unchecked(self, name: str, why: str) -> dict[str, Any]:
+        """Record that ``name``'s check could not run or did not answer (``why``): a healthy node becomes
+        degraded (not drained: nothing is known about its GPUs, and its jobs stay); a drained node stays
+        drained. The next check that answers grades it again. Returns the state document."""
+        current = self.get(name)["state"]
+        reason = f"health check did not run: {why}"
+        check = {"verdict": "unknown", "gpus": {}, "xids": [], "nvlink_errors": {}, "selftests": {}}
+        return self._change(
+            name,
+            DRAINED if current == DRAINED else DEGRADED,
+            reason,
+            "check",
+            None,
+            keep_same=True,
+            check={**check, "note": reason},
+        )
+
     def _change(
         self,
         name: str,
@@ -399,8 +417,10 @@ class NodeStates:
 class NodeHealthMonitor:
     """Runs the periodic health check of one node (the one the server runs on) and records the result.
 
-    The scheduling loop calls :meth:`maybe_check` every tick; when a check is due it runs in a thread
-    of its own (a self-test takes seconds), so scheduling never waits for it.
+    The scheduling loop calls :meth:`maybe_check_nodes` every tick; when a check is due it runs in a
+    thread of its own (a self-test takes seconds), so scheduling never waits for it. The check itself
+    is a :class:`gpuyard.hardware.health.NodeChecker`, the same that runs on each node of a Ray cluster
+    (:class:`RayHealthMonitor`).
 
     Args:
         states: where states are recorded.
@@ -425,64 +445,32 @@ class NodeHealthMonitor:
         import threading
         import time
 
-        from gpuyard.hardware.health import NodeCheckConfig
+        from gpuyard.hardware.health import NodeCheckConfig, NodeChecker
 
         self.states, self.node = states, node
         self.config = config or NodeCheckConfig()
-        self._nvml, self._nvml_note = nvml, ""
-        self._selftest = selftest
         self._clock = clock or time.monotonic
+        self.checker = NodeChecker(self.config, nvml, selftest, self._clock)
         self._next = 0.0
-        self._last_selftest: dict[int, float] = {}
-        self._nvlink: dict[int, int] | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.last: Any = None  # the last NodeCheck
 
-    def _backend(self) -> Any:
-        if self._nvml is None and not self._nvml_note:
-            from gpuyard.hardware.nvml import open_nvml
-
-            self._nvml, note = open_nvml()
-            self._nvml_note = note or ""
-        return self._nvml
-
-    def _run_selftest(self, gpu: int) -> Any:
-        if self._selftest is not None:
-            return self._selftest(gpu)
-        from gpuyard.hardware.selftest import selftest_gpu
-
-        c = self.config
-        return selftest_gpu(gpu, c.selftest_size, c.selftest_memory_mb, c.selftest_timeout_s)
+    def describe(self) -> str:
+        """What is checked, for the server's startup line."""
+        return f"node health of {self.node} checked every {self.config.interval_s:g} s"
 
     def check_once(self, busy: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
         """Check the node now (GPUs in ``busy`` are not self-tested) and record it; returns the state."""
-        from gpuyard.hardware.health import NodeCheck, check_node
-
         with self._lock:
-            now = self._clock()
-            self._next = now + self.config.interval_s
-            nv = self._backend()
-            if nv is None:
-                check = NodeCheck("pass", {}, note=self._nvml_note or "no NVML")
-            else:
-                count = 0
-                try:
-                    count = nv.device_count()
-                except Exception:  # check_node says why
-                    count = 0
-                idle = {
-                    i
-                    for i in range(count)
-                    if i not in busy
-                    and now - self._last_selftest.get(i, -float("inf")) >= self.config.selftest_interval_s
-                }
-                check = check_node(nv, self.config, idle, self._run_selftest, self._nvlink)
-                for i in check.selftests:
-                    self._last_selftest[i] = now
-                self._nvlink = {**(self._nvlink or {}), **check.nvlink_errors}
+            self._next = self._clock() + self.config.interval_s
+            check = self.checker.run(frozenset(busy))
             self.last = check
             return self.states.record_check(self.node, check, self.config.drain_on_fail)
+
+    def check_nodes(self, used: Mapping[str, Collection[int]]) -> dict[str, dict[str, Any]]:
+        """Check now, given the GPUs busy on each node (``{node: indices}``); the states by node."""
+        return {self.node: self.check_once(frozenset(used.get(self.node, ())))}
 
     def due(self) -> bool:
         """Whether the next check's time has come."""
@@ -490,15 +478,21 @@ class NodeHealthMonitor:
 
     def maybe_check(self, busy: set[int] | frozenset[int] = frozenset()) -> bool:
         """Start a check in a thread when one is due and none is running; True when one started."""
+        return self.maybe_check_nodes({self.node: frozenset(busy)})
+
+    def maybe_check_nodes(self, used: Mapping[str, Collection[int]]) -> bool:
+        """:meth:`maybe_check` given the GPUs busy on each node (``{node: indices}``, the job placements);
+        the scheduling loop calls it every tick."""
         import threading
 
         if not self.due() or (self._thread is not None and self._thread.is_alive()):
             return False
         self._next = self._clock() + self.config.interval_s  # not again while this one runs
+        snapshot = {n: frozenset(g) for n, g in used.items()}
 
         def run() -> None:
             try:
-                self.check_once(frozenset(busy))
+                self.check_nodes(snapshot)
             except Exception:  # the next check tries again; the error is logged
                 log.exception("node health check of %s failed", self.node)
 
@@ -513,10 +507,105 @@ class NodeHealthMonitor:
 
     def close(self) -> None:
         """Shut NVML down if this monitor opened it."""
-        from gpuyard.hardware.nvml import close_nvml
-
         self.join(5)
-        close_nvml(self._nvml)
+        self.checker.close()
+
+
+class RayHealthMonitor(NodeHealthMonitor):
+    """The periodic health check of every node of a Ray cluster, each node's run on that node.
+
+    Each round (every ``interval_s``, in a thread, as :class:`NodeHealthMonitor`) asks the executor to
+    run :class:`gpuyard.hardware.health.NodeChecker` on every node at once, each by an actor pinned to
+    its node that keeps the node's checker between rounds
+    (:meth:`gpuyard.scheduler.executors.ray.RayExecutor.check_nodes_health`), waits at most
+    ``remote_timeout_s`` (plus ``selftest_timeout_s`` per GPU when self-tests may run), and records
+    each node's check under its scheduler name (the Ray NodeID). A node whose check could not run (its
+    node is dead, the actor could not start or crashed) or did not answer in time is recorded
+    degraded with why (:meth:`NodeStates.record_unchecked`), not drained: that says nothing about its
+    GPUs.
+
+    Ray chooses which of a node's devices a job's bundle holds, so the scheduler's GPU indices do not
+    name the devices in use: a node with any busy GPU is not self-tested this round.
+
+    Args:
+        states: where states are recorded.
+        executor: runs the checks (a :class:`gpuyard.scheduler.executors.ray.RayExecutor`, or anything
+            with its ``check_nodes_health``).
+        nodes: the scheduler's nodes (``NodeSpec``) checked.
+        config: what to check, how often, the limits.
+        fakes: node name -> a node description file whose fake NVML and self-tests stand in for that
+            node's (tests, what-if: :meth:`gpuyard.hardware.health.NodeChecker.from_description`).
+        clock: seconds, monotonic (tests).
+    """
+
+    def __init__(
+        self,
+        states: NodeStates,
+        executor: Any,
+        nodes: list[NodeSpec],
+        config: Any = None,
+        fakes: Mapping[str, str] | None = None,
+        clock: Any = None,
+    ) -> None:
+        super().__init__(states, f"{len(nodes)} Ray nodes", config, clock=clock)
+        self.executor, self.nodes = executor, list(nodes)
+        self.fakes = dict(fakes or {})
+        self.results: dict[str, Any] = {}  # node -> its last NodeCheck, or why it was not checked
+
+    def describe(self) -> str:
+        return (
+            f"node health of {len(self.nodes)} Ray nodes checked every {self.config.interval_s:g} s, "
+            "each on its node"
+        )
+
+    def timeout_s(self, selftest: Mapping[str, bool]) -> float:
+        """How long a round waits for the nodes' answers: ``remote_timeout_s``, plus the self-test limit
+        for each GPU of the largest node that may self-test."""
+        c = self.config
+        gpus = max((n.gpus for n in self.nodes if selftest.get(n.name)), default=0)
+        return float(c.remote_timeout_s + (c.selftest_timeout_s * gpus if "selftest" in c.checks else 0))
+
+    def check_once(self, busy: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
+        """Not for a cluster (which node would ``busy`` be?): use :meth:`check_nodes`.
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError("a Ray cluster's nodes are checked with check_nodes({node: busy GPUs})")
+
+    def check_nodes(self, used: Mapping[str, Collection[int]]) -> dict[str, dict[str, Any]]:
+        """Check every node now on its node (a node with busy GPUs is not self-tested); record each
+        result; the states by node."""
+        with self._lock:
+            self._next = self._clock() + self.config.interval_s
+            busy = {n.name: frozenset(used.get(n.name, ())) for n in self.nodes}
+            selftest = {name: not gpus for name, gpus in busy.items()}
+            timeout = self.timeout_s(selftest)
+            try:
+                results = self.executor.check_nodes_health(self.config, busy, selftest, timeout, self.fakes)
+            except Exception as exc:  # the cluster itself did not answer: every node unchecked
+                log.warning("node health checks on Ray could not run: %s", exc)
+                results = {name: f"the checks could not be started: {exc}" for name in busy}
+            out: dict[str, dict[str, Any]] = {}
+            for name in busy:
+                result = results.get(name, "no answer")
+                self.results[name] = result
+                if isinstance(result, str):
+                    out[name] = self.states.record_unchecked(name, result)
+                else:
+                    out[name] = self.states.record_check(name, result, self.config.drain_on_fail)
+            return out
+
+    def close(self) -> None:
+        """Wait for a running round; stop the check actors (they also end with the server's Ray
+        connection)."""
+        self.join(5)
+        stop = getattr(self.executor, "stop_health_checks", None)
+        if stop is not None:
+            try:
+                stop()
+            except Exception:  # Ray is already shut down: the actors went with it
+                log.debug("stopping the health check actors", exc_info=True)
 
 
 def load_health_config(path: str | None) -> Any:
@@ -544,8 +633,8 @@ def load_health_config(path: str | None) -> Any:
 def local_health_monitor(service: Any, config_path: str | None = None) -> NodeHealthMonitor | None:
     """The health monitor of the machine a local-executor server runs on, to set as ``service.health``.
 
-    None when there is nothing real to check: more than one node (a Ray cluster's workers are other
-    machines), or a node of pretended GPUs (``--gpus N``).
+    None when there is nothing real to check: more than one node (a Ray cluster's nodes are checked
+    by :func:`ray_health_monitor`), or a node of pretended GPUs (``--gpus N``).
 
     Args:
         service: the :class:`gpuyard.scheduler.service.JobService`.
@@ -562,3 +651,14 @@ def local_health_monitor(service: Any, config_path: str | None = None) -> NodeHe
     if os.environ.get(FAKE_NODE_ENV):  # pretended GPUs of a recorded node: nothing real to check
         return None
     return NodeHealthMonitor(service.node_states, nodes[0].name, config)
+
+
+def ray_health_monitor(service: Any, config: Any = None) -> RayHealthMonitor:
+    """The health monitor of every node of a Ray-executor server, to set as ``service.health``.
+
+    Args:
+        service: the :class:`gpuyard.scheduler.service.JobService` (its executor a ``RayExecutor``).
+        config: a :class:`gpuyard.hardware.health.NodeCheckConfig` (:func:`load_health_config`); None:
+            the defaults.
+    """
+    return RayHealthMonitor(service.node_states, service.executor, service.nodes, config)

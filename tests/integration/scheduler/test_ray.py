@@ -154,6 +154,8 @@ def test_gpuyard_server_ray_as_a_command(ray_cluster: str, gpuyard_home: Path, t
 
     try:
         wait_for(healthy, 90)
+        # Every Ray node's health is checked on that node (no NVML here: each check passes with a note).
+        assert "node health of 2 Ray nodes checked every 60 s, each on its node" in log.read_text()
         client = JobClient(url)
         view = client.scheduler_view()
         assert view["executor"] == "ray" and sum(n["gpus"] for n in view["nodes"]) == 8
@@ -173,3 +175,64 @@ def test_gpuyard_server_ray_as_a_command(ray_cluster: str, gpuyard_home: Path, t
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_a_fault_on_one_ray_node_drains_it_and_only_it(ray_service: Any, python: str, tmp_path: Path) -> None:
+    """Each Ray node is checked on that node (an actor pinned there reads its fake NVML): a fault on one
+    drains that node only, and the scheduler places nothing there any more."""
+    import json
+
+    from gpuyard.hardware.fake import FakeNvml, load_description
+    from gpuyard.hardware.health import NodeCheckConfig
+    from gpuyard.scheduler.nodes import RayHealthMonitor
+
+    fixture = Path(__file__).parents[2] / "unit" / "hardware" / "fixtures" / "h100_hgx.json"
+    desc = load_description(fixture)
+    fake = FakeNvml(desc)
+    fake.inject(1, "ecc_uncorrectable")  # GPU 1 of the second node: memory returned bad data
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({**desc, "nvml": {**desc["nvml"], "gpus": fake._gpus}}))
+    good, bad = (n.name for n in ray_service.nodes)
+    monitor = RayHealthMonitor(
+        ray_service.node_states,
+        ray_service.executor,
+        ray_service.nodes,
+        NodeCheckConfig(interval_s=3600),
+        fakes={good: str(fixture), bad: str(broken)},
+    )
+    ray_service.health = monitor
+    jobs = []
+    try:
+        ray_service.tick()  # starts the round in a thread: the tick does not wait for it
+        monitor.join(60)
+        states = {d["node"]: d for d in ray_service.node_states.states([good, bad])}
+        assert states[good]["state"] == "healthy", states[good]
+        assert states[bad]["state"] == "drained" and "GPU 1: 1 uncorrectable ECC" in states[bad]["reason"]
+        assert sorted(monitor.results[bad].selftests) == list(range(8))  # idle: self-tested (fake)
+        # Nothing new on the drained node: a 4-GPU job takes the healthy one, the next waits.
+        sleep = {"command": [python, "-c", "import time; time.sleep(60)"], "resources": {"gpus": 4}}
+        jobs = [ray_service.submit(parse_spec({"name": f"j{i}", **sleep}))["id"] for i in range(2)]
+        first = _wait_state(ray_service, jobs[0], {"running"})
+        assert [p["node"] for p in first["placement"]["nodes"]] == [good]
+        for _ in range(3):
+            ray_service.tick()
+        assert ray_service.get(jobs[1])["state"] == "queued"
+        # A check that cannot run says why (recorded as degraded by the monitor): its actor failed to
+        # start (here: a description file that is not there), or Ray knows no such live node.
+        ray_service.executor.stop_health_checks()
+        gone = "f" * 56
+        out = ray_service.executor.check_nodes_health(
+            monitor.config,
+            {good: frozenset(), gone: frozenset()},
+            {good: False, gone: False},
+            30,
+            {good: str(tmp_path / "missing.json")},
+        )
+        assert out[gone] == "Ray reports the node is not alive"
+        assert out[good].startswith("the check failed there:") and "missing.json" in out[good], out
+    finally:
+        monitor.close()
+        for job in jobs:
+            ray_service.cancel(job)
+        for job in jobs:
+            _wait_state(ray_service, job, {"cancelled"})

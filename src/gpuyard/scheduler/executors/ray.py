@@ -15,12 +15,13 @@ import logging
 import os
 import signal
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from gpuyard.errors import StoreError
 from gpuyard.scheduler.executors.base import Executor, ExitStatus, LaunchPlan, NodeSlots, job_argv, job_env
@@ -61,6 +62,25 @@ class _Worker:
             os.killpg(self.proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
 
 
+@ray.remote(num_cpus=0, max_restarts=0)
+class _HealthAgent:
+    """Keeps one node's health checker (NVML open between checks: Xid events arrive on it) and runs it."""
+
+    def __init__(self, config: Any, fake: str | None) -> None:
+        from gpuyard.hardware.health import NodeChecker
+
+        self.checker = NodeChecker.from_description(fake, config) if fake else NodeChecker(config)
+
+    def check(self, busy: frozenset[int], selftest: bool) -> tuple[str, Any]:
+        """The node this ran on (Ray's NodeID) and its :class:`gpuyard.hardware.health.NodeCheck`."""
+        return ray.get_runtime_context().get_node_id(), self.checker.run(busy, selftest)
+
+
+def _why(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:300]
+
+
 class RayExecutor(Executor):
     """Runs jobs on the Ray cluster at ``address``; logs go to ``jobs_dir`` on each worker's node."""
 
@@ -84,6 +104,7 @@ class RayExecutor(Executor):
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise StoreError(f"cannot reach the Ray cluster at {address}: {exc}") from None
         self._ips: dict[str, str] = {}
+        self._health_agents: dict[str, Any] = {}  # node -> the actor that checks it (check_nodes_health)
 
     def nodes(self) -> list[NodeSpec]:
         """The alive Ray nodes as scheduler nodes (GPUs, CPUs, accelerator type)."""
@@ -218,6 +239,78 @@ class RayExecutor(Executor):
                 ray.kill(ray.get_actor(name))
         with contextlib.suppress(Exception):  # already gone is fine
             remove_placement_group(ray.util.get_placement_group(handle["pg"]))
+
+    def check_nodes_health(
+        self,
+        config: Any,
+        busy: Mapping[str, frozenset[int]],
+        selftest: Mapping[str, bool],
+        timeout_s: float,
+        fakes: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """Run the health check of each node of ``busy`` on that node, all at once.
+
+        Each node's check (:class:`gpuyard.hardware.health.NodeChecker`) runs in an actor pinned to
+        the node (``NodeAffinitySchedulingStrategy``, not soft; no CPU or GPU reserved), started on the
+        first call and kept, so NVML stays open between checks (Xid events arrive on it), NVLink error
+        totals have a baseline and self-tests keep their interval. Not detached: the actors end with
+        this connection.
+
+        Args:
+            config: the :class:`gpuyard.hardware.health.NodeCheckConfig` (given to a new actor).
+            busy: node -> its busy GPU indices (not self-tested).
+            selftest: node -> whether its idle GPUs may be self-tested this time.
+            timeout_s: how long to wait for all the answers.
+            fakes: node -> a node description file whose fake NVML the node's actor reads instead
+                of NVML (tests; given when the actor starts).
+
+        Returns:
+            node -> its :class:`gpuyard.hardware.health.NodeCheck`, or why there is none (Ray reports
+            the node dead, the actor could not start or failed, no answer within ``timeout_s``). An
+            actor that failed or did not answer is killed: the next call starts a fresh one.
+        """
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}  # type: ignore[no-untyped-call]
+        out: dict[str, Any] = {}
+        pending: dict[Any, str] = {}
+        for node in busy:
+            if node not in alive:
+                out[node] = "Ray reports the node is not alive"
+                self._drop_health_agent(node)
+                continue
+            agent = self._health_agents.get(node)
+            if agent is None:
+                agent = _HealthAgent.options(  # type: ignore[attr-defined]
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+                ).remote(config, (fakes or {}).get(node))
+                self._health_agents[node] = agent
+            pending[agent.check.remote(frozenset(busy[node]), bool(selftest.get(node)))] = node
+        ready, late = (
+            ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s) if pending else ([], [])
+        )
+        for ref in ready:
+            node = pending[ref]
+            try:
+                ran_on, check = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                out[node] = f"the check failed there: {_why(exc)}"
+                self._drop_health_agent(node)
+                continue
+            out[node] = check if ran_on == node else f"the check ran on node {ran_on} instead"
+        for ref in late:
+            out[pending[ref]] = f"no answer within {timeout_s:g} s"
+            self._drop_health_agent(pending[ref])
+        return out
+
+    def _drop_health_agent(self, node: str) -> None:
+        agent = self._health_agents.pop(node, None)
+        if agent is not None:
+            with contextlib.suppress(Exception):  # already gone with its node
+                ray.kill(agent)
+
+    def stop_health_checks(self) -> None:
+        """Stop the health check actors (:meth:`check_nodes_health` starts them again when called)."""
+        for node in list(self._health_agents):
+            self._drop_health_agent(node)
 
     def close(self) -> None:
         """Disconnect from the cluster (jobs keep running: they are detached)."""

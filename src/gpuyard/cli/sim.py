@@ -106,6 +106,17 @@ def sim(
     time_scale: float = typer.Option(
         1.0, "--time-scale", min=1e-9, help="openb replay: factor on creation times (< 1: arrivals faster)."
     ),
+    mig: str = typer.Option(
+        None,
+        "--mig",
+        help="MIG layout of every node's GPUs (generic trace, --nodes): GPU layouts separated by |, GPU 0"
+        " first, the rest whole; N*LAYOUT for N GPUs alike, *LAYOUT for all left; a GPU's instances"
+        " joined by +, e.g. '4*3g.40gb+2g.20gb+2x1g.10gb' (docs/scheduler.md). A node list takes a"
+        " mig column instead.",
+    ),
+    mig_model: str = typer.Option(
+        "H100-80GB", "--mig-model", help="With --mig: the GPU model (A100-40GB, A100-80GB, H100-80GB)."
+    ),
 ) -> None:
     """Replay a trace through the scheduler's policy and placement code; print JCT, queueing, utilization.
 
@@ -120,7 +131,13 @@ def sim(
     for path in (trace, openb_nodes):
         if path is not None and path.is_file():
             sniff_text(path, "trace CSV")  # a binary file is said so, not a UnicodeDecodeError
+    if mig is not None and openb_nodes is not None:
+        raise ConfigError("--mig is for --nodes; with --node-list give each node's layout in its mig column")
     if trace.is_file() and is_openb_pods(trace):
+        if mig is not None:
+            raise ConfigError(
+                "--mig is for --nodes; give each node's MIG layout in the node list's mig column"
+            )
         node_file = openb_nodes or trace.parent / NODE_LIST
         openb = load_openb_nodes(node_file)
         gpus = sum(n.gpus for n in openb)
@@ -129,18 +146,25 @@ def sim(
             head, openb, load_openb_tasks(trace), packing, mode or "fill", ratio, time_scale, seed, as_json
         )
         return
-    if nodes is None:
+    if nodes is None and openb_nodes is None:
         raise ConfigError("--nodes is needed with a generic or Philly trace")
-    if has_gpu_shares(trace):  # jobs asking for part of a GPU: placed GPU by GPU, as openb's
+    # Jobs asking for part of a GPU or MIG slices, or GPUs in MIG mode: placed GPU by GPU, as openb's.
+    if has_gpu_shares(trace) or mig is not None or openb_nodes is not None:
         if policy != "fifo" or cluster or placement:
             raise ConfigError(
-                "a trace with GPU shares is replayed in arrival order, waiting jobs starting as they fit;"
-                " --packing chooses where (--policy, --cluster and --placement are for whole-GPU traces)"
+                "a trace with GPU shares or MIG is replayed in arrival order, waiting jobs starting as they"
+                " fit; --packing chooses where (--policy, --cluster and --placement are for whole-GPU"
+                " traces)"
             )
-        uniform = [GpuNode(f"node-{i}", 10**9, 10**12, gpus_per_node, "") for i in range(nodes)]
-        head = f"{trace.name} on {nodes}x{gpus_per_node} GPUs"
+        if openb_nodes is not None:
+            node_list = load_openb_nodes(openb_nodes)
+            head = f"{trace.name} on {len(node_list)} nodes ({sum(n.gpus for n in node_list)} GPUs,"
+            head += f" {openb_nodes.name})"
+        else:
+            node_list = _uniform_nodes(nodes, gpus_per_node, mig, mig_model)
+            head = f"{trace.name} on {nodes}x{gpus_per_node} GPUs"
         tasks = load_share_trace(trace)
-        _sim_shares(head, uniform, tasks, packing, mode or "replay", ratio, time_scale, seed, as_json)
+        _sim_shares(head, node_list, tasks, packing, mode or "replay", ratio, time_scale, seed, as_json)
         return
     from gpuyard.errors import ConfigError
     from gpuyard.scheduler.placement import uniform_cluster
@@ -234,6 +258,47 @@ def sim(
     console.print(table)
 
 
+def _uniform_nodes(nodes: int, gpus: int, mig: str | None, model: str) -> list[GpuNode]:
+    """``nodes`` alike nodes of ``gpus`` GPUs without CPU or memory limits, in MIG mode as ``mig`` lays
+    them out (of ``model``; without ``mig`` the GPUs have no model)."""
+    from gpuyard.errors import ConfigError
+    from gpuyard.hardware.mig import MIG_GPUS
+    from gpuyard.scheduler.openb import parse_mig_layout
+
+    if mig is None:
+        return [GpuNode(f"node-{i}", 10**9, 10**12, gpus, "") for i in range(nodes)]
+    if model not in MIG_GPUS:
+        raise ConfigError(f"--mig-model {model!r}: choose one of {', '.join(MIG_GPUS)}")
+    layout = parse_mig_layout(mig, model, gpus, "--mig")
+    if not layout:
+        raise ConfigError(f"--mig {mig!r} puts no GPU in MIG mode")
+    return [GpuNode(f"node-{i}", 10**9, 10**12, gpus, model, layout) for i in range(nodes)]
+
+
+def _mig_refusals(cluster: Any, tasks: list[GpuTask]) -> list[tuple[str, int]]:
+    """Why tasks could never start (one line per cause, with how many), on a cluster or trace with
+    MIG: tasks asking for MIG slices and no GPU in MIG mode are refused outright.
+
+    Raises:
+        ConfigError: the trace asks for MIG slices and no GPU here is in MIG mode.
+    """
+    from collections import Counter
+
+    from gpuyard.errors import ConfigError
+
+    mig = Counter(t.mig for t in tasks if t.mig)
+    if mig and not cluster.has_mig:
+        asked = ", ".join(f"{p} x{n}" for p, n in sorted(mig.items()))
+        raise ConfigError(
+            f"the trace asks for MIG slices ({asked}) and no GPU here is in MIG mode: give --mig LAYOUT"
+            " (with --nodes) or a mig column in the node list"
+        )
+    if not mig and not cluster.has_mig:
+        return []
+    why = Counter(r for r in (cluster.never_fits(t) for t in tasks) if r is not None)
+    return sorted(why.items(), key=lambda x: -x[1])
+
+
 def _sim_shares(
     head: str,
     nodes: list[GpuNode],
@@ -257,9 +322,24 @@ def _sim_shares(
             raise ConfigError(f"--packing {name!r}: choose from {', '.join(PACKING_POLICIES)}")
     if not names:
         raise ConfigError("--packing: name at least one policy")
-    mix = TaskMix.of(tasks)
+    probe = SharedCluster(nodes)
+    refusals = _mig_refusals(probe, tasks)
+    mix: TaskMix | None = None
+    if any(t.num_gpu and not t.mig for t in tasks) or not any(t.mig for t in tasks):
+        mix = TaskMix.of(tasks)
+    elif any(n in ("fgd", "fgd-exact", "fgd-bf") for n in names):
+        raise ConfigError(
+            "--packing: fgd, fgd-exact and fgd-bf measure the room left for GPU shares and whole GPUs,"
+            " and every GPU task of this trace asks for MIG slices: choose among fgd-online, bestfit,"
+            " firstfit, randomfit, dotprod"
+        )
     capacity = sum(n.gpus for n in nodes)
     head = f"{head}: {len(tasks)} tasks"
+    if probe.has_mig:
+        head += f"; {int(probe.mig_gpus.sum())} GPUs in MIG mode, {probe.slice_node.size} slices"
+        have = ", ".join(f"{p} x{int(probe.mig_total[:, k].sum())}" for k, p in enumerate(probe.mig_profiles))
+        head += f" ({have})"
+    refused = [f"refused {n} task{'s' if n > 1 else ''}: {why}" for why, n in refusals]
     if mode == "fill":
         arrivals = inflate(tasks, capacity, ratio, seed)
         points = sorted({round(0.1 * i, 2) for i in range(1, int(ratio * 10) + 1)} | {1.0, ratio})
@@ -267,7 +347,9 @@ def _sim_shares(
             fill(SharedCluster(nodes), arrivals, make_packing(n, mix, seed), points, mix) for n in names
         ]
         if as_json:
-            doc = {"trace": head, "mode": mode, "gpus": capacity, "arrivals": len(arrivals)}
+            doc: dict[str, Any] = {"trace": head, "mode": mode, "gpus": capacity, "arrivals": len(arrivals)}
+            if refused:
+                doc["refused"] = refused
             typer.echo(json.dumps({**doc, "results": [r.to_dict() for r in results]}))
             return
         typer.echo(f"{head}; {len(arrivals)} arrivals to {ratio:.0%} of the GPUs (seed {seed})")
@@ -281,10 +363,19 @@ def _sim_shares(
                 f"{r.policy}: {r.placed} placed, {r.failed} fit nowhere ({r.failed_gpu:.1f} GPUs asked);"
                 f" at 100%: {r.at(1.0):.2%} unallocated, expected fragmentation {frag:.2%}"
             )
+            if r.mig_unallocated:
+                typer.echo(
+                    f"{r.policy}: MIG tasks {r.mig_placed} placed, {r.mig_failed} fit nowhere; at 100%:"
+                    f" {r.mig_unallocated[r.points.index(1.0)]:.2%} of the MIG GPUs' compute unallocated"
+                )
+        for line in refused:
+            typer.echo(line)
         return
     replays = [replay(SharedCluster(nodes), tasks, make_packing(n, mix, seed), time_scale) for n in names]
     if as_json:
         doc = {"trace": head, "mode": mode, "gpus": capacity, "time_scale": time_scale}
+        if refused:
+            doc["refused"] = refused
         typer.echo(json.dumps({**doc, "results": [r.to_dict() for r in replays]}))
         return
     typer.echo(f"{head}; creation times x {time_scale:g}")
@@ -296,6 +387,21 @@ def _sim_shares(
             f"{rr.policy:>9} {rr.avg_jct_s:10.0f} {rr.median_jct_s:9.0f} {rr.avg_wait_s:10.1f}"
             f" {rr.waited:7d} {rr.rejected:8d}"
         )
+    for rr in replays:
+        x = rr.extra
+        if "mig_tasks" in x:
+            waited = (
+                f"; while tasks waited {rr.avg_unallocated:.1%} of the GPUs and"
+                f" {x['mig_avg_unallocated']:.1%} of the MIG GPUs' compute were unallocated"
+                if rr.waited
+                else ""
+            )
+            typer.echo(
+                f"{rr.policy}: MIG tasks {x['mig_tasks']:.0f} ({x['mig_rejected']:.0f} rejected), avg JCT"
+                f" {x['mig_avg_jct_s']:.0f} s, avg wait {x['mig_avg_wait_s']:.1f} s{waited}"
+            )
+    for line in refused:
+        typer.echo(line)
 
 
 def register(app: typer.Typer) -> None:

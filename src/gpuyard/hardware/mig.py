@@ -122,3 +122,68 @@ def profile_from_name(device_name: str) -> str | None:
     """The profile in an NVML MIG device name (``NVIDIA A100-SXM4-40GB MIG 1g.5gb`` -> ``1g.5gb``)."""
     match = _MIG_NAME.search(device_name)
     return match.group(1).lower() if match else None
+
+
+# Where a GPU instance may sit: the memory slices (of 8) it may start at, by (compute, memory) slices
+# of its profile; it spans ``memory`` slices and no two instances of a GPU overlap. From the MIG user
+# guide's ``nvidia-smi mig -lgipp`` listing ("Getting Started with MIG", "GPU Instances": profile IDs
+# 19/15/14/9/5/0, ``{0,1,2,3,4,5,6}:1``, ``{0,2,4,6}:2``, ``{0,2,4}:2``, ``{0,4}:4``, ``{0}:4``,
+# ``{0}:8``), the same on the A100 40GB, A100 80GB and H100 80GB.
+_STARTS: dict[tuple[int, int], tuple[int, ...]] = {
+    (1, 1): (0, 1, 2, 3, 4, 5, 6),
+    (1, 2): (0, 2, 4, 6),
+    (2, 2): (0, 2, 4),
+    (3, 4): (0, 4),
+    (4, 4): (0,),
+    (7, 8): (0,),
+}
+
+
+def placements(profile: MigProfile) -> tuple[int, ...]:
+    """The memory slices an instance of ``profile`` may start at (it spans ``profile.memory``)."""
+    return _STARTS[(profile.compute, profile.memory)]
+
+
+def arrange(model: str, instances: list[tuple[str, int | None]]) -> list[int]:
+    """Start memory slices for one GPU's instances ``(profile, start or None)``, as the hardware
+    allows them (:func:`placements`, no overlap); a given start is kept. The first arrangement found,
+    largest instances first.
+
+    Raises:
+        ValueError: an unknown profile for the model, a start it may not take, or no arrangement
+            (one line).
+    """
+    known = {p.name: p for p in profiles_of(model)}
+    if not known:
+        raise ValueError(f"{model} has no MIG profiles here; MIG GPUs: {', '.join(MIG_GPUS)}")
+    for name, start in instances:
+        p = known.get(name)
+        if p is None:
+            raise ValueError(f"{name!r} is not a {model} MIG profile; known: {', '.join(known)}")
+        if start is not None and start not in placements(p):
+            allowed = ",".join(map(str, placements(p)))
+            raise ValueError(f"a {model} {name} starts at memory slice {{{allowed}}}, not {start}")
+    check_layout(model, [name for name, _ in instances])  # counts and slices first: a plainer message
+    order = sorted(
+        range(len(instances)), key=lambda i: (instances[i][1] is None, -known[instances[i][0]].memory)
+    )
+    starts: list[int] = [-1] * len(instances)
+
+    def fit(k: int, used: int) -> bool:
+        if k == len(order):
+            return True
+        i = order[k]
+        name, fixed = instances[i]
+        p = known[name]
+        for s in (fixed,) if fixed is not None else placements(p):
+            span = ((1 << p.memory) - 1) << s
+            if not used & span:
+                starts[i] = s
+                if fit(k + 1, used | span):
+                    return True
+        return False
+
+    if not fit(0, 0):
+        names = "+".join(n if s is None else f"{n}@{s}" for n, s in instances)
+        raise ValueError(f"{names} cannot be placed on one {model}: instances overlap (MIG placements)")
+    return starts

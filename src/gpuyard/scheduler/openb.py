@@ -8,6 +8,10 @@ a pod may run on (``|``-separated; empty: any). Times are seconds.
 
 The traces are not part of the repository: :func:`traces_dir` finds them (``GPUYARD_TRACES``, else
 ``../shared/traces`` beside the repository root or the working directory).
+
+MIG, an addition of gpuyard's (not in the openb files): a node list may have a ``mig`` column, the
+MIG layout of the node's GPUs (:func:`parse_mig_layout`), and a pod list a ``mig`` column, the MIG
+profile a pod asks for (``num_gpu`` of its slices, on one node; ``gpu_milli`` is then ignored).
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import csv
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpuyard.errors import ConfigError, NotFoundError
+from gpuyard.hardware.mig import COMPUTE_SLICES, MIG_GPUS, PROFILE_NAMES, arrange, mig_model
 
 MILLI = 1000  # a whole GPU, in the traces' unit
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
@@ -26,15 +32,23 @@ NODE_LIST = "openb_node_list_gpu_node.csv"
 POD_LISTS = ("openb_pod_list_gpushare40.csv", "openb_pod_list_multigpu50.csv")
 
 
+MigLayout = tuple[tuple[tuple[str, int], ...], ...]  # per GPU: its instances (profile, first memory slice)
+
+
 @dataclass(frozen=True)
 class GpuNode:
-    """One node of the openb cluster: CPU (millicores), memory (MiB), whole GPUs of one model."""
+    """One node of the openb cluster: CPU (millicores), memory (MiB), whole GPUs of one model.
+
+    ``mig``: empty, or one entry per GPU: the MIG instances of that GPU as ``(profile, start)``
+    (empty: the GPU is not in MIG mode). A GPU in MIG mode serves only its instances.
+    """
 
     name: str
     cpu_milli: int
     memory_mib: int
     gpus: int
     model: str
+    mig: MigLayout = ()
 
 
 @dataclass(frozen=True)
@@ -42,7 +56,8 @@ class GpuTask:
     """One pod: ``num_gpu`` GPUs of ``gpu_milli`` thousandths each (a share when < 1000, then one GPU).
 
     ``gpu_spec`` is the allowed GPU models (empty: any). ``creation`` and ``duration`` are seconds,
-    None when the file has no times.
+    None when the file has no times. ``mig``: a MIG profile (``3g.40gb``): the task asks for
+    ``num_gpu`` instances of it on one node (``gpu_milli`` 0), nothing else of a GPU.
     """
 
     name: str
@@ -53,16 +68,115 @@ class GpuTask:
     gpu_spec: tuple[str, ...] = ()
     creation: float | None = None
     duration: float | None = None
+    mig: str = ""
 
     @property
     def gpu(self) -> float:
-        """GPUs asked for, shares counted as fractions (0.25 for gpu_milli 250)."""
+        """GPUs asked for, shares counted as fractions (0.25 for gpu_milli 250), a MIG instance as
+        its compute slices over 7 (3/7 for 3g.40gb)."""
+        if self.mig:
+            return self.num_gpu * mig_compute(self.mig) / COMPUTE_SLICES
         return self.num_gpu * self.gpu_milli / MILLI
 
     @property
-    def shape(self) -> tuple[int, int, int, int, tuple[str, ...]]:
-        """What placement looks at: (cpu_milli, memory_mib, num_gpu, gpu_milli, gpu_spec)."""
-        return (self.cpu_milli, self.memory_mib, self.num_gpu, self.gpu_milli, self.gpu_spec)
+    def shape(self) -> tuple[Any, ...]:
+        """What placement looks at: (cpu_milli, memory_mib, num_gpu, gpu_milli, gpu_spec), and the
+        MIG profile after them for a MIG task."""
+        base = (self.cpu_milli, self.memory_mib, self.num_gpu, self.gpu_milli, self.gpu_spec)
+        return (*base, self.mig) if self.mig else base
+
+
+def mig_compute(profile: str) -> int:
+    """Compute slices (of 7) of a MIG profile name (``3g.40gb`` -> 3)."""
+    return int(profile.split("g.", 1)[0])
+
+
+def check_profile(profile: str, where: str) -> str:
+    """``profile`` (lower case, stripped) when it is a MIG profile of the table, else a one-line error.
+
+    Raises:
+        ConfigError: not a profile of :mod:`gpuyard.hardware.mig`.
+    """
+    name = profile.strip().lower()
+    if name not in PROFILE_NAMES:
+        raise ConfigError(f"{where}: mig {profile!r} is not a MIG profile; known: {', '.join(PROFILE_NAMES)}")
+    return name
+
+
+def parse_mig_layout(text: str, model: str, gpus: int, where: str) -> MigLayout:
+    """The MIG layout of one node's ``gpus`` GPUs of ``model`` from ``text``.
+
+    GPU layouts are separated by ``|``, GPU 0 first; GPUs past the last are not in MIG mode, nor is
+    one written ``-``. ``N*LAYOUT`` stands for N GPUs alike, ``*LAYOUT`` for every GPU left. A GPU's
+    layout is its instances joined by ``+``: a profile (``3g.40gb``), ``Nx`` before it for N alike
+    (``2x1g.10gb``), ``@S`` after it for its first memory slice (``3g.40gb@4``; else the first
+    arrangement the hardware allows, :func:`gpuyard.hardware.mig.arrange`). Example, 8 GPUs:
+    ``4*3g.40gb+2g.20gb+2x1g.10gb|2*7g.80gb`` (6 in MIG mode, 2 whole).
+
+    Raises:
+        ConfigError: a model without MIG, an unknown profile, a layout the GPU cannot hold, more GPU
+            layouts than GPUs (one line, naming ``where``).
+    """
+    text = text.strip()
+    if not text:
+        return ()
+    canon = mig_model(model) or (model if model in MIG_GPUS else None)
+    if canon is None:
+        raise ConfigError(
+            f"{where}: mig layout {text!r} on GPU model {model!r}, which has no MIG; MIG GPUs: "
+            f"{', '.join(MIG_GPUS)}"
+        )
+    layout: list[tuple[tuple[str, int], ...]] = []
+    for part in text.split("|"):
+        part = part.strip()
+        count: int | None = 1
+        if "*" in part:
+            head, part = part.split("*", 1)
+            count = None if not head.strip() else _count(head, where, text)
+        if count is None:
+            count = gpus - len(layout)
+        layout.extend([_gpu_layout(part.strip(), canon, where)] * count)
+    if len(layout) > gpus:
+        raise ConfigError(f"{where}: mig layout {text!r} names {len(layout)} GPUs, the node has {gpus}")
+    layout += [()] * (gpus - len(layout))
+    return tuple(layout) if any(layout) else ()
+
+
+def _count(text: str, where: str, layout: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"{where}: mig layout {layout!r}: {text!r} before '*' or 'x' is not a count >= 1")
+    return n
+
+
+def _gpu_layout(text: str, model: str, where: str) -> tuple[tuple[str, int], ...]:
+    if text in ("", "-"):
+        return ()
+    instances: list[tuple[str, int | None]] = []
+    for item in text.split("+"):
+        item = item.strip().lower()
+        n = 1
+        if "x" in item:  # no profile name has an x
+            head, item = item.split("x", 1)
+            n = _count(head, where, text)
+        name, _, at = item.partition("@")
+        start: int | None = None
+        if at:
+            try:
+                start = int(at)
+            except ValueError:
+                raise ConfigError(f"{where}: mig {item!r}: the start after '@' is not a number") from None
+        instances.extend([(check_profile(name, where), start)] * n)
+    try:
+        starts = arrange(model, instances)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: mig layout {text!r}: {exc}") from None
+    return tuple(
+        sorted(((name, s) for (name, _), s in zip(instances, starts, strict=True)), key=lambda x: x[1])
+    )
 
 
 def traces_dir() -> Path:
@@ -110,7 +224,7 @@ def _int(row: dict[str, str], column: str, where: str) -> int:
 
 
 def load_openb_nodes(path: str | Path) -> list[GpuNode]:
-    """Read an openb node list.
+    """Read an openb node list (with a ``mig`` column: each node's MIG layout, :func:`parse_mig_layout`).
 
     Raises:
         NotFoundError: no such file.
@@ -135,6 +249,9 @@ def load_openb_nodes(path: str | Path) -> list[GpuNode]:
             )
             if node.gpus > 64:
                 raise ConfigError(f"{where}: {node.gpus} GPUs on one node; at most 64")
+            if row.get("mig"):
+                mig = parse_mig_layout(row["mig"], node.model, node.gpus, where)
+                node = GpuNode(node.name, node.cpu_milli, node.memory_mib, node.gpus, node.model, mig)
             nodes.append(node)
     if not nodes:
         raise ConfigError(f"node list {path}: no nodes")
@@ -145,7 +262,8 @@ def load_openb_tasks(path: str | Path, limit: int | None = None) -> list[GpuTask
     """Read an openb pod list (all pods, in file order; ``limit``: the first ones only).
 
     A pod with ``deletion_time`` before its ``creation_time`` is refused; ``duration`` is their
-    difference when both are there.
+    difference when both are there. With a ``mig`` column, a pod naming a MIG profile there asks for
+    ``num_gpu`` (>= 1) instances of it.
 
     Raises:
         NotFoundError: no such file.
@@ -165,10 +283,15 @@ def load_openb_tasks(path: str | Path, limit: int | None = None) -> list[GpuTask
                 break
             where = f"pod list {path} line {i}"
             num_gpu = _int(row, "num_gpu", where)
-            milli = _int(row, "gpu_milli", where) if num_gpu else 0
-            if num_gpu and not 0 < milli <= MILLI:
+            mig = check_profile(row["mig"], where) if row.get("mig") else ""
+            if mig and num_gpu < 1:
+                raise ConfigError(
+                    f"{where}: mig {mig} with num_gpu {num_gpu}: num_gpu counts its instances, >= 1"
+                )
+            milli = _int(row, "gpu_milli", where) if num_gpu and not mig else 0
+            if num_gpu and not mig and not 0 < milli <= MILLI:
                 raise ConfigError(f"{where}: gpu_milli {milli} with num_gpu {num_gpu}; must be 1..{MILLI}")
-            if num_gpu > 1 and milli < MILLI:
+            if num_gpu > 1 and not mig and milli < MILLI:
                 raise ConfigError(f"{where}: a share of a GPU (gpu_milli {milli}) with num_gpu {num_gpu}")
             spec = tuple(sorted(s for s in (row.get("gpu_spec") or "").split("|") if s and s != "nan"))
             creation = duration = None
@@ -188,6 +311,7 @@ def load_openb_tasks(path: str | Path, limit: int | None = None) -> list[GpuTask
                     gpu_spec=spec,
                     creation=creation,
                     duration=duration,
+                    mig=mig,
                 )
             )
     if not tasks:

@@ -28,6 +28,15 @@ paper's baseline), random-fit, and dot-product (smallest product of normalised f
 resources). Within a node the baselines take the tightest GPU with room (first-fit the first,
 random-fit any). ``fill`` runs the paper's experiment (tasks arrive until the cluster is full,
 measuring unallocated GPU capacity), ``replay`` a trace with durations (JCT).
+
+MIG (gpuyard's addition; not in the paper): a node's GPUs may be in MIG mode with a fixed layout of
+instances (:attr:`GpuNode.mig <gpuyard.scheduler.openb.GpuNode>`, placed where the hardware allows,
+:func:`gpuyard.hardware.mig.arrange`). Such a GPU has no room for shares or whole-GPU tasks; a MIG
+task (:attr:`GpuTask.mig <gpuyard.scheduler.openb.GpuTask>`) takes ``num_gpu`` free instances of its
+profile on one node, nothing else. Every policy chooses the node for it as for any task (first-fit
+the first, best-fit and dot-product by CPU and free MIG compute, FGD by the rise of F its CPU and
+memory cause); the instances are the node's first free ones of the profile (random-fit: any). MIG
+tasks are left out of FGD's mix: F measures the room for shares and whole GPUs, which they never use.
 """
 
 from __future__ import annotations
@@ -43,7 +52,8 @@ import numpy as np
 import numpy.typing as npt
 
 from gpuyard.errors import CapacityError, ConfigError
-from gpuyard.scheduler.openb import MILLI, GpuNode, GpuTask
+from gpuyard.hardware.mig import COMPUTE_SLICES
+from gpuyard.scheduler.openb import MILLI, GpuNode, GpuTask, mig_compute
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -53,7 +63,11 @@ TYPICAL_POPULARITY = 0.95  # the FGD artifact's experiments: shapes covering 95%
 
 
 class SharedCluster:
-    """Free CPU, memory and per-GPU thousandths of every node; ``version`` counts each node's changes."""
+    """Free CPU, memory and per-GPU thousandths of every node; ``version`` counts each node's changes.
+
+    MIG instances are slices, numbered node by node (``slice_*`` arrays; a node's are
+    ``slice_offset[n]:slice_offset[n + 1]``); a GPU in MIG mode has no thousandths free.
+    """
 
     def __init__(self, nodes: Sequence[GpuNode]) -> None:
         if not nodes:
@@ -71,16 +85,104 @@ class SharedCluster:
             self.left[i, : n.gpus] = MILLI
         self.models = sorted({n.model for n in nodes})
         self.model = np.array([self.models.index(n.model) for n in nodes], dtype=np.int64)
+        self._init_mig(nodes)
         self.free = self.left.sum(axis=1)  # GPU thousandths free per node
         self.version = np.zeros(len(nodes), dtype=np.int64)
         self.capacity_milli = int(self.gpus.sum()) * MILLI
         self.allocated_milli = 0
         self._spec_ok: dict[tuple[str, ...], BoolArray] = {}
 
+    def _init_mig(self, nodes: Sequence[GpuNode]) -> None:
+        """The MIG slices of ``nodes``; their GPUs lose their thousandths."""
+        self.mig_profiles = sorted({name for n in nodes for gpu in n.mig for name, _ in gpu})
+        self._mig_index = {name: k for k, name in enumerate(self.mig_profiles)}
+        self.mig_gpus = np.zeros(len(nodes), dtype=np.int64)  # GPUs in MIG mode per node
+        where: list[tuple[int, int, int, int]] = []  # node, GPU, profile index, first memory slice
+        offset = [0]
+        for i, n in enumerate(nodes):
+            if n.mig and len(n.mig) != n.gpus:
+                raise ConfigError(f"node {n.name}: a MIG layout of {len(n.mig)} GPUs for {n.gpus} GPUs")
+            for g, instances in enumerate(n.mig):
+                if instances:
+                    self.left[i, g] = 0
+                    self.mig_gpus[i] += 1
+                    where += [(i, g, self._mig_index[name], start) for name, start in instances]
+            offset.append(len(where))
+        table = np.array(where, dtype=np.int64).reshape(-1, 4)
+        self.slice_offset = np.array(offset, dtype=np.int64)
+        self.slice_node, self.slice_gpu, self.slice_profile, self.slice_start = table.T.copy()
+        self.slice_compute = np.array(
+            [mig_compute(self.mig_profiles[k]) for k in self.slice_profile], dtype=np.int64
+        )
+        self.slice_busy = np.zeros(len(table), dtype=np.bool_)
+        self.mig_total = np.zeros((len(nodes), max(1, len(self.mig_profiles))), dtype=np.int64)
+        np.add.at(self.mig_total, (self.slice_node, self.slice_profile), 1)
+        self.mig_free = self.mig_total.copy()  # free slices per node and profile
+        self.mig_free_compute = np.bincount(self.slice_node, self.slice_compute, len(nodes)).astype(np.int64)
+        self.mig_capacity = int(self.mig_gpus.sum()) * COMPUTE_SLICES  # compute slices of MIG GPUs
+        self.mig_allocated = 0  # compute slices held by MIG tasks
+        self.whole_gpus = self.gpus - self.mig_gpus  # GPUs that shares and whole-GPU tasks can use
+
+    @property
+    def has_mig(self) -> bool:
+        """Some GPU is in MIG mode."""
+        return bool(self.slice_node.size)
+
     @property
     def unallocated(self) -> float:
-        """Fraction of the cluster's GPU capacity not allocated to any task."""
-        return 1.0 - self.allocated_milli / self.capacity_milli if self.capacity_milli else 0.0
+        """Fraction of the cluster's GPU capacity not allocated to any task (a MIG instance held
+        counts its compute slices over 7; MIG compute no instance covers is never allocated)."""
+        if not self.capacity_milli:
+            return 0.0
+        if not self.mig_allocated:
+            return 1.0 - self.allocated_milli / self.capacity_milli
+        return (
+            1.0 - (self.allocated_milli + self.mig_allocated * MILLI / COMPUTE_SLICES) / self.capacity_milli
+        )
+
+    @property
+    def mig_unallocated(self) -> float:
+        """Fraction of the compute slices of the GPUs in MIG mode not held by a task (nan: none)."""
+        return 1.0 - self.mig_allocated / self.mig_capacity if self.mig_capacity else math.nan
+
+    @property
+    def free_slices(self) -> int:
+        """MIG slices no task holds."""
+        return int((~self.slice_busy).sum())
+
+    def slices_on(self, node: int, task: GpuTask, rng: np.random.Generator | None = None) -> tuple[int, ...]:
+        """``task.num_gpu`` free slices of ``task.mig`` on ``node``: the first ones (GPU order, then
+        memory slice), or drawn with ``rng``; fewer when there are not as many."""
+        lo, hi = int(self.slice_offset[node]), int(self.slice_offset[node + 1])
+        k = self._mig_index.get(task.mig, -1)
+        ids = lo + np.flatnonzero((self.slice_profile[lo:hi] == k) & ~self.slice_busy[lo:hi])
+        if rng is not None:
+            ids = rng.permutation(ids)
+        return tuple(int(i) for i in ids[: task.num_gpu])
+
+    def never_fits(self, task: GpuTask) -> str | None:
+        """Why ``task`` could not start even on the empty cluster (one line), or None when it could."""
+        if self.fits_empty(task):
+            return None
+        if task.mig:
+            k = self._mig_index.get(task.mig)
+            have = ", ".join(
+                f"{p} x{int(self.mig_total[:, j].sum())}" for j, p in enumerate(self.mig_profiles)
+            )
+            if k is None:
+                return (
+                    f"mig {task.mig}: no GPU here has a {task.mig} slice; MIG slices here: {have or 'none'}"
+                )
+            most = int(self.mig_total[:, k].max())
+            if most < task.num_gpu:
+                return f"mig {task.mig}: {task.num_gpu} slices asked, a node here has at most {most}"
+        elif task.num_gpu and int(self.whole_gpus.max()) < task.num_gpu:
+            if not self.whole_gpus.any():
+                return "no GPU here can be shared or given whole: each is in MIG mode"
+            most = int(self.whole_gpus.max())
+            return f"{task.num_gpu} GPUs asked, a node here has at most {most} not in MIG mode"
+        spec = f", GPU model in {'|'.join(task.gpu_spec)}" if task.gpu_spec else ""
+        return f"no node has {task.cpu_milli} CPU millicores, {task.memory_mib} MiB{spec} and the GPUs asked"
 
     def model_ok(self, spec: tuple[str, ...]) -> BoolArray:
         """Per model index: may a task of GPU models ``spec`` (empty: any) run there."""
@@ -94,6 +196,12 @@ class SharedCluster:
         """Per node: can ``task`` start there now."""
         ok: BoolArray = (self.cpu >= task.cpu_milli) & (self.mem >= task.memory_mib)
         ok &= self.model_ok(task.gpu_spec)[self.model]
+        if task.mig:
+            k = self._mig_index.get(task.mig)
+            if k is None:
+                return np.zeros(len(self.nodes), dtype=np.bool_)
+            ok &= self.mig_free[:, k] >= task.num_gpu
+            return ok
         if task.num_gpu:
             ok &= (self.left >= task.gpu_milli).sum(axis=1) >= task.num_gpu
         return ok
@@ -101,7 +209,11 @@ class SharedCluster:
     def fits_empty(self, task: GpuTask) -> bool:
         """Could ``task`` run on some node of the empty cluster."""
         ok = (self.cpu_cap >= task.cpu_milli) & (self.mem_cap >= task.memory_mib)
-        ok &= self.model_ok(task.gpu_spec)[self.model] & (self.gpus >= task.num_gpu)
+        ok &= self.model_ok(task.gpu_spec)[self.model]
+        if task.mig:
+            k = self._mig_index.get(task.mig)
+            return k is not None and bool((ok & (self.mig_total[:, k] >= task.num_gpu)).any())
+        ok &= self.whole_gpus >= task.num_gpu
         return bool(ok.any())
 
     def place(self, task: GpuTask, placement: Placement) -> None:
@@ -117,6 +229,9 @@ class SharedCluster:
             raise CapacityError(f"{task.name}: not enough CPU or memory on {self.nodes[node].name}")
         if not self.model_ok(task.gpu_spec)[self.model[node]]:
             raise CapacityError(f"{task.name}: GPU model {self.nodes[node].model} not in {task.gpu_spec}")
+        if task.mig:
+            self._take_slices(task, node, gpus)
+            return
         for g in gpus:
             if g >= self.gpus[node] or self.left[node, g] < task.gpu_milli:
                 raise CapacityError(f"{task.name}: GPU {g} of {self.nodes[node].name} has no room")
@@ -128,11 +243,40 @@ class SharedCluster:
         self.allocated_milli += task.num_gpu * task.gpu_milli
         self.version[node] += 1
 
+    def _take_slices(self, task: GpuTask, node: int, slices: tuple[int, ...]) -> None:
+        k = self._mig_index.get(task.mig, -1)
+        for s in slices:
+            if not (
+                0 <= s < len(self.slice_node)
+                and self.slice_node[s] == node
+                and self.slice_profile[s] == k
+                and not self.slice_busy[s]
+            ):
+                raise CapacityError(
+                    f"{task.name}: slice {s} is no free {task.mig} slice of {self.nodes[node].name}"
+                )
+        self.cpu[node] -= task.cpu_milli
+        self.mem[node] -= task.memory_mib
+        self._mark_slices(node, k, slices, busy=True)
+
+    def _mark_slices(self, node: int, k: int, slices: tuple[int, ...], busy: bool) -> None:
+        ids = np.array(slices, dtype=np.int64)
+        self.slice_busy[ids] = busy
+        compute = int(self.slice_compute[ids].sum())
+        sign = 1 if busy else -1
+        self.mig_free[node, k] -= sign * len(ids)
+        self.mig_free_compute[node] -= sign * compute
+        self.mig_allocated += sign * compute
+        self.version[node] += 1
+
     def release(self, task: GpuTask, placement: Placement) -> None:
         """Give back what :meth:`place` took."""
         node, gpus = placement
         self.cpu[node] += task.cpu_milli
         self.mem[node] += task.memory_mib
+        if task.mig:
+            self._mark_slices(node, self._mig_index[task.mig], gpus, busy=False)
+            return
         for g in gpus:
             self.left[node, g] += task.gpu_milli
         self.free[node] += task.num_gpu * task.gpu_milli
@@ -158,12 +302,13 @@ class TaskMix:
 
     @classmethod
     def of(cls, tasks: Sequence[GpuTask]) -> TaskMix:
-        """The mix of ``tasks``' GPU shapes, popularity by count (CPU-only shapes are left out).
+        """The mix of ``tasks``' GPU shapes, popularity by count (CPU-only shapes are left out, and
+        MIG tasks: they never use the room F measures).
 
         Raises:
             ConfigError: no task asks for a GPU.
         """
-        return cls.of_counts(Counter(t.shape for t in tasks))
+        return cls.of_counts(Counter(t.shape for t in tasks if not t.mig))
 
     @classmethod
     def of_counts(cls, counts: Counter[tuple[Any, ...]]) -> TaskMix:
@@ -291,13 +436,35 @@ def _gpus_on(
     return tuple(int(g) for g in fit[: task.num_gpu])
 
 
+def _pick(
+    cluster: SharedCluster, node: int, task: GpuTask, how: str, rng: np.random.Generator | None = None
+) -> tuple[int, ...]:
+    """The GPUs (a MIG task: slices) of ``node`` for ``task``, as :func:`_gpus_on` chooses them."""
+    if task.mig:
+        return cluster.slices_on(node, task, rng if how == "random" else None)
+    return _gpus_on(cluster.left[node], task, how, rng)
+
+
+def _mig_free_asked(cluster: SharedCluster, task: GpuTask, idx: IntArray) -> tuple[FloatArray, float]:
+    """A MIG task's view of GPU room: free MIG compute of nodes ``idx`` and the compute asked, in
+    thousandths of a GPU."""
+    unit = MILLI / COMPUTE_SLICES
+    free: FloatArray = cluster.mig_free_compute[idx].astype(np.float64) * unit
+    return free, task.num_gpu * mig_compute(task.mig) * unit
+
+
 def _leftover(cluster: SharedCluster, task: GpuTask, idx: IntArray) -> FloatArray:
     """Best-fit's score of nodes ``idx``: CPU and GPU left after placing ``task``, each over the
-    largest node's, weighted equally (0: full; lower is tighter)."""
+    largest node's, weighted equally (0: full; lower is tighter). A MIG task's GPU is the free compute
+    of the MIG instances."""
     cpu_max = max(1, int(cluster.cpu_cap.max()))
     gpu_max = max(1, int(cluster.gpus.max()) * MILLI)
-    asked = task.num_gpu * task.gpu_milli
     score: FloatArray = 0.5 * (cluster.cpu[idx] - task.cpu_milli) / cpu_max
+    if task.mig:
+        free, mig_asked = _mig_free_asked(cluster, task, idx)
+        score += 0.5 * (free - mig_asked) / gpu_max
+        return score
+    asked = task.num_gpu * task.gpu_milli
     score += 0.5 * (cluster.free[idx] - asked) / gpu_max
     return score
 
@@ -320,7 +487,7 @@ class FirstFit:
         if not idx.size:
             return None
         node = int(idx[0])
-        return node, _gpus_on(cluster.left[node], task, "first")
+        return node, _pick(cluster, node, task, "first")
 
 
 class RandomFit:
@@ -336,7 +503,7 @@ class RandomFit:
         if not idx.size:
             return None
         node = int(self.rng.choice(idx))
-        return node, _gpus_on(cluster.left[node], task, "random", self.rng)
+        return node, _pick(cluster, node, task, "random", self.rng)
 
 
 class BestFit:
@@ -349,7 +516,7 @@ class BestFit:
         if not idx.size:
             return None
         node = int(idx[int(np.argmin(_leftover(cluster, task, idx)))])
-        return node, _gpus_on(cluster.left[node], task, "tightest")
+        return node, _pick(cluster, node, task, "tightest")
 
 
 class DotProduct:
@@ -363,11 +530,15 @@ class DotProduct:
             return None
         cpu_max = max(1, int(cluster.cpu_cap.max()))
         gpu_max = max(1, int(cluster.gpus.max()) * MILLI)
-        asked = task.num_gpu * task.gpu_milli
         score = (task.cpu_milli / cpu_max) * (cluster.cpu[idx] / cpu_max)
-        score = score + (asked / gpu_max) * (cluster.free[idx] / gpu_max)
+        if task.mig:
+            free, mig_asked = _mig_free_asked(cluster, task, idx)
+            score = score + (mig_asked / gpu_max) * (free / gpu_max)
+        else:
+            asked = task.num_gpu * task.gpu_milli
+            score = score + (asked / gpu_max) * (cluster.free[idx] / gpu_max)
         node = int(idx[int(np.argmin(score))])
-        return node, _gpus_on(cluster.left[node], task, "tightest")
+        return node, _pick(cluster, node, task, "tightest")
 
 
 @dataclass
@@ -429,7 +600,7 @@ class FGD:
         self._order = np.zeros(0, dtype=np.int64)  # k8s: each node's place in the tie-break order
 
     def _learn(self, task: GpuTask) -> None:
-        if not task.num_gpu:
+        if not task.num_gpu or task.mig:
             return
         self._seen[task.shape] += 1
         seen = sum(self._seen.values())
@@ -501,6 +672,9 @@ class FGD:
         model = cluster.model[nodes]
         left = cluster.left[nodes]
         before = self._f[nodes]
+        if task.mig:  # it takes CPU and memory from the shapes of the mix, no room they could use
+            picks = np.array([cluster.slices_on(int(n), task) for n in nodes], dtype=np.int64)
+            return frag.of_states(cpu, mem, model, left) - before, picks.reshape(len(nodes), task.num_gpu)
         if task.num_gpu == 0:
             return frag.of_states(cpu, mem, model, left) - before, np.zeros((len(nodes), 0), dtype=np.int64)
         width = left.shape[1]
@@ -602,6 +776,9 @@ def inflate(tasks: Sequence[GpuTask], capacity_gpus: float, ratio: float, seed: 
 class FillResult:
     """Unallocated GPU capacity (fraction) as arrived GPU requests reach each of ``points`` (fractions
     of the cluster's GPUs), the expected fragmentation rate there, and the tasks placed and refused.
+
+    With GPUs in MIG mode, also the unallocated share of their compute slices at each point, and the
+    MIG tasks placed and refused (absent from :meth:`to_dict` otherwise).
     """
 
     policy: str
@@ -612,6 +789,9 @@ class FillResult:
     placed: int = 0
     failed: int = 0
     failed_gpu: float = 0.0
+    mig_unallocated: list[float] = field(default_factory=list)
+    mig_placed: int = 0
+    mig_failed: int = 0
 
     def at(self, point: float) -> float:
         """Unallocated fraction when arrivals reached ``point`` (the nearest recorded point)."""
@@ -620,7 +800,11 @@ class FillResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
-        return dict(self.__dict__)
+        doc = dict(self.__dict__)
+        if not self.mig_unallocated:
+            for key in ("mig_unallocated", "mig_placed", "mig_failed"):
+                del doc[key]
+        return doc
 
 
 def fill(
@@ -646,6 +830,8 @@ def fill(
         result.unallocated.append(cluster.unallocated)
         rate = float(frag.of_nodes(cluster).sum()) / cluster.capacity_milli if frag is not None else math.nan
         result.fragmentation.append(rate)
+        if cluster.has_mig:
+            result.mig_unallocated.append(cluster.mig_unallocated)
 
     arrived, k = 0.0, 0
     for task in arrivals:
@@ -657,9 +843,11 @@ def fill(
         if choice is None:
             result.failed += 1
             result.failed_gpu += task.gpu
+            result.mig_failed += bool(task.mig)
             continue
         cluster.place(task, choice)
         result.placed += 1
+        result.mig_placed += bool(task.mig)
     while k < len(pts):
         record(pts[k])
         k += 1
@@ -708,6 +896,10 @@ def replay(
     ``time_scale``, each runs ``duration`` s once started; waiting tasks start in arrival order
     whenever one fits (a task that fits nowhere now does not hold back later ones).
 
+    With MIG tasks, ``extra`` has their number (``mig_tasks``, ``mig_rejected``), average JCT and
+    wait, and the time-average unallocated share of the MIG GPUs' compute while some task waited
+    (``mig_avg_unallocated``).
+
     Raises:
         ConfigError: a task has no creation time or duration.
         CapacityError: no task fits on the empty cluster.
@@ -725,7 +917,7 @@ def replay(
     running: dict[int, Placement] = {}
     waiting: list[int] = []
     nxt, now = 0, 0.0
-    wait_area, wait_time, last = 0.0, 0.0, 0.0
+    wait_area, wait_time, last, mig_area = 0.0, 0.0, 0.0, 0.0
     while nxt < len(order) or ends or waiting:
         t_arr = arrive[order[nxt]] if nxt < len(order) else math.inf
         t_end = ends[0][0] if ends else math.inf
@@ -735,6 +927,8 @@ def replay(
         if waiting:
             wait_area += (now - last) * cluster.unallocated
             wait_time += now - last
+            if cluster.has_mig:
+                mig_area += (now - last) * cluster.mig_unallocated
         last = now
         freed = bool(ends) and ends[0][0] <= now
         while ends and ends[0][0] <= now:
@@ -761,6 +955,16 @@ def replay(
     jct = np.array([start[i] + (runnable[i].duration or 0.0) - arrive[i] for i in order])
     wait = np.array([start[i] - arrive[i] for i in order])
     finish = max(start[i] + (runnable[i].duration or 0.0) for i in order)
+    extra: dict[str, float] = {}
+    mig = np.array([bool(runnable[i].mig) for i in order], dtype=np.bool_)
+    if mig.any() or any(t.mig for t in tasks):
+        extra = {
+            "mig_tasks": int(mig.sum()),
+            "mig_rejected": sum(bool(t.mig) for t in tasks) - int(mig.sum()),
+            "mig_avg_jct_s": float(jct[mig].mean()) if mig.any() else math.nan,
+            "mig_avg_wait_s": float(wait[mig].mean()) if mig.any() else math.nan,
+            "mig_avg_unallocated": mig_area / wait_time if wait_time > 0 and cluster.has_mig else math.nan,
+        }
     return ReplayResult(
         policy=policy.name,
         tasks=len(runnable),
@@ -772,4 +976,5 @@ def replay(
         waited=int((wait > 0).sum()),
         avg_unallocated=wait_area / wait_time if wait_time > 0 else math.nan,
         makespan_s=finish,
+        extra=extra,
     )

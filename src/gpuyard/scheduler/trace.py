@@ -12,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 
 from gpuyard.errors import ConfigError, NotFoundError
-from gpuyard.scheduler.openb import MILLI, GpuTask
+from gpuyard.scheduler.openb import MILLI, GpuTask, check_profile
 
 GENERIC_COLUMNS = ("submit_time", "duration", "num_gpus")
 PHILLY_COLUMNS = ("timestamp", "duration", "num_gpus", "cluster")
@@ -56,6 +56,7 @@ def load_trace(path: str | Path) -> list[TraceJob]:
         reader = csv.DictReader(fh)
         header = set(reader.fieldnames or [])
         philly = set(PHILLY_COLUMNS) <= header
+        mig_column = "mig" in header and not philly
         if set(OPENB_POD_COLUMNS) <= header:
             raise ConfigError(
                 f"trace {path} is an openb pod list (GPU shares): read it with gpuyard.scheduler.openb;"
@@ -82,6 +83,11 @@ def load_trace(path: str | Path) -> list[TraceJob]:
                 team = row.get("team") or "default"
                 priority = int(_number(row, "priority", where)) if row.get("priority") else 0
             duration = _number(row, "duration", where)
+            if mig_column and (row.get("mig") or "").strip():
+                raise ConfigError(
+                    f"{where}: mig {row['mig']!r}: a job asking for MIG slices, which `gpuyard sim` places"
+                    " slice by slice with --packing (load_share_trace)"
+                )
             asked = _number(row, "num_gpus", where)
             if asked != int(asked):
                 raise ConfigError(
@@ -100,7 +106,8 @@ def load_trace(path: str | Path) -> list[TraceJob]:
 
 
 def has_gpu_shares(path: str | Path) -> bool:
-    """True when ``path`` is a generic trace with a job asking for part of a GPU (num_gpus < 1)."""
+    """True when ``path`` is a generic trace with a job asking for part of a GPU (num_gpus < 1) or
+    for MIG slices (a ``mig`` column with a value)."""
     path = Path(path)
     if not path.is_file():
         return False
@@ -109,6 +116,8 @@ def has_gpu_shares(path: str | Path) -> bool:
         if not set(GENERIC_COLUMNS) <= set(reader.fieldnames or []):
             return False
         for row in reader:
+            if (row.get("mig") or "").strip():
+                return True
             try:
                 asked = float(row["num_gpus"])
             except (TypeError, ValueError):
@@ -123,9 +132,14 @@ def load_share_trace(path: str | Path) -> list[GpuTask]:
     simulator (:mod:`gpuyard.scheduler.packing`): submit time and duration become creation and
     duration, a share ``gpu_milli`` thousandths of one GPU; no CPU or memory is asked.
 
+    An optional ``mig`` column names a MIG profile (``3g.40gb``, :mod:`gpuyard.hardware.mig`); a job
+    with one there asks for ``num_gpus`` (a whole number >= 1) slices of it on one node, and nothing
+    else of a GPU; an empty ``mig`` is an ordinary job.
+
     Raises:
         NotFoundError: the file does not exist.
-        ConfigError: not the generic format, or a bad value (a share above 1 GPU, such as 1.5).
+        ConfigError: not the generic format, or a bad value (a share above 1 GPU, such as 1.5; an
+            unknown MIG profile; a MIG job whose num_gpus is not a count of slices).
     """
     path = Path(path)
     if not path.is_file():
@@ -143,6 +157,19 @@ def load_share_trace(path: str | Path) -> list[GpuTask]:
             asked = _number(row, "num_gpus", where)
             if duration < 0 or asked < 0:
                 raise ConfigError(f"{where}: duration and num_gpus must be >= 0")
+            if (row.get("mig") or "").strip():
+                profile = check_profile(row["mig"], where)
+                if asked < 1 or asked != int(asked):
+                    raise ConfigError(
+                        f"{where}: mig {profile} with num_gpus {asked:g}: for a MIG job num_gpus counts"
+                        " its slices (1, 2, ...)"
+                    )
+                tasks.append(
+                    GpuTask(
+                        f"job-{i - 2}", 0, 0, int(asked), 0, creation=submit, duration=duration, mig=profile
+                    )
+                )
+                continue
             if asked > 1 and asked != int(asked):
                 raise ConfigError(f"{where}: num_gpus {asked:g}: a share of one GPU (< 1) or whole GPUs")
             whole = asked >= 1 or asked == 0

@@ -86,7 +86,8 @@ def sim(
     openb_nodes: Path = typer.Option(
         None,
         "--node-list",
-        help="openb node list (default: openb_node_list_gpu_node.csv beside the openb trace).",
+        help="openb node list (default: openb_node_list_gpu_node.csv beside the openb trace); with a generic"
+        " trace, its nodes instead of --nodes. A mig column gives each node's MIG layout (as --mig).",
     ),
     packing: str = typer.Option(
         "fgd,bestfit",

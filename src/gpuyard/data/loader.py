@@ -10,15 +10,24 @@ generator and cut into batches, so a batch costs a few NumPy slices and no per-s
 Because blocks and permutations depend only on (seed, epoch, rank, worker, block), a position is just
 "rows emitted so far" per worker: :class:`ShardLoader` records it from every batch, and a run resumed
 from :meth:`ShardLoader.state_dict` yields exactly the batches the interrupted run would have.
+
+That position is per rank, so it holds only at the world size it was saved at. Global-batch mode
+(``LoaderConfig(global_batch_size=G)``) orders an epoch without reference to ranks: the rows in the
+epoch's shard order, cut into blocks of ``shuffle_buffer`` rows, each permuted by (seed, epoch,
+block), then cut into global batches of G rows (the tail dropped with ``drop_last``, else filled by
+wrapping to the start of the order); rank r of W takes rows ``[r*G/W, (r+1)*G/W)`` of every global
+batch. The position is then "global batches consumed", the same on every rank, and a state saved at
+one world size resumes at any other that divides G with exactly the next unseen rows.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -67,6 +76,10 @@ class LoaderConfig:
             each batch a gather from memory. No workers (``num_workers`` is ignored) and no
             ``shuffle_buffer``; memory holds the decoded columns. Batches differ from streaming
             mode's; a state saved in one mode is refused by the other.
+        global_batch_size: global-batch mode: rows per batch over all data-parallel ranks, each rank
+            taking its contiguous ``global_batch_size / world_size`` slice of every batch
+            (``batch_size`` is then unused). The order and the saved position do not depend on the
+            world size (or the worker count), so a state resumes at any world size dividing it.
     """
 
     batch_size: int = 256
@@ -78,12 +91,29 @@ class LoaderConfig:
     augment: bool = True
     drop_last: bool = False
     whole: bool = False
+    global_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.shuffle_buffer < 1:
             raise ConfigError(
                 f"batch_size and shuffle_buffer must be >= 1, got {self.batch_size}, {self.shuffle_buffer}"
             )
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ConfigError(f"global_batch_size must be >= 1, got {self.global_batch_size}")
+
+
+def rank_share(global_batch: int, world_size: int) -> int:
+    """Rows of each global batch that one of ``world_size`` ranks takes.
+
+    Raises:
+        ConfigError: the world size does not divide the global batch.
+    """
+    if global_batch % world_size:
+        raise ConfigError(
+            f"global_batch_size {global_batch} does not split evenly over world size {world_size}; "
+            "use a world size that divides it"
+        )
+    return global_batch // world_size
 
 
 def topology(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -142,6 +172,38 @@ class ShardDataset(IterableDataset[Batch]):
         self.epoch = int(epoch)
         self.start_positions = {}
 
+    @property
+    def batch_rows(self) -> int:
+        """Rows of a batch on this rank: ``batch_size``, or this rank's share of the global batch."""
+        g = self.config.global_batch_size
+        return self.config.batch_size if g is None else rank_share(g, topology(self.rank, self.world_size)[1])
+
+    def aug_key(self, rank: int, worker: int) -> tuple[int, ...]:
+        """Seed key of a consumer's augmentation; in global-batch mode it ignores the worker (whose
+        share of the batches depends on the worker count, which may change on resume)."""
+        glob = self.config.global_batch_size is not None
+        return (self.config.seed, self.epoch, rank, 0 if glob else worker)
+
+    def total_rows(self) -> int:
+        """Selected rows of the version (every rank's, one epoch)."""
+        if self.config.whole:
+            return len(next(iter(self.whole_arrays().values()))) if self._columns else 0
+        return sum(len(idx) for _, idx in self.consumer_range(0, 1, 0, 1))
+
+    def global_batch_count(self, rows: int | None = None) -> int:
+        """Global batches in an epoch (global-batch mode): ``rows // G`` with ``drop_last``, else
+        ``ceil(rows / G)`` (the last one filled from the start of the epoch's order).
+
+        Raises:
+            ConfigError: fewer rows than one global batch, with ``drop_last``.
+        """
+        g = self.config.global_batch_size
+        assert g is not None  # callers check the mode
+        n = self.total_rows() if rows is None else rows
+        if self.config.drop_last and 0 < n < g:
+            raise ConfigError(f"{n} rows is fewer than one global batch of {g} (with drop_last)")
+        return n // g if self.config.drop_last else -(-n // g)
+
     # -- planning ----------------------------------------------------------------------------------
 
     def _rows_per_shard(self) -> list[np.ndarray | None]:
@@ -186,6 +248,8 @@ class ShardDataset(IterableDataset[Batch]):
         r, w = topology(
             rank if rank is not None else self.rank, world_size if world_size is not None else self.world_size
         )
+        if self.config.global_batch_size is not None:
+            return self.global_batch_count() * rank_share(self.config.global_batch_size, w)
         return sum(len(idx) for k in range(workers) for _, idx in self.consumer_range(r, w, k, workers))
 
     # -- reading -----------------------------------------------------------------------------------
@@ -236,8 +300,10 @@ class ShardDataset(IterableDataset[Batch]):
         return np.asarray(col.to_numpy(zero_copy_only=False))
 
     def _block(
-        self, pieces: list[tuple[int, np.ndarray]], k: int, key: tuple[int, ...]
+        self, pieces: list[tuple[int, np.ndarray]], k: int, key: tuple[int, ...], permute: bool = True
     ) -> dict[str, np.ndarray]:
+        """Block ``k`` of ``pieces`` (``shuffle_buffer`` rows), permuted by (key, k) when shuffling
+        and ``permute``; unpermuted, a single piece's columns may be views of the decoded data."""
         size = self.config.shuffle_buffer
         lo, hi, pos, parts = k * size, (k + 1) * size, 0, []
         for shard, rows in pieces:
@@ -245,6 +311,11 @@ class ShardDataset(IterableDataset[Batch]):
             if a < b:
                 parts.append(self._read(shard, rows[a - pos : b - pos]))
             pos += len(rows)
+        if not permute:
+            return {
+                c: np.concatenate([p[c] for p in parts]) if len(parts) > 1 else parts[0][c]
+                for c in self._columns
+            }
         n = sum(len(next(iter(p.values()))) for p in parts) if parts else 0
         perm = np.random.default_rng([*key, k]).permutation(n) if self.config.shuffle else np.arange(n)
         return {
@@ -268,8 +339,8 @@ class ShardDataset(IterableDataset[Batch]):
             return
         # Shipments end at fixed row positions (multiples of ship_batches * batch_size), so a run
         # resumed mid-shipment ships the rest of it first and the batch order stays exactly the same.
-        span = self.ship_batches * self.config.batch_size
-        key = (self.config.seed, self.epoch, rank, logical)
+        span = self.ship_batches * self.batch_rows
+        key = self.aug_key(rank, logical)
         for arrays, pos in self._chunks(rank, world, logical, workers, start, span):
             yield self._shipment(arrays, logical, pos, key)
 
@@ -277,8 +348,8 @@ class ShardDataset(IterableDataset[Batch]):
         self, rank: int, world: int, worker: int, workers: int, start: int = 0
     ) -> Iterator[Batch]:
         """Batches of one (rank, worker) consumer this epoch, from row position ``start``."""
-        key = (self.config.seed, self.epoch, rank, worker)
-        for arrays, pos in self._chunks(rank, world, worker, workers, start, self.config.batch_size):
+        key = self.aug_key(rank, worker)
+        for arrays, pos in self._chunks(rank, world, worker, workers, start, self.batch_rows):
             yield self._batch(arrays, worker, pos, key)
 
     def _chunks(
@@ -288,6 +359,9 @@ class ShardDataset(IterableDataset[Batch]):
 
         Yields (column arrays, position after them). Blocks are read one ahead in a thread.
         """
+        if self.config.global_batch_size is not None:
+            yield from self._global_chunks(rank, world, worker, workers, start, span)
+            return
         # Reopen shards each epoch: remote ones then go through the cache again (and refresh its LRU).
         self.__dict__.pop("_files", None)
         self.__dict__.pop("_groups", None)
@@ -330,6 +404,93 @@ class ShardDataset(IterableDataset[Batch]):
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
+    def _global_chunks(
+        self, rank: int, world: int, worker: int, workers: int, start: int, span: int
+    ) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+        """Global-batch mode: this rank's rows from its position ``start``, cut at multiples of ``span``.
+
+        The epoch's rows (every rank's) form one stream in the seeded shard order; block k of it
+        (``shuffle_buffer`` rows) is permuted by (seed, epoch, k), and the permuted stream, wrapped
+        past its end, is cut into global batches of G rows, of which this rank takes its slice. The
+        rank's position p is ``batches * G/W + offset``; chunk j (positions ``[j*span, (j+1)*span)``)
+        goes to worker ``(j - start // span) % workers``, so DataLoader's round-robin from worker 0
+        yields them in order whatever the worker count. A rank decodes every block its rows fall in
+        (all of them: its rows are spread over each block); the next window of rows is read and
+        gathered ahead in a thread.
+        """
+        self.__dict__.pop("_files", None)
+        self.__dict__.pop("_groups", None)
+        g = self.config.global_batch_size
+        assert g is not None  # _chunks checks
+        per = rank_share(g, world)
+        pieces = self.consumer_range(0, 1, 0, 1)  # every selected row, in this epoch's shard order
+        n = sum(len(r) for _, r in pieces)
+        total = self.global_batch_count(n) * per
+        if start >= total:
+            return
+        size = self.config.shuffle_buffer
+
+        def permuted(local: np.ndarray) -> np.ndarray:
+            """Positions in the permuted epoch stream of this rank's positions ``local``."""
+            return ((local // per) * g + rank * per + local % per) % n
+
+        def load(k: int) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+            """Block k as stored, and its permutation (seeded by seed, epoch, k: no rank, no worker)."""
+            arrays = self._block(pieces, k, (), permute=False)
+            m = min(size, n - k * size)
+            perm = np.random.default_rng([self.config.seed, self.epoch, k]).permutation(m)
+            return arrays, perm if self.config.shuffle else None
+
+        blocks: OrderedDict[int, tuple[dict[str, np.ndarray], np.ndarray | None]] = OrderedDict()
+
+        def gather(lo: int, hi: int) -> dict[str, np.ndarray]:
+            """This rank's rows at positions [lo, hi), from the (at most 2) blocks kept decoded.
+            Runs in the read-ahead thread only: the blocks, open files and row groups are its own."""
+            q = permuted(np.arange(lo, hi))
+            ks = q // size
+            parts = []
+            for seg in np.split(np.arange(len(q)), np.flatnonzero(np.diff(ks)) + 1):
+                k = int(ks[seg[0]])
+                if k not in blocks:
+                    blocks[k] = load(k)
+                    while len(blocks) > 2:
+                        blocks.popitem(last=False)
+                blocks.move_to_end(k)
+                arrays, perm = blocks[k]
+                idx = q[seg] - k * size
+                if perm is not None:
+                    idx = perm[idx]
+                parts.append({c: a[idx] for c, a in arrays.items()})
+            return {
+                c: np.concatenate([p[c] for p in parts]) if len(parts) > 1 else parts[0][c]
+                for c in self._columns
+            }
+
+        # Without workers a window is about a block's worth of this rank's rows, cut into spans (per-
+        # batch index arithmetic would cost more than the gather); a worker's window is one shipment.
+        group = max(1, -(-size // (world * span))) if workers == 1 else 1
+        step = group if workers == 1 else workers
+        windows = (
+            (max(start, j * span), min((j + group) * span, total))
+            for j in range(start // span + worker, -(-total // span), step)
+        )
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuyard-prefetch")
+        try:
+            current = next(windows, None)
+            ahead = pool.submit(gather, *current) if current is not None else None
+            while current is not None and ahead is not None:
+                rows = ahead.result()
+                lo, hi = current
+                current = next(windows, None)  # the next window is gathered while this one is used
+                ahead = pool.submit(gather, *current) if current is not None else None
+                at = lo
+                while at < hi:
+                    cut = min((at // span + 1) * span, hi)
+                    yield {c: a[at - lo : cut - lo] for c, a in rows.items()}, cut
+                    at = cut
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
     def _augment_batch(self, images: torch.Tensor, pos: int, key: tuple[int, ...]) -> torch.Tensor:
         assert self._augment is not None  # callers check
         return augment(images, self._augment, batch_generator(*key, pos))
@@ -352,7 +513,7 @@ class ShardDataset(IterableDataset[Batch]):
         # Thread workers (shared=False) wrap the arrays as they are: they are fresh (the shuffle gather
         # made them), so augmenting them in place touches nothing else.
         n = len(arrays[self._columns[0]])
-        bs = self.config.batch_size
+        bs = self.batch_rows
         first = pos - n
         sizes = []
         at = first
@@ -400,14 +561,21 @@ class ShardDataset(IterableDataset[Batch]):
         """This rank's rows (indices into :meth:`whole_arrays`) this epoch, in the order they are read.
 
         One permutation of all rows seeded by (seed, epoch), cut into ``world`` equal parts (up to
-        ``world_size - 1`` rows per epoch are left out so ranks stay in step, as when streaming).
+        ``world_size - 1`` rows per epoch are left out so ranks stay in step, as when streaming). In
+        global-batch mode the permutation is cut into global batches instead (wrapped or dropped at
+        the tail, as when streaming) and the rank takes its slice of each.
         """
-        n = len(next(iter(self.whole_arrays().values()))) if self._columns else 0
+        n = self.total_rows()
         order = (
             np.random.default_rng([self.config.seed, self.epoch]).permutation(n)
             if self.config.shuffle
             else np.arange(n)
         )
+        g = self.config.global_batch_size
+        if g is not None:
+            per = rank_share(g, world)
+            local = np.arange(self.global_batch_count(n) * per)
+            return order[((local // per) * g + rank * per + local % per) % max(n, 1)]
         per_rank = n // world
         return order[rank * per_rank : (rank + 1) * per_rank]
 
@@ -415,9 +583,9 @@ class ShardDataset(IterableDataset[Batch]):
         """Batches of whole mode for ``rank`` this epoch, from row position ``start``."""
         arrays = self.whole_arrays()
         rows = self.whole_rows(rank, world)
-        bs = self.config.batch_size
+        bs = self.batch_rows
         total = len(rows) - (len(rows) % bs if self.config.drop_last else 0)
-        key = (self.config.seed, self.epoch, rank, 0)
+        key = self.aug_key(rank, 0)
         for pos in range(start, total, bs):
             idx = rows[pos : min(pos + bs, total)]
             picked = {c: a[idx] if a.dtype == object else np.take(a, idx, axis=0) for c, a in arrays.items()}
@@ -458,6 +626,10 @@ class ShardLoader:
     DataLoader processes: the same batches in the same order (states carry over between modes), without
     the per-shipment cost of shared memory; faster for small samples on few cores (see docs/data.md).
     Process workers suit augmentation-heavy pipelines whose Python work would contend for the GIL.
+
+    In global-batch mode (``LoaderConfig(global_batch_size=G)``, or :meth:`set_global_batch`) the
+    state is the global position (global batches consumed, the same on every rank): it resumes at any
+    world size that divides G, and with any worker count.
     """
 
     def __init__(
@@ -488,6 +660,24 @@ class ShardLoader:
         self.multiprocessing_context = multiprocessing_context
         self._positions: dict[int, int] = {}
         self._next_worker = 0
+        self._done = 0  # global-batch mode: global batches of this epoch consumed
+
+    def set_global_batch(self, global_batch: int, rank: int, world_size: int) -> None:
+        """Take global batches of ``global_batch`` rows, this rank's ``global_batch / world_size``
+        slice of each (the trainer calls this for ``data.global_batch_size``).
+
+        Raises:
+            ConfigError: the world size does not divide the global batch, or the config already
+                names another global batch size.
+        """
+        ds = self.dataset
+        old = ds.config.global_batch_size
+        if old is not None and old != global_batch:
+            raise ConfigError(f"global_batch_size: this loader was made with {old}, asked for {global_batch}")
+        rank_share(global_batch, world_size)
+        topology(rank, world_size)
+        ds.config = replace(ds.config, global_batch_size=global_batch)
+        ds.rank, ds.world_size = rank, world_size
 
     @property
     def epoch(self) -> int:
@@ -497,12 +687,15 @@ class ShardLoader:
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning (call before each epoch, as with DistributedSampler)."""
         self.dataset.set_epoch(epoch)
-        self._positions, self._next_worker = {}, 0
+        self._positions, self._next_worker, self._done = {}, 0, 0
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch."""
         workers = max(1, self.num_workers)
         r, w = topology(self.dataset.rank, self.dataset.world_size)
+        if self.dataset.config.global_batch_size is not None:
+            rank_share(self.dataset.config.global_batch_size, w)
+            return self.dataset.global_batch_count()
         bs, drop = self.dataset.config.batch_size, self.dataset.config.drop_last
         if self.dataset.config.whole:
             n = len(self.dataset.whole_rows(r, w))
@@ -516,17 +709,30 @@ class ShardLoader:
         ds = self.dataset
         # Resolved here, in the main process: DataLoader workers have no process group.
         ds.rank, ds.world_size = topology(ds.rank, ds.world_size)
+        bs = ds.batch_rows  # refuses a world size that does not divide the global batch
+        glob = ds.config.global_batch_size is not None
         if ds.config.whole:
-            batches = ds.iter_whole(ds.rank, ds.world_size, self._positions.get(0, 0))
-            yield from self._batches(batches, ds.config.batch_size, 1, pin=self.pin_memory)
+            start = self._done * bs if glob else self._positions.get(0, 0)
+            yield from self._batches(ds.iter_whole(ds.rank, ds.world_size, start), bs, 1, pin=self.pin_memory)
             return
         ds._rows_per_shard()  # read split membership once, before workers copy the dataset
         workers = max(1, self.num_workers)
-        ds.start_positions = dict(self._positions)
-        # DataLoader asks workers round-robin from worker 0; start the cycle at the worker that is due.
-        ds.worker_offset = self._next_worker % workers
-        ds.ship_batches = max(1, SHIPMENT_ROWS // ds.config.batch_size) if self.num_workers else 1
-        span = ds.ship_batches * ds.config.batch_size
+        if glob:  # every worker starts from the rank's position; chunks are dealt from worker 0
+            ds.start_positions = dict.fromkeys(range(workers), self._done * bs)
+            ds.worker_offset = 0
+        else:
+            ds.start_positions = dict(self._positions)
+            # DataLoader asks workers round-robin from worker 0; start the cycle at the worker that is due.
+            ds.worker_offset = self._next_worker % workers
+        ds.ship_batches = max(1, SHIPMENT_ROWS // bs) if self.num_workers else 1
+        if glob and self.num_workers:
+            # Whole blocks per shipment where the global batch allows it: a worker's shipment then
+            # needs only its own blocks, and no block is decoded by two workers.
+            g, size = ds.config.global_batch_size or 1, ds.config.shuffle_buffer
+            aligned = math.lcm(g, size) // g  # global batches in a whole number of blocks
+            if aligned <= 4 * ds.ship_batches:
+                ds.ship_batches = -(-ds.ship_batches // aligned) * aligned
+        span = ds.ship_batches * bs
         if self.worker_mode == "thread" and self.num_workers:
             shipments: Iterator[Batch] = iter_shipments(
                 ds,
@@ -566,9 +772,12 @@ class ShardLoader:
         self, shipments: Iterator[Batch], span: int, workers: int, pin: bool = False
     ) -> Iterator[Batch]:
         """Batches of ``shipments``, recording each one's worker and position for :meth:`state_dict`."""
+        per = self.dataset.batch_rows if self.dataset.config.global_batch_size is not None else 0
         for shipment in shipments:
             for batch, worker, pos in _unpack(shipment):
                 self._positions[worker] = pos
+                if per:  # global-batch mode: batches arrive in order, each one global batch's slice
+                    self._done = pos // per
                 # The next batch comes from this worker until its shipment is done, then from the next.
                 self._next_worker = worker if pos % span else (worker + 1) % workers
                 if pin:  # DataLoader pins in a thread of its own; thread workers' batches are pinned here
@@ -576,13 +785,29 @@ class ShardLoader:
                         k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()
                     }
                 yield batch
-        self._positions, self._next_worker = {}, 0
+        self._positions, self._next_worker, self._done = {}, 0, 0
         self.dataset.start_positions, self.dataset.worker_offset = {}, 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The position to resume from: epoch, per-worker rows emitted, and the settings they depend on."""
+        """The position to resume from: epoch, per-worker rows emitted, and the settings they depend on.
+
+        In global-batch mode: epoch and ``samples`` (global batches consumed x global batch), the same
+        on every rank and meaningful at any world size dividing the global batch.
+        """
         ds = self.dataset
         rank, world = topology(ds.rank, ds.world_size)
+        g = ds.config.global_batch_size
+        if g is not None:
+            return {
+                "dataset": ds.version.ref,
+                "epoch": ds.epoch,
+                "seed": ds.config.seed,
+                "shuffle_buffer": ds.config.shuffle_buffer,
+                "whole": ds.config.whole,
+                "global_batch_size": g,
+                "samples": self._done * g,
+                "world_size": world,
+            }
         return {
             "dataset": ds.version.ref,
             "epoch": ds.epoch,
@@ -600,12 +825,35 @@ class ShardLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` of a loader with the same dataset version and settings.
 
+        A global-batch state resumes at any world size dividing its global batch and any worker count;
+        a per-rank state only at the world size and worker count it was saved with.
+
         Raises:
             ConfigError: the state was taken with another version, seed, batch size, buffer, worker
-                count or world size (the position would not mean the same rows).
+                count or world size (the position would not mean the same rows), or in the other mode.
         """
         ds = self.dataset
         _, world = topology(ds.rank, ds.world_size)
+        g, saved_g = ds.config.global_batch_size, state.get("global_batch_size")
+        if g is not None and saved_g is None:
+            raise ConfigError(
+                f"loader state was saved in per-rank mode (world size {state.get('world_size')}), this "
+                f"loader takes global batches of {g}: a per-rank position cannot be resumed as a global one"
+            )
+        if g is None and saved_g is not None:
+            raise ConfigError(
+                f"loader state was saved in global-batch mode (global_batch_size={saved_g}); resume it "
+                f"with LoaderConfig(global_batch_size={saved_g})"
+            )
+        if g is not None:
+            self._load_global(state, g, world)
+            return
+        if state.get("world_size") != world:
+            raise ConfigError(
+                f"loader state was saved in per-rank mode at world size {state.get('world_size')}, this "
+                f"loader has world size {world}: a per-rank position cannot move to another world size "
+                "(use global_batch_size, data.global_batch_size in a train spec, from the start)"
+            )
         mine = {
             "dataset": ds.version.ref,
             "seed": ds.config.seed,
@@ -621,3 +869,24 @@ class ShardLoader:
         ds.set_epoch(int(state["epoch"]))
         self._positions = {int(k): int(v) for k, v in state["positions"].items()}
         self._next_worker = int(state["next_worker"])
+
+    def _load_global(self, state: dict[str, Any], g: int, world: int) -> None:
+        ds = self.dataset
+        mine = {
+            "dataset": ds.version.ref,
+            "seed": ds.config.seed,
+            "shuffle_buffer": ds.config.shuffle_buffer,
+            "whole": ds.config.whole,
+            "global_batch_size": g,
+        }
+        for key, value in mine.items():
+            if state.get(key) != value:
+                raise ConfigError(f"loader state has {key}={state.get(key)!r}, this loader has {value!r}")
+        rank_share(g, world)
+        samples = int(state["samples"])
+        if samples % g:
+            raise ConfigError(
+                f"loader state has samples={samples}, not a whole number of global batches of {g}"
+            )
+        ds.set_epoch(int(state["epoch"]))
+        self._positions, self._next_worker, self._done = {}, 0, samples // g

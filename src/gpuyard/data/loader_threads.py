@@ -48,7 +48,7 @@ class _Worker:
     def _run(self) -> None:
         rank, world, worker, workers, start, span = self.args
         ds = self.ds
-        key = (ds.config.seed, ds.epoch, rank, worker)
+        key = ds.aug_key(rank, worker)
         try:
             for arrays, pos in ds._chunks(rank, world, worker, workers, start, span):
                 if not self._put(ds._shipment(arrays, worker, pos, key, shared=False)):
@@ -76,7 +76,7 @@ def iter_shipments(
         first: the logical worker due first.
         depth: shipments each thread may prepare ahead (DataLoader's ``prefetch_factor``).
     """
-    span = ds.ship_batches * ds.config.batch_size
+    span = ds.ship_batches * ds.batch_rows
     pool = [_Worker(ds, (rank, world, k, workers, starts.get(k, 0), span), depth) for k in range(workers)]
     try:
         active = [(first + i) % workers for i in range(workers)]

@@ -7,7 +7,10 @@ Two kinds of training data are accepted:
   or, with ``data.global_batch_size``, :class:`GlobalBatchSampler`, whose order and global batches
   do not depend on the world size (a run can resume at another world size);
 * any iterable loader with ``state_dict()`` / ``load_state_dict()`` (and optionally
-  ``set_epoch(epoch)``): the loader owns its position, gpuyard saves and restores it per rank.
+  ``set_epoch(epoch)``): the loader owns its position, gpuyard saves and restores it per rank. With
+  ``data.global_batch_size`` the loader must also have ``set_global_batch(global_batch, dp_rank,
+  dp_size)`` (gpuyard.data's ``ShardLoader`` has): it then takes this rank's slice of global batches
+  and its position is global, so the run can resume at another world size too.
 """
 
 from __future__ import annotations
@@ -243,10 +246,15 @@ def check_position(state: dict[str, Any], dp_size: int, batch_size: int, global_
 
 
 class LoaderSource:
-    """A loader that keeps its own position (the `state_dict`/`load_state_dict` protocol)."""
+    """A loader that keeps its own position (the `state_dict`/`load_state_dict` protocol).
 
-    def __init__(self, loader: Any) -> None:
+    `global_batch` is set when the loader takes global batches (``set_global_batch``): its position
+    then means the same samples at any data-parallel size dividing the global batch.
+    """
+
+    def __init__(self, loader: Any, global_batch: int | None = None) -> None:
         self.loader = loader
+        self.global_batch = global_batch
 
     def set_epoch(self, epoch: int) -> None:
         """Forward to the loader's set_epoch when it has one."""
@@ -266,6 +274,23 @@ class LoaderSource:
 
 
 DataSource = MapSource | LoaderSource
+
+
+def check_loader_position(state: dict[str, Any], global_batch: int | None) -> None:
+    """Refuse a saved loader position in global-batch mode that this run's global batch cannot resume
+    (the launcher's check, before workers start; the loader itself checks the rest).
+
+    Raises:
+        ConfigError: one line naming the setting that differs.
+    """
+    saved = state.get("global_batch_size")
+    if saved is None:
+        return
+    if global_batch != saved:
+        raise ConfigError(
+            f"data.global_batch_size: the checkpoint's loader took global batches of {saved} samples per "
+            f"micro-batch, this run has {global_batch}; resuming exactly needs the same global batch"
+        )
 
 
 def rank_batch_size(
@@ -321,15 +346,23 @@ def make_source(
 ) -> DataSource:
     """Wrap what a data factory returned as a resumable source (`global_batch`: see MapSource).
 
+    A loader given a `global_batch` is told its share through ``set_global_batch(global_batch,
+    dp_rank, dp_size)``.
+
     Raises:
-        ConfigError: for an iterable without a saveable position (exact resume would be impossible).
+        ConfigError: for an iterable without a saveable position (exact resume would be impossible),
+            or a global batch for a loader that cannot take one.
     """
     if is_resumable_loader(obj) and not (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")):
-        if global_batch is not None:
+        if global_batch is None:
+            return LoaderSource(obj)
+        if not callable(getattr(obj, "set_global_batch", None)):
             raise ConfigError(
-                f"{field}: data.global_batch_size needs a map-style Dataset; a loader sets its own batch"
+                f"{field}: data.global_batch_size needs a map-style Dataset or a loader with "
+                "set_global_batch (gpuyard.data's ShardLoader); this loader sets its own batch"
             )
-        return LoaderSource(obj)
+        obj.set_global_batch(global_batch, dp_rank, dp_size)
+        return LoaderSource(obj, global_batch)
     if hasattr(obj, "__getitem__") and hasattr(obj, "__len__"):
         if len(obj) < dp_size:
             raise ConfigError(f"{field}: {len(obj)} samples is fewer than the {dp_size} data-parallel ranks")

@@ -6,7 +6,9 @@ from whatever shards the checkpoint holds, so DCP reshards. The per-rank state n
 
 * the data position must mean the same samples: a map-style dataset with ``data.global_batch_size``
   counts global batches of a world-size independent order (:class:`GlobalBatchSampler`), checked
-  by :func:`gpuyard.train.data.check_position`; a loader with its own per-rank position cannot be
+  by :func:`gpuyard.train.data.check_position`; a loader in global-batch mode (gpuyard.data's
+  ``ShardLoader``, told ``data.global_batch_size`` through ``set_global_batch``) saves its global
+  position and checks it itself when loading; a loader with its own per-rank position cannot be
   carried to another world size and is refused here;
 * RNG states belong to ranks that may no longer exist: each rank is seeded afresh from
   (seed, step, data-parallel rank, pipeline stage) rather than all ranks copying rank 0's stream
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuyard.errors import ConfigError
 from gpuyard.train import components as comp
-from gpuyard.train.data import LoaderSource, check_position, rank_batch_size
+from gpuyard.train.data import LoaderSource, check_loader_position, check_position, rank_batch_size
 
 if TYPE_CHECKING:
     from gpuyard.train.parallel import MeshLayout
@@ -53,7 +55,7 @@ def check_resizable(meta: dict[str, Any], world_size: int, layout: list[int], so
 
     Raises:
         ConfigError: pipeline or tensor-parallel size changed, or the data position is a loader's
-            own (per-rank) one.
+            own per-rank one (a loader in global-batch mode is accepted).
     """
     saved_size, saved_layout = saved_world(meta)
     if saved_layout is not None:
@@ -64,11 +66,11 @@ def check_resizable(meta: dict[str, Any], world_size: int, layout: list[int], so
                     f"parallel.{name}: the checkpoint was written with {name}={old}, this run has "
                     f"{name}={new}; a resume at another world size may change only dp"
                 )
-    if isinstance(source, LoaderSource):
+    if isinstance(source, LoaderSource) and source.global_batch is None:
         raise ConfigError(
             f"data.train: the checkpoint was written at world size {saved_size}, this run has "
-            f"{world_size}, and a loader keeps its own per-rank position; use a map-style Dataset "
-            "with data.global_batch_size to resume at another world size"
+            f"{world_size}, and a loader keeps its own per-rank position; use data.global_batch_size "
+            "(a map-style Dataset, or gpuyard.data's ShardLoader) to resume at another world size"
         )
 
 
@@ -106,7 +108,8 @@ def check_resume(spec: TrainSpec, layout: MeshLayout) -> None:
 
     Raises:
         ConfigError: the newest checkpoint was written at another world size and cannot be resumed
-            at this one (pp/tp changed, a per-rank batch, a loader's own position).
+            at this one (pp/tp changed, a per-rank batch, a loader's own per-rank position, another
+            global batch).
     """
     import torch
 
@@ -121,9 +124,12 @@ def check_resume(spec: TrainSpec, layout: MeshLayout) -> None:
     rank0 = path / "rank0.pt"
     state = torch.load(rank0, weights_only=True) if rank0.is_file() else {}
     data = state.get("data", {})
-    source = None if "batches_done" in data or not data else LoaderSource(None)
-    check_resizable(meta, layout.world_size, new, source)
     d = spec.data
+    loader_global = data.get("global_batch_size") if "batches_done" not in data else None
+    source = None if "batches_done" in data or not data else LoaderSource(None, loader_global)
+    check_resizable(meta, layout.world_size, new, source)
     batch, global_batch = rank_batch_size(d.batch_size, d.global_batch_size, layout.dp, spec.grad_accum)
     if "batches_done" in data:
         check_position(data, layout.dp, batch, global_batch)
+    elif loader_global is not None:
+        check_loader_position(data, global_batch)

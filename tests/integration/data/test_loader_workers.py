@@ -96,3 +96,41 @@ def test_thread_workers_yield_what_worker_processes_yield(version: DatasetVersio
     resumed.load_state_dict(half.state_dict())
     rest = [x["id"] for x in resumed]
     assert all(torch.equal(p[0], q) for p, q in zip(a, head + rest, strict=True))
+
+
+def test_global_batches_with_worker_processes_resume_at_another_world_size(
+    version: DatasetVersion, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Global-batch mode: 2 ranks with 2 persistent worker processes each yield the same global batches
+    # (and augmentation) as 2 ranks without workers; their state resumes on 3 ranks with thread workers.
+    import gpuyard.data.loader as loader_module
+
+    monkeypatch.setattr(loader_module, "SHIPMENT_ROWS", 96)  # shipments of 2 batches: workers alternate
+    cfg = LoaderConfig(global_batch_size=96, shuffle_buffer=300, seed=2)
+
+    def ranks(world: int, **kw: object) -> list[ShardLoader]:
+        return [ShardLoader(version, cfg, rank=r, world_size=world, **kw) for r in range(world)]  # type: ignore[arg-type]
+
+    plain = [[(b["id"], b["image"]) for b in loader] for loader in ranks(2)]
+    procs = ranks(2, num_workers=2, persistent_workers=True)
+    its = [iter(loader) for loader in procs]
+    head = [[next(it) for _ in range(17)] for it in its]  # inside the ninth shipment
+    state = procs[0].state_dict()
+    assert state == {**procs[1].state_dict(), "world_size": 2} and state["samples"] == 17 * 96
+    for r in range(2):
+        got = [(b["id"], b["image"]) for b in head[r]]
+        assert all(
+            torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            for a, b in zip(plain[r][:17], got, strict=True)
+        )
+    del its
+    whole = [torch.cat([plain[0][k][0], plain[1][k][0]]) for k in range(len(plain[0]))]
+    resumed = ranks(3, num_workers=2, worker_mode="thread")
+    for loader in resumed:
+        loader.load_state_dict(state)
+    tail = [
+        torch.cat(parts) for parts in zip(*[[b["id"] for b in loader] for loader in resumed], strict=True)
+    ]
+    assert len(tail) == len(whole) - 17 and all(
+        torch.equal(a, b) for a, b in zip(whole[17:], tail, strict=True)
+    )

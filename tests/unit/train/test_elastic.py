@@ -16,6 +16,7 @@ from gpuyard.train.data import (
     GlobalBatchSampler,
     LoaderSource,
     MapSource,
+    check_loader_position,
     check_position,
     make_source,
     rank_batch_size,
@@ -141,8 +142,41 @@ def test_spec_takes_one_batch_size() -> None:
 
 
 def test_a_loader_refuses_a_global_batch() -> None:
-    with pytest.raises(ConfigError, match="global_batch_size needs a map-style Dataset"):
+    with pytest.raises(
+        ConfigError, match="global_batch_size needs a map-style Dataset or a loader with set_"
+    ):
         make_source(ex.classification_loader(32, batch_size=4), "data.train", 4, 0, 1, True, 0, True, 0, 8)
+
+
+def test_gpuyard_loader_takes_the_global_batch_and_resumes_resized(
+    gpuyard_home: Path, tmp_path: Path
+) -> None:
+    import numpy as np
+
+    from gpuyard.data import IngestOptions, ingest
+    from gpuyard.data.loader import LoaderConfig, ShardLoader
+
+    np.savez(tmp_path / "rows.npz", id=np.arange(40), label=np.arange(40) % 4)
+    version = ingest(tmp_path / "rows.npz", "rows", IngestOptions())
+    loader = ShardLoader(version, LoaderConfig(batch_size=3, seed=1))  # gives way to the global batch
+    source = make_source(loader, "data.train", 4, 1, 2, True, 0, False, 0, 8)
+    assert isinstance(source, LoaderSource) and source.global_batch == 8
+    ds = loader.dataset
+    assert ds.config.global_batch_size == 8 and (ds.rank, ds.world_size) == (1, 2)
+    batches = list(source)
+    assert len(batches) == len(loader) == 5 and all(len(b["id"]) == 4 for b in batches)
+    # Resized: a loader in global-batch mode is accepted (it checks its own state when loading) ...
+    meta = {"world_size": 2, "layout": [1, 2, 1]}
+    kw = {"seed": 0, "dp_rank": 0, "stage": 0, "world_size": 1, "layout": [1, 1, 1]}
+    assert adapt_rank_state(_state(), meta, source=source, **kw)["step"] == 5
+    # ... and the launcher refuses another global batch before starting workers.
+    state = source.state_dict()
+    check_loader_position(state, 8)
+    check_loader_position({"positions": {}}, 16)  # a per-rank state: refused elsewhere, by world size
+    with pytest.raises(ConfigError, match="global batches of 8 samples per micro-batch, this run has 16"):
+        check_loader_position(state, 16)
+    with pytest.raises(ConfigError, match="global batches of 8 samples per micro-batch, this run has None"):
+        check_loader_position(state, None)
 
 
 def _state(step: int = 5) -> dict:

@@ -50,6 +50,10 @@ class _Flatten:
     def set_epoch(self, epoch: int) -> None:
         self.loader.set_epoch(epoch)
 
+    def set_global_batch(self, global_batch: int, rank: int, world_size: int) -> None:
+        """Global-batch mode (``data.global_batch_size``: resumable at another world size)."""
+        self.loader.set_global_batch(global_batch, rank, world_size)
+
     def state_dict(self) -> dict[str, Any]:
         return dict(self.loader.state_dict())
 

@@ -419,7 +419,7 @@ class NodeHealthMonitor:
 
     The scheduling loop calls :meth:`maybe_check_nodes` every tick; when a check is due it runs in a
     thread of its own (a self-test takes seconds), so scheduling never waits for it. The check itself
-    is a :class:`gpuyard.hardware.health.NodeChecker`, the same that runs on each node of a Ray cluster
+    is a :class:`gpuyard.hardware.checker.NodeChecker`, the same that runs on each node of a Ray cluster
     (:class:`RayHealthMonitor`).
 
     Args:
@@ -445,7 +445,8 @@ class NodeHealthMonitor:
         import threading
         import time
 
-        from gpuyard.hardware.health import NodeCheckConfig, NodeChecker
+        from gpuyard.hardware.checker import NodeChecker
+        from gpuyard.hardware.health import NodeCheckConfig
 
         self.states, self.node = states, node
         self.config = config or NodeCheckConfig()
@@ -515,7 +516,7 @@ class RayHealthMonitor(NodeHealthMonitor):
     """The periodic health check of every node of a Ray cluster, each node's run on that node.
 
     Each round (every ``interval_s``, in a thread, as :class:`NodeHealthMonitor`) asks the executor to
-    run :class:`gpuyard.hardware.health.NodeChecker` on every node at once, each by an actor pinned to
+    run :class:`gpuyard.hardware.checker.NodeChecker` on every node at once, each by an actor pinned to
     its node that keeps the node's checker between rounds
     (:meth:`gpuyard.scheduler.executors.ray.RayExecutor.check_nodes_health`), waits at most
     ``remote_timeout_s`` (plus ``selftest_timeout_s`` per GPU when self-tests may run), and records
@@ -534,7 +535,7 @@ class RayHealthMonitor(NodeHealthMonitor):
         nodes: the scheduler's nodes (``NodeSpec``) checked.
         config: what to check, how often, the limits.
         fakes: node name -> a node description file whose fake NVML and self-tests stand in for that
-            node's (tests, what-if: :meth:`gpuyard.hardware.health.NodeChecker.from_description`).
+            node's (tests, what-if: :meth:`gpuyard.hardware.checker.NodeChecker.from_description`).
         clock: seconds, monotonic (tests).
     """
 

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from gpuyard.hardware.checker import NodeChecker
 from gpuyard.hardware.fake import FakeNvml, fake_selftest, load_description
-from gpuyard.hardware.health import NodeCheckConfig, NodeChecker
+from gpuyard.hardware.health import NodeCheckConfig
 from gpuyard.scheduler.nodes import NodeStates, RayHealthMonitor
 from gpuyard.scheduler.placement import NodeSpec
 

@@ -67,7 +67,7 @@ class _HealthAgent:
     """Keeps one node's health checker (NVML open between checks: Xid events arrive on it) and runs it."""
 
     def __init__(self, config: Any, fake: str | None) -> None:
-        from gpuyard.hardware.health import NodeChecker
+        from gpuyard.hardware.checker import NodeChecker
 
         self.checker = NodeChecker.from_description(fake, config) if fake else NodeChecker(config)
 
@@ -250,7 +250,7 @@ class RayExecutor(Executor):
     ) -> dict[str, Any]:
         """Run the health check of each node of ``busy`` on that node, all at once.
 
-        Each node's check (:class:`gpuyard.hardware.health.NodeChecker`) runs in an actor pinned to
+        Each node's check (:class:`gpuyard.hardware.checker.NodeChecker`) runs in an actor pinned to
         the node (``NodeAffinitySchedulingStrategy``, not soft; no CPU or GPU reserved), started on the
         first call and kept, so NVML stays open between checks (Xid events arrive on it), NVLink error
         totals have a baseline and self-tests keep their interval. Not detached: the actors end with

@@ -178,6 +178,17 @@ class Recipe(BaseModel):
         cols |= {c for n in self.normalize for c in n.columns} | {e.column for e in self.encode}
         return sorted(cols)
 
+    def written_columns(self) -> set[str]:
+        """What the steps create or change: derived, image and text outputs, split, fold, scaled, encoded."""
+        cols = {d.name for d in self.derive}
+        cols |= {im.output or im.column for im in self.image} | {
+            th.output or th.column for th in self.text_hash
+        }
+        if self.split is not None:
+            cols |= {"split", "fold"}
+        cols |= {c for n in self.normalize for c in n.columns} | {e.column for e in self.encode}
+        return cols
+
     def to_json(self) -> dict[str, Any]:
         """The form stored in manifests (defaults included, so the recipe is explicit)."""
         return self.model_dump(mode="json")

@@ -162,7 +162,11 @@ def _opt(fn: Any, a: float | None, b: float | None) -> float | None:
 
 
 def finish(merged: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The manifest form: count, nulls, min, max, mean, std (population), distinct and top values."""
+    """The manifest form: count, nulls, min, max, mean, std (population), distinct and top values.
+
+    Float columns also count their values that are neither null nor finite (``nonfinite``: NaN and
+    infinities, which the moments leave out).
+    """
     out: dict[str, dict[str, Any]] = {}
     for name, p in merged.items():
         doc: dict[str, Any] = {"kind": p["kind"], "count": p["count"], "nulls": p["nulls"]}
@@ -171,6 +175,8 @@ def finish(merged: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             mean = p["sum"] / n if n else None
             var = max(0.0, p["sumsq"] / n - mean * mean) if n and mean is not None else None
             doc.update(min=p["min"], max=p["max"], mean=mean, std=math.sqrt(var) if var is not None else None)
+            if p["kind"] == "float":  # NaN and infinities: left out of the moments, counted here
+                doc["nonfinite"] = p["count"] - p["nulls"] - n
         if "shape" in p:
             doc.update(shape=p["shape"], dtype=p["dtype"])
         if "values" in p:

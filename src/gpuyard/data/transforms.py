@@ -9,8 +9,10 @@ them and writes the output shards. The fitted statistics are saved in the manife
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from collections import Counter, deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -118,7 +120,7 @@ def apply_shard(task: dict[str, Any]) -> dict[str, Any]:
     encodes the transformed pieces, in order, into the output shard. Memory holds a few pieces and
     the encoded output, never the decoded shard; and a lone shard still keeps every core busy.
     """
-    from gpuyard.data.shards import ShardWriter, read_groups, store_encoded
+    from gpuyard.data.shards import ShardWriter, declare_required, read_groups, store_encoded
     from gpuyard.data.stats import merge
     from gpuyard.store.artifacts import ArtifactStore
 
@@ -127,12 +129,15 @@ def apply_shard(task: dict[str, Any]) -> dict[str, Any]:
     names = np.array(task.get("split_names") or [], dtype=object)
     local = threading.local()
 
+    kept = task.get("kept_columns") or []
+    required = task.get("required") or []
+
     def piece(start: int, groups: list[int]) -> tuple[pa.Table, dict[str, Any]]:
         if not hasattr(local, "pf"):  # a Parquet reader is not shared between threads
             local.pf = _open(task)[0]
         table = _with_split(ft.features(read_groups(local.pf, name, groups)), task, names, start)
         table, known = ft.finish_counted(table)
-        return table, _piece_stats(table, known)
+        return declare_required(table, required), _piece_stats(table, known, kept)
 
     writer: ShardWriter | None = None
     partials: list[dict[str, Any]] = []
@@ -171,20 +176,28 @@ def _with_split(table: pa.Table, task: dict[str, Any], names: np.ndarray, start:
     if task.get("split") is None:
         return table
     stop = start + table.num_rows
-    table = table.append_column("split", pa.array(names[task["split"][start:stop]], pa.string()))
+    split = pa.array(names[task["split"][start:stop]], pa.string())
+    table = table.append_column(pa.field("split", pa.string(), nullable=False), split)
     if task.get("fold") is not None:
-        table = table.append_column("fold", pa.array(task["fold"][start:stop].astype(np.int8)))
+        fold = pa.array(task["fold"][start:stop].astype(np.int8))
+        table = table.append_column(pa.field("fold", pa.int8(), nullable=False), fold)
     return table
 
 
-def _piece_stats(table: pa.Table, known: dict[str, int]) -> dict[str, Any]:
-    """Partial statistics of transformed rows; one-hot columns' from their known-row counts."""
+def _piece_stats(table: pa.Table, known: dict[str, int], kept: Sequence[str] = ()) -> dict[str, Any]:
+    """Partial statistics of transformed rows; one-hot columns' from their known-row counts.
+
+    Columns in ``kept`` (input columns the recipe leaves as they are) are left out: the transform
+    takes their statistics from the input version.
+    """
     from gpuyard.data.stats import partial_stats
 
-    rest = partial_stats(table.drop_columns(list(known)) if known else table)
+    skip = [c for c in (*known, *kept) if c in table.column_names]
+    rest = partial_stats(table.drop_columns(skip) if skip else table)
     return {
         f.name: onehot_partial(f, table.num_rows, known[f.name]) if f.name in known else rest[f.name]
         for f in table.schema
+        if f.name in known or f.name not in kept
     }
 
 
@@ -205,6 +218,40 @@ def onehot_partial(field: pa.Field, rows: int, known: int) -> dict[str, Any]:
         out.update(min=1.0 if known == size else 0.0, max=1.0 if known else 0.0)
     out.update(shape=list(spec.shape), dtype=spec.dtype)
     return out
+
+
+def _kept_stats(recipe: Recipe, ds: DatasetVersion) -> dict[str, Any]:
+    """The input's statistics of the columns the recipe leaves as they are.
+
+    A transform keeps every row, in order, and passes these columns through unchanged, so their
+    statistics are the input version's (computing them again cost about a third of the statistics'
+    CPU for an id column: 4.4 ms per 1.4M rows).
+    """
+    written = recipe.written_columns()
+    stats = ds.stats
+    return {c: stats[c] for c in ds.columns if c in stats and c not in written and c not in recipe.drop}
+
+
+def _never_null(recipe: Recipe, ds: DatasetVersion, fitted: dict[str, Any]) -> list[str]:
+    """Scaled columns that cannot hold a null in any shard, declared required in the output.
+
+    Scaling maps a null or a NaN to null and a finite value, with a finite shift and factor, to a
+    value: an input column whose statistics count no null and (for floats) no NaN or infinity gives
+    none. Older versions' statistics lack the count of non-finite floats: their float columns stay
+    nullable, as do columns a derive, image or text step writes (the statistics are the input's).
+    """
+    made = {d.name for d in recipe.derive} | {im.output or im.column for im in recipe.image}
+    made |= {th.output or th.column for th in recipe.text_hash}
+    stats = ds.stats
+    out = []
+    for col, p in fitted.get("normalize", {}).items():
+        st = stats.get(col, {})
+        finite = st.get("kind") in ("int", "bool") or st.get("nonfinite") == 0
+        shift, scale = (p["mean"], p["std"]) if p["method"] == "zscore" else (p["min"], p["max"] - p["min"])
+        factor = 1.0 / scale if scale else 1.0
+        if col not in made and st.get("nulls") == 0 and finite and math.isfinite(shift + factor):
+            out.append(col)
+    return sorted(out)
 
 
 def fit_from_stats(recipe: Recipe, ds: DatasetVersion) -> dict[str, Any] | None:
@@ -356,17 +403,24 @@ def transform(
             needed = [c for c in recipe.input_columns() if c in ds.columns]
             fit_tasks = [{**t, "columns": needed} for t in tasks]
             fitted = merge_fit(recipe, run_tasks(fit_shard, fit_tasks, stage="fit", **run))
-        results = run_tasks(apply_shard, [{**t, "fitted": fitted} for t in tasks], stage="apply", **run)
+        kept = _kept_stats(recipe, ds)
+        required = _never_null(recipe, ds, fitted)
+        apply_tasks = [
+            {**t, "fitted": fitted, "kept_columns": sorted(kept), "required": required} for t in tasks
+        ]
+        results = run_tasks(apply_shard, apply_tasks, stage="apply", **run)
     from gpuyard.data.shards import ShardInfo
 
     shards = [ShardInfo.from_json(r["shard"]) for r in results]
-    label = ds.label_column if ds.label_column in results[0]["schema"].names else None
+    schema = results[0]["schema"]
+    label = ds.label_column if ds.label_column in schema.names else None
+    computed = finish(merge([r["stats"] for r in results]))
     manifest = build_manifest(
         name=name,
         kind="transform",
-        schema=results[0]["schema"],
+        schema=schema,
         shards=shards,
-        stats=finish(merge([r["stats"] for r in results])),
+        stats={c: kept[c] if c in kept else computed[c] for c in schema.names},
         source={"uri": ds.ref, "format": "dataset"},
         recipe=recipe.to_json(),
         quarantine={"rows_in": ds.num_rows, "rows_kept": ds.num_rows, "rows_quarantined": 0, "by_reason": {}},

@@ -80,11 +80,12 @@ class ArtifactStore:
         self._commit(tmp, dest, key)
         return ArtifactInfo(key=check_key(key), size=size, sha256=sha)
 
-    def put_blob(self, src: bytes | str | Path | IO[bytes]) -> ArtifactInfo:
+    def put_blob(self, src: bytes | bytearray | memoryview | str | Path | IO[bytes]) -> ArtifactInfo:
         """Store ``src`` content-addressed (``blobs/sha256/ab/abcd...``); identical content is stored once.
 
         The content is read once: hashed while it is copied to a temporary object, which then becomes
-        the blob, or is dropped when that blob already exists.
+        the blob, or is dropped when that blob already exists. Bytes in memory (``memoryview`` of any
+        buffer, e.g. a ``pyarrow.Buffer``) are hashed and written in place, never copied.
         """
         tmp, sha, size = self._write_tmp(src, "a blob")
         key = f"{BLOB_PREFIX}/{sha[:2]}/{sha}"
@@ -94,17 +95,28 @@ class ArtifactStore:
             self._commit(tmp, self._path(key), key)
         return ArtifactInfo(key=key, size=size, sha256=sha)
 
-    def _write_tmp(self, src: bytes | str | Path | IO[bytes], what: str) -> tuple[str, str, int]:
+    def _write_tmp(
+        self, src: bytes | bytearray | memoryview | str | Path | IO[bytes], what: str
+    ) -> tuple[str, str, int]:
         """Copy ``src`` to a fresh temporary object under the root; return (path, sha256, size)."""
         tmp = f"{self.root}/{_TMP}/{uuid.uuid4().hex}"
         self.fs.makedirs(posixpath.dirname(tmp), exist_ok=True)
         digest, size = hashlib.sha256(), 0
         try:
-            with self.fs.open(tmp, "wb") as out, _open_source(src) as inp:
-                while chunk := inp.read(CHUNK):
-                    digest.update(chunk)
-                    out.write(chunk)
-                    size += len(chunk)
+            with self.fs.open(tmp, "wb") as out:
+                if isinstance(src, bytes | bytearray | memoryview):
+                    # Bytes in memory (an encoded Parquet shard: tens of MiB) are hashed and written
+                    # as they are, without copying them into chunks first.
+                    view = memoryview(src).cast("B")
+                    digest.update(view)
+                    out.write(view)
+                    size = view.nbytes
+                else:
+                    with _open_source(src) as inp:
+                        while chunk := inp.read(CHUNK):
+                            digest.update(chunk)
+                            out.write(chunk)
+                            size += len(chunk)
         except FileNotFoundError as exc:
             self._drop(tmp)
             raise NotFoundError(f"cannot store {what!r}: source {src!s:.200} does not exist") from exc
@@ -205,16 +217,12 @@ class ArtifactStore:
 
 
 class _Source:
-    def __init__(self, src: bytes | str | Path | IO[bytes]) -> None:
+    def __init__(self, src: str | Path | IO[bytes]) -> None:
         self.src = src
         self.fh: IO[bytes] | None = None
 
     def __enter__(self) -> IO[bytes]:
-        import io
-
-        if isinstance(self.src, bytes | bytearray | memoryview):
-            self.fh = io.BytesIO(bytes(self.src))
-        elif isinstance(self.src, str | Path):
+        if isinstance(self.src, str | Path):
             self.fh = fsspec.open(str(self.src), "rb").open()
         else:
             return self.src
@@ -225,7 +233,7 @@ class _Source:
             self.fh.close()
 
 
-def _open_source(src: bytes | str | Path | IO[bytes]) -> _Source:
+def _open_source(src: str | Path | IO[bytes]) -> _Source:
     return _Source(src)
 
 

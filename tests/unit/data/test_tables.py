@@ -6,13 +6,21 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuyard.data import expr
 from gpuyard.data.columns import tensor_array, tensor_field, tensor_spec, tensor_to_numpy, with_tensor
-from gpuyard.data.shards import encode_shard, read_shard, split_table
+from gpuyard.data.shards import (
+    ShardWriter,
+    _write_options,
+    declare_required,
+    encode_shard,
+    read_shard,
+    split_table,
+)
 from gpuyard.data.stats import finish, merge, partial_stats, table_stats
 from gpuyard.errors import ConfigError, IntegrityError
 
@@ -89,3 +97,65 @@ def test_flipped_byte_fails_the_page_checksum(tmp_path: Path) -> None:
     path.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match=r"flipped\.parquet"):
         read_shard(path, str(path))
+
+
+def _column_meta(data: bytes | pa.Buffer) -> dict[str, tuple[str, tuple[str, ...]]]:
+    group = pq.ParquetFile(pa.BufferReader(data)).metadata.row_group(0)
+    return {
+        group.column(i).path_in_schema: (group.column(i).compression, group.column(i).encodings)
+        for i in range(group.num_columns)
+    }
+
+
+def test_write_settings_follow_each_column() -> None:
+    rng = np.random.default_rng(0)
+    n = 50_000
+    table = pa.table(
+        {
+            "id": np.arange(n, dtype=np.int64),
+            "noise": rng.normal(size=n),  # random floats: snappy cannot shrink them
+            "whole": rng.integers(0, 1000, n).astype(np.float64),  # integer-valued floats: it can
+            "text": [f"t{i % 7}" for i in range(n)],
+        }
+    )
+    meta = _column_meta(encode_shard(table))
+    assert "DELTA_BINARY_PACKED" in meta["id"][1]  # integers: delta-encoded
+    assert meta["noise"][0] == "UNCOMPRESSED" and meta["whole"][0] == "SNAPPY"
+    assert "RLE_DICTIONARY" in meta["text"][1]
+    back = read_shard(pa.BufferReader(encode_shard(table)), "s")
+    assert back.equals(table)
+
+
+def test_shard_writer_chooses_the_settings_encode_shard_chooses() -> None:
+    rng = np.random.default_rng(1)
+    n = 20_000
+    table = pa.table(
+        {"id": np.arange(n), "noise": rng.normal(size=n).astype(np.float32), "k": rng.integers(0, 5, n)}
+    )
+    writer = ShardWriter(table.schema, group_rows=4096)
+    for start in range(0, n, 3000):  # pieces that do not line up with the row groups
+        writer.write(table.slice(start, 3000))
+    streamed = writer.finish()
+    whole_options = pa.BufferOutputStream()
+    pq.write_table(
+        table, whole_options, row_group_size=4096, **_write_options(table.schema, table.slice(0, 4096))
+    )
+    assert _column_meta(streamed) == _column_meta(whole_options.getvalue())
+    assert pq.read_table(pa.BufferReader(streamed)).equals(table)
+
+
+def test_declared_required_columns_hold_no_nulls() -> None:
+    table = pa.table({"a": [1.0, 2.0], "b": [None, 1.0]})
+    out = declare_required(table, ["a"])
+    assert not out.schema.field("a").nullable and out.schema.field("b").nullable
+    back = read_shard(pa.BufferReader(encode_shard(out)), "s")
+    assert back.schema.equals(out.schema) and back.equals(out)
+    with pytest.raises(IntegrityError, match="'b'"):
+        declare_required(table, ["b"])
+
+
+def test_float_statistics_count_nan_and_infinities() -> None:
+    table = pa.table({"v": pa.array([1.0, np.nan, None, np.inf, 2.0]), "w": [1.0, 2.0, 3.0, 4.0, 5.0]})
+    stats = table_stats(table)
+    assert stats["v"]["nonfinite"] == 2 and stats["v"]["nulls"] == 1 and stats["v"]["mean"] == 1.5
+    assert stats["w"]["nonfinite"] == 0

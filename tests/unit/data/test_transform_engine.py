@@ -236,3 +236,54 @@ def test_fit_pass_over_pieces_matches_pandas(
     # Categories: those seen in train rows (never null, and 'purple' too: it is a train category).
     assert out.fitted["encode"]["color"]["categories"] == sorted(train["color"].dropna().unique())
     assert finish(merge([partial_stats(out.to_arrow(["color"]))]))["color"]["count"] == len(frame)
+
+
+def test_columns_without_nulls_are_stored_required_and_untouched_ones_keep_their_statistics(
+    gpuyard_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gpuyard.data.shards as shards
+    from gpuyard.data import open_dataset
+
+    rng = np.random.default_rng(6)
+    n = 6000
+    nan = rng.normal(size=n)
+    nan[::50] = np.nan  # NaN, not null: counted as non-finite
+    table = pa.table(
+        {
+            "id": np.arange(n),
+            "clean": rng.normal(5, 2, n),
+            "nan": nan,
+            "nulls": pa.array([None if i % 9 == 0 else float(i) for i in range(n)]),
+            "k": rng.integers(0, 50, n),
+            "color": rng.choice(CATS, n),
+        }
+    )
+    src = tmp_path / "src.parquet"
+    pq.write_table(table, src)
+    monkeypatch.setattr(shards, "ROW_GROUP_BYTES", 6000)
+    opts = IngestOptions(shard_bytes=60_000, checks=ValidationSpec(nulls="keep", duplicates="keep"))
+    ds = ingest(src, "req", opts)
+    stored = ds.to_arrow().schema
+    assert [f.name for f in stored if f.nullable] == ["nulls"]
+    assert ds.stats["nan"]["nonfinite"] == n // 50 and ds.stats["clean"]["nonfinite"] == 0
+
+    recipe = Recipe.model_validate(
+        {"normalize": [{"columns": ["clean", "nan", "nulls", "k"]}], "encode": [{"column": "color"}]}
+    )
+    out = transform(ds.ref, recipe, engine="thread", workers=2)
+    assert len(out.shards) > 1
+    got = out.to_arrow()  # every shard has the same schema, so they concatenate
+    # Scaled: required when no null and no NaN can come out; one-hot vectors and id: required too.
+    assert {f.name for f in got.schema if f.nullable} == {"nan", "nulls"}
+    again = out.transform_for_inference().apply(open_dataset(ds.ref).to_arrow())
+    for col in got.column_names:
+        assert got.column(col).equals(again.column(col)), col
+    # The untouched id column's statistics are the input's; they are those of the stored rows.
+    assert out.stats["id"] == ds.stats["id"]
+    recomputed = table_stats(got)
+    for col, st in out.stats.items():
+        for key, value in st.items():
+            if isinstance(value, float):
+                assert value == pytest.approx(recomputed[col][key], rel=1e-9, abs=1e-12), (col, key)
+            else:
+                assert value == recomputed[col][key], (col, key)

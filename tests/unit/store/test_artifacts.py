@@ -109,3 +109,11 @@ def test_reader_never_sees_a_partial_file(tmp_path: Path) -> None:
     # Every read saw one whole version: first byte == last byte and full length.
     assert all(s[0] == s[1] and int.from_bytes(s[2:], "big") == 8 << 20 for s in seen)
     assert store.list() == ["big"]
+
+
+def test_put_blob_stores_a_buffer_in_place(store: ArtifactStore) -> None:
+    data = bytes(range(256)) * 5000
+    info = store.put_blob(memoryview(bytearray(data)))  # e.g. a pyarrow.Buffer: hashed and written as is
+    assert info.sha256 == hashlib.sha256(data).hexdigest() and info.size == len(data)
+    assert store.get_bytes(info.key, info.sha256) == data
+    assert store.put_blob(data).key == info.key  # the same content, stored once

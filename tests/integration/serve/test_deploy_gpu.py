@@ -89,8 +89,8 @@ def test_replicas_get_disjoint_gpus_from_the_scheduler_and_give_them_back(schedu
     assert b["job"] is not None and _gpus(a) | _gpus(b) == {0, 1, 2, 3} and _predict(b) == 200
 
     # All four GPUs are taken: a third deployment waits in the queue, then gives up and says why.
-    with pytest.raises(ConfigError, match=r"not placed within 4 s.*queue"):
-        deploy("mlp", ServeOptions(port=0, device="cuda", drift=False), timeout_s=4)
+    with pytest.raises(ConfigError, match=r"not placed within 2 s.*queue"):
+        deploy("mlp", ServeOptions(port=0, device="cuda", drift=False), timeout_s=2)
     failed = list_deployments(all_=True)[0]
     assert failed["status"] == "failed" and job_state(failed["job"], Scheduling()) == "cancelled"
     with pytest.raises(CapacityError, match=r"largest node .* has 4 usable GPUs"):

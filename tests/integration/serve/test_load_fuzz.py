@@ -19,7 +19,7 @@ from .conftest import Server
 pytestmark = pytest.mark.integration
 
 # The suite's bound; the benchmark (benchmarks/serve.py) runs the full 60 s.
-LOAD_SECONDS = float(os.environ.get("GPUYARD_SERVE_LOAD_S", "20"))
+LOAD_SECONDS = float(os.environ.get("GPUYARD_SERVE_LOAD_S", "12"))
 
 
 def _bodies(n: int = 32) -> tuple[bytes, ...]:

@@ -395,11 +395,9 @@ class JobService:
         avoid = {self._node_index[n] for n in (row.avoid_nodes or []) if n in self._node_index}
         work.drain_more(avoid | {self._node_index[node]})
         res = row.spec.get("resources", {})
-        if (
-            place(work, row.gpus, res.get("gpu_type"), int(res.get("cpus", 1)), self.executor.multi_node)
-            is None
-        ):
-            return False, f"not restarted: no placement of {row.gpus} GPUs without node {node} is free now"
+        need = self._job_sizes(row)[0] if res.get("gpus_max") else row.gpus  # elastic: its smallest size
+        if place(work, need, res.get("gpu_type"), int(res.get("cpus", 1)), self.executor.multi_node) is None:
+            return False, f"not restarted: no placement of {need} GPUs without node {node} is free now"
         return True, f"restarting without node {node} (checkpoint, requeue)"
 
     def dry_run(self, spec: JobSpec) -> dict[str, Any]:
@@ -730,7 +728,10 @@ class JobService:
                 continue
             work.release(placement)
             fits = [n for n in sizes if placement.gpus <= n <= target]
+            drained = work.drained
+            work.drain_more(qjob.avoid)  # nodes it must not use (a straggler's): for its placement only
             grown = largest_fit(work, fits, qjob.gpu_type, self.executor.multi_node) or placement
+            work.drained = drained
             work.take(grown)
             out.append((qjob, grown))
         return out

@@ -86,3 +86,23 @@ def test_a_job_that_did_not_ask_is_only_reported(two_nodes: Any) -> None:
     }
     assert service.get(job)["stop_requested"] is None and service.get(job)["avoid_nodes"] == []
     assert service.events(job)[-1]["data"] == _report(node)
+
+
+def test_an_elastic_job_grown_at_its_restart_keeps_off_the_avoided_node(two_nodes: Any) -> None:
+    service = two_nodes
+    spec = {
+        "name": "el",
+        "command": ["sleep", "60"],
+        "resources": {"gpus": {"min": 1, "max": 2}},
+        "on_straggler": "restart",
+    }
+    job = service.submit(parse_spec(spec))["id"]
+    doc = _running(service, job, 1)
+    first = doc["placement"]["nodes"][0]["node"]
+    assert doc["gpus"] == 2  # nothing else waits: its maximum
+    # Another job takes one GPU of the other node: restarting without the first node leaves 1 GPU.
+    other = service.submit(parse_spec({"name": "o", "command": ["sleep", "60"], "resources": {"gpus": 1}}))
+    wait_for(lambda: service.tick() or service.get(other["id"])["state"] == "running", 30)
+    assert service.report_straggler(job, _report(first))["restarting"] is True
+    doc = _running(service, job, 2)
+    assert [p["node"] for p in doc["placement"]["nodes"]] != [first] and doc["gpus"] == 1

@@ -121,8 +121,8 @@ def test_job_environment_holds_no_token_and_no_server_variable(
     assert env["HOME"] == str(job_dir / f"job-{doc['id']}")
     assert set(env) <= {
         "PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "HOME", "USER", "LOGNAME", "CUDA_VISIBLE_DEVICES",
-        "GPUYARD_JOB_ID", "GPUYARD_JOB_NAME", "GPUYARD_ATTEMPT", "GPUYARD_SERVER", "GPUYARD_TEAM", "GPUYARD_NODE", "PWD",
-        "SHLVL", "_",
+        "GPUYARD_JOB_ID", "GPUYARD_JOB_NAME", "GPUYARD_ATTEMPT", "GPUYARD_SERVER", "GPUYARD_TEAM",
+        "GPUYARD_NODE", "PWD", "SHLVL", "_",
     }  # fmt: skip
     assert f"jobs run as user {DEFAULT_JOB_USER}" in log.read_text()
 

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from gpuyard.errors import IntegrityError
 
@@ -60,6 +59,14 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 def read_marker(path: str | Path) -> dict[str, Any]:
     """The metadata rank 0 wrote when the checkpoint became complete."""
     return dict(json.loads((Path(path) / MARKER).read_text()))
+
+
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported when first used: the launcher lists and reads
+    checkpoint markers without paying for it (0.7 s: it pulls in DTensor and sympy)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def _no_dist() -> bool:
@@ -132,6 +139,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier(group)
         torch.save(rank_state, tmp / f"rank{self.rank}.pt")
+        dcp = _dcp()
         if self.async_save and not background:
             with _quiet_single_process():
                 future = dcp.async_save(
@@ -181,7 +189,7 @@ class Checkpointer:
         if not (path / MARKER).is_file():
             raise IntegrityError(f"{path}: not a complete checkpoint (no {MARKER})")
         with _quiet_single_process():
-            dcp.load(app_state, checkpoint_id=str(path), no_dist=_no_dist())
+            _dcp().load(app_state, checkpoint_id=str(path), no_dist=_no_dist())
         own = path / f"rank{self.rank}.pt"
         # A different world size on restart (elastic): fall back to rank 0's counters and schedule.
         source = own if own.is_file() else path / "rank0.pt"

@@ -25,11 +25,8 @@ from gpuyard.errors import ConfigError
 from gpuyard.refs import import_ref
 from gpuyard.states import RunStatus, TrainOutcome
 from gpuyard.tracking.training import tracked_run_id
-from gpuyard.train.elastic import check_resume
-from gpuyard.train.memory_checkpoint import SNAPSHOT_DIR_ENV
+from gpuyard.train.names import LAUNCHED_ENV, SNAPSHOT_DIR_ENV, STATUS_FILE
 from gpuyard.train.spec import TrainSpec, load_plan, load_spec
-from gpuyard.train.trainer import STATUS_FILE
-from gpuyard.train.worker import LAUNCHED_ENV
 
 _log = logging.getLogger("gpuyard.train")
 
@@ -97,6 +94,8 @@ def prepare(cfg: LaunchConfig) -> tuple[TrainSpec, dict[str, Any]]:
     for field, ref in _entrypoints(spec):
         import_ref(ref, field)
     layout = resolve_layout(spec.parallel, cfg.nproc * cfg.nnodes)
+    from gpuyard.train.elastic import check_resume
+
     check_resume(spec, layout)  # a resume at another world size the workers would refuse
     return spec, overrides
 

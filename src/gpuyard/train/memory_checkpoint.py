@@ -51,8 +51,9 @@ import torch
 import torch.distributed as dist
 
 from gpuyard.train.checkpoint import Checkpointer
+from gpuyard.train.names import SNAPSHOT_DIR_ENV
 
-SNAPSHOT_DIR_ENV = "GPUYARD_SNAPSHOT_DIR"
+__all__ = ["SNAPSHOT_DIR_ENV"]  # and the classes below; the name stays importable from here
 KEEP_STEPS = 2  # snapshot steps kept per holder: a snapshot cut short leaves the previous one whole
 _SUFFIX = ".snap"
 

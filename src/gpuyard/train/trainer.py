@@ -39,6 +39,7 @@ from gpuyard.train.elastic import adapt_rank_state
 from gpuyard.train.goodput import step_waits
 from gpuyard.train.memory_checkpoint import MemoryCheckpointer, default_snapshot_dir, fill, local_tensor
 from gpuyard.train.metrics import DeviceStats, Progress, catalog_peak_tflops, model_flops_utilization
+from gpuyard.train.names import STATUS_FILE
 from gpuyard.train.parallel import (
     build_pipeline,
     clip_grad_norm,
@@ -56,8 +57,6 @@ from gpuyard.train.straggler import (
     node_name,
 )
 from gpuyard.train.validation import drive_pipeline, early_stopping_update, evaluate
-
-STATUS_FILE = "status.json"
 
 
 @dataclass

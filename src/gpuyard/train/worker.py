@@ -9,10 +9,7 @@ import sys
 
 from gpuyard import exitcodes
 from gpuyard.errors import GpuyardError
-
-# Set by `gpuyard train`: the launcher reads status.json, so workers exit 0 on preemption and
-# divergence; otherwise torchrun would count their exit as a failure and restart them.
-LAUNCHED_ENV = "GPUYARD_TRAIN_LAUNCHED"
+from gpuyard.train.names import LAUNCHED_ENV
 
 
 def main(argv: list[str] | None = None) -> int:

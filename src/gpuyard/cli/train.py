@@ -29,6 +29,7 @@ def train(
     as_json: bool = typer.Option(False, "--json", help="Print the outcome as JSON."),
 ) -> None:
     """Train: exit 0 done, 75 preempted (SIGTERM, checkpoint written), 76 diverged (NaN/inf loss)."""
+    from gpuyard.cli.main import fast_exit
     from gpuyard.train.launch import LaunchConfig, launch, prepare, torchrun_command
 
     cfg = LaunchConfig(spec, nproc, nnodes, rdzv, max_restarts, run_dir, plan, tracking, experiment)
@@ -38,6 +39,7 @@ def train(
         typer.echo(json.dumps({"command": cmd}) if as_json else " ".join(cmd))
         return
     result = launch(cfg)
+    fast_exit()  # torch is loaded (the entrypoints were imported); the run is over and recorded
     doc = {"exit_code": result.exit_code, "run_dir": str(result.run_dir), **result.status}
     if as_json:
         typer.echo(json.dumps(doc))

@@ -8,3 +8,21 @@ USAGE = 2
 PREEMPTED = 75
 # Training stopped because the loss became NaN or infinite; the last good checkpoint is kept.
 DIVERGED = 76
+
+
+def exit_now(code: int) -> None:
+    """End this process with ``code`` now, without the interpreter's teardown.
+
+    For the processes that only run work and leave (training ranks, the ``gpuyard train`` launcher,
+    task processes): freeing torch and the rest of their imports takes 0.5-0.7 s a process on this
+    machine. Call it once their outputs are written and closed: logging is shut down and stdout and
+    stderr are flushed here, but ``atexit`` handlers do not run and remaining (daemon) threads stop.
+    """
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

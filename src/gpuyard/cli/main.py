@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import logging
-import os
 import pkgutil
 import sys
 import traceback
@@ -15,6 +13,7 @@ from rich.markup import escape
 
 import gpuyard
 from gpuyard.errors import GpuyardError
+from gpuyard.exitcodes import exit_now
 
 app = typer.Typer(
     name="gpuyard",
@@ -90,11 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     code = code if type(code) is int else 0
     if _state["fast_exit"] and argv is None:
         # The process is this command alone (not a caller's main([...])) and it asked to skip the
-        # interpreter's teardown of what it imported (torch: about 0.5 s): output flushed, then out.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        # interpreter's teardown of what it imported (torch: about 0.5 s).
+        exit_now(code)
     sys.exit(code)
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 
 from gpuyard import exitcodes
 from gpuyard.errors import GpuyardError
+from gpuyard.exitcodes import exit_now
 from gpuyard.train.names import LAUNCHED_ENV
 
 
@@ -57,16 +57,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
-def exit_now(code: int) -> None:
-    """End this rank's process without the interpreter's teardown of torch and its imports (0.5-0.7 s
-    of freeing modules on this machine, paid by every rank of every run): by then the run has closed
-    what it wrote (checkpoints waited for, trackers flushed, the process group left), and the
-    threads still alive are daemons, which a normal exit abandons too."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
+    # By then the run has closed what it wrote (checkpoints waited for, trackers flushed, the process
+    # group left); the threads still alive are daemons, which a normal exit abandons too.
     exit_now(main())

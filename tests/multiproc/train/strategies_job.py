@@ -205,7 +205,7 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    from gpuyard.train.worker import exit_now
+    from gpuyard.exitcodes import exit_now
 
     main(Path(sys.argv[1]))
     exit_now(0)  # as gpuyard's own ranks end: without the interpreter's teardown of torch

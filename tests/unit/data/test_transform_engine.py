@@ -8,6 +8,7 @@ frames), to the statistics a full pass would record, and to one layout whatever 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -203,13 +204,7 @@ def test_streamed_transform_equals_the_whole_table_applied(
     np.testing.assert_array_equal(got.column("split").to_numpy(zero_copy_only=False), names[codes])
     np.testing.assert_array_equal(got.column("fold").to_numpy(), folds)
     # Statistics merged from the pieces are those of the stored rows.
-    recomputed = table_stats(got)
-    for col, st in out.stats.items():
-        for key, value in st.items():
-            if isinstance(value, float):
-                assert value == pytest.approx(recomputed[col][key], rel=1e-9, abs=1e-12), (col, key)
-            else:
-                assert value == recomputed[col][key], (col, key)
+    _assert_stats_of(out.stats, got)
     # Threads and the process pool run the same pieces: the same shards, the same version.
     assert transform(ref, recipe, engine="thread", workers=2, output="edge-t").version == out.version
     assert transform(ref, recipe, engine="pool", workers=2, output="edge-p").version == out.version
@@ -280,8 +275,13 @@ def test_columns_without_nulls_are_stored_required_and_untouched_ones_keep_their
         assert got.column(col).equals(again.column(col)), col
     # The untouched id column's statistics are the input's; they are those of the stored rows.
     assert out.stats["id"] == ds.stats["id"]
-    recomputed = table_stats(got)
-    for col, st in out.stats.items():
+    _assert_stats_of(out.stats, got)
+
+
+def _assert_stats_of(stats: dict[str, Any], table: Any) -> None:
+    """``stats`` (a version's, merged from pieces or kept from its input) are those of ``table``'s rows."""
+    recomputed = table_stats(table)
+    for col, st in stats.items():
         for key, value in st.items():
             if isinstance(value, float):
                 assert value == pytest.approx(recomputed[col][key], rel=1e-9, abs=1e-12), (col, key)

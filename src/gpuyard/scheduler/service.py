@@ -158,6 +158,11 @@ class JobService:
         if spec.team not in self.config.teams:
             known = ", ".join(sorted(self.config.teams))
             raise ConfigError(f"team: {spec.team!r} is unknown; known teams: {known} (server option --team)")
+        if spec.time_limit_min and not getattr(self.executor, "time_limits", False):
+            raise ConfigError(
+                f"time_limit_min: {spec.time_limit_min} is enforced on a Slurm cluster only "
+                f"(gpuyard server --slurm); this server's executor is {self.executor.name}"
+            )
         isolation = getattr(self.executor, "isolation", None)
         if isolation is not None:
             isolation.for_job(spec.team, spec.user)  # a --job-user template names an existing Unix user

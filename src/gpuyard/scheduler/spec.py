@@ -283,6 +283,12 @@ class JobSpec(BaseModel):
     user: str = Field(default_factory=lambda: _whoami(), pattern=NAME_PATTERN)
     priority: int = Field(0, ge=-1000, le=1000)
     max_restarts: int = Field(0, ge=0, le=100, description="re-runs after a failure (not preemptions)")
+    time_limit_min: int | None = Field(
+        None,
+        ge=1,
+        le=525600,
+        description="wall-clock limit of one attempt, minutes; enforced by Slurm (gpuyard server --slurm)",
+    )
     checkpoint_dir: str | None = Field(
         None, max_length=MAX_PATH_CHARS, description="exported as GPUYARD_CHECKPOINT_DIR"
     )

@@ -1,0 +1,543 @@
+"""The Slurm executor: gpuyard decides where a job runs, Slurm runs and confines it.
+
+Each attempt of a gpuyard job becomes one Slurm batch job (``sbatch``), named
+``gpuyard-<job>-<attempt>`` so a restarted server finds it again. The nodes gpuyard's placement chose
+(topology- or fabric-aware) become ``--nodelist`` with ``--nodes`` equal to their count, so Slurm
+runs the job exactly there or keeps it pending; a gang job is one allocation. The batch script runs
+the job's command once per node under ``srun`` (one task per node); a training job runs
+``gpuyard train --nproc <GPUs per node> --nnodes N --rdzv <first node>:<port>`` on every node, so
+torchrun's c10d rendezvous meets on the first node.
+
+Why the command-line tools rather than ``slurmrestd``: they are on every Slurm cluster (login and
+controller nodes), need no JWT or REST daemon to be set up by the cluster admin, speak munge like
+every other Slurm client, and their parsable output formats are stable across releases. The cost is
+one process per call, which the poll below keeps to one ``squeue`` per tick for all running jobs.
+
+State comes from ``squeue`` while the job is known to the controller (pending reason, node list),
+``scontrol show job`` for a job that ended in the last ``MinJobAge`` seconds, and ``sacct`` where the
+cluster keeps accounting. A job Slurm ended itself (time limit, out of memory, node failure,
+preemption by Slurm, cancelled by someone else) ends in gpuyard with that reason.
+
+Stop: ``scancel --signal=TERM`` reaches the job's tasks (the batch script ``exec``s srun, which
+forwards it): the job checkpoints and exits 75 as it does locally; the service kills it
+(``scancel``) once its grace period is over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpuyard.errors import ConfigError, StoreError
+from gpuyard.scheduler.executors.base import Executor, ExitStatus, LaunchPlan, NodeSlots, job_argv, job_env
+from gpuyard.scheduler.executors.isolation import JobIsolation
+from gpuyard.scheduler.placement import NodeSpec
+from gpuyard.scheduler.spec import JobSpec
+from gpuyard.settings import NODE_ENV
+
+log = logging.getLogger(__name__)
+
+BASE_PORT = 29500  # torch.distributed's customary rendezvous port, offset per job
+CALL_TIMEOUT_S = 30.0
+NAME_PREFIX = "gpuyard-"
+# Slurm's job states (squeue/scontrol/sacct spell them alike); those a job does not leave again.
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING"}
+ACTIVE |= {"REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD", "SPECIAL_EXIT", "STAGE_OUT", "STOPPED"}
+# What gpuyard says of a job Slurm ended itself.
+SLURM_ENDS = {
+    "TIMEOUT": "time limit reached (Slurm TIMEOUT)",
+    "OUT_OF_MEMORY": "out of memory (Slurm OUT_OF_MEMORY)",
+    "NODE_FAIL": "a node of the job failed (Slurm NODE_FAIL)",
+    "BOOT_FAIL": "a node of the job failed to boot (Slurm BOOT_FAIL)",
+    "DEADLINE": "its deadline passed (Slurm DEADLINE)",
+    "PREEMPTED": "preempted by Slurm (PREEMPTED)",
+    "REVOKED": "revoked by Slurm federation (REVOKED)",
+}
+_NODE_STATE_DOWN = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "INVAL", "POWERED_DOWN", "FUTURE")
+
+
+@dataclass(frozen=True)
+class SlurmExit(ExitStatus):
+    """An ExitStatus with Slurm's own word on the end: its state and, when Slurm ended it, why."""
+
+    state: str = ""
+    reason: str = ""
+
+    def describe(self) -> str:
+        """Slurm's reason when Slurm ended the job (time limit, OOM...), else as any exit status."""
+        return self.reason or super().describe()
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """Where and under what account gpuyard's jobs go on the cluster.
+
+    Attributes:
+        partition, account, qos: defaults for every job ("" : the cluster's default).
+        teams: team -> its own {partition, account, qos} (overrides the defaults).
+        env: variables for the Slurm commands themselves (e.g. SLURM_CONF), not for jobs.
+        port_base: rendezvous port of a multi-node job = port_base + job id % 1000.
+    """
+
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    teams: dict[str, dict[str, str]] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    port_base: int = BASE_PORT
+
+    @classmethod
+    def load(cls, path: str | None, partition: str = "", account: str = "") -> SlurmConfig:
+        """Read a YAML file of ``partition``, ``account``, ``qos`` and ``teams: {team: {...}}``.
+
+        Raises:
+            ConfigError: unreadable file, unknown key or a value that is not a short name.
+        """
+        doc: dict[str, Any] = {}
+        if path:
+            try:
+                loaded = yaml.safe_load(Path(path).read_text())
+            except (OSError, yaml.YAMLError) as exc:
+                raise ConfigError(f"--slurm-config {path}: {exc}") from None
+            if loaded is not None and not isinstance(loaded, dict):
+                raise ConfigError(f"--slurm-config {path}: expected a mapping of settings")
+            doc = loaded or {}
+        unknown = set(doc) - {"partition", "account", "qos", "teams", "port_base"}
+        if unknown:
+            raise ConfigError(f"--slurm-config {path}: unknown keys {sorted(unknown)}")
+        teams_doc = doc.get("teams") or {}
+        if not isinstance(teams_doc, dict):
+            raise ConfigError(f"--slurm-config {path}: teams must map a team to its partition/account/qos")
+        teams: dict[str, dict[str, str]] = {}
+        for team, settings in teams_doc.items():
+            if not isinstance(settings, dict) or set(settings) - {"partition", "account", "qos"}:
+                raise ConfigError(
+                    f"--slurm-config {path}: teams.{team} takes partition, account and qos, got {settings!r}"
+                )
+            teams[str(team)] = {k: _slurm_name(f"teams.{team}.{k}", v) for k, v in settings.items()}
+        port_base = doc.get("port_base", BASE_PORT)
+        if not isinstance(port_base, int) or not 1024 <= port_base <= 64535:
+            raise ConfigError(f"--slurm-config {path}: port_base must be an integer in 1024-64535")
+        return cls(
+            partition=_slurm_name("partition", partition or doc.get("partition", "")),
+            account=_slurm_name("account", account or doc.get("account", "")),
+            qos=_slurm_name("qos", doc.get("qos", "")),
+            teams=teams,
+            port_base=port_base,
+        )
+
+    def for_team(self, team: str) -> dict[str, str]:
+        """The partition, account and QoS of one team's jobs (empty ones left out)."""
+        out = {"partition": self.partition, "account": self.account, "qos": self.qos}
+        out.update(self.teams.get(team, {}))
+        return {k: v for k, v in out.items() if v}
+
+
+def _slurm_name(what: str, value: Any) -> str:
+    text = "" if value is None else str(value)
+    if text and not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", text):
+        raise ConfigError(f"{what}: {text!r} is not a Slurm name (letters, digits, _ . -)")
+    return text
+
+
+def parse_gres_gpus(gres: str) -> tuple[int, str]:
+    """GPUs and their type from a node's Gres string: ``gpu:4`` -> (4, ""), ``gpu:h100:8(S:0-1)`` ->
+    (8, "h100"); several entries are summed (the first type named wins)."""
+    total, kind = 0, ""
+    for entry in (gres or "").split(","):
+        entry = re.sub(r"\(.*?\)", "", entry.strip())
+        parts = entry.split(":")
+        if not parts or parts[0] != "gpu" or len(parts) < 2:
+            continue
+        count = parts[-1]
+        if not count.isdigit():
+            continue
+        total += int(count)
+        if len(parts) >= 3 and not kind:
+            kind = parts[1]
+    return total, kind
+
+
+def parse_kv_line(line: str) -> dict[str, str]:
+    """``Key=Value Key2=Value two`` (scontrol -o) -> dict; a value runs to the next `` Key=``."""
+    out: dict[str, str] = {}
+    for match in re.finditer(
+        r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=(.*?)(?=\s+[A-Za-z][A-Za-z0-9_:/]*=|$)", line
+    ):
+        out[match.group(1)] = match.group(2).strip()
+    return out
+
+
+def parse_exit_code(text: str) -> tuple[int, int]:
+    """Slurm's ``ExitCode=code:signal`` -> (code, signal)."""
+    code, _, sig = (text or "0:0").partition(":")
+    try:
+        return int(code), int(sig or 0)
+    except ValueError:
+        return 0, 0
+
+
+def parse_time(text: str) -> datetime | None:
+    """Slurm's local ``2026-11-27T03:41:30`` -> an aware datetime; None for Unknown/None/N/A."""
+    try:
+        return datetime.fromisoformat(text).astimezone(timezone.utc)
+    except (TypeError, ValueError):
+        return None
+
+
+def exit_from_state(state: str, exit_code: str, end: str = "", reason: str = "") -> SlurmExit:
+    """The ExitStatus of a job Slurm reports ended in ``state`` with ``ExitCode=code:signal``."""
+    state = state.split()[0].rstrip("+") if state else ""
+    code, sig = parse_exit_code(exit_code)
+    ended = parse_time(end)
+    if state in SLURM_ENDS:
+        return SlurmExit(code=None, killed=True, ended_at=ended, state=state, reason=SLURM_ENDS[state])
+    if state == "CANCELLED":
+        by = f" ({reason})" if reason and reason != "None" else ""
+        if code:  # it exited on its own after a signal (a checkpoint on SIGTERM, exit 75)
+            return SlurmExit(code=code, ended_at=ended, state=state)
+        return SlurmExit(
+            code=None, killed=True, ended_at=ended, state=state, reason=f"cancelled in Slurm{by}"
+        )
+    if sig:
+        return SlurmExit(code=-sig, killed=True, ended_at=ended, state=state)
+    return SlurmExit(code=code, ended_at=ended, state=state)
+
+
+class SlurmExecutor(Executor):
+    """Runs gpuyard's jobs as Slurm batch jobs on the cluster the Slurm client tools reach.
+
+    Args:
+        jobs_dir: the server's folder of job files (batch scripts; logs when jobs run as the server's
+            user).
+        config: partition/account/QoS settings.
+        isolation: with a root server, the Unix user each job runs as (``sbatch --uid``), its
+            allow-listed environment and its working directory, as on the local executor.
+    """
+
+    name = "slurm"
+    multi_node = True
+
+    def __init__(
+        self, jobs_dir: Path, config: SlurmConfig | None = None, isolation: JobIsolation | None = None
+    ) -> None:
+        self.jobs_dir = Path(jobs_dir)
+        self.config = config or SlurmConfig()
+        self.isolation = isolation
+        self._addr: dict[str, str] = {}
+        self._states: dict[str, dict[str, str]] = {}  # Slurm id -> squeue row of the last poll_all
+        self._drained_by_us: set[str] = set()
+        for tool in ("sbatch", "squeue", "scancel", "scontrol", "sinfo"):
+            if shutil.which(tool, path=self._env().get("PATH")) is None:
+                raise ConfigError(f"--slurm: {tool} is not on PATH (install the Slurm client tools)")
+        self._call(["sinfo", "-h", "-o", "%P"])  # the controller answers, or one line saying why not
+
+    # -- talking to Slurm ---------------------------------------------------------------------------
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, **self.config.env}
+
+    def _call(self, argv: list[str], check: bool = True, stdin: str | None = None) -> str:
+        try:
+            proc = subprocess.run(
+                argv,
+                input=stdin,
+                capture_output=True,
+                text=True,
+                timeout=CALL_TIMEOUT_S,
+                env=self._env(),
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise StoreError(f"Slurm: {argv[0]} did not answer: {exc}") from None
+        if check and proc.returncode != 0:
+            lines = [x for x in (proc.stderr or proc.stdout).strip().splitlines() if x.strip()]
+            raise StoreError(f"Slurm: {' '.join(argv[:2])} failed: {lines[-1] if lines else proc.returncode}")
+        return proc.stdout
+
+    # -- nodes ----------------------------------------------------------------------------------------
+    def node_info(self) -> list[dict[str, str]]:
+        """Every node as ``scontrol show node -o`` describes it (name, address, GRES, state...)."""
+        rows = [parse_kv_line(line) for line in self._call(["scontrol", "show", "node", "-o"]).splitlines()]
+        return [r for r in rows if r.get("NodeName")]
+
+    def switches(self) -> dict[str, str]:
+        """node -> its leaf switch, from the cluster's topology/tree (empty without one)."""
+        out: dict[str, str] = {}
+        text = self._call(["scontrol", "show", "topology"], check=False)
+        for line in text.splitlines():
+            row = parse_kv_line(line)
+            if row.get("Level") == "0" and row.get("Nodes"):
+                for node in self.hostnames(row["Nodes"]):
+                    out.setdefault(node, row.get("SwitchName", "leaf0"))
+        return out
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        """Expand a Slurm node list (``n[1-3],gpu7``) with ``scontrol show hostnames``."""
+        if not nodelist or nodelist in ("(null)", "None"):
+            return []
+        return self._call(["scontrol", "show", "hostnames", nodelist]).split()
+
+    def nodes(self) -> list[NodeSpec]:
+        """The cluster's nodes as scheduler nodes: GPUs and their type from GRES, CPUs, leaf switch."""
+        leaves = self.switches()
+        out = []
+        for row in sorted(self.node_info(), key=lambda r: r["NodeName"]):
+            name = row["NodeName"]
+            gpus, kind = parse_gres_gpus(row.get("Gres", ""))
+            self._addr[name] = row.get("NodeAddr") or name
+            out.append(
+                NodeSpec(
+                    name=name,
+                    gpus=gpus,
+                    gpu_type=kind or ("gpu" if gpus else ""),
+                    nvlink_domain=name,
+                    leaf=leaves.get(name, "leaf0"),
+                    cpus=int(row.get("CPUTot") or row.get("CPUEfctv") or 0),
+                )
+            )
+        return out
+
+    def unavailable_nodes(self) -> dict[str, str]:
+        """Nodes Slurm will not run jobs on now (down, drained, failing) -> its state and reason."""
+        out = {}
+        for row in self.node_info():
+            state = row.get("State", "")
+            if any(word in state for word in _NODE_STATE_DOWN):
+                why = row.get("Reason", "")
+                out[row["NodeName"]] = f"{state}" + (f": {why}" if why and why != "(null)" else "")
+        return out
+
+    def drain(self, node: str, reason: str) -> None:
+        """Drain a node in Slurm (no new jobs; running ones finish), with gpuyard's reason."""
+        reason = re.sub(r"\s+", " ", f"gpuyard: {reason}")[:200]
+        self._call(["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"])
+        self._drained_by_us.add(node)
+
+    def undrain(self, node: str) -> None:
+        """Return a node gpuyard drained to service (``State=RESUME``)."""
+        self._call(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+        self._drained_by_us.discard(node)
+
+    def sync_drains(self, drained: dict[str, str]) -> None:
+        """Make Slurm's drains follow gpuyard's: drain the nodes gpuyard drained (node -> reason), and
+        resume those gpuyard drained before and no longer does. Nodes drained by the cluster's admin
+        in Slurm are left alone."""
+        current = self.unavailable_nodes()
+        for node, reason in drained.items():
+            if "DRAIN" not in current.get(node, ""):
+                self.drain(node, reason)
+            elif "gpuyard:" in current[node]:
+                self._drained_by_us.add(node)  # drained by an earlier server: ours to resume
+        for node in sorted(self._drained_by_us - set(drained)):
+            if "gpuyard:" in current.get(node, "") or node not in current:
+                with contextlib.suppress(StoreError):
+                    self.undrain(node)
+            self._drained_by_us.discard(node)
+
+    # -- jobs -----------------------------------------------------------------------------------------
+    def plan(self, job_id: int, spec: JobSpec, nodes: list[NodeSlots], attempt: int) -> LaunchPlan:
+        """The batch job of one attempt: sbatch options, the script, its environment (nothing runs)."""
+        folder = self.jobs_dir / str(job_id)
+        name = f"{NAME_PREFIX}{job_id}-{attempt}"
+        env = job_env(job_id, spec, attempt, ())
+        env.pop("CUDA_VISIBLE_DEVICES")  # Slurm gives each node's GPUs (--gpus-per-node)
+        nnodes = max(1, len(nodes))
+        gpus_per_node = len(nodes[0].gpus) if nodes else 0
+        if not self._addr and nodes:
+            self.nodes()
+        first = nodes[0].node if nodes else ""
+        master = self._addr.get(first, first) or "127.0.0.1"
+        port = self.config.port_base + job_id % 1000
+        argv = job_argv(spec, nproc=gpus_per_node or None, nnodes=nnodes, rdzv=f"{master}:{port}")
+        env.update({"MASTER_ADDR": master, "MASTER_PORT": str(port), "NNODES": str(nnodes)})
+        user: str | None = None
+        ids: dict[str, Any] = {}
+        iso = self.isolation
+        if iso is not None:
+            iso = iso.for_job(spec.team, spec.user)
+            cwd = spec.workdir or str(iso.workdir(job_id))
+            env = iso.environment(env, cwd)
+            if iso.switch:
+                user = iso.user
+            ids = {"uid": iso.uid, "gid": iso.gid, "user_name": iso.user}
+            # slurmd opens the log as the job's user: in the job's own 0700 folder, which the server
+            # (root) reads too.
+            log_path = str(iso.workdir(job_id) / "output.log")
+        else:
+            cwd = spec.workdir or os.getcwd()
+            log_path = str(folder / "output.log")
+        res = spec.resources
+        opts = [
+            f"--job-name={name}",
+            f"--nodes={nnodes}",
+            "--ntasks-per-node=1",
+            f"--cpus-per-task={max(1, res.cpus)}",
+            f"--output={log_path}",
+            "--open-mode=append",
+            f"--chdir={cwd}",
+            "--export=NONE",  # the script sets the job's whole environment itself
+            "--no-requeue",  # gpuyard requeues (a new attempt), never Slurm behind its back
+            "--kill-on-invalid-dep=yes",
+        ]
+        if nodes:
+            opts.append(f"--nodelist={','.join(n.node for n in nodes)}")
+        if gpus_per_node:
+            opts.append(f"--gpus-per-node={gpus_per_node}")
+        if res.memory_gb:
+            opts.append(f"--mem={max(1, int(res.memory_gb * 1024))}M")
+        limit = getattr(spec, "time_limit_min", None)
+        if limit:
+            opts.append(f"--time={int(limit)}")
+        for key, value in self.config.for_team(spec.team).items():
+            opts.append(f"--{key}={value}")
+        if user is not None:
+            opts.append(f"--uid={user}")
+        return LaunchPlan(
+            job_id=job_id,
+            attempt=attempt,
+            argv=argv,
+            env=env,
+            cwd=cwd,
+            log_path=log_path,
+            nodes=nodes,
+            executor=self.name,
+            extra={
+                "slurm_name": name,
+                "sbatch": opts,
+                "script": str(folder / f"attempt-{attempt}.sbatch"),
+                "user": user,
+                **ids,
+            },
+        )
+
+    def script(self, plan: LaunchPlan) -> str:
+        """The batch script: the job's environment, then the command on every node under srun."""
+        lines = ["#!/bin/bash", f"# gpuyard job {plan.job_id}, attempt {plan.attempt}"]
+        for key, value in sorted(plan.env.items()):
+            lines.append(f"export {key}={shlex.quote(value)}")
+        # Each node's task learns its node's scheduler name from Slurm (straggler reports name it).
+        node_var = f'export {NODE_ENV}="$SLURMD_NODENAME";'
+        inner = f'{node_var} exec "$@"'
+        cmd = [
+            "srun",
+            "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1",
+            "--export=ALL",
+            "bash",
+            "-c",
+            inner,
+            "gpuyard",
+        ]
+        lines.append("exec " + " ".join(shlex.quote(x) for x in [*cmd, *plan.argv]))
+        return "\n".join(lines) + "\n"
+
+    def launch(self, plan: LaunchPlan) -> dict[str, Any]:
+        """Write the script and submit it; the handle carries the Slurm job id."""
+        script = Path(plan.extra["script"])
+        script.parent.mkdir(parents=True, exist_ok=True)
+        if self.isolation is not None:
+            iso = replace(
+                self.isolation,
+                user=plan.extra["user_name"],
+                uid=int(plan.extra["uid"]),
+                gid=int(plan.extra["gid"]),
+                template=None,
+            )
+            folder = iso.workdir(plan.job_id)
+            iso.prepare(plan.job_id, str(folder))  # the job's own 0700 folder: its log goes there
+        else:
+            Path(plan.log_path).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(script, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(self.script(plan))
+        out = self._call(["sbatch", "--parsable", *plan.extra["sbatch"], str(script)])
+        slurm_id = out.strip().split(";")[0]
+        if not slurm_id.isdigit():
+            raise StoreError(f"Slurm: sbatch answered {out.strip()[:200]!r}, not a job id")
+        return {**plan.extra, "slurm_id": slurm_id, "log": plan.log_path, "launched": True}
+
+    def _squeue(self, ids: list[str]) -> dict[str, dict[str, str]]:
+        if not ids:
+            return {}
+        text = self._call(["squeue", "-h", "-j", ",".join(ids), "-o", "%i|%T|%r|%N|%S"], check=False)
+        out = {}
+        for line in text.splitlines():
+            parts = line.split("|")
+            if len(parts) == 5:
+                out[parts[0]] = {"state": parts[1], "reason": parts[2], "nodes": parts[3], "start": parts[4]}
+        return out
+
+    def describe_pending(self, handle: dict[str, Any]) -> str | None:
+        """Why Slurm keeps a submitted job pending (its Reason), or None when it runs or ended."""
+        row = self._squeue([str(handle.get("slurm_id", ""))]).get(str(handle.get("slurm_id")))
+        return row["reason"] if row and row["state"] == "PENDING" else None
+
+    def poll(self, handle: dict[str, Any]) -> ExitStatus | None:
+        """None while Slurm has the job pending or running; then how it ended (Slurm's reason too)."""
+        slurm_id = str(handle.get("slurm_id", ""))
+        if not slurm_id:
+            return ExitStatus(code=None, lost=True)
+        row = self._squeue([slurm_id]).get(slurm_id)
+        if row is not None and row["state"] in ACTIVE:
+            return None
+        return self._ended(slurm_id)
+
+    def _ended(self, slurm_id: str) -> ExitStatus:
+        text = self._call(["scontrol", "show", "job", "-o", slurm_id], check=False)
+        row = parse_kv_line(text.strip()) if text.strip() else {}
+        if row.get("JobState"):
+            if row["JobState"] in ACTIVE:  # between squeue and scontrol: still finishing
+                return SlurmExit(
+                    code=None, killed=True, state=row["JobState"], reason="still ending in Slurm"
+                )
+            return exit_from_state(
+                row["JobState"], row.get("ExitCode", "0:0"), row.get("EndTime", ""), row.get("Reason", "")
+            )
+        text = (
+            self._call(["sacct", "-n", "-P", "-X", "-j", slurm_id, "-o", "State,ExitCode,End"], check=False)
+            if shutil.which("sacct", path=self._env().get("PATH"))
+            else ""
+        )
+        for line in text.splitlines():
+            parts = line.split("|")
+            if len(parts) == 3:
+                return exit_from_state(parts[0], parts[1], parts[2])
+        return SlurmExit(code=None, lost=True, reason="Slurm no longer knows the job (no accounting kept)")
+
+    def stop(self, handle: dict[str, Any], kill: bool) -> None:
+        """SIGTERM to the job's tasks (it checkpoints and exits), or with ``kill`` cancel it outright."""
+        slurm_id = str(handle.get("slurm_id", ""))
+        if not slurm_id:
+            return
+        argv = ["scancel", slurm_id] if kill else ["scancel", "--signal=TERM", slurm_id]
+        self._call(argv, check=False)
+
+    def recover(self, job_id: int, plan_hint: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The handle of a submission the server did not get to record: found by its job name."""
+        if not plan_hint or not plan_hint.get("slurm_name"):
+            return None
+        text = self._call(["squeue", "-h", "-n", plan_hint["slurm_name"], "-o", "%i"], check=False)
+        ids = text.split()
+        if not ids:
+            return None
+        return {**plan_hint, "slurm_id": ids[0], "launched": True}
+
+    def adopt(self) -> dict[str, str]:
+        """gpuyard's jobs Slurm has now: name -> Slurm id (what a restarted server can find)."""
+        text = self._call(["squeue", "-h", "-o", "%j|%i"], check=False)
+        out = {}
+        for line in text.splitlines():
+            name, _, sid = line.partition("|")
+            if name.startswith(NAME_PREFIX):
+                out[name] = sid
+        return out

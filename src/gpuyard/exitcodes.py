@@ -8,6 +8,9 @@ USAGE = 2
 PREEMPTED = 75
 # Training stopped because the loss became NaN or infinite; the last good checkpoint is kept.
 DIVERGED = 76
+# Failed in a way a restart would repeat (the disk is full, the input is corrupt): do not retry it
+# unchanged. 74 is EX_IOERR in sysexits.h. `gpuyard train` stops torchrun's restarts on it.
+UNRECOVERABLE = 74
 
 
 def exit_now(code: int) -> None:

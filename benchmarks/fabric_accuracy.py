@@ -5,13 +5,21 @@ implies (tokens/s and step times directly; TFLOP/s through the source's own FLOP
 constant fitted to published runs, the GEMM efficiency of each GPU generation, is fitted two ways:
 
 * in-sample: on every source (what the shipped presets hold);
-* leave-one-source-out: for each source, on all the *other* sources, then that source is predicted.
-  A generation that only the held-out source measures keeps its preset value.
+* leave-one-source-out: for each source, on all the *other* sources, then that source is predicted with
+  that fit only. The shipped presets are never used for a held-out source (they are fitted on every
+  source, that one included). A generation only the held-out source measures (Blackwell: only
+  megatron-bridge-25.11) takes the nearest generation's fit (Hopper); those rows are reported apart.
+
+The accuracy goal (issue 31) is a figure here, not a test: median <= 5% and worst <= 15% of
+|predicted / published - 1| over every leave-one-source-out row. ``tests/unit/fabric/
+test_step_accuracy.py`` only guards against regressions (each source's worst error today plus a margin).
 
     python benchmarks/fabric_accuracy.py [--plot docs/img/fabric_accuracy.png] [--quick]
 
-Last line: ``fabric_accuracy: loso_median_pct=<x> loso_max_pct=<y> in_sample_median_pct=<z> runs=<n>
-sources=<k>`` (medians and maxima of |predicted / published - 1| over all runs).
+Last line: ``fabric_accuracy: loso_median_pct=<x> loso_max_pct=<y> own_gen_median_pct=<a>
+own_gen_max_pct=<b> borrowed_median_pct=<c> borrowed_max_pct=<d> borrowed_runs=<m> goal_met=<yes|no>
+in_sample_median_pct=<z> runs=<n> sources=<k>``: loso_* over every row; own_gen_* over the rows whose
+generation other sources measure; borrowed_* over the rows predicted with another generation's fit.
 """
 
 from __future__ import annotations
@@ -22,10 +30,23 @@ import sys
 import time
 from pathlib import Path
 
-from gpuyard.fabric.accuracy import Corpus, RunError, errors_with, fit_efficiencies, leave_one_source_out
+from gpuyard.fabric.accuracy import (
+    Corpus,
+    HeldOut,
+    RunError,
+    errors_with,
+    fit_efficiencies,
+    generation,
+    leave_one_source_out,
+)
+
+GOAL_MEDIAN_PCT = 5.0  # issue 31: median |error| over every leave-one-source-out row
+GOAL_MAX_PCT = 15.0  # and the worst row
 
 
 def _pct(errors: list[RunError]) -> tuple[float, float, float]:
+    if not errors:
+        return float("nan"), float("nan"), float("nan")
     values = [abs(e.error) * 100 for e in errors]
     return statistics.median(values), max(values), statistics.median(e.error * 100 for e in errors)
 
@@ -86,23 +107,30 @@ def main() -> int:
     names = sorted(corpus.sources)
     fitted = fit_efficiencies(corpus, set(names))
     in_sample = errors_with(corpus, corpus.runs, fitted)
-    loso, fits = leave_one_source_out(corpus)
+    held = leave_one_source_out(corpus)
+    loso = {name: h.errors for name, h in held.items()}
     print(f"GEMM efficiency fitted on every source: {fitted}")
     print(
         f"{'source':<28} {'stack':<12} {'runs':>4}  {'in-sample med/max':>18}  {'LOSO med/max':>14}  "
         f"{'LOSO bias':>9}  fit without it"
     )
     for name in names:
+        h: HeldOut = held[name]
         mine = [e for e in in_sample if e.run.source == name]
         i_med, i_max, _ = _pct(mine)
-        l_med, l_max, bias = _pct(loso[name])
-        fit = ", ".join(f"{k} {v:.2f}" for k, v in sorted(fits[name].items()))
+        l_med, l_max, bias = _pct(h.errors)
+        fit = ", ".join(f"{k} {v:.2f}" for k, v in sorted(h.fit.items()))
+        lent = "".join(f"; {g} rows use the {n} fit" for g, n in sorted(h.borrowed.items()))
         print(
             f"{name:<28} {corpus.sources[name].stack:<12} {len(mine):>4}  {i_med:7.1f}% /{i_max:6.1f}%  "
-            f"{l_med:5.1f}% /{l_max:5.1f}%  {bias:+8.1f}%  {fit}"
+            f"{l_med:5.1f}% /{l_max:5.1f}%  {bias:+8.1f}%  {fit}{lent}"
         )
     every = [e for v in loso.values() for e in v]
+    own = [e for h in held.values() for e in h.rows(borrowed=False)]
+    lent_rows = [e for h in held.values() for e in h.rows(borrowed=True)]
     l_med, l_max, _ = _pct(every)
+    o_med, o_max, _ = _pct(own)
+    b_med, b_max, _ = _pct(lent_rows)
     i_med, i_max, _ = _pct(in_sample)
     per_source = statistics.median(_pct(v)[0] for v in loso.values())
     print(
@@ -111,12 +139,32 @@ def main() -> int:
         f"median of the sources' LOSO medians {per_source:.1f}% "
         f"({time.perf_counter() - started:.1f} s)"
     )
+    print(
+        f"  rows whose generation other sources measure: {len(own)}, median {o_med:.1f}% worst {o_max:.1f}%"
+    )
+    for h in held.values():
+        for gen, near in sorted(h.borrowed.items()):
+            rows = [e for e in h.rows(borrowed=True) if generation(e.run.device) == gen]
+            g_med, g_max, g_bias = _pct(rows)
+            print(
+                f"  {h.source}: its {len(rows)} {gen} rows are measured by no other source; predicted "
+                f"with the {near} fit ({h.fit[near]:.2f}): median {g_med:.1f}% worst {g_max:.1f}% "
+                f"bias {g_bias:+.1f}%"
+            )
+    met = l_med <= GOAL_MEDIAN_PCT and l_max <= GOAL_MAX_PCT
+    print(
+        f"goal (median <= {GOAL_MEDIAN_PCT:.0f}%, worst <= {GOAL_MAX_PCT:.0f}% over every "
+        f"leave-one-source-out row): {'met' if met else 'NOT met'} (median {l_med:.1f}%, worst {l_max:.1f}%)"
+    )
     if args.plot:
         plot(in_sample, loso, args.plot)
         print(f"plot written to {args.plot}")
     print(
         f"fabric_accuracy: loso_median_pct={l_med:.1f} loso_max_pct={l_max:.1f} "
-        f"in_sample_median_pct={i_med:.1f} runs={len(in_sample)} sources={len(names)}"
+        f"own_gen_median_pct={o_med:.1f} own_gen_max_pct={o_max:.1f} "
+        f"borrowed_median_pct={b_med:.1f} borrowed_max_pct={b_max:.1f} borrowed_runs={len(lent_rows)} "
+        f"goal_met={'yes' if met else 'no'} in_sample_median_pct={i_med:.1f} runs={len(in_sample)} "
+        f"sources={len(names)}"
     )
     return 0
 

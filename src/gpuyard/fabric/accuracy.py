@@ -161,22 +161,89 @@ def fit_efficiencies(corpus: Corpus, sources: set[str]) -> dict[str, float]:
     return fitted
 
 
+# GPU generations in release order: a generation no training source measures borrows the fit of the
+# nearest one in this order (the older one on a tie).
+GENERATION_ORDER = ("ampere", "hopper", "blackwell")
+
+
+def borrowed_generation(gen: str, fitted: dict[str, float]) -> str | None:
+    """The fitted generation whose efficiency ``gen`` uses: itself, else the nearest fitted one.
+
+    None where ``gen`` is not one of the fitted generations (e.g. an Ada card whose preset value is
+    assumed, not fitted to the corpus): the preset then holds, and it carries no corpus figure.
+    """
+    if gen in fitted:
+        return gen
+    if gen not in GENERATION_ORDER:
+        return None
+    here = GENERATION_ORDER.index(gen)
+    candidates = [g for g in GENERATION_ORDER if g in fitted]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda g: (abs(GENERATION_ORDER.index(g) - here), GENERATION_ORDER.index(g)))
+
+
+def _fitted_generations(corpus: Corpus) -> set[str]:
+    """Generations whose preset GEMM efficiency is fitted to the whole corpus (never used held out)."""
+    return {generation(r.device) for r in corpus.runs} & set(GENERATION_ORDER)
+
+
 def errors_with(corpus: Corpus, runs: list[PublishedRun], fitted: dict[str, float]) -> list[RunError]:
-    """RunErrors of ``runs`` under the fitted efficiencies (a generation not fitted keeps its preset)."""
-    return [
-        RunError(r, corpus.published[r.id], corpus.predicted(r, fitted.get(generation(r.device))))
-        for r in runs
-    ]
+    """RunErrors of ``runs`` under the fitted efficiencies.
+
+    A generation of the corpus that ``fitted`` lacks takes the nearest fitted generation's value
+    (:func:`borrowed_generation`), never its preset: the preset is fitted on every source, so using it
+    for a held-out source would predict that source with a constant fitted on itself.
+    """
+    out = []
+    corpus_gens = _fitted_generations(corpus)
+    for r in runs:
+        gen = generation(r.device)
+        if gen in fitted:
+            eff: float | None = fitted[gen]
+        elif gen in corpus_gens:
+            near = borrowed_generation(gen, fitted)
+            if near is None:
+                raise ConfigError(f"{r.id}: no fitted GPU generation to predict a {gen} run with")
+            eff = fitted[near]
+        else:
+            eff = None  # a preset value not fitted to the corpus (assumed)
+        out.append(RunError(r, corpus.published[r.id], corpus.predicted(r, eff)))
+    return out
 
 
-def leave_one_source_out(corpus: Corpus) -> tuple[dict[str, list[RunError]], dict[str, dict[str, float]]]:
-    """For each source: fit on every other source, predict this one. Returns errors and fits by source."""
+@dataclass(frozen=True)
+class HeldOut:
+    """One source predicted from a fit on every other source."""
+
+    source: str
+    fit: dict[str, float]
+    errors: list[RunError]
+    borrowed: dict[str, str]  # generation of its rows -> fitted generation used (only where they differ)
+
+    def rows(self, borrowed: bool) -> list[RunError]:
+        """Its rows whose generation was fitted without it (False) or borrowed from another (True)."""
+        return [e for e in self.errors if (generation(e.run.device) in self.borrowed) == borrowed]
+
+
+def leave_one_source_out(corpus: Corpus) -> dict[str, HeldOut]:
+    """For each source: fit on every other source, predict this one with that fit only.
+
+    A generation only the held-out source measures (Blackwell in megatron-bridge-25.11) takes the
+    nearest generation's fit, and :attr:`HeldOut.borrowed` says which.
+    """
     names = sorted(corpus.sources)
-    errors, fits = {}, {}
+    out = {}
     for held in names:
-        fits[held] = fit_efficiencies(corpus, set(names) - {held})
-        errors[held] = errors_with(corpus, [r for r in corpus.runs if r.source == held], fits[held])
-    return errors, fits
+        fit = fit_efficiencies(corpus, set(names) - {held})
+        mine = [r for r in corpus.runs if r.source == held]
+        borrowed = {}
+        for gen in sorted({generation(r.device) for r in mine} & _fitted_generations(corpus)):
+            near = borrowed_generation(gen, fit)
+            if near is not None and near != gen:
+                borrowed[gen] = near
+        out[held] = HeldOut(held, fit, errors_with(corpus, mine, fit), borrowed)
+    return out
 
 
 # ----- MFU ceilings ----------------------------------------------------------------------------------

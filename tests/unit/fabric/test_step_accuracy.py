@@ -1,9 +1,10 @@
 """The step model against every row of the published corpus (gpuyard/fabric/published/runs.yaml).
 
-Each source states the largest error its rows may show (``tolerance_pct``: what the model achieves
-today, see docs/fabric.md); every row must stay inside it. The leave-one-source-out procedure that
-benchmarks/fabric_accuracy.py reports is tested for what makes it honest: a held-out source's figures
-cannot move the constants it is predicted with.
+Each source states a regression guard (``regression_guard_pct``: its worst error today plus a margin,
+see docs/fabric.md); every row must stay inside it. That is not an accuracy check: the accuracy goal
+(median <= 5%, worst <= 15% leave-one-source-out) is a figure of benchmarks/fabric_accuracy.py. The
+leave-one-source-out procedure is tested for what makes it honest: a held-out source's figures cannot
+move the constants it is predicted with, not even through a preset or a borrowed generation.
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ from __future__ import annotations
 import pytest
 
 from gpuyard.fabric import accuracy
-from gpuyard.fabric.accuracy import Corpus, fit_efficiencies, flops_per_step, generation, published_step_s
+from gpuyard.fabric.accuracy import (
+    Corpus,
+    borrowed_generation,
+    fit_efficiencies,
+    flops_per_step,
+    generation,
+    leave_one_source_out,
+    published_step_s,
+)
 from gpuyard.fabric.published.runs import PublishedRun, load_runs, load_sources, model_spec
 
 pytestmark = pytest.mark.unit
@@ -26,15 +35,13 @@ def corpus() -> Corpus:
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.id for r in RUNS])
-def test_every_published_run_is_predicted_within_its_source_tolerance(
-    run: PublishedRun, corpus: Corpus
-) -> None:
+def test_no_published_run_regresses_past_its_source_guard(run: PublishedRun, corpus: Corpus) -> None:
     predicted = corpus.predicted(run, None)  # the shipped presets, no refit
     error = predicted / corpus.published[run.id] - 1
-    tolerance = SOURCES[run.source].tolerance_pct / 100
-    assert abs(error) <= tolerance, (
+    guard = SOURCES[run.source].regression_guard_pct / 100
+    assert abs(error) <= guard, (
         f"{run.id}: predicted {predicted:.3f} s against {corpus.published[run.id]:.3f} s published "
-        f"({error:+.1%}, tolerance {tolerance:.0%})"
+        f"({error:+.1%}, regression guard {guard:.0%})"
     )
 
 
@@ -79,3 +86,34 @@ def test_the_shipped_presets_hold_the_whole_corpus_fit(corpus: Corpus) -> None:
     for run in RUNS:
         preset = accuracy.run_cluster(run.cluster, run.device).compute.gemm_efficiency
         assert preset == pytest.approx(fitted[generation(run.device)]), run.id
+
+
+def _skewed(corpus: Corpus, held: str, factor: float) -> Corpus:
+    return Corpus(
+        corpus.runs,
+        corpus.sources,
+        {k: v * (factor if k.startswith(held + "/") else 1.0) for k, v in corpus.published.items()},
+        {},
+    )
+
+
+def test_a_held_out_sources_predictions_do_not_depend_on_its_own_figures(corpus: Corpus) -> None:
+    # megatron-bridge-25.11 is the only source with Blackwell rows: before the fix its Blackwell rows
+    # were predicted with the preset, fitted on every source, itself included. Skewing its published
+    # figures must leave every one of its predictions unchanged.
+    held = "megatron-bridge-25.11"
+    base = leave_one_source_out(corpus)[held]
+    skewed = leave_one_source_out(_skewed(corpus, held, 0.5))[held]
+    assert base.borrowed == {"blackwell": "hopper"}
+    assert [e.predicted_s for e in skewed.errors] == pytest.approx([e.predicted_s for e in base.errors])
+    assert any(generation(e.run.device) == "blackwell" for e in base.rows(borrowed=True))
+    assert not any(generation(e.run.device) == "blackwell" for e in base.rows(borrowed=False))
+
+
+def test_a_missing_generation_borrows_the_nearest_fitted_one() -> None:
+    assert borrowed_generation("blackwell", {"ampere": 0.6, "hopper": 0.5}) == "hopper"
+    assert borrowed_generation("blackwell", {"ampere": 0.6}) == "ampere"
+    assert borrowed_generation("hopper", {"ampere": 0.6, "blackwell": 0.5}) == "ampere"  # tie: the older
+    assert borrowed_generation("hopper", {"hopper": 0.7}) == "hopper"
+    assert borrowed_generation("ada", {"hopper": 0.7}) is None  # not a fitted generation: preset holds
+    assert borrowed_generation("hopper", {}) is None

@@ -119,14 +119,31 @@ def ingest_cmd(
         "--team",
         help="The team a new dataset belongs to (default: default; a new version keeps its dataset's).",
     ),
+    text_field: str | None = typer.Option(
+        None, "--text-field", help="Text corpus: the field holding each document (JSONL/Parquet)."
+    ),
+    messages_field: str | None = typer.Option(
+        None, "--messages-field", help="Chat corpus: the field holding a list of {role, content} messages."
+    ),
+    max_doc_bytes: str = typer.Option(
+        "1MiB", "--max-doc-bytes", help="Text: larger documents are quarantined."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Ingest a source into a new immutable version (bad rows go to the quarantine, with reasons).
+
+    A .txt/.md file or folder, or --text-field/--messages-field, ingests a text corpus (docs/llm.md).
 
     Prints a schema summary (column, type, nulls, warnings); a text column that is numbers but for a
     few values becomes numeric, those rows quarantined with the value as the file held it. An empty
     source (a header-only CSV) is refused.
     """
+    from gpuyard.cli.text import ingest_text_cmd, is_text_source
+
+    if is_text_source(src, fmt, text_field, messages_field):
+        args = (src, name, fmt, text_field, messages_field, _size(max_doc_bytes), _size(shard_size), team)
+        ingest_text_cmd(*args, as_json, _summary, _print_summary)
+        return
     import yaml
 
     from gpuyard.data import IngestOptions, ValidationSpec, ingest
@@ -338,4 +355,7 @@ def quarantine_cmd(
 
 def register(app: typer.Typer) -> None:
     """Add `gpuyard data` to the CLI."""
+    from gpuyard.cli.text import register_text
+
+    register_text(data_app)
     app.add_typer(data_app, name="data")

@@ -1,0 +1,103 @@
+"""`gpuyard data ingest` of text corpora and `gpuyard data tokenize` (language models, docs/llm.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from gpuyard.data.text import TEXT_SUFFIXES
+
+
+def is_text_source(src: Path, fmt: str | None, text_field: str | None, messages_field: str | None) -> bool:
+    """True when ``gpuyard data ingest`` should read ``src`` as a text corpus."""
+    if text_field or messages_field or fmt in ("text", "txt"):
+        return True
+    if fmt is not None:
+        return False
+    if src.is_dir():
+        return not any(p.is_dir() for p in src.iterdir()) and any(
+            p.suffix.lower() in TEXT_SUFFIXES for p in src.iterdir()
+        )
+    return src.suffix.lower() in TEXT_SUFFIXES
+
+
+def ingest_text_cmd(
+    src: Path,
+    name: str,
+    fmt: str | None,
+    text_field: str | None,
+    messages_field: str | None,
+    max_doc_bytes: int,
+    shard_bytes: int,
+    team: str | None,
+    as_json: bool,
+    summary: Any,
+    print_summary: Any,
+) -> None:
+    """Ingest a text corpus (documents or chat records) and print its summary."""
+    from gpuyard.data.text import TextOptions, ingest_text
+
+    opts = TextOptions(
+        format=fmt,
+        text_field=text_field or "text",
+        messages_field=messages_field,
+        max_bytes=max_doc_bytes,
+        shard_bytes=shard_bytes,
+    )
+    version = ingest_text(src, name, opts, team=team)
+    doc = summary(version.manifest)
+    doc["text"] = version.manifest["text"]
+    if as_json:
+        typer.echo(json.dumps(doc))
+    else:
+        print_summary(doc)
+        t = doc["text"]
+        what = "chat records" if t["column"] == "messages" else "documents"
+        Console().print(f"{t['documents']} {what}, {t['bytes']} bytes of text")
+
+
+def register_text(app: typer.Typer) -> None:
+    """Add `gpuyard data tokenize`."""
+
+    @app.command("tokenize")
+    def tokenize_cmd(
+        ref: str = typer.Argument(..., help="A text dataset: NAME or NAME@VERSION."),
+        tokenizer: Path = typer.Option(
+            ..., "--tokenizer", help="A Hugging Face tokenizer.json, or a folder holding one."
+        ),
+        seq_len: int = typer.Option(..., "--seq-len", help="Tokens per packed sequence."),
+        output: str | None = typer.Option(
+            None, "--output", help="Name of the token dataset (default NAME-tokens)."
+        ),
+        val_fraction: float = typer.Option(
+            0.0, "--val-fraction", help="Share of documents in a 'val' split (by a seeded hash of the text)."
+        ),
+        seed: int = typer.Option(0, "--seed", help="Seed of the train/val assignment."),
+        eos_token: str | None = typer.Option(
+            None, "--eos-token", help="The end-of-sequence token (default: the tokenizer's)."
+        ),
+        team: str | None = typer.Option(None, "--team", help="The team of a new token dataset."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    ) -> None:
+        """Tokenize a text version and pack it into fixed-length sequences (document boundaries kept)."""
+        from gpuyard.data.tokens import tokenize
+
+        version = tokenize(
+            ref, tokenizer, seq_len, output=output, val_fraction=val_fraction, seed=seed,
+            eos_token=eos_token, team=team,
+        )  # fmt: skip
+        t = dict(version.manifest["tokens"])
+        doc = {"ref": version.ref, "parent": version.manifest["parent"], **t}
+        doc["tokenizer"] = {k: v for k, v in t["tokenizer"].items() if k != "chat_template"}
+        if as_json:
+            typer.echo(json.dumps(doc))
+            return
+        Console().print(
+            f"[bold]{version.ref}[/bold]  {t['sequences']} sequences of {t['seq_len']} tokens from "
+            f"{t['documents']} documents: {t['tokens']} tokens, {t['padding']} padding "
+            f"(waste {t['waste']:.2%}), tokenizer sha256 {t['tokenizer']['sha256'][:12]}"
+        )

@@ -1,0 +1,534 @@
+"""Token datasets: a text version tokenized with a local tokenizer and packed into fixed-length sequences.
+
+Each document (a chat record is first rendered with the chat template) becomes its tokens plus the
+end-of-sequence token. Documents are packed in order into sequences of ``seq_len`` tokens: a document
+that does not fit in what is left of the current sequence starts the next one (the rest is padding),
+and one longer than ``seq_len`` is cut into pieces of ``seq_len`` tokens. Each sequence stores three
+``(seq_len,)`` int32 tensor columns:
+
+* ``input_ids``: the tokens (padding is the pad token, or end-of-sequence when the tokenizer has none);
+* ``position_ids``: positions that restart at 0 at every document (piece) and at every padding token,
+  so attention never crosses a document boundary (transformers reads restarting positions as
+  separate sequences and masks between them, when no attention mask is given);
+* ``labels``: the next token of the same document, ``-100`` (ignored) at a document's last position
+  and on padding, so the loss and the perplexity count exactly the predictable tokens.
+
+The manifest's ``tokens`` records the tokenizer (SHA-256, artifact key, special tokens, chat
+template), the sequence length, token counts (documents, real tokens, padding, counted labels) and
+the packing waste (padding / all positions), per split when a validation share is asked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from gpuyard.data.catalog import check_new_version_team, record_version
+from gpuyard.data.columns import tensor_array, tensor_field
+from gpuyard.data.dataset import DatasetVersion, open_dataset
+from gpuyard.data.manifest import build_manifest
+from gpuyard.data.shards import ROW_GROUP_BYTES, rows_per_shard, store_shard
+from gpuyard.errors import ConfigError
+from gpuyard.refs import check_dataset_name
+from gpuyard.store import get_artifacts
+
+IGNORE = -100
+MAX_SEQ_LEN = 1 << 20
+# Documents tokenized per call of the (multi-threaded) batch encoder.
+ENCODE_BATCH = 1024
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
+PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]")
+# The chat template used when the tokenizer folder has none (ChatML-like), as a Jinja template.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass
+class LoadedTokenizer:
+    """A tokenizer read from a local ``tokenizer.json`` (or a folder holding one).
+
+    Attributes:
+        tokenizer: the ``tokenizers.Tokenizer``.
+        raw: the bytes of tokenizer.json (stored with token datasets and models).
+        sha256: their hash.
+        eos_id / pad_id: the end-of-sequence and padding token ids.
+        chat_template: a Jinja chat template (the folder's tokenizer_config.json's, else gpuyard's).
+        folder: the folder it came from, when one was given (other tokenizer files are exported too).
+    """
+
+    tokenizer: Any
+    raw: bytes
+    sha256: str
+    eos_id: int
+    eos_token: str
+    pad_id: int
+    chat_template: str
+    folder: Path | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the tokenizer knows, added tokens included."""
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode_batch(self, texts: list[str], specials: bool = False) -> list[list[int]]:
+        """Token ids of each text.
+
+        Special-token strings inside a document are encoded as plain text (a document cannot forge a
+        boundary); with ``specials`` (text rendered by the chat template) they are the special tokens.
+        """
+        self.tokenizer.encode_special_tokens = not specials
+        try:
+            return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+        finally:
+            self.tokenizer.encode_special_tokens = True
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        """``messages`` through the chat template (sandboxed Jinja)."""
+        return render_chat(self.chat_template, messages, add_generation_prompt, self.eos_token)
+
+    def doc(self) -> dict[str, Any]:
+        """What manifests and the registry record of the tokenizer."""
+        return {
+            "sha256": self.sha256,
+            "eos_id": self.eos_id,
+            "eos_token": self.eos_token,
+            "pad_id": self.pad_id,
+            "vocab_size": self.vocab_size,
+            "chat_template": self.chat_template,
+        }
+
+
+def render_chat(template: str, messages: list[dict[str, str]], add_generation_prompt: bool, eos: str) -> str:
+    """Render a Jinja chat template in a sandbox (a template cannot reach Python internals).
+
+    Raises:
+        ConfigError: the template does not compile or fails on these messages.
+    """
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    try:
+        return env.from_string(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, eos_token=eos, bos_token=""
+        )
+    except jinja2.TemplateError as exc:
+        raise ConfigError(f"chat template: {exc}") from exc
+
+
+def _special(tok: Any, given: str | None, candidates: tuple[str, ...], what: str) -> tuple[int, str] | None:
+    names = [given] if given else list(candidates)
+    for name in names:
+        tid = tok.token_to_id(name)
+        if tid is not None:
+            return int(tid), name
+    if given:
+        raise ConfigError(f"{what} {given!r} is not a token of the tokenizer")
+    return None
+
+
+def load_tokenizer(path: str | Path, eos_token: str | None = None) -> LoadedTokenizer:
+    """Read a Hugging Face ``tokenizer.json`` (a file, or a folder holding one and tokenizer_config.json).
+
+    Raises:
+        ConfigError: a missing, binary, malformed or unusable tokenizer file, or no end-of-sequence
+            token (name one with ``eos_token``); one line naming the file.
+    """
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    folder = p if p.is_dir() else None
+    file = p / "tokenizer.json" if folder else p
+    if not file.is_file():
+        raise ConfigError(f"tokenizer {file}: file not found (a Hugging Face tokenizer.json)")
+    if file.stat().st_size > 512 << 20:
+        raise ConfigError(f"tokenizer {file}: {file.stat().st_size} bytes is too large for a tokenizer")
+    raw = file.read_bytes()
+    try:
+        json.loads(raw)
+        tok = Tokenizer.from_str(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ConfigError(f"tokenizer {file} is not a valid tokenizer.json: {first}") from exc
+    except Exception as exc:  # tokenizers raises its own Exception subclass for a bad model
+        raise ConfigError(f"tokenizer {file} is not a valid tokenizer.json: {str(exc)[:200]}") from exc
+    template, config_eos = DEFAULT_CHAT_TEMPLATE, None
+    if folder is not None and (folder / "tokenizer_config.json").is_file():
+        try:
+            cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{folder / 'tokenizer_config.json'} is not JSON: {exc}") from exc
+        if isinstance(cfg.get("chat_template"), str):
+            template = cfg["chat_template"]
+        eos = cfg.get("eos_token")
+        config_eos = eos.get("content") if isinstance(eos, dict) else eos
+    if folder is not None and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    found = _special(tok, eos_token or config_eos, EOS_CANDIDATES, "eos_token")
+    if found is None:
+        raise ConfigError(
+            f"tokenizer {file} has none of the end-of-sequence tokens {', '.join(EOS_CANDIDATES)}; "
+            "name one with --eos-token"
+        )
+    eos_id, eos_name = found
+    pad = _special(tok, None, PAD_CANDIDATES, "pad_token")
+    return LoadedTokenizer(
+        tokenizer=tok,
+        raw=raw,
+        sha256=hashlib.sha256(raw).hexdigest(),
+        eos_id=eos_id,
+        eos_token=eos_name,
+        pad_id=pad[0] if pad else eos_id,
+        chat_template=template,
+        folder=folder,
+    )
+
+
+@dataclass
+class Packed:
+    """Sequences packed from documents, and their counts."""
+
+    input_ids: np.ndarray
+    position_ids: np.ndarray
+    labels: np.ndarray
+    documents: int = 0
+    tokens: int = 0
+    padding: int = 0
+    split_documents: int = 0
+
+    @property
+    def sequences(self) -> int:
+        """Packed sequences."""
+        return len(self.input_ids)
+
+    def counts(self) -> dict[str, Any]:
+        """The figures recorded in the manifest."""
+        slots = self.sequences * (self.input_ids.shape[1] if self.sequences else 0)
+        return {
+            "documents": self.documents,
+            "sequences": self.sequences,
+            "tokens": self.tokens,
+            "padding": self.padding,
+            "label_tokens": int((self.labels != IGNORE).sum()),
+            "split_documents": self.split_documents,
+            "waste": round(self.padding / slots, 6) if slots else 0.0,
+        }
+
+
+def pack(docs: list[list[int]], seq_len: int, eos_id: int, pad_id: int) -> Packed:
+    """Pack token lists (each gets ``eos_id`` appended) into sequences of ``seq_len`` (module docstring)."""
+    if seq_len < 2:
+        raise ConfigError(f"seq_len must be at least 2, got {seq_len}")
+    pieces: list[list[list[int]]] = []  # per sequence, its document pieces
+    current: list[list[int]] = []
+    used = 0
+    split = 0
+    total = 0
+    for ids in docs:
+        doc = [*ids, eos_id]
+        total += len(doc)
+        if len(doc) > seq_len:
+            split += 1
+            if current:
+                pieces.append(current)
+                current, used = [], 0
+            for start in range(0, len(doc), seq_len):
+                chunk = doc[start : start + seq_len]
+                if len(chunk) == seq_len:
+                    pieces.append([chunk])
+                else:
+                    current, used = [chunk], len(chunk)
+            continue
+        if used + len(doc) > seq_len:
+            pieces.append(current)
+            current, used = [], 0
+        current.append(doc)
+        used += len(doc)
+    if current:
+        pieces.append(current)
+    n = len(pieces)
+    input_ids = np.full((n, seq_len), pad_id, dtype=np.int32)
+    position_ids = np.zeros((n, seq_len), dtype=np.int32)
+    labels = np.full((n, seq_len), IGNORE, dtype=np.int32)
+    for s, seq in enumerate(pieces):
+        at = 0
+        for piece in seq:
+            k = len(piece)
+            input_ids[s, at : at + k] = piece
+            position_ids[s, at : at + k] = np.arange(k, dtype=np.int32)
+            labels[s, at : at + k - 1] = piece[1:]
+            at += k
+    return Packed(
+        input_ids, position_ids, labels, documents=len(docs), tokens=total, padding=n * seq_len - total,
+        split_documents=split,
+    )  # fmt: skip
+
+
+def _documents(version: DatasetVersion, tok: LoadedTokenizer) -> Iterator[str]:
+    column = (version.manifest.get("text") or {}).get("column")
+    if column not in ("text", "messages"):
+        raise ConfigError(
+            f"{version.ref} is not a text dataset (kind {version.manifest['kind']!r}); ingest a corpus "
+            "with `gpuyard data ingest CORPUS --name N` (a .txt/.jsonl/.parquet with a text field)"
+        )
+    for table in version.iter_tables(columns=[column]):
+        for value in table.column(column).to_pylist():
+            yield value if column == "text" else tok.render_chat(value)
+
+
+def _is_val(text: str, fraction: float, seed: int) -> bool:
+    h = hashlib.sha256(f"{seed}:".encode() + text.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < fraction
+
+
+def tokenize(
+    ref: str,
+    tokenizer: str | Path,
+    seq_len: int,
+    *,
+    output: str | None = None,
+    val_fraction: float = 0.0,
+    seed: int = 0,
+    eos_token: str | None = None,
+    team: str | None = None,
+) -> DatasetVersion:
+    """Tokenize and pack text version ``ref`` into a token dataset (``output``, default ``NAME-tokens``).
+
+    With ``val_fraction`` each document goes (by a seeded hash of its text) to the ``val`` split
+    with that probability, else to ``train``; the splits are packed apart, so no sequence mixes them.
+
+    Raises:
+        ConfigError: a bad tokenizer, sequence length or fraction, a dataset that is not text, or a
+            corpus that yields no sequence in a split asked for.
+    """
+    if not 2 <= seq_len <= MAX_SEQ_LEN:
+        raise ConfigError(f"--seq-len must be between 2 and {MAX_SEQ_LEN}, got {seq_len}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    tok = load_tokenizer(tokenizer, eos_token)
+    version = open_dataset(ref)
+    name = output or f"{version.name}-tokens"
+    check_dataset_name(name)
+    check_new_version_team(name, team)
+    splits: dict[str, list[list[int]]] = {"train": [], "val": []}
+    batch: list[str] = []
+    which: list[str] = []
+
+    chat = (version.manifest.get("text") or {}).get("column") == "messages"
+
+    def flush() -> None:
+        for ids, split in zip(tok.encode_batch(batch, specials=chat), which, strict=True):
+            splits[split].append(ids)
+        batch.clear()
+        which.clear()
+
+    for text in _documents(version, tok):
+        batch.append(text)
+        which.append("val" if val_fraction and _is_val(text, val_fraction, seed) else "train")
+        if len(batch) >= ENCODE_BATCH:
+            flush()
+    flush()
+    names = ["train", "val"] if val_fraction else ["train"]
+    if val_fraction:
+        empty = [s for s in names if not splits[s]]
+        if empty:
+            raise ConfigError(
+                f"{version.ref}: no document went to the {'/'.join(empty)} split with val_fraction "
+                f"{val_fraction} ({version.num_rows} documents); change --val-fraction"
+            )
+    else:
+        splits["train"].extend(splits.pop("val"))
+    packed = {s: pack(splits[s], seq_len, tok.eos_id, tok.pad_id) for s in names}
+    artifacts = get_artifacts()
+    tok_info = artifacts.put_blob(tok.raw)
+    fields = [tensor_field(c, tensor_array(np.zeros((1, seq_len), np.int32))[1]) for c in COLUMNS]
+    if val_fraction:
+        fields.append(pa.field("split", pa.string(), nullable=False))
+    schema = pa.schema(fields)
+    shards = []
+    for s in names:
+        p = packed[s]
+        cols = [tensor_array(getattr(p, c))[0] for c in COLUMNS]
+        if val_fraction:
+            cols.append(pa.array([s] * p.sequences, pa.string()))
+        table = pa.Table.from_arrays(cols, schema=schema)
+        step = max(1, rows_per_shard(table, 16 * ROW_GROUP_BYTES))
+        for start in range(0, table.num_rows, step):
+            shards.append(store_shard(table.slice(start, step), artifacts))
+    counts = {s: packed[s].counts() for s in names}
+    total = {k: sum(c[k] for c in counts.values()) for k in counts["train"] if k != "waste"}
+    slots = total["sequences"] * seq_len
+    total["waste"] = round(total["padding"] / slots, 6) if slots else 0.0
+    tokens_doc = {
+        "seq_len": seq_len,
+        "tokenizer": {**tok.doc(), "key": tok_info.key},
+        **total,
+        "splits": counts if val_fraction else {},
+    }
+    manifest = build_manifest(
+        name=name,
+        kind="tokens",
+        schema=schema,
+        shards=shards,
+        stats={},
+        source={"uri": version.ref, "format": "dataset"},
+        recipe={
+            "tokenize": {
+                "tokenizer_sha256": tok.sha256,
+                "seq_len": seq_len,
+                "val_fraction": val_fraction,
+                "seed": seed,
+                "eos_id": tok.eos_id,
+                "pad_id": tok.pad_id,
+            }
+        },
+        quarantine={
+            "rows_in": version.num_rows,
+            "rows_kept": version.num_rows,
+            "rows_quarantined": 0,
+            "by_reason": {},
+            "key": None,
+        },
+        parent=version.ref,
+        extra={
+            "tokens": tokens_doc,
+            "splits": {s: packed[s].sequences for s in names} if val_fraction else {},
+        },
+    )
+    row = record_version(manifest, team)
+    return open_dataset(f"{row.dataset}@{row.version}")
+
+
+COLUMNS = ("input_ids", "position_ids", "labels")
+
+
+def token_info(version: DatasetVersion) -> dict[str, Any]:
+    """The ``tokens`` record of a token dataset.
+
+    Raises:
+        ConfigError: the version is not a token dataset.
+    """
+    info = version.manifest.get("tokens")
+    if version.manifest.get("kind") != "tokens" or not isinstance(info, dict):
+        raise ConfigError(
+            f"{version.ref} is not a token dataset (kind {version.manifest.get('kind')!r}); make one with "
+            "`gpuyard data tokenize NAME@VERSION --tokenizer tokenizer.json --seq-len N`"
+        )
+    return info
+
+
+def tokenizer_bytes(version: DatasetVersion) -> bytes:
+    """The tokenizer.json a token dataset was made with (checked against its hash)."""
+    info = token_info(version)["tokenizer"]
+    return get_artifacts().get_bytes(info["key"], sha256=info["sha256"])
+
+
+class PackedBatches:
+    """Wraps a ShardLoader over a token dataset: batches become the causal-LM trainer's form,
+    ``{"inputs": {"input_ids", "position_ids"}, "targets": labels}`` (int64 tensors of (B, seq_len)).
+
+    The position (state_dict), epochs and global-batch mode are the wrapped loader's, so resume is
+    exact as for any shard loader.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        import torch
+
+        for batch in self.loader:
+            ids, pos, lab = (torch.as_tensor(np.asarray(batch[c])).long() for c in COLUMNS)
+            yield {"inputs": {"input_ids": ids, "position_ids": pos}, "targets": lab}
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch``."""
+        self.loader.set_epoch(epoch)
+
+    def set_global_batch(self, global_batch: int, rank: int, world_size: int) -> None:
+        """Global-batch mode (``data.global_batch_size``)."""
+        self.loader.set_global_batch(global_batch, rank, world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped loader's position."""
+        return dict(self.loader.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position."""
+        self.loader.load_state_dict(state)
+
+
+def packed_batches(
+    dataset: str,
+    batch_size: int = 8,
+    split: str | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+) -> PackedBatches:
+    """A train-spec data factory: packed sequences of token dataset ``dataset`` (one split, or all).
+
+    Raises:
+        ConfigError: not a token dataset, or a split it does not have.
+    """
+    from gpuyard.data.loader import LoaderConfig, ShardLoader
+
+    version = open_dataset(dataset)
+    token_info(version)
+    if split is not None and split not in (version.manifest.get("splits") or {}):
+        have = sorted(version.manifest.get("splits") or {}) or ["none: tokenize with --val-fraction"]
+        raise ConfigError(f"{version.ref} has no split {split!r} (splits: {', '.join(have)})")
+    cfg = LoaderConfig(
+        batch_size=batch_size, split=split, columns=COLUMNS, shuffle=shuffle, seed=seed, augment=False,
+        shuffle_buffer=1024,
+    )  # fmt: skip
+    return PackedBatches(ShardLoader(version, cfg, rank=dp_rank, world_size=dp_size))
+
+
+def train_tokenizer(
+    texts: list[str], out: str | Path, vocab_size: int = 512, extra_tokens: tuple[str, ...] = ()
+) -> Path:
+    """Train a byte-level BPE tokenizer on ``texts`` with ``tokenizers`` and write it as a Hugging Face
+    tokenizer folder (tokenizer.json, tokenizer_config.json with gpuyard's chat template); returns it.
+
+    Special tokens: ``<|endoftext|>`` (end of sequence), ``<pad>``, then ``extra_tokens``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<pad>", *extra_tokens]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<pad>",
+        "bos_token": None,
+        "chat_template": DEFAULT_CHAT_TEMPLATE,
+        "model_max_length": MAX_SEQ_LEN,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return folder

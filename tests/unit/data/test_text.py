@@ -1,0 +1,172 @@
+"""Text corpora: ingest with the quarantine, tokenize and pack with document boundaries, stream and resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tests.llm_fixtures import corpus, tokenizer_folder
+
+from gpuyard.data import open_dataset
+from gpuyard.data.text import TextOptions, ingest_text
+from gpuyard.data.tokens import IGNORE, load_tokenizer, pack, packed_batches, tokenize
+from gpuyard.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+
+def _jsonl(path: Path, lines: list[bytes]) -> Path:
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_jsonl_ingest_quarantines_each_bad_record_with_its_reason(gpuyard_home: Path, tmp_path: Path) -> None:
+    good = [json.dumps({"text": t}).encode() for t in corpus(20)]
+    bad = [
+        b'{"text": "caf\xe9 latin-1"}',  # not UTF-8
+        json.dumps({"text": "nul \u0000 inside"}).encode(),  # binary (NUL)
+        json.dumps({"text": "   \n "}).encode(),  # empty
+        json.dumps({"text": "x" * 600}).encode(),  # over the cap
+        good[3],  # exact duplicate
+        b"[1, 2, 3]",  # not an object
+        b"{not json",
+        json.dumps({"body": "no text field"}).encode(),
+        json.dumps({"text": 42}).encode(),
+        json.dumps({"text": "".join(chr(i) for i in range(1, 9)) * 20}).encode(),  # control characters
+    ]
+    src = _jsonl(tmp_path / "c.jsonl", good[:5] + bad + good[5:])
+    v = ingest_text(src, "corpus", TextOptions(max_bytes=500))
+    q = v.manifest["quarantine"]
+    assert q["rows_in"] == 30 and q["rows_kept"] == 20 and q["rows_quarantined"] == 10
+    assert q["by_reason"] == {
+        "text:not_utf8": 1, "text:binary": 2, "text:empty": 1, "text:too_long": 1, "text:duplicate": 1,
+        "json:invalid": 2, "field:missing": 2,
+    }  # fmt: skip
+    texts = v.to_arrow().column("text").to_pylist()
+    assert texts == corpus(20)
+    rows = v.quarantine().to_pylist()
+    assert [r["row"] for r in rows] == list(range(5, 15))
+    dup = next(r for r in rows if r["reason"] == "text:duplicate")
+    assert json.loads(dup["values"]) == corpus(20)[3]
+    long = next(r for r in rows if r["reason"] == "text:too_long")
+    assert json.loads(long["values"])["bytes"] == 600
+    # Same content: the same version.
+    assert ingest_text(src, "corpus", TextOptions(max_bytes=500)).version == v.version
+
+
+def test_plain_text_binary_and_parquet_and_chat(gpuyard_home: Path, tmp_path: Path) -> None:
+    txt = tmp_path / "book.txt"
+    txt.write_bytes(b"First paragraph.\nstill first.\n\nSecond one.\n\n\n\xff\xfe\x00\x01binary\n\nThird.")
+    v = ingest_text(txt, "book")
+    assert v.to_arrow().column("text").to_pylist() == [
+        "First paragraph.\nstill first.",
+        "Second one.",
+        "Third.",
+    ]
+    assert v.manifest["quarantine"]["by_reason"] == {"text:binary": 1}
+    # A binary file given as a corpus: every record quarantined, nothing recorded.
+    blob = tmp_path / "blob.txt"
+    blob.write_bytes(bytes(range(256)) * 100)
+    with pytest.raises(ConfigError, match=r"all 1 records were quarantined \(text:binary=1\)"):
+        ingest_text(blob, "blob")
+    pq.write_table(pa.table({"content": ["one doc", "two doc", "one doc"]}), tmp_path / "p.parquet")
+    p = ingest_text(tmp_path / "p.parquet", "pq", TextOptions(text_field="content"))
+    assert p.num_rows == 2 and p.manifest["quarantine"]["by_reason"] == {"text:duplicate": 1}
+    with pytest.raises(ConfigError, match="has no column 'text'"):
+        ingest_text(tmp_path / "p.parquet", "pq2")
+    chats = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        {"messages": "not a list"},
+        {"messages": [{"role": "user", "content": " "}]},
+    ]
+    c = ingest_text(
+        _jsonl(tmp_path / "chat.jsonl", [json.dumps(x).encode() for x in chats]),
+        "chat",
+        TextOptions(messages_field="messages"),
+    )
+    assert c.num_rows == 1 and c.manifest["quarantine"]["by_reason"] == {"chat:invalid": 2, "text:empty": 1}
+    assert c.to_arrow().column("messages").to_pylist()[0][1] == {"role": "assistant", "content": "hello"}
+
+
+def test_pack_keeps_documents_apart_and_counts_waste() -> None:
+    p = pack([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]], seq_len=5, eos_id=0, pad_id=99)
+    assert p.input_ids.tolist() == [[1, 2, 3, 0, 99], [4, 5, 6, 7, 8], [9, 10, 0, 11, 0]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 3, 4], [0, 1, 2, 0, 1]]
+    assert p.labels.tolist() == [
+        [2, 3, 0, IGNORE, IGNORE], [5, 6, 7, 8, IGNORE], [10, 0, IGNORE, 0, IGNORE]
+    ]  # fmt: skip
+    c = p.counts()
+    assert c["tokens"] == 14 and c["padding"] == 1 and c["waste"] == pytest.approx(1 / 15, abs=1e-6)
+    assert c["split_documents"] == 1 and c["label_tokens"] == 10
+    # Every real token is kept exactly once, in order.
+    real = p.input_ids[p.input_ids != 99]
+    assert real.tolist() == [1, 2, 3, 0, 4, 5, 6, 7, 8, 9, 10, 0, 11, 0]
+    with pytest.raises(ConfigError, match="seq_len must be at least 2"):
+        pack([[1]], 1, 0, 0)
+
+
+def test_bad_tokenizer_files_are_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "bin.json").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    (tmp_path / "junk.json").write_text('{"version": "1.0", "model": {"type": "Nope"}}')
+    (tmp_path / "text.json").write_text("not json at all")
+    for name in ("bin.json", "junk.json", "text.json"):
+        with pytest.raises(ConfigError, match=f"{name} is not a valid tokenizer.json") as err:
+            load_tokenizer(tmp_path / name)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="file not found"):
+        load_tokenizer(tmp_path / "missing.json")
+    folder = tokenizer_folder(tmp_path)
+    with pytest.raises(ConfigError, match="'<nope>' is not a token"):
+        load_tokenizer(folder, eos_token="<nope>")
+
+
+def test_tokenize_packs_streams_and_resumes_exactly(gpuyard_home: Path, tmp_path: Path) -> None:
+    folder = tokenizer_folder(tmp_path)
+    docs = corpus(120)
+    docs[7] = docs[7] + " <|endoftext|> forged boundary"
+    src = _jsonl(tmp_path / "c.jsonl", [json.dumps({"text": t}).encode() for t in docs])
+    text = ingest_text(src, "corpus")
+    tv = tokenize(text.ref, folder / "tokenizer.json", seq_len=64, val_fraction=0.2, seed=3)
+    info = tv.manifest["tokens"]
+    tok = load_tokenizer(folder)
+    assert info["tokenizer"]["sha256"] == tok.sha256 and info["seq_len"] == 64
+    ids = [tok.encode_batch([t])[0] for t in docs]
+    assert info["tokens"] == sum(len(i) + 1 for i in ids) and info["documents"] == 120
+    assert info["padding"] == info["sequences"] * 64 - info["tokens"]
+    assert 0 < info["waste"] < 0.5 and set(info["splits"]) == {"train", "val"}
+    # The forged "<|endoftext|>" inside a document is text, not a boundary.
+    arrays = tv.to_numpy(["input_ids", "position_ids", "labels"])
+    assert int((arrays["input_ids"] == tok.eos_id).sum()) == 120
+    assert int((arrays["labels"] != IGNORE).sum()) == info["label_tokens"]
+    # Splits are packed apart and hold every document once.
+    assert sum(tv.manifest["splits"].values()) == tv.num_rows
+    # The loader streams packed sequences and resumes exactly.
+    a = packed_batches(tv.ref, batch_size=4, split="train", seed=1)
+    a.set_epoch(0)
+    it = iter(a)
+    first = [next(it) for _ in range(3)]
+    assert (
+        first[0]["inputs"]["input_ids"].shape == (4, 64)
+        and first[0]["targets"].dtype.is_floating_point is False
+    )
+    state = a.state_dict()
+    rest = list(it)
+    b = packed_batches(tv.ref, batch_size=4, split="train", seed=1)
+    b.load_state_dict(state)
+    again = list(b)
+    assert len(again) == len(rest) > 0
+    for x, y in zip(rest, again, strict=True):
+        assert np.array_equal(x["inputs"]["input_ids"].numpy(), y["inputs"]["input_ids"].numpy())
+        assert np.array_equal(x["targets"].numpy(), y["targets"].numpy())
+    with pytest.raises(ConfigError, match="has no split 'test'"):
+        packed_batches(tv.ref, split="test")
+    with pytest.raises(ConfigError, match="is not a text dataset"):
+        tokenize(tv.ref, folder, seq_len=64)
+    with pytest.raises(ConfigError, match="--seq-len must be between"):
+        tokenize(text.ref, folder, seq_len=1)
+    assert open_dataset("corpus-tokens").version == tv.version

@@ -1,4 +1,5 @@
-"""`gpuyard server`: the API and the scheduling loop on this machine (SQLite, local executor) or on Ray."""
+"""`gpuyard server`: the API and the scheduling loop on this machine (SQLite, local executor), on Ray or
+on a Slurm cluster."""
 
 from __future__ import annotations
 
@@ -47,6 +48,19 @@ def server(
         help="Never grow or shrink running elastic jobs (they still start at their best size).",
     ),
     ray: str = typer.Option(None, "--ray", help="Run jobs on the Ray cluster at ADDRESS instead of here."),
+    slurm: bool = typer.Option(
+        False,
+        "--slurm",
+        help="Run each job as a Slurm batch job on the cluster the Slurm tools reach (SLURM_CONF); "
+        "gpuyard places, Slurm runs and confines (docs/scheduler.md, On a Slurm cluster).",
+    ),
+    slurm_config: str = typer.Option(
+        None,
+        "--slurm-config",
+        help="With --slurm: YAML of partition, account, qos, and teams: {TEAM: {...}}.",
+    ),
+    slurm_partition: str = typer.Option(None, "--slurm-partition", help="With --slurm: the jobs' partition."),
+    slurm_account: str = typer.Option(None, "--slurm-account", help="With --slurm: the jobs' account."),
     placement: str = typer.Option(
         "topology",
         "--placement",
@@ -112,6 +126,10 @@ def server(
         restart_cost_s=restart_cost,
         train_sizes=allowed_world_sizes,
         ray_address=ray,
+        slurm=slurm,
+        slurm_config=slurm_config,
+        slurm_partition=slurm_partition,
+        slurm_account=slurm_account,
         role="server",
         placement=placement,
         cluster=cluster,

@@ -34,6 +34,10 @@ def build_service(
     resize_interval_s: float | None = 300.0,
     restart_cost_s: float = 60.0,
     train_sizes: TrainSizes | None = None,
+    slurm: bool = False,
+    slurm_config: str | None = None,
+    slurm_partition: str | None = None,
+    slurm_account: str | None = None,
 ) -> JobService:
     """The job service of `gpuyard server`.
 
@@ -62,6 +66,10 @@ def build_service(
         restart_cost_s: what one restart of an elastic job is taken to cost; a grow must save twice it.
         train_sizes: the sizes an elastic training job's spec can run at
             (``gpuyard.train.resize.allowed_world_sizes``; None: every size of its range).
+        slurm: run each job as a Slurm batch job on the cluster the Slurm tools reach
+            (:mod:`gpuyard.scheduler.executors.slurm`); its nodes come from Slurm.
+        slurm_config: YAML of the Slurm partition, account and QoS (per team too).
+        slurm_partition, slurm_account: the defaults of every job (override the file's).
 
     Raises:
         ConfigError: an unknown placement, fabric placement without a cluster (or a cluster without
@@ -98,7 +106,22 @@ def build_service(
         raise lease_conflict(store, role, holder)
     executor: Executor
     ray_health = None  # the health config of a Ray server's node checks
-    if ray_address:
+    if ray_address and slurm:
+        raise ConfigError("--ray and --slurm: a server runs its jobs on one of them; choose one")
+    if not slurm and (slurm_config or slurm_partition or slurm_account):
+        raise ConfigError("--slurm-config/--slurm-partition/--slurm-account apply with --slurm")
+    if slurm:
+        from gpuyard.scheduler.executors.slurm import SlurmConfig, SlurmExecutor
+
+        slurm_cfg = SlurmConfig.load(slurm_config, slurm_partition or "", slurm_account or "")
+        slurm_isolation = None
+        if role == "server":  # jobs run as the team's Unix user (sbatch --uid), as on this machine
+            from gpuyard.scheduler.executors.isolation import resolve_isolation
+
+            slurm_isolation = resolve_isolation(settings, job_user, job_dir)
+        slurm_executor = SlurmExecutor(settings.ensure_home() / "jobs", slurm_cfg, slurm_isolation)
+        nodes, executor = slurm_executor.nodes(), slurm_executor
+    elif ray_address:
         from gpuyard.scheduler.executors.ray import RayExecutor
 
         if job_user is not None or job_dir is not None:
@@ -127,7 +150,11 @@ def build_service(
         check_fabric_nodes(fabric, nodes)
     service = JobService(store, nodes, executor, config, role=role, fabric=fabric)
     service.train_sizes = train_sizes
-    if role == "server" and ray_address:
+    if role == "server" and slurm:
+        from gpuyard.scheduler.executors.slurm import SlurmNodeMonitor
+
+        service.health = SlurmNodeMonitor(service, slurm_executor)
+    elif role == "server" and ray_address:
         from gpuyard.scheduler.nodes import ray_health_monitor
 
         service.health = ray_health_monitor(service, ray_health)

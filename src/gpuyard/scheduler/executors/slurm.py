@@ -32,6 +32,7 @@ import re
 import shlex
 import shutil
 import subprocess
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -42,6 +43,7 @@ import yaml
 from gpuyard.errors import ConfigError, StoreError
 from gpuyard.scheduler.executors.base import Executor, ExitStatus, LaunchPlan, NodeSlots, job_argv, job_env
 from gpuyard.scheduler.executors.isolation import JobIsolation
+from gpuyard.scheduler.nodes import DRAINED, HEALTHY, NodeHealthMonitor
 from gpuyard.scheduler.placement import NodeSpec
 from gpuyard.scheduler.spec import JobSpec
 from gpuyard.settings import NODE_ENV
@@ -228,6 +230,7 @@ class SlurmExecutor(Executor):
 
     name = "slurm"
     multi_node = True
+    time_limits = True  # JobSpec.time_limit_min becomes --time
 
     def __init__(
         self, jobs_dir: Path, config: SlurmConfig | None = None, isolation: JobIsolation | None = None
@@ -532,6 +535,17 @@ class SlurmExecutor(Executor):
             return None
         return {**plan_hint, "slurm_id": ids[0], "launched": True}
 
+    def pending_reasons(self) -> dict[int, str]:
+        """gpuyard job id -> Slurm's reason, for gpuyard's jobs Slurm keeps pending."""
+        text = self._call(["squeue", "-h", "-t", "PENDING", "-o", "%j|%r"], check=False)
+        out = {}
+        for line in text.splitlines():
+            name, _, reason = line.partition("|")
+            match = re.fullmatch(rf"{NAME_PREFIX}(\d+)-\d+", name)
+            if match:
+                out[int(match.group(1))] = reason
+        return out
+
     def adopt(self) -> dict[str, str]:
         """gpuyard's jobs Slurm has now: name -> Slurm id (what a restarted server can find)."""
         text = self._call(["squeue", "-h", "-o", "%j|%i"], check=False)
@@ -541,3 +555,77 @@ class SlurmExecutor(Executor):
             if name.startswith(NAME_PREFIX):
                 out[name] = sid
         return out
+
+
+class SlurmNodeMonitor(NodeHealthMonitor):
+    """Keeps gpuyard's node states and Slurm's in step, every ``interval_s`` (in a thread).
+
+    - A node gpuyard drains (an admin's ``gpuyard nodes drain``, a failed check) is drained in Slurm
+      with ``gpuyard: <reason>``, and resumed there when gpuyard undrains it.
+    - A node Slurm reports down, drained or failing (by its admin, its HealthCheckProgram, a dead
+      slurmd) is drained in gpuyard with Slurm's state and reason (source ``slurm``), so nothing new is
+      placed there and preemptible jobs move off; it is undrained when Slurm has it back.
+    - A gpuyard job Slurm keeps pending gets an event with Slurm's reason when that reason changes.
+
+    gpuyard's own NVML checks do not run on Slurm nodes: Slurm's HealthCheckProgram is the place for
+    them there.
+    """
+
+    def __init__(self, service: Any, executor: SlurmExecutor, interval_s: float = 5.0) -> None:
+        from gpuyard.hardware.health import NodeCheckConfig
+
+        super().__init__(service.node_states, "slurm", NodeCheckConfig(interval_s=interval_s))
+        self.service, self.executor = service, executor
+        self.names = {n.name for n in service.nodes}
+        self._pending: dict[int, str] = {}
+
+    def describe(self) -> str:
+        return (
+            f"node states of {len(self.names)} Slurm nodes kept in step with Slurm every "
+            f"{self.config.interval_s:g} s"
+        )
+
+    def check_once(self, busy: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
+        return self.check_nodes({})
+
+    def check_nodes(self, used: Mapping[str, Collection[int]]) -> dict[str, dict[str, Any]]:
+        states = self.states
+        slurm_down = {n: why for n, why in self.executor.unavailable_nodes().items() if n in self.names}
+        docs = {d["node"]: d for d in states.states(sorted(self.names))}
+        for node, why in slurm_down.items():
+            if "gpuyard:" in why:
+                continue  # our own drain, seen from Slurm
+            if docs[node]["state"] != DRAINED:
+                docs[node] = states._change(node, DRAINED, f"Slurm: {why}", "slurm", "slurm", keep_same=False)
+        for node, doc in docs.items():
+            if doc["state"] == DRAINED and doc["source"] == "slurm" and node not in slurm_down:
+                docs[node] = states._change(
+                    node, HEALTHY, "Slurm has it back", "slurm", "slurm", keep_same=False
+                )
+        ours = {
+            n: d["reason"] or "drained"
+            for n, d in docs.items()
+            if d["state"] == DRAINED and d["source"] != "slurm"
+        }
+        self.executor.sync_drains(ours)
+        self._note_pending()
+        return docs
+
+    def _note_pending(self) -> None:
+        from gpuyard.store.tables.jobs import JobEventRow
+
+        waiting = self.executor.pending_reasons()
+        changed = {j: r for j, r in waiting.items() if self._pending.get(j) != r}
+        self._pending = waiting
+        if not changed:
+            return
+        with self.service.store.session() as s:
+            for job_id, reason in changed.items():
+                s.add(
+                    JobEventRow(
+                        job_id=job_id,
+                        from_state="running",
+                        to_state="running",
+                        reason=f"pending in Slurm: {reason}",
+                    )
+                )

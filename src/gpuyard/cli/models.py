@@ -15,13 +15,16 @@ from gpuyard.models.features import describe
 
 
 def print_feature_warnings(features: dict[str, Any]) -> None:
-    """One warning line on stderr per column a fit, cv or tune left out (see gpuyard.models.features)."""
+    """One warning line on stderr per column a fit, cv or tune left out, and per note about its data
+    (see gpuyard.models.features)."""
     from rich.console import Console
 
     err = Console(stderr=True)
     for name, why in (features.get("dropped") or {}).items():
         line = f"[yellow]warning:[/yellow] column {escape(repr(name))} not used: {escape(why)}"
         err.print(line, soft_wrap=True)
+    for note in features.get("notes") or []:
+        err.print(f"[yellow]warning:[/yellow] {escape(note)}", soft_wrap=True)
 
 
 models_app = typer.Typer(

@@ -46,6 +46,8 @@ class ArrayData:
         feature_names: the columns behind X, in order (a tensor column counts once).
         label: the label column.
         splits: the selected splits, or None for every row.
+        row_splits: each row's split (``train``, ``val``, ``test``...) when the version has a split
+            column (its split of record, from a recipe's split step), else None.
     """
 
     X: np.ndarray
@@ -55,6 +57,7 @@ class ArrayData:
     feature_names: tuple[str, ...]
     label: str
     splits: tuple[str, ...] | None
+    row_splits: np.ndarray | None = None
 
 
 def with_splits(ref: str, splits: Sequence[str]) -> str:
@@ -124,17 +127,34 @@ def feature_columns(version: DatasetVersion, label: str) -> list[str]:
 
 
 def _read(version: DatasetVersion, columns: list[str], splits: tuple[str, ...] | None) -> pa.Table:
-    wanted = [*columns, "split"] if splits is not None else columns
+    """``columns`` of the rows of ``splits`` (all rows when None), plus ``split`` when the version has one."""
+    wanted = [*columns, "split"] if "split" in version.columns else columns
     keep = pa.array(list(splits or ()), pa.string())
     tables = []
     for table in version.iter_tables(wanted):
         if splits is not None:
             # One pass per shard for every selected split: rows stay in the version's order.
-            table = table.filter(pc.is_in(table.column("split"), value_set=keep)).drop_columns(["split"])
+            split = table.column("split")
+            if pa.types.is_dictionary(split.type):
+                split = split.cast(pa.string())
+            table = table.filter(pc.is_in(split, value_set=keep))
         tables.append(table)
     if not tables:
         raise ConfigError(f"dataset {version.ref} has no shards: there are no rows to load")
     return pa.concat_tables(tables)
+
+
+def _row_splits(table: pa.Table) -> np.ndarray | None:
+    """Each row's split name (object array of str), or None when the table has no split column."""
+    if "split" not in table.column_names:
+        return None
+    col = table.column("split")
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(pa.string())
+    values = np.asarray(col.to_numpy(zero_copy_only=False), dtype=object)
+    if col.null_count:
+        raise ConfigError(f"split column holds {col.null_count} empty row(s): every row needs its split")
+    return values
 
 
 def _matrix(version: DatasetVersion, table: pa.Table, cols: list[str]) -> np.ndarray:
@@ -178,7 +198,8 @@ def version_arrays(
     task = "regression" if kinds[label] == "float" else "classification"
     y = target.to_numpy(zero_copy_only=False).astype(np.int64 if task == "classification" else np.float32)
     recorded = str(DatasetRef(version.name, version.version, splits))
-    return ArrayData(_matrix(version, table, cols), y, recorded, task, tuple(cols), label, splits)
+    X = _matrix(version, table, cols)
+    return ArrayData(X, y, recorded, task, tuple(cols), label, splits, _row_splits(table))
 
 
 def load_arrays(ref: str, label: str | None = None) -> ArrayData:

@@ -59,14 +59,16 @@ def cross_validate(
 ) -> CVResult:
     """Run k-fold cross-validation of ``spec`` (with ``params`` overriding ``spec.params``).
 
-    The folds cover train+validation of the spec's split; the test split stays held out. Fold runs
+    The folds cover train+validation of the spec's split, or only the train rows of a dataset's split
+    of record (:func:`~gpuyard.models.fit.fold_splits`); test rows are never seen. Fold runs
     are children of one ``cv`` run, which records ``cv/<metric>_mean`` and ``cv/<metric>_std``
     (population std over folds, as scikit-learn's examples report it) and a ``cv`` evaluation.
 
     Raises:
         ConfigError: fewer than 2 folds. TaskFailed: a fold failed (the cv run is marked failed).
     """
-    from gpuyard.models.fit import cached_dataset, pinned_spec, spec_splits
+    from gpuyard.models.fit import cached_dataset, pinned_spec, spec_splits, split_note, split_tag
+    from gpuyard.models.spec import task_for_data
 
     spec = pinned_spec(spec)  # every fold reads this one version, whatever is ingested meanwhile
     k = folds or (spec.cv.folds if spec.cv else 5)
@@ -75,8 +77,10 @@ def cross_validate(
         raise ConfigError(f"cross-validation needs at least 2 folds, got {k}")
     params = params or {}
     ds = cached_dataset(spec.dataset)
-    usage = feature_usage(spec.dataset, ds)
+    task = task_for_data(spec, ds, params)  # a contradiction stops here, before any fold starts
+    usage = feature_usage(spec.dataset, ds).with_notes(split_note(spec, ds))
     tags: dict[str, Any] = {
+        "split": split_tag(spec, ds),
         "metric": spec.metric,
         "direction": spec.resolved_direction,
         "trainer": spec.trainer,
@@ -121,10 +125,9 @@ def cross_validate(
     }
     tracker.log_metrics(k, {f"cv/{key}": v for key, v in flat.items()})
     _, sp = spec_splits(spec)
-    n = len(sp.X_train) + len(sp.X_val)  # rows the folds cover between them
-    ev = Evaluation(
-        split="cv", task=spec.resolved_task, n_samples=n, metrics=flat, details={"per_fold": per_fold}
-    )
+    # Rows the folds cover between them: the split of record's train rows, else train+validation.
+    n = len(sp.X_train) + (0 if ds.has_split_of_record else len(sp.X_val))
+    ev = Evaluation(split="cv", task=task, n_samples=n, metrics=flat, details={"per_fold": per_fold})
     record_evaluation(ev, run_id=tracker.run_id, dataset_version=ds.version)
     tracker.finish(RunStatus.FINISHED)
     fold_runs = [r["run_id"] for r in results]

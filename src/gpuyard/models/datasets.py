@@ -46,6 +46,13 @@ class Dataset:
     version: str
     task: str
     feature_names: tuple[str, ...] = ()
+    # Each row's split of record (a gpuyard version's ``split`` column, from its recipe), else None.
+    row_splits: np.ndarray | None = None
+
+    @property
+    def has_split_of_record(self) -> bool:
+        """Whether the rows come with their split (nothing re-splits them: :func:`split_of_record`)."""
+        return self.row_splits is not None
 
 
 @dataclass(frozen=True)
@@ -143,7 +150,14 @@ def _gpuyard(ref: str) -> Dataset:
     from gpuyard.data.arrays import load_arrays
 
     data = load_arrays(ref)
-    return Dataset(X=data.X, y=data.y, version=data.version, task=data.task, feature_names=data.feature_names)
+    return Dataset(
+        X=data.X,
+        y=data.y,
+        version=data.version,
+        task=data.task,
+        feature_names=data.feature_names,
+        row_splits=data.row_splits,
+    )
 
 
 _BAD_REF = "dataset reference {ref!r}: use sklearn:NAME, npz:PATH, NAME@VERSION or NAME@VERSION#split=a,b"
@@ -194,3 +208,74 @@ def split_dataset(ds: Dataset, spec: SplitSpec) -> Splits:
         X_rest, y_rest, test_size=spec.val / (1 - spec.test), random_state=spec.seed, stratify=strat_rest
     )
     return Splits(X_train, y_train, X_val, y_val, X_test, y_test)
+
+
+# Names a recipe's split step may give the validation rows.
+VALIDATION_NAMES = ("val", "validation")
+
+
+def split_counts(ds: Dataset) -> dict[str, int]:
+    """Rows per split of record (empty when ``ds`` has none)."""
+    if ds.row_splits is None:
+        return {}
+    names, counts = np.unique(ds.row_splits.astype(str), return_counts=True)
+    return {str(n): int(c) for n, c in zip(names, counts, strict=True)}
+
+
+def split_of_record(ds: Dataset, spec: SplitSpec | None = None) -> Splits:
+    """The train / validation / test rows of ``ds`` as its version's split names them (rows in order).
+
+    The recipe fitted its statistics (z-score, categories) on the ``train`` rows, so these rows, not a
+    new random cut, are what a fit trains and tests on: a re-split would put rows whose statistics
+    shaped the features into the test part, and test rows into training. Rows of any other split
+    name (a recipe's ``holdout``...) are used for nothing. When there are no validation rows (a
+    reference selecting ``#split=train``), ``spec.val`` of the train rows (seeded, stratified as
+    ``spec`` says) become the validation part: train rows only, never a test row.
+
+    Raises:
+        ConfigError: ``ds`` has no split of record, or none of its rows is ``train``.
+    """
+    if ds.row_splits is None:
+        raise ConfigError(f"{ds.version} has no split column: it has no split of record")
+    names = ds.row_splits.astype(str)
+    train = names == "train"
+    if not train.any():
+        present = ", ".join(split_counts(ds)) or "none"
+        raise ConfigError(
+            f"{ds.version} has no 'train' rows (splits present: {present}): a fit needs the train split"
+        )
+    val = np.isin(names, VALIDATION_NAMES)
+    test = names == "test"
+    if not val.any() and spec is not None and spec.val > 0 and train.sum() >= 4:
+        from sklearn.model_selection import train_test_split
+
+        idx = np.flatnonzero(train)
+        strat = ds.y[idx] if spec.stratify and ds.task == "classification" else None
+        try:
+            kept, carved = train_test_split(idx, test_size=spec.val, random_state=spec.seed, stratify=strat)
+        except ValueError:  # a class too rare to stratify: an unstratified cut
+            kept, carved = train_test_split(idx, test_size=spec.val, random_state=spec.seed)
+        train = np.zeros_like(train)
+        train[kept] = True
+        val = np.zeros_like(val)
+        val[carved] = True
+    return Splits(ds.X[train], ds.y[train], ds.X[val], ds.y[val], ds.X[test], ds.y[test])
+
+
+def train_folds(ds: Dataset, folds: int, seed: int, stratify: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """k-fold (train indices, validation indices) over the ``train`` rows of ``ds``'s split of record.
+
+    Indices are into ``ds.X``; validation and test rows of the split of record are in no fold.
+    """
+    from sklearn.model_selection import KFold, StratifiedKFold
+
+    if ds.row_splits is None:
+        raise ConfigError(f"{ds.version} has no split column: it has no split of record")
+    idx = np.flatnonzero(ds.row_splits.astype(str) == "train")
+    if len(idx) < folds:
+        raise ConfigError(f"{ds.version}: {len(idx)} train row(s) cannot make {folds} folds")
+    y = ds.y[idx]
+    kf = (StratifiedKFold if stratify and ds.task == "classification" else KFold)(
+        n_splits=folds, shuffle=True, random_state=seed
+    )
+    return [(idx[a], idx[b]) for a, b in kf.split(idx, y)]

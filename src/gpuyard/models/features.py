@@ -10,6 +10,7 @@ warning line per column left out, on stderr), and recorded on the run as the tag
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,15 +34,25 @@ class FeatureUsage:
     dropped: dict[str, str] = field(default_factory=dict)
     label: str | None = None
     width: int = 0
+    # One-line warnings about the data beside the columns (a spec's split ignored for the split of record).
+    notes: tuple[str, ...] = ()
+
+    def with_notes(self, *notes: str | None) -> FeatureUsage:
+        """This usage with ``notes`` (None ones skipped) added to its warnings."""
+        extra = tuple(n for n in notes if n)
+        return dataclasses.replace(self, notes=self.notes + extra) if extra else self
 
     def to_json(self) -> dict[str, Any]:
-        """The form returned in results and printed with --json."""
-        return {
+        """The form returned in results and printed with --json (``notes`` only when there are some)."""
+        doc: dict[str, Any] = {
             "used": list(self.used),
             "dropped": dict(self.dropped),
             "label": self.label,
             "width": self.width,
         }
+        if self.notes:
+            doc["notes"] = list(self.notes)
+        return doc
 
     def run_tags(self) -> dict[str, Any]:
         """The run tags fit, cv and tune record: ``features``, and ``dropped_features`` when any."""
@@ -52,7 +63,8 @@ class FeatureUsage:
 
     def warnings(self) -> list[str]:
         """One line per column left out."""
-        return [f"column {name!r} is not used as a feature: {why}" for name, why in self.dropped.items()]
+        lines = [f"column {name!r} is not used as a feature: {why}" for name, why in self.dropped.items()]
+        return lines + list(self.notes)
 
 
 def describe(doc: dict[str, Any]) -> str:

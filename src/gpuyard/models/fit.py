@@ -12,12 +12,21 @@ from typing import Any
 import numpy as np
 
 from gpuyard.models.builtin import Pruned, TrainContext
-from gpuyard.models.datasets import Dataset, Splits, load_dataset, pin_dataset, split_dataset
+from gpuyard.models.datasets import (
+    Dataset,
+    Splits,
+    load_dataset,
+    pin_dataset,
+    split_counts,
+    split_dataset,
+    split_of_record,
+    train_folds,
+)
 from gpuyard.models.evaluate import Evaluation, evaluate, log_evaluation
 from gpuyard.models.features import feature_usage
 from gpuyard.models.flavors import as_predictor, save_model
 from gpuyard.models.signature import infer_signature
-from gpuyard.models.spec import ModelSpec
+from gpuyard.models.spec import ModelSpec, task_for_data
 from gpuyard.refs import import_ref
 from gpuyard.states import RunStatus
 from gpuyard.tracking.store import DbTracker, start_run
@@ -71,22 +80,58 @@ def pinned_spec(spec: ModelSpec) -> ModelSpec:
     return spec if pinned == spec.dataset else spec.model_copy(update={"dataset": pinned})
 
 
+def split_note(spec: ModelSpec, ds: Dataset) -> str | None:
+    """The one-line warning for a spec that asks for its own split of a dataset with a split of record."""
+    if spec.split is None or not ds.has_split_of_record:
+        return None
+    sp = spec.split
+    counts = ", ".join(f"{k}={v}" for k, v in split_counts(ds).items())
+    return (
+        f"spec split (val={sp.val}, test={sp.test}, seed={sp.seed}) ignored: {ds.version} has a split of "
+        f"record from its recipe ({counts}) whose train rows fitted its statistics; re-splitting would "
+        f"leak test rows into training and those statistics, so the split of record is used"
+    )
+
+
+def split_tag(spec: ModelSpec, ds: Dataset) -> dict[str, Any]:
+    """The run tag ``split``: the split of record (``of_record`` and row counts) or the spec's cut."""
+    if ds.has_split_of_record:
+        return {"of_record": ds.version, "rows": split_counts(ds)}
+    return spec.split_or_default.model_dump()
+
+
 def spec_splits(spec: ModelSpec) -> tuple[Dataset, Splits]:
-    """The spec's dataset and its train / validation / test split."""
+    """The spec's dataset and its train / validation / test split.
+
+    A gpuyard version with a split column (a recipe's split step) is used as split there (see
+    :func:`~gpuyard.models.datasets.split_of_record`); any other dataset is cut by the spec's ``split``.
+    """
     ds = cached_dataset(spec.dataset)
-    return ds, split_dataset(ds, spec.split.to_spec())
+    if ds.has_split_of_record:
+        return ds, split_of_record(ds, spec.split_or_default.to_spec())
+    return ds, split_dataset(ds, spec.split_or_default.to_spec())
 
 
 def fold_splits(spec: ModelSpec, fold: int, folds: int) -> tuple[Dataset, Splits]:
-    """Fold ``fold`` of ``folds`` over train+validation (the test split never enters cross-validation)."""
+    """Fold ``fold`` of ``folds``; the test split never enters cross-validation.
+
+    With a split of record the folds are cut from its ``train`` rows only (its validation and test
+    rows are in no fold); otherwise from the train+validation part of the spec's split.
+    """
     from sklearn.model_selection import KFold, StratifiedKFold
 
-    ds, sp = spec_splits(spec)
+    split = spec.split_or_default
+    ds = cached_dataset(spec.dataset)
+    classify = ds.task == "classification"
+    if ds.has_split_of_record:
+        train_idx, val_idx = train_folds(ds, folds, split.seed, split.stratify)[fold]
+        empty_x, empty_y = ds.X[:0], ds.y[:0]
+        return ds, Splits(ds.X[train_idx], ds.y[train_idx], ds.X[val_idx], ds.y[val_idx], empty_x, empty_y)
+    sp = split_dataset(ds, split.to_spec())
     X = np.concatenate([sp.X_train, sp.X_val])
     y = np.concatenate([sp.y_train, sp.y_val])
-    classify = spec.resolved_task == "classification"
-    kf = (StratifiedKFold if classify and spec.split.stratify else KFold)(
-        n_splits=folds, shuffle=True, random_state=spec.split.seed
+    kf = (StratifiedKFold if classify and split.stratify else KFold)(
+        n_splits=folds, shuffle=True, random_state=split.seed
     )
     train_idx, val_idx = list(kf.split(X, y))[fold]
     empty_x, empty_y = X[:0], y[:0]
@@ -138,9 +183,9 @@ def fit(
     """
     spec = pinned_spec(spec)  # lineage (dataset_ref, dataset version) names the version read, never @latest
     merged = {**spec.params, **(params or {})}
-    task = spec.resolved_task
     ds, data = fold_splits(spec, *fold) if fold else spec_splits(spec)
-    usage = feature_usage(spec.dataset, ds)
+    task = task_for_data(spec, ds, params)
+    usage = feature_usage(spec.dataset, ds).with_notes(split_note(spec, ds))
     tags: dict[str, Any] = {
         "trainer": spec.trainer,
         "metric": spec.metric,
@@ -154,7 +199,7 @@ def fit(
         experiment=spec.experiment,
         kind=kind,
         params={**merged, "trainer": spec.trainer},
-        tags=tags | {"split": spec.split.model_dump(), "dataset_ref": spec.dataset, "task": task},
+        tags=tags | {"split": split_tag(spec, ds), "dataset_ref": spec.dataset, "task": task},
         dataset_version=ds.version,
         parent_id=parent_id,
         system_interval_s=None if kind in ("trial", "fold") else 10.0,

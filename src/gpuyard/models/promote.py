@@ -47,7 +47,8 @@ class PromotionDecision:
 
 def holdout_for(mv: ModelVersion, holdout: str | None = None) -> tuple[Any, Any, str]:
     """(X, y, description) of the holdout: ``holdout`` (a dataset reference, used whole) or the
-    test split of the dataset the version was trained on (as recorded in its lineage).
+    test split of the dataset the version was trained on (as recorded in its lineage): the ``test``
+    rows of its split of record when the version has one, else the spec's cut, redone.
 
     Raises:
         ConfigError: no holdout given and the version's lineage names no dataset.
@@ -59,15 +60,31 @@ def holdout_for(mv: ModelVersion, holdout: str | None = None) -> tuple[Any, Any,
     if not ref:
         raise ConfigError(f"{mv.ref} records no training dataset: pass --holdout DATASET to promote it")
     split = mv.lineage.get("split") or {}
+    ds = load_dataset(ref)
+    if ds.has_split_of_record or split.get("of_record"):
+        return _test_of_record(mv, ref)
     spec = SplitSpec(
         val=split.get("val", 0.2),
         test=split.get("test", 0.2),
         seed=split.get("seed", 0),
         stratify=split.get("stratify", True),
     )
-    ds = load_dataset(ref)
     parts = split_dataset(ds, spec)
     return parts.X_test, parts.y_test, f"{ds.version} test split (seed {spec.seed}, {spec.test:.0%})"
+
+
+def _test_of_record(mv: ModelVersion, ref: str) -> tuple[Any, Any, str]:
+    """The ``test`` rows of the split of record of the version ``ref`` names (whatever it selected)."""
+    from gpuyard.data.arrays import load_arrays, with_splits
+
+    try:
+        data = load_arrays(with_splits(ref, ["test"]))
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{mv.ref} was trained on {ref}, whose split of record has no test rows to compare on:"
+            " pass --holdout DATASET"
+        ) from exc
+    return data.X, data.y, f"{data.version} (the test split of record)"
 
 
 def promote(

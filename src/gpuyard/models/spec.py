@@ -8,8 +8,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpuyard.errors import ConfigError
-from gpuyard.models.datasets import SplitSpec
-from gpuyard.models.metrics import METRICS, check_direction, check_task
+from gpuyard.models.datasets import Dataset, SplitSpec
+from gpuyard.models.metrics import DEFAULT_METRICS, METRICS, check_direction, check_task
 from gpuyard.textfiles import load_yaml
 
 
@@ -93,7 +93,8 @@ class ModelSpec(_Strict):
     metric: str = "accuracy"
     direction: Literal["maximize", "minimize"] | None = None
     seed: int = 0
-    split: SplitModel = Field(default_factory=lambda: SplitModel())
+    # None: the dataset's split of record when it has one (a recipe's split), else SplitModel()'s cut.
+    split: SplitModel | None = None
     search: SearchSpec | None = None
     cv: CVSpec | None = None
 
@@ -119,8 +120,88 @@ class ModelSpec(_Strict):
 
     @property
     def resolved_task(self) -> str:
-        """The task given, or the metric's."""
+        """The task given, or the metric's (before the data is read: :func:`task_for_data` decides)."""
         return check_task(self.task or METRICS[self.metric].task)
+
+    @property
+    def split_or_default(self) -> SplitModel:
+        """The split the spec asks for, or the default cut (val 0.2, test 0.2, seed 0)."""
+        return self.split or SplitModel()
+
+
+def _label_words(ds: Dataset) -> str:
+    """How the label of ``ds`` reads: ``categorical (integer label, 2 classes)`` or ``continuous (...)``."""
+    import numpy as np
+
+    if ds.task == "classification":
+        return f"categorical (integer or bool label, {len(np.unique(ds.y))} classes)"
+    return "continuous (float label)"
+
+
+def _estimator_kind(trainer: str, params: dict[str, Any]) -> tuple[str, str] | None:
+    """(estimator path, classification/regression) of a scikit-learn estimator the trainer will fit."""
+    if not trainer.endswith(":train_sklearn") or "estimator" not in params:
+        return None
+    path = str(params["estimator"])
+    module_name, _, cls_name = path.rpartition(".")
+    if not module_name.startswith("sklearn."):
+        return None  # train_sklearn refuses it in one line itself
+    import importlib
+
+    from sklearn.base import is_classifier, is_regressor
+
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        est = cls()
+    except Exception:
+        return None
+    if is_classifier(est):
+        return path, "classification"
+    if is_regressor(est):
+        return path, "regression"
+    return None
+
+
+def task_for_data(spec: ModelSpec, ds: Dataset, params: dict[str, Any] | None = None) -> str:
+    """The task of fitting ``spec`` on ``ds``: the label's, checked against everything the spec says.
+
+    The label decides (an integer or bool label is categorical: classification; a float label is
+    continuous: regression). A spec that says otherwise is a configuration error, never a silent
+    switch: ``task:``, a ``metric`` of the other task (``mse`` on a 0/1 label), or a scikit-learn
+    estimator of the other kind (a regressor on a categorical label), in the params or among the
+    search choices.
+
+    Raises:
+        ConfigError: a contradiction, in one line naming the field, the dataset and the label.
+    """
+    import numpy as np
+
+    task = ds.task
+    words = _label_words(ds)
+    what = f"the label of {ds.version} is {words}"
+    if spec.task is not None and spec.task != task:
+        hint = "; store the label as float to fit a regression" if task == "classification" else ""
+        raise ConfigError(f"{spec.name}: task: {spec.task} contradicts the data: {what}{hint}")
+    metric = METRICS[spec.metric]
+    if metric.task != task:
+        fits = ", ".join(DEFAULT_METRICS[task][:4])
+        raise ConfigError(
+            f"{spec.name}: metric {spec.metric!r} is a {metric.task} metric but {what}: use a {task} "
+            f"metric ({fits}, ...)"
+        )
+    merged = {**spec.params, **(params or {})}
+    candidates = [merged]
+    if spec.search is not None and "estimator" in spec.search.space:
+        choices = spec.search.space["estimator"].choices or []
+        candidates += [{**merged, "estimator": c} for c in choices]
+    for cand in candidates:
+        found = _estimator_kind(spec.trainer, cand)
+        if found is not None and found[1] != task:
+            kind = "regressor" if found[1] == "regression" else "classifier"
+            raise ConfigError(f"{spec.name}: estimator {found[0]} is a {kind} but {what}")
+    if task == "classification" and len(ds.y) and len(np.unique(ds.y)) < 2:
+        raise ConfigError(f"{spec.name}: {what}: a classifier needs at least two classes")
+    return task
 
 
 def parse_spec(doc: Any, source: str = "spec") -> ModelSpec:

@@ -243,14 +243,16 @@ def tune(
     import optuna
 
     from gpuyard.models.evaluate import evaluate, record_evaluation
-    from gpuyard.models.fit import load_run_model, pinned_spec, spec_splits
+    from gpuyard.models.fit import load_run_model, pinned_spec, spec_splits, split_note, split_tag
+    from gpuyard.models.spec import task_for_data
 
     search = spec.search
     if search is None:
         raise ConfigError(f"spec {spec.name!r} has no 'search' section to tune")
     spec = pinned_spec(spec)  # every trial reads this one version, whatever is ingested meanwhile
     ds, data = spec_splits(spec)
-    usage = feature_usage(spec.dataset, ds)
+    task = task_for_data(spec, ds)  # a contradiction (also among the search's estimators) stops here
+    usage = feature_usage(spec.dataset, ds).with_notes(split_note(spec, ds))
     tracker = start_run(
         f"{spec.name}-tune",
         experiment=spec.experiment,
@@ -268,6 +270,7 @@ def tune(
             "direction": spec.resolved_direction,
             "trainer": spec.trainer,
             "dataset_ref": spec.dataset,
+            "split": split_tag(spec, ds),
             **usage.run_tags(),
         },
     )
@@ -319,16 +322,19 @@ def tune(
             tracker.log_metrics(o["number"], {f"trial/{spec.metric}": o["value"]})
     best = study.best_trial
     best_run = str(best.user_attrs["run_id"])
-    model = load_run_model(best_run)
-    test_ev = evaluate(model, data.X_test, data.y_test, spec.resolved_task, "test")
-    record_evaluation(test_ev, run_id=best_run, dataset_version=ds.version, store=tracker.store)
-    append_metrics(best_run, int(best.last_step or 0), {f"test/{k}": v for k, v in test_ev.metrics.items()})
+    test_metrics: dict[str, float] = {}
+    if len(data.X_test):  # a selection of train and val rows has no test rows: nothing to score here
+        model = load_run_model(best_run)
+        test_ev = evaluate(model, data.X_test, data.y_test, task, "test")
+        record_evaluation(test_ev, run_id=best_run, dataset_version=ds.version, store=tracker.store)
+        test_metrics = test_ev.metrics
+        append_metrics(best_run, int(best.last_step or 0), {f"test/{k}": v for k, v in test_metrics.items()})
     tracker.set_tags({"best_run_id": best_run, "best_params": best.params, "best_trial": best.number})
     tracker.log_metrics(
         n_trials,
         {
             f"best/validation_{spec.metric}": float(best.value or 0.0),
-            **{f"best/test_{k}": v for k, v in test_ev.metrics.items()},
+            **{f"best/test_{k}": v for k, v in test_metrics.items()},
         },
     )
     tracker.finish(RunStatus.FINISHED)
@@ -338,7 +344,7 @@ def tune(
         best_run,
         dict(best.params),
         float(best.value or 0.0),
-        test_ev.metrics,
+        test_metrics,
         rows,
         usage.to_json(),
     )

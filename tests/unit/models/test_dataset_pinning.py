@@ -88,10 +88,10 @@ def test_fit_and_tune_record_the_resolved_reference(v1: DatasetVersion, tmp_path
     assert mv.lineage["dataset_ref"] == trainval
 
     v2 = _version(tmp_path, 569)
-    # Promotion's default holdout is the test part of the rows the version was trained on: still v1's.
+    # Promotion's default holdout is the test split of record of the version it was trained on: v1's.
     X, _, described = holdout_for(mv)
-    assert described.startswith(f"{trainval} test split") and v2.ref not in described
-    assert len(X) < v1.manifest["splits"]["train"] + v1.manifest["splits"]["val"]
+    assert described == f"{v1.ref}#split=test (the test split of record)" and v2.ref not in described
+    assert len(X) == v1.manifest["splits"]["test"]
 
     search = {"sampler": "random", "n_trials": 2, "parallel": 1}
     search["space"] = {"max_depth": {"type": "int", "low": 2, "high": 4}}

@@ -255,7 +255,10 @@ def simulate(
                     _slowdown(run, placement, state, costs, workloads.get(qjob.id))
                     if math.isnan(run.first_start):
                         run.first_start = now
-                    start(run, placement, now, qjob.estimate - qjob.attained)
+                    # An oracle policy knows the true remaining time of what runs (srtf-oracle
+                    # preempts by it); every other policy sees the history estimate.
+                    expect = run.remaining if policy.needs_oracle else qjob.estimate - qjob.attained
+                    start(run, placement, now, expect)
         if elastic and not queue and state.free_gpus:
             _grow(_resizable(runs, running, now, config), state, now, config, resize)
     result = _result(policy.name, list(runs.values()), len(trace) - len(runs), total, preemptions)

@@ -181,3 +181,50 @@ def test_policies_do_not_change_their_inputs() -> None:
         )
         policy.decide(state, q, run, now=1000)  # type: ignore[attr-defined]
         assert (state.free == before).all() and len(q) == 6
+
+
+def test_srtf_oracle_preempts_only_jobs_with_much_more_work_left() -> None:
+    state = ClusterState(uniform_cluster(1, 8))
+    # True remaining of a running job = expected_end - now (the simulator starts oracle jobs so).
+    run = [
+        _running(state, 90, 0, 4, end=50_000.0, started=0.0),  # 46,000 s left: a victim
+        _running(state, 91, 0, 4, end=5_000.0, started=0.0),  # 1,000 s left: shorter than the waiter
+    ]
+    policy, q = _queue("srtf-oracle", [QueuedJob(1, 4, submit_time=3000, duration=600)])
+    d = policy.decide(state, q, run, now=4000)  # type: ignore[attr-defined]
+    assert d.starts == [] and d.preempt == [90]
+    # Too early after its start (min_run_s), or not enough longer work to free 8 GPUs: nobody.
+    assert policy.decide(state, q, run, now=1000).preempt == []  # type: ignore[attr-defined]
+    policy8, q8 = _queue("srtf-oracle", [QueuedJob(2, 8, submit_time=3000, duration=600)])
+    assert policy8.decide(state, q8, run, now=4000).preempt == []  # type: ignore[attr-defined]
+
+
+def test_srtf_oracle_orders_by_true_remaining_time_and_needs_an_oracle() -> None:
+    state = ClusterState(uniform_cluster(1, 1))
+    jobs = [
+        QueuedJob(1, 1, submit_time=0, estimate=10, duration=5000),
+        QueuedJob(2, 1, submit_time=1, estimate=9000, duration=4000, attained=3900),  # 100 s left
+    ]
+    policy, q = _queue("srtf-oracle", jobs)
+    d = policy.decide(state, q, [], now=10)  # type: ignore[attr-defined]
+    assert [j.id for j, _ in d.starts] == [2]
+    assert POLICIES["srtf-oracle"].needs_oracle and POLICIES["srtf-oracle"].preemptive
+    with pytest.raises(ConfigError, match="needs true run times"):
+        make_policy("srtf-oracle", allow_oracle=False)
+
+
+def test_fifo_backfill_keeps_arrival_order_and_backfills_behind_the_head() -> None:
+    state = ClusterState(uniform_cluster(1, 8))
+    run = [_running(state, 99, 0, 6, end=100.0)]  # 2 GPUs free now, 8 at t=100
+    jobs = [
+        QueuedJob(1, 8, submit_time=0, estimate=50),  # head by arrival: reserved for t=100
+        QueuedJob(2, 2, priority=9, submit_time=1, estimate=500),  # high priority, but would delay the head
+        QueuedJob(3, 1, submit_time=2, estimate=50),  # ends by t=60: backfills
+    ]
+    policy, q = _queue("fifo-backfill", jobs)
+    d = policy.decide(state, q, run, now=10)  # type: ignore[attr-defined]
+    assert [j.id for j, _ in d.starts] == [3]
+    assert d.reservation == (1, 100.0)
+    # Plain FIFO starts nothing behind the blocked head.
+    fifo, fq = _queue("fifo", jobs)
+    assert fifo.decide(state, fq, run, now=10).starts == []  # type: ignore[attr-defined]

@@ -110,3 +110,20 @@ def test_fair_share_weights_divide_a_contended_cluster() -> None:
     assert r.teams["a"]["avg_queue_s"] < r.teams["b"]["avg_queue_s"]
     even = simulate(trace, uniform_cluster(1, 8), make_policy("fair"))
     assert abs(even.teams["a"]["avg_queue_s"] - even.teams["b"]["avg_queue_s"]) < 0.1 * even.avg_queue_s
+
+
+def test_srtf_oracle_preempts_a_long_job_for_short_ones_and_backfill_beats_fifo() -> None:
+    # One 8-GPU job of 50,000 s holds the node; ten short 8-GPU jobs arrive after it has run an hour
+    # (the simulator decides at events only). Without preemption they wait for it; the preemptive
+    # oracle preempts it and runs them.
+    trace = [TraceJob(0, 0.0, 50_000.0, 8)] + [TraceJob(i, 3600.0 + i, 600.0, 8) for i in range(1, 11)]
+    jct = {
+        n: simulate(trace, uniform_cluster(1, 8), make_policy(n)).avg_jct_s
+        for n in ("sjf-oracle", "srtf-oracle")
+    }
+    assert jct["srtf-oracle"] < 0.5 * jct["sjf-oracle"]
+    r = simulate(trace, uniform_cluster(1, 8), make_policy("srtf-oracle"))
+    assert r.preemptions >= 1 and r.jobs == 11
+    mixed = _trace()
+    backfill = simulate(mixed, uniform_cluster(2, 8), make_policy("fifo-backfill")).avg_jct_s
+    assert backfill < simulate(mixed, uniform_cluster(2, 8), make_policy("fifo")).avg_jct_s

@@ -388,7 +388,8 @@ class SrtfOracle(Policy):
                 if r.expected_end - now > bar
                 and not (job.gpu_type and r.gpu_type and r.gpu_type != job.gpu_type)
             ]
-            got, chosen = spare, []
+            got = spare
+            chosen: list[RunningJob] = []
             for r in longer:
                 if got >= job.gpus or len(chosen_ids) + len(chosen) >= self.max_preempt:
                     break

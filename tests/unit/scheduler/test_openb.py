@@ -1,7 +1,8 @@
 """The openb reader (Alibaba's GPU-sharing traces) and `gpuyard sim` on a slice of them.
 
-The traces live outside the repository (../shared/traces, or $GPUYARD_TRACES); the tests that read
-the real files skip when they are absent, the others write small files of the same format.
+The three openb files the tests read are in the repository (tests/unit/scheduler/data/openb, with their
+source and terms in the README there), so every test runs in a fresh clone; the others write small
+files of the same format.
 """
 
 from __future__ import annotations
@@ -26,11 +27,7 @@ from gpuyard.scheduler.trace import load_trace
 
 pytestmark = pytest.mark.unit
 
-TRACES = traces_dir()
-needs_traces = pytest.mark.skipif(
-    not (TRACES / NODE_LIST).is_file(),
-    reason=f"the openb traces are not at {TRACES} (set GPUYARD_TRACES to their folder)",
-)
+TRACES = Path(__file__).parent / "data" / "openb"
 POD_HEADER = ",".join(
     [
         "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec",
@@ -111,8 +108,7 @@ def test_nodes_and_wrong_files(tmp_path: Path) -> None:
         load_openb_tasks(_write(tmp_path / "empty.csv", POD_HEADER, []))
 
 
-@needs_traces
-def test_the_shared_openb_files() -> None:
+def test_the_openb_files_in_the_repository() -> None:
     nodes = load_openb_nodes(TRACES / NODE_LIST)
     assert (len(nodes), sum(n.gpus for n in nodes)) == (1213, 6212)  # as the README says
     share40, multi50 = (load_openb_tasks(TRACES / name) for name in POD_LISTS)
@@ -144,7 +140,6 @@ def _sim(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
     return int(info.value.code or 0), out.out, out.err
 
 
-@needs_traces
 def test_sim_fills_a_slice_of_the_openb_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace, nodes = _slice(tmp_path, pod_stride=14, node_stride=40)
     args = ["--trace", str(trace), "--node-list", str(nodes), "--packing", "fgd,bestfit,firstfit", "--json"]
@@ -165,7 +160,6 @@ def test_sim_fills_a_slice_of_the_openb_trace(tmp_path: Path, capsys: pytest.Cap
     assert code == 0 and "unallocated GPU %" in out and "fgd:" in out and "at 100%" in out
 
 
-@needs_traces
 def test_sim_replays_a_slice_for_jct(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace, nodes = _slice(tmp_path, pod_stride=27, node_stride=40)
     tasks = load_openb_tasks(trace)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from gpuyard.errors import ConfigError
 from gpuyard.scheduler.elastic import ElasticConfig, TrainSizes
 from gpuyard.scheduler.executors.base import Executor
+from gpuyard.scheduler.executors.limits import LimitDefaults, setup_confinement
 from gpuyard.scheduler.fabric_placement import DEFAULT_MAX_WAIT_S
 from gpuyard.scheduler.lease import SchedulerLease, lease_conflict
 from gpuyard.scheduler.nodes import check_fabric_nodes
@@ -38,6 +40,8 @@ def build_service(
     slurm_config: str | None = None,
     slurm_partition: str | None = None,
     slurm_account: str | None = None,
+    limits: LimitDefaults | None = None,
+    job_python: str | None = None,
 ) -> JobService:
     """The job service of `gpuyard server`.
 
@@ -66,6 +70,10 @@ def build_service(
         restart_cost_s: what one restart of an elastic job is taken to cost; a grow must save twice it.
         train_sizes: the sizes an elastic training job's spec can run at
             (``gpuyard.train.resize.allowed_world_sizes``; None: every size of its range).
+        limits: ``server`` role: the jobs' default limits (memory, processes, open files, log cap;
+            :mod:`gpuyard.scheduler.executors.limits`); None: the defaults of LimitDefaults.
+        job_python: ``server`` role on this machine: the interpreter jobs are given (default: the
+            server's); a job user that cannot run it makes the server refuse to start.
         slurm: run each job as a Slurm batch job on the cluster the Slurm tools reach
             (:mod:`gpuyard.scheduler.executors.slurm`); its nodes come from Slurm.
         slurm_config: YAML of the Slurm partition, account and QoS (per team too).
@@ -119,21 +127,26 @@ def build_service(
             from gpuyard.scheduler.executors.isolation import resolve_isolation
 
             slurm_isolation = resolve_isolation(settings, job_user, job_dir)
-        slurm_executor = SlurmExecutor(settings.ensure_home() / "jobs", slurm_cfg, slurm_isolation)
+        slurm_executor = SlurmExecutor(
+            settings.ensure_home() / "jobs", slurm_cfg, slurm_isolation, instance=store.url
+        )
         nodes, executor = slurm_executor.nodes(), slurm_executor
     elif ray_address:
         from gpuyard.scheduler.executors.ray import RayExecutor
 
-        if job_user is not None or job_dir is not None:
+        if job_user is not None or job_dir is not None or job_python is not None:
             raise ConfigError(
-                "--job-user/--job-dir apply to the local executor; Ray runs jobs as its workers' user"
+                "--job-user/--job-dir/--job-python apply to the local executor; Ray runs jobs as its "
+                "workers' user"
             )
 
         if role == "server":  # checked before Ray is reached
             from gpuyard.scheduler.nodes import load_health_config
 
             ray_health = load_health_config(health_config)
-        ray_executor = RayExecutor(ray_address, settings.ensure_home() / "jobs")
+        ray_executor = RayExecutor(
+            ray_address, settings.ensure_home() / "jobs", limits=limits or LimitDefaults()
+        )
         nodes, executor = ray_executor.nodes(), ray_executor
     else:
         from gpuyard.scheduler.executors.local import LocalExecutor
@@ -143,7 +156,10 @@ def build_service(
         if role == "server":  # a service inside a user's own command runs that user's jobs as they are
             from gpuyard.scheduler.executors.isolation import resolve_isolation
 
-            isolation = resolve_isolation(settings, job_user, job_dir)
+            isolation = resolve_isolation(settings, job_user, job_dir, job_python)
+            isolation = replace(isolation, confinement=setup_confinement(limits or LimitDefaults()))
+        elif job_python is not None:
+            raise ConfigError("--job-python applies to `gpuyard server`")
         executor = LocalExecutor(settings.ensure_home() / "jobs", isolation)
         nodes = [local_node(fake_gpus=fake_gpus, cpus=cpus, record=True)]
     if fabric is not None:

@@ -153,6 +153,13 @@ def _slurm_name(what: str, value: Any) -> str:
     return text
 
 
+def instance_tag(identity: str) -> str:
+    """A short stable tag of a store's identity (its database URL) for Slurm job names."""
+    import hashlib
+
+    return hashlib.sha256(identity.encode()).hexdigest()[:8]
+
+
 def parse_gres_gpus(gres: str) -> tuple[int, str]:
     """GPUs and their type from a node's Gres string: ``gpu:4`` -> (4, ""), ``gpu:h100:8(S:0-1)`` ->
     (8, "h100"); several entries are summed (the first type named wins)."""
@@ -233,9 +240,16 @@ class SlurmExecutor(Executor):
     time_limits = True  # JobSpec.time_limit_min becomes --time
 
     def __init__(
-        self, jobs_dir: Path, config: SlurmConfig | None = None, isolation: JobIsolation | None = None
+        self,
+        jobs_dir: Path,
+        config: SlurmConfig | None = None,
+        isolation: JobIsolation | None = None,
+        instance: str = "",
     ) -> None:
         self.jobs_dir = Path(jobs_dir)
+        # Several gpuyard stores may share one cluster, and job ids restart with each store: the Slurm
+        # job name carries a short tag of the store, so a server finds its own jobs and no other's.
+        self.prefix = f"{NAME_PREFIX}{instance_tag(instance)}-" if instance else NAME_PREFIX
         self.config = config or SlurmConfig()
         self.isolation = isolation
         self._addr: dict[str, str] = {}
@@ -351,7 +365,7 @@ class SlurmExecutor(Executor):
     def plan(self, job_id: int, spec: JobSpec, nodes: list[NodeSlots], attempt: int) -> LaunchPlan:
         """The batch job of one attempt: sbatch options, the script, its environment (nothing runs)."""
         folder = self.jobs_dir / str(job_id)
-        name = f"{NAME_PREFIX}{job_id}-{attempt}"
+        name = f"{self.prefix}{job_id}-{attempt}"
         env = job_env(job_id, spec, attempt, ())
         env.pop("CUDA_VISIBLE_DEVICES")  # Slurm gives each node's GPUs (--gpus-per-node)
         nnodes = max(1, len(nodes))
@@ -541,7 +555,7 @@ class SlurmExecutor(Executor):
         out = {}
         for line in text.splitlines():
             name, _, reason = line.partition("|")
-            match = re.fullmatch(rf"{NAME_PREFIX}(\d+)-\d+", name)
+            match = re.fullmatch(rf"{re.escape(self.prefix)}(\d+)-\d+", name)
             if match:
                 out[int(match.group(1))] = reason
         return out
@@ -552,7 +566,7 @@ class SlurmExecutor(Executor):
         out = {}
         for line in text.splitlines():
             name, _, sid = line.partition("|")
-            if name.startswith(NAME_PREFIX):
+            if name.startswith(self.prefix):
                 out[name] = sid
         return out
 

@@ -288,7 +288,7 @@ class LocalSlurm:
                 os.killpg(proc.pid, signal.SIGTERM)
         for proc in reversed(self.procs):
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)

@@ -251,6 +251,63 @@ def _print_bench(result: object, calibrate: Path | None) -> None:
         console.print(f"calibrated cluster written to {calibrate}")
 
 
+@fabric_app.command("topology")
+def topology(
+    cluster: str = typer.Argument(..., help="A cluster preset or file (its network's leaf and spine sizes)."),
+    nodes: str = typer.Option(
+        None, "--nodes", help="The nodes, in rack order, as a Slurm host list (gpu[001-064])."
+    ),
+    count: int = typer.Option(
+        None, "--count", min=1, max=1_000_000, help="Without --nodes: this many nodes named CLUSTER-0000..."
+    ),
+    read: Path = typer.Option(
+        None, "--read", help="Read a Slurm topology.conf instead: the cluster with its sizes from the tree."
+    ),
+    out: Path = typer.Option(None, "--out", help="With --read: write the cluster file here (else print it)."),
+) -> None:
+    """Slurm's topology.conf (topology/tree) from a cluster description, or (--read) the reverse."""
+    import yaml
+
+    from gpuyard.errors import ConfigError
+    from gpuyard.fabric.presets import load_cluster, save_cluster
+    from gpuyard.fabric.slurm_topology import (
+        cluster_from_topology,
+        hostlist_expand,
+        parse_topology,
+        topology_for,
+    )
+
+    model = load_cluster(cluster)
+    if read is not None:
+        if nodes or count:
+            raise ConfigError("--read takes the nodes from topology.conf; leave out --nodes/--count")
+        try:
+            text = read.read_text()
+        except OSError as exc:
+            raise ConfigError(f"--read {read}: {exc.strerror}") from None
+        updated = cluster_from_topology(model, parse_topology(text))
+        if out is not None:
+            save_cluster(updated, out)
+            typer.echo(
+                f"cluster {updated.name} ({updated.nodes} nodes, leaf_size {updated.network.leaf_size}) "
+                f"written to {out}"
+            )
+        else:
+            typer.echo(
+                yaml.safe_dump(updated.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+            )
+        return
+    if nodes and count:
+        raise ConfigError("give --nodes or --count, not both")
+    names = hostlist_expand(nodes) if nodes else None
+    if names is None:
+        total = count or model.nodes
+        if not total:
+            raise ConfigError(f"cluster {model.name!r} does not fix its node count; give --count or --nodes")
+        names = [f"{model.name}-{i:04d}" for i in range(total)]
+    typer.echo(topology_for(model, names).to_conf(), nl=False)
+
+
 def register(app: typer.Typer) -> None:
     """Add `gpuyard fabric` to the root command."""
     app.add_typer(fabric_app, name="fabric")

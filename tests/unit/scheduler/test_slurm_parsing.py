@@ -1,0 +1,70 @@
+"""What the Slurm executor reads from Slurm's tools: GRES, scontrol lines, end states, its settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpuyard.errors import ConfigError
+from gpuyard.scheduler.executors.slurm import (
+    SlurmConfig,
+    exit_from_state,
+    instance_tag,
+    parse_gres_gpus,
+    parse_kv_line,
+)
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("gres", "want"),
+    [
+        ("gpu:4", (4, "")),
+        ("gpu:h100:8(S:0-1)", (8, "h100")),
+        ("gpu:a100:2,gpu:a100:2", (4, "a100")),
+        ("(null)", (0, "")),
+        ("nic:2", (0, "")),
+    ],
+)
+def test_gpus_and_type_from_gres(gres: str, want: tuple[int, str]) -> None:
+    assert parse_gres_gpus(gres) == want
+
+
+def test_scontrol_lines_keep_values_with_spaces() -> None:
+    row = parse_kv_line("NodeName=n1 State=IDLE+DRAIN Reason=bad fan [root@2026-11-27T03:53:25] Gres=gpu:2")
+    assert row["Reason"] == "bad fan [root@2026-11-27T03:53:25]" and row["Gres"] == "gpu:2"
+
+
+def test_end_states_say_what_slurm_did() -> None:
+    timeout = exit_from_state("TIMEOUT", "0:15", "2026-11-27T04:00:00")
+    assert timeout.killed and "time limit" in timeout.describe() and timeout.ended_at is not None
+    assert "out of memory" in exit_from_state("OUT_OF_MEMORY", "0:9").describe()
+    assert exit_from_state("COMPLETED", "0:0").code == 0
+    assert exit_from_state("FAILED", "3:0").describe() == "exit code 3"
+    checkpointed = exit_from_state("CANCELLED by 0", "75:0")
+    assert checkpointed.code == 75 and checkpointed.preempted  # exited on its own after SIGTERM
+    cancelled = exit_from_state("CANCELLED", "0:15", reason="None")
+    assert cancelled.killed and "cancelled in Slurm" in cancelled.describe()
+    assert exit_from_state("FAILED", "0:9").code == -9
+
+
+def test_settings_file_per_team_and_refusals(tmp_path: Path) -> None:
+    path = tmp_path / "slurm.yaml"
+    path.write_text("partition: gpu\naccount: lab\nteams: {vision: {qos: high, account: vis}}\n")
+    cfg = SlurmConfig.load(str(path))
+    assert cfg.for_team("vision") == {"partition": "gpu", "account": "vis", "qos": "high"}
+    assert cfg.for_team("other") == {"partition": "gpu", "account": "lab"}
+    assert SlurmConfig.load(str(path), partition="debug").for_team("x")["partition"] == "debug"
+    path.write_text("partition: 'gpu; rm -rf /'\n")
+    with pytest.raises(ConfigError, match="not a Slurm name"):
+        SlurmConfig.load(str(path))
+    path.write_text("partitions: gpu\n")
+    with pytest.raises(ConfigError, match="unknown keys"):
+        SlurmConfig.load(str(path))
+
+
+def test_instance_tags_differ_per_store_and_stay_put() -> None:
+    assert instance_tag("sqlite:///a/state.db") == instance_tag("sqlite:///a/state.db")
+    assert instance_tag("sqlite:///a/state.db") != instance_tag("sqlite:///b/state.db")

@@ -26,3 +26,11 @@ WORD_LEN = 32
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # A body must have arrived this long after the request started: a slow sender is cut off with 408.
 DEFAULT_BODY_TIMEOUT_S = 30.0
+
+# Connections (gpuyard.api.connections): a request's headers must arrive within this many seconds of
+# the connection opening (or of its previous response); open connections served as usual in total and
+# per client address, and how many more are let in for /health, /ready and admins.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_MAX_PER_ADDRESS = 512
+DEFAULT_RESERVE = 64

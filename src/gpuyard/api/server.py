@@ -6,20 +6,31 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass
+from typing import Any
 
-from gpuyard.api.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from gpuyard.api.connections import ConnectionGuard, guarded_protocol, raise_nofile_limit
+from gpuyard.api.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_PER_ADDRESS,
+)
 from gpuyard.scheduler.service import JobService
 
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """Where the API listens, and how large and how slow a request body may be."""
+    """Where the API listens, how large and how slow a request may be, and how many connections."""
 
     host: str = "127.0.0.1"
     port: int = 8765
     log_level: str = "warning"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections_per_address: int = DEFAULT_MAX_PER_ADDRESS
 
 
 def run_server(service: JobService, options: ServerOptions) -> None:
@@ -28,11 +39,10 @@ def run_server(service: JobService, options: ServerOptions) -> None:
     Jobs keep running when the server stops (each is its own process group); the next server adopts
     them.
     """
-    import uvicorn
-
     from gpuyard.api.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    guard = connection_guard(options)
     counts = service.recover()
     placer = service.placer
     placement = (
@@ -63,7 +73,10 @@ def run_server(service: JobService, options: ServerOptions) -> None:
     )
     shown_host = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
     logging.getLogger("gpuyard.server").info(
-        "dashboard and API at http://%s:%d/ (OpenAPI at /docs)", shown_host, options.port
+        "dashboard and API at http://%s:%d/ (OpenAPI at /docs); %s",
+        shown_host,
+        options.port,
+        guard.describe(),
     )
     service.api_url = f"http://{_url_host(shown_host)}:{options.port}"  # for the jobs' own tokens
     stop = threading.Event()
@@ -77,7 +90,7 @@ def run_server(service: JobService, options: ServerOptions) -> None:
         app = create_app(
             jobs=service, max_body_bytes=options.max_body_bytes, body_timeout_s=options.body_timeout_s
         )
-        uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level)
+        serve(app, options, guard)
     finally:
         stop.set()
         service.wake.set()
@@ -86,6 +99,42 @@ def run_server(service: JobService, options: ServerOptions) -> None:
         if service.health is not None:
             service.health.close()
         signal.signal(signal.SIGTERM, previous)
+
+
+def connection_guard(options: ServerOptions) -> ConnectionGuard:
+    """The connection limits of ``options``, fitted to the open-file limit (raised to its hard limit)."""
+    from gpuyard.auth import authenticate
+
+    guard, note = ConnectionGuard.fitted(
+        raise_nofile_limit(),
+        max_connections=options.max_connections,
+        per_address=options.max_connections_per_address,
+        header_timeout_s=options.header_timeout_s,
+        is_admin=lambda token: authenticate(token).is_admin,
+    )
+    if note is not None:
+        logging.getLogger("gpuyard.server").warning("%s", note)
+    return guard
+
+
+def serve(app: Any, options: ServerOptions, guard: ConnectionGuard) -> None:
+    """Run ``app`` on uvicorn with ``guard``'s limits until stopped.
+
+    The client address is the TCP peer's: ``X-Forwarded-For`` is not trusted (``proxy_headers`` off),
+    so a local client cannot pose as another address. No WebSocket upgrades (the API has none).
+    """
+    import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    uvicorn.run(
+        guard.wrap(app),
+        host=options.host,
+        port=options.port,
+        log_level=options.log_level,
+        http=guarded_protocol(AutoHTTPProtocol, guard),
+        ws="none",
+        proxy_headers=False,
+    )
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import typer
 
-from gpuyard.api.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from gpuyard.api.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_PER_ADDRESS,
+)
 from gpuyard.fabric.presets import list_presets
+from gpuyard.scheduler.executors.limits import DEFAULT_LOG_MB, DEFAULT_NOFILE, DEFAULT_PIDS
 from gpuyard.scheduler.fabric_placement import DEFAULT_MAX_WAIT_S
 from gpuyard.scheduler.policies import POLICIES
 
@@ -101,6 +108,40 @@ def server(
         "--health-config",
         help="YAML of node health checks (interval, checks, limits, drain on failure; docs/scheduler.md).",
     ),
+    job_memory_gb: float = typer.Option(
+        0.0,
+        "--job-memory-gb",
+        min=0,
+        max=1_048_576,
+        help="Memory (GiB) of a job that declares no resources.memory_gb (0: not limited).",
+    ),
+    job_pids: int = typer.Option(
+        DEFAULT_PIDS,
+        "--job-pids",
+        min=0,
+        max=4_194_304,
+        help="Processes and threads of a job (0: not limited).",
+    ),
+    job_nofile: int = typer.Option(
+        DEFAULT_NOFILE,
+        "--job-nofile",
+        min=0,
+        max=1_048_576,
+        help="Open files of each of a job's processes (0: not limited).",
+    ),
+    job_log_mb: float = typer.Option(
+        DEFAULT_LOG_MB,
+        "--job-log-mb",
+        min=0,
+        max=1_048_576,
+        help="MiB of output each attempt of a job may write to its log; the rest is cut (0: not capped).",
+    ),
+    job_python: str = typer.Option(
+        None,
+        "--job-python",
+        help="The Python jobs are given (gpuyard train of a training spec; default: the server's). The job"
+        " user must be able to run it, or the server refuses to start.",
+    ),
     body_timeout: float = typer.Option(
         DEFAULT_BODY_TIMEOUT_S,
         "--body-timeout",
@@ -108,9 +149,29 @@ def server(
         max=3600,
         help="Seconds a request body may take to arrive (408 after that).",
     ),
+    header_timeout: float = typer.Option(
+        DEFAULT_HEADER_TIMEOUT_S,
+        "--header-timeout",
+        min=0.1,
+        max=3600,
+        help="Seconds a connection may take to send a request's headers (then 408 and closed).",
+    ),
+    max_connections: int = typer.Option(
+        DEFAULT_MAX_CONNECTIONS,
+        "--max-connections",
+        min=1,
+        help="Open connections served as usual; past it only /health, /ready and admins get in.",
+    ),
+    max_connections_per_address: int = typer.Option(
+        DEFAULT_MAX_PER_ADDRESS,
+        "--max-connections-per-address",
+        min=1,
+        help="Open connections of one client address (IPv6: a /64) served as usual; past it, 429.",
+    ),
 ) -> None:
     """Serve the job API and run the scheduler (state in GPUYARD_HOME or GPUYARD_DATABASE_URL)."""
     from gpuyard.api.server import ServerOptions, run_server
+    from gpuyard.scheduler.executors.limits import LimitDefaults
     from gpuyard.scheduler.setup import build_service
     from gpuyard.scheduler.spec import parse_team_weights
     from gpuyard.train.resize import allowed_world_sizes
@@ -138,9 +199,22 @@ def server(
         job_user=job_user,
         job_dir=job_dir,
         health_config=health_config,
+        limits=LimitDefaults(
+            memory_gb=job_memory_gb or None,
+            pids=job_pids or None,
+            nofile=job_nofile or None,
+            log_mb=job_log_mb or None,
+        ),
+        job_python=job_python,
     )
     options = ServerOptions(
-        host=host, port=port, max_body_bytes=int(max_body_mb * 2**20), body_timeout_s=body_timeout
+        host=host,
+        port=port,
+        max_body_bytes=int(max_body_mb * 2**20),
+        body_timeout_s=body_timeout,
+        header_timeout_s=header_timeout,
+        max_connections=max_connections,
+        max_connections_per_address=max_connections_per_address,
     )
     run_server(service, options)
 

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -24,7 +24,7 @@ from sqlalchemy.exc import IntegrityError as DuplicateRow
 from sqlalchemy.orm import Session
 
 from gpuyard.auth import TOKEN_ENV, create_job_token
-from gpuyard.errors import CapacityError, ConfigError, ConflictError, NotFoundError
+from gpuyard.errors import CapacityError, ConfigError, ConflictError, NotFoundError, StoreError
 from gpuyard.scheduler.elastic import (
     ElasticConfig,
     ElasticJob,
@@ -65,6 +65,9 @@ from gpuyard.store.db import Store
 from gpuyard.store.tables.jobs import JobEventRow, JobRow
 
 log = logging.getLogger(__name__)
+
+# Below this many free bytes a filesystem counts as full (a few pages: SQLite and small files fail).
+FULL_BELOW_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,11 @@ class JobService:
     ) -> None:
         self.store, self.nodes, self.executor, self.config = store, nodes, executor, config
         self.lease = SchedulerLease(store, role=role, ttl_s=config.lease_ttl_s)
-        self._lease_note: str | None = None
+        self._lease_note: str | None = None  # the other holder this service said it yields to
+        self._lease_renewed_at: float | None = None  # monotonic time of this service's last renewal
+        # When the scheduler first saw each running job's process gone: its end when the executor
+        # knows none and recording it had to wait (a full disk, a database outage).
+        self._ended_seen: dict[int, Any] = {}
         # The API's URL when a `gpuyard server` runs this service: its jobs then get a job-scoped token.
         self.api_url: str | None = None
         if config.placement not in ("topology", "fabric"):
@@ -452,26 +459,40 @@ class JobService:
             raise lease_conflict(self.store, self.lease.role, other)
 
     def holds_lease(self) -> bool:
-        """Whether this service is the store's scheduler now (renewing the lease when due)."""
+        """Whether this service is the store's scheduler now (renewing the lease when due).
+
+        While the store refuses the renewal (a full disk, a database restart) the service goes on
+        scheduling for as long as its last renewal lasts (its running jobs are still reaped, its stop
+        deadlines kept); past that the store's error is raised.
+        """
         if self.lease.renew_due():
             try:
-                self.claim()
-                self._lease_note = None
-            except ConflictError as exc:
-                if str(exc) != self._lease_note:  # say it once, not every tick
-                    log.warning("not scheduling: %s", exc)
-                    self._lease_note = str(exc)
+                other = self.lease.acquire()
+            except StoreError:
+                renewed = self._lease_renewed_at
+                if self.lease.held and renewed is not None and time.monotonic() - renewed < self.lease.ttl_s:
+                    return True
+                raise
+            if other is None:
+                self._lease_note, self._lease_renewed_at = None, time.monotonic()
+            elif other.holder != self._lease_note:
+                # Said once per holder: the holder's message names its lease's expiry, which moves on
+                # every renewal, so the message itself is no key.
+                log.warning("not scheduling: %s", lease_conflict(self.store, self.lease.role, other))
+                self._lease_note = other.holder
         return self.lease.held
 
     def run(self, stop: threading.Event) -> None:
         """Tick until ``stop`` is set (the server's scheduling thread); then give the lease up."""
+        errors = TickErrors()
         try:
             while not stop.is_set():
                 try:
                     self.tick()
-                except Exception:  # the loop must outlive one bad tick; the error is logged
-                    log.exception("scheduling tick failed")
-                self.wake.wait(self.config.tick_s)
+                    errors.succeeded()
+                except Exception as exc:  # the loop must outlive a bad tick; the error is logged once
+                    errors.failed(exc)
+                self.wake.wait(errors.delay(self.config.tick_s))
                 self.wake.clear()
         finally:
             with self._lock:
@@ -563,7 +584,10 @@ class JobService:
                             )
                         )
                     continue
+                if status.ended_at is None:  # the first sight of its end, kept until it is recorded
+                    status = replace(status, ended_at=self._ended_seen.setdefault(row.id, utcnow()))
                 self._finish(s, row, status)
+        self._ended_seen.clear()  # committed: every end seen is recorded
 
     def _finish(self, s: Session, row: JobRow, status: ExitStatus) -> None:
         # The executor's end time when it has one (a job that ended while no server ran), never
@@ -571,11 +595,17 @@ class JobService:
         end = min(status.ended_at, utcnow()) if status.ended_at else utcnow()
         end = max(end, row.started_at) if row.started_at else end
         ran = max(0.0, (end - row.started_at).total_seconds()) if row.started_at else 0.0
-        request = row.stop_requested
+        request, handle, killed = row.stop_requested, row.handle or {}, row.killed
         row.exit_code, row.attained_s = status.code, row.attained_s + ran
         # The placement stays on record (where it last ran); only scheduled/running ones hold GPUs.
         row.stop_requested, row.stop_deadline, row.killed, row.handle = None, None, False, None
         how = status.describe()
+        if status.code is None and status.killed and not killed:
+            # Gone without an exit code, though gpuyard sent no SIGKILL: the exit file may not have
+            # been written because its disk was full; say so rather than blame a signal.
+            full = unrecorded_exit_disk(handle)
+            if full is not None:
+                how = f"ended, exit code not recorded: the disk at {full} was full"
         if request == "cancel":
             # Like Slurm: a job stopped on request is cancelled, even when it exits cleanly on SIGTERM
             # (a model server does); its run time is not a sample of how long such jobs take.
@@ -969,8 +999,6 @@ def _parts_on(placement: Placement, slot: NodeSlots) -> list[Any]:
     if slot.mig:
         return [p for p in placement.parts if p.mig_uuid in slot.mig]
     if slot.share is not None and placement.parts:
-        from dataclasses import replace
-
         return [replace(placement.parts[0], gpu=slot.gpus[0])]
     return []
 
@@ -978,3 +1006,96 @@ def _parts_on(placement: Placement, slot: NodeSlots) -> list[Any]:
 def active_gpus(docs: Iterable[dict[str, Any]]) -> int:
     """GPUs held by the jobs among ``docs`` that are scheduled or running."""
     return sum(d["gpus"] for d in docs if d["state"] in ACTIVE)
+
+
+class TickErrors:
+    """The scheduling loop's error log: one line per distinct error, its traceback once, with backoff.
+
+    A tick that fails as the previous one did (a database outage, a full disk) is not logged again at
+    once: the same error is said again after 10 s, then 20, 40, ... (at most every 10 minutes), with
+    how often it happened meanwhile; recovery is one line. While ticks fail, the loop waits longer
+    between them (at most ``MAX_DELAY_S``), so a broken store is not hammered five times a second.
+    """
+
+    FIRST_REPEAT_S = 10.0
+    MAX_REPEAT_S = 600.0
+    MAX_DELAY_S = 2.0
+
+    def __init__(self) -> None:
+        self.failures = 0  # consecutive failed ticks
+        self.since = 0.0  # monotonic time of the first of them
+        self._shown: set[str] = set()  # errors whose traceback was logged
+        self._key: str | None = None  # the error now repeating
+        self._next_at = 0.0
+        self._every = self.FIRST_REPEAT_S
+        self._repeats = 0
+
+    def failed(self, exc: BaseException) -> None:
+        """A tick raised ``exc``."""
+        now = time.monotonic()
+        if not self.failures:
+            self.since = now
+        self.failures += 1
+        key = f"{type(exc).__name__}: {exc}"
+        first_line = key.splitlines()[0] if key else key
+        if key != self._key:
+            self._key, self._repeats = key, 0
+            self._every, self._next_at = self.FIRST_REPEAT_S, now + self.FIRST_REPEAT_S
+            if key in self._shown:
+                log.error("scheduling tick failed: %s", first_line)
+            else:
+                if len(self._shown) < 1000:
+                    self._shown.add(key)
+                log.error("scheduling tick failed: %s", first_line, exc_info=exc)
+            return
+        self._repeats += 1
+        if now >= self._next_at:
+            log.error(
+                "scheduling tick still failing (%d more times in the last %.0f s): %s",
+                self._repeats,
+                self._every,
+                first_line,
+            )
+            self._repeats = 0
+            self._every = min(self._every * 2, self.MAX_REPEAT_S)
+            self._next_at = now + self._every
+
+    def succeeded(self) -> None:
+        """A tick went through: say so once when ticks were failing."""
+        if self.failures:
+            log.warning(
+                "scheduling recovered after %d failed ticks over %.1f s",
+                self.failures,
+                time.monotonic() - self.since,
+            )
+        self.failures, self._key = 0, None
+
+    def delay(self, tick_s: float) -> float:
+        """How long to wait before the next tick: ``tick_s``, doubled per failed tick up to a cap."""
+        if not self.failures:
+            return tick_s
+        return float(max(tick_s, min(tick_s * 2 ** min(self.failures, 16), self.MAX_DELAY_S)))
+
+
+def unrecorded_exit_disk(handle: dict[str, Any]) -> str | None:
+    """The folder of a job's exit file when its disk kept the exit code from being written, else None.
+
+    The shim writes ``EXIT_FILE.tmp`` then renames it: a ``.tmp`` left behind (the write failed), or
+    a filesystem that is full now, is taken as the reason no exit code was recorded.
+    """
+    exit_file = handle.get("exit_file")
+    if not exit_file:
+        return None
+    folder = os.path.dirname(str(exit_file))
+    if os.path.exists(exit_file + ".tmp") or disk_full(folder):
+        return folder
+    return None
+
+
+def disk_full(path: str) -> bool:
+    """Whether the filesystem of ``path`` has less than ``FULL_BELOW_BYTES`` free (False if unknown)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < FULL_BELOW_BYTES

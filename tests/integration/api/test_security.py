@@ -14,7 +14,7 @@ from .conftest import LiveApi
 
 pytestmark = pytest.mark.integration
 
-PUBLIC = {"/health"}
+PUBLIC = {"/health", "/ready"}  # liveness and readiness probes
 
 
 def _user(live: LiveApi, name: str, team: str, role: str) -> str:

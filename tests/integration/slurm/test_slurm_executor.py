@@ -301,3 +301,37 @@ def test_a_slurm_time_limit_ends_the_job_with_that_reason(
     reasons = " ".join(e["reason"] or "" for e in service.events(time_limited["job"]))
     assert "time limit" in reasons and "TIMEOUT" in reasons
     assert slurm_job(slurm_cluster, service.executor.prefix, time_limited["job"])["JobState"] == "TIMEOUT"
+
+
+def test_gpuyard_train_spans_two_slurm_nodes_with_one_rendezvous(
+    slurm_cluster: LocalSlurm, time_limited: dict[str, Any], gpuyard_home: Path, tmp_path: Path
+) -> None:
+    """A training job over n1 and n2: srun starts `gpuyard train --nnodes 2` on each, torchrun's c10d
+    rendezvous meets on the first node, and the two ranks train as one world."""
+    import yaml
+
+    spec_path = tmp_path / "train.yaml"
+    doc = {
+        "name": "slurm-ddp",
+        "run_dir": str(tmp_path / "run"),
+        "seed": 3,
+        "model": {"entrypoint": "gpuyard.train.examples:mlp"},
+        "data": {
+            "train": {"entrypoint": "gpuyard.train.examples:classification_data", "kwargs": {"n": 64}},
+            "batch_size": 8,
+        },
+        "optimizer": {"name": "adamw", "lr": 0.01},
+        "epochs": 1,
+    }
+    spec_path.write_text(yaml.safe_dump(doc))
+    service = make_slurm_service(gpuyard_home, nodes=["n1", "n2"])
+    env = {"OMP_NUM_THREADS": "1", "GPUYARD_HOME": str(gpuyard_home)}
+    job = service.submit(
+        parse_spec({"name": "ddp", "train": str(spec_path), "resources": {"gpus": 2}, "env": env})
+    )
+    done = _until(service, job["id"], {"succeeded", "failed"}, timeout=180)
+    log = service.read_log(job["id"])["text"]
+    assert done["state"] == "succeeded", log[-3000:]
+    assert sorted(p["node"] for p in done["placement"]["nodes"]) == ["n1", "n2"]
+    # 64 samples, 8 per rank and step: one epoch is 4 steps in a world of 2 ranks (8 in two worlds of 1).
+    assert "completed at step 4 " in log and "step 8" not in log, log[-2000:]

@@ -353,6 +353,68 @@ def quarantine_cmd(
     console.print(out)
 
 
+@data_app.command("verify")
+def verify_cmd(
+    ref: str = typer.Argument(..., help="NAME@VERSION (or NAME for the latest)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Hash every stored object of a version (manifest, shards, quarantine) and compare with the catalog.
+
+    Exits 0 when all match; 1 with one line per bad object (which shard, missing or what it hashes to).
+    """
+    from gpuyard.data.integrity import verify_version
+
+    report = verify_version(ref)
+    if as_json:
+        typer.echo(json.dumps(report.to_json()))
+    else:
+        err = Console(stderr=True)
+        for b in report.bad:
+            err.print(
+                f"[red]bad:[/red] {report.ref} {b['object']} {b['key']}: {escape(b['problem'])}",
+                soft_wrap=True,
+            )
+        state = "ok" if report.ok else f"{len(report.bad)} bad"
+        Console().print(f"{report.ref}: {report.checked} objects, {report.bytes} bytes checked: {state}")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _duration(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if not m:
+        raise ConfigError(f"--grace {text!r}: use a number with an optional unit s, m, h or d (e.g. 24h)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+@data_app.command("gc")
+def gc_cmd(
+    yes: bool = typer.Option(False, "--yes", help="Delete (default: only list what would be deleted)."),
+    grace: str = typer.Option(
+        "24h", "--grace", help="Never touch a blob written less than this long ago (an ingest in progress)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Remove blobs that no dataset version, model or run references (a dry run unless --yes).
+
+    A blob counts as referenced when the state store or a recorded manifest names its SHA-256.
+    """
+    from gpuyard.data.integrity import collect_garbage
+
+    report = collect_garbage(delete=yes, grace_s=_duration(grace))
+    if as_json:
+        typer.echo(json.dumps(report.to_json()))
+        return
+    con = Console()
+    verb = "deleted" if yes else "would delete (dry run; --yes to delete)"
+    for key in report.unreferenced:
+        con.print(f"{'deleted' if yes else 'unreferenced'} {key}")
+    con.print(
+        f"{verb} {len(report.unreferenced)} blob(s), {report.bytes} bytes; kept {report.referenced} "
+        f"referenced and {report.too_new} newer than {grace}"
+    )
+
+
 def register(app: typer.Typer) -> None:
     """Add `gpuyard data` to the CLI."""
     from gpuyard.cli.text import register_text

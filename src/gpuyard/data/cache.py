@@ -70,6 +70,9 @@ class ShardCache:
             tmp.replace(path)
         finally:
             tmp.unlink(missing_ok=True)
+        from gpuyard.data.dataset import mark_verified
+
+        mark_verified(path, sha256)  # just hashed as it was written: no second hash on first read
         return path
 
     def _evict(self, keep_free: int, keep: Path) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -14,18 +17,98 @@ from gpuyard.data.cache import ShardCache, default_cache
 from gpuyard.data.catalog import load_manifest, resolve
 from gpuyard.data.columns import TensorSpec, tensor_to_numpy
 from gpuyard.data.shards import ShardInfo, read_shard
-from gpuyard.errors import ConfigError
+from gpuyard.errors import ConfigError, IntegrityError, NotFoundError
 from gpuyard.refs import DatasetRef
 from gpuyard.settings import load_settings
 from gpuyard.store import get_artifacts
-from gpuyard.store.artifacts import ArtifactStore
+from gpuyard.store.artifacts import CHUNK, ArtifactStore, blob_sha256
 
 if TYPE_CHECKING:
     from gpuyard.data.fitted import FittedTransform
 
 
-def shard_location(artifacts: ArtifactStore, shard: ShardInfo, cache: ShardCache | None) -> str:
-    """A local path to read ``shard`` from: the artifact file itself when local, else the cache's copy."""
+# Local files whose content this process has checked against the catalog's SHA-256, by identity
+# (path, inode, size, modification time): a shard is hashed once per process, not once per epoch.
+_VERIFIED: dict[tuple[str, int, int, int], str] = {}
+_VERIFIED_MAX = 100_000
+
+
+def _identity(path: str) -> tuple[str, int, int, int]:
+    st = os.stat(path)
+    return (path, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def mark_verified(path: str | os.PathLike[str], sha256: str) -> None:
+    """Record that ``path`` was just checked against ``sha256`` (e.g. by the cache as it downloaded it)."""
+    if len(_VERIFIED) >= _VERIFIED_MAX:
+        _VERIFIED.clear()
+    with contextlib.suppress(FileNotFoundError):
+        _VERIFIED[_identity(str(path))] = sha256
+
+
+def is_verified(path: str, sha256: str) -> bool:
+    """Whether this process already checked the file at ``path``, unchanged since, against ``sha256``."""
+    try:
+        return _VERIFIED.get(_identity(path)) == sha256
+    except FileNotFoundError:
+        return False
+
+
+def _mismatch(shard: ShardInfo, actual: str, version: str | None) -> IntegrityError:
+    of = f" of {version}" if version else ""
+    return IntegrityError(
+        f"shard {shard.key}{of} is corrupt: its content hashes to {actual[:12]}..., the catalog "
+        f"records {shard.sha256[:12]}... (run `gpuyard data verify` on the version)"
+    )
+
+
+def read_verified(path: str, shard: ShardInfo, version: str | None = None) -> pa.Buffer:
+    """The bytes of the local file ``path``, read once and checked against ``shard.sha256``.
+
+    The buffer that was hashed is the one to parse (``pa.BufferReader``): the check costs the hash,
+    not a second read.
+
+    Raises:
+        NotFoundError: no such file. IntegrityError: the content does not match, naming the shard.
+    """
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError as exc:
+        of = f" of {version}" if version else ""
+        raise NotFoundError(f"shard {shard.key}{of} is missing from the artifact store ({path})") from exc
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != shard.sha256:
+        raise _mismatch(shard, actual, version)
+    mark_verified(path, shard.sha256)
+    return pa.py_buffer(data)
+
+
+def verify_file(path: str, shard: ShardInfo, version: str | None = None) -> None:
+    """Check the local file ``path`` against ``shard.sha256`` unless this process already did.
+
+    Hashed in chunks (no copy of the whole shard in memory); a reader opening the file next finds
+    its pages in the OS cache.
+
+    Raises:
+        NotFoundError: no such file. IntegrityError: the content does not match, naming the shard.
+    """
+    if is_verified(path, shard.sha256):
+        return
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            while chunk := fh.read(CHUNK):
+                digest.update(chunk)
+    except FileNotFoundError as exc:
+        of = f" of {version}" if version else ""
+        raise NotFoundError(f"shard {shard.key}{of} is missing from the artifact store ({path})") from exc
+    if digest.hexdigest() != shard.sha256:
+        raise _mismatch(shard, digest.hexdigest(), version)
+    mark_verified(path, shard.sha256)
+
+
+def _local_path(artifacts: ArtifactStore, shard: ShardInfo, cache: ShardCache | None) -> str:
     protocol = artifacts.fs.protocol
     local = "file" in (protocol if isinstance(protocol, tuple | list) else (protocol,))
     if local:
@@ -33,6 +116,23 @@ def shard_location(artifacts: ArtifactStore, shard: ShardInfo, cache: ShardCache
     if cache is None:
         cache = default_cache(load_settings().home)
     return str(cache.fetch(artifacts, shard.key, shard.sha256))
+
+
+def shard_location(
+    artifacts: ArtifactStore, shard: ShardInfo, cache: ShardCache | None, version: str | None = None
+) -> str:
+    """A local path to read ``shard`` from: the artifact file itself when local, else the cache's copy.
+
+    The file is checked against the catalog's SHA-256 before the path is handed out (once per process
+    and file: :func:`verify_file`), for every store: a local one, or a remote one through the cache.
+
+    Raises:
+        IntegrityError: the shard's content does not match, in one line naming the shard (and
+            ``version`` when given). NotFoundError: the shard is missing.
+    """
+    path = _local_path(artifacts, shard, cache)
+    verify_file(path, shard, version)
+    return path
 
 
 @dataclass
@@ -93,16 +193,29 @@ class DatasetVersion:
         }
 
     def shard_paths(self, cache: ShardCache | None = None) -> list[str]:
-        """Local paths of every shard (remote stores are read through the local cache)."""
+        """Local paths of every shard (remote stores are read through the local cache), each checked
+        against the catalog's SHA-256 (:func:`shard_location`)."""
         artifacts = get_artifacts()
-        return [shard_location(artifacts, s, cache) for s in self.shards]
+        return [shard_location(artifacts, s, cache, self.ref) for s in self.shards]
 
     def iter_tables(self, columns: list[str] | None = None, split: str | None = None) -> Iterator[pa.Table]:
-        """Each shard as an Arrow table (optionally only some columns, or one split)."""
+        """Each shard as an Arrow table (optionally only some columns, or one split).
+
+        A shard this process has not checked yet is read whole once, hashed, and parsed from those
+        same bytes; one it has checked (unchanged since) is read from its file, only the columns asked.
+
+        Raises:
+            IntegrityError: a shard does not match its SHA-256, naming the shard and the version.
+        """
         self._check_columns(columns)
         wanted = None if columns is None else list(dict.fromkeys([*columns, *(["split"] if split else [])]))
-        for shard, path in zip(self.shards, self.shard_paths(), strict=True):
-            table = read_shard(path, shard.key, columns=wanted)
+        artifacts = get_artifacts()
+        for shard in self.shards:
+            path = _local_path(artifacts, shard, None)
+            source: Any = path
+            if not is_verified(path, shard.sha256):
+                source = pa.BufferReader(read_verified(path, shard, self.ref))
+            table = read_shard(source, f"{shard.key} of {self.ref}", columns=wanted)
             if split is not None:
                 if "split" not in table.column_names:
                     raise ConfigError(f"{self.ref} has no split column; run a recipe with a split step")
@@ -137,7 +250,8 @@ class DatasetVersion:
         if key is None:
             return QUARANTINE_SCHEMA.empty_table()
         artifacts = get_artifacts()
-        return read_shard(artifacts.open(key), key)
+        data = artifacts.get_bytes(key, sha256=blob_sha256(key))  # a blob's key names its SHA-256
+        return read_shard(pa.BufferReader(data), f"quarantine {key} of {self.ref}")
 
     def transform_for_inference(self) -> FittedTransform:
         """The recipe with its fitted statistics, to apply to new rows exactly as training saw them."""

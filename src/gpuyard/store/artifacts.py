@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import posixpath
+import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +29,15 @@ class ArtifactInfo:
     key: str
     size: int
     sha256: str
+
+
+_BLOB_KEY = re.compile(rf"^{BLOB_PREFIX}/([0-9a-f]{{2}})/([0-9a-f]{{64}})$")
+
+
+def blob_sha256(key: str) -> str | None:
+    """The SHA-256 a content-addressed key names (``blobs/sha256/ab/abcd...``), else None."""
+    m = _BLOB_KEY.match(key)
+    return m.group(2) if m and m.group(2).startswith(m.group(1)) else None
 
 
 def check_key(key: str) -> str:
@@ -209,6 +219,28 @@ class ArtifactStore:
         found = self.fs.find(base)
         keys = [posixpath.relpath(p, self.root) for p in found]
         return sorted(k for k in keys if not k.startswith(_TMP + "/"))
+
+    def modified(self, key: str) -> float | None:
+        """When ``key`` was last written (POSIX seconds), or None when the store does not say."""
+        try:
+            info = self.fs.info(self._path(key))
+        except FileNotFoundError as exc:
+            raise NotFoundError(f"artifact {key!r} not found in {self.root_url}") from exc
+        for field in ("mtime", "LastModified", "last_modified", "updated", "created"):
+            value = info.get(field)
+            if value is None:
+                continue
+            if isinstance(value, int | float):
+                return float(value)
+            if hasattr(value, "timestamp"):
+                return float(value.timestamp())
+            try:
+                from datetime import datetime
+
+                return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+        return None
 
     def walk_info(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         """(key, size) for each key under ``prefix``."""

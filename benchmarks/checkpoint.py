@@ -1,27 +1,40 @@
-"""Training stall per checkpoint: gpuyard's in-memory snapshot vs a synchronous DCP save, and recovery.
+"""Training stall per checkpoint: gpuyard's in-memory snapshot vs DCP ``async_save`` (and a sync save).
 
 One Trainer run (one process, CPU, an MLP whose model + AdamW state is --hidden/--layers sized)
-takes a checkpoint every --every steps, alternating the two kinds on the same state:
+takes a checkpoint every --every steps, the four kinds in turn on the same state:
 
-* memory: ``Trainer.snapshot()``: buffers (none in an MLP) copied into reused host buffers in the
-  training thread; parameters and optimizer state copied by a background thread while the next
-  forward and backward run (the next optimizer step waits for that copy: counted in the stall),
-  then the serialised snapshot written to /dev/shm (and, with more ranks, sent to the next rank);
+* memory: ``Trainer.snapshot()``: buffers (none in an MLP) copied in the training thread;
+  parameters and optimizer state copied by a background thread into a reused data file in
+  /dev/shm mapped into the process while the next forward and backward run (the next optimizer
+  step waits for that copy: counted in the stall);
+* async: ``torch.distributed.checkpoint.async_save`` of the same state to storage with DCP's
+  default stager (the state copied to CPU memory in the call, the files written by a thread);
+* async_staged: the same with a reused ``DefaultStager(StagingOptions(use_async_staging=True))``:
+  the copy too is done in the background and the next optimizer step waits for it (an optimizer
+  step pre-hook), the way DCP's documentation describes overlapping the staging with compute;
 * sync: ``Trainer.save_checkpoint()``: ``torch.distributed.checkpoint.save`` of the same state to
-  storage (a folder on this machine's disk, files fsynced as DCP does by default), the per-rank file
-  and the completeness marker, in the training thread.
+  storage, fsynced, in the training thread (shown beside: what a plain loop does).
 
-The stall is the time the training thread spends in the call (both include ``get_state_dict``),
-plus for a snapshot any wait before the next optimizer step.
-Before each sync save the benchmark waits, outside the timing, for the previous snapshot's
-background work, so neither kind is charged for the other. After the last checkpoint the run is
-cut short (an exception, as a dying process leaves no checkpoint), and a fresh process resumes it
-twice: from the snapshot in /dev/shm, then with /dev/shm emptied, from the newest storage
-checkpoint. ``recovery_s`` is the memory resume inside the new process (snapshot read, state
-loaded into model and optimizer), ``restart_s`` the whole new process (Python and torch start-up,
-model build, resume).
+The baseline is async DCP: it is what a competent user runs (gpuyard's own storage checkpoints
+offer it, ``checkpoint.async_save``), and of its two configurations the one that did better in the
+run is compared against (lowest median stall for ``stall_ratio_vs_async``, lowest whole cost for
+``cost_ratio_vs_async``). Not compared: DCP's process-based checkpointer
+(``AsyncCheckpointerType.PROCESS``), which on a 2-core machine competes for the same cores and
+starts a process on its first save.
 
-Last line: ``checkpoint: stall_ratio=<sync stall / in-memory stall> recovery_s=<x> ...`` (medians).
+The stall is the training thread's time in the call (all include ``get_state_dict``), plus any
+wait before the next optimizer step. The whole cost adds the extra time of the steps up to the next
+checkpoint over the median step: the background copies and writes run on the same cores as
+training here and slow it down. Before each checkpoint the benchmark waits, outside the timing,
+for the earlier ones' background work, so no kind is charged for another's. After the last
+checkpoint (a snapshot) the run is cut short (an exception, as a dying process leaves no
+checkpoint), and a fresh process resumes it twice: from the snapshot in /dev/shm, then with
+/dev/shm emptied and the storage checkpoint's files evicted from the page cache
+(``posix_fadvise(DONTNEED)`` on those files only; see ``evict_page_cache``), from the newest storage
+checkpoint. ``recovery_*_s`` are the resume inside the new process (state read and loaded into
+model and optimizer), ``restart_s`` the whole new process (start-up, model build, resume).
+
+Last line: ``checkpoint: stall_ratio_vs_async=<x> cost_ratio_vs_async=<x> ...`` (medians).
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -80,33 +94,115 @@ def make_trainer(spec: TrainSpec, hidden: int, layers: int, callbacks: list[Any]
     )
 
 
+class AsyncDCP:
+    """``torch.distributed.checkpoint.async_save`` as a user calls it, in one of two configurations.
+
+    ``staged=False``: DCP's default (the state copied to CPU memory inside the call, the write in a
+    background thread). ``staged=True``: a reused ``DefaultStager`` with asynchronous staging (the
+    copy too runs in the background; the next optimizer step waits for it, as for gpuyard's
+    snapshot; pinned and shared memory are off: there is no GPU here and the writer is a thread).
+    """
+
+    def __init__(self, root: Path, staged: bool) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.root, self.staged = root, staged
+        self.stager = DefaultStager(StagingOptions(False, False, True, False)) if staged else None
+        self.upload: Any = None
+        self.staging: Any = None
+        self.waits: dict[int, float] = {}
+        self._step = 0
+
+    def save(self, trainer: Trainer) -> float:
+        """Seconds in the call (state dict taken, staging started or done, write started)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        start = time.perf_counter()
+        model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+        with warnings.catch_warnings():  # DCP warns that one process runs without a process group
+            warnings.simplefilter("ignore")
+            res = dcp.async_save(
+                {"model": model_sd, "optim": optim_sd},
+                checkpoint_id=str(self.root / f"step-{trainer.step:08d}"),
+                async_stager=self.stager,
+                no_dist=True,
+            )
+        self.upload = getattr(res, "upload_completion", res)
+        self.staging = getattr(res, "staging_completion", None)
+        self._step = trainer.step
+        return time.perf_counter() - start
+
+    def before_update(self) -> None:
+        """Called before each optimizer step: the step may not change state still being staged."""
+        if self.staging is not None:
+            start = time.perf_counter()
+            self.staging.result()
+            self.waits[self._step] = time.perf_counter() - start
+            self.staging = None
+
+    def wait(self) -> None:
+        """The whole save done (outside any timing)."""
+        self.before_update()
+        if self.upload is not None:
+            self.upload.result()
+            self.upload = None
+
+
+KINDS = ("memory", "sync", "async", "async_staged")
+
+
 def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
-    """The training run with alternating checkpoints; returns the stalls and step times."""
+    """The training run with the four kinds of checkpoint in turn; returns the stalls and step times."""
     spec = make_spec(run_dir, args.hidden, args.layers, args.steps)
-    out: dict[str, Any] = {"memory": [], "memory_steps": [], "sync": [], "background": [], "steps": []}
+    out: dict[str, Any] = {"steps": [], "background": []}
+    for kind in KINDS:
+        out[kind], out[f"{kind}_steps"] = [], []
     last = {"t": time.perf_counter()}
     checkpoints = args.steps // args.every
+    dcp_async = {
+        "async": AsyncDCP(run_dir / "dcp-async", staged=False),
+        "async_staged": AsyncDCP(run_dir / "dcp-async-staged", staged=True),
+    }
+
+    def quiesce(trainer: Trainer) -> None:
+        """Outside the timing: the earlier checkpoints' background work done, so none is charged for
+        another kind's."""
+        assert trainer.memory is not None
+        trainer.memory.wait()
+        for saver in dcp_async.values():
+            saver.wait()
 
     def callback(trainer: Trainer, event: str) -> None:
         if event != "step":
             return
         now = time.perf_counter()
+        if not out["steps"]:  # the optimizer exists now: async staging must finish before an update
+
+            def before_update(*_: Any) -> None:
+                for saver in dcp_async.values():
+                    saver.before_update()
+
+            trainer.optimizer.register_step_pre_hook(before_update)
         out["steps"].append((trainer.step, now - last["t"]))
         k, rest = divmod(trainer.step, args.every)
         if rest == 0 and 1 <= k <= checkpoints:
             assert trainer.memory is not None
-            if k % 2 == 0:  # the last one is a snapshot: newer than storage (memory_every < persist_every)
-                out["memory"].append(trainer.snapshot())
-                out["memory_steps"].append(trainer.step)
-            else:
-                trainer.memory.wait()  # outside the timing: the previous snapshot's background work
+            # The last one is a snapshot (k % 4 == 0): newer than storage, as memory_every < persist_every.
+            kind = KINDS[k % len(KINDS)]
+            quiesce(trainer)
+            if kind == "memory":
                 out["background"].append(trainer.memory.last_background_s)
+                out["memory"].append(trainer.snapshot())
+            elif kind == "sync":
                 start = time.perf_counter()
                 trainer.save_checkpoint("bench")
                 out["sync"].append(time.perf_counter() - start)
+            else:
+                out[kind].append(dcp_async[kind].save(trainer))
+            out[f"{kind}_steps"].append(trainer.step)
         if trainer.step == checkpoints * args.every + 1:
-            assert trainer.memory is not None
-            trainer.memory.wait()
+            quiesce(trainer)
             raise Stop()
         last["t"] = time.perf_counter()
 
@@ -114,11 +210,17 @@ def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     with contextlib.suppress(Stop):
         trainer.fit()
     assert trainer.memory is not None
-    # The snapshot's stall: the call, plus the wait before the next optimizer step for the
-    # background copy of parameters and optimizer state (0 when it was done by then).
-    waits = [trainer.memory.copy_waits.get(step, 0.0) for step in out["memory_steps"]]
-    out["copy_wait"] = waits
-    out["memory"] = [call + wait for call, wait in zip(out["memory"], waits, strict=True)]
+    # A snapshot's stall: the call, plus the wait before the next optimizer step for the background
+    # copy of parameters and optimizer state (0 when it was done by then). The same for async DCP
+    # with asynchronous staging (its staging is that copy).
+    waits = {
+        "memory": trainer.memory.copy_waits,
+        "async": dcp_async["async"].waits,
+        "async_staged": dcp_async["async_staged"].waits,
+    }
+    for kind, wait in waits.items():
+        out[f"{kind}_wait"] = [wait.get(step, 0.0) for step in out[f"{kind}_steps"]]
+        out[kind] = [call + w for call, w in zip(out[kind], out[f"{kind}_wait"], strict=True)]
     out["state_mb"] = (
         sum(
             t.numel() * t.element_size()
@@ -155,7 +257,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--every", type=int, default=4, help="steps between checkpoints")
-    parser.add_argument("--checkpoints", type=int, default=10, help="checkpoints in all (half of each kind)")
+    parser.add_argument(
+        "--checkpoints",
+        type=int,
+        default=12,
+        help="checkpoints in all (a quarter of each kind)",
+    )
     parser.add_argument("--storage", default=None, help="folder for the run (storage); default: a temp dir")
     parser.add_argument("--resume-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
@@ -166,7 +273,7 @@ def main() -> None:
         resume_child(args)
         return
     if args.quick:
-        args.hidden, args.layers, args.checkpoints, args.every = 2048, 4, 6, 3
+        args.hidden, args.layers, args.checkpoints, args.every = 2048, 4, 12, 3
     args.steps = args.every * args.checkpoints
 
     storage = Path(tempfile.mkdtemp(prefix="gpuyard-ckpt-bench-", dir=args.storage))
@@ -179,69 +286,103 @@ def main() -> None:
         res = measure(args, run_dir)
         from_memory, restart_memory = restart(args, run_dir, env)
         shutil.rmtree(snapshots, ignore_errors=True)
+        evicted = evict_page_cache(run_dir)
         from_storage, restart_storage = restart(args, run_dir, env)
     finally:
         shutil.rmtree(snapshots, ignore_errors=True)
         shutil.rmtree(storage, ignore_errors=True)
     assert from_memory["source"] == "memory", from_memory
     assert from_storage["source"] == "storage", from_storage
+    report(args, res, from_memory, from_storage, restart_memory, restart_storage, evicted)
 
-    mem, sync = statistics.median(res["memory"]), statistics.median(res["sync"])
+
+def evict_page_cache(folder: Path) -> str:
+    """Make the next read of ``folder``'s files come from the disk; returns how.
+
+    ``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file (written and fsynced, so its pages are clean
+    and are dropped): only these files leave the page cache, not the whole machine's, which other
+    work on a shared machine would feel. Python, torch and the libraries stay cached, as they would
+    for a restarted rank on a real node.
+    """
+    count = 0
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                count += 1
+            finally:
+                os.close(fd)
+    return f"posix_fadvise DONTNEED on {count} files"
+
+
+def report(
+    args: argparse.Namespace,
+    res: dict[str, Any],
+    from_memory: dict[str, Any],
+    from_storage: dict[str, Any],
+    restart_memory: float,
+    restart_storage: float,
+    evicted: str,
+) -> None:
+    stall = {kind: statistics.median(res[kind]) for kind in KINDS}
     step = statistics.median(t for _, t in res["steps"])
     times = dict(res["steps"])
-    after = {s + 1 for s in res["memory_steps"]}
-    # The steps after a snapshot run beside its background copy and serialisation (on 2 cores
-    # here, they slow down): their extra time over the median step, up to the next checkpoint,
-    # is a cost the stall does not show. The same for the steps after a sync save, to compare.
-    step_after = statistics.median(t for s, t in res["steps"] if s in after)
 
+    # The steps after a checkpoint run beside its background work (copies, serialisation, writes; on
+    # 2 cores here they slow down): their extra time over the median step, up to the next
+    # checkpoint, is a cost the stall does not show. Whole cost = stall + that extra, per kind.
     def extra(steps: list[int]) -> float:
         return statistics.median(
             sum(max(0.0, times.get(s + i, step) - step) for i in range(1, args.every)) for s in steps
         )
 
-    sync_steps = [s for s in range(args.every, args.steps + 1, args.every) if s not in res["memory_steps"]]
-    mem_extra, sync_extra = extra(res["memory_steps"]), extra(sync_steps)
-    cost_ratio = (sync + sync_extra) / (mem + mem_extra)
-    mem_mean = statistics.mean(res["memory"])
-    ratio_mean = statistics.mean(res["sync"]) / mem_mean
+    slow = {kind: extra(res[f"{kind}_steps"]) for kind in KINDS}
+    cost = {kind: stall[kind] + slow[kind] for kind in KINDS}
+    # The competitor is async DCP in whichever configuration did better in this run.
+    best_stall = min(("async", "async_staged"), key=lambda k: stall[k])
+    best_cost = min(("async", "async_staged"), key=lambda k: cost[k])
     print(
         f"state {res['state_mb']:.0f} MiB (model {res['params'] / 1e6:.1f} M params + AdamW), "
-        f"step {step * 1e3:.0f} ms (the step after a snapshot: {step_after * 1e3:.0f} ms), "
-        f"{len(res['memory'])} snapshots + {len(res['sync'])} sync saves"
+        f"step {step * 1e3:.0f} ms, {args.checkpoints} checkpoints every {args.every} steps, the four kinds "
+        f"in turn (memory, sync, async, async_staged)"
     )
+    for kind in KINDS:
+        all_ms = ", ".join(f"{x * 1e3:.1f}" for x in res[kind])
+        waits = res.get(f"{kind}_wait")
+        of_which = (
+            f"; of which waiting before the next update: {', '.join(f'{w * 1e3:.1f}' for w in waits)}"
+            if waits
+            else ""
+        )
+        print(
+            f"{kind:>12}: stall {stall[kind] * 1e3:8.1f} ms (all: {all_ms}{of_which}); slower steps after it "
+            f"{slow[kind] * 1e3:.0f} ms; whole cost {cost[kind] * 1e3:.0f} ms"
+        )
     print(
-        f"stall per checkpoint: in-memory {mem * 1e3:.1f} ms (all: "
-        + ", ".join(f"{s * 1e3:.1f}" for s in res["memory"])
-        + f"), sync DCP {sync * 1e3:.0f} ms (all: "
-        + ", ".join(f"{s * 1e3:.0f}" for s in res["sync"])
-        + ")"
-    )
-    print(
-        "of which waiting before the next optimizer step for the background copy: "
-        + ", ".join(f"{w * 1e3:.1f}" for w in res["copy_wait"])
-        + " ms"
-    )
-    print(
-        f"extra time of the steps up to the next checkpoint (median): after a snapshot "
-        f"{mem_extra * 1e3:.0f} ms, after a sync save {sync_extra * 1e3:.0f} ms; stall + that: "
-        f"{(mem + mem_extra) * 1e3:.0f} ms vs {(sync + sync_extra) * 1e3:.0f} ms"
-    )
-    print(
-        f"snapshot background work (serialise + /dev/shm write, off the training thread): "
-        f"{statistics.median(res['background']):.2f} s"
+        f"snapshot background work (copy into the mapped /dev/shm file, off the training thread): "
+        f"{statistics.median(res['background'] or [0.0]):.2f} s"
     )
     print(
         f"recovery: from memory {from_memory['seconds']:.3f} s (step {from_memory['step']}), "
-        f"from storage {from_storage['seconds']:.3f} s (step {from_storage['step']}); "
+        f"from storage {from_storage['seconds']:.3f} s (step {from_storage['step']}; page cache: {evicted}); "
         f"new process to resumed: {restart_memory:.1f} s / {restart_storage:.1f} s"
     )
+    mem = stall["memory"]
     print(
-        f"checkpoint: stall_ratio={sync / mem:.1f} stall_ratio_mean={ratio_mean:.1f} "
-        f"cost_ratio={cost_ratio:.1f} "
-        f"recovery_s={from_memory['seconds']:.3f} "
-        f"recovery_storage_s={from_storage['seconds']:.3f} restart_s={restart_memory:.1f} "
-        f"memory_stall_ms={mem * 1e3:.1f} sync_stall_ms={sync * 1e3:.0f} state_mib={res['state_mb']:.0f}"
+        f"checkpoint: stall_ratio_vs_async={stall[best_stall] / mem:.1f} "
+        f"cost_ratio_vs_async={cost[best_cost] / cost['memory']:.2f} "
+        f"stall_ratio_vs_sync={stall['sync'] / mem:.1f} "
+        f"cost_ratio_vs_sync={cost['sync'] / cost['memory']:.2f} "
+        f"best_async_stall={best_stall} best_async_cost={best_cost} "
+        f"recovery_memory_s={from_memory['seconds']:.3f} "
+        f"recovery_storage_cold_s={from_storage['seconds']:.3f} "
+        f"restart_s={restart_memory:.1f} memory_stall_ms={mem * 1e3:.1f} "
+        f"async_stall_ms={stall['async'] * 1e3:.1f} async_staged_stall_ms={stall['async_staged'] * 1e3:.1f} "
+        f"sync_stall_ms={stall['sync'] * 1e3:.0f} memory_cost_ms={cost['memory'] * 1e3:.0f} "
+        f"async_cost_ms={cost['async'] * 1e3:.0f} async_staged_cost_ms={cost['async_staged'] * 1e3:.0f} "
+        f"state_mib={res['state_mb']:.0f} load_avg={os.getloadavg()[0]:.1f}"
     )
 
 

@@ -190,7 +190,10 @@ class DbRunTracker:
             return
         self._closed = True
         if self.run_id is not None:
-            self._write_run_file(status)
+            try:
+                self._write_run_file(status)
+            except OSError as exc:  # a full disk under the run folder: the database still gets the end
+                _log.warning("gpuyard train: warning: could not update %s: %s", RUN_FILE, exc)
         if self._thread is not None:
             self._queue.put(("finish", (status, error)))
             self._thread.join(wait_s)

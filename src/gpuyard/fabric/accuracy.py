@@ -249,22 +249,63 @@ def leave_one_source_out(corpus: Corpus) -> dict[str, HeldOut]:
 # ----- MFU ceilings ----------------------------------------------------------------------------------
 
 
-def mfu_ceilings(corpus: Corpus) -> dict[str, dict[str, object]]:
-    """The best published MFU per ``device/precision``: PaLM's FLOP count over the precision's dense peak.
+def _own_convention(source: Source) -> str:
+    """The FLOP convention a source's figures are read with (causal 6N+attn where it prints none)."""
+    return source.flop_convention if source.flop_convention not in ("none", "hfu") else "6N+attn-causal"
 
-    The planner warns when a plan's predicted MFU is above it (:mod:`gpuyard.fabric.published.ceilings`
-    ships these figures so that planning does not read the corpus).
+
+def source_figure(run: PublishedRun) -> str:
+    """The run's published figure as its source prints it (for warnings that quote it)."""
+    units = {
+        "tflops_per_gpu": "TFLOP/s per GPU",
+        "mfu": "MFU",
+        "tokens_per_s_per_gpu": "tokens/s per GPU",
+        "tokens_per_s": "tokens/s",
+        "step_time_s": "s per step",
+        "seq_per_s": "sequences/s",
+    }
+    return f"{run.value:g} {units[run.metric]}"
+
+
+def mfu_ceilings(corpus: Corpus) -> dict[str, dict[str, object]]:
+    """The best published MFU per ``device/precision/band`` (sequence-length band, :func:`seq_band`).
+
+    Each row's MFU is first read with its source's own FLOP convention (``source_mfu``: what the source
+    prints, e.g. Llama 3's 380 TFLOP/s per GPU at 131K tokens is 38% of the H100's dense peak), then
+    recounted with causal attention (``mfu``: 6N + 6 l h s per token, the products a causal kernel
+    performs), the one convention plans are compared in. Counting the full s x s score matrix instead
+    (PaLM's 12 l h s) would double the attention term and, at 131K tokens, put that row at 54%.
+
+    The planner warns when a plan's predicted MFU, recounted the same way, is above the ceiling of its
+    band (:mod:`gpuyard.fabric.published.ceilings` ships these figures so that planning does not read
+    the corpus).
     """
+    from gpuyard.fabric.published.ceilings import seq_band
     from gpuyard.hardware.catalog import get_spec
 
     best: dict[str, dict[str, object]] = {}
     for run in corpus.runs:
         precision = "bf16" if run.precision == "fp16" else run.precision
+        source = corpus.sources[run.source]
         model = model_spec(run)
-        flops = model.model_flops_per_token(run.seq_len) * run.tokens_per_step
         peak = get_spec(run.device).peak_tflops(precision) * 1e12
-        mfu = flops / (corpus.published[run.id] * run.gpus * peak)
-        key = f"{run.device}/{precision}"
+        step_s = corpus.published[run.id]
+        if run.metric == "mfu":
+            own = run.value / 100 if run.value > 1 else run.value
+        elif run.metric == "tflops_per_gpu":
+            own = run.value * 1e12 / peak
+        else:
+            own = flops_per_step(run, model, _own_convention(source)) / (step_s * run.gpus * peak)
+        causal = model.model_flops_per_token(run.seq_len, causal=True) * run.tokens_per_step
+        mfu = causal / (step_s * run.gpus * peak)
+        key = f"{run.device}/{precision}/{seq_band(run.seq_len)}"
         if key not in best or mfu > float(str(best[key]["mfu"])):
-            best[key] = {"mfu": round(mfu, 4), "run": run.id}
+            best[key] = {
+                "mfu": round(mfu, 4),
+                "source_mfu": round(own, 4),
+                "convention": _own_convention(source),
+                "figure": source_figure(run),
+                "seq_len": run.seq_len,
+                "run": run.id,
+            }
     return dict(sorted(best.items()))

@@ -302,7 +302,7 @@ def plan(
     chosen = plans[:top]
     warnings = []
     if chosen:  # the MFU sanity rule: no plan is believed faster than any published run on the device
-        warning = mfu_warning(cluster.device_name, chosen[0].config.precision, chosen[0].mfu)
+        warning = mfu_warning(cluster.device_name, chosen[0].config.precision, chosen[0].mfu, model, seq)
         if warning:
             warnings.append(f"top plan: {warning}")
     return PlanResult(plans=chosen, considered=considered, fitting=len(plans), warnings=warnings)

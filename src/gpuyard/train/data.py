@@ -394,7 +394,12 @@ def split_batch(batch: Any, input_key: str, target_key: str) -> tuple[Any, Any]:
 
 
 def count_batch(inputs: Any) -> tuple[int, int]:
-    """(samples, tokens) in a batch; tokens count integer inputs (token ids), else 0."""
+    """(samples, tokens) in a batch; tokens count integer inputs (token ids), else 0.
+
+    A mapping with ``input_ids`` (packed language-model batches) counts as its token ids.
+    """
+    if isinstance(inputs, dict) and isinstance(inputs.get("input_ids"), torch.Tensor):
+        inputs = inputs["input_ids"]
     if isinstance(inputs, torch.Tensor):
         tokens = inputs.numel() if not inputs.is_floating_point() else 0
         return int(inputs.shape[0]) if inputs.dim() else 1, int(tokens)

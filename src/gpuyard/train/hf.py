@@ -1,0 +1,430 @@
+"""Hugging Face causal language models on gpuyard's trainer (docs/llm.md).
+
+A train spec names the model by its ``config.json`` (random initialisation) or a local folder of
+weights (``config.json`` + safetensors), for any architecture ``AutoModelForCausalLM`` builds (Llama,
+Qwen2/3, Mistral, GPT-2, ...)::
+
+    model:
+      entrypoint: gpuyard.train.hf:causal_lm
+      kwargs: {config: tiny/config.json}          # or weights: exported/ (and lora: {r: 8})
+    data:
+      train: {entrypoint: gpuyard.data.tokens:packed_batches, kwargs: {dataset: corpus-tokens, split: train}}
+      val: {entrypoint: gpuyard.data.tokens:packed_batches, kwargs: {dataset: corpus-tokens, split: val}}
+    loss: gpuyard.train.hf:lm_loss
+    callbacks: [gpuyard.train.hf:export_at_end]
+
+Batches are packed sequences (``gpuyard data tokenize``): ``input_ids`` and ``position_ids`` that
+restart at every document, which transformers turns into a block-diagonal causal mask (no attention
+across documents), and pre-shifted labels with ``-100`` where nothing is to be predicted. The
+wrapper gives the trainer the decoder layers as FSDP2 units (``fsdp_units``) and a tensor-parallel
+plan (``tp_plan``) for the Llama-family layer names. ``export_at_end`` writes the trained model in
+Hugging Face layout (config, safetensors, tokenizer files) under ``<run_dir>/hf``; a LoRA run writes
+the adapter (``<run_dir>/hf/adapter``) and the merged model.
+
+transformers is imported here only, when a language model is built: other commands stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpuyard.errors import ConfigError
+
+IGNORE = -100
+GPUYARD_FILE = "gpuyard.json"
+HF_DIR = "hf"
+# The decoder-layer lists of the architectures transformers builds (Llama/Qwen/Mistral, GPT-2, ...).
+_LAYER_PATHS = ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers")
+_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{what} {path}: file not found") from exc
+    except IsADirectoryError as exc:
+        raise ConfigError(f"{what} {path} is a folder, not a file") from exc
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{what} {path} is not JSON: {str(exc)[:200]}") from exc
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{what} {path}: expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def load_config(path: str | Path) -> Any:
+    """A transformers ``PretrainedConfig`` from a ``config.json`` (or a folder holding one).
+
+    Raises:
+        ConfigError: a missing or malformed file, or a model type transformers does not know.
+    """
+    from transformers import AutoConfig
+
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    doc = _read_json(file, "model config")
+    kind = doc.pop("model_type", None)
+    if not isinstance(kind, str):
+        raise ConfigError(f"model config {file}: no model_type (llama, qwen2, qwen3, mistral, gpt2, ...)")
+    try:
+        return AutoConfig.for_model(kind, **doc)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"model config {file}: {str(exc).splitlines()[0][:300]}") from exc
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a transformers causal LM (a PEFT wrapper is looked through)."""
+    base: Any = model
+    while hasattr(base, "base_model") and base.base_model is not base:
+        inner = base.base_model
+        base = getattr(inner, "model", inner) if type(inner).__name__ == "LoraModel" else inner
+    for path in _LAYER_PATHS:
+        obj: Any = base
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList):
+            return list(obj)
+    return []
+
+
+class CausalLM(nn.Module):
+    """A transformers causal LM as the trainer sees it: ``forward(inputs) -> logits``.
+
+    ``inputs`` is ``{"input_ids", "position_ids"}`` (packed sequences) or a tensor of token ids.
+    """
+
+    def __init__(self, hf: nn.Module, lora: bool = False) -> None:
+        super().__init__()
+        self.hf = hf
+        self.lora = lora
+
+    @property
+    def config(self) -> Any:
+        """The transformers config."""
+        return self.hf.config
+
+    def forward(self, inputs: Any) -> torch.Tensor:
+        if isinstance(inputs, dict):
+            ids, pos = inputs["input_ids"], inputs.get("position_ids")
+        else:
+            ids, pos = inputs, None
+        return self.hf(input_ids=ids, position_ids=pos, use_cache=False).logits  # type: ignore[no-any-return]
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """One FSDP2 unit per decoder layer (then the root holds embeddings and head)."""
+        return decoder_layers(self.hf)
+
+    def tp_plan(self) -> dict[str, Any]:
+        """Megatron-style tensor parallelism of the attention and MLP projections (Llama family).
+
+        Raises:
+            ConfigError: the architecture's layers are not named as in Llama/Qwen/Mistral, or its
+                head counts do not split.
+        """
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        if self.lora:
+            raise ConfigError("parallel.tp: LoRA fine-tuning runs with dp only (ddp or fsdp)")
+        plan: dict[str, Any] = {}
+        for name, _ in self.hf.named_modules():
+            tail = name.split(".layers.", 1)[-1].split(".", 1)[-1] if ".layers." in name else ""
+            if tail in _COLWISE:
+                plan[f"hf.{name}"] = ColwiseParallel()
+            elif tail in _ROWWISE:
+                plan[f"hf.{name}"] = RowwiseParallel()
+        if not plan:
+            raise ConfigError(
+                f"parallel.tp: {type(self.hf).__name__} has no Llama-style attention and MLP projections"
+            )
+        return plan
+
+
+def _lora_config(lora: dict[str, Any]) -> Any:
+    from peft import LoraConfig
+
+    allowed = {"r", "alpha", "dropout", "target_modules"}
+    unknown = sorted(set(lora) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"model.kwargs.lora: unknown key(s) {', '.join(unknown)} (use {', '.join(sorted(allowed))})"
+        )
+    r = lora.get("r", 8)
+    if not isinstance(r, int) or r < 1:
+        raise ConfigError(f"model.kwargs.lora.r must be a positive integer, got {r!r}")
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=r,
+        lora_alpha=int(lora.get("alpha", 2 * r)),
+        lora_dropout=float(lora.get("dropout", 0.0)),
+        target_modules=lora.get("target_modules", "all-linear"),
+    )
+
+
+def causal_lm(
+    config: str | None = None,
+    weights: str | None = None,
+    lora: dict[str, Any] | None = None,
+    activation_checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+) -> CausalLM:
+    """A train-spec model factory: a causal LM from ``config`` (random init) or ``weights`` (a folder).
+
+    ``weights`` may also name a registered language model (``NAME``, ``NAME:V``, ``NAME@ALIAS``).
+    ``lora``: ``{r, alpha, dropout, target_modules}`` to fine-tune low-rank adapters (peft) of the
+    frozen weights.
+
+    Raises:
+        ConfigError: neither or both of config and weights; unreadable files; bad LoRA settings.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if (config is None) == (weights is None):
+        raise ConfigError("model.kwargs: give config (a config.json: random init) or weights (a folder)")
+    if config is not None:
+        cfg = load_config(config)
+        cfg._attn_implementation = attn_implementation
+        hf = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
+    else:
+        folder = resolve_weights(str(weights))
+        load_config(folder)  # a clear error for a bad config before transformers reads it
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(
+                folder, attn_implementation=attn_implementation, dtype=torch.float32
+            )
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model.kwargs.weights {weights}: {str(exc).splitlines()[0][:300]}") from exc
+    hf.config.use_cache = False
+    if activation_checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = hf
+    if lora is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(hf, _lora_config(dict(lora)))
+    wrapped = CausalLM(model, lora=lora is not None)
+    wrapped._gpuyard_source = {  # type: ignore[assignment]
+        "config": str(config) if config else None,
+        "weights": str(weights) if weights else None,
+        "lora": dict(lora) if lora else None,
+    }
+    return wrapped
+
+
+def resolve_weights(weights: str) -> Path:
+    """A local weights folder, or a registered language model fetched into the local cache.
+
+    Raises:
+        ConfigError: neither a folder with config.json nor a registered language model.
+    """
+    p = Path(weights).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"model.kwargs.weights {p}: no config.json in the folder")
+        return p
+    if p.exists():
+        raise ConfigError(f"model.kwargs.weights {p}: a folder with config.json and safetensors, not a file")
+    from gpuyard.llm.registry import fetch_lm
+
+    return fetch_lm(weights)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the counted (non ``-100``) labels of a packed batch (labels pre-shifted)."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE
+    )
+
+
+@torch.no_grad()
+def perplexity(
+    model: nn.Module, batches: Any, device: torch.device | None = None, group: Any = None
+) -> dict[str, float]:
+    """Validation loss and perplexity counted exactly: summed token losses over counted tokens.
+
+    With a process group, the sums of every data-parallel rank are added (each reads its own shard).
+    """
+    was_training = model.training
+    model.eval()
+    device = device or next(model.parameters()).device
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in batches:
+        inputs = {k: v.to(device) for k, v in batch["inputs"].items()}
+        labels = batch["targets"].to(device)
+        logits = model(inputs)
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)),
+            labels.reshape(-1),
+            ignore_index=IGNORE,
+            reduction="sum",
+        )
+        total += torch.stack([loss.double(), (labels != IGNORE).sum().double()])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total, group=group)
+    if was_training:
+        model.train()
+    loss_sum, tokens = float(total[0]), float(total[1])
+    mean = loss_sum / tokens if tokens else float("nan")
+    return {
+        "val_loss_tokens": mean,
+        "val_perplexity": math.exp(mean) if tokens else float("nan"),
+        "val_tokens": tokens,
+    }
+
+
+def _unwrap(model: nn.Module) -> CausalLM:
+    inner = getattr(model, "module", model)  # DDP
+    inner = getattr(inner, "_orig_mod", inner)  # torch.compile
+    if not isinstance(inner, CausalLM):
+        raise ConfigError(f"the model is a {type(inner).__name__}, not gpuyard.train.hf:causal_lm")
+    return inner
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state (FSDP2/tensor-parallel shards gathered) on the CPU, on rank 0 (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts)  # type: ignore[return-value]
+
+
+def save_hf(
+    wrapped: CausalLM,
+    state: dict[str, torch.Tensor] | None,
+    out: Path,
+    tokenizer: Path | bytes | None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write the model in Hugging Face layout into ``out`` (and, for LoRA, the adapter and the merged model).
+
+    ``state`` (keys prefixed ``hf.``) replaces the module's own tensors (gathered FSDP shards).
+    """
+    hf: Any = wrapped.hf
+    if state is not None:
+        # Gathered shards go into a fresh, unsharded copy (FSDP2 parameters are DTensors).
+        from transformers import AutoModelForCausalLM
+
+        own = {k[len("hf.") :]: v for k, v in state.items() if k.startswith("hf.")}
+        if wrapped.lora:
+            from peft import get_peft_model
+
+            base = AutoModelForCausalLM.from_config(hf.get_base_model().config)
+            fresh = get_peft_model(base, hf.peft_config["default"])
+        else:
+            fresh = AutoModelForCausalLM.from_config(hf.config)
+        fresh.load_state_dict(own, strict=True)
+        hf = fresh
+    out.mkdir(parents=True, exist_ok=True)
+    if wrapped.lora:
+        hf.save_pretrained(out / "adapter")
+        if state is None:  # merging changes the module: merge a copy, the live model keeps its adapters
+            import copy
+
+            hf = copy.deepcopy(hf)
+        hf = hf.merge_and_unload()
+    hf.config.use_cache = True
+    hf.save_pretrained(out, safe_serialization=True)
+    write_tokenizer(tokenizer, out, (extra or {}).get("tokenizer"))
+    info = {"format": "gpuyard.lm/1", **(extra or {})}
+    (out / GPUYARD_FILE).write_text(json.dumps(info, indent=1, sort_keys=True))
+    return out
+
+
+def write_tokenizer(tokenizer: Path | bytes | None, out: Path, meta: dict[str, Any] | None = None) -> None:
+    """Copy a tokenizer (a folder, a tokenizer.json, or its bytes) into ``out`` with a tokenizer_config.json
+    that ``AutoTokenizer`` reads (end-of-sequence and pad tokens, chat template)."""
+    from gpuyard.data.tokens import DEFAULT_CHAT_TEMPLATE, load_tokenizer
+
+    if tokenizer is None:
+        return
+    if isinstance(tokenizer, bytes):
+        (out / "tokenizer.json").write_bytes(tokenizer)
+    elif tokenizer.is_dir():
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "chat_template.jinja",
+        ):
+            if (tokenizer / name).is_file():
+                shutil.copyfile(tokenizer / name, out / name)
+    else:
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+    tok = load_tokenizer(out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    for key in ("eos_token", "chat_template"):
+        if (meta or {}).get(key):
+            cfg[key] = meta[key]  # type: ignore[index]
+    cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    cfg.setdefault("eos_token", tok.eos_token)
+    pad = tok.tokenizer.id_to_token(tok.pad_id)
+    cfg.setdefault("pad_token", pad)
+    cfg.setdefault("chat_template", DEFAULT_CHAT_TEMPLATE)
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+
+
+def _dataset_of(spec: Any) -> str | None:
+    entry = spec.data.train
+    return None if entry is None else entry.kwargs.get("dataset")
+
+
+def export_at_end(trainer: Any, event: str) -> None:
+    """Trainer callback: exact validation perplexity after each validation, and on ``end`` the model
+    in Hugging Face layout under ``<run_dir>/hf`` (with the training dataset's tokenizer).
+
+    The perplexity reads every sequence of ``data.val``'s token dataset split once over the
+    data-parallel ranks (the trainer's own ``val_loss`` is a mean over batches of its loader, which
+    leaves out up to world_size - 1 sequences so ranks stay in step).
+    """
+    val = trainer.spec.data.val
+    if event == "validation" and val is not None and "dataset" in val.kwargs:
+        from gpuyard.data.tokens import exact_batches
+
+        ctx = trainer.ctx
+        batches = exact_batches(
+            val.kwargs["dataset"], val.kwargs.get("split"), int(val.kwargs.get("batch_size", 8)),
+            ctx.dp_rank, ctx.layout.dp,
+        )  # fmt: skip
+        metrics = perplexity(trainer.model, batches, ctx.device, ctx.group("dp"))
+        trainer.last_metrics.update(metrics)
+        trainer.tracker.log_metrics(trainer.step, metrics)
+        return
+    if event != "end":
+        return
+    wrapped = _unwrap(trainer.model)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    state = full_state_dict(trainer.model) if distributed else None
+    if trainer.ctx.rank != 0:
+        return
+    tokenizer: bytes | None = None
+    info: dict[str, Any] = {"source": getattr(wrapped, "_gpuyard_source", {}), "step": trainer.step}
+    dataset = _dataset_of(trainer.spec)
+    if dataset:
+        from gpuyard.data.dataset import open_dataset
+        from gpuyard.data.tokens import token_info, tokenizer_bytes
+
+        version = open_dataset(dataset)
+        tokenizer = tokenizer_bytes(version)
+        tinfo = token_info(version)
+        info.update(
+            dataset=version.ref,
+            context_length=int(tinfo["seq_len"]),
+            tokenizer_sha256=tinfo["tokenizer"]["sha256"],
+            tokenizer={k: tinfo["tokenizer"][k] for k in ("eos_token", "chat_template", "eos_id", "pad_id")},
+        )
+    if "val_perplexity" in trainer.last_metrics:
+        info["val_perplexity"] = trainer.last_metrics["val_perplexity"]
+    save_hf(wrapped, state, trainer.run_dir / HF_DIR, tokenizer, info)

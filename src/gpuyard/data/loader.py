@@ -732,7 +732,7 @@ class ShardLoader:
         glob = ds.config.global_batch_size is not None
         if ds.config.whole:
             start = self._done * bs if glob else self._positions.get(0, 0)
-            yield from self._whole_batches(start, bs if glob else 0)
+            yield from self._whole_batches(ds.rank, ds.world_size, start, bs if glob else 0)
             return
         ds._rows_per_shard()  # read split membership once, before workers copy the dataset
         workers = max(1, self.num_workers)
@@ -787,11 +787,10 @@ class ShardLoader:
             self._loader = loader
         yield from self._batches(iter(loader), span, workers)
 
-    def _whole_batches(self, start: int, per: int) -> Iterator[Batch]:
+    def _whole_batches(self, rank: int, world: int, start: int, per: int) -> Iterator[Batch]:
         """Whole mode's batches, recording the position for :meth:`state_dict` as :meth:`_batches`
         does (one worker; ``per``: the rank's share of a global batch, 0 outside global-batch mode)."""
-        ds = self.dataset
-        for batch, pos in ds.whole_batches(ds.rank, ds.world_size, start):
+        for batch, pos in self.dataset.whole_batches(rank, world, start):
             self._positions[0] = pos
             if per:
                 self._done = pos // per

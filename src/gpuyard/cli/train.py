@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -25,6 +25,9 @@ def train(
     experiment: Optional[str] = typer.Option(
         None, "--experiment", "-e", help="Experiment of the tracked run (default: the spec's name)."
     ),
+    fresh: bool = typer.Option(
+        False, "--fresh", help="Start a new run; the folder's earlier run is kept as <name>.prev-<time>."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check the spec and print the torchrun command."),
     as_json: bool = typer.Option(False, "--json", help="Print the outcome as JSON."),
 ) -> None:
@@ -32,7 +35,7 @@ def train(
     from gpuyard.cli.main import fast_exit
     from gpuyard.train.launch import LaunchConfig, launch, prepare, torchrun_command
 
-    cfg = LaunchConfig(spec, nproc, nnodes, rdzv, max_restarts, run_dir, plan, tracking, experiment)
+    cfg = LaunchConfig(spec, nproc, nnodes, rdzv, max_restarts, run_dir, plan, tracking, experiment, fresh)
     if dry_run:
         parsed, overrides = prepare(cfg)
         cmd = torchrun_command(cfg, parsed, overrides)
@@ -44,17 +47,36 @@ def train(
     if as_json:
         typer.echo(json.dumps(doc))
     else:
-        status = result.status.get("status", "failed")
-        where = result.status.get("checkpoint") or "no checkpoint"
-        run_id = result.status.get("run_id")
-        tracked = f"; run {run_id[:8]} (gpuyard runs show {run_id[:8]})" if run_id else ""
-        if run_id and result.status.get("tracking_failed"):
-            tracked = f"; run {run_id[:8]} not in the database (see the warning; metrics.jsonl has it all)"
-        typer.echo(
-            f"{status} at step {result.status.get('step', '?')} ({where}); exit {result.exit_code}{tracked}",
-            err=True,
-        )
+        typer.echo(final_line(result.status, result.exit_code), err=True)
     raise typer.Exit(result.exit_code)
+
+
+def final_line(status: dict[str, Any], exit_code: int) -> str:
+    """The one line `gpuyard train` ends with: how the run ended, where it can resume, what the
+    launch did besides training (checkpoints set aside, restarts) and the last metrics."""
+    step = status.get("step", "?")
+    run_id = status.get("run_id")
+    tracked = f"; run {run_id[:8]} (gpuyard runs show {run_id[:8]})" if run_id else ""
+    if run_id and status.get("tracking_failed"):
+        tracked = f"; run {run_id[:8]} not in the database (see the warning; metrics.jsonl has it all)"
+    if status.get("already_complete"):
+        return (
+            f"already complete at step {step}; nothing to train ({status.get('checkpoint')}; "
+            f"--fresh starts a new run){tracked}"
+        )
+    notes = "".join(f"; {n}" for n in status.get("notes") or [])
+    if status.get("previous_run_dir"):
+        notes += f"; the earlier run is kept in {status['previous_run_dir']}"
+    if status.get("status") == "failed" and status.get("error"):
+        log = f"; log {status['log']}" if status.get("log") and not status.get("unrecoverable") else ""
+        return f"failed at step {step}: {status['error']}{notes}{log}; exit {exit_code}{tracked}"
+    where = status.get("checkpoint") or "no checkpoint"
+    metrics = status.get("metrics") or {}
+    shown = [f"{k} {metrics[k]:.4g}" for k in ("loss", "val_loss", "val_accuracy") if k in metrics]
+    scores = f"; {', '.join(shown)}" if shown else ""
+    return (
+        f"{status.get('status', 'failed')} at step {step} ({where}){scores}{notes}; exit {exit_code}{tracked}"
+    )
 
 
 def register(app: typer.Typer) -> None:

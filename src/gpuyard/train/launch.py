@@ -7,13 +7,17 @@ it into the exit code the scheduler understands (see ``gpuyard.exitcodes``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -25,7 +29,7 @@ from gpuyard.errors import ConfigError
 from gpuyard.refs import import_ref
 from gpuyard.states import RunStatus, TrainOutcome
 from gpuyard.tracking.training import tracked_run_id
-from gpuyard.train.names import LAUNCHED_ENV, SNAPSHOT_DIR_ENV, STATUS_FILE
+from gpuyard.train.names import LAUNCHED_ENV, SNAPSHOT_DIR_ENV, STATUS_FALLBACK_ENV, STATUS_FILE
 from gpuyard.train.spec import TrainSpec, load_plan, load_spec
 
 _log = logging.getLogger("gpuyard.train")
@@ -45,6 +49,7 @@ class LaunchConfig:
         plan_path: a `gpuyard plan --json` file whose {dp, tp, pp} override spec.parallel.
         tracking: overrides spec.tracking.backend (db or jsonl).
         experiment: overrides spec.tracking.experiment.
+        fresh: start a new run even when the run folder holds one (the old folder is kept, renamed).
     """
 
     spec_path: Path
@@ -56,6 +61,22 @@ class LaunchConfig:
     plan_path: Path | None = None
     tracking: str | None = None
     experiment: str | None = None
+    fresh: bool = False
+
+
+# The ranks' stderr goes to this file in the run folder (appended); the terminal gets gpuyard's own
+# lines and a summary of restarts, not the tracebacks of every attempt.
+LOG_FILE = "train.log"
+
+
+def spec_folder(spec_path: str | Path) -> str:
+    """The folder of the spec: first on the import path of the launcher and the ranks."""
+    return str(Path(spec_path).expanduser().resolve().parent)
+
+
+def _on_import_path(folder: str) -> None:
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
 
 
 @dataclass(frozen=True)
@@ -91,6 +112,7 @@ def prepare(cfg: LaunchConfig) -> tuple[TrainSpec, dict[str, Any]]:
     if any(tracking.values()):
         overrides["tracking"] = {k: v for k, v in tracking.items() if v}
     spec = load_spec(cfg.spec_path, overrides)
+    _on_import_path(spec_folder(cfg.spec_path))  # `model: shapes:make` next to the spec
     for field, ref in _entrypoints(spec):
         import_ref(ref, field)
     layout = resolve_layout(spec.parallel, cfg.nproc * cfg.nnodes)
@@ -170,28 +192,85 @@ def read_status(run_dir: str | Path) -> dict[str, Any]:
         return {}
 
 
-SNAPSHOT_PREFIX = "gpuyard-snap-launch-"
+LAUNCH_PREFIX = "gpuyard-launch-"
+_PID_FILE = "launcher.pid"
 
 
-def snapshot_dir(base: Path | None = None) -> Path:
-    """The node's folder for in-memory snapshots of this launch, in /dev/shm (host memory).
+def launch_dir(base: Path | None = None) -> Path:
+    """A new private folder for this launch, in /dev/shm (host memory): in-memory snapshots
+    (``snapshots/``) and, where the run folder's disk is full, the ranks' status.json.
 
-    The launcher owns it: it outlives the ranks and torchrun's restarts of them, and is removed when
-    torchrun exits. Folders left by launchers that no longer run (killed outright) are removed here.
+    Its name is random and it is created 0700 by this process (``tempfile.mkdtemp``: O_EXCL, so a
+    path planted in advance is never taken over); the ranks find it through the environment the
+    launcher gives them (``GPUYARD_SNAPSHOT_DIR``), also after torchrun restarts them. It is removed
+    when torchrun exits; folders of this user left by launchers that no longer run (killed
+    outright) are removed here.
     """
     if base is None:
-        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-    for stale in base.glob(f"{SNAPSHOT_PREFIX}*"):
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    _remove_stale(base)
+    folder = Path(tempfile.mkdtemp(prefix=LAUNCH_PREFIX, dir=base))
+    fd = os.open(folder / _PID_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(str(os.getpid()))
+    return folder
+
+
+def _remove_stale(base: Path) -> None:
+    """Remove this user's launch folders whose launcher is gone. Only real folders owned by this user
+    with mode 0700 are touched (nobody else can have put anything in them); others are left alone."""
+    uid = os.getuid()
+    for stale in base.glob(f"{LAUNCH_PREFIX}*"):
         try:
-            pid = int(stale.name[len(SNAPSHOT_PREFIX) :])
+            st = os.lstat(stale)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or stat.S_IMODE(st.st_mode) != 0o700:
+                continue
+            fd = os.open(stale / _PID_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd) as fh:
+                pid = int(fh.read(32))
             os.kill(pid, 0)
-        except ValueError:
-            continue
         except ProcessLookupError:
             shutil.rmtree(stale, ignore_errors=True)
-        except PermissionError:  # another user's live launcher
+        except (OSError, ValueError):  # being created, a live launcher, not one of ours
             continue
-    return base / f"{SNAPSHOT_PREFIX}{os.getpid()}"
+
+
+def already_complete(spec: TrainSpec, run_dir: Path) -> dict[str, Any] | None:
+    """What the last launch reported, when it finished the run this spec describes: it completed
+    (or stopped early) at the step of the newest checkpoint, and the spec asks for no more steps or
+    epochs than it trained. None when there is something to train."""
+    from gpuyard.train.checkpoint import latest_checkpoint, step_of
+
+    if not spec.checkpoint.resume:
+        return None
+    status = read_status(run_dir)
+    if status.get("status") not in (TrainOutcome.COMPLETED, TrainOutcome.EARLY_STOPPED):
+        return None
+    last = latest_checkpoint(run_dir / "checkpoints")
+    step = status.get("step")
+    if last is None or not isinstance(step, int) or step_of(last) != step:
+        return None
+    if status["status"] == TrainOutcome.COMPLETED:
+        epoch = status.get("epoch")
+        done_steps = bool(spec.max_steps) and step >= (spec.max_steps or 0)
+        done_epochs = isinstance(epoch, int) and epoch >= spec.epochs
+        if not (done_steps or done_epochs):
+            return None
+    return {**status, "checkpoint": str(last), "already_complete": True}
+
+
+def _keep_aside(run_dir: Path) -> Path | None:
+    """--fresh: rename the run folder to ``<name>.prev-<UTC time>`` (kept, never deleted)."""
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = run_dir.with_name(f"{run_dir.name}.prev-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = run_dir.with_name(f"{run_dir.name}.prev-{stamp}-{n}")
+    run_dir.rename(target)
+    return target
 
 
 def launch(cfg: LaunchConfig, stdout: Any = None, stderr: Any = None) -> LaunchResult:
@@ -204,11 +283,22 @@ def launch(cfg: LaunchConfig, stdout: Any = None, stderr: Any = None) -> LaunchR
     """
     spec, overrides = prepare(cfg)
     run_dir = spec.resolved_run_dir()
+    previous = None
+    if cfg.fresh:
+        previous = _keep_aside(run_dir)
+    else:
+        done = already_complete(spec, run_dir)
+        if done is not None:
+            # Nothing to train: no torchrun, no new database run; the status names the earlier one.
+            return LaunchResult(exitcodes.SUCCESS, done, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / STATUS_FILE).unlink(missing_ok=True)
     _launch_event(run_dir, "launch", pid=os.getpid(), job_id=os.environ.get("GPUYARD_JOB_ID"))
     result = _launch(cfg, spec, overrides, run_dir, stdout, stderr)
-    _launch_event(run_dir, "launch_end", exit_code=result.exit_code)
+    if previous is not None:
+        result.status["previous_run_dir"] = str(previous)
+    with contextlib.suppress(OSError):  # a full disk: the outcome is decided all the same
+        _launch_event(run_dir, "launch_end", exit_code=result.exit_code)
     _record_goodput(spec, run_dir, result.status)
     return result
 
@@ -263,21 +353,29 @@ def _launch(
     stdout: Any,
     stderr: Any,
 ) -> LaunchResult:
-    env = {**os.environ, LAUNCHED_ENV: "1"}
-    snapshots = None
+    private = launch_dir()
+    path = os.pathsep.join(p for p in (spec_folder(cfg.spec_path), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, LAUNCHED_ENV: "1", STATUS_FALLBACK_ENV: str(private), "PYTHONPATH": path}
     if spec.checkpoint.memory_every:
-        snapshots = snapshot_dir()
-        snapshots.mkdir(mode=0o700, parents=True, exist_ok=True)
+        snapshots = private / "snapshots"
+        snapshots.mkdir(mode=0o700)
         env[SNAPSHOT_DIR_ENV] = str(snapshots)
+    log = _RankLog(run_dir / LOG_FILE) if stderr is None else None
     # A session of its own: a signal reaches torchrun once (through us), which then stops its workers.
-    proc = subprocess.Popen(
-        torchrun_command(cfg, spec, overrides),
-        env=env,
-        stdout=stdout,
-        stderr=stderr,
-        start_new_session=True,
-        preexec_fn=_term_with_parent if sys.platform == "linux" else None,
-    )
+    try:
+        proc = subprocess.Popen(
+            torchrun_command(cfg, spec, overrides),
+            env=env,
+            stdout=stdout,
+            stderr=subprocess.PIPE if log is not None else stderr,
+            start_new_session=True,
+            preexec_fn=_term_with_parent if sys.platform == "linux" else None,
+        )
+    except BaseException:
+        shutil.rmtree(private, ignore_errors=True)
+        raise
+    if log is not None and proc.stderr is not None:
+        log.start(proc.stderr)
 
     signalled = []
 
@@ -298,11 +396,21 @@ def _launch(
         meter.join()
         for sig, handler in old.items():
             signal.signal(sig, handler)
-        if snapshots is not None:
-            shutil.rmtree(snapshots, ignore_errors=True)
-    status = read_status(run_dir)
+        if log is not None:
+            log.close()
+        status = read_status(run_dir) or read_status(private)
+        shutil.rmtree(private, ignore_errors=True)
+    notes = _launch_notes(run_dir, log)
+    if notes:
+        status["notes"] = notes
+    if log is not None:
+        status["log"] = str(log.path)
     if status.get("status") in set(TrainOutcome):
         return LaunchResult(TrainOutcome(status["status"]).exit_code, status, run_dir)
+    if status.get("status") == "failed" and status.get("unrecoverable"):
+        # The ranks stopped on a failure a restart would repeat (a full disk) and said so.
+        _close_tracked_run(spec, run_dir, RunStatus.FAILED, str(status.get("error")))
+        return LaunchResult(exitcodes.UNRECOVERABLE, status, run_dir)
     if signalled:
         # Stopped before the workers could report (e.g. during start-up): resumable from the last
         # checkpoint, or from the start.
@@ -312,10 +420,104 @@ def _launch(
         )
         return LaunchResult(exitcodes.PREEMPTED, status, run_dir)
     code = code if code > 0 else 1
+    if log is not None and log.last_error:
+        status.setdefault("error", log.last_error)
     _close_tracked_run(
         spec, run_dir, RunStatus.FAILED, f"torchrun exited with code {code} (restarts exhausted)"
     )
     return LaunchResult(code, status, run_dir)
+
+
+_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt)|[\w.]+Exception): ")
+
+
+class _RankLog:
+    """torchrun's stderr (the ranks' too): every line appended to the run's train.log; lines gpuyard
+    writes for the user (``gpuyard ...``) also to the terminal. Remembers which local ranks failed
+    (torchrun's ``failed (exitcode: C) local_rank: R``) and the last exception line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.failures: list[tuple[int, int]] = []  # (local rank, exit code), in order
+        self.last_error: str | None = None
+        self._thread: threading.Thread | None = None
+        self._fh: Any = None
+        with contextlib.suppress(OSError):
+            self._fh = open(path, "a", buffering=1)  # noqa: SIM115 (closed in close())
+
+    def start(self, stream: Any) -> None:
+        self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream: Any) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            if self._fh is not None:
+                try:
+                    self._fh.write(line)
+                except OSError:  # a full disk: the terminal still gets gpuyard's lines
+                    self._fh = None
+            text = line.rstrip("\n")
+            if text.startswith("gpuyard"):
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            elif (m := _FAILED.search(text)) is not None:
+                self.failures.append((int(m.group(2)), int(m.group(1))))
+            elif _EXCEPTION.match(text.strip()):
+                self.last_error = text.strip()[:300]
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join(10)
+        if self._fh is not None:
+            with contextlib.suppress(OSError):
+                self._fh.close()
+
+
+def _signal_name(code: int) -> str:
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _launch_notes(run_dir: Path, log: _RankLog | None) -> list[str]:
+    """What this launch did besides training, from its events in metrics.jsonl: checkpoints set
+    aside and the step resumed from; restarts (which rank died, from which step it resumed)."""
+    from gpuyard.tracking.files import read_metrics
+
+    try:
+        events = read_metrics(run_dir)
+    except (OSError, ValueError):
+        return []
+    starts = [i for i, e in enumerate(events) if e.get("event") == "launch"]
+    events = events[starts[-1] :] if starts else events
+    notes = []
+    aside = [e for e in events if e.get("event") == "checkpoint_set_aside"]
+    resumes = [e for e in events if e.get("event") == "resume"]
+    attempts = [e for e in events if e.get("event") == "attempt"]
+    if aside:
+        what = ", ".join(f"step {e.get('step')} ({e.get('reason')})" for e in aside)
+        start = attempts[0].get("step") if attempts else None
+        resumed = f"resumed from step {start}" if start else "started from step 0"
+        notes.append(f"{resumed} after setting aside {what}")
+    restarts = [a for a in attempts if a.get("restart")]
+    failures = list(log.failures) if log is not None else []
+    for n, attempt in enumerate(restarts):
+        died = (
+            f"local rank {failures[n][0]} died ({_signal_name(failures[n][1])})"
+            if n < len(failures)
+            else "a rank died"
+        )
+        src = next((r.get("source") for r in resumes if r.get("step") == attempt.get("step")), None)
+        where = f"step {attempt.get('step')}" + (f" ({src})" if src else "")
+        notes.append(f"restart {attempt.get('restart')}: {died}; resumed from {where}")
+    if restarts and log is not None:
+        notes[-1] += f"; tracebacks in {log.path}"
+    return notes
 
 
 def _close_tracked_run(spec: TrainSpec, run_dir: Path, status: RunStatus, error: str) -> None:

@@ -29,6 +29,16 @@ rank and torchrun's restart of the worker group. On restart every rank lists wha
 snapshots and the replicas it keeps), the ranks agree on the newest step every rank can get (from its
 own folder, else from the rank holding its replica) and restore from memory when that step is not
 older than the newest storage checkpoint; otherwise they resume from storage as before.
+
+Privacy and integrity: every folder here is this user's alone. The launcher's folder has a random
+name and mode 0700 (``tempfile.mkdtemp``); without a launcher the folder's name is predictable, so
+it is created 0700, and a path that already exists is used only if it is a real folder (not a
+link) owned by this user with mode 0700 (:func:`private_dir`): anything else is refused in one line
+naming it, before a byte is written or read. Files are opened with ``O_NOFOLLOW`` (descriptions
+also ``O_EXCL``). Each description carries the SHA-256 of its data file, computed in the background
+thread; at restore every held snapshot that could be used is checked against it, and one that fails
+(its data changed in memory, or a replica that arrived damaged) is dropped with a warning, never
+restored.
 """
 
 from __future__ import annotations
@@ -36,9 +46,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import hashlib
 import io
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -50,7 +62,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpuyard.train.checkpoint import Checkpointer
+from gpuyard.errors import PermissionDenied
+from gpuyard.train.checkpoint import HASH, Checkpointer
 from gpuyard.train.names import SNAPSHOT_DIR_ENV
 
 __all__ = ["SNAPSHOT_DIR_ENV"]  # and the classes below; the name stays importable from here
@@ -185,15 +198,50 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy().data)
 
 
-def _write_atomic(path: Path, data: memoryview | bytes) -> None:
-    tmp = path.with_name(f".tmp-{path.name}")
+def private_dir(path: str | Path, create: bool = True) -> Path:
+    """A folder only this user can use: created with mode 0700 (``create``), or an existing one
+    that is a real folder (not a link), owned by this user, with mode 0700.
+
+    Raises:
+        PermissionDenied: naming the path, when it is anything else (planted by another user, say).
+    """
+    path = Path(path)
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        tmp.replace(path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise PermissionDenied(f"{path}: snapshot folder missing (not created by this user)") from None
+    uid = os.getuid()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        kind = "a link" if stat.S_ISLNK(st.st_mode) else "not a folder"
+        raise PermissionDenied(f"{path}: snapshot folder is {kind} (planted?): refused, never used")
+    if st.st_uid != uid:
+        raise PermissionDenied(
+            f"{path}: snapshot folder belongs to uid {st.st_uid}, not this user ({uid}): refused, never used"
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        raise PermissionDenied(
+            f"{path}: snapshot folder has mode {stat.S_IMODE(st.st_mode):o}, not 700: refused, never used"
+        )
+    return path
+
+
+def _no_follow(path: str, flags: int) -> int:
+    # An opener for open(): never through a link, and a new file readable by this user only.
+    return os.open(path, flags | os.O_NOFOLLOW, 0o600)
+
+
+def _own_file(fd: int, path: Path) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionDenied(f"{path}: not a file of this user (planted?): refused, never used")
+
+
+def _digest(data: torch.Tensor) -> str:
+    # A uint8 CPU tensor (a mapped data file) hashed in place; hashlib releases the GIL while it runs.
+    return hashlib.new(HASH, _bytes_of(data)).hexdigest()
 
 
 _ALIGN = 64
@@ -241,8 +289,9 @@ def _map(path: Path, size: int) -> torch.Tensor:
     the free space is checked first (an OSError here instead; another process filling /dev/shm in
     between is not guarded against).
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
+        _own_file(fd, path)
         have = os.fstat(fd).st_size
         if have != size:
             vfs = os.fstatvfs(fd)
@@ -294,7 +343,9 @@ class MemoryCheckpointer:
         self.folder = Path(folder)
         self.rank, self.world_size = rank, world_size
         self.holder_dir = self.folder / f"holder-{rank}"
-        self.holder_dir.mkdir(parents=True, exist_ok=True)
+        # Only this user's folders (a pre-planted path is refused; see the module).
+        private_dir(self.folder)
+        private_dir(self.holder_dir)
         self.checkpointer = checkpointer
         self._group: Any = None
         if dist.is_available() and dist.is_initialized():
@@ -335,8 +386,10 @@ class MemoryCheckpointer:
     def _write_meta(self, h: Holding, doc: dict[str, Any]) -> Path:
         path = self.holder_dir / snapshot_name(h)
         tmp = path.with_name(f".tmp-{path.name}")
+        tmp.unlink(missing_ok=True)  # left by a rank killed while writing it
         try:
-            torch.save(doc, tmp)
+            with open(tmp, "xb", opener=_no_follow) as fh:  # "x": O_CREAT | O_EXCL
+                torch.save(doc, fh)
             tmp.replace(path)  # the snapshot is complete once its description is there
         except OSError:
             tmp.unlink(missing_ok=True)
@@ -480,6 +533,7 @@ class MemoryCheckpointer:
                 dst.copy_(pinned)
             own = None
             if host is not None:
+                doc[HASH] = _digest(self._stores[(self.rank, slot)])  # checked before any restore
                 try:
                     self._write_meta(Holding(self.rank, step, self.world_size, slot), {**doc, "slot": slot})
                     own = self._stores[(self.rank, slot)]
@@ -592,10 +646,42 @@ class MemoryCheckpointer:
         return sorted(h for p in self.holder_dir.iterdir() if (h := parse_name(p.name)) is not None)
 
     def _read_local(self, h: Holding) -> tuple[dict[str, Any], torch.Tensor]:
-        meta = torch.load(self.holder_dir / snapshot_name(h), weights_only=True)
+        meta_path = self.holder_dir / snapshot_name(h)
+        fd = os.open(meta_path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as fh:
+            _own_file(fh.fileno(), meta_path)
+            meta = torch.load(fh, weights_only=True)
         path = self.holder_dir / data_name(h.owner, h.slot)
-        data = torch.from_file(str(path), shared=True, size=path.stat().st_size, dtype=torch.uint8)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            _own_file(fd, path)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        data = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         return meta, data
+
+    def _intact(self, h: Holding, storage_step: int) -> bool:
+        """Whether a held snapshot that a restore could use matches its hash; one that does not
+        is dropped (its description removed) with a warning. Older ones are not read."""
+        if h.step < storage_step or h.world_size != self.world_size:
+            return True  # never restored from; not worth hashing
+        whose = "its own snapshot" if h.owner == self.rank else f"rank {h.owner}'s replica"
+        try:
+            meta, data = self._read_local(h)
+            want = meta.get(HASH)
+            problem = None
+            if want is None:
+                problem = "has no content hash"
+            elif data.numel() < _total(meta["layout"]) or _digest(data) != want:
+                problem = f"does not match its {HASH}"
+        except (OSError, RuntimeError, ValueError, KeyError, PermissionDenied) as exc:
+            problem = f"unreadable ({exc})"
+        if problem is None:
+            return True
+        self.warnings.append(f"rank {self.rank}: {whose} of step {h.step} {problem}: dropped, not restored")
+        (self.holder_dir / snapshot_name(h)).unlink(missing_ok=True)
+        return False
 
     def restore(self, storage_step: int) -> Restored | None:
         """Agree on a snapshot step and load this rank's state from memory (collective).
@@ -609,7 +695,10 @@ class MemoryCheckpointer:
             `storage_step`.
         """
         start = time.perf_counter()
-        mine = self.inventory()
+        # Read only from this user's folders (mode 0700), and only snapshots whose data matches.
+        private_dir(self.folder, create=False)
+        private_dir(self.holder_dir, create=False)
+        mine = [h for h in self.inventory() if self._intact(h, storage_step)]
         if self._group is not None and self.world_size > 1:
             everyone: list[Any] = [None] * self.world_size
             dist.all_gather_object(everyone, mine, group=self._group)

@@ -13,3 +13,6 @@ SNAPSHOT_DIR_ENV = "GPUYARD_SNAPSHOT_DIR"
 # Set by `gpuyard train`: the launcher reads status.json, so workers exit 0 on preemption and
 # divergence; otherwise torchrun would count their exit as a failure and restart them.
 LAUNCHED_ENV = "GPUYARD_TRAIN_LAUNCHED"
+# Set by `gpuyard train`: a folder only the launcher's user can enter, where rank 0 writes
+# status.json when the run folder cannot take it (a full disk).
+STATUS_FALLBACK_ENV = "GPUYARD_TRAIN_STATUS_DIR"

@@ -18,10 +18,16 @@ class _Strict(BaseModel):
 
 
 class EntrypointSpec(_Strict):
-    """A `module:function` factory and the keyword arguments it is called with."""
+    """A `module:function` factory and the keyword arguments it is called with; a plain string
+    ``module:function`` is short for ``{entrypoint: module:function}`` (no arguments)."""
 
     entrypoint: str = Field(description="'package.module:function' returning the object")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the call")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"entrypoint": value} if isinstance(value, str) else value
 
 
 class DataSpec(_Strict):

@@ -25,7 +25,19 @@ from gpuyard.states import RunStatus, TrainOutcome
 from gpuyard.tracking.files import JsonlTracker, NullTracker, Tracker
 from gpuyard.tracking.training import DbRunTracker, db_metric_key
 from gpuyard.train import components as comp
-from gpuyard.train.checkpoint import Checkpointer, latest_checkpoint, read_marker, step_dirname
+from gpuyard.train.checkpoint import (
+    Checkpointer,
+    CheckpointSaveError,
+    gather,
+    has_hashes,
+    latest_checkpoint,
+    list_checkpoints,
+    read_marker,
+    set_aside,
+    step_dirname,
+    step_of,
+    verify_checkpoint,
+)
 from gpuyard.train.data import (
     DataSource,
     call_factory,
@@ -39,7 +51,7 @@ from gpuyard.train.elastic import adapt_rank_state
 from gpuyard.train.goodput import step_waits
 from gpuyard.train.memory_checkpoint import MemoryCheckpointer, default_snapshot_dir, fill, local_tensor
 from gpuyard.train.metrics import DeviceStats, Progress, catalog_peak_tflops, model_flops_utilization
-from gpuyard.train.names import STATUS_FILE
+from gpuyard.train.names import STATUS_FALLBACK_ENV, STATUS_FILE
 from gpuyard.train.parallel import (
     build_pipeline,
     clip_grad_norm,
@@ -116,6 +128,16 @@ def db_tracker(
         params=params,
         tags={**(tags or {}), **spec.tracking.tags},
     )
+
+
+def save_error(exc: BaseException | None) -> CheckpointSaveError | None:
+    """The CheckpointSaveError among `exc` and its causes (a background persist wraps it), or None."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, CheckpointSaveError):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 def pin_ddp_buckets(model: nn.Module) -> bool:
@@ -434,10 +456,11 @@ class Trainer:
     def _resume(self) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        path = latest_checkpoint(self.checkpointer.root)
+        path = self._intact_checkpoint()
         if self.memory is not None:
-            storage_step = -1 if path is None else int(path.name.split("-")[1])
+            storage_step = -1 if path is None else step_of(path)
             restored = self.memory.restore(storage_step)
+            self._snapshot_warnings()
             if restored is not None:
                 start = time.perf_counter()
                 app = fill(self._app_state(), restored.app)
@@ -491,6 +514,35 @@ class Trainer:
             world_size=meta.get("world_size"),
             seconds=round(time.perf_counter() - start, 6),
         )
+
+    def _intact_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint whose files match their hashes (collective: each rank
+        checks a share of the files). Those that fail are set aside (renamed ``corrupt-*``, never
+        deleted), with an event and a warning line; the one before is tried next."""
+        rank, world = self.ctx.rank, self.ctx.world_size
+        for path in reversed(list_checkpoints(self.checkpointer.root)):
+            problems = [p for p in gather(verify_checkpoint(path, rank, world)) if p]
+            if not problems:
+                if rank == 0 and not has_hashes(path):
+                    print(
+                        f"gpuyard train: warning: {path} has no content hashes (written before they "
+                        "were): loaded unverified",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                return path
+            if rank == 0:
+                aside = set_aside(path)
+                self._event("checkpoint_set_aside", step=step_of(path), path=str(aside), reason=problems[0])
+                print(
+                    f"gpuyard train: warning: checkpoint of step {step_of(path)} failed its check "
+                    f"({problems[0]}): set aside as {aside.name}; trying the one before",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if world > 1:
+                dist.barrier()  # renamed before any rank lists again
+        return None
 
     def _set_rank_state(self, state: dict[str, Any]) -> None:
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
@@ -738,15 +790,74 @@ class Trainer:
         progress.update(self.step, "")
         status = TrainOutcome.COMPLETED
         try:
-            status = self._loop(progress)
+            try:
+                status = self._loop(progress)
+            except BaseException as exc:
+                self._save_failed_event(save_error(exc))
+                self._tracker_failed(exc)
+                raise
+            finally:
+                progress.close()
+                if previous is not None:
+                    signal.signal(signal.SIGTERM, previous)
+            return self._finish(status)
         except BaseException as exc:
-            self._tracker_failed(exc)
+            error = save_error(exc)
+            if error is not None and error.disk_full:
+                self._end_unrecoverable(error)
+                raise error from exc
             raise
-        finally:
-            progress.close()
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-        return self._finish(status)
+
+    def _end_unrecoverable(self, error: CheckpointSaveError) -> None:
+        """A failure a restart would repeat (the disk is full): close the run as failed and say so in
+        status.json, so the launcher stops instead of letting torchrun restart into it again."""
+        self._save_failed_event(error)
+        self._tracker_failed(error)
+        if self.ctx.rank == 0:
+            last = latest_checkpoint(self.checkpointer.root)
+            self._write_status(
+                {
+                    "run_id": getattr(self.tracker, "run_id", None),
+                    "status": "failed",
+                    "unrecoverable": True,
+                    "error": error.reason,
+                    "step": error.step,
+                    "epoch": self.epoch,
+                    "checkpoint": str(last) if last else None,
+                }
+            )
+
+    def _save_failed_event(self, error: CheckpointSaveError | None) -> None:
+        if error is None or getattr(self, "_save_failure_logged", False):
+            return
+        self._save_failure_logged = True
+        with contextlib.suppress(OSError, ValueError):  # metrics.jsonl may be on the full disk
+            self._event(
+                "checkpoint_failed",
+                step=error.step,
+                path=error.path,
+                reason=error.reason,
+                disk_full=error.disk_full,
+            )
+
+    def _write_status(self, doc: dict[str, Any]) -> None:
+        """status.json in the run folder; where that fails (a full disk), in the launcher's private
+        folder (``GPUYARD_TRAIN_STATUS_DIR``), where the launcher looks next."""
+        text = json.dumps(doc)
+        places = [self.run_dir]
+        if os.environ.get(STATUS_FALLBACK_ENV):
+            places.append(Path(os.environ[STATUS_FALLBACK_ENV]))
+        for i, folder in enumerate(places):
+            tmp = folder / f".{STATUS_FILE}.tmp"
+            try:
+                tmp.write_text(text)
+                tmp.replace(folder / STATUS_FILE)
+                return
+            except OSError:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
+                if i == len(places) - 1:
+                    raise
 
     def _tracker_failed(self, exc: BaseException) -> None:
         """Close the run as failed when an exception ends training (a restart may reopen it)."""
@@ -816,9 +927,7 @@ class Trainer:
                 "stragglers": [f.as_dict() for f in self.stragglers.found] if self.stragglers else [],
                 "metrics": {k: v for k, v in self.last_metrics.items() if math.isfinite(v)},
             }
-            tmp = self.run_dir / f".{STATUS_FILE}.tmp"
-            tmp.write_text(json.dumps(doc))
-            tmp.replace(self.run_dir / STATUS_FILE)
+            self._write_status(doc)
         self.tracker.finish(status)
         if self.ctx.world_size > 1:
             dist.barrier()

@@ -41,12 +41,15 @@ def evaluate(
     autocast: Callable[[], Any],
     keys: tuple[str, str],
 ) -> dict[str, float]:
-    """Mean loss over the whole validation data, summed over every data-parallel shard."""
+    """Mean loss over the whole validation data, summed over every data-parallel shard; and, for a
+    classifier (class scores ``[..., C]`` against integer labels ``[...]``), ``val_accuracy``."""
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64)
+    # loss x samples, samples, correct predictions, labels, batches that were not classification
+    total = torch.zeros(5, dtype=torch.float64)
     source.set_epoch(0)
     # A map-style source is read whole, from its DataLoader; a loader restarts on each iteration.
     batches = source.loader if hasattr(source, "sampler") else source
+    outputs: Any = None
     for batch in batches:
         inputs, targets = split_batch(batch, *keys)
         inputs, targets = to_device(inputs, ctx.device), to_device(targets, ctx.device)
@@ -56,15 +59,38 @@ def evaluate(
                 losses = drive_pipeline(pipeline, inputs, targets, "eval")
                 loss = torch.stack(losses).float().mean() if losses else torch.zeros(())
             else:
-                loss = loss_fn(model(inputs), targets)
+                outputs = model(inputs)
+                loss = loss_fn(outputs, targets)
         if ctx.is_loss_owner:  # the last pipeline stage, tp index 0: each sample counted once
-            total += torch.tensor([float(loss) * n, n], dtype=torch.float64)
+            right = labels = 0.0
+            other = 1.0
+            if pipeline is None and _classification(outputs, targets):
+                right = float((outputs.argmax(-1) == targets).sum())
+                labels, other = float(targets.numel()), 0.0
+            total += torch.tensor([float(loss) * n, n, right, labels, other], dtype=torch.float64)
     model.train()
     if ctx.world_size > 1:
         dev = total.to(ctx.device) if ctx.device.type == "cuda" else total
         dist.all_reduce(dev)
         total = dev.cpu()
-    return {"val_loss": float(total[0] / max(total[1].item(), 1.0))}
+    out = {"val_loss": float(total[0] / max(total[1].item(), 1.0))}
+    if total[3] > 0 and total[4] == 0:
+        out["val_accuracy"] = float(total[2] / total[3])
+    return out
+
+
+def _classification(outputs: Any, targets: Any) -> bool:
+    """Class scores for integer labels: outputs ``[..., C]`` (C > 1), targets ``[...]``."""
+    return (
+        isinstance(outputs, torch.Tensor)
+        and isinstance(targets, torch.Tensor)
+        and outputs.dim() >= 2
+        and outputs.shape[-1] > 1
+        and not targets.is_floating_point()
+        and not targets.is_complex()
+        and targets.dtype != torch.bool
+        and tuple(targets.shape) == tuple(outputs.shape[:-1])
+    )
 
 
 def early_stopping_update(

@@ -23,20 +23,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracking", default=None, help="JSON overriding fields of spec.tracking")
     args = parser.parse_args(argv)
 
+    from gpuyard.train.checkpoint import CheckpointSaveError
     from gpuyard.train.spec import load_spec
     from gpuyard.train.trainer import Trainer
 
+    _spec_folder_on_path(args.spec)
     trainer = None
+    rank = os.environ.get("RANK", "0")
     try:
         spec = load_spec(args.spec, overrides=_overrides(args))
         run_params = {"plan": {"file": args.plan, **json.loads(args.parallel)}} if args.plan else None
         trainer = Trainer(spec, run_params=run_params)
         result = trainer.fit()
     except GpuyardError as exc:
-        print(
-            f"gpuyard train (rank {os.environ.get('RANK', '0')}): error: {exc}", file=sys.stderr, flush=True
-        )
+        print(f"gpuyard train (rank {rank}): error: {exc}", file=sys.stderr, flush=True)
         return exitcodes.USAGE
+    except CheckpointSaveError as exc:
+        if not exc.disk_full:
+            raise  # (a peer lost mid-save, say): torchrun's restart may well get past it
+        if rank == "0":
+            print(f"gpuyard train (rank {rank}): error: {exc}", file=sys.stderr, flush=True)
+        # Every rank got it (the ranks agree on a save's outcome); under the launcher, which reads
+        # status.json, exit 0 so that torchrun does not restart into the same full disk.
+        return exitcodes.SUCCESS if os.environ.get(LAUNCHED_ENV) == "1" else exitcodes.UNRECOVERABLE
     finally:
         if trainer is not None:
             trainer.close()
@@ -44,6 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(LAUNCHED_ENV) == "1" and code in (exitcodes.PREEMPTED, exitcodes.DIVERGED):
         return exitcodes.SUCCESS
     return code
+
+
+def _spec_folder_on_path(spec: str) -> None:
+    """The spec's folder first on the import path: `model: shapes:make` imports shapes.py next to it
+    (the launcher also puts it in the ranks' PYTHONPATH, for imports before this runs)."""
+    folder = os.path.dirname(os.path.abspath(spec))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, object]:

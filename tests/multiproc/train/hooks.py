@@ -59,3 +59,24 @@ def nan_after_10(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     _calls["n"] += 1
     loss = F.cross_entropy(outputs, targets)
     return loss * float("nan") if _calls["n"] > 10 else loss
+
+
+def fill_disk(trainer: Any, event: str) -> None:
+    """Rank 0 fills the run folder's disk at step GPUYARD_TEST_HOOK_FILL (the next save hits ENOSPC)."""
+    at = os.environ.get("GPUYARD_TEST_HOOK_FILL")
+    if event != "step" or at is None or trainer.ctx.rank != 0 or trainer.step != int(at):
+        return
+    with open(trainer.run_dir / "filler.bin", "wb") as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 65536)
+                fh.flush()
+        except OSError:
+            pass
+    # Whatever is left (less than one block) goes too, so the save's first write fails.
+    with open(trainer.run_dir / "filler2.bin", "wb", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 512)
+        except OSError:
+            pass

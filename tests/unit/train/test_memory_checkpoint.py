@@ -167,22 +167,27 @@ def test_with_async_storage_saves_too(spec_factory, shm: Path) -> None:
         assert torch.equal(weights(resumed)[key], value), key
 
 
-def test_launcher_snapshot_folder_removes_those_of_dead_launchers(tmp_path: Path) -> None:
+def test_launcher_folder_is_private_and_those_of_dead_launchers_are_removed(tmp_path: Path) -> None:
+    import stat
     import subprocess
     import sys
 
-    from gpuyard.train.launch import SNAPSHOT_PREFIX, snapshot_dir
+    from gpuyard.train.launch import LAUNCH_PREFIX, launch_dir
 
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
-    gone = tmp_path / f"{SNAPSHOT_PREFIX}{int(dead.stdout)}"
-    alive = tmp_path / f"{SNAPSHOT_PREFIX}1"  # pid 1 always runs
-    other = tmp_path / f"{SNAPSHOT_PREFIX}not-a-pid"
-    for folder in (gone, alive, other):
-        (folder / "holder-0").mkdir(parents=True)
-    mine = snapshot_dir(tmp_path)
-    assert mine == tmp_path / f"{SNAPSHOT_PREFIX}{os.getpid()}"
+    gone, alive, other = (tmp_path / f"{LAUNCH_PREFIX}{n}" for n in ("gone", "alive", "other"))
+    for folder, pid in ((gone, dead.stdout.strip()), (alive, "1"), (other, "x")):  # pid 1 always runs
+        (folder / "snapshots").mkdir(parents=True)
+        folder.chmod(0o700)
+        (folder / "launcher.pid").write_text(pid)
+    first, second = launch_dir(tmp_path), launch_dir(tmp_path)
+    assert first != second and first.name.startswith(LAUNCH_PREFIX)  # random names, not the pid
+    for mine in (first, second):
+        st = mine.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+        assert (mine / "launcher.pid").read_text() == str(os.getpid())
     assert not gone.exists() and alive.exists() and other.exists()
 
 
@@ -192,8 +197,8 @@ def test_a_snapshot_that_cannot_be_written_is_reported_and_training_goes_on(
     real_save = torch.save
 
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(f, Path) and f.name.startswith(".tmp-o0-s000000006"):
-            f.write_bytes(b"half")  # then the device is full
+        if Path(getattr(f, "name", "")).name.startswith(".tmp-o0-s000000006"):
+            f.write(b"half")  # then the device is full
             raise OSError(28, "No space left on device")
         real_save(obj, f, *args, **kwargs)
 

@@ -59,7 +59,7 @@ from gpuyard.scheduler.policies import make_policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
 from gpuyard.scheduler.records import ACTIVE, job_doc, move
 from gpuyard.scheduler.spec import JobSpec, JobState, WorkloadSpec
-from gpuyard.settings import SERVER_ENV
+from gpuyard.settings import SERVER_ENV, load_settings
 from gpuyard.store.base import utcnow
 from gpuyard.store.db import Store
 from gpuyard.store.tables.jobs import JobEventRow, JobRow
@@ -68,6 +68,14 @@ log = logging.getLogger(__name__)
 
 # Below this many free bytes a filesystem counts as full (a few pages: SQLite and small files fail).
 FULL_BELOW_BYTES = 1 << 20
+# Submissions are refused (507) below this much free space where the store and the jobs' files live.
+MIN_FREE_TO_SUBMIT = 16 << 20
+
+
+class DiskFullError(StoreError):
+    """The disk that holds the state store or the jobs' files is (nearly) full: HTTP 507."""
+
+    http_status = 507
 
 
 @dataclass(frozen=True)
@@ -210,6 +218,32 @@ class JobService:
                 f"{' ' + res.gpu_type if res.gpu_type else ''} GPUs: it could never start"
             )
 
+    def check_disk(self) -> None:
+        """Refuse new work while the disk of the state store or of GPUYARD_HOME (the jobs' logs and exit
+        files) is nearly full: what room is left goes to recording the jobs already placed.
+
+        Raises:
+            DiskFullError: less than ``MIN_FREE_TO_SUBMIT`` free there (names the folder and its room).
+        """
+        for folder in self._disk_folders():
+            free = free_bytes(folder)
+            if free is not None and free < MIN_FREE_TO_SUBMIT:
+                raise DiskFullError(
+                    f"disk full: {free / 2**20:.1f} MiB free on the disk of {folder} (new jobs need "
+                    f"{MIN_FREE_TO_SUBMIT / 2**20:.0f} MiB there); jobs already placed go on; "
+                    "free space there and resubmit"
+                )
+
+    def _disk_folders(self) -> list[str]:
+        folders = []
+        database = self.store.engine.url.database if self.store.is_sqlite else None
+        if database and database != ":memory:":
+            folders.append(os.path.dirname(os.path.abspath(database)))
+        home = str(load_settings().home)
+        if home not in folders and os.path.isdir(home):
+            folders.append(home)
+        return folders
+
     def _check_workload(self, spec: JobSpec) -> Any:
         """The job's fabric workload, checked (fabric placement: costed on its consolidated placement)."""
         if spec.workload is None:
@@ -237,6 +271,7 @@ class JobService:
         if idempotency_key is not None and (first := self._by_key(spec, idempotency_key)) is not None:
             return first, False
         self.check(spec)
+        self.check_disk()
         try:
             doc = self._insert(spec, idempotency_key)
         except DuplicateRow:
@@ -600,6 +635,8 @@ class JobService:
         # The placement stays on record (where it last ran); only scheduled/running ones hold GPUs.
         row.stop_requested, row.stop_deadline, row.killed, row.handle = None, None, False, None
         how = status.describe()
+        for note in status.notes:  # what else the executor saw (a log cut at its cap)
+            s.add(JobEventRow(job_id=row.id, from_state=row.state, to_state=row.state, reason=note))
         if status.code is None and status.killed and not killed:
             # Gone without an exit code, though gpuyard sent no SIGKILL: the exit file may not have
             # been written because its disk was full; say so rather than blame a signal.
@@ -1092,10 +1129,16 @@ def unrecorded_exit_disk(handle: dict[str, Any]) -> str | None:
     return None
 
 
-def disk_full(path: str) -> bool:
-    """Whether the filesystem of ``path`` has less than ``FULL_BELOW_BYTES`` free (False if unknown)."""
+def free_bytes(path: str) -> int | None:
+    """Bytes free to unprivileged writers on the filesystem of ``path`` (None when it cannot be read)."""
     try:
         st = os.statvfs(path)
     except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < FULL_BELOW_BYTES
+        return None
+    return int(st.f_bavail * st.f_frsize)
+
+
+def disk_full(path: str) -> bool:
+    """Whether the filesystem of ``path`` has less than ``FULL_BELOW_BYTES`` free (False if unknown)."""
+    free = free_bytes(path)
+    return free is not None and free < FULL_BELOW_BYTES

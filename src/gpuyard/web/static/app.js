@@ -97,6 +97,19 @@ const GY = {
   },
 };
 
+/**
+ * Computed styles (a bar's width, a heatmap cell's colour) are written as data-css="..." in the pages'
+ * markup and set here through the DOM: the Content-Security-Policy forbids inline style attributes.
+ */
+function applyCss(root) {
+  if (root.nodeType !== 1) return;
+  const els = root.matches("[data-css]") ? [root, ...root.querySelectorAll("[data-css]")] : root.querySelectorAll("[data-css]");
+  for (const el of els) { el.style.cssText = el.dataset.css; el.removeAttribute("data-css"); }
+}
+new MutationObserver((changes) => {
+  for (const c of changes) for (const n of c.addedNodes) applyCss(n);
+}).observe(document.documentElement, { childList: true, subtree: true });
+
 window.addEventListener("hashchange", () => GY.route());
 window.addEventListener("DOMContentLoaded", () => {
   document.getElementById("logout").addEventListener("click", () => {

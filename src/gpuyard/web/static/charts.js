@@ -48,12 +48,12 @@ const Charts = {
     let h = '<table class="heat"><tr><th></th>' + devs.map((d) => `<th>${esc(d)}</th>`).join("") + "</tr>";
     topo.matrix.forEach((row, i) => {
       h += `<tr><th>${esc(devs[i])}</th>` + row.map((c) =>
-        `<td style="background:${color(c)};color:${rank(c) > 2 || rank(c) < 0 ? "#fff" : "#1d2330"}" title="${esc(devs[i])} - ${esc(c)}">${esc(c)}</td>`
+        `<td data-css="background:${color(c)};color:${rank(c) > 2 || rank(c) < 0 ? "#fff" : "#1d2330"}" title="${esc(devs[i])} - ${esc(c)}">${esc(c)}</td>`
       ).join("") + "</tr>";
     });
     h += "</table>";
     h += '<div class="legend">' + ["NV18", "NV4", "PIX", "PXB", "PHB", "NODE", "SYS"].map(
-      (c) => `<span><i style="background:${color(c)}"></i>${c}</span>`).join("") +
+      (c) => `<span><i data-css="background:${color(c)}"></i>${esc(c)}</span>`).join("") +
       "<span>X self, NV# bonded NVLinks, PIX one PCIe bridge, PXB several, PHB host bridge, NODE across host bridges, SYS across NUMA nodes</span></div>";
     el.innerHTML = h;
   },
@@ -64,11 +64,11 @@ const Charts = {
     let h = "<table>";
     for (const r of rows) {
       const total = r.parts.reduce((a, p) => a + p.value, 0);
-      h += `<tr><td class="mono" style="width:160px">${esc(r.label)}</td><td><div class="stack" style="width:${(100 * total) / max}%">` +
-        r.parts.map((p, i) => `<span style="width:${(100 * p.value) / (total || 1)}%;background:${COLORS[i % COLORS.length]}" title="${esc(p.label)}: ${p.value.toFixed(3)} s"></span>`).join("") +
-        `</div></td><td class="mono" style="width:80px">${total.toFixed(2)} s</td></tr>`;
+      h += `<tr><td class="mono w160">${esc(r.label)}</td><td><div class="stack" data-css="width:${(100 * total) / max}%">` +
+        r.parts.map((p, i) => `<span data-css="width:${(100 * p.value) / (total || 1)}%;background:${COLORS[i % COLORS.length]}" title="${esc(p.label)}: ${p.value.toFixed(3)} s"></span>`).join("") +
+        `</div></td><td class="mono w80">${total.toFixed(2)} s</td></tr>`;
     }
-    h += "</table><div class=\"legend\">" + labels.map((l, i) => `<span><i style="background:${COLORS[i % COLORS.length]}"></i>${esc(l)}</span>`).join("") + "</div>";
+    h += "</table><div class=\"legend\">" + labels.map((l, i) => `<span><i data-css="background:${COLORS[i % COLORS.length]}"></i>${esc(l)}</span>`).join("") + "</div>";
     el.innerHTML = h;
   },
 };

@@ -72,15 +72,15 @@ GY.pages.cluster = {
       const rows = (node.accelerators || []).map((a) => {
         const util = a.utilization ? a.utilization.gpu : null;
         return `<tr><td>${a.index}</td><td>${esc(a.name)}</td><td>${fmt.gib(a.memory_bytes)}</td>
-          <td>${util === null ? "-" : `<div class="bar" title="${util}%"><span style="width:${util}%"></span></div> ${util}%`}</td>
+          <td>${util === null ? "-" : `<div class="bar" title="${util}%"><span data-css="width:${Number(util)}%"></span></div> ${util}%`}</td>
           <td>${a.temperature_c ?? "-"}${a.temperature_c != null ? " C" : ""}</td>
           <td>${a.power_w != null ? `${Math.round(a.power_w)} / ${Math.round(a.power_limit_w)} W` : "-"}</td>
           <td>${fmt.badge(a.health)} <span class="muted">${esc((a.health_reasons || []).map((r) => r.message).join("; "))}</span></td></tr>`;
       }).join("");
       return `<div class="card node"><h2>${esc(n.hostname)} ${fmt.badge(n.health)}</h2>
         <p class="muted">${esc(cpu.model)} · ${cpu.cores} cores · ${fmt.gib(cpu.memory_bytes)} · recorded ${fmt.time(n.updated_at)}</p>
-        <div class="row"><div class="card" style="flex: 1 1 520px"><h3>Accelerators</h3>${rows ? `<table><tr><th>#</th><th>name</th><th>memory</th><th>utilization</th><th>temp</th><th>power</th><th>health</th></tr>${rows}</table>` : '<p class="muted">No accelerator.</p>'}</div>
-        <div class="card" style="flex: 0 1 auto"><h3>Topology</h3><div class="topo" id="topo-${i}"></div></div></div></div>`;
+        <div class="row"><div class="card grow"><h3>Accelerators</h3>${rows ? `<table><tr><th>#</th><th>name</th><th>memory</th><th>utilization</th><th>temp</th><th>power</th><th>health</th></tr>${rows}</table>` : '<p class="muted">No accelerator.</p>'}</div>
+        <div class="card shrink"><h3>Topology</h3><div class="topo" id="topo-${i}"></div></div></div></div>`;
     }).join("");
     nodes.forEach((n, i) => Charts.topology(document.getElementById(`topo-${i}`), (n.inventory.node || n.inventory).topology || {}));
   },
@@ -106,8 +106,8 @@ function goodputBar(gp) {
   const parts = [["productive", gp.productive_s], ...Object.entries(gp.lost_s)].filter(([, s]) => s > 0);
   const tip = parts.map(([k, s]) => `${k} ${s.toFixed(1)} s`).join(", ");
   const ettr = gp.ettr === null ? "-" : `${(gp.ettr * 100).toFixed(1)}%`;
-  return `<div class="stack goodput" style="display:inline-flex;vertical-align:middle;width:120px;height:10px" title="ETTR ${ettr} of ${gp.wall_s.toFixed(1)} s: ${esc(tip)}">` +
-    parts.map(([k, s]) => `<span data-cause="${k}" style="width:${(100 * s / gp.wall_s).toFixed(2)}%;background:${GOODPUT_COLORS[k] || "#ccc"}"></span>`).join("") +
+  return `<div class="stack goodput" title="ETTR ${ettr} of ${gp.wall_s.toFixed(1)} s: ${esc(tip)}">` +
+    parts.map(([k, s]) => `<span data-cause="${esc(k)}" data-css="width:${(100 * s / gp.wall_s).toFixed(2)}%;background:${GOODPUT_COLORS[k] || "#ccc"}"></span>`).join("") +
     `</div> <span class="muted">${ettr}</span>`;
 }
 GY.pages.jobs = {
@@ -121,7 +121,7 @@ GY.pages.jobs = {
       <div class="card"><h2>Submit a job</h2>
         <form id="submit-form" class="inline">
           <label>name<input name="name" required pattern="[A-Za-z0-9][A-Za-z0-9._\\-]*" value="job"></label>
-          <label style="flex:1">command<input name="command" required placeholder="python train.py --epochs 3" style="width:100%"></label>
+          <label class="grow">command<input name="command" class="full" required placeholder="python train.py --epochs 3"></label>
           <label>GPUs<input name="gpus" type="number" min="0" value="0"></label>
           <label>team<input name="team" value="${esc(GY.me.team)}"></label>
           <label>priority<input name="priority" type="number" value="0"></label>
@@ -272,7 +272,7 @@ GY.pages.models = {
     const el = main.querySelector("#models-table");
     if (!models.length) { el.innerHTML = '<p class="muted">No model registered yet (<code>gpuyard models register</code>).</p>'; return; }
     el.innerHTML = `<table><tr><th>name</th><th>flavor</th><th>versions</th><th>latest</th><th>production</th><th>staging</th><th>aliases</th><th>updated</th></tr>` +
-      models.map((m) => `<tr class="clickable" data-name="${esc(m.name)}"><td><b>${esc(m.name)}</b></td><td>${esc(m.flavor)}</td><td>${m.versions}</td><td>${m.latest}</td><td>${m.production ?? "-"}</td><td>${m.staging ?? "-"}</td><td>${Object.entries(m.aliases).map(([a, v]) => `${esc(a)}→${v}`).join(", ") || "-"}</td><td>${fmt.time(m.updated_at)}</td></tr>`).join("") + "</table>";
+      models.map((m) => `<tr class="clickable" data-name="${esc(m.name)}"><td><b>${esc(m.name)}</b></td><td>${esc(m.flavor)}</td><td>${esc(m.versions)}</td><td>${esc(m.latest)}</td><td>${esc(m.production ?? "-")}</td><td>${esc(m.staging ?? "-")}</td><td>${Object.entries(m.aliases).map(([a, v]) => `${esc(a)}→${esc(v)}`).join(", ") || "-"}</td><td>${fmt.time(m.updated_at)}</td></tr>`).join("") + "</table>";
     el.querySelectorAll("tr[data-name]").forEach((tr) => tr.addEventListener("click", () => {
       el.querySelectorAll("tr").forEach((t) => t.classList.toggle("sel", t === tr));
       this.show(tr.dataset.name);
@@ -289,17 +289,17 @@ GY.pages.models = {
     const metricKeys = metrics.columns([...flat.values()], objectives, 6);
     const canWrite = GY.me.role !== "viewer";
     const stageCell = (v) => canWrite && v.stage !== "production"
-      ? `<select class="stage" data-v="${v.version}">${["none", "staging", "archived"].map((s) => `<option ${s === v.stage ? "selected" : ""}>${s}</option>`).join("")}</select>`
+      ? `<select class="stage" data-v="${esc(v.version)}">${["none", "staging", "archived"].map((s) => `<option ${s === v.stage ? "selected" : ""}>${s}</option>`).join("")}</select>`
       : fmt.badge(v.stage);
     const lineage = (v) => `<div class="lineage"><span class="node">dataset <span class="mono">${esc(v.dataset_version || "-")}</span></span><span class="arrow">→</span>
       <span class="node">run <span class="mono">${esc((v.run_id || "-").slice(0, 8))}</span></span><span class="arrow">→</span>
-      <span class="node"><b>${esc(v.name)}:${v.version}</b> ${fmt.badge(v.stage)}</span>
+      <span class="node"><b>${esc(v.name)}:${esc(v.version)}</b> ${fmt.badge(v.stage)}</span>
       ${v.lineage && Object.keys(v.lineage).length ? `<span class="muted mono wrap">${esc(JSON.stringify(v.lineage).slice(0, 200))}</span>` : ""}</div>`;
     el.innerHTML = `<div class="card"><h2>${esc(name)}: versions</h2><div class="scroll-x"><table id="versions"><tr><th>version</th><th>stage</th><th>aliases</th><th>flavor</th><th>run</th><th>dataset</th><th>code</th>${metricKeys.map((k) => `<th class="metric">${fmt.breaks(k)}</th>`).join("")}<th>created</th></tr>` +
-      m.versions.map((v) => `<tr data-v="${v.version}"><td><b>${v.version}</b></td><td>${stageCell(v)}</td><td>${v.aliases.map(esc).join(", ") || "-"}</td><td>${esc(v.flavor)}</td><td class="mono">${esc((v.run_id || "-").slice(0, 8))}</td><td class="mono">${fmt.breaks(v.dataset_version || "-")}</td><td class="mono">${esc((v.code_version || "-").slice(0, 10))}</td>${metricKeys.map((k) => `<td class="metric">${fmt.num(flat.get(v.version)[k], 4)}</td>`).join("")}<td>${fmt.time(v.created_at)}</td></tr>`).join("") +
+      m.versions.map((v) => `<tr data-v="${esc(v.version)}"><td><b>${esc(v.version)}</b></td><td>${stageCell(v)}</td><td>${v.aliases.map(esc).join(", ") || "-"}</td><td>${esc(v.flavor)}</td><td class="mono">${esc((v.run_id || "-").slice(0, 8))}</td><td class="mono">${fmt.breaks(v.dataset_version || "-")}</td><td class="mono">${esc((v.code_version || "-").slice(0, 10))}</td>${metricKeys.map((k) => `<td class="metric">${fmt.num(flat.get(v.version)[k], 4)}</td>`).join("")}<td>${fmt.time(v.created_at)}</td></tr>`).join("") +
       `</table></div></div><div class="row"><div class="card"><h2>Lineage</h2>${m.versions.slice(0, 5).map(lineage).join("<br>")}</div>
       <div class="card"><h2>Metrics by version</h2><div class="charts" id="model-metrics">${metricKeys.length ? "" : '<p class="muted">No version recorded a metric.</p>'}</div></div></div>
-      <div class="card"><h2>Events</h2><table><tr><th>at</th><th>version</th><th>action</th><th>detail</th></tr>${m.events.map((e) => `<tr><td>${fmt.time(e.at)}</td><td>${e.version ?? "-"}</td><td>${esc(e.action)}</td><td class="mono">${esc(JSON.stringify(e.detail).slice(0, 160))}</td></tr>`).join("")}</table></div>`;
+      <div class="card"><h2>Events</h2><table class="events"><tr><th>at</th><th>version</th><th>action</th><th>detail</th></tr>${m.events.map((e) => `<tr><td class="nowrap">${fmt.time(e.at)}</td><td>${esc(e.version ?? "-")}</td><td>${esc(e.action)}</td><td class="detail">${fmt.pairs(e.detail, 8, 120)}</td></tr>`).join("")}</table></div>`;
     const vs = [...m.versions].reverse();
     if (metricKeys.length && vs.length) {
       const div = document.createElement("div");
@@ -332,11 +332,11 @@ GY.pages.deployments = {
     const el = document.getElementById("dep-table");
     if (!el) return;
     el.innerHTML = deps.length ? `<table><tr><th>id</th><th>model</th><th>ref</th><th>status</th><th>replicas</th><th>device</th><th>GPUs</th><th>job</th><th>url</th><th>created</th></tr>` +
-      deps.map((d) => `<tr class="clickable ${d.id === this.selected ? "sel" : ""}" data-id="${d.id}"><td>${d.id}</td><td>${esc(d.model)}:${d.version}</td><td class="mono">${esc(d.ref)}</td><td>${fmt.badge(d.status)}</td><td>${d.replicas}</td><td>${esc(d.device)}</td><td class="mono">${esc((d.pids && d.pids.gpus) || "-")}</td><td>${d.job == null ? "-" : d.job}</td><td class="mono">${esc(d.url || "-")}</td><td>${fmt.time(d.created_at)}</td></tr>`).join("") + "</table>"
+      deps.map((d) => `<tr class="clickable ${d.id === this.selected ? "sel" : ""}" data-id="${esc(d.id)}"><td>${esc(d.id)}</td><td>${esc(d.model)}:${esc(d.version)}</td><td class="mono">${esc(d.ref)}</td><td>${fmt.badge(d.status)}</td><td>${esc(d.replicas)}</td><td>${esc(d.device)}</td><td class="mono">${esc((d.pids && d.pids.gpus) || "-")}</td><td>${esc(d.job ?? "-")}</td><td class="mono">${esc(d.url || "-")}</td><td>${fmt.time(d.created_at)}</td></tr>`).join("") + "</table>"
       : '<p class="muted">No deployment yet (<code>gpuyard deploy MODEL</code>).</p>';
     el.querySelectorAll("tr[data-id]").forEach((tr) => tr.addEventListener("click", () => this.select(Number(tr.dataset.id))));
     document.getElementById("alerts").innerHTML = alerts.length ? `<table><tr><th>at</th><th>model</th><th>kind</th><th>feature</th><th>test</th><th>value</th><th>threshold</th><th>window</th></tr>` +
-      alerts.map((a) => `<tr><td>${fmt.time(a.created_at)}</td><td>${esc(a.model)}:${a.version}</td><td>${esc(a.kind)}</td><td>${esc(a.feature || "-")}</td><td>${esc(a.metric)}</td><td>${fmt.num(a.value, 4)}</td><td>${fmt.num(a.threshold, 3)}</td><td>${a.window}</td></tr>`).join("") + "</table>"
+      alerts.map((a) => `<tr><td>${fmt.time(a.created_at)}</td><td>${esc(a.model)}:${esc(a.version)}</td><td>${esc(a.kind)}</td><td>${esc(a.feature || "-")}</td><td>${esc(a.metric)}</td><td>${fmt.num(a.value, 4)}</td><td>${fmt.num(a.threshold, 3)}</td><td>${esc(a.window)}</td></tr>`).join("") + "</table>"
       : '<p class="muted">No drift alert.</p>';
     if (this.selected === null) {
       const first = deps.find((d) => d.status === "running");
@@ -367,7 +367,7 @@ GY.pages.deployments = {
     for (const k of Object.keys(h)) if (h[k].length > 300) h[k].shift();
     const lat = document.getElementById("lat-chart"), tput = document.getElementById("tput-chart");
     lat.innerHTML = ""; tput.innerHTML = "";
-    Charts.line(lat, `latency (ms, last ${s.window_s}s window)`, h.t, [{ label: "p50", values: h.p50 }, { label: "p95", values: h.p95 }, { label: "p99", values: h.p99 }], { time: true, width: 480 });
+    Charts.line(lat, `latency (ms, last ${Number(s.window_s)}s window)`, h.t, [{ label: "p50", values: h.p50 }, { label: "p95", values: h.p95 }, { label: "p99", values: h.p99 }], { time: true, width: 480 });
     Charts.line(tput, "throughput (requests/s)", h.t, [{ label: "req/s", values: h.rps }], { time: true, width: 480 });
     const d = live.drift || {};
     const r = d.report;
@@ -375,10 +375,10 @@ GY.pages.deployments = {
     const rows = (feats, head) => `<table class="${head}"><tr><th>${head === "skew" ? "raw column" : "feature"}</th><th>PSI</th><th>KS</th><th>KS p</th><th>${head}</th></tr>` +
       feats.slice(0, 64).map((f) => `<tr><td>${esc(f.feature)}</td><td>${fmt.num(f.psi, 3)}</td><td>${f.ks == null ? "-" : fmt.num(f.ks, 3)}</td><td>${f.ks_pvalue == null ? "-" : fmt.num(f.ks_pvalue, 2)}</td><td>${f.drift_psi || f.drift_ks ? fmt.badge("fail") : fmt.badge("pass")}</td></tr>`).join("") + "</table>";
     const k = d.skew;
-    const skew = !d.enabled ? "" : k ? `<h4>Raw records against the training rows (skew)</h4><p class="muted">${k.rows} records; text columns by PSI over their categories</p>${rows(k.features, "skew")}` :
+    const skew = !d.enabled ? "" : k ? `<h4>Raw records against the training rows (skew)</h4><p class="muted">${esc(k.rows)} records; text columns by PSI over their categories</p>${rows(k.features, "skew")}` :
       d.skew_reason && d.skew_reason.includes("raw records") ? `<p class="muted">Skew: ${esc(d.skew_reason)}</p>` : "";
     drift.innerHTML = !d.enabled ? `<p class="muted">Drift off: ${esc(d.reason)}</p>` : (!r ? `<p class="muted">${esc(d.reason)}</p>` :
-      `<p class="muted">${r.rows} samples; PSI alert at ≥ ${r.psi_threshold}, KS at p < ${fmt.num(r.ks_pvalue_threshold, 2)}</p>${rows(r.features, "drift")}`) + skew;
+      `<p class="muted">${esc(r.rows)} samples; PSI alert at ≥ ${esc(r.psi_threshold)}, KS at p < ${fmt.num(r.ks_pvalue_threshold, 2)}</p>${rows(r.features, "drift")}`) + skew;
   },
 };
 

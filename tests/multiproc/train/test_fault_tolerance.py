@@ -47,7 +47,14 @@ def test_sigkill_of_a_rank_restarts_and_resumes_from_last_checkpoint(tmp_path: P
     os.kill(int((tmp_path / "victim.pid").read_text()), signal.SIGKILL)
     code, out, err = finish(proc)
     assert code == 0, err[-3000:]
-    assert json.loads(out)["status"] == "completed"
+    doc = json.loads(out)
+    assert doc["status"] == "completed"
+    # One summary of the restart; the ranks' tracebacks are in train.log, not on the terminal.
+    log = tmp_path / "run" / "train.log"
+    assert doc["notes"] == [
+        f"restart 1: local rank 1 died (SIGKILL); resumed from step 8 (storage); tracebacks in {log}"
+    ]
+    assert "Traceback" not in err and "failed (exitcode: -9) local_rank: 1" in log.read_text()
     resumes = [e for e in read_metrics(tmp_path / "run") if e["event"] == "resume"]
     # Killed at step 10: the restarted workers resumed from the checkpoint of step 8.
     assert [e["step"] for e in resumes] == [8]

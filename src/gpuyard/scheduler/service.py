@@ -185,8 +185,9 @@ class JobService:
         if res.shared:  # part of one GPU or MIG slices (docs/scheduler.md, sharing)
             share = share_of(res.model_dump())
             why = share_never_fits(self.state, share, res.gpu_type) if share else None
-            if self.executor.name == "ray":
-                why = "resources: shares and MIG slices run on the local executor, not on Ray"
+            if self.executor.name in ("ray", "slurm"):
+                on = "Ray" if self.executor.name == "ray" else "Slurm (use its shard or MIG GRES)"
+                why = f"resources: shares and MIG slices run on the local executor, not on {on}"
             if why:
                 raise CapacityError(why)
             return

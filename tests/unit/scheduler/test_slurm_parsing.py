@@ -68,3 +68,25 @@ def test_settings_file_per_team_and_refusals(tmp_path: Path) -> None:
 def test_instance_tags_differ_per_store_and_stay_put() -> None:
     assert instance_tag("sqlite:///a/state.db") == instance_tag("sqlite:///a/state.db")
     assert instance_tag("sqlite:///a/state.db") != instance_tag("sqlite:///b/state.db")
+
+
+def test_a_slurm_server_refuses_gpu_shares_and_time_limits_elsewhere(gpuyard_home: Path) -> None:
+    from gpuyard.errors import CapacityError
+    from gpuyard.scheduler.executors.local import LocalExecutor
+    from gpuyard.scheduler.executors.slurm import SlurmExecutor
+    from gpuyard.scheduler.placement import NodeSpec
+    from gpuyard.scheduler.service import JobService, ServiceConfig
+    from gpuyard.scheduler.spec import parse_spec
+    from gpuyard.store import get_store
+
+    nodes = [NodeSpec("n1", 2, "gpu", "n1", "s1", cpus=2)]
+    slurm = object.__new__(SlurmExecutor)  # no cluster needed: only its name and capabilities are read
+    service = JobService(get_store(), nodes, slurm, ServiceConfig())
+    with pytest.raises(CapacityError, match="not on Slurm"):
+        service.check(parse_spec({"name": "s", "command": ["true"], "resources": {"gpus": 0.5}}))
+    service.check(
+        parse_spec({"name": "t", "command": ["true"], "time_limit_min": 5, "resources": {"gpus": 1}})
+    )
+    local = JobService(get_store(), nodes, LocalExecutor(gpuyard_home / "jobs"), ServiceConfig())
+    with pytest.raises(ConfigError, match="enforced on a Slurm cluster only"):
+        local.check(parse_spec({"name": "t", "command": ["true"], "time_limit_min": 5}))

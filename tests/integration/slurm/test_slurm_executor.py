@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,45 @@ def test_a_restarted_server_adopts_running_slurm_jobs(
     assert "released" in second.read_log(job["id"])["text"]
     assert slurm_job(slurm_cluster, second.executor.prefix, job["id"])["JobState"] == "COMPLETED"
     assert second.get(job["id"])["attempts"] == 1  # adopted, not run again
+
+
+def test_a_job_runs_as_its_unix_user_with_the_allow_listed_environment(
+    slurm_cluster: LocalSlurm,
+    time_limited: dict[str, Any],
+    gpuyard_home: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under an isolating server, sbatch --uid runs the job as the job user, in its own 0700 folder,
+    with none of the server's variables."""
+    import pwd
+    import shutil
+
+    from gpuyard.scheduler.executors.isolation import DEFAULT_JOB_USER, JobIsolation
+
+    try:
+        entry = pwd.getpwnam(DEFAULT_JOB_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", DEFAULT_JOB_USER], check=True)
+        entry = pwd.getpwnam(DEFAULT_JOB_USER)
+    root = Path(tempfile.mkdtemp(prefix="gpuyard-slurm-iso-"))
+    os.chmod(root, 0o711)
+    monkeypatch.setenv("SERVER_SECRET", "must-not-reach-jobs")
+    try:
+        service = make_slurm_service(gpuyard_home, nodes=["n1", "n2", "n3"])
+        service.executor.isolation = JobIsolation(
+            user=entry.pw_name, uid=entry.pw_uid, gid=entry.pw_gid, switch=True, work_root=root
+        )
+        cmd = ["bash", "-c", 'echo "user=$(id -un) pwd=$PWD secret=${SERVER_SECRET:-none}"']
+        job = service.submit(parse_spec({"name": "iso", "command": cmd, "resources": {"gpus": 1}}))
+        doc = _until(service, job["id"], {"succeeded", "failed"})
+        log = service.read_log(job["id"])["text"]
+        assert doc["state"] == "succeeded", log
+        folder = root / f"job-{job['id']}"
+        assert f"user={DEFAULT_JOB_USER} pwd={folder} secret=none" in log
+        st = folder.stat()
+        assert st.st_uid == entry.pw_uid and st.st_mode & 0o777 == 0o700
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_drains_go_both_ways(

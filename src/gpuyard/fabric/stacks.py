@@ -20,6 +20,18 @@ overlap) is the same for every stack; a profile says how a stack runs the parts 
 * ``attention``: the attention kernel family: FlashAttention 2 ("fa2": torchtitan's SDPA flash backend
   in 2024, llm-foundry's flash-attn 2) or Hopper-native kernels ("fa3": Transformer Engine's cuDNN fused
   attention in Megatron and NeMo); ``gpuyard.fabric.step.FA2_ON_HOPPER`` says what that costs on Hopper.
+* ``tp_comm_overlap``: tensor-parallel all-gathers and reduce-scatters (or all-reduces) run split into
+  chunks pipelined with the GEMMs next to them (Transformer Engine userbuffers), so only what exceeds
+  the GEMMs and the first chunk show. NeMo's and Megatron-Bridge's pre-training performance recipes set
+  it for TP > 1 (``MegatronCommOverlapCallback(tp_comm_overlap=True)`` with a userbuffers config per
+  model in NeMo 2; ``CommOverlapConfig(tp_comm_overlap=True)`` in Megatron-Bridge's performance
+  configs); Megatron-LM leaves ``--tp-comm-overlap`` off by default; torchtitan's async TP is opt-in
+  (``enable_async_tensor_parallel``, with compile) and off by default; DeepSpeed and llm-foundry have none.
+  ``ParallelConfig.tp_overlap`` overrides the stack's default for one run.
+* Data-parallel overlap (bucketed gradient reduce-scatter behind the backward, parameter all-gather
+  behind the forward) and pipeline send/recv (exposed) are modelled the same for every stack here: each
+  stack named has them on by default (Megatron's ``--overlap-grad-reduce``/``--overlap-param-gather``
+  in the recipes that set them, FSDP's prefetch).
 * Dispatch overlap and the cost of overlapped communication are properties of the device
   (``Compute.async_dispatch``, ``Compute.overlap_slowdown``), not of the stack.
 
@@ -50,6 +62,7 @@ class Stack:
     summary: str
     fp32_elementwise: bool = False
     loss_bytes_per_logit: float = 24.0
+    tp_comm_overlap: bool = False
 
 
 STACKS: dict[str, Stack] = {
@@ -68,8 +81,9 @@ STACKS: dict[str, Stack] = {
             30.0,
             1.0,
             "fa3",
-            "NVIDIA NeMo / Megatron-Bridge (Megatron-Core and TE underneath)",
+            "NVIDIA NeMo / Megatron-Bridge (Megatron-Core and TE underneath), TP comm overlap on",
             loss_bytes_per_logit=12.0,
+            tp_comm_overlap=True,
         ),
         Stack(
             "torchtitan",

@@ -67,6 +67,7 @@ class ParallelConfig:
     precision: str = "bf16"  # bf16 | fp16 | fp8 | fp32: GEMM peak, activation and gradient bytes
     stack: str = "megatron-lm"  # software-stack profile (gpuyard.fabric.stacks)
     compiled: bool = False  # torch.compile (or another compiler) fuses the memory-bound operators
+    tp_overlap: bool | None = None  # TP comm overlapped with GEMMs (None: the stack's default)
 
     @property
     def gpus(self) -> int:
@@ -86,6 +87,28 @@ class Breakdown:
     bubble_s: float
     exposed_comm_s: float
     ep_comm_s: float = 0.0
+    # Exposed part of each family's time (the rest overlaps compute, whose slowdown from sharing the
+    # GPU is ``overlap_cost_s``); pipeline send/recv and expert all-to-all are exposed whole.
+    tp_exposed_s: float = 0.0
+    cp_exposed_s: float = 0.0
+    dp_exposed_s: float = 0.0
+    overlap_cost_s: float = 0.0
+
+    @property
+    def collectives(self) -> dict[str, dict[str, float]]:
+        """Per collective family that runs: seconds per step in total, exposed and overlapped."""
+        parts = {
+            "tp": (self.tp_comm_s, self.tp_exposed_s),
+            "cp": (self.cp_comm_s, self.cp_exposed_s),
+            "ep": (self.ep_comm_s, self.ep_comm_s),
+            "pp": (self.pp_comm_s, self.pp_comm_s),
+            "dp": (self.dp_comm_s, self.dp_exposed_s),
+        }
+        return {
+            name: {"total_s": total, "exposed_s": exposed, "overlapped_s": max(0.0, total - exposed)}
+            for name, (total, exposed) in parts.items()
+            if total > 0
+        }
 
 
 @dataclass(frozen=True)
@@ -120,7 +143,7 @@ class StepEstimate:
                 )
             }
         )
-        out["breakdown"] = asdict(self.breakdown)
+        out["breakdown"] = {**asdict(self.breakdown), "collectives": self.breakdown.collectives}
         out["memory_breakdown_gib"] = dict(self.memory_gib)
         return out
 
@@ -216,6 +239,7 @@ class _Layer:
     cp_comm: float
     ep_comm: float
     cp_exposed: float = 0.0  # the part of cp_comm (plus ring-step overheads) not hidden by attention
+    tp_exposed: float = 0.0  # the part of tp_comm on the critical path (all of it without TP overlap)
 
 
 def _layer_times(
@@ -234,6 +258,7 @@ def _layer_times(
         cfg.precision,
         stack or get_stack(cfg.stack),
         cfg.compiled,
+        cfg.tp_overlap,
     )
 
 
@@ -251,6 +276,7 @@ def _layer_times_cached(
     precision: str = "bf16",
     stack: Stack = STACKS["megatron-lm"],
     compiled: bool = False,
+    tp_overlap: bool | None = None,
 ) -> _Layer:
     h = model.hidden
     tokens = micro_batch * seq / cp  # rows of every GEMM on this GPU
@@ -324,6 +350,13 @@ def _layer_times_cached(
         else:
             one = comm_time(cluster, "all_reduce", size, tp)
         tp_comm = 2 * passes * one
+    tp_exposed = tp_comm
+    if tp > 1 and (stack.tp_comm_overlap if tp_overlap is None else tp_overlap):
+        # Split into tp chunks pipelined with the adjacent GEMMs (ring exchange): the first chunk of
+        # each collective shows, and whatever the layer's GEMMs cannot cover.
+        gemms = gemm_fwd + gemm_bwd + (gemm_fwd if recompute == "full" else 0.0)
+        tp_exposed = max(0.0, tp_comm - gemms) + tp_comm / tp
+        tp_exposed = min(tp_comm, tp_exposed)
     cp_comm = cp_exposed = 0.0
     if cp > 1:
         kv_bytes = 2 * tokens * model.kv_heads * model.head_dim * 2 / min(tp, model.kv_heads)
@@ -345,7 +378,7 @@ def _layer_times_cached(
         per_domain = max(1, min(ep, cluster.domain // (tp * cp)))
         routed_bytes = tokens * model.top_k * h * 2 / (tp if seqpar else 1)
         ep_comm = 2 * passes * comm_time(cluster, "all_to_all", routed_bytes, ep, per_domain)
-    return _Layer(fwd, bwd, recompute_s, attention, tp_comm, cp_comm, ep_comm, cp_exposed)
+    return _Layer(fwd, bwd, recompute_s, attention, tp_comm, cp_comm, ep_comm, cp_exposed, tp_exposed)
 
 
 def _stage_layers(model: ModelSpec, pp: int) -> tuple[int, int]:
@@ -444,8 +477,8 @@ def _zero3_exposed(layer: _Layer, per_stage: int, m: int, grad_comm: float, para
         return 0.0
     gather = param_comm / (2 * m * per_stage)
     scatter = grad_comm / (m * per_stage)
-    fwd = layer.fwd + layer.tp_comm / 2 + layer.cp_exposed / 2
-    bwd = layer.bwd + layer.recompute + layer.tp_comm / 2 + layer.cp_exposed / 2
+    fwd = layer.fwd + layer.tp_exposed / 2 + layer.cp_exposed / 2
+    bwd = layer.bwd + layer.recompute + layer.tp_exposed / 2 + layer.cp_exposed / 2
     # The first layer of each pass has nothing to hide behind: its gather shows whole, once.
     per_mb = (per_stage - 1) * (max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd)) + 2 * gather
     return m * per_mb + scatter
@@ -489,7 +522,7 @@ def estimate_step(
     # Cross-entropy over the logits is memory-bound: bytes per logit by stack (fused or not).
     head += tokens * model.vocab / cfg.tp * profile.loss_bytes_per_logit / (cluster.memory_bw_GBps * 1e9)
     layer_compute = layer.fwd + layer.bwd + layer.recompute
-    layer_comm = layer.tp_comm + layer.ep_comm + layer.cp_exposed
+    layer_comm = layer.tp_exposed + layer.ep_comm + layer.cp_exposed
     # The busiest stage sets the pace: a full stage, or the last one with fewer layers plus the head.
     full_stage = per_stage * (layer_compute + layer_comm)
     last_stage = last * (layer_compute + layer_comm) + head
@@ -514,7 +547,9 @@ def estimate_step(
         exposed_dp = max(0.0, grad_comm - (t_mb - mb_fwd)) + max(0.0, param_comm - mb_fwd)
     # Communication hidden behind compute still slows it (SMs and memory bandwidth are shared).
     hidden_cp = m * per_stage * max(0.0, layer.cp_comm - layer.cp_exposed)
-    overlap = cluster.compute.overlap_slowdown * (max(0.0, grad_comm + param_comm - exposed_dp) + hidden_cp)
+    hidden_tp = m * per_stage * max(0.0, layer.tp_comm - layer.tp_exposed)
+    dp_total, dp_exposed = grad_comm + param_comm, exposed_dp
+    overlap = cluster.compute.overlap_slowdown * (max(0.0, dp_total - exposed_dp) + hidden_cp + hidden_tp)
     exposed_dp += overlap
     dense, experts = _stage_params(model, cfg)
     shard = cfg.dp * cfg.cp if cfg.zero >= 1 else 1
@@ -543,7 +578,18 @@ def estimate_step(
         memory_gib_per_gpu=needed / GIB,
         fits=needed <= cluster.device_memory_bytes,
         breakdown=Breakdown(
-            compute, tp_total, cp_total, pp_comm, grad_comm + param_comm, bubble, exposed, ep_total
+            compute,
+            tp_total,
+            cp_total,
+            pp_comm,
+            grad_comm + param_comm,
+            bubble,
+            exposed,
+            ep_total,
+            tp_exposed_s=m * per_stage * layer.tp_exposed,
+            cp_exposed_s=m * per_stage * min(layer.cp_comm, layer.cp_exposed),
+            dp_exposed_s=min(dp_total, dp_exposed),
+            overlap_cost_s=overlap,
         ),
         memory_gib={k: v / GIB for k, v in mem.items()},
     )

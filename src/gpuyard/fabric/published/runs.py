@@ -84,6 +84,11 @@ class PublishedRun(BaseModel):
     sequence_parallel: bool = False
     precision: Literal["bf16", "fp16", "fp8"]
     compiled: bool = Field(default=False, description="torch.compile on (the source says so).")
+    tp_overlap: bool | None = Field(
+        default=None,
+        description="TP communication overlapped with GEMMs (e.g. torchtitan's async TP); None: the "
+        "source's stack default (gpuyard.fabric.stacks).",
+    )
     metric: Metric
     value: float = Field(gt=0)
     notes: str = ""
@@ -113,6 +118,7 @@ class PublishedRun(BaseModel):
             ep=self.ep,
             precision="bf16" if self.precision == "fp16" else self.precision,
             compiled=self.compiled,
+            tp_overlap=self.tp_overlap,
         )
 
     def direct_step_time_s(self) -> float | None:

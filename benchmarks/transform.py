@@ -1,22 +1,34 @@
-"""Transform throughput: a normalisation + encoding recipe over 10 million rows, gpuyard vs pandas.
+"""Transform throughput: a normalisation + encoding recipe, gpuyard vs pandas, Polars and DuckDB.
 
-Both start from the same rows in Parquet and end with the transformed rows in Parquet:
+Every side starts from the same rows in Parquet and ends with the transformed rows in Parquet, doing
+the same work:
 
-- gpuyard: ``transform(ref, recipe, engine=...)`` over the ingested version (its shards): fit
-  z-score and min-max statistics and the categories (here read from the version's manifest: there
-  is no split), apply them, write new shards and their statistics, record the version. The one-hot
-  result is one uint8 vector column (gpuyard's representation) rather than 20 flag columns. Run
-  with ``engine="thread"`` (its best configuration on 2 cores; the headline ``vs_pandas``) and with
-  ``engine="pool"`` (worker processes, start-up included; ``pool_vs_pandas``), same worker count.
-- pandas: ``read_parquet`` (pyarrow engine, all threads; ``read_dictionary=["cat"]`` so the text
-  column arrives as a ``Categorical`` straight from Parquet's dictionary pages, as gpuyard reads it),
-  ``mean``/``std(ddof=0)``/``min``/``max`` and the same vectorised arithmetic (float32 results, as
-  gpuyard's), ``get_dummies`` on the categorical (uint8, the same sorted categories), ``to_parquet``
-  (pyarrow, snappy: the defaults). The one-hot result is 20 uint8 columns, the pandas way; Parquet
-  stores them as 20 INT32 columns, so pandas writes more values than gpuyard's single vector column
-  (the output files are about 210 MB vs 160 MB): that is part of what is compared.
+- statistics: precomputed for every side and read inside the timed section: gpuyard reads them
+  from the version's manifest (computed by ``ingest``), the others from a JSON file of the same
+  figures (z-score mean/std, min-max min/max, the sorted categories). Computing them is timed on
+  no side (ingest's cost is ingest's);
+- output: the four scaled columns as float32, ``id`` as it was, and the one-hot as ONE vector
+  column of 20 uint8 per row on every side (gpuyard's representation; 20 flag columns would be a
+  different, larger output).
 
-Each runs in a fresh process; also prints its peak RSS (``ru_maxrss`` of the process and its workers).
+Contenders, each in its best idiom, in a fresh process (imports excluded from the timing):
+
+- gpuyard: ``transform(ref, recipe, engine="thread")`` over the ingested version (2 worker threads,
+  its best configuration on 2 cores; also ``engine="pool"``, worker processes, ``pool_vs_best``).
+  It also writes the output's statistics and records the version: more work than the others do;
+- pandas: ``read_parquet`` (pyarrow engine; the category read as a ``Categorical`` straight from
+  Parquet's dictionary pages), vectorised float32 arithmetic, the category codes into 20-byte
+  vectors (one NumPy gather), written by pyarrow (what ``to_parquet`` calls; pandas has no
+  fixed-size vector dtype);
+- Polars (all its threads), two idioms, the faster of the two per round counts: ``concat_arr`` of
+  the 20 flags (a native ``Array(UInt8, 20)`` column) or the Enum codes into 20-byte vectors;
+  ``write_parquet``;
+- DuckDB (all its threads): one ``COPY (SELECT ...) TO`` statement, the one-hot an ``array_value``
+  of the 20 flags.
+
+``vs_best`` is against the fastest of pandas, Polars and DuckDB in each round (the fastest
+configuration of each competitor is the one compared against). Rounds run every contender once, the
+order rotated each round; ratios are per round, reported as the median and the spread.
 
 Usage: python benchmarks/transform.py [--quick] [--rows N] [--workers W]
 
@@ -37,6 +49,7 @@ import importlib
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,7 +93,27 @@ def make_source(path: Path, rows: int) -> None:
     writer.close()
 
 
-def run_pandas(src: Path, dest: Path) -> float:
+def _read_fitted(path: Path) -> tuple[dict[str, tuple[float, float]], list[str]]:
+    """The precomputed statistics (timed on every side): per column (shift, scale), categories."""
+    import json
+
+    fitted = json.loads(path.read_text())
+    shifts = {
+        c: (p["mean"], p["std"]) if p["method"] == "zscore" else (p["min"], p["max"] - p["min"])
+        for c, p in fitted["normalize"].items()
+    }
+    return shifts, list(fitted["encode"]["cat"]["categories"])
+
+
+def _onehot_vectors(codes: np.ndarray, k: int) -> pa.Array:
+    """One 20-byte vector per row (row ``k`` of the table: unknown, all zeros), as gpuyard stores it."""
+    eye = np.zeros((k + 1, k), np.uint8)
+    eye[np.arange(k), np.arange(k)] = 1
+    codes = np.where(codes < 0, k, codes)
+    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(k), len(codes), [None, pa.py_buffer(eye[codes])])
+
+
+def run_pandas(src: Path, dest: Path, stats: Path) -> float:
     import pandas as pd
 
     # Modules read_parquet and to_parquet import on their first call (Arrow's dataset and filesystem
@@ -89,16 +122,56 @@ def run_pandas(src: Path, dest: Path) -> float:
         importlib.import_module(module)
 
     t0 = time.perf_counter()
+    shifts, cats = _read_fitted(stats)
     df = pd.read_parquet(src, engine="pyarrow", read_dictionary=["cat"])
-    for col in ("a", "b"):
-        df[col] = ((df[col] - df[col].mean()) / df[col].std(ddof=0)).astype(np.float32)
-    for col in ("c", "d"):
-        lo, hi = df[col].min(), df[col].max()
-        df[col] = ((df[col] - lo) / (hi - lo)).astype(np.float32)
-    cats = sorted(df["cat"].cat.categories)
-    dummies = pd.get_dummies(df["cat"].cat.set_categories(cats), prefix="cat", prefix_sep="=", dtype=np.uint8)
-    df = pd.concat([df.drop(columns=["cat"]), dummies], axis=1)
-    df.to_parquet(dest, index=False)
+    for col, (shift, scale) in shifts.items():
+        df[col] = ((df[col] - shift) * (1.0 / (scale or 1.0))).astype(np.float32)
+    codes = df["cat"].cat.set_categories(cats).cat.codes.to_numpy()
+    # One vector column, as gpuyard writes: pandas has no fixed-size vector dtype, so the column is
+    # built in Arrow and written with pyarrow (what to_parquet calls).
+    table = pa.Table.from_pandas(df.drop(columns=["cat"]), preserve_index=False)
+    pq.write_table(table.append_column("cat", _onehot_vectors(codes, len(cats))), dest)
+    return time.perf_counter() - t0
+
+
+def run_polars(src: Path, dest: Path, stats: Path, idiom: str) -> float:
+    """Polars, all its threads; ``idiom``: ``array`` (``concat_arr`` of the 20 flags: a native
+    ``Array(UInt8, 20)`` column) or ``binary`` (the category's physical code turned into one 20-byte
+    vector, as pandas' side does)."""
+    import polars as pl
+
+    t0 = time.perf_counter()
+    shifts, cats = _read_fitted(stats)
+    frame = pl.read_parquet(src)
+    scaled = [
+        ((pl.col(c) - s) * (1.0 / (k or 1.0))).cast(pl.Float32).alias(c) for c, (s, k) in shifts.items()
+    ]
+    if idiom == "array":
+        onehot = pl.concat_arr([(pl.col("cat") == v).fill_null(False).cast(pl.UInt8) for v in cats]).alias(
+            "cat"
+        )
+        frame = frame.with_columns([*scaled, onehot])
+    else:
+        codes = frame["cat"].cast(pl.Enum(cats)).to_physical().fill_null(-1).to_numpy()
+        vectors = pl.from_arrow(_onehot_vectors(codes.astype(np.int64), len(cats)))
+        frame = frame.with_columns(scaled).with_columns(vectors.alias("cat"))
+    frame.write_parquet(dest, compression="snappy")
+    return time.perf_counter() - t0
+
+
+def run_duckdb(src: Path, dest: Path, stats: Path) -> float:
+    """DuckDB, all its threads: one SQL statement, the one-hot an ``array_value`` of 20 flags."""
+    import duckdb
+
+    con = duckdb.connect()
+    t0 = time.perf_counter()
+    shifts, cats = _read_fitted(stats)
+    exprs = ", ".join(
+        f'CAST(("{c}" - {s!r}) * {1.0 / (k or 1.0)!r} AS FLOAT) AS "{c}"' for c, (s, k) in shifts.items()
+    )
+    flags = ", ".join(f"CAST(coalesce(cat = '{v}', false) AS UTINYINT)" for v in cats)
+    query = f"SELECT id, {exprs}, array_value({flags}) AS cat FROM read_parquet('{src}')"
+    con.sql(f"COPY ({query}) TO '{dest}' (FORMAT parquet, COMPRESSION snappy)")
     return time.perf_counter() - t0
 
 
@@ -124,12 +197,15 @@ def run_gpuyard(engine: str, workers: int, source_ref: str, pandas_out: Path) ->
     spec = tensor_spec(mine.schema.field("cat"))
     assert spec is not None and spec.shape == (len(CATEGORIES),)
     n = min(mine.num_rows, 100_000)
-    theirs = pq.read_table(pandas_out, columns=["id", "a", "d", "cat=c03"]).slice(0, n).to_pandas()
-    np.testing.assert_array_equal(mine.column("id").to_numpy()[:n], theirs["id"].to_numpy())
-    np.testing.assert_allclose(mine.column("a").to_numpy()[:n], theirs["a"].to_numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(mine.column("d").to_numpy()[:n], theirs["d"].to_numpy(), rtol=1e-4, atol=1e-5)
+    theirs = pq.read_table(pandas_out, columns=["id", "a", "d", "cat"]).slice(0, n)
+    np.testing.assert_array_equal(mine.column("id").to_numpy()[:n], theirs.column("id").to_numpy())
+    for col in ("a", "d"):
+        np.testing.assert_allclose(
+            mine.column(col).to_numpy()[:n], theirs.column(col).to_numpy(), rtol=1e-4, atol=1e-5
+        )
     onehot = tensor_to_numpy(mine.column("cat"), spec)[:n]
-    np.testing.assert_array_equal(onehot[:, 3], theirs["cat=c03"].to_numpy())
+    their_onehot = np.frombuffer(theirs.column("cat").combine_chunks().buffers()[1], np.uint8)
+    np.testing.assert_array_equal(onehot, their_onehot[: n * len(CATEGORIES)].reshape(n, -1))
     # Shards are content-addressed: a later round would find them stored and skip the writes. Remove
     # them so every round writes its output, as pandas does.
     for shard in result.shards:
@@ -138,9 +214,19 @@ def run_gpuyard(engine: str, workers: int, source_ref: str, pandas_out: Path) ->
 
 
 def _peak_kib() -> int:
-    """Peak RSS so far of this process or of its largest finished child (KiB)."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return max(me.ru_maxrss, kids.ru_maxrss)
+    """Peak RSS so far of this process or of its largest finished child (KiB).
+
+    This process's own from ``VmHWM`` (its address space's high-water mark): Linux carries
+    ``ru_maxrss`` across ``exec``, so ``RUSAGE_SELF`` would start at the benchmark driver's RSS
+    (about 625 MiB after making the data) and every contender would read at least that.
+    """
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    try:
+        status = Path("/proc/self/status").read_text()
+        own = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return max(own, kids)
 
 
 def _fitted(src: Path) -> dict[str, Any]:
@@ -285,7 +371,13 @@ def compare_engines(rows: int, rounds: int) -> None:
 def child(which: str, argv: list[str]) -> None:
     """Run one contender in this (fresh) process; print seconds and peak RSS (KiB, self and children)."""
     if which == "pandas":
-        dt = run_pandas(Path(argv[0]), Path(argv[1]))
+        dt = run_pandas(Path(argv[0]), Path(argv[1]), Path(argv[2]))
+        peak = _peak_kib()
+    elif which.startswith("polars-"):
+        dt = run_polars(Path(argv[0]), Path(argv[1]), Path(argv[2]), which.split("-", 1)[1])
+        peak = _peak_kib()
+    elif which == "duckdb":
+        dt = run_duckdb(Path(argv[0]), Path(argv[1]), Path(argv[2]))
         peak = _peak_kib()
     elif which.startswith("engine-"):
         import json
@@ -312,7 +404,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 million rows instead of 10 million")
     ap.add_argument("--rows", type=int, default=None)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2, help="runs per contender, best kept")
+    ap.add_argument("--rounds", type=int, default=3, help="runs per contender (median and spread)")
     ap.add_argument(
         "--engines",
         action="store_true",
@@ -337,50 +429,78 @@ def main() -> None:
     )
     print(f"ingest {rows:,} rows: {time.perf_counter() - t0:.2f} s, {len(version.shards)} shards")
 
+    # The statistics every side uses, precomputed: gpuyard reads them from the version's manifest
+    # (computed at ingest), the others from this JSON file of the same figures; both reads are timed.
+    import json
+
+    from gpuyard.data import load_recipe
+    from gpuyard.data.transforms import fit_from_stats
+
+    fitted = fit_from_stats(load_recipe(RECIPE), version)
+    assert fitted is not None
+    stats = root / "fitted.json"
+    stats.write_text(json.dumps(fitted))
+
     # Each contender runs in a fresh process of its own: its time excludes Python's start-up and
     # imports, and its peak memory is its own (for gpuyard: the driver or the largest pool worker).
-    # The disk here is slow and its page cache is reclaimed eagerly, so each runs --rounds times,
-    # alternating, and keeps its best.
+    # Rounds run every contender once, the order rotated each round so that a busy moment of the
+    # shared machine falls on different contenders; ratios are per round (gpuyard against the
+    # baselines of the same round), reported as the median and the spread over the rounds.
     pandas_out = root / "pandas.parquet"
-    best: dict[str, tuple[float, float, float]] = {}
     gpuyard_args = (str(args.workers), version.ref, str(pandas_out))
-    for _ in range(args.rounds):
-        runs = {
-            "pandas": _spawn("--child", "pandas", str(src), str(pandas_out)),
-            "gpuyard": _spawn("--child", "gpuyard-thread", *gpuyard_args),
-            "gpuyard_pool": _spawn("--child", "gpuyard-pool", *gpuyard_args),
-        }
-        for name, (sec, peak, cpu) in runs.items():
-            old = best.get(name)
-            best[name] = (
-                (sec, peak, cpu) if old is None else (min(old[0], sec), max(old[1], peak), min(old[2], cpu))
-            )
-    (gpuyard_s, rss_kib, gpuyard_cpu), (pandas_s, pandas_rss_kib, pandas_cpu) = (
-        best["gpuyard"],
-        best["pandas"],
-    )
+    contenders: dict[str, tuple[str, ...]] = {
+        "pandas": ("pandas", str(src), str(pandas_out), str(stats)),
+        "gpuyard": ("gpuyard-thread", *gpuyard_args),
+        "polars_array": ("polars-array", str(src), str(root / "polars.parquet"), str(stats)),
+        "duckdb": ("duckdb", str(src), str(root / "duckdb.parquet"), str(stats)),
+        "gpuyard_pool": ("gpuyard-pool", *gpuyard_args),
+        "polars_binary": ("polars-binary", str(src), str(root / "polars.parquet"), str(stats)),
+    }
+    names = list(contenders)
+    # pandas first in the first round: gpuyard's check reads its output.
+    rounds: list[dict[str, tuple[float, float, float]]] = []
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)] if r else names
+        rounds.append({name: _spawn("--child", *contenders[name]) for name in order})
+    sec = {name: [rd[name][0] for rd in rounds] for name in names}
+    peak = {name: max(rd[name][1] for rd in rounds) / 1024 for name in names}
+    med = {name: statistics.median(v) for name, v in sec.items()}
+    baselines = ("pandas", "polars_array", "polars_binary", "duckdb")
+    # Each competitor in its best configuration: Polars by the faster of its two idioms.
+    for rd in rounds:
+        rd["polars"] = min(rd["polars_array"], rd["polars_binary"])
+    best_of = [min(("pandas", "polars", "duckdb"), key=lambda k: rd[k][0]) for rd in rounds]
+    vs_pandas = [rd["pandas"][0] / rd["gpuyard"][0] for rd in rounds]
+    vs_best = [min(rd[k][0] for k in ("pandas", "polars", "duckdb")) / rd["gpuyard"][0] for rd in rounds]
+    pool_vs_best = [
+        min(rd[k][0] for k in ("pandas", "polars", "duckdb")) / rd["gpuyard_pool"][0] for rd in rounds
+    ]
     from gpuyard.data import open_dataset
 
-    result = open_dataset("bench-out")
-    shards = len(result.shards)
-    rate = rows / gpuyard_s
-    pool_s = best["gpuyard_pool"][0]
-    print(f"gpuyard: {gpuyard_s:.2f} s = {rate:,.0f} rows/s ({args.workers} threads, {shards} shards)")
-    print(f"gpuyard pool: {pool_s:.2f} s = {rows / pool_s:,.0f} rows/s ({args.workers} processes)")
-    print(f"pandas:  {pandas_s:.2f} s = {rows / pandas_s:,.0f} rows/s")
-    mine_mib, theirs_mib = rss_kib / 1024, pandas_rss_kib / 1024
-    print(f"peak RSS: gpuyard {mine_mib:.0f} MiB (driver or largest worker), pandas {theirs_mib:.0f} MiB")
+    shards = len(open_dataset("bench-out").shards)
+    for name in names:
+        all_s = ", ".join(f"{x:.2f}" for x in sec[name])
+        print(
+            f"{name:>13}: median {med[name]:.2f} s = {rows / med[name]:,.0f} rows/s (rounds: {all_s}), "
+            f"peak RSS {peak[name]:.0f} MiB"
+        )
+    print(f"gpuyard: {args.workers} threads (pool: processes), {shards} output shards")
+    print("fastest baseline per round: " + ", ".join(best_of))
+
+    def spread(v: list[float]) -> str:
+        return f"{statistics.median(v):.2f}x (rounds {min(v):.2f}-{max(v):.2f})"
+
+    print(f"gpuyard vs pandas {spread(vs_pandas)}; vs the fastest baseline {spread(vs_best)}")
     print(
-        f"CPU seconds (whole process, imports, workers): gpuyard {gpuyard_cpu:.1f}, pandas {pandas_cpu:.1f}"
+        f"transform: vs_pandas={statistics.median(vs_pandas):.2f}x vs_best={statistics.median(vs_best):.2f}x "
+        f"vs_best_min={min(vs_best):.2f}x vs_best_max={max(vs_best):.2f}x "
+        f"pool_vs_best={statistics.median(pool_vs_best):.2f}x "
+        + " ".join(f"{name}_s={med[name]:.2f}" for name in ("gpuyard", "gpuyard_pool", *baselines))
+        + f" rows={rows} workers={args.workers} rounds={args.rounds} "
+        f"gpuyard_peak_rss_mib={peak['gpuyard']:.0f} pandas_peak_rss_mib={peak['pandas']:.0f} "
+        f"load_avg={os.getloadavg()[0]:.1f}"
     )
-    print(
-        f"transform: vs_pandas={pandas_s / gpuyard_s:.1f}x pool_vs_pandas={pandas_s / pool_s:.1f}x "
-        f"cpu_vs_pandas={pandas_cpu / gpuyard_cpu:.1f}x "
-        f"gpuyard_s={gpuyard_s:.2f} gpuyard_pool_s={pool_s:.2f} pandas_s={pandas_s:.2f} rows={rows} "
-        f"workers={args.workers} "
-        f"rounds={args.rounds} gpuyard_peak_rss_mib={mine_mib:.0f} pandas_peak_rss_mib={theirs_mib:.0f}"
-    )
-    shutil.rmtree(root, ignore_errors=True)  # 100,000 files or 10M rows per run: leave nothing behind
+    shutil.rmtree(root, ignore_errors=True)  # 10M rows per run: leave nothing behind
 
 
 if __name__ == "__main__":

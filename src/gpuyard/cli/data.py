@@ -87,6 +87,10 @@ def _summary(manifest: dict[str, Any]) -> dict[str, Any]:
         "rows_quarantined": q["rows_quarantined"],
         "quarantine": q["by_reason"],
         "splits": manifest.get("splits") or {},
+        "imputed": [
+            {"column": c, **d}
+            for c, d in sorted(((manifest.get("recipe") or {}).get("imputed") or {}).items())
+        ],
     }
 
 
@@ -98,6 +102,11 @@ def _print_summary(doc: dict[str, Any]) -> None:
     )
     if doc["splits"]:
         console.print("splits: " + ", ".join(f"{k}={v}" for k, v in doc["splits"].items()))
+    for d in doc.get("imputed") or []:
+        console.print(
+            escape(f"imputed column {d['column']!r}: {d['how']} = {d['value']!r} into {d['rows']} row(s)"),
+            soft_wrap=True,
+        )
 
 
 @data_app.command("ingest")
@@ -179,8 +188,14 @@ def ingest_cmd(
     )
     with _progress(not as_json) as report:
         version = ingest(src, name, opts, progress=report, team=team)
+    from gpuyard.data.ingest import header_warning
+
     doc = _summary(version.manifest)
     doc["schema"] = schema_summary(version.manifest)
+    header = header_warning(version.manifest["quarantine"])
+    doc["warnings"] = [header] if header else []
+    if header:
+        Console(stderr=True).print(f"[yellow]warning:[/yellow] {escape(header)}", soft_wrap=True)
     if as_json:
         _warn_schema(doc["schema"])
         typer.echo(json.dumps(doc))

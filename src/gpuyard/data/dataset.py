@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import os
@@ -62,6 +63,45 @@ def _mismatch(shard: ShardInfo, actual: str, version: str | None) -> IntegrityEr
     )
 
 
+def _read_bytes(path: str, shard: ShardInfo, version: str | None) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except FileNotFoundError as exc:
+        of = f" of {version}" if version else ""
+        raise NotFoundError(f"shard {shard.key}{of} is missing from the artifact store ({path})") from exc
+
+
+# One thread that hashes a shard's bytes while the caller parses them (hashlib and pyarrow both
+# release the GIL): on a free core the check then costs little more than the parse.
+_HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuyard-shard-hash")
+
+
+def read_checked(path: str, shard: ShardInfo, version: str | None, columns: list[str] | None) -> pa.Table:
+    """Read the local shard file ``path`` once, hash those bytes beside parsing them, and return the
+    table only when the hash matches ``shard.sha256``.
+
+    Raises:
+        NotFoundError: no such file. IntegrityError: the content does not match (checked before any
+            parse error is reported, so a damaged shard is always named as such).
+    """
+    data = _read_bytes(path, shard, version)
+    digest = _HASHER.submit(hashlib.sha256, data)
+    name = f"{shard.key} of {version}" if version else shard.key
+    try:
+        table = read_shard(pa.BufferReader(pa.py_buffer(data)), name, columns=columns)
+    except IntegrityError:
+        actual = digest.result().hexdigest()
+        if actual != shard.sha256:
+            raise _mismatch(shard, actual, version) from None
+        raise
+    actual = digest.result().hexdigest()
+    if actual != shard.sha256:
+        raise _mismatch(shard, actual, version)
+    mark_verified(path, shard.sha256)
+    return table
+
+
 def read_verified(path: str, shard: ShardInfo, version: str | None = None) -> pa.Buffer:
     """The bytes of the local file ``path``, read once and checked against ``shard.sha256``.
 
@@ -71,12 +111,7 @@ def read_verified(path: str, shard: ShardInfo, version: str | None = None) -> pa
     Raises:
         NotFoundError: no such file. IntegrityError: the content does not match, naming the shard.
     """
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except FileNotFoundError as exc:
-        of = f" of {version}" if version else ""
-        raise NotFoundError(f"shard {shard.key}{of} is missing from the artifact store ({path})") from exc
+    data = _read_bytes(path, shard, version)
     actual = hashlib.sha256(data).hexdigest()
     if actual != shard.sha256:
         raise _mismatch(shard, actual, version)
@@ -201,8 +236,9 @@ class DatasetVersion:
     def iter_tables(self, columns: list[str] | None = None, split: str | None = None) -> Iterator[pa.Table]:
         """Each shard as an Arrow table (optionally only some columns, or one split).
 
-        A shard this process has not checked yet is read whole once, hashed, and parsed from those
-        same bytes; one it has checked (unchanged since) is read from its file, only the columns asked.
+        A shard this process has not checked yet is read whole once, and those bytes are hashed (in a
+        thread) while they are parsed (:func:`read_checked`); one it has checked (unchanged since) is
+        read from its file, only the columns asked.
 
         Raises:
             IntegrityError: a shard does not match its SHA-256, naming the shard and the version.
@@ -212,10 +248,10 @@ class DatasetVersion:
         artifacts = get_artifacts()
         for shard in self.shards:
             path = _local_path(artifacts, shard, None)
-            source: Any = path
-            if not is_verified(path, shard.sha256):
-                source = pa.BufferReader(read_verified(path, shard, self.ref))
-            table = read_shard(source, f"{shard.key} of {self.ref}", columns=wanted)
+            if is_verified(path, shard.sha256):
+                table = read_shard(path, f"{shard.key} of {self.ref}", columns=wanted)
+            else:
+                table = read_checked(path, shard, self.ref, wanted)
             if split is not None:
                 if "split" not in table.column_names:
                     raise ConfigError(f"{self.ref} has no split column; run a recipe with a split step")

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from gpuyard.data.catalog import check_new_version_team, record_version
 from gpuyard.data.dataset import DatasetVersion, open_dataset
 from gpuyard.data.infer import NUMERIC_SHARE, infer_types
@@ -38,6 +42,52 @@ class IngestOptions:
     checks: ValidationSpec = field(default_factory=ValidationSpec)
     shard_bytes: int = DEFAULT_SHARD_BYTES
     image_size: tuple[int, int] | None = None
+
+
+# Repeated header rows named in the manifest (and the summary line); the count is always given.
+HEADER_ROWS_LISTED = 20
+
+
+def header_rows(table: pa.Table) -> np.ndarray:
+    """Indices of the rows whose every value is its column's name (a header repeated in the data,
+    as when CSV files are concatenated with their headers)."""
+    if table.num_rows == 0 or table.num_columns == 0:
+        return np.zeros(0, dtype=np.int64)
+    same: np.ndarray | None = None
+    for name in table.column_names:
+        col = table.column(name)
+        try:
+            text = pc.utf8_trim_whitespace(pc.cast(col, pa.string()))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return np.zeros(0, dtype=np.int64)  # a column that is not text: no row of it is a header
+        eq = np.asarray(pc.fill_null(pc.equal(text, name.strip()), False).to_numpy(zero_copy_only=False))
+        same = eq if same is None else same & eq
+        if not same.any():
+            return np.zeros(0, dtype=np.int64)
+    assert same is not None
+    return np.flatnonzero(same)
+
+
+def header_warning(quarantine: dict[str, Any]) -> str | None:
+    """The one line for repeated header rows of an ingest, or None."""
+    count = int((quarantine.get("by_reason") or {}).get("header", 0))
+    if not count:
+        return None
+    listed = quarantine.get("header_rows") or []
+    rows = ", ".join(str(r) for r in listed) + (", ..." if count > len(listed) else "")
+    return (
+        f"{count} row(s) repeat the header (row {rows}, numbered as in `gpuyard data quarantine`): "
+        "quarantined as 'header'"
+    )
+
+
+def imputation_lines(manifest: dict[str, Any]) -> list[str]:
+    """One line per imputed column: column, how, value and the rows filled."""
+    imputed = (manifest.get("recipe") or {}).get("imputed") or {}
+    return [
+        f"imputed column {name!r}: {d['how']} = {d['value']!r} into {d['rows']} row(s)"
+        for name, d in sorted(imputed.items())
+    ]
 
 
 def ingest(
@@ -80,9 +130,19 @@ def ingest(
         what = "only a header" if fmt == "csv" else "no rows"
         raise ConfigError(f"{path} has {what}: an empty dataset is not recorded")
     declared = {n for n, c in spec.columns.items() if c.type is not None}
-    guesses = infer_types(source.table, fmt, declared)
+    headers = header_rows(source.table) if fmt == "csv" else np.zeros(0, dtype=np.int64)
+    bad = dict(source.bad)
+    for i in headers.tolist():
+        bad.setdefault(int(i), "header")
+    # Inference looks at the data rows: a repeated header row is one bad row, not a word in every column.
+    body = source.table
+    if headers.size:
+        keep = np.ones(source.table.num_rows, dtype=bool)
+        keep[headers] = False
+        body = source.table.filter(pa.array(keep))
+    guesses = infer_types(body, fmt, declared)
     numeric = {n: g.type for n, g in guesses.items() if g.type is not None}
-    cleaned = clean(source.table, spec, source.bad, numeric)
+    cleaned = clean(source.table, spec, bad, numeric)
     if cleaned.kept.num_rows == 0:
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(cleaned.by_reason.items(), key=lambda kv: -kv[1]))
         top = max(cleaned.by_reason, key=lambda k: cleaned.by_reason[k])
@@ -112,6 +172,8 @@ def ingest(
         "by_reason": cleaned.by_reason,
         "key": store_quarantine(cleaned.quarantine),
     }
+    if headers.size:
+        quarantine["header_rows"] = [int(i) for i in headers[:HEADER_ROWS_LISTED]]
     manifest = build_manifest(
         name=name,
         kind="ingest",

@@ -93,16 +93,22 @@ def clean(
     for idx, why in (extra_bad or {}).items():
         reasons.mark_one(idx, why)
     table = _coerce_types(table, spec, reasons, inferred)
-    table, imputed = _impute(table, spec)
+    # Every check first (an imputed column's blanks are not failures: they are filled below), so the
+    # imputed value is computed from the rows that are kept, never from a quarantined one.
     for name in table.column_names:
         check = spec.columns.get(name)
-        _check_column(table, name, check, spec, reasons)
+        _check_column(
+            table, name, check, spec, reasons, nulls_filled=check is not None and check.impute is not None
+        )
     if spec.label_column and spec.labels is not None:
         allowed = pa.array([str(v) for v in spec.labels])
         ok = pc.is_in(pc.cast(table.column(spec.label_column), pa.string()), value_set=allowed)
         _mark(reasons, ~_np(ok), "label")
     if spec.duplicates == "quarantine" and n:
         _mark_duplicates(table, reasons)
+    table, imputed = _impute(table, spec, reasons.codes == 0)
+    for name in imputed:  # a constant fill value must pass the column's own checks too
+        _check_column(table, name, spec.columns.get(name), spec, reasons)
     bad = reasons.codes > 0
     kept = table.filter(pa.array(~bad))
     quarantine = _quarantine_table(raw, bad, reasons)
@@ -204,37 +210,60 @@ def _text_to_number(col: pa.ChunkedArray, kind: str, name: str, reasons: _Reason
         raise ConfigError(f"column {name!r} holds whole numbers beyond int64; declare it float") from exc
 
 
-def _impute(table: pa.Table, spec: ValidationSpec) -> tuple[pa.Table, dict[str, dict[str, Any]]]:
+def _impute(
+    table: pa.Table, spec: ValidationSpec, keep: np.ndarray
+) -> tuple[pa.Table, dict[str, dict[str, Any]]]:
+    """Fill the blanks of each column with an ``impute`` rule; ``keep``: the rows not quarantined.
+
+    Statistics are exact and computed over the kept rows' values only (a quarantined row never moves
+    a mean, median or mode); ``rows`` counts the kept rows that were filled.
+    """
     imputed: dict[str, dict[str, Any]] = {}
+    mask = pa.array(keep)
     for name, check in spec.columns.items():
         col = table.column(name)
         if check.impute is None or col.null_count == 0:
             continue
         how = check.impute
+        kept = pc.filter(col, mask)
+        present = pc.drop_null(kept)
+        rows = int(kept.null_count)
+        if rows == 0:
+            continue  # the blanks are all in quarantined rows: nothing kept is filled
+        if how in ("mean", "median") and not (
+            pa.types.is_integer(col.type) or pa.types.is_floating(col.type)
+        ):
+            raise ConfigError(f"column {name!r} ({col.type}): impute {how!r} needs numbers")
+        if how in ("mean", "median", "mode") and len(present) == 0:
+            raise ConfigError(f"column {name!r}: cannot impute {how!r}, every kept value is null")
         if how == "mean":
-            value: Any = pc.mean(col).as_py()
+            value: Any = float(np.mean(np.asarray(present.to_numpy(zero_copy_only=False), dtype=np.float64)))
         elif how == "median":
-            value = pc.approximate_median(col).as_py()
+            # Exact (numpy's median: the middle value, or the mean of the two middle ones).
+            value = float(np.median(np.asarray(present.to_numpy(zero_copy_only=False), dtype=np.float64)))
         elif how == "mode":
-            modes = pc.mode(col)
-            value = modes[0]["mode"].as_py() if len(modes) else None
+            modes = pc.mode(present)
+            value = modes[0]["mode"].as_py()
         else:
             value = how
-        if value is None:
-            raise ConfigError(f"column {name!r}: cannot impute {how!r}, every value is null")
         if pa.types.is_integer(col.type) and isinstance(value, float):
-            value = round(value)
-        imputed[name] = {"how": str(how), "value": value, "rows": col.null_count}
+            value = int(np.floor(value + 0.5))  # half up: the median of 2 and 3 fills 3, not 2
+        imputed[name] = {"how": str(how), "value": value, "rows": rows}
         filled = pc.fill_null(col, pa.scalar(value).cast(col.type))
         table = table.set_column(table.schema.get_field_index(name), name, filled)
     return table, imputed
 
 
 def _check_column(
-    table: pa.Table, name: str, check: ColumnCheck | None, spec: ValidationSpec, reasons: _Reasons
+    table: pa.Table,
+    name: str,
+    check: ColumnCheck | None,
+    spec: ValidationSpec,
+    reasons: _Reasons,
+    nulls_filled: bool = False,
 ) -> None:
     col = table.column(name)
-    nullable = check.nullable if check is not None else spec.nulls == "keep"
+    nullable = nulls_filled or (check.nullable if check is not None else spec.nulls == "keep")
     if not nullable and col.null_count:
         _mark(reasons, np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=bool), f"null:{name}")
     if check is None:

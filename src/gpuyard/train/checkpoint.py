@@ -51,7 +51,8 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written; raised on every rank (the ranks agree on it).
 
     Attributes:
-        step: the step being saved. path: where (the file named by the error, else the folder).
+        step: the step being saved. path: the checkpoint folder when the disk is full, else the
+            save's temporary folder.
         disk_full: the disk (or quota) was full: a restart would fail the same way.
     """
 
@@ -181,11 +182,6 @@ def is_disk_full(exc: BaseException, folder: str | Path) -> bool:
     except OSError:
         return False
     return st.f_bavail * st.f_frsize < 1 << 20
-
-
-def _where(exc: BaseException | None, default: Path) -> str:
-    filename = getattr(exc, "filename", None)
-    return str(filename) if filename else str(default)
 
 
 def _group_rank_world(group: Any) -> tuple[int, int]:
@@ -340,7 +336,7 @@ class Checkpointer:
         if isinstance(exc, CheckpointSaveError):
             raise exc
         full = is_disk_full(exc, self.root)
-        where = _where(exc, tmp) if full else str(tmp)
+        where = str(self.root) if full else str(tmp)  # the folder on the full disk (tmp is gone)
         first = str(exc).strip().splitlines()
         raise CheckpointSaveError(step, where, first[0] if first else type(exc).__name__, full) from exc
 
@@ -353,7 +349,7 @@ class Checkpointer:
             mine = (
                 first[0] if first else type(error).__name__,
                 is_disk_full(error, self.root),
-                _where(error, tmp),
+                str(self.root),
             )
         failed = [f for f in gather(mine, group) if f is not None]
         if not failed:

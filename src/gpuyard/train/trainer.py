@@ -68,7 +68,7 @@ from gpuyard.train.straggler import (
     StragglerDetector,
     node_name,
 )
-from gpuyard.train.validation import drive_pipeline, early_stopping_update, evaluate
+from gpuyard.train.validation import drive_pipeline, early_stopping_update, evaluate, is_classification
 
 
 @dataclass
@@ -577,6 +577,7 @@ class Trainer:
         d = self.spec.data
         total = torch.zeros((), device=self.ctx.device)
         samples = tokens = 0
+        self._counts: list[Any] = [0, 0, 0]  # right predictions, labels, batches not classification
         for i, batch in enumerate(micro):
             inputs, targets = split_batch(batch, d.input_key, d.target_key)
             n, t = count_batch(inputs)
@@ -586,7 +587,7 @@ class Trainer:
                 total = total + self._pipeline_step(inputs, targets)
                 continue
             with gradient_sync(self.model, i == len(micro) - 1), self._autocast():
-                loss = batch_loss(self.model, self.loss_fn, inputs, targets, parts=len(micro))
+                loss = batch_loss(self.model, self._counting_loss, inputs, targets, parts=len(micro))
             loss.backward()
             if self._comm_timer is not None and i == len(micro) - 1:
                 self._comm_wait = self._comm_timer.wait_since_launch()
@@ -607,6 +608,16 @@ class Trainer:
         apply_update(self.optimizer, self.scheduler)
         return total, samples, tokens
 
+    def _counting_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        """The loss, counting right predictions on the way when the task is classification (class
+        scores against integer labels): the step's ``accuracy`` is logged beside its loss."""
+        if is_classification(outputs, targets):
+            self._counts[0] = self._counts[0] + (outputs.detach().argmax(-1) == targets).sum()
+            self._counts[1] += targets.numel()
+        else:
+            self._counts[2] += 1
+        return self.loss_fn(outputs, targets)
+
     def _pipeline_step(self, inputs: Any, targets: Any) -> torch.Tensor:
         if self.pipeline is None:
             raise RuntimeError("_pipeline_step without a pipeline")
@@ -625,12 +636,18 @@ class Trainer:
         """
         value = float(loss.item())  # one device sync per step: the loss is logged every step anyway
         self._waits = (data_s, 0.0)
+        counts = getattr(self, "_counts", [0, 0, 1])
+        right, labels, other = float(counts[0]), float(counts[1]), float(counts[2])
+        self._step_accuracy: float | None = None
         if self.ctx.world_size == 1:
+            if labels and not other:
+                self._step_accuracy = right / labels
             return value, not math.isfinite(value), self.stop_requested
         owner = 1.0 if self.ctx.is_loss_owner else 0.0
         bad = float(owner and not math.isfinite(value))
         stop = 1.0 if self.stop_requested else 0.0
-        head = [0.0 if bad else value * owner, owner, bad, stop]
+        # Right predictions and labels of the loss owners (each sample counted once), summed.
+        head = [0.0 if bad else value * owner, owner, bad, stop, right * owner, labels * owner, other * owner]
         timed = self.spec.straggler.enabled
         if timed:
             compute = max(0.0, time.perf_counter() - start - self._comm_wait)
@@ -645,10 +662,12 @@ class Trainer:
         self._agree_wait = time.perf_counter() - began
         values = vec.tolist()
         total, owners, any_bad, any_stop = values[:4]
+        if values[5] and not values[6]:
+            self._step_accuracy = values[4] / values[5]
         if timed and self.stragglers is not None:
-            self._observe_times(values[4:])
+            self._observe_times(values[7:])
         if timed and self.ctx.rank == 0:
-            flat, s = values[4:], self.spec.straggler
+            flat, s = values[7:], self.spec.straggler
             data = flat[0::3]
             own = [d + c for d, c in zip(data, flat[1::3], strict=True)]
             self._waits = step_waits(data, own, s.slowdown, s.min_seconds)
@@ -706,6 +725,8 @@ class Trainer:
             "tokens_per_s": tokens * dp / seconds if seconds > 0 else 0.0,
             "epoch": float(self.epoch),
         }
+        if getattr(self, "_step_accuracy", None) is not None:
+            metrics["accuracy"] = float(self._step_accuracy or 0.0)  # beside the loss, classifiers only
         if getattr(self, "last_grad_norm", None) is not None:
             metrics["grad_norm"] = self.last_grad_norm
         acc = self._unlogged

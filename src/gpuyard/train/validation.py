@@ -64,7 +64,7 @@ def evaluate(
         if ctx.is_loss_owner:  # the last pipeline stage, tp index 0: each sample counted once
             right = labels = 0.0
             other = 1.0
-            if pipeline is None and _classification(outputs, targets):
+            if pipeline is None and is_classification(outputs, targets):
                 right = float((outputs.argmax(-1) == targets).sum())
                 labels, other = float(targets.numel()), 0.0
             total += torch.tensor([float(loss) * n, n, right, labels, other], dtype=torch.float64)
@@ -79,7 +79,7 @@ def evaluate(
     return out
 
 
-def _classification(outputs: Any, targets: Any) -> bool:
+def is_classification(outputs: Any, targets: Any) -> bool:
     """Class scores for integer labels: outputs ``[..., C]`` (C > 1), targets ``[...]``."""
     return (
         isinstance(outputs, torch.Tensor)

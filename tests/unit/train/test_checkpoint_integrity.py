@@ -98,7 +98,7 @@ def test_a_save_on_a_full_disk_removes_its_folder_and_ends_the_run_failed(
     with pytest.raises(CheckpointSaveError) as caught:
         run(spec)
     run_dir = spec.resolved_run_dir()
-    where = run_dir / "checkpoints" / ".tmp-step-000000006" / "rank0.pt"
+    where = run_dir / "checkpoints"  # the folder on the full disk
     assert caught.value.disk_full and caught.value.reason == f"disk full at {where}"
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
     assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step-000000003"]
@@ -164,17 +164,28 @@ def test_a_snapshot_whose_data_changed_is_not_restored(
     assert "step 8 does not match its sha256: dropped, not restored" in dropped["message"]
 
 
-def test_validation_reports_accuracy_for_a_classifier(spec_factory) -> None:
+def test_a_classifier_logs_accuracy_beside_the_loss(spec_factory) -> None:
     val = ex.classification_data(64, seed=9)
-    trainer, result = run(spec_factory(tracking="jsonl"), val_data=val)
+    spec = spec_factory(tracking="jsonl")
+    trainer, result = run(spec, val_data=val)
     trainer.model.eval()
     with torch.no_grad():
         inputs = torch.stack([val[i][0] for i in range(len(val))])
         labels = torch.tensor([int(val[i][1]) for i in range(len(val))])
         want = float((trainer.model(inputs).argmax(-1) == labels).float().mean())
     assert result.metrics["val_accuracy"] == pytest.approx(want)
-    logged = [e for e in read_metrics(spec_factory().resolved_run_dir()) if "val_accuracy" in e]
-    assert logged or result.metrics["val_accuracy"] is not None
+    steps = [e for e in read_metrics(spec.resolved_run_dir()) if e["event"] == "metrics" and "loss" in e]
+    assert len(steps) == 16 and all(0.0 <= e["accuracy"] <= 1.0 for e in steps)
+    # 32 samples a step: accuracy is a count of right answers out of 32.
+    assert all(abs(e["accuracy"] * 32 - round(e["accuracy"] * 32)) < 1e-9 for e in steps)
+    assert steps[-1]["accuracy"] > steps[0]["accuracy"]  # it learns
+
+
+def test_a_regression_logs_no_accuracy(spec_factory) -> None:
+    spec = spec_factory(tracking="jsonl", loss="mse", max_steps=2)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 1))
+    _, result = run(spec, model=lambda: ex.mlp(out_features=1), data=lambda: data, val_data=None)
+    assert "accuracy" not in result.metrics and "val_accuracy" not in result.metrics
 
 
 def test_a_finished_run_is_already_complete_and_fresh_keeps_it(spec_factory) -> None:

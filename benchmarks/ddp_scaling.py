@@ -4,7 +4,10 @@ Weak scaling: each rank keeps the per-rank batch, so 2 ranks process twice the s
 efficiency = samples/s with 2 ranks / (2 x samples/s with 1 rank), from the steady state (steps
 after a warm-up; best of the repeats), each rank on one intra-op thread (the machine has 2
 cores). The baseline is the
-DDP loop from the PyTorch tutorial (DistributedSampler, DDP, AdamW). This script launches itself
+DDP loop from the PyTorch tutorial (DistributedSampler, DDP, AdamW) in the configuration the
+Trainer runs: AdamW with ``fused=True`` (what ``gpuyard.train.components.build_optimizer`` builds
+for plain CPU/CUDA float parameters), fp32, no ``torch.compile``, so the two differ only in the
+Trainer's own work. This script launches itself
 under torchrun for each (implementation, ranks) pair.
 Last line: `ddp_scaling: efficiency=<gpuyard> baseline_efficiency=<hand loop> ...`.
 """
@@ -82,7 +85,7 @@ def worker_baseline(steps: int) -> list[float]:
     model = _model()
     if world > 1:
         model = DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # as the Trainer's
     data = _data(PER_RANK_BATCH * world * (steps + 1))
     sampler = DistributedSampler(data, num_replicas=world, rank=int(os.environ["RANK"]), seed=SEED)
     stamps = []
@@ -155,7 +158,8 @@ def main() -> None:
     print(
         f"ddp_scaling: efficiency={eff['gpuyard']:.3f} baseline_efficiency={eff['baseline']:.3f} "
         f"gpuyard_2rank_sps={thr['gpuyard', 2]:.0f} baseline_2rank_sps={thr['baseline', 2]:.0f} "
-        f"per_rank_batch={PER_RANK_BATCH} steps={steps} backend=gloo"
+        f"per_rank_batch={PER_RANK_BATCH} steps={steps} backend=gloo optimizer=adamw-fused "
+        f"load_avg={os.getloadavg()[0]:.1f}"
     )
 
 

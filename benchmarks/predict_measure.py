@@ -9,9 +9,22 @@ configuration.
 CPU (2 ranks, gloo, fp32): DDP and FSDP of a 4-layer transformer at widths 256 and 512, and a 2-stage
 pipeline (GPipe). CUDA (one GPU, bf16): a ~1B-parameter transformer and a ~350M one.
 
-    python benchmarks/predict_measure.py [--calibration FILE] [--quick] [--keep DIR]
+A loaded machine cannot fool it: a calibration taken while other work ran predicts every run too slow
+(or too fast when the load came after). So the benchmark measures the machine's compute rate with a
+short probe (one GEMM loop per rank, all ranks at once, as the runs use the cores) right after the
+calibration and before and after every run. A run whose rate before or after differs from the
+calibration's by more than ``RATE_TOLERANCE`` is reported as "machine changed" (with both rates and
+the load average) instead of an error figure, and tried again up to ``--retries`` times. A
+calibration whose own rate moved while it ran is retaken (when the benchmark calibrates). A run that
+fails (exit status, no step times) is reported with its output's last lines and does not stop the
+others; the benchmark exits 1 only when no configuration gave a figure for a reason other than load.
 
-Last line: ``predict_measure: median_error=<fraction> max_error=<fraction> configs=<n> device=<cpu|cuda>``.
+    python benchmarks/predict_measure.py [--calibration FILE] [--quick] [--keep DIR] [--retries N]
+
+Last line: ``predict_measure: median_error=<fraction|na> max_error=<fraction|na> configs=<n>
+steady=<k> changed=<c> failed=<f> rate_tolerance=<x> calibration=<steady|unsteady|file>
+device=<cpu|cuda>``: errors over the ``steady`` configurations only (na when none was; with an unsteady
+calibration no run is made).
 """
 
 from __future__ import annotations
@@ -30,13 +43,24 @@ from pathlib import Path
 
 import yaml
 
-from gpuyard.fabric.calibrate import CalibrateConfig, apply_calibration, load_calibration, run_calibration
+from gpuyard.fabric.calibrate import (
+    CalibrateConfig,
+    Calibration,
+    apply_calibration,
+    load_calibration,
+    run_calibration,
+)
+from gpuyard.fabric.loadprobe import RATE_TOLERANCE, RateProbe, changed
 from gpuyard.fabric.models import ModelSpec
 from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.step import ParallelConfig, estimate_step
 
 # The first steps pay for allocator growth, autograd graph caching and (on CUDA) kernel selection.
 WARMUP_STEPS = 3
+
+
+def _load() -> str:
+    return "load " + " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 @dataclass(frozen=True)
@@ -159,14 +183,14 @@ def spec_yaml(cfg: Config, run_dir: Path) -> dict[str, object]:
     }
 
 
-def measure(cfg: Config, workdir: Path) -> float:
+def measure(cfg: Config, workdir: Path, attempt: int = 0) -> float:
     """Run `gpuyard train` and return the median step time after warm-up (seconds).
 
     Raises:
         RuntimeError: the run failed (its output's last lines say why).
     """
-    run_dir = workdir / cfg.name
-    spec_path = workdir / f"{cfg.name}.yaml"
+    run_dir = workdir / f"{cfg.name}-{attempt}"  # a fresh folder per attempt: no resume, no stale metrics
+    spec_path = workdir / f"{cfg.name}-{attempt}.yaml"
     spec_path.write_text(yaml.safe_dump(spec_yaml(cfg, run_dir)))
     cmd = [
         sys.executable,
@@ -193,12 +217,42 @@ def measure(cfg: Config, workdir: Path) -> float:
     return statistics.median(times)
 
 
+def calibrate(configs: list[Config], probe: RateProbe, attempts: int) -> tuple[Calibration, float, str, bool]:
+    """Calibrate with the compute rate probed before and after; retake it when the rate moved.
+
+    Returns the calibration, the reference rate (after it), a note, and whether it was steady.
+    """
+    note = ""
+    for attempt in range(1, attempts + 1):
+        before = probe.rate()
+        cal = run_calibration(CalibrateConfig(nproc=max(c.nproc for c in configs)))
+        after = probe.rate()
+        if not changed(before, after):
+            note = f"steady (rate {before / 1e9:.1f} -> {after / 1e9:.1f} GFLOP/s, {_load()})"
+            return cal, after, note, True
+        if attempt == attempts:
+            break
+        note = (
+            f"the machine changed during calibration attempt {attempt}: rate {before / 1e9:.1f} -> "
+            f"{after / 1e9:.1f} GFLOP/s ({_load()})"
+        )
+        print(note, flush=True)
+    note = (
+        f"the machine changed during every calibration ({attempts}): rate {before / 1e9:.1f} -> "
+        f"{after / 1e9:.1f} GFLOP/s in the last ({_load()}): no run can be judged against it"
+    )
+    return cal, after, note, False
+
+
 def main() -> int:
-    """Calibrate, predict, measure, compare; print the table and the summary line."""
+    """Calibrate, predict, measure with the rate checked around each run; print the table and summary."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", type=Path, help="Use this calibration instead of measuring now.")
     parser.add_argument("--quick", action="store_true", help="Fewer configurations and steps.")
     parser.add_argument("--keep", type=Path, help="Keep run folders and the calibration here.")
+    parser.add_argument(
+        "--retries", type=int, default=1, help="Runs again a configuration the machine changed under."
+    )
     args = parser.parse_args()
 
     import torch
@@ -208,46 +262,82 @@ def main() -> int:
     precision = "bf16" if device == "cuda" else "fp32"
     workdir = Path(tempfile.mkdtemp(prefix="gpuyard-pm-")) if args.keep is None else args.keep
     workdir.mkdir(parents=True, exist_ok=True)
+    how = "none"
+    probe = RateProbe(device, max(c.nproc for c in configs))
+    errors: list[float] = []
+    n_changed = n_failed = 0
     try:
         started = time.perf_counter()
         if args.calibration:
             cal = load_calibration(args.calibration)
+            reference, steady, how = probe.rate(), True, "file"
+            note = (
+                f"from {args.calibration}: the load it was taken under is unknown; runs are judged "
+                f"against the rate now ({reference / 1e9:.1f} GFLOP/s, {_load()})"
+            )
         else:
-            cal = run_calibration(CalibrateConfig(nproc=max(c.nproc for c in configs)))
+            cal, reference, note, steady = calibrate(configs, probe, attempts=2)
+            how = "steady" if steady else "unsteady"
             (workdir / "calibration.json").write_text(cal.model_dump_json(indent=2))
         print(
-            f"calibration: {cal.ranks} rank(s) of {cal.device_name} in {time.perf_counter() - started:.0f} s"
+            f"calibration: {cal.ranks} rank(s) of {cal.device_name} in "
+            f"{time.perf_counter() - started:.0f} s; {note}"
         )
         cluster = apply_calibration(load_cluster("local"), cal)
         print(
             f"{'config':<16} {'params':>8} {'predicted':>10} {'measured':>10} {'error':>7}  "
-            "breakdown (predicted)"
+            "rate before/after (of calibration's); breakdown (predicted)"
         )
-        errors = []
-        for cfg in configs:
+        for cfg in configs if steady else []:
             spec = cfg.model_spec()
             est = estimate_step(
                 spec, cluster, cfg.nproc, cfg.global_batch(), cfg.seq_len, cfg.parallel(precision)
             )
-            measured = measure(cfg, workdir)
-            err = abs(est.step_time_s - measured) / measured
-            errors.append(err)
             b = est.breakdown
-            print(
-                f"{cfg.name:<16} {spec.params / 1e6:7.1f}M {est.step_time_s * 1e3:8.1f}ms "
-                f"{measured * 1e3:8.1f}ms "
-                f"{err:6.1%}  compute {b.compute_s * 1e3:.1f} bubble {b.bubble_s * 1e3:.1f} "
-                f"exposed {b.exposed_comm_s * 1e3:.1f} ms",
-                flush=True,
+            parts = (
+                f"compute {b.compute_s * 1e3:.1f} bubble {b.bubble_s * 1e3:.1f} "
+                f"exposed {b.exposed_comm_s * 1e3:.1f} ms"
             )
+            for attempt in range(args.retries + 1):
+                before = probe.rate()
+                try:
+                    measured = measure(cfg, workdir, attempt)
+                except RuntimeError as exc:
+                    n_failed += 1
+                    print(f"{cfg.name:<16} FAILED ({_load()}): {exc}", flush=True)
+                    break
+                after = probe.rate()
+                rates = f"{before / reference:4.0%}/{after / reference:4.0%}"
+                if changed(reference, before, after):
+                    print(
+                        f"{cfg.name:<16} {spec.params / 1e6:7.1f}M {est.step_time_s * 1e3:8.1f}ms "
+                        f"{measured * 1e3:8.1f}ms  machine changed: rate {rates} of the calibration's "
+                        f"({_load()}){'; again' if attempt < args.retries else '; no figure'}",
+                        flush=True,
+                    )
+                    if attempt == args.retries:
+                        n_changed += 1
+                    continue
+                err = abs(est.step_time_s - measured) / measured
+                errors.append(err)
+                print(
+                    f"{cfg.name:<16} {spec.params / 1e6:7.1f}M {est.step_time_s * 1e3:8.1f}ms "
+                    f"{measured * 1e3:8.1f}ms {err:6.1%}  {rates}; {parts}",
+                    flush=True,
+                )
+                break
     finally:
+        probe.close()
         if args.keep is None:
             shutil.rmtree(workdir, ignore_errors=True)
+    med = f"{statistics.median(errors):.3f}" if errors else "na"
+    worst = f"{max(errors):.3f}" if errors else "na"
     print(
-        f"predict_measure: median_error={statistics.median(errors):.3f} max_error={max(errors):.3f} "
-        f"configs={len(errors)} device={device}"
+        f"predict_measure: median_error={med} max_error={worst} configs={len(configs)} "
+        f"steady={len(errors)} changed={n_changed} failed={n_failed} rate_tolerance={RATE_TOLERANCE} "
+        f"calibration={how} device={device}"
     )
-    return 0
+    return 1 if n_failed and not errors and not n_changed else 0
 
 
 if __name__ == "__main__":

@@ -133,7 +133,16 @@ def serve(
     Raw records: {"records": [{"column": value, ...}]}, made features by the model's training recipe.
 
     Features: {"inputs": [[...], ...]} or a safetensors body. See docs/serving.md.
+
+    A language model (a registered causal LM or adapter, or a Hugging Face folder) is served with
+    the OpenAI API instead: /v1/completions, /v1/chat/completions, /v1/models. See docs/llm.md.
     """
+    from gpuyard.serve.llm.run import language_model, serve_lm
+
+    folder = language_model(model) if deployment_id is None else None
+    if folder is not None:  # a language model: the OpenAI-compatible server (docs/llm.md)
+        serve_lm(model, folder, opts)
+        return
     from gpuyard.serve.runner import serve_with_record
 
     serve_with_record(model, replace(opts, deployment_id=deployment_id))

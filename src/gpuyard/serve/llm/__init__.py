@@ -1,0 +1,1 @@
+"""An OpenAI-compatible language-model server with continuous batching (docs/llm.md)."""

@@ -1,0 +1,48 @@
+"""`gpuyard serve MODEL` for a language model: a registered causal LM (or adapter) or a local folder."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from gpuyard.errors import NotFoundError
+
+
+def language_model(ref: str) -> Path | None:
+    """The local folder of ``ref`` when it is a language model (a Hugging Face folder, or a registered
+    causal-lm/lora-adapter version), else None (another kind of model, or not registered)."""
+    p = Path(ref).expanduser()
+    if p.is_dir() and (p / "config.json").is_file() and (p / "tokenizer.json").is_file():
+        return p
+    from gpuyard.llm.registry import ADAPTER_FLAVOR, FLAVOR, fetch_lm
+    from gpuyard.models.registry import get_version
+
+    try:
+        mv = get_version(ref)
+    except (NotFoundError, Exception):  # a malformed reference: the ordinary server reports it
+        return None
+    if mv.flavor not in (FLAVOR, ADAPTER_FLAVOR):
+        return None
+    return fetch_lm(ref)
+
+
+def serve_lm(ref: str, folder: Path, opts: Any, max_queue: int | None = None) -> None:
+    """Serve the language model in ``folder`` as ``ref`` on opts.host:opts.port until stopped."""
+    import uvicorn
+
+    from gpuyard.serve.llm.app import Metrics, build_app
+    from gpuyard.serve.llm.engine import load_engine
+
+    metrics = Metrics()
+    max_batch = opts.batch.max_batch
+    engine, info = load_engine(folder, opts.device, max_batch, max_queue or 8 * max_batch, metrics)
+    app = build_app(engine, ref, info)
+    config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    print(f"gpuyard serve: {ref} (language model, context {engine.context_length}) at "
+          f"http://{opts.host}:{opts.port}/v1 (OpenAI API)", file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        server.run()
+    finally:
+        engine.close()

@@ -1,0 +1,220 @@
+"""The OpenAI-compatible language-model server on 127.0.0.1, driven by the openai client: greedy
+continuous batching equals transformers' generate() per request, streaming, stops, the context check,
+the bounded queue, dropped streams and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from tests.llm_fixtures import tokenizer_folder
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.integration
+
+CONTEXT = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tiny_model(tmp: Path) -> Path:
+    """A random Llama (hidden 32, 2 layers, GQA) with a trained tokenizer, saved in Hugging Face layout."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from gpuyard.data.tokens import load_tokenizer
+    from gpuyard.train.hf import CausalLM, save_hf
+
+    tok = tokenizer_folder(tmp)
+    vocab = load_tokenizer(tok).vocab_size
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=CONTEXT, eos_token_id=0, pad_token_id=1,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # larger weights: sharper, more varied greedy text than the default init
+        for p in model.parameters():
+            p.mul_(8.0) if p.dim() > 1 else None
+    return save_hf(CausalLM(model), None, tmp / "model", tok)
+
+
+class Served:
+    def __init__(self, folder: Path, max_batch: int = 8, max_queue: int = 64, start: bool = True) -> None:
+        import uvicorn
+
+        from gpuyard.serve.llm.app import Metrics, build_app
+        from gpuyard.serve.llm.engine import load_engine
+
+        self.engine, _ = load_engine(folder, "cpu", max_batch, max_queue, Metrics())
+        if not start:
+            self.engine.close()  # no engine thread: requests stay queued
+        self.port = _free_port()
+        app = build_app(self.engine, "tiny")
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=1
+            )
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started, timeout=30)
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.engine.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("llm"))
+
+
+@pytest.fixture(scope="module")
+def served(model_dir: Path) -> Iterator[Served]:
+    s = Served(model_dir)
+    yield s
+    s.close()
+
+
+def test_batched_greedy_equals_generate_and_the_api_shapes(served: Served, model_dir: Path) -> None:
+    from openai import AsyncOpenAI, OpenAI
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    client = OpenAI(base_url=served.url, api_key="unused")
+    [m] = client.models.list().data
+    assert m.id == "tiny"
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = ["the cat", "a big red dog ran over the hill and", "old", "green house garden river saw the",
+               "then", "bird flew", "the young cat liked the small mat under the tree then", "found"]  # fmt: skip
+    lengths = [12, 40, 25, 7, 33, 18, 29, 21]
+
+    async def many() -> list[Any]:
+        aclient = AsyncOpenAI(base_url=served.url, api_key="unused")
+        return list(await asyncio.gather(*[
+            aclient.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0)
+            for p, n in zip(prompts, lengths, strict=True)
+        ]))  # fmt: skip
+
+    results = asyncio.run(many())
+    for p, n, r in zip(prompts, lengths, results, strict=True):
+        ids = tok(p, return_tensors="pt")
+        with torch.no_grad():
+            ref = hf.generate(**ids, max_new_tokens=n, do_sample=False, eos_token_id=0, pad_token_id=1)
+        expected = tok.decode(ref[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+        assert r.choices[0].text == expected, p
+        assert r.usage.prompt_tokens == ids["input_ids"].shape[1]
+        assert r.choices[0].finish_reason in ("length", "stop")
+    # Streaming chat: the chunks add up to the same text as the whole answer; seeds repeat.
+    messages = [{"role": "user", "content": "the cat sat on"}]
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=20, temperature=0.8, seed=7
+    )
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=20, temperature=0.8, seed=7, stream=True
+    )
+    chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(chunks) == whole.choices[0].message.content and len(chunks) > 1
+    # A stop string ends the text before it.
+    text = results[0].choices[0].text
+    if len(text) > 4:
+        stop = text[2:4]
+        cut = client.completions.create(
+            model="tiny", prompt=prompts[0], max_tokens=12, temperature=0, stop=[stop]
+        )
+        assert cut.choices[0].text == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_hostile_requests_are_refused_in_one_line(served: Served) -> None:
+    from openai import BadRequestError, NotFoundError, OpenAI
+
+    client = OpenAI(base_url=served.url, api_key="unused", max_retries=0)
+    n = len(served.engine.tok.encode_batch(["the cat " * 10])[0])
+    with pytest.raises(BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="the cat " * 10, max_tokens=10**9)
+    msg = err.value.body["message"]  # type: ignore[index]
+    assert (
+        f"prompt has {n} tokens and max_tokens is 1000000000" in msg and f"context length of {CONTEXT}" in msg
+    )
+    with pytest.raises(BadRequestError, match=f"over the model's context length of {CONTEXT}"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "dog " * 400}])
+    with pytest.raises(NotFoundError, match="is not served here"):
+        client.completions.create(model="other", prompt="x", max_tokens=2)
+    bad = httpx.post(served.url + "/completions", content=b"\x00\xff not json", timeout=10)
+    assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]
+    bad = httpx.post(served.url + "/completions", json={"model": "tiny", "prompt": [10**9]}, timeout=10)
+    assert bad.status_code == 400 and "token ids must be in" in bad.json()["error"]["message"]
+    bad = httpx.post(
+        served.url + "/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "god", "content": "x"}]},
+    )
+    assert bad.status_code == 400
+
+
+def test_dropped_stream_frees_its_slot_and_short_requests_pass_long_ones(served: Served) -> None:
+    engine = served.engine
+    with httpx.stream(
+        "POST", served.url + "/completions",
+        json={"model": "tiny", "prompt": "the", "max_tokens": 200, "temperature": 0, "stream": True}, timeout=30,
+    ) as resp:  # fmt: skip
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["text"] is not None
+        [long_req] = wait_for(lambda: list(engine.running) or None)
+        # A short request joins the running batch and finishes while the long one still decodes.
+        short = httpx.post(
+            served.url + "/completions",
+            json={"model": "tiny", "prompt": "a", "max_tokens": 3, "temperature": 0},
+            timeout=30,
+        )
+        assert short.status_code == 200
+        assert long_req.finish_reason is None and len(long_req.generated) < 200
+    # The client closed the stream: the request leaves the batch without running to 200 tokens.
+    wait_for(lambda: not engine.running, timeout=30)
+    assert long_req.cancelled and len(long_req.generated) < 200
+    metrics = httpx.get(f"http://127.0.0.1:{served.port}/metrics").text
+    assert 'gpuyard_llm_requests_total{outcome="cancelled"}' in metrics
+    count = next(
+        line
+        for line in metrics.splitlines()
+        if line.startswith("gpuyard_llm_time_to_first_token_seconds_count")
+    )
+    assert float(count.split()[-1]) >= 2
+    assert "gpuyard_llm_batch_size" in metrics and "gpuyard_llm_queue_depth" in metrics
+
+
+def test_full_queue_answers_429(model_dir: Path) -> None:
+    served = Served(model_dir, max_batch=1, max_queue=2, start=False)
+    try:
+        body = {"model": "tiny", "prompt": "the cat", "max_tokens": 4}
+
+        async def fire() -> int:
+            async with httpx.AsyncClient(timeout=30) as c:
+                pending = [
+                    asyncio.create_task(c.post(served.url + "/completions", json=body)) for _ in range(2)
+                ]
+                await asyncio.to_thread(wait_for, lambda: len(served.engine.waiting) == 2)
+                third = await c.post(served.url + "/completions", json=body)
+                for t in pending:
+                    t.cancel()
+                assert "queue is full (2 requests waiting)" in third.json()["error"]["message"]
+                return third.status_code
+
+        assert asyncio.run(fire()) == 429
+    finally:
+        served.close()

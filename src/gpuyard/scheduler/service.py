@@ -128,7 +128,7 @@ class JobService:
         self._lease_renewed_at: float | None = None  # monotonic time of this service's last renewal
         # When the scheduler first saw each running job's process gone: its end when the executor
         # knows none and recording it had to wait (a full disk, a database outage).
-        self._ended_seen: dict[int, Any] = {}
+        self._ended_seen: dict[int, tuple[Any, str | None]] = {}  # job -> (seen at, full disk)
         # The API's URL when a `gpuyard server` runs this service: its jobs then get a job-scoped token.
         self.api_url: str | None = None
         if config.placement not in ("topology", "fabric"):
@@ -620,30 +620,35 @@ class JobService:
                             )
                         )
                     continue
-                if status.ended_at is None:  # the first sight of its end, kept until it is recorded
-                    status = replace(status, ended_at=self._ended_seen.setdefault(row.id, utcnow()))
-                self._finish(s, row, status)
+                if row.id not in self._ended_seen:  # the first sight of its end, kept until recorded
+                    lost = status.code is None and status.killed and not row.killed
+                    disk = unrecorded_exit_disk(row.handle or {}) if lost else None
+                    self._ended_seen[row.id] = (utcnow(), disk)
+                seen_at, disk = self._ended_seen[row.id]
+                if status.ended_at is None:
+                    status = replace(status, ended_at=seen_at)
+                self._finish(s, row, status, disk)
         self._ended_seen.clear()  # committed: every end seen is recorded
 
-    def _finish(self, s: Session, row: JobRow, status: ExitStatus) -> None:
+    def _finish(self, s: Session, row: JobRow, status: ExitStatus, full_disk: str | None = None) -> None:
+        """Record how a job's attempt ended (``full_disk``: the folder whose full disk kept its exit
+        code from being written, when that is why there is none)."""
         # The executor's end time when it has one (a job that ended while no server ran), never
         # before the start nor after now.
         end = min(status.ended_at, utcnow()) if status.ended_at else utcnow()
         end = max(end, row.started_at) if row.started_at else end
         ran = max(0.0, (end - row.started_at).total_seconds()) if row.started_at else 0.0
-        request, handle, killed = row.stop_requested, row.handle or {}, row.killed
+        request = row.stop_requested
         row.exit_code, row.attained_s = status.code, row.attained_s + ran
         # The placement stays on record (where it last ran); only scheduled/running ones hold GPUs.
         row.stop_requested, row.stop_deadline, row.killed, row.handle = None, None, False, None
         how = status.describe()
         for note in status.notes:  # what else the executor saw (a log cut at its cap)
             s.add(JobEventRow(job_id=row.id, from_state=row.state, to_state=row.state, reason=note))
-        if status.code is None and status.killed and not killed:
-            # Gone without an exit code, though gpuyard sent no SIGKILL: the exit file may not have
-            # been written because its disk was full; say so rather than blame a signal.
-            full = unrecorded_exit_disk(handle)
-            if full is not None:
-                how = f"ended, exit code not recorded: the disk at {full} was full"
+        if full_disk is not None:
+            # Gone without an exit code, though gpuyard sent no SIGKILL, and the exit file could not
+            # be written: say so rather than blame a signal it never got.
+            how = f"ended, exit code not recorded: the disk at {full_disk} was full"
         if request == "cancel":
             # Like Slurm: a job stopped on request is cancelled, even when it exits cleanly on SIGTERM
             # (a model server does); its run time is not a sample of how long such jobs take.
@@ -1118,16 +1123,19 @@ class TickErrors:
 def unrecorded_exit_disk(handle: dict[str, Any]) -> str | None:
     """The folder of a job's exit file when its disk kept the exit code from being written, else None.
 
-    The shim writes ``EXIT_FILE.tmp`` then renames it: a ``.tmp`` left behind (the write failed), or
-    a filesystem that is full now, is taken as the reason no exit code was recorded.
+    The shim writes ``EXIT_FILE.tmp`` (and its companions, ``EXIT_FILE.*.tmp``) then renames it: a
+    ``.tmp`` left behind (the write failed), or a filesystem that is full now, is taken as the reason
+    no exit code was recorded.
     """
     exit_file = handle.get("exit_file")
     if not exit_file:
         return None
-    folder = os.path.dirname(str(exit_file))
-    if os.path.exists(exit_file + ".tmp") or disk_full(folder):
-        return folder
-    return None
+    folder, name = os.path.split(str(exit_file))
+    try:
+        left = [f for f in os.listdir(folder) if f.startswith(name) and f.endswith(".tmp")]
+    except OSError:
+        left = []
+    return folder if left or disk_full(folder) else None
 
 
 def free_bytes(path: str) -> int | None:

@@ -1,28 +1,36 @@
-"""Loader throughput: gpuyard's shard loader vs one-file-per-sample and WebDataset tar shards.
+"""Loader throughput: gpuyard's shard loader vs NumPy in memory, WebDataset, Ray Data and files.
 
 All read the same N samples (28x28 uint8 image + int64 label), shuffled, in batches of 256, with
-the same number of workers, for one full epoch; each batch is touched (a sum) so nothing is left
-lazy. gpuyard runs twice: with thread workers (``worker_mode="thread"``, its best configuration for
-small samples; the headline ``vs_files``) and with DataLoader worker processes (``proc_vs_files``).
-Both yield the very same batches. A third run uses whole mode (``LoaderConfig(whole=True)``: the
-version is decoded into memory in the first epoch, each later epoch one global permutation gathered
-batch by batch; ``whole_vs_files``), for versions that fit in memory. Baselines in their best
-configuration that we know of:
+the same number of workers, for full epochs; each batch is touched (a sum) so nothing is left
+lazy. Baselines, each in its best configuration that we know of, doing the same work:
 
-- files: one raw 785-byte file per sample (no decoder cost: ``np.frombuffer``), a map-style
-  Dataset with ``shuffle=True`` and the default collate.
-- webdataset: tar shards of 10,000 samples with raw image bytes (no image decoding), a
-  ``.shuffle(1000)`` buffer, ``.batched(256)`` inside the workers and ``batch_size=None``.
+- numpy (against gpuyard's whole mode, ``whole_vs_numpy``): the same decoded arrays in memory, a
+  permutation per epoch, one ``ndarray.take`` per column per batch, wrapped as tensors without a
+  copy, one thread: the least a loader over in-memory data can do. Whole mode
+  (``LoaderConfig(whole=True)``) decodes the version into memory once, then gathers batches.
+- webdataset (streaming): tar shards of about 128 MB (WebDataset's documentation and published
+  datasets use 100 MB to 1 GB; at least one shard per worker), raw image bytes (no image
+  decoding), ``shardshuffle``, a ``.shuffle(1000)`` buffer, ``.batched(256)`` inside the workers,
+  ``WebLoader`` with ``batch_size=None`` and persistent workers.
+- ray_data (streaming, when Ray installs): Parquet files read by ``read_parquet`` with the block
+  order randomised, the raw bytes decoded by ``map_batches`` over Arrow batches, a local shuffle
+  buffer of 1,000 and ``iter_torch_batches``, Ray started with the same number of CPUs as workers.
+- files (context, ``vs_files``): one raw 785-byte file per sample (``np.frombuffer``), a map-style
+  Dataset with ``shuffle=True``, the default collate, persistent workers.
+- MosaicML ``streaming`` is not run: its release (0.13) pins numpy<2.2 and imports torchvision,
+  whose wheels for this torch need CUDA libraries; it does not install beside the CPU torch here.
 
-Epochs are timed with nothing else running in the process. Peak memory (PSS of the process and its
-workers, sampled every 20 ms) is taken in one more epoch of each contender: a sample reads
-/proc/PID/smaps_rollup, about 4 ms of CPU, and sampling during the timed epochs took a fifth of the CPU
-of an epoch that lasts 60-100 ms (and the GIL from gpuyard's thread workers).
+gpuyard streams with thread workers (``worker_mode="thread"``, its best configuration for small
+samples; ``vs_files``, ``vs_best_streaming`` = against the faster of WebDataset and Ray Data in
+each round) and with DataLoader worker processes (``proc_vs_files``); both yield the very same
+batches. Every contender is built and its first ("cold") epoch run; then each round runs one epoch
+of each in turn, the order rotated each round, and ratios are per round (median and spread).
+Peak memory (PSS of the process and its workers, sampled every 20 ms) is taken afterwards for
+gpuyard's three modes, each alone.
 
-Usage: python benchmarks/loader.py [--quick] [--samples N] [--workers W]
+Usage: python benchmarks/loader.py [--quick] [--samples N] [--workers W] [--rounds R]
 
-``--quick``: 12,000 samples; WebDataset reads its first tar shard only (10,000 samples: it is the
-slowest by far, and its rate per sample is what is compared).
+``--quick``: 12,000 samples.
 """
 
 from __future__ import annotations
@@ -31,10 +39,11 @@ import argparse
 import gc
 import os
 import shutil
+import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +53,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 BATCH = 256
+# MosaicML streaming 0.13 (the release on PyPI) pins numpy<2.2 and imports torchvision, whose only
+# wheels for this torch need CUDA libraries: it does not install beside gpuyard's CPU torch here.
+MOSAIC_NOTE = "mosaicml-streaming 0.13 needs numpy<2.2 and a torchvision for this CPU torch"
 SHAPE = (28, 28)
 
 
@@ -146,12 +158,19 @@ def setup_files(root: Path, images: np.ndarray, labels: np.ndarray) -> list[str]
     return files
 
 
-def setup_wds(root: Path, images: np.ndarray, labels: np.ndarray) -> list[str]:
+# WebDataset's documentation and the datasets published in it use shards of about 100 MB to 1 GB.
+WDS_SHARD_BYTES = 128 << 20
+
+
+def setup_wds(root: Path, images: np.ndarray, labels: np.ndarray, workers: int) -> list[str]:
     import webdataset as wds
 
     folder = root / "wds"
     folder.mkdir()
-    with wds.ShardWriter(str(folder / "shard-%05d.tar"), maxcount=10_000, verbose=0) as sink:
+    # 2,560 bytes a sample in the tar (two members, each a 512-byte header and its data padded to
+    # 512): shards of WDS_SHARD_BYTES, and at least one per worker so that no worker idles.
+    per_shard = min(WDS_SHARD_BYTES // 2560, -(-len(labels) // max(1, workers)))
+    with wds.ShardWriter(str(folder / "shard-%05d.tar"), maxcount=per_shard, verbose=0) as sink:
         for i in range(len(labels)):
             sink.write(
                 {"__key__": f"{i:07d}", "img": images[i].tobytes(), "cls": str(int(labels[i])).encode()}
@@ -159,18 +178,63 @@ def setup_wds(root: Path, images: np.ndarray, labels: np.ndarray) -> list[str]:
     return sorted(str(p) for p in folder.glob("*.tar"))
 
 
+def ray_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.data") is not None
+
+
+def setup_ray(root: Path, images: np.ndarray, labels: np.ndarray) -> str:
+    """The samples as Parquet files for Ray Data: raw image bytes (784 a row) and the label."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = root / "ray"
+    folder.mkdir()
+    step = 25_000  # four files per 100,000 samples: Ray Data reads one file per task
+    for i, lo in enumerate(range(0, len(labels), step)):
+        flat = np.ascontiguousarray(images[lo : lo + step]).reshape(-1)
+        count = len(flat) // 784
+        raw = pa.FixedSizeBinaryArray.from_buffers(pa.binary(784), count, [None, pa.py_buffer(flat)])
+        table = pa.table({"image": raw, "label": pa.array(labels[lo : lo + step].astype(np.int64))})
+        pq.write_table(table, folder / f"part-{i:03d}.parquet")
+    return str(folder)
+
+
+def _ray_decode(batch: Any) -> dict[str, np.ndarray]:
+    """A pyarrow batch of raw rows into arrays (one view of the image bytes, no per-row work)."""
+    images = batch.column("image").combine_chunks()
+    flat = np.frombuffer(images.buffers()[1], np.uint8, count=len(images) * 784, offset=images.offset * 784)
+    return {"image": flat.reshape(-1, *SHAPE), "label": batch.column("label").to_numpy()}
+
+
+class NumpyEpochs:
+    """The in-memory baseline of whole mode: the decoded arrays, a permutation per epoch, a ``take``
+    per column per batch, wrapped as tensors (no copy), in one thread."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, seed: int = 0) -> None:
+        self.images, self.labels, self.seed, self.epoch = images, labels, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.labels))
+        for lo in range(0, len(order), BATCH):
+            idx = order[lo : lo + BATCH]
+            # The method, not np.take: it skips the function's Python wrapper (as gpuyard's whole mode).
+            yield torch.from_numpy(self.images.take(idx, axis=0)), torch.from_numpy(self.labels.take(idx))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="12,000 samples instead of 100,000")
     ap.add_argument("--samples", type=int, default=None)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument(
-        "--rounds", type=int, default=None, help="epochs per contender, best kept (default 2, quick 1)"
-    )
+    ap.add_argument("--rounds", type=int, default=3, help="timed epochs per contender, interleaved")
     args = ap.parse_args()
     n = args.samples or (12_000 if args.quick else 100_000)
     w = args.workers
-    args.rounds = args.rounds or (1 if args.quick else 2)
     root = Path(tempfile.mkdtemp(prefix="gpuyard-bench-loader-"))
     os.environ["GPUYARD_HOME"] = str(root / "home")
     os.environ.pop("GPUYARD_DATABASE_URL", None)
@@ -186,9 +250,9 @@ def main() -> None:
     version = ingest(root / "src.npz", "bench")
     print(f"ingest {n} samples: {time.perf_counter() - t0:.2f} s, {len(version.shards)} shard(s)")
     files = setup_files(root, images, labels)
-    tars = setup_wds(root, images, labels)
-    if args.quick:
-        tars = tars[:1]
+    tars = setup_wds(root, images, labels, w)
+    ray_path = setup_ray(root, images, labels) if ray_available() else None
+    decoded = (images.copy(), labels.astype(np.int64))  # the NumPy baseline's data, decoded in memory
     del images
 
     def make_gpuyard(mode: str, whole: bool = False) -> Callable[[], Any]:
@@ -206,58 +270,126 @@ def main() -> None:
     def make_wds() -> Any:
         pipeline = wds.WebDataset(tars, shardshuffle=len(tars), nodesplitter=None, empty_check=False)
         pipeline = pipeline.shuffle(1000).map(_wds_sample).batched(BATCH)
-        return DataLoader(pipeline, batch_size=None, num_workers=w, persistent_workers=True)
+        return wds.WebLoader(pipeline, batch_size=None, num_workers=w, persistent_workers=True)
+
+    def make_numpy() -> Any:
+        return NumpyEpochs(*decoded)
+
+    class RayEpochs:
+        """Ray Data over the Parquet files, its documented training idiom: block order randomised,
+        the raw bytes decoded by ``map_batches`` (Arrow batches, no per-row Python), a local
+        shuffle buffer, ``iter_torch_batches``; Ray started with ``w`` CPUs."""
+
+        def __init__(self) -> None:
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(num_cpus=w, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            ctx = ray.data.DataContext.get_current()
+            ctx.enable_progress_bars = False
+            ctx.print_on_execution_start = False
+            ds = ray.data.read_parquet(ray_path).randomize_block_order()
+            self.ds = ds.map_batches(_ray_decode, batch_format="pyarrow", batch_size=4096)
+
+        def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+            return iter(self.ds.iter_torch_batches(batch_size=BATCH, local_shuffle_buffer_size=1000))
 
     contenders: list[tuple[str, Callable[[], Any], Callable[[Any], tuple[torch.Tensor, torch.Tensor]]]] = [
         ("gpuyard", make_gpuyard("thread"), lambda b: (b["image"], b["label"])),
         ("gpuyard_proc", make_gpuyard("process"), lambda b: (b["image"], b["label"])),
         ("gpuyard_whole", make_gpuyard("thread", whole=True), lambda b: (b["image"], b["label"])),
+        ("numpy", make_numpy, lambda b: (b[0], b[1])),
         ("files", make_files, lambda b: (b[0], b[1])),
         ("webdataset", make_wds, lambda b: (torch.as_tensor(b[0]), torch.as_tensor(b[1]))),
     ]
+    if ray_path is not None:
+        contenders.append(("ray_data", RayEpochs, lambda b: (b["image"], b["label"])))
     # Epoch 0 includes starting the workers ("cold"); later epochs reuse them (persistent workers,
-    # all of them) and the best of --rounds is the steady rate. The machine is shared, hence best-of.
-    # One more epoch samples memory.
+    # all of them). Every contender is built first; then each round runs one epoch of each in turn
+    # (the order rotated every round), so a busy moment of the shared machine falls on all of them
+    # alike. Ratios are taken per round and reported as the median and the spread over the rounds.
     cold: dict[str, tuple[float, int]] = {}
-    results: dict[str, tuple[float, int, int]] = {}
+    loaders: dict[str, Any] = {}
+    gets = {name: get for name, _, get in contenders}
+    not_run = [f"MosaicML streaming ({MOSAIC_NOTE})"]
     for name, make, get in contenders:
+        try:
+            loaders[name] = make()
+        except Exception as exc:  # Ray's local cluster can fail to start on an overloaded machine
+            if name != "ray_data":
+                raise
+            not_run.append(f"Ray Data ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+            continue
+        cold[name] = timed_epoch(loaders[name], get)
+    names = list(loaders)
+    rounds: list[dict[str, float]] = []
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        rates: dict[str, float] = {}
+        for name in order:
+            if hasattr(loaders[name], "set_epoch"):
+                loaders[name].set_epoch(r + 1)
+            dt, count = timed_epoch(loaders[name], gets[name])
+            rates[name] = count / dt
+        rounds.append(rates)
+    loaders.clear()  # workers (and Ray) stop before memory is sampled
+    if ray_path is not None:
+        import ray
+
+        ray.shutdown()  # also after a failed start: it stops what did start
+    gc.collect()
+    # Peak memory of gpuyard's modes, each alone: a fresh loader, its cold epoch, then one sampled.
+    peaks: dict[str, int] = {}
+    for name, make, get in contenders[:3]:
         loader = make()
-        cold[name] = timed_epoch(loader, get)
-        best: tuple[float, int] | None = None
-        for epoch in range(1, args.rounds + 2):
-            if hasattr(loader, "set_epoch"):
-                loader.set_epoch(epoch)
-            if epoch > args.rounds:
-                assert best is not None
-                results[name] = (*best, memory_epoch(loader, get))
-                break
-            res = timed_epoch(loader, get)
-            best = res if best is None or res[0] < best[0] else best
-        del loader  # its workers stop before the next contender's memory is sampled
+        timed_epoch(loader, get)
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(1)
+        peaks[name] = memory_epoch(loader, get)
+        del loader
         gc.collect()
+
     cold_rate = {k: c / dt for k, (dt, c) in cold.items()}
-    for k, (dt, _) in cold.items():
-        print(f"{k:>10} cold epoch (worker start included): {dt:.2f} s = {cold_rate[k]:,.0f} samples/s")
-    rate = {k: c / dt for k, (dt, c, _) in results.items()}
-    for k, (dt, c, peak) in results.items():
-        mib = peak / 2**20
-        print(f"{k:>10} steady: {c} samples in {dt:.2f} s = {rate[k]:,.0f} samples/s, peak PSS {mib:.0f} MiB")
+    rate = {k: statistics.median(rd[k] for rd in rounds) for k in names}
+    streaming = [k for k in ("webdataset", "ray_data") if k in names]
+    for k in names:
+        all_rates = ", ".join(f"{rd[k]:,.0f}" for rd in rounds)
+        print(
+            f"{k:>13}: cold epoch (worker start) {cold_rate[k]:,.0f} samples/s; steady median "
+            f"{rate[k]:,.0f} samples/s (rounds: {all_rates})"
+        )
+    for k, peak in peaks.items():
+        print(f"{k:>13}: peak PSS {peak / 2**20:.0f} MiB (alone)")
     print(f"dataset in memory would be {n * (784 + 8) / 2**20:.0f} MiB; workers={w}, batch={BATCH}")
-    print(f"steady = best of {args.rounds} epoch(s) after the cold one, persistent workers for all")
-    ratio_files = rate["gpuyard"] / rate["files"]
-    ratio_wds = rate["gpuyard"] / rate["webdataset"]
+    print(f"WebDataset: {len(tars)} shard(s); not run: " + "; ".join(not_run))
+
+    def ratio(a: str, b: str | list[str]) -> list[float]:
+        return [rd[a] / (max(rd[x] for x in b) if isinstance(b, list) else rd[b]) for rd in rounds]
+
+    figures = {
+        "vs_files": ratio("gpuyard", "files"),
+        "vs_best_streaming": ratio("gpuyard", streaming),
+        "whole_vs_numpy": ratio("gpuyard_whole", "numpy"),
+        "vs_webdataset": ratio("gpuyard", "webdataset"),
+        "proc_vs_files": ratio("gpuyard_proc", "files"),
+        "whole_vs_files": ratio("gpuyard_whole", "files"),
+    }
+    if "ray_data" in names:
+        figures["vs_ray_data"] = ratio("gpuyard", "ray_data")
+    best_streaming = [max(streaming, key=lambda x: rd[x]) for rd in rounds]
+    print("fastest streaming baseline per round: " + ", ".join(best_streaming))
+    for key, values in figures.items():
+        print(f"{key}: median {statistics.median(values):.2f}x, rounds {min(values):.2f}-{max(values):.2f}x")
     print(
-        f"loader: vs_files={ratio_files:.1f}x vs_webdataset={ratio_wds:.1f}x "
-        f"proc_vs_files={rate['gpuyard_proc'] / rate['files']:.1f}x "
-        f"whole_vs_files={rate['gpuyard_whole'] / rate['files']:.1f}x "
+        "loader: "
+        + " ".join(f"{key}={statistics.median(v):.2f}x" for key, v in figures.items())
+        + f" whole_vs_numpy_min={min(figures['whole_vs_numpy']):.2f}x "
+        f"vs_best_streaming_min={min(figures['vs_best_streaming']):.2f}x "
         f"cold_vs_files={cold_rate['gpuyard'] / cold_rate['files']:.1f}x "
-        f"gpuyard_samples_s={rate['gpuyard']:.0f} gpuyard_proc_samples_s={rate['gpuyard_proc']:.0f} "
-        f"files_samples_s={rate['files']:.0f} webdataset_samples_s={rate['webdataset']:.0f} "
-        f"gpuyard_peak_pss_mib={results['gpuyard'][2] / 2**20:.0f} "
-        f"gpuyard_proc_peak_pss_mib={results['gpuyard_proc'][2] / 2**20:.0f} "
-        f"gpuyard_whole_samples_s={rate['gpuyard_whole']:.0f} "
-        f"gpuyard_whole_peak_pss_mib={results['gpuyard_whole'][2] / 2**20:.0f} samples={n} workers={w} "
-        f"load_avg={os.getloadavg()[0]:.1f}"
+        + " ".join(f"{k}_samples_s={rate[k]:.0f}" for k in names)
+        + " "
+        + " ".join(f"{k}_peak_pss_mib={p / 2**20:.0f}" for k, p in peaks.items())
+        + f" samples={n} workers={w} rounds={args.rounds} load_avg={os.getloadavg()[0]:.1f}"
     )
     shutil.rmtree(root, ignore_errors=True)  # 100,000 files or 10M rows per run: leave nothing behind
 

@@ -11,7 +11,9 @@ AdamW wherever every parameter is a plain CPU/CUDA float tensor; the default for
 several times slower on a CPU), LambdaLR, fp32 (the Trainer's ``precision: auto`` on a CPU), no
 ``torch.compile`` on either side (the Trainer's default), ``loss.item()`` every step for logging.
 Runs alternate (baseline, Trainer, baseline, ...) so load on a shared machine hits both alike;
-the median wall time of each is compared and the spread of the per-pair ratios is printed.
+the median wall time of each is compared and the spread of the per-pair ratios is printed, with
+``cpu_slowdown`` (the median per-pair ratio of the process's CPU time, all threads: waiting for a
+core on a loaded machine does not count in it).
 Last line: `train_overhead: slowdown=<trainer/baseline - 1> ...`.
 """
 
@@ -44,9 +46,9 @@ def make_data(n: int) -> TensorDataset:
     return ex.classification_data(n, in_features=IN, classes=CLASSES, seed=SEED)
 
 
-def baseline(n: int, epochs: int) -> tuple[float, float]:
-    """The hand-written loop; returns (seconds, final loss)."""
-    start = time.perf_counter()
+def baseline(n: int, epochs: int) -> tuple[float, float, float]:
+    """The hand-written loop; returns (seconds, CPU seconds, final loss)."""
+    start, cpu = time.perf_counter(), time.process_time()
     torch.manual_seed(SEED)
     model = make_model()
     # fused=True: what the Trainer builds for plain CPU/CUDA float parameters (build_optimizer).
@@ -66,12 +68,12 @@ def baseline(n: int, epochs: int) -> tuple[float, float]:
             sched.step()
             opt.zero_grad(set_to_none=True)
             loss_value = loss.item()
-    return time.perf_counter() - start, loss_value
+    return time.perf_counter() - start, time.process_time() - cpu, loss_value
 
 
-def gpuyard_run(n: int, epochs: int, run_dir: Path) -> tuple[float, float]:
-    """The same training through gpuyard's Trainer; returns (seconds, final loss)."""
-    start = time.perf_counter()
+def gpuyard_run(n: int, epochs: int, run_dir: Path) -> tuple[float, float, float]:
+    """The same training through gpuyard's Trainer; returns (seconds, CPU seconds, final loss)."""
+    start, cpu = time.perf_counter(), time.process_time()
     spec = TrainSpec.model_validate(
         {
             "run_dir": str(run_dir),
@@ -83,7 +85,7 @@ def gpuyard_run(n: int, epochs: int, run_dir: Path) -> tuple[float, float]:
         }
     )
     result = Trainer(spec, model=make_model, train_data=make_data(n)).fit()
-    return time.perf_counter() - start, result.metrics["loss"]
+    return time.perf_counter() - start, time.process_time() - cpu, result.metrics["loss"]
 
 
 def mfu_1b(run_dir: Path, steps: int) -> float | None:
@@ -127,7 +129,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     n, epochs, repeats = (4096, 3, 5) if args.quick else (8192, 4, 9)
-    base_t, ours_t = [], []
+    base_t, ours_t, base_cpu, ours_cpu = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         # gpuyard's runs are tracked in the state store by default, as a user's would be: a store of
         # its own, not the user's ~/.gpuyard.
@@ -136,10 +138,12 @@ def main() -> None:
         baseline(1024, 1)  # warm-up (allocator, kernels) for both
         gpuyard_run(1024, 1, Path(tmp) / "warm")
         for i in range(repeats):
-            t, base_loss = baseline(n, epochs)
+            t, c, base_loss = baseline(n, epochs)
             base_t.append(t)
-            t, our_loss = gpuyard_run(n, epochs, Path(tmp) / f"run{i}")
+            base_cpu.append(c)
+            t, c, our_loss = gpuyard_run(n, epochs, Path(tmp) / f"run{i}")
             ours_t.append(t)
+            ours_cpu.append(c)
     steps = n // BATCH * epochs
     b, o = statistics.median(base_t), statistics.median(ours_t)
     print(
@@ -150,10 +154,14 @@ def main() -> None:
     print(f"gpuyard   median {o:.3f} s  ({steps / o:.0f} steps/s)  final loss {our_loss:.4f}")
     pairs = sorted(ours / base - 1 for ours, base in zip(ours_t, base_t, strict=True))
     print("slowdown per alternating pair: " + ", ".join(f"{x:+.4f}" for x in pairs))
+    # CPU time of the process (all its threads): what load on a shared machine disturbs least.
+    cpu = statistics.median(ours / base - 1 for ours, base in zip(ours_cpu, base_cpu, strict=True))
+    bc, oc = statistics.median(base_cpu), statistics.median(ours_cpu)
+    print(f"CPU time: baseline median {bc:.3f} s, gpuyard {oc:.3f} s")
     print(
         f"train_overhead: slowdown={o / b - 1:.4f} gpuyard_s={o:.3f} baseline_s={b:.3f} steps={steps} "
         f"same_final_loss={abs(base_loss - our_loss) < 1e-5} "
-        f"pair_min={pairs[0]:.4f} pair_max={pairs[-1]:.4f} "
+        f"pair_min={pairs[0]:.4f} pair_max={pairs[-1]:.4f} cpu_slowdown={cpu:.4f} "
         f"optimizer=adamw-fused load_avg={os.getloadavg()[0]:.1f}"
     )
 

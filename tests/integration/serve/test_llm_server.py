@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-
 from tests.llm_fixtures import tokenizer_folder
 from tests.waiting import wait_for
 
@@ -100,8 +99,10 @@ def test_batched_greedy_equals_generate_and_the_api_shapes(served: Served, model
     assert m.id == "tiny"
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = ["the cat", "a big red dog ran over the hill and", "old", "green house garden river saw the",
-               "then", "bird flew", "the young cat liked the small mat under the tree then", "found"]  # fmt: skip
+    prompts = [
+        "the cat", "a big red dog ran over the hill and", "old", "green house garden river saw the",
+        "then", "bird flew", "the young cat liked the small mat under the tree then", "found",
+    ]  # fmt: skip
     lengths = [12, 40, 25, 7, 33, 18, 29, 21]
 
     async def many() -> list[Any]:
@@ -168,10 +169,8 @@ def test_hostile_requests_are_refused_in_one_line(served: Served) -> None:
 
 def test_dropped_stream_frees_its_slot_and_short_requests_pass_long_ones(served: Served) -> None:
     engine = served.engine
-    with httpx.stream(
-        "POST", served.url + "/completions",
-        json={"model": "tiny", "prompt": "the", "max_tokens": 200, "temperature": 0, "stream": True}, timeout=30,
-    ) as resp:  # fmt: skip
+    body = {"model": "tiny", "prompt": "the", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served.url + "/completions", json=body, timeout=30) as resp:
         lines = resp.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["text"] is not None

@@ -138,8 +138,9 @@ def _label_words(ds: Dataset) -> str:
     return "continuous (float label)"
 
 
-def _estimator_kind(trainer: str, params: dict[str, Any]) -> tuple[str, str] | None:
-    """(estimator path, classification/regression) of a scikit-learn estimator the trainer will fit."""
+def _estimator_kind(trainer: str, params: dict[str, Any]) -> tuple[str, str, bool] | None:
+    """(estimator path, classification/regression, gives probabilities) of a scikit-learn estimator
+    the trainer will fit, built with the params it takes."""
     if not trainer.endswith(":train_sklearn") or "estimator" not in params:
         return None
     path = str(params["estimator"])
@@ -152,13 +153,15 @@ def _estimator_kind(trainer: str, params: dict[str, Any]) -> tuple[str, str] | N
 
     try:
         cls = getattr(importlib.import_module(module_name), cls_name)
-        est = cls()
+        valid = cls().get_params()
+        est = cls(**{k: v for k, v in params.items() if k in valid})
     except Exception:
         return None
+    proba = hasattr(est, "predict_proba")  # SVC: only with probability=True
     if is_classifier(est):
-        return path, "classification"
+        return path, "classification", proba
     if is_regressor(est):
-        return path, "regression"
+        return path, "regression", proba
     return None
 
 
@@ -199,8 +202,18 @@ def task_for_data(spec: ModelSpec, ds: Dataset, params: dict[str, Any] | None = 
         if found is not None and found[1] != task:
             kind = "regressor" if found[1] == "regression" else "classifier"
             raise ConfigError(f"{spec.name}: estimator {found[0]} is a {kind} but {what}")
+        if found is not None and metric.needs_proba and not found[2]:
+            raise ConfigError(
+                f"{spec.name}: metric {spec.metric!r} needs class probabilities, and estimator "
+                f"{found[0]} gives none with these params (e.g. SVC needs probability: true)"
+            )
     if task == "classification" and len(ds.y) and len(np.unique(ds.y)) < 2:
         raise ConfigError(f"{spec.name}: {what}: a classifier needs at least two classes")
+    if task == "classification" and spec.trainer.endswith(":train_mlp") and len(ds.y) and ds.y.min() < 0:
+        raise ConfigError(
+            f"{spec.name}: train_mlp needs class labels 0..K-1, and the label of {ds.version} has "
+            f"{int(ds.y.min())}: recode it (a recipe's encode step with method: ordinal) or use train_sklearn"
+        )
     return task
 
 

@@ -90,3 +90,19 @@ def test_the_cli_exits_2_with_one_line(
         assert code == 2, (argv, out, err)
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert len(lines) == 1 and "metric 'mse' is a regression metric" in lines[0], err
+
+
+def test_probability_metrics_and_mlp_labels_are_checked_up_front(gpuyard_home: Path, tmp_path: Path) -> None:
+    import numpy as np
+
+    from gpuyard.models.fit import fit
+
+    svm = {"estimator": "sklearn.svm.SVC"}
+    with pytest.raises(ConfigError, match=r"metric 'roc_auc' needs class probabilities.*sklearn.svm.SVC"):
+        fit(_spec(dataset="sklearn:breast_cancer", metric="roc_auc", params=svm))
+    src = tmp_path / "pm.npz"
+    rng = np.random.default_rng(0)
+    np.savez(src, X=rng.normal(size=(40, 3)).astype(np.float32), y=np.where(np.arange(40) % 2, 1, -1))
+    spec = parse_spec({"name": "m", "dataset": f"npz:{src}", "trainer": "gpuyard.models.builtin:train_mlp"})
+    with pytest.raises(ConfigError, match=r"train_mlp needs class labels 0..K-1.* has -1"):
+        fit(spec)

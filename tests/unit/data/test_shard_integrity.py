@@ -100,23 +100,29 @@ def test_gc_removes_only_unreferenced_blobs_and_only_when_told(
     table: DatasetVersion, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from gpuyard.data import open_dataset
+    from gpuyard.states import RunStatus
     from gpuyard.store import get_artifacts
+    from gpuyard.tracking.store import start_run
 
     artifacts = get_artifacts()
     orphan = artifacts.put_blob(b"written by an ingest that never recorded its version")
+    # A blob another component references (a model file, LLM weights): named in a JSON column.
+    weights = artifacts.put_blob(b"model weights")
+    run = start_run("m", tags={"files": {"w": {"sha256": weights.sha256}}}, system_interval_s=None)
+    run.finish(RunStatus.FINISHED)
     # Just written: within the default grace period, so even --yes keeps it.
     code, out, _ = _run(capsys, "data", "gc", "--yes", "--json")
     doc = json.loads(out)
-    assert code == 0 and doc["unreferenced"] == [] and doc["kept_too_new"] == 1
+    assert code == 0 and doc["unreferenced"] == [] and doc["kept_too_new"] == 1 and doc["referenced"] == 4
     assert artifacts.exists(orphan.key)
     # Dry run by default.
     code, out, _ = _run(capsys, "data", "gc", "--grace", "0s", "--json")
     doc = json.loads(out)
     assert code == 0 and doc["unreferenced"] == [orphan.key] and not doc["deleted"]
-    assert artifacts.exists(orphan.key) and doc["referenced"] == 3
+    assert artifacts.exists(orphan.key) and doc["referenced"] == 4
     code, out, _ = _run(capsys, "data", "gc", "--grace", "0s", "--yes")
     assert code == 0 and "deleted 1 blob(s)" in out
-    assert not artifacts.exists(orphan.key)
+    assert not artifacts.exists(orphan.key) and artifacts.exists(weights.key)
     # Everything the version references is still there and intact.
     version = open_dataset(table.ref)
     assert version.to_arrow().num_rows == 300 and version.quarantine().num_rows == 1

@@ -20,6 +20,11 @@ overlap) is the same for every stack; a profile says how a stack runs the parts 
 * ``attention``: the attention kernel family: FlashAttention 2 ("fa2": torchtitan's SDPA flash backend
   in 2024, llm-foundry's flash-attn 2) or Hopper-native kernels ("fa3": Transformer Engine's cuDNN fused
   attention in Megatron and NeMo); ``gpuyard.fabric.step.FA2_ON_HOPPER`` says what that costs on Hopper.
+* ``fused_loss``: memory of the loss. ``F.cross_entropy`` (and Megatron's default vocab-parallel
+  cross-entropy) keeps fp32 log-probabilities (or softmax) of the whole micro-batch for the backward:
+  4 bytes per logit. A fused cross-entropy that writes the gradient into the bf16 logits in place
+  (flash-attn's ``CrossEntropyLoss(inplace_backward=True)``, llm-foundry's MPT default
+  ``loss_fn: fused_crossentropy``) keeps only those: 2 bytes per logit.
 * ``tp_comm_overlap``: tensor-parallel all-gathers and reduce-scatters (or all-reduces) run split into
   chunks pipelined with the GEMMs next to them (Transformer Engine userbuffers), so only what exceeds
   the GEMMs and the first chunk show. NeMo's and Megatron-Bridge's pre-training performance recipes set
@@ -63,6 +68,7 @@ class Stack:
     fp32_elementwise: bool = False
     loss_bytes_per_logit: float = 24.0
     tp_comm_overlap: bool = False
+    fused_loss: bool = False
 
 
 STACKS: dict[str, Stack] = {
@@ -97,7 +103,8 @@ STACKS: dict[str, Stack] = {
             80.0,
             1.0,
             "fa2",
-            "MosaicML llm-foundry / Composer: FSDP1, flash-attn 2, fused norms",
+            "MosaicML llm-foundry / Composer: FSDP1, flash-attn 2, fused norms and cross-entropy",
+            fused_loss=True,
         ),
         Stack("deepspeed", 30.0, 1.0, "fa2", "DeepSpeed ZeRO with FusedAdam"),
         Stack("other", 30.0, 1.0, "fa3", "a stack the corpus does not profile: fused optimizer and kernels"),

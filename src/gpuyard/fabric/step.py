@@ -45,6 +45,7 @@ ELEMENTWISE_BYTES_PER_H = 30.0
 WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 2, 4, 12
 # CUDA context, NCCL buffers and workspace kept aside on every device, plus allocator fragmentation.
 RESERVED_BYTES, FRAGMENTATION = 2 * GIB, 1.05
+LOSS_BYTES_PER_LOGIT = {False: 4, True: 2}  # kept for the backward: unfused fp32 / fused in-place bf16
 # One ring-attention step (context parallelism): a FlashAttention launch on a K/V block, a P2P post and an
 # event wait. Tens of microseconds on current stacks; it is what separates cp=2 from cp=8 at equal tokens.
 RING_STEP_OVERHEAD_S = 20e-6
@@ -435,7 +436,9 @@ def memory_per_gpu(model: ModelSpec, seq: int, cfg: ParallelConfig, micro_batche
     )
     if cfg.recompute == "full":  # one layer is rebuilt in full during its backward
         acts += tokens * _activation_bytes_per_token(model, cfg.tp, cfg.sequence_parallel, "none")
-    logits = tokens * model.vocab * 4 / cfg.tp  # fp32 logits of the output layer (last stage)
+    # The loss keeps fp32 log-probabilities of the micro-batch (4 bytes per logit), or with a fused
+    # cross-entropy only the bf16 logits it writes the gradient into (2 bytes): gpuyard.fabric.stacks.
+    logits = tokens * model.vocab * LOSS_BYTES_PER_LOGIT[get_stack(cfg.stack).fused_loss] / cfg.tp
     return {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts + logits}
 
 

@@ -274,6 +274,8 @@ def main() -> None:
         return
     if args.quick:
         args.hidden, args.layers, args.checkpoints, args.every = 2048, 4, 12, 3
+    if args.checkpoints < 4 or args.checkpoints % len(KINDS):
+        parser.error(f"--checkpoints must be a multiple of {len(KINDS)} (the last one is a snapshot)")
     args.steps = args.every * args.checkpoints
 
     storage = Path(tempfile.mkdtemp(prefix="gpuyard-ckpt-bench-", dir=args.storage))

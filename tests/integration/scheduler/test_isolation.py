@@ -90,7 +90,11 @@ def isolated(
     gpuyard_home: Path, tmp_path: Path, job_user: str, job_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[JobClient, Path, Path]]:
     """A root server running jobs as the job user; (client, home, server log)."""
-    proc, url, log = _start(gpuyard_home, tmp_path, "--job-dir", str(job_dir))
+    # The job user must run the jobs' Python or the server refuses to start: the test's own may sit in
+    # root's private home, the system's is readable by all.
+    proc, url, log = _start(
+        gpuyard_home, tmp_path, "--job-dir", str(job_dir), "--job-python", "/usr/bin/python3"
+    )
     monkeypatch.delenv("GPUYARD_TOKEN", raising=False)  # the client reads the admin token file
     client = JobClient(url)
     yield client, gpuyard_home, log

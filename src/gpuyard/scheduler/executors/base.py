@@ -7,6 +7,7 @@ futures (trials, folds, pipeline stages) go through :mod:`gpuyard.scheduler.exec
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
@@ -80,9 +81,16 @@ class ExitStatus:
     # When it ended, where the executor knows (the exit file's time): a job that ended while no server
     # ran keeps its real end time instead of the moment a later server noticed.
     ended_at: datetime | None = None
+    # Why, when the executor knows better than the code: "out of memory: limit 1.0 GiB", "cannot
+    # start 'x': ...". Shown instead of the code (in the job's reason, `jobs ls` and `jobs show`).
+    reason: str = ""
+    # What else happened to the attempt, one event each ("log cut at 100 MiB: ...").
+    notes: tuple[str, ...] = ()
 
     def describe(self) -> str:
-        """Short why for events: "exit code 3", "killed by SIGTERM", "killed (SIGKILL)"."""
+        """Short why for events: "exit code 3", "killed by SIGTERM", "killed (SIGKILL)", or ``reason``."""
+        if self.reason:
+            return self.reason
         if self.code is None:
             return "lost (never started)" if self.lost else "killed (SIGKILL)"
         if self.code < 0:
@@ -98,7 +106,13 @@ class ExitStatus:
         return self.code == exitcodes.PREEMPTED
 
 
-def job_argv(spec: JobSpec, nproc: int | None = None, nnodes: int = 1, rdzv: str | None = None) -> list[str]:
+def job_argv(
+    spec: JobSpec,
+    nproc: int | None = None,
+    nnodes: int = 1,
+    rdzv: str | None = None,
+    python: str | None = None,
+) -> list[str]:
     """The command of a job: its own argv, or ``gpuyard train SPEC --nproc N`` for a training spec.
 
     Args:
@@ -106,12 +120,14 @@ def job_argv(spec: JobSpec, nproc: int | None = None, nnodes: int = 1, rdzv: str
         nproc: processes on this node (default: spec.nproc, else the job's GPUs, else 1).
         nnodes: nodes taking part; above 1 the training runtime meets its peers at ``rdzv``.
         rdzv: HOST:PORT of the rendezvous (multi-node jobs).
+        python: the interpreter whose ``gpuyard`` runs a training spec (default: this one).
     """
     if spec.command is not None:
         return list(spec.command)
     n = nproc or spec.nproc or max(1, spec.resources.gpus)
-    exe = shutil.which("gpuyard", path=str(Path(sys.executable).parent))
-    argv = [*([exe] if exe else [sys.executable, "-m", "gpuyard.cli.main"]), "train", str(spec.train)]
+    python = python or sys.executable
+    exe = shutil.which("gpuyard", path=str(Path(python).parent))
+    argv = [*([exe] if exe else [python, "-m", "gpuyard.cli.main"]), "train", str(spec.train)]
     argv += ["--nproc", str(n)]
     if nnodes > 1 and rdzv:
         argv += ["--nnodes", str(nnodes), "--rdzv", rdzv]
@@ -203,6 +219,11 @@ def job_env(
     if spec.checkpoint_dir:
         env["GPUYARD_CHECKPOINT_DIR"] = spec.checkpoint_dir
     env.update(spec.env)
+    if spec.workdir:
+        # The job's own modules import from its working directory, as `python -m` would find them
+        # (before a PYTHONPATH the spec sets itself).
+        extra = spec.env.get("PYTHONPATH")
+        env["PYTHONPATH"] = spec.workdir + (os.pathsep + extra if extra else "")
     return env
 
 

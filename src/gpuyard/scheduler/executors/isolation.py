@@ -23,17 +23,21 @@ jobs (``gpuyard train``'s tracking, GPU deployments) find the state they could r
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import pwd
 import stat
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpuyard.errors import ConfigError
 from gpuyard.settings import ARTIFACTS_ENV, DATABASE_ENV, HOME_ENV, SERVER_ENV, Settings
+
+if TYPE_CHECKING:
+    from gpuyard.scheduler.executors.limits import Confinement
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +62,9 @@ class JobIsolation:
             HOME).
         store_env: the store's location variables, given to jobs only when they run as the server's user.
         server_url: the API's URL (GPUYARD_SERVER), for a job that brings its own token.
-        python_problem: why the job user cannot run the server's Python, when it cannot (Python jobs
-            would fail with "permission denied"); None when it can.
+        python: the interpreter jobs are given (``gpuyard train`` of a training spec), checked to run
+            as the job's user.
+        confinement: the jobs' limits, private mounts and log cap (:mod:`.limits`); None: none.
     """
 
     user: str
@@ -70,8 +75,9 @@ class JobIsolation:
     home: str | None = None
     store_env: tuple[tuple[str, str], ...] = ()
     server_url: str | None = None
-    python_problem: str | None = None
     template: str | None = None
+    python: str = sys.executable
+    confinement: Confinement | None = None
 
     def for_job(self, team: str, user: str) -> JobIsolation:
         """The isolation of one job: with a ``--job-user`` template (``gpuyard-{team}``,
@@ -101,6 +107,23 @@ class JobIsolation:
             self, user=entry.pw_name, uid=entry.pw_uid, gid=entry.pw_gid, home=own_home, template=None
         )
 
+    def check_python(self) -> None:
+        """Refuse (one line) when this job's user cannot run the Python jobs are given; checked once
+        per user. A ``--job-user`` template's users are known only per job: their training jobs (the
+        jobs gpuyard gives its Python) are checked at launch, and fail with this reason.
+
+        Raises:
+            ConfigError: the user cannot run :attr:`python`.
+        """
+        if not self.switch or self.uid in _PYTHON_OK:
+            return
+        problem = _python_problem(self.uid, self.gid, self.python)
+        if problem is not None:
+            raise ConfigError(
+                _python_refusal(self.user, problem, self.python, pwd.getpwuid(os.geteuid()).pw_name)
+            )
+        _PYTHON_OK.add(self.uid)
+
     def workdir(self, job_id: int) -> Path:
         """The default working directory of job ``job_id``."""
         return self.work_root / f"job-{job_id}"
@@ -117,28 +140,22 @@ class JobIsolation:
         return env
 
     def describe(self) -> str:
-        """One line for the startup log: who jobs run as, and what that protects."""
+        """One line for the startup log: who jobs run as, and what that protects (and their limits)."""
+        limits = f"; {self.confinement.describe()}" if self.confinement is not None else ""
         if self.template is not None:
             return (
                 f"jobs run as user {self.template} (one Unix user per {_template_key(self.template)}) in "
-                f"{self.work_root}, environment allow-listed, GPUYARD_HOME 0700"
+                f"{self.work_root}, environment allow-listed, GPUYARD_HOME 0700{limits}"
             )
         if self.switch:
-            line = (
+            return (
                 f"jobs run as user {self.user} (uid {self.uid}) in {self.work_root}, "
-                "environment allow-listed, GPUYARD_HOME 0700"
+                f"environment allow-listed, GPUYARD_HOME 0700{limits}"
             )
-            if self.python_problem:
-                line += (
-                    f"; WARNING: {self.user} cannot run this server's Python ({self.python_problem}): "
-                    f"Python jobs will fail; install Python where {self.user} can read it, or pass "
-                    "--job-user with the server's user (not isolated)"
-                )
-            return line
         return (
             f"jobs run as the server's user {self.user}: NOT isolated from GPUYARD_HOME, the database "
             "or the token (start the server as root to run them as an unprivileged --job-user); "
-            "environment allow-listed"
+            f"environment allow-listed{limits}"
         )
 
     def prepare(self, job_id: int, cwd: str) -> None:
@@ -158,24 +175,30 @@ class JobIsolation:
         os.chmod(path, 0o700)
 
 
-def resolve_isolation(settings: Settings, job_user: str | None, work_root: str | None = None) -> JobIsolation:
+def resolve_isolation(
+    settings: Settings, job_user: str | None, work_root: str | None = None, python: str | None = None
+) -> JobIsolation:
     """The isolation of `gpuyard server`'s jobs, checked; GPUYARD_HOME and its files made private.
 
     Args:
         settings: the server's settings (its home is made 0700, its SQLite file and token 0600).
         job_user: the Unix user jobs run as; None: ``gpuyard-job`` when the server is root, else the
             server's own user (single-user mode).
-        work_root: the folder of the jobs' working directories (default: under the system's temp
-            folder for a job user, under GPUYARD_HOME/work for the server's own user).
+        work_root: the folder of the jobs' working directories (default: for a job user, a folder of
+            unpredictable name made in the system's temp folder and recorded in GPUYARD_HOME, so later
+            servers find it again; for the server's own user, GPUYARD_HOME/work).
+        python: the interpreter jobs are given (default: the server's); a job user must be able to run it.
 
     Raises:
         ConfigError: the job user does not exist, is root while the server is not, or the server is
-            not root and was asked to run jobs as another user; or the work root is unsafe.
+            not root and was asked to run jobs as another user; or the job user cannot run ``python``;
+            or the work root is unsafe (not a folder of the server's user, writable by others, a link).
     """
     me = pwd.getpwuid(os.geteuid())
     root = os.geteuid() == 0
+    python = python or sys.executable
     if job_user is not None and "{" in job_user:
-        return _templated(settings, job_user, work_root, root)
+        return replace(_templated(settings, job_user, work_root, root), python=python)
     name = job_user if job_user is not None else (DEFAULT_JOB_USER if root else me.pw_name)
     try:
         entry = pwd.getpwnam(name)
@@ -191,18 +214,20 @@ def resolve_isolation(settings: Settings, job_user: str | None, work_root: str |
             f"another user; leave --job-user out to run them as {me.pw_name} (not isolated)"
         )
     switch = entry.pw_uid != me.pw_uid
+    problem = _python_problem(entry.pw_uid, entry.pw_gid, python) if switch else None
+    if problem is not None:
+        raise ConfigError(_python_refusal(entry.pw_name, problem, python, me.pw_name))
     home = settings.ensure_home()
     _make_private(settings)
     if work_root is not None:
-        folder = Path(work_root).expanduser().resolve()
+        folder = Path(os.path.abspath(os.path.expanduser(work_root)))  # a link is refused, not followed
+        _make_work_root(folder, traverse=switch)
     elif switch:
-        tag = hashlib.sha256(str(home).encode()).hexdigest()[:12]
-        folder = Path(tempfile.gettempdir()) / f"gpuyard-jobs-{tag}"
+        folder = _private_work_root(home)
     else:
         folder = home / "work"
-    _make_work_root(folder, traverse=switch)
+        _make_work_root(folder, traverse=False)
     own_home = entry.pw_dir if switch and _owned_dir(entry.pw_dir, entry.pw_uid) else None
-    problem = _python_problem(entry.pw_uid, entry.pw_gid) if switch else None
     return JobIsolation(
         user=entry.pw_name,
         uid=entry.pw_uid,
@@ -212,18 +237,69 @@ def resolve_isolation(settings: Settings, job_user: str | None, work_root: str |
         home=own_home if switch else me.pw_dir,
         store_env=() if switch else _store_env(settings),
         server_url=os.environ.get(SERVER_ENV) or None,
-        python_problem=problem,
+        python=python,
     )
 
 
-def _python_problem(uid: int, gid: int) -> str | None:
-    """Why ``uid`` cannot start the server's interpreter (e.g. a virtual environment under /root), or None."""
-    import subprocess
-    import sys
+# Job users (uids) seen to run the jobs' Python: a --job-user template checks each user once.
+_PYTHON_OK: set[int] = set()
+WORK_ROOT_RECORD = "work-root"  # in GPUYARD_HOME: the path of the default work root
 
+
+def _private_work_root(home: Path) -> Path:
+    """The default work root of a job user: made with ``mkdtemp`` (a name nobody can plant beforehand)
+    in the temp folder, its path recorded in GPUYARD_HOME; a later server takes the recorded one back
+    after checking it is still the server's own folder (not a link, not writable by others)."""
+    record = home / WORK_ROOT_RECORD
+    try:
+        recorded = record.read_text().strip()
+    except FileNotFoundError:
+        recorded = ""
+    if recorded and os.path.lexists(recorded):
+        folder = Path(recorded)
+        _make_work_root(folder, traverse=True)  # refuses one that is not the server's any more
+        return folder
+    folder = Path(tempfile.mkdtemp(prefix="gpuyard-jobs-"))
+    _make_work_root(folder, traverse=True)
+    fd = os.open(record.with_name(record.name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(str(folder))
+    os.replace(record.with_name(record.name + ".tmp"), record)
+    return folder
+
+
+def _python_refusal(user: str, problem: str, python: str, server_user: str) -> str:
+    """The one-line refusal when the job user cannot run the jobs' Python, with the ways out."""
+    return (
+        f"job user {user} cannot run the Python jobs are given ({problem}): make {python} and its "
+        f"installation readable by {user} (e.g. install Python and gpuyard under /opt{_blocker(python)}), "
+        f"or give jobs another interpreter with --job-python PATH, or run jobs as the server's user "
+        f"with --job-user {server_user} (not isolated)"
+    )
+
+
+def _blocker(python: str) -> str:
+    """``, or chmod o+x /root`` when a folder on the way to ``python`` lets no other user pass."""
+    for path in (Path(python), Path(os.path.realpath(python))):
+        for parent in reversed(path.parents):
+            try:
+                mode = parent.stat().st_mode
+            except OSError:
+                continue
+            if not mode & 0o001:
+                return f", or chmod o+x {parent} (now {stat.filemode(mode)})"
+    return ""
+
+
+def _python_problem(uid: int, gid: int, python: str | None = None) -> str | None:
+    """Why ``uid`` cannot start ``python`` (default: the server's interpreter), e.g. a virtual
+    environment under /root; None when it can."""
+    import subprocess
+
+    python = python or sys.executable
     try:
         proc = subprocess.run(
-            [sys.executable, "-I", "-S", "-c", "pass"],
+            [python, "-I", "-S", "-c", "pass"],
             user=uid,
             group=gid,
             extra_groups=[],
@@ -234,14 +310,14 @@ def _python_problem(uid: int, gid: int) -> str | None:
             check=False,
         )
     except OSError as exc:
-        return f"{sys.executable}: {exc.strerror}"
+        return f"{python}: {exc.strerror}"
     except subprocess.TimeoutExpired:
-        return f"{sys.executable} did not start within 30 s"
+        return f"{python} did not start within 30 s"
     if proc.returncode != 0:
         last = (
             proc.stderr.decode(errors="replace").strip().splitlines() or ["exit " + str(proc.returncode)]
         )[-1]
-        return f"{sys.executable}: {last}"
+        return f"{python}: {last}"
     return None
 
 
@@ -270,13 +346,19 @@ def _make_private(settings: Settings) -> None:
 
 
 def _make_work_root(folder: Path, traverse: bool) -> None:
-    """Create the work root owned by the server: 0711 (the job's user passes through, lists nothing)."""
+    """Create the work root owned by the server: 0711 (the job's user passes through, lists nothing).
+
+    An existing one must be a folder (not a link) of the server's user that others cannot write: a
+    folder planted beforehand by someone else is refused, in one line naming it.
+    """
     with contextlib.suppress(FileExistsError):
         folder.mkdir(parents=True, mode=0o700)
     st = folder.lstat()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        what = "a link" if stat.S_ISLNK(st.st_mode) else f"owner uid {st.st_uid}, {stat.filemode(st.st_mode)}"
         raise ConfigError(
-            f"job folder root {folder}: must be a directory of the server's user, not writable by others"
+            f"job folder root {folder} ({what}) is not a folder of the server's user closed to others: "
+            "refused (planted by someone else?); remove it or choose another --job-dir"
         )
     os.chmod(folder, 0o711 if traverse else 0o700)
     if traverse:
@@ -319,11 +401,10 @@ def _templated(settings: Settings, template: str, work_root: str | None, root: b
     home = settings.ensure_home()
     _make_private(settings)
     if work_root is not None:
-        folder = Path(work_root).expanduser().resolve()
+        folder = Path(os.path.abspath(os.path.expanduser(work_root)))  # a link is refused, not followed
+        _make_work_root(folder, traverse=True)
     else:
-        tag = hashlib.sha256(str(home).encode()).hexdigest()[:12]
-        folder = Path(tempfile.gettempdir()) / f"gpuyard-jobs-{tag}"
-    _make_work_root(folder, traverse=True)
+        folder = _private_work_root(home)
     return JobIsolation(
         user=template,
         uid=-1,

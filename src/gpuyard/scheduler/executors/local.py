@@ -15,16 +15,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from gpuyard.scheduler.executors import limits as job_limits
 from gpuyard.scheduler.executors.base import (
     Executor,
     ExitStatus,
@@ -78,11 +80,24 @@ class LocalExecutor(Executor):
             extra.update(
                 job_file=str(folder / f"attempt-{attempt}.job.json"), user=iso.user, uid=iso.uid, gid=iso.gid
             )
+            if spec.train is not None and iso.switch:
+                extra["python"] = iso.python  # checked at launch: the job's user must run it
+            if iso.confinement is not None:
+                extra["limits"] = asdict(iso.confinement.defaults.for_spec(spec))
+                # A name nobody can guess or make beforehand; the server creates it at launch.
+                name = f"gpuyard-job-{job_id}-{attempt}-{secrets.token_hex(4)}"
+                cgroup = iso.confinement.cgroups.handle(name)
+                if cgroup:
+                    extra["cgroup"] = cgroup
         return LaunchPlan(
             job_id=job_id,
             attempt=attempt,
             # An elastic job runs one rank per GPU it got this attempt.
-            argv=job_argv(spec, nproc=len(gpus) if spec.resources.elastic and gpus else None),
+            argv=job_argv(
+                spec,
+                nproc=len(gpus) if spec.resources.elastic and gpus else None,
+                python=iso.python if iso is not None else None,
+            ),
             env=env,
             cwd=cwd,
             log_path=str(folder / "output.log"),
@@ -109,10 +124,14 @@ class LocalExecutor(Executor):
                     gid=int(plan.extra["gid"]),
                     template=None,
                 )
+            if plan.extra.get("python"):
+                iso.check_python()
             iso.prepare(plan.job_id, plan.cwd)
             job: dict[str, Any] = {"env": plan.env, "cwd": plan.cwd, "uid": None, "gid": None}
             if iso.switch:
                 job.update(uid=iso.uid, gid=iso.gid)
+            if iso.confinement is not None and "limits" in plan.extra:
+                job.update(self._confine(plan, iso))
             _write_private(Path(plan.extra["job_file"]), json.dumps(job))
             env, cwd = dict(os.environ), str(Path(plan.log_path).parent)
             files += ["--job", plan.extra["job_file"]]
@@ -136,12 +155,38 @@ class LocalExecutor(Executor):
             "launched": True,
         }
 
+    def _confine(self, plan: LaunchPlan, iso: JobIsolation) -> dict[str, Any]:
+        """The shim's part of the job file for the attempt's limits; its cgroup created.
+
+        Raises:
+            RuntimeError: the cgroup could not be made (the launch, and so the attempt, fails with why).
+        """
+        conf = iso.confinement
+        assert conf is not None
+        limits = job_limits.JobLimits(**plan.extra["limits"])
+        cgroup = plan.extra.get("cgroup") or {}
+        if cgroup:
+            try:
+                job_limits.create(cgroup, limits)
+            except OSError as exc:
+                raise RuntimeError(
+                    f"cannot create the job's cgroup {exc.filename or cgroup['dirs'][0]}: {exc.strerror}"
+                ) from None
+        uid = iso.uid if iso.switch else os.geteuid()
+        return {
+            "cgroup": cgroup,
+            "rlimits": job_limits.rlimits(limits, conf.cgroups, uid),
+            "log_cap": limits.log_bytes,
+            "namespace": conf.namespace,
+        }
+
     def poll(self, handle: dict[str, Any]) -> ExitStatus | None:
-        """None while the shim lives; then the command's exit code from the exit file (none: killed)."""
+        """None while the shim lives; then the command's exit code from the exit file (none: killed),
+        with why when known (out of memory, could not start), its cgroup removed."""
         handle = self._resolve(handle)
         pid = handle.get("pid")
         if pid is None:
-            return _from_files(handle, lost=True)
+            return _ended(handle, lost=True)
         child = self._children.get(pid)
         if child is not None:
             if child.poll() is None:
@@ -149,11 +194,14 @@ class LocalExecutor(Executor):
             del self._children[pid]
         elif _alive(pid, handle.get("create_time")):
             return None
-        return _from_files(handle, lost=False)
+        return _ended(handle, lost=False)
 
     def stop(self, handle: dict[str, Any], kill: bool) -> None:
-        """SIGTERM (or SIGKILL) to the job's whole process group."""
+        """SIGTERM (or SIGKILL) to the job's whole process group; a kill also ends what of the job
+        left the group (every process in its cgroup)."""
         pid = self._resolve(handle).get("pid")
+        if kill and handle.get("cgroup"):
+            job_limits.kill_all(handle["cgroup"], timeout_s=1.0)
         if pid is None or not _alive(pid, handle.get("create_time")):
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -200,6 +248,54 @@ def _alive(pid: int, create_time: float | None) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def _ended(handle: dict[str, Any], lost: bool) -> ExitStatus:
+    """The end of an attempt: its exit, why (from the shim's ``.why`` file, the cgroup's OOM count,
+    the log's last line for a command that could not run), its cgroup removed."""
+    status = _from_files(handle, lost)
+    why: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        why = dict(json.loads(Path(handle["exit_file"] + ".why").read_text()))
+    cgroup = handle.get("cgroup") or {}
+    ooms = int(why.get("oom_kills") or 0)
+    if cgroup:
+        ooms = max(ooms, job_limits.oom_kills(cgroup))
+        job_limits.remove(cgroup)
+    limits = job_limits.JobLimits(**handle["limits"]) if handle.get("limits") else job_limits.JobLimits()
+    reason, notes = "", []
+    code = status.code
+    if why.get("start_error"):
+        reason = str(why["start_error"])
+    elif ooms and code != 0:
+        reason = limits.oom_reason()
+        if code is not None and code > 0:
+            reason = f"exit code {code} after {reason} (a process of the job was killed)"
+    elif code in (126, 127):
+        last = _last_line(handle.get("log"))
+        reason = f"exit code {code}: {last}" if last else f"exit code {code} (the command could not run)"
+    cut = why.get("log_cut")
+    if isinstance(cut, dict) and limits.log_bytes:
+        notes.append(
+            f"log cut at {job_limits.format_bytes(limits.log_bytes)} (--job-log-mb): "
+            f"{int(cut.get('dropped', 0))} more bytes of output discarded"
+        )
+    return replace(status, reason=reason, notes=tuple(notes))
+
+
+def _last_line(log_path: str | None, limit: int = 200) -> str:
+    """The last non-empty line of a log (its last 4 KiB), printable characters only."""
+    if not log_path:
+        return ""
+    try:
+        with open(log_path, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(log_path) - 4096))
+            tail = fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    text = lines[-1] if lines else ""
+    return "".join(c if c.isprintable() else "?" for c in text)[:limit]
 
 
 def _from_files(handle: dict[str, Any], lost: bool) -> ExitStatus:

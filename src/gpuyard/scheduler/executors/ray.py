@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from gpuyard.errors import StoreError
 from gpuyard.scheduler.executors.base import Executor, ExitStatus, LaunchPlan, NodeSlots, job_argv, job_env
+from gpuyard.scheduler.executors.limits import GIB, JobLimits, LimitDefaults
 from gpuyard.scheduler.placement import NodeSpec
 from gpuyard.scheduler.spec import JobSpec
 from gpuyard.settings import NODE_ENV
@@ -38,7 +39,14 @@ BASE_PORT = 29500  # torch.distributed's customary rendezvous port, offset per j
 class _Worker:
     """Runs one node's share of a job as a process group; reports its exit code."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        log_path: str,
+        rlimits: dict[str, int] | None = None,
+    ) -> None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         gpu_ids = ray.get_gpu_ids()
         # Ray decides which devices of the node this bundle holds: that, not the scheduler's index guess.
@@ -52,6 +60,7 @@ class _Worker:
                 env=full_env,
                 cwd=cwd if os.path.isdir(cwd) else None,
                 start_new_session=True,
+                preexec_fn=_set_rlimits(rlimits) if rlimits else None,
             )
 
     def poll(self) -> int | None:
@@ -76,6 +85,21 @@ class _HealthAgent:
         return ray.get_runtime_context().get_node_id(), self.checker.run(busy, selftest)
 
 
+def _set_rlimits(rlimits: dict[str, int]) -> Any:
+    """A preexec_fn setting ``rlimits`` (resource name without ``RLIMIT_`` -> soft and hard limit),
+    never above the worker's own hard limit."""
+    import resource
+
+    def apply() -> None:
+        for name, value in rlimits.items():
+            which = getattr(resource, f"RLIMIT_{name}")
+            _, hard = resource.getrlimit(which)
+            limit = value if hard == resource.RLIM_INFINITY else min(value, hard)
+            resource.setrlimit(which, (limit, limit))
+
+    return apply
+
+
 def _why(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     return (lines[-1] if lines else type(exc).__name__)[:300]
@@ -87,8 +111,11 @@ class RayExecutor(Executor):
     name = "ray"
     multi_node = True
 
-    def __init__(self, address: str, jobs_dir: Path) -> None:
+    def __init__(self, address: str, jobs_dir: Path, limits: LimitDefaults | None = None) -> None:
         self.jobs_dir = Path(jobs_dir)
+        # Ray gives no cgroup per task: a declared memory_gb is reserved as Ray's ``memory`` resource
+        # (scheduling only) and set as RLIMIT_DATA in each worker's command, with RLIMIT_NOFILE.
+        self.limits = limits
         # A cluster on loopback (tests, one machine): join it on loopback too, not on the host's address.
         local = address.split("://")[-1].rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
         extra: dict[str, Any] = {"_node_ip_address": "127.0.0.1"} if local else {}
@@ -132,10 +159,17 @@ class RayExecutor(Executor):
         """Bundles pinned to the chosen nodes, one worker per bundle with its rendezvous environment."""
         folder = self.jobs_dir / str(job_id)
         tag = f"gpuyard-job-{job_id}-{attempt}"
-        bundles = [
+        bundles: list[dict[str, float]] = [
             {"GPU": float(len(n.gpus)), "CPU": 1.0} if n.gpus else {"CPU": float(max(n.cpus, 1))}
             for n in nodes
         ]
+        limits = self.limits.for_spec(spec) if self.limits is not None else JobLimits()
+        if spec.resources.memory_gb:  # reserved on each node (Ray's memory resource, in bytes)
+            for bundle in bundles:
+                bundle["memory"] = float(int(spec.resources.memory_gb * GIB))
+        rlimits = {"NOFILE": limits.nofile} if limits.nofile else {}
+        if limits.memory_bytes:
+            rlimits["DATA"] = limits.memory_bytes
         master = self._ips.get(nodes[0].node, "127.0.0.1") if nodes else "127.0.0.1"
         env = job_env(job_id, spec, attempt, ())
         env.pop("CUDA_VISIBLE_DEVICES")  # set by each worker from Ray's assignment
@@ -167,6 +201,7 @@ class RayExecutor(Executor):
                 "bundles": bundles,
                 "label_selectors": [{"ray.io/node-id": n.node} for n in nodes],
                 "rank_argv": rank_argv,  # a training job runs `--nproc <its node's GPUs>` on each node
+                "rlimits": rlimits,
             },
         )
 
@@ -192,8 +227,9 @@ class RayExecutor(Executor):
                 lifetime="detached",
                 num_gpus=bundle.get("GPU", 0),
                 num_cpus=bundle.get("CPU", 0),
+                memory=bundle.get("memory") or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-            ).remote(extra["rank_argv"][rank], env, plan.cwd, log)
+            ).remote(extra["rank_argv"][rank], env, plan.cwd, log, extra.get("rlimits") or None)
         return {**extra, "launched": True, "log": plan.log_path}
 
     def poll(self, handle: dict[str, Any]) -> ExitStatus | None:

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="type-arg"
 """Runs one job's command and records its exit code in a file, so a restarted server can learn it.
 
 Started as ``python -I -S shim.py PID_FILE EXIT_FILE [--job FILE] -- ARGV...`` in a new session (the
@@ -6,23 +7,43 @@ command still receives SIGTERM with the default action) and writes the command's
 a SIGKILL of the group leaves no exit file, which the executor reads as "killed". Standard library only:
 it must start fast and never import gpuyard.
 
-With ``--job FILE`` (`gpuyard server`'s isolation) the file holds the command's whole environment, its
-working directory and the Unix user it runs as. The shim stays the server's user (the pid and exit
-files are in the server's private home); the command changes user before it enters its working
-directory, so a directory its user cannot reach is refused. The shim itself runs with ``-I`` and the
-server's environment: nothing of the job's (PYTHONPATH, LD_PRELOAD) touches it.
+With ``--job FILE`` (`gpuyard server`) the file holds what the command gets:
+
+- ``env``, ``cwd``, ``uid``/``gid``: its whole environment, working directory and Unix user. The shim
+  stays the server's user (the pid and exit files are in the server's private home); the command
+  changes user before it enters its working directory, so a directory its user cannot reach is refused.
+- ``cgroup``: the attempt's cgroup (made by the server). The shim enters it just before starting the
+  command (which is born inside it), goes back to the server's cgroup at once, and when the command
+  ends kills whatever of the job is left in it and reads its OOM count.
+- ``rlimits``: setrlimit values (NOFILE, DATA, NPROC) set in the command before it runs.
+- ``log_cap``: the command's output goes through a pipe: the first ``log_cap`` bytes reach the log, then
+  one line saying where it was cut; the rest is read and discarded (the job is not blocked).
+- ``namespace``: a private mount namespace for the job (root only): its own ``/dev/shm`` (tmpfs) and a
+  ``/proc`` that hides other users' processes (hidepid).
+
+What the shim learnt (start error, log cut, OOM kills) goes to ``EXIT_FILE.why`` (JSON) before the exit
+file. The shim itself runs with ``-I`` and the server's environment: nothing of the job's touches it.
+``shim.py --probe-namespace`` tries the private mounts and exits 0, or prints why not and exits 1.
 """
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable  # already loaded at start-up; typing is not: the shim starts fast
+
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
 
 
 def main() -> int:
     """Run the command after ``--``; return its exit code (128 + signal when it was killed)."""
+    if sys.argv[1:2] == ["--probe-namespace"]:
+        return _probe()
     pid_file, exit_file = sys.argv[1], sys.argv[2]
     options = sys.argv[3 : sys.argv.index("--")]
     argv = sys.argv[sys.argv.index("--") + 1 :]
@@ -31,43 +52,251 @@ def main() -> int:
     with open(pid_file + ".tmp", "w") as fh:
         fh.write(str(os.getpid()))
     os.replace(pid_file + ".tmp", pid_file)
-    kwargs = {}
+    job: dict = {}
     if options[:1] == ["--job"]:
         with open(options[1]) as fh:
             job = json.load(fh)
-        kwargs = {"env": job["env"], "preexec_fn": _enter(job["cwd"])}  # runs after the user change
-        if job.get("uid") is not None:
-            kwargs.update(user=job["uid"], group=job["gid"], extra_groups=[])
-    try:
-        proc = subprocess.Popen(argv, **kwargs)
-    except (OSError, subprocess.SubprocessError) as exc:
-        hint = ""
-        if isinstance(exc, PermissionError) and "user" in kwargs:
-            hint = (
-                f" (the job runs as uid {kwargs['user']}, which cannot read the program or its "
-                "interpreter, e.g. a virtual environment under a private home: see the server's startup line)"
-            )
-        print(f"gpuyard: cannot start {argv[0]!r}: {exc}{hint}", file=sys.stderr, flush=True)
-        code = 127
-    else:
-        code = proc.wait()
+    why: dict = {}
+    code = _run(argv, job, why)
+    if why:
+        with open(exit_file + ".why.tmp", "w") as fh:
+            json.dump(why, fh)
+        os.replace(exit_file + ".why.tmp", exit_file + ".why")
     with open(exit_file + ".tmp", "w") as fh:
         fh.write(str(code))
     os.replace(exit_file + ".tmp", exit_file)
     return 128 - code if code < 0 else code
 
 
-def _enter(cwd: str) -> Callable[[], None]:
-    """In the child, as the job's user: enter ``cwd``, or say why not and exit 126."""
+def _run(argv: list, job: dict, why: dict) -> int:
+    err_r, err_w = os.pipe()  # the command's user/folder/limit failure, said before it exits 126
+    kwargs: dict = {}
+    if job:
+        if job.get("env") is not None:
+            kwargs["env"] = job["env"]
+        kwargs["preexec_fn"] = _enter(
+            job.get("cwd"), job.get("rlimits") or {}, err_w
+        )  # after the user change
+        if job.get("uid") is not None:
+            kwargs.update(user=job["uid"], group=job["gid"], extra_groups=[])
+    cap = job.get("log_cap")
+    if cap:
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if job.get("namespace"):
+        try:
+            private_mounts(job["namespace"])
+        except OSError as exc:
+            _say(f"private /dev/shm and /proc not set up: {exc}")
+    cgroup = job.get("cgroup") or {}
+    try:
+        for procs in cgroup.get("procs", []):
+            _write(procs, str(os.getpid()))  # the command is born in the job's cgroup
+    except OSError as exc:
+        _leave(cgroup)
+        return _cannot_start(why, f"cannot enter the job's cgroup {procs}: {exc.strerror}")
+    try:
+        proc = subprocess.Popen(argv, **kwargs)
+    except (OSError, subprocess.SubprocessError) as exc:
+        os.close(err_r)
+        hint = ""
+        if isinstance(exc, PermissionError) and "user" in kwargs:
+            hint = (
+                f" (the job runs as uid {kwargs['user']}, which cannot read the program or its "
+                "interpreter, e.g. a virtual environment under a private home: see the server's startup line)"
+            )
+        return _cannot_start(why, f"cannot start {argv[0]!r}: {exc}{hint}")
+    finally:
+        _leave(cgroup)
+        os.close(err_w)
+    said = _read_all(err_r)
+    copier = None
+    if cap:
+        assert proc.stdout is not None
+        copier = threading.Thread(target=_copy, args=(proc.stdout.fileno(), int(cap), why), daemon=True)
+        copier.start()
+    code = proc.wait()
+    if said:
+        why["start_error"] = said.decode(errors="replace").strip()[:500]
+    if cgroup:
+        why["oom_kills"] = _oom_kills(cgroup)
+        _kill_all(cgroup)  # what the command left behind ends with it (and lets go of the log pipe)
+    if copier is not None:
+        copier.join(timeout=2.0)
+    return code
+
+
+def _cannot_start(why: dict, message: str) -> int:
+    _say(message)
+    why["start_error"] = message[:500]
+    return 127
+
+
+def _say(message: str) -> None:
+    print(f"gpuyard: {message}", file=sys.stderr, flush=True)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+def _leave(cgroup: dict) -> None:
+    for procs in cgroup.get("leave", []):
+        try:
+            _write(procs, str(os.getpid()))
+        except OSError:
+            continue
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def _copy(src: int, cap: int, why: dict) -> None:
+    """Copy the command's output to the log (our stdout) up to ``cap`` bytes, then discard it."""
+    written = dropped = 0
+    while True:
+        try:
+            chunk = os.read(src, 1 << 16)
+        except OSError:
+            break
+        if not chunk:
+            break
+        if written < cap:
+            part = chunk[: cap - written]
+            written += _write_out(part)
+            dropped += len(chunk) - len(part)
+            if written >= cap:
+                note = (
+                    f"\n[gpuyard: log cut here after {_size(cap)} of this attempt (--job-log-mb); "
+                    "the rest is discarded]\n"
+                )
+                _write_out(note.encode())
+        else:
+            dropped += len(chunk)
+    if dropped:
+        why["log_cut"] = {"kept": written, "dropped": dropped}
+        _write_out(f"[gpuyard: log cut at {_size(cap)}: {dropped} more bytes of output discarded]\n".encode())
+
+
+def _write_out(data: bytes) -> int:
+    done = 0
+    while done < len(data):
+        try:
+            done += os.write(1, data[done:])
+        except OSError:  # the disk is full: what is not written is lost, the job goes on
+            break
+    return done
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def _oom_kills(cgroup: dict) -> int:
+    try:
+        with open(cgroup.get("memory") or "/nonexistent") as fh:
+            for line in fh:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        with open(cgroup["failcnt"]) as fh:
+            return 1 if int(fh.read()) > 0 else 0
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _kill_all(cgroup: dict) -> None:
+    if cgroup.get("kill") and os.path.exists(cgroup["kill"]):
+        with contextlib.suppress(OSError):
+            _write(cgroup["kill"], "1")
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        pids: set[int] = set()
+        for procs in cgroup.get("procs", []):
+            try:
+                with open(procs) as fh:
+                    pids.update(int(p) for p in fh.read().split())
+            except (OSError, ValueError):
+                continue
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
+        time.sleep(0.02)
+
+
+def _enter(cwd: str | None, limits: dict, err: int) -> Callable[[], None]:
+    """In the child, as the job's user: set the rlimits, enter ``cwd``, or say why not and exit 126."""
+
+    def fail(message: str) -> None:
+        os.write(2, f"gpuyard: {message}\n".encode())
+        os.write(err, message.encode())
+        os._exit(126)
+
+    if limits:
+        import resource  # here, as the server's user: the job's user may not read the interpreter's modules
 
     def enter() -> None:
-        try:
-            os.chdir(cwd)
-        except OSError as exc:
-            os.write(2, f"gpuyard: cannot enter the working directory {cwd}: {exc.strerror}\n".encode())
-            os._exit(126)
+        if limits:
+            for name, value in limits.items():
+                which = getattr(resource, f"RLIMIT_{name}")
+                try:
+                    _, hard = resource.getrlimit(which)
+                    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+                    resource.setrlimit(which, (value, value))
+                except Exception as exc:  # never an opaque "exception in preexec_fn"
+                    fail(f"cannot set RLIMIT_{name} to {value}: {exc}")
+        if cwd is not None:
+            try:
+                os.chdir(cwd)
+            except OSError as exc:
+                fail(f"cannot enter the working directory {cwd}: {exc.strerror}")
 
     return enter
+
+
+def private_mounts(namespace: dict) -> None:
+    """This process (and what it starts) in a mount namespace of its own, with a private tmpfs on
+    /dev/shm and a /proc of its own that hides other users' processes (hidepid=invisible, else 2)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def call(what: str, *args: object) -> None:
+        if getattr(libc, what)(*args) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}{args[:2]}: {os.strerror(err)}")
+
+    call("unshare", CLONE_NEWNS)
+    call("mount", b"none", b"/", None, MS_REC | MS_PRIVATE, None)  # nothing leaks back to the host
+    if namespace.get("shm") and os.path.isdir("/dev/shm"):
+        call("mount", b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777")
+    if namespace.get("hidepid"):
+        flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+        try:
+            call("mount", b"proc", b"/proc", b"proc", flags, b"hidepid=invisible")
+        except OSError:
+            call("mount", b"proc", b"/proc", b"proc", flags, b"hidepid=2")
+
+
+def _probe() -> int:
+    try:
+        private_mounts({"shm": True, "hidepid": True})
+    except OSError as exc:
+        print(exc, flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -226,15 +226,15 @@ class HeldOut:
         return [e for e in self.errors if (generation(e.run.device) in self.borrowed) == borrowed]
 
 
-def leave_one_source_out(corpus: Corpus) -> dict[str, HeldOut]:
-    """For each source: fit on every other source, predict this one with that fit only.
+def leave_one_source_out(corpus: Corpus, only: str | None = None) -> dict[str, HeldOut]:
+    """For each source (or ``only`` that one): fit on every other source, predict it with that fit only.
 
     A generation only the held-out source measures (Blackwell in megatron-bridge-25.11) takes the
     nearest generation's fit, and :attr:`HeldOut.borrowed` says which.
     """
     names = sorted(corpus.sources)
     out = {}
-    for held in names:
+    for held in names if only is None else [only]:
         fit = fit_efficiencies(corpus, set(names) - {held})
         mine = [r for r in corpus.runs if r.source == held]
         borrowed = {}

@@ -14,15 +14,17 @@ import selectors
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from tests.integration.scheduler.conftest import ServerStarter, wait_for
+from tests.integration.scheduler.conftest import SAME_USER, ServerStarter, free_port, wait_for
 
 pytestmark = pytest.mark.security
 
@@ -72,12 +74,51 @@ def _health(url: str, timeout: float) -> bool:
         return False
 
 
-def test_20000_idle_connections_leave_health_answering(server: ServerStarter, tmp_path: Path) -> None:
+@dataclass
+class Guarded:
+    """A `gpuyard server` with small connection limits, shared by this module's connection tests."""
+
+    url: str
+    port: int
+    home: Path
+    log: Path
+    proc: subprocess.Popen[bytes]
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Guarded]:
+    """`gpuyard server --header-timeout 1.5 --max-connections-per-address 20` in a home of its own."""
+    folder = tmp_path_factory.mktemp("guarded")
+    home, log = folder / "home", folder / "server.log"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    options = ["--gpus", "0", "--cpus", "1", "--header-timeout", "1.5", "--max-connections-per-address", "20"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", str(port), *options, *SAME_USER],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "GPUYARD_HOME": str(home)},
+        )
+
+    def up() -> bool:
+        assert proc.poll() is None, log.read_text()
+        return _health(url, 1.0)
+
+    try:
+        wait_for(up, timeout=90, every=0.1)
+        yield Guarded(url, port, home, log, proc)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_20000_idle_connections_leave_health_answering(guarded: Guarded) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard < FLOOD // HOLDERS + 100:
         pytest.skip(f"the open-file hard limit ({hard}) is below {FLOOD // HOLDERS + 100} per holder")
-    proc, url = server("--gpus", "0", "--cpus", "1", "--header-timeout", "3")
-    port = int(url.rsplit(":", 1)[1])
+    proc, url, port = guarded.proc, guarded.url, guarded.port
+    before = len(guarded.log.read_text().splitlines())
     ctx = mp.get_context("fork")
     out, stop = ctx.Queue(), ctx.Event()
     holders = [ctx.Process(target=_hold, args=(port, FLOOD // HOLDERS, out, stop)) for _ in range(HOLDERS)]
@@ -96,7 +137,7 @@ def test_20000_idle_connections_leave_health_answering(server: ServerStarter, tm
         stop.set()
         for p in holders:
             p.join(timeout=30)
-    log = (tmp_path / "server0.log").read_text()
+    log = "\n".join(guarded.log.read_text().splitlines()[before:])
     # What the guard did is a few summary lines, never a line per connection, and no traceback.
     lines = [ln for ln in log.splitlines() if "connections from 127.0.0.1" in ln]
     assert 1 <= len(lines) <= 20, log[-3000:]
@@ -117,14 +158,14 @@ def _connect(port: int) -> socket.socket:
 
 
 def test_half_sent_headers_are_cut_off_and_an_address_over_its_cap_gets_429(
-    server: ServerStarter, gpuyard_home: Path
+    guarded: Guarded, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from gpuyard.auth import add_user, create_token
+    from gpuyard.store.db import reset_store_cache
 
-    _, url = server(
-        "--gpus", "0", "--cpus", "1", "--header-timeout", "1.5", "--max-connections-per-address", "20"
-    )
-    port = int(url.rsplit(":", 1)[1])
+    monkeypatch.setenv("GPUYARD_HOME", str(guarded.home))
+    reset_store_cache()
+    url, port, gpuyard_home = guarded.url, guarded.port, guarded.home
     admin = (gpuyard_home / "token").read_text().strip()
     add_user("mallory", team="default")
     member, _ = create_token("mallory")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import json
 import logging
@@ -73,10 +74,17 @@ def address_of(peer: tuple[str, int] | None) -> str:
     """The address a connection counts against: the IPv4 address, or the IPv6 /64 (``unix`` for none)."""
     if peer is None:
         return "unix"
+    if ":" not in peer[0]:
+        return peer[0]  # IPv4, dotted as getpeername gives it
+    return _ipv6_group(peer[0])
+
+
+@functools.lru_cache(maxsize=4096)
+def _ipv6_group(host: str) -> str:
     try:
-        ip = ipaddress.ip_address(peer[0].split("%", 1)[0])
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
-        return peer[0]
+        return host
     if isinstance(ip, ipaddress.IPv6Address):
         if ip.ipv4_mapped is not None:
             return str(ip.ipv4_mapped)
@@ -91,7 +99,6 @@ class _Conn:
     address: str
     over: str | None  # None, "address" or "total": the cap it was opened over
     busy: int = 0  # requests in flight
-    timer: asyncio.TimerHandle | None = None
 
 
 @dataclass
@@ -136,6 +143,9 @@ class ConnectionGuard:
         self.conns: dict[tuple[str, int] | None, _Conn] = {}  # by peer, as in the ASGI scope's client
         self.by_address: dict[str, OrderedDict[int, _Conn]] = {}  # oldest first
         self.tally = _Tally()
+        # Connections waiting for a request's headers, by deadline (armed in time order: oldest first).
+        self.waiting: OrderedDict[_Conn, float] = OrderedDict()
+        self._sweep: asyncio.TimerHandle | None = None
         self._flush: asyncio.TimerHandle | None = None
         self._last_log = 0.0
 
@@ -209,9 +219,7 @@ class ConnectionGuard:
             self._forget(conn)
 
     def _forget(self, conn: _Conn) -> None:
-        if conn.timer is not None:
-            conn.timer.cancel()
-            conn.timer = None
+        self.waiting.pop(conn, None)
         if self.conns.get(conn.peer) is conn:
             del self.conns[conn.peer]
         mine = self.by_address.get(conn.address)
@@ -221,21 +229,37 @@ class ConnectionGuard:
                 del self.by_address[conn.address]
 
     def _arm(self, conn: _Conn) -> None:
-        loop = asyncio.get_running_loop()
-        conn.timer = loop.call_later(self.header_timeout_s, self._timed_out, conn)
+        """Start the connection's header clock (one sweep timer serves every connection)."""
+        self.waiting.pop(conn, None)
+        self.waiting[conn] = time.monotonic() + self.header_timeout_s
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(self._sweep_every(), self._timed_out)
 
-    def _timed_out(self, conn: _Conn) -> None:
-        conn.timer = None
-        if conn.busy or self.conns.get(conn.peer) is not conn:
-            return
-        self._forget(conn)
-        self.tally.timed_out[conn.address] += 1
-        self._note()
+    def _disarm(self, conn: _Conn) -> None:
+        self.waiting.pop(conn, None)
+
+    def _sweep_every(self) -> float:
+        return min(max(self.header_timeout_s / 4, 0.05), 1.0)
+
+    def _timed_out(self) -> None:
+        """Answer 408 and close every connection whose headers are overdue."""
+        self._sweep = None
+        now = time.monotonic()
         detail = (
             f"request headers not received within {self.header_timeout_s:g} s "
             "(gpuyard server --header-timeout)"
         )
-        _close(conn.protocol.transport, 408, detail)
+        while self.waiting:
+            conn, deadline = next(iter(self.waiting.items()))
+            if deadline > now:
+                break
+            self._forget(conn)
+            self.tally.timed_out[conn.address] += 1
+            _close(conn.protocol.transport, 408, detail)
+        if self.tally.timed_out:
+            self._note()
+        if self.waiting:
+            self._sweep = asyncio.get_running_loop().call_later(self._sweep_every(), self._timed_out)
 
     def _evict(self) -> bool:
         """Close the oldest idle connection of the address holding the most; False when none is idle."""
@@ -266,9 +290,7 @@ class ConnectionGuard:
                 await app(scope, receive, send)
                 return
             conn.busy += 1
-            if conn.timer is not None:
-                conn.timer.cancel()
-                conn.timer = None
+            self._disarm(conn)
             try:
                 refusal = await self._refusal(conn, scope)
                 if refusal is not None:

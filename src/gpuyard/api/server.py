@@ -134,6 +134,7 @@ def serve(app: Any, options: ServerOptions, guard: ConnectionGuard) -> None:
         http=guarded_protocol(AutoHTTPProtocol, guard),
         ws="none",
         proxy_headers=False,
+        backlog=4096,  # handshakes the kernel completes before accept (capped by net.core.somaxconn)
     )
 
 

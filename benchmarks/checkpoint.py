@@ -34,7 +34,9 @@ checkpoint), and a fresh process resumes it twice: from the snapshot in /dev/shm
 checkpoint. ``recovery_*_s`` are the resume inside the new process (state read and loaded into
 model and optimizer), ``restart_s`` the whole new process (start-up, model build, resume).
 
-Last line: ``checkpoint: stall_ratio_vs_async=<x> cost_ratio_vs_async=<x> ...`` (medians).
+Last line: ``checkpoint: stall_ratio_vs_async=<async stall / in-memory stall>
+cost_ratio_vs_async=<async whole cost / in-memory whole cost> ...`` (medians; above 1: gpuyard's
+is smaller).
 """
 
 from __future__ import annotations

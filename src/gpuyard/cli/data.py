@@ -259,8 +259,14 @@ def transform_cmd(
             progress=report,
             team=team,
         )
+    from gpuyard.data.ingest import imputation_leak_warning
+
     doc = _summary(version.manifest)
     doc["fitted"] = version.fitted
+    leak = imputation_leak_warning(version.manifest)
+    doc["warnings"] = [leak] if leak else []
+    if leak:
+        Console(stderr=True).print(f"[yellow]warning:[/yellow] {escape(leak)}", soft_wrap=True)
     if as_json:
         typer.echo(json.dumps(doc))
     else:

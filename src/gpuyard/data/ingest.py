@@ -90,6 +90,29 @@ def imputation_lines(manifest: dict[str, Any]) -> list[str]:
     ]
 
 
+def imputation_leak_warning(manifest: dict[str, Any]) -> str | None:
+    """The line for a version whose split's test rows hold values imputed from all rows at ingest.
+
+    Ingest imputes before any split exists, so its statistic saw the rows a later split calls test.
+    None when the version has no split or nothing up its lineage was imputed.
+    """
+    if not manifest.get("splits"):
+        return None
+    imputed: dict[str, Any] = {}
+    parent, seen = manifest.get("parent"), 0
+    while parent and seen < 50:
+        doc = open_dataset(str(parent)).manifest
+        imputed = {**((doc.get("recipe") or {}).get("imputed") or {}), **imputed}
+        parent, seen = doc.get("parent"), seen + 1
+    if not imputed:
+        return None
+    cols = ", ".join(f"{c} ({d['how']})" for c, d in sorted(imputed.items()))
+    return (
+        f"column(s) {cols} were imputed at ingest from all rows, before this split: the test rows "
+        "took part in that statistic (impute after splitting, or quarantine the blanks, to avoid it)"
+    )
+
+
 def ingest(
     src: str | Path,
     name: str,

@@ -70,6 +70,13 @@ def test_mean_and_mode_use_kept_rows_and_the_summary_names_them(
     assert doc["quarantine"] == {"duplicate": 2}
     code, out, _ = _run(capsys, "data", "show", "s")
     assert code == 0 and "imputed column 'v': mean = 252.25 into 1 row(s)" in out
+    # A split made after ingest's imputation says that its test rows took part in the statistic.
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("split: {seed: 0, fractions: {train: 0.5, test: 0.5}}\n")
+    code, out, err = _run(capsys, "data", "transform", "s", "--recipe", str(recipe), "--engine", "serial")
+    lines = [ln for ln in err.splitlines() if "warning" in ln]
+    assert code == 0 and len(lines) == 1 and "c (mode), k (median), v (mean)" in lines[0], err
+    assert "imputed at ingest from all rows" in lines[0]
 
 
 def test_a_repeated_header_row_is_one_line_naming_the_row(

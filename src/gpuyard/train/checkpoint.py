@@ -63,6 +63,17 @@ class CheckpointSaveError(RuntimeError):
         self.reason = f"disk full at {path}" if disk_full else message
 
 
+class DiskFullError(RuntimeError):
+    """Training stopped because a write found the disk (or quota) full outside a checkpoint save
+    (metrics.jsonl, status files): a restart would fail the same way. Same attributes as
+    :class:`CheckpointSaveError`."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path, self.disk_full = step, path, True
+        self.reason = f"disk full at {path}"
+        super().__init__(f"training stopped at step {step}: {self.reason}")
+
+
 def file_digest(path: str | Path) -> str:
     """Hex digest (:data:`HASH`) of a file's content."""
     with open(path, "rb") as fh:

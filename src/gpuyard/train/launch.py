@@ -389,8 +389,18 @@ def _launch(
     # On a thread of its own: the main thread keeps forwarding signals at once.
     meter = threading.Thread(target=_goodput_loop, args=(spec, run_dir, stop), daemon=True)
     meter.start()
+    fatal: dict[str, Any] | None = None
     try:
-        code = proc.wait()
+        while True:
+            try:
+                code = proc.wait(timeout=0.25)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if fatal is None and (fatal := _unrecoverable(run_dir, private)) is not None:
+                # A rank stopped on a failure a restart would repeat (a full disk); the others may
+                # only see their peer gone, and torchrun would restart them into it: stop it now.
+                proc.send_signal(signal.SIGTERM)
     finally:
         stop.set()
         meter.join()
@@ -398,7 +408,7 @@ def _launch(
             signal.signal(sig, handler)
         if log is not None:
             log.close()
-        status = read_status(run_dir) or read_status(private)
+        status = fatal or read_status(run_dir) or read_status(private)
         shutil.rmtree(private, ignore_errors=True)
     notes = _launch_notes(run_dir, log)
     if notes:
@@ -451,7 +461,8 @@ class _RankLog:
         self._thread.start()
 
     def _pump(self, stream: Any) -> None:
-        for raw in iter(stream.readline, b""):
+        # Read to the end whatever happens (torchrun would block on a full pipe); lines cut at 64 KiB.
+        for raw in iter(lambda: stream.readline(65536), b""):
             line = raw.decode("utf-8", "replace")
             if self._fh is not None:
                 try:
@@ -460,8 +471,9 @@ class _RankLog:
                     self._fh = None
             text = line.rstrip("\n")
             if text.startswith("gpuyard"):
-                sys.stderr.write(line)
-                sys.stderr.flush()
+                with contextlib.suppress(OSError, ValueError):
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
             elif (m := _FAILED.search(text)) is not None:
                 self.failures.append((int(m.group(2)), int(m.group(1))))
             elif _EXCEPTION.match(text.strip()):
@@ -473,6 +485,16 @@ class _RankLog:
         if self._fh is not None:
             with contextlib.suppress(OSError):
                 self._fh.close()
+
+
+def _unrecoverable(run_dir: Path, private: Path) -> dict[str, Any] | None:
+    """The status a rank wrote when it stopped on an unrecoverable failure, if one did."""
+    for folder in (run_dir, private):
+        if (folder / STATUS_FILE).exists():
+            status = read_status(folder)
+            if status.get("status") == "failed" and status.get("unrecoverable"):
+                return status
+    return None
 
 
 def _signal_name(code: int) -> str:

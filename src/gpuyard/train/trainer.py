@@ -28,8 +28,10 @@ from gpuyard.train import components as comp
 from gpuyard.train.checkpoint import (
     Checkpointer,
     CheckpointSaveError,
+    DiskFullError,
     gather,
     has_hashes,
+    is_disk_full,
     latest_checkpoint,
     list_checkpoints,
     read_marker,
@@ -823,13 +825,16 @@ class Trainer:
                     signal.signal(signal.SIGTERM, previous)
             return self._finish(status)
         except BaseException as exc:
-            error = save_error(exc)
+            error: CheckpointSaveError | DiskFullError | None = save_error(exc)
+            if error is None and isinstance(exc, OSError) and is_disk_full(exc, self.run_dir):
+                # metrics.jsonl, tracking or status files on a full disk (rank 0 writes them)
+                error = DiskFullError(self.step, str(exc.filename or self.run_dir))
             if error is not None and error.disk_full:
                 self._end_unrecoverable(error)
                 raise error from exc
             raise
 
-    def _end_unrecoverable(self, error: CheckpointSaveError) -> None:
+    def _end_unrecoverable(self, error: CheckpointSaveError | DiskFullError) -> None:
         """A failure a restart would repeat (the disk is full): close the run as failed and say so in
         status.json, so the launcher stops instead of letting torchrun restart into it again."""
         self._save_failed_event(error)
@@ -848,7 +853,7 @@ class Trainer:
                 }
             )
 
-    def _save_failed_event(self, error: CheckpointSaveError | None) -> None:
+    def _save_failed_event(self, error: CheckpointSaveError | DiskFullError | None) -> None:
         if error is None or getattr(self, "_save_failure_logged", False):
             return
         self._save_failure_logged = True

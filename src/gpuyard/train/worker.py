@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracking", default=None, help="JSON overriding fields of spec.tracking")
     args = parser.parse_args(argv)
 
-    from gpuyard.train.checkpoint import CheckpointSaveError
+    from gpuyard.train.checkpoint import CheckpointSaveError, DiskFullError
     from gpuyard.train.spec import load_spec
     from gpuyard.train.trainer import Trainer
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     except GpuyardError as exc:
         print(f"gpuyard train (rank {rank}): error: {exc}", file=sys.stderr, flush=True)
         return exitcodes.USAGE
-    except CheckpointSaveError as exc:
+    except (CheckpointSaveError, DiskFullError) as exc:
         if not exc.disk_full:
             raise  # (a peer lost mid-save, say): torchrun's restart may well get past it
         if rank == "0":

@@ -62,21 +62,17 @@ def nan_after_10(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def fill_disk(trainer: Any, event: str) -> None:
-    """Rank 0 fills the run folder's disk at step GPUYARD_TEST_HOOK_FILL (the next save hits ENOSPC)."""
+    """Rank 0 fills the run folder's disk at step GPUYARD_TEST_HOOK_FILL, leaving 12 KiB: room for a
+    few metrics lines, none for the next checkpoint (five files of at least one 4 KiB page each)."""
     at = os.environ.get("GPUYARD_TEST_HOOK_FILL")
     if event != "step" or at is None or trainer.ctx.rank != 0 or trainer.step != int(at):
         return
-    with open(trainer.run_dir / "filler.bin", "wb") as fh:
+    filler = trainer.run_dir / "filler.bin"
+    with open(filler, "wb") as fh:
         try:
             while True:
-                fh.write(b"\0" * 65536)
+                fh.write(b"\0" * 4096)
                 fh.flush()
         except OSError:
             pass
-    # Whatever is left (less than one block) goes too, so the save's first write fails.
-    with open(trainer.run_dir / "filler2.bin", "wb", buffering=0) as fh:
-        try:
-            while True:
-                fh.write(b"\0" * 512)
-        except OSError:
-            pass
+    os.truncate(filler, max(0, filler.stat().st_size - 12288))

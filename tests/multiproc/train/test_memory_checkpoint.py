@@ -37,12 +37,15 @@ def _killed_run(tmp_path: Path, mode: str) -> list[dict[str, object]]:
     proc = start_train(spec, env_for(tmp_path, mode=mode, step="11"))
     wait_for_file(tmp_path / "victim.pid", proc)
     snapshots = Path((tmp_path / "snapshot_dir").read_text())
-    assert snapshots.parent == Path("/dev/shm") and snapshots.name.endswith(str(proc.pid))
+    # The launcher's private folder: a random name (not its pid), mode 0700, the ranks' snapshots inside.
+    private = snapshots.parent
+    assert private.parent == Path("/dev/shm") and private.name.startswith("gpuyard-launch-")
+    assert str(proc.pid) not in private.name and (private.stat().st_mode & 0o777) == 0o700
     os.kill(int((tmp_path / "victim.pid").read_text()), signal.SIGKILL)
     code, out, err = finish(proc)
     assert code == 0, err[-3000:]
     assert json.loads(out)["status"] == "completed"
-    assert not snapshots.exists()  # the launcher removed the node's snapshots when torchrun ended
+    assert not private.exists()  # the launcher removed the node's snapshots when torchrun ended
     return [e for e in read_metrics(tmp_path / "run") if e["event"] == "resume"]
 
 

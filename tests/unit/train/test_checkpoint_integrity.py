@@ -94,7 +94,7 @@ def test_a_save_on_a_full_disk_removes_its_folder_and_ends_the_run_failed(
         real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", save)
-    spec = spec_factory()
+    spec = spec_factory(tracking="jsonl")  # the database run: test_checkpoint_recovery.py (multiproc)
     with pytest.raises(CheckpointSaveError) as caught:
         run(spec)
     run_dir = spec.resolved_run_dir()
@@ -107,13 +107,28 @@ def test_a_save_on_a_full_disk_removes_its_folder_and_ends_the_run_failed(
     [failed] = _events(run_dir, "checkpoint_failed")
     assert failed["disk_full"] and failed["path"] == str(where)
 
-    from typer.testing import CliRunner
+    assert _events(run_dir, "finish")[-1]["status"] == "failed"
 
-    from gpuyard.cli.main import app
 
-    shown = CliRunner().invoke(app, ["runs", "show", status["run_id"][:8], "--json"])
-    doc = json.loads(shown.stdout)
-    assert doc["status"] == "failed" and "disk full" in json.dumps(doc)
+def test_metrics_on_a_full_disk_stop_the_run_as_unrecoverable(spec_factory) -> None:
+    from gpuyard.tracking.files import JsonlTracker
+    from gpuyard.train.checkpoint import DiskFullError
+
+    spec = spec_factory(tracking="jsonl")
+    tracker = JsonlTracker(spec.resolved_run_dir())
+    real = tracker.log_metrics
+
+    def log_metrics(step: int, metrics: dict[str, float]) -> None:
+        if step == 5:
+            raise OSError(errno.ENOSPC, "No space left on device", str(tracker.path))
+        real(step, metrics)
+
+    tracker.log_metrics = log_metrics  # type: ignore[method-assign]
+    with pytest.raises(DiskFullError) as caught:
+        run(spec, tracker=tracker)
+    assert caught.value.reason == f"disk full at {tracker.path}"
+    status = json.loads((spec.resolved_run_dir() / "status.json").read_text())
+    assert (status["status"], status["unrecoverable"], status["step"]) == ("failed", True, 5)
 
 
 def test_disk_full_is_found_inside_wrapped_errors(tmp_path: Path) -> None:

@@ -68,11 +68,10 @@ def fill_disk(trainer: Any, event: str) -> None:
     if event != "step" or at is None or trainer.ctx.rank != 0 or trainer.step != int(at):
         return
     filler = trainer.run_dir / "filler.bin"
-    with open(filler, "wb") as fh:
+    with open(filler, "wb", buffering=0) as fh:  # unbuffered: nothing left to fail at close
         try:
             while True:
                 fh.write(b"\0" * 4096)
-                fh.flush()
         except OSError:
             pass
     os.truncate(filler, max(0, filler.stat().st_size - 12288))

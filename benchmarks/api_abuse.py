@@ -9,15 +9,24 @@ send, as fast as the server answers them:
 - slow bodies (headers, then a byte now and then: the body timeout ends them);
 - dry runs of valid specs and listings with out-of-range parameters.
 
-Printed: /health p50/p99/max quiet and under abuse, the abusive requests by status, and the last line
-``api_abuse: health_p99_ms=<x> quiet_p99_ms=<y> ...``. Any 5xx is counted in ``server_errors``.
+Then the idle-connection flood: ``--flood`` connections (default 22,000) opened by 4 processes (each
+raises its own open-file limit to the hard limit) and held without sending a byte, while /health is
+probed from the start of the flood (``opening``: the kernel's accept queue is full, and a probe whose
+SYN is dropped waits for its retransmission, 1 s or more) and then while it is held for the phase's
+length (``idle_flood_health_p99_ms``).
 
-    python benchmarks/api_abuse.py [--quick] [--abusers N]
+Printed: /health p50/p99/max quiet, under abuse and under the idle flood, the abusive requests by
+status, and the last line ``api_abuse: health_p99_ms=<x> quiet_p99_ms=<y> ...
+idle_flood_health_p99_ms=<z> idle_connections=<n> idle_flood_opening_p99_ms=<w>``. Any 5xx is
+counted in ``server_errors``.
+
+    python benchmarks/api_abuse.py [--quick] [--abusers N] [--flood N]
 """
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import multiprocessing as mp
 import os
 import socket
@@ -72,8 +81,11 @@ def _slow_body(port: int, token: str, stop: mp.synchronize.Event) -> None:
             pass  # the server ended it
 
 
-def _abuser(url: str, port: int, token: str, stop: mp.synchronize.Event, out: mp.Queue, slow: bool) -> None:
+def _abuser(
+    url: str, port: int, token: str, stop: mp.synchronize.Event, out: mp.Queue, ready: mp.Queue, slow: bool
+) -> None:
     counts: Counter[str] = Counter()
+    ready.put(None)  # started (spawn takes seconds on a loaded machine): the probe waits for all
     if slow:
         while not stop.is_set():
             _slow_body(port, token, stop)
@@ -93,6 +105,65 @@ def _abuser(url: str, port: int, token: str, stop: mp.synchronize.Event, out: mp
             except httpx.HTTPError as exc:
                 counts[type(exc).__name__] += 1
     out.put(dict(counts))
+
+
+FLOOD_HOLDERS = 4
+
+
+def _hold(port: int, count: int, out: mp.Queue, stop: mp.synchronize.Event) -> None:
+    """Open ``count`` idle connections (non-blocking connects: the kernel retries what the server's
+    backlog drops), report how many were established, hold them until ``stop``."""
+    import errno
+    import resource
+    import selectors
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    sel = selectors.DefaultSelector()
+    socks = []
+    for _ in range(min(count, hard - 64)):
+        sock = socket.socket()
+        sock.setblocking(False)
+        if sock.connect_ex(("127.0.0.1", port)) not in (0, errno.EINPROGRESS):
+            sock.close()
+            continue
+        socks.append(sock)
+        sel.register(sock, selectors.EVENT_WRITE)
+    established = 0
+    deadline = time.monotonic() + 120
+    while sel.get_map() and time.monotonic() < deadline:
+        for key, _ in sel.select(timeout=1.0):
+            sel.unregister(key.fileobj)
+            established += key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0  # type: ignore[union-attr]
+    out.put(established)
+    stop.wait(600)
+    for sock in socks:
+        sock.close()
+
+
+def _idle_flood(url: str, port: int, flood: int, seconds: float) -> tuple[list[float], list[float], int]:
+    """/health latencies while the flood opens and while it is held ``seconds``; connections held."""
+    ctx = mp.get_context("spawn")
+    stop, out = ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_hold, args=(port, flood // FLOOD_HOLDERS, out, stop))
+        for _ in range(FLOOD_HOLDERS)
+    ]
+    for p in procs:
+        p.start()
+    opening: list[float] = []
+    held: list[int] = []
+    try:
+        while len(held) < FLOOD_HOLDERS:
+            opening += _probe(url, 0.5)
+            while not out.empty():
+                held.append(out.get())
+        holding = _probe(url, seconds)
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(timeout=60)
+    return opening, holding, sum(held)
 
 
 def _probe(url: str, seconds: float) -> list[float]:
@@ -123,6 +194,9 @@ def main() -> None:
     ap.add_argument(
         "--abusers", type=int, default=4, help="abusive client processes (one more sends slow bodies)"
     )
+    ap.add_argument(
+        "--flood", type=int, default=22_000, help="idle connections held at once in the flood phase"
+    )
     args = ap.parse_args()
     seconds = 3.0 if args.quick else 20.0
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,7 +209,10 @@ def main() -> None:
         port = _port()
         url = f"http://127.0.0.1:{port}"
         server = subprocess.Popen(
-            [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", str(port), "--body-timeout", "5"],
+            [
+                *(sys.executable, "-m", "gpuyard.cli.main", "server", "--port", str(port)),
+                *("--body-timeout", "5", "--job-user", getpass.getuser()),  # no job runs here
+            ],
             env={**os.environ, "GPUYARD_HOME": str(home)},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -153,13 +230,15 @@ def main() -> None:
                 time.sleep(0.1)
             quiet = _probe(url, seconds)
             ctx = mp.get_context("spawn")
-            stop, out = ctx.Event(), ctx.Queue()
+            stop, out, ready = ctx.Event(), ctx.Queue(), ctx.Queue()
             procs = [
-                ctx.Process(target=_abuser, args=(url, port, token, stop, out, i == args.abusers))
+                ctx.Process(target=_abuser, args=(url, port, token, stop, out, ready, i == args.abusers))
                 for i in range(args.abusers + 1)
             ]
             for p in procs:
                 p.start()
+            for _ in procs:
+                ready.get(timeout=120)
             time.sleep(1.0)  # the abuse is under way before the probe starts
             abused = _probe(url, seconds)
             stop.set()
@@ -168,15 +247,17 @@ def main() -> None:
                 counts.update(out.get(timeout=120))
             for p in procs:
                 p.join(timeout=30)
+            opening, flooded, held = _idle_flood(url, port, args.flood, seconds)
             alive = server.poll() is None
         finally:
             server.terminate()
             server.wait(timeout=30)
     load = os.getloadavg()[0]
     print(f"machine: {os.cpu_count()} cores, load average {load:.2f}")
-    for name, lat in (("quiet", quiet), ("abused", abused)):
+    phases = (("quiet", quiet), ("abused", abused), ("flood opening", opening), ("flood held", flooded))
+    for name, lat in phases:
         print(
-            f"/health {name:>6}: n={len(lat)} p50={_pct(lat, 0.5):.1f} ms p99={_pct(lat, 0.99):.1f} ms "
+            f"/health {name:>13}: n={len(lat)} p50={_pct(lat, 0.5):.1f} ms p99={_pct(lat, 0.99):.1f} ms "
             f"max={max(lat):.1f} ms"
         )
     print("abusive requests by answer:", dict(sorted(counts.items())))
@@ -185,7 +266,9 @@ def main() -> None:
     print(
         f"api_abuse: health_p99_ms={_pct(abused, 0.99):.1f} quiet_p99_ms={_pct(quiet, 0.99):.1f} "
         f"health_p50_ms={_pct(abused, 0.5):.1f} abusive_requests={sent} server_errors={errors} "
-        f"server_alive={str(alive).lower()} abusers={args.abusers + 1}"
+        f"server_alive={str(alive).lower()} abusers={args.abusers + 1} "
+        f"idle_flood_health_p99_ms={_pct(flooded, 0.99):.1f} idle_connections={held} "
+        f"idle_flood_opening_p99_ms={_pct(opening, 0.99):.1f}"
     )
 
 

@@ -1,0 +1,99 @@
+"""`gpuyard llm`: register, evaluate (perplexity), merge and promote language models (docs/llm.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+llm_app = typer.Typer(
+    help="Language models: register, perplexity, LoRA merge, promotion gated on perplexity."
+)
+
+
+@llm_app.command("register")
+def register_cmd(
+    name: str = typer.Argument(..., help="Model name."),
+    folder: Path = typer.Argument(..., help="An exported Hugging Face folder (a run's <run_dir>/hf)."),
+    base: str | None = typer.Option(None, "--base", help="Register the folder's LoRA adapter of this model."),
+    team: str | None = typer.Option(None, "--team", help="The team of a new model."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Register a causal LM (with its tokenizer and context length), or with --base a LoRA adapter."""
+    from gpuyard.llm.registry import register_lm
+
+    mv = register_lm(name, folder, base=base, team=team)
+    doc = {"ref": mv.ref, "flavor": mv.flavor, **mv.config, "metrics": mv.metrics}
+    if as_json:
+        typer.echo(json.dumps(doc))
+        return
+    extra = f", adapter of {mv.config['base']}" if base else ""
+    Console().print(f"[bold]{mv.ref}[/bold] {mv.flavor}, context {mv.config.get('context_length')}{extra}")
+
+
+@llm_app.command("eval")
+def eval_cmd(
+    model: str = typer.Argument(..., help="A registered language model or a Hugging Face folder."),
+    data: str = typer.Option(..., "--data", help="A token dataset (gpuyard data tokenize)."),
+    split: str = typer.Option(
+        "val", "--split", help="The split to evaluate (the whole dataset when it has none)."
+    ),
+    batch_size: int = typer.Option(8, "--batch-size", min=1),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Perplexity over every sequence of a token dataset (loss and tokens counted exactly)."""
+    from gpuyard.llm.registry import evaluate_lm
+
+    out = evaluate_lm(model, data, split, batch_size)
+    if as_json:
+        typer.echo(json.dumps(out))
+        return
+    Console().print(
+        f"{model} on {out['dataset']} ({out['split']}): perplexity {out['val_perplexity']:.4f}, "
+        f"loss {out['val_loss_tokens']:.4f} over {int(out['val_tokens'])} tokens"
+    )
+
+
+@llm_app.command("merge")
+def merge_cmd(
+    adapter: str = typer.Argument(..., help="A registered LoRA adapter (NAME:VERSION)."),
+    name: str | None = typer.Option(
+        None, "--name", help="Register the merged model as (default: the base's name)."
+    ),
+) -> None:
+    """Merge a LoRA adapter into its base and register the result as a full model version."""
+    from gpuyard.llm.registry import merge_adapter
+
+    mv = merge_adapter(adapter, name)
+    Console().print(f"[bold]{mv.ref}[/bold] = {adapter} merged into {mv.description.split(' into ')[-1]}")
+
+
+@llm_app.command("promote")
+def promote_cmd(
+    model: str = typer.Argument(..., help="NAME:VERSION to promote."),
+    data: str = typer.Option(..., "--data", help="The token dataset perplexity is measured on."),
+    max_perplexity: float | None = typer.Option(
+        None, "--max-perplexity", help="Refuse above this perplexity."
+    ),
+    split: str = typer.Option("val", "--split"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Promote to production when perplexity passes the gate and is no worse than production's."""
+    from gpuyard.exitcodes import USAGE
+    from gpuyard.llm.registry import promote_lm
+
+    decision = promote_lm(model, data, max_perplexity, split)
+    if as_json:
+        typer.echo(json.dumps(decision))
+    else:
+        verdict = "promoted" if decision["promoted"] else "not promoted"
+        Console().print(f"{model}: {verdict} (perplexity {decision['perplexity']:.4f}): {decision['reason']}")
+    if not decision["promoted"]:
+        raise typer.Exit(USAGE)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `gpuyard llm`."""
+    app.add_typer(llm_app, name="llm")

@@ -2,11 +2,13 @@
 
 - ``torch``: weights as safetensors plus a JSON config naming a factory ``module:function`` and its
   keyword arguments; loading calls the factory and loads the state dict (no code in the file).
-- ``sklearn``: a scikit-learn estimator stored with skops; loading trusts only scikit-learn, NumPy and
-  SciPy types and refuses anything else the file asks for.
-- ``onnx``: an ONNX graph run with onnxruntime.
+- ``sklearn``: a scikit-learn estimator stored with skops; loading trusts only the exact types on
+  gpuyard's allow-list (:mod:`gpuyard.models.safety`) and refuses anything else the file asks for.
+- ``onnx``: an ONNX graph run with onnxruntime, its weights inside the file.
 
-Any other file (pickle, ``torch.save`` archives, arbitrary bytes) is refused by :func:`check_model_file`.
+Any other file (pickle, ``torch.save`` archives, arbitrary bytes) is refused by :func:`check_model_file`;
+every load goes through :func:`load_model`, which runs :func:`gpuyard.models.safety.check_model_safety`
+first (a model file is data, never code).
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from gpuyard.errors import ConfigError, IntegrityError
+from gpuyard.models.safety import UnsafeModelError, check_model_safety, check_onnx, check_skops
 from gpuyard.refs import import_ref
 
 FLAVORS = ("torch", "sklearn", "onnx")
 FILE_FOR_FLAVOR = {"torch": "model.safetensors", "sklearn": "model.skops", "onnx": "model.onnx"}
 CONFIG_FILE = "config.json"
-TRUSTED_PREFIXES = ("sklearn.", "numpy.", "scipy.", "builtins.")
 FACTORY_ATTR = "_gpuyard_factory"
 
 
@@ -193,8 +195,13 @@ def save_model(
 def load_model(folder: str | Path, config: dict[str, Any] | None = None) -> tuple[Any, Predictor]:
     """Load the model stored in ``folder``; return (raw model, predictor).
 
+    Every load of a model file, in any command or server, comes here: the file is checked by
+    :func:`gpuyard.models.safety.check_model_safety` before any of it is loaded.
+
     Raises:
-        IntegrityError: a file that is not what its flavor says, or asks for untrusted types.
+        IntegrityError: a file that is not what its flavor says.
+        UnsafeModelError: (a ConfigError) the file names a type, function or factory gpuyard does not
+            load, or its header or external-data references are unsafe.
         ConfigError: an unknown flavor or an unimportable factory.
     """
     folder = Path(folder)
@@ -207,6 +214,7 @@ def load_model(folder: str | Path, config: dict[str, Any] | None = None) -> tupl
     found = check_model_file(path)
     if found != flavor:
         raise IntegrityError(f"{path} holds a {found} model, but its config says {flavor}")
+    check_model_safety(path, str(flavor), config)
     if flavor == "torch":
         from safetensors.torch import load_file
 
@@ -222,20 +230,21 @@ def load_model(folder: str | Path, config: dict[str, Any] | None = None) -> tupl
 
 
 def load_skops(path: str | Path) -> Any:
-    """Load a skops file, trusting only scikit-learn, NumPy and SciPy types.
+    """Load a skops file whose every node names a type on gpuyard's allow-list (checked first).
+
+    skops then loads it trusting exactly those names, and audits the tree itself once more.
 
     Raises:
-        IntegrityError: the file asks for any other type (it is refused, never loaded).
+        UnsafeModelError: the file names any other type or function (it is refused, never loaded).
     """
     import skops.io as sio
+    from skops.io.exceptions import UntrustedTypesFoundException
 
-    untrusted = sio.get_untrusted_types(file=path)
-    refused = [t for t in untrusted if not t.startswith(TRUSTED_PREFIXES)]
-    if refused:
-        raise IntegrityError(
-            f"{path}: refusing to load types outside scikit-learn/NumPy/SciPy: {', '.join(refused)}"
-        )
-    return sio.load(path, trusted=untrusted)
+    trusted = check_skops(path)
+    try:
+        return sio.load(path, trusted=trusted)
+    except UntrustedTypesFoundException as exc:  # skops' own audit found more than ours: refuse too
+        raise UnsafeModelError(f"{path}: refused by skops: {' '.join(str(exc).split())}") from exc
 
 
 def check_model_file(path: str | Path) -> str:
@@ -288,7 +297,12 @@ def _is_onnx(p: Path) -> bool:
 
     try:
         model = onnx.load(str(p), load_external_data=False)
+    except Exception:  # protobuf raises its own DecodeError: "no"
+        return False
+    if len(model.graph.node) > 0 and model.graph.input:
+        check_onnx(p)  # a graph that keeps weights in external files is refused, naming the location
+    try:
         onnx.checker.check_model(model)
-    except Exception:  # protobuf raises its own DecodeError, the checker ValidationError: both mean "no"
+    except Exception:  # the checker's ValidationError: "no"
         return False
     return len(model.graph.node) > 0

@@ -27,6 +27,7 @@ from gpuyard.models.flavors import (
     load_model,
     save_model,
 )
+from gpuyard.models.safety import check_model_safety
 from gpuyard.models.signature import RECIPE_KEY, attach_recipe
 from gpuyard.refs import ALIAS_RE, ModelRef, check_model_name
 from gpuyard.settings import load_settings
@@ -319,7 +320,8 @@ def register_folder(
     Raises:
         ConflictError: ``team`` is not the team of the model ``name`` already registered.
         ConfigError: a model file that is not safetensors / skops / ONNX, or one that disagrees with
-        its config; a missing config for a torch model.
+        its config; a missing config for a torch model. UnsafeModelError (a ConfigError): a file that
+        names a type, function or factory gpuyard does not load (:mod:`gpuyard.models.safety`).
     """
     check_model_name(name)
     folder = Path(folder)
@@ -335,6 +337,8 @@ def register_folder(
         )
     if flavor == "torch" and not config.get("factory"):
         raise ConfigError(f"{config_path}: a torch model needs 'factory' (module:function) and 'kwargs'")
+    # Refused here, before anything is stored, and again at every load (load_model).
+    check_model_safety(folder / FILE_FOR_FLAVOR[flavor], flavor, config)
     if signature is None and (folder / "signature.json").exists():
         signature = json.loads((folder / "signature.json").read_text())
     signature, recipe_note = _with_recipe(signature or {}, dataset_version)

@@ -48,6 +48,17 @@ def plan_command(
     restart_s: float = typer.Option(
         600.0, "--restart-s", min=0, help="Failure to training again, seconds (for the expected ETTR)."
     ),
+    compare: str = typer.Option(
+        None,
+        "--compare",
+        help="A second cluster (e.g. a TPU slice: tpu-v5p-512) planned for the same model and batch.",
+    ),
+    compare_gpus: int = typer.Option(
+        None, "--compare-gpus", help="Accelerators to use on --compare (default: --gpus)."
+    ),
+    compare_stack: str = typer.Option(
+        None, "--compare-stack", help="Software stack on --compare (default: maxtext on a TPU, else --stack)."
+    ),
     top: int = typer.Option(5, "--top", help="Plans to show."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
@@ -73,6 +84,19 @@ def plan_command(
     spec, fabric = load_model(model), load_calibrated(load_cluster(cluster), calibration)
     result = plan(spec, fabric, gpus, global_batch, seq_len, knobs, top)
     goodput = expected_ettr(spec, fabric, gpus, checkpoint_s, restart_s)
+    other = None
+    if compare is not None:
+        other_fabric = load_cluster(compare)
+        other_gpus = compare_gpus or gpus
+        other_stack = compare_stack or ("maxtext" if other_fabric.torus is not None else stack)
+        # Only the precision and the stack carry over: a layout chosen for one machine means nothing on
+        # the other, so the second search is free.
+        other_knobs = Knobs(precision=precision, stack=other_stack)
+        other = (
+            other_fabric,
+            other_gpus,
+            plan(spec, other_fabric, other_gpus, global_batch, seq_len, other_knobs, top),
+        )
     if as_json:
         doc = {
             "model": spec.name,
@@ -86,10 +110,43 @@ def plan_command(
             "warnings": result.warnings,
             "ettr": goodput.to_dict(),
         }
+        if other is not None:
+            o_fabric, o_gpus, o_result = other
+            doc["compare"] = {
+                "cluster": o_fabric.name,
+                "gpus": o_gpus,
+                "considered": o_result.considered,
+                "fitting": o_result.fitting,
+                "plans": [p.to_dict() for p in o_result.plans],
+                "warnings": o_result.warnings,
+                "speedup": o_result.plans[0].tokens_per_s / result.plans[0].tokens_per_s,
+            }
         typer.echo(json.dumps(doc))
         return
     print_plans(result, f"{spec.name} on {gpus} x {fabric.device_name} ({fabric.name}), batch {global_batch}")
     print_ettr(goodput)
+    if other is not None:
+        o_fabric, o_gpus, o_result = other
+        title = f"{spec.name} on {o_gpus} x {o_fabric.device_name} ({o_fabric.name}), batch {global_batch}"
+        print_plans(o_result, title)
+        print_comparison(
+            result, f"{gpus} x {fabric.device_name}", o_result, f"{o_gpus} x {o_fabric.device_name}"
+        )
+
+
+def print_comparison(first: object, first_name: str, second: object, second_name: str) -> None:
+    """One line per machine (best plan's step, tokens/s, per accelerator, MFU), then the ratio."""
+    from gpuyard.fabric.planner import PlanResult
+
+    assert isinstance(first, PlanResult) and isinstance(second, PlanResult)
+    a, b = first.plans[0], second.plans[0]
+    for name, p in ((first_name, a), (second_name, b)):
+        per = p.tokens_per_s / p.config.gpus
+        typer.echo(
+            f"{name}: step {p.step_time_s:.2f} s, {p.tokens_per_s:,.0f} tokens/s "
+            f"({per:,.0f} per accelerator), MFU {p.mfu:.1%}"
+        )
+    typer.echo(f"{second_name} trains {b.tokens_per_s / a.tokens_per_s:.2f}x as fast as {first_name}")
 
 
 def print_ettr(goodput: object) -> None:

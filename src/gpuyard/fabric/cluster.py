@@ -7,9 +7,10 @@ reported by name. Bandwidths are **unidirectional per GPU** (what one ring step 
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpuyard.errors import CapacityError, ConfigError
 from gpuyard.hardware.catalog import AcceleratorSpec, get_spec
@@ -31,7 +32,7 @@ class Device(_Frozen):
 class IntraNode(_Frozen):
     """How accelerators inside one NVLink domain (usually one server) talk."""
 
-    kind: Literal["nvswitch", "nvlink-bridge", "pcie", "loopback"]
+    kind: Literal["nvswitch", "nvlink-bridge", "pcie", "loopback", "ici"]
     nvlink_generation: int | None = Field(default=None, description="NVLink generation, None without NVLink.")
     bw_GBps: float = Field(gt=0, description="Per-GPU unidirectional bandwidth into the intra-node fabric.")
     latency_us: float = Field(gt=0, description="Latency of one hop (one ring step), microseconds.")
@@ -122,6 +123,27 @@ class Compute(_Frozen):
         return self.dtype_efficiency.get(precision, self.gemm_efficiency)
 
 
+class Torus(_Frozen):
+    """The ICI torus of a TPU slice (gpuyard.fabric.torus models collectives on it).
+
+    Each chip links to its two neighbours along every dimension; ``link_GBps`` is what one link carries
+    in one direction (the chip's bidirectional ICI figure / (2 x ports)).
+    """
+
+    dims: tuple[int, ...] = Field(min_length=1, max_length=3, description="Chips along each dimension.")
+    wraparound: bool = Field(
+        default=True, description="Each whole dimension closes into a ring (a torus); False: a mesh."
+    )
+    link_GBps: float = Field(gt=0, description="One ICI link, one direction, GB/s.")
+    latency_us: float = Field(default=1.0, gt=0, description="Latency of one hop, microseconds.")
+    bw_efficiency: float = Field(default=0.9, gt=0, le=1, description="Share of link_GBps collectives reach.")
+
+    @property
+    def chips(self) -> int:
+        """Chips in the slice."""
+        return math.prod(self.dims)
+
+
 class MeasuredLink(_Frozen):
     """A collective measured on this machine: time = steps x hop + wire bytes / bandwidth."""
 
@@ -142,6 +164,10 @@ class Cluster(_Frozen):
     nic: Nic
     network: Network = Field(default_factory=Network)
     compute: Compute = Field(default_factory=Compute)
+    torus: Torus | None = Field(
+        default=None,
+        description="TPU slice: the ICI torus (the slice is the domain; slices talk over the NICs).",
+    )
     collective_model: Literal["nccl", "alpha-beta"] = Field(
         default="nccl",
         description="nccl: NCCL's protocols (LL, Simple); alpha-beta: one latency, one bandwidth.",
@@ -150,6 +176,15 @@ class Cluster(_Frozen):
         default_factory=dict, description="Per-op links measured by `gpuyard fabric calibrate` (one node)."
     )
     sources: tuple[str, ...] = Field(default=(), description="Where the figures come from.")
+
+    @model_validator(mode="after")
+    def _slice_of_whole_hosts(self) -> Cluster:
+        if self.torus is not None and self.torus.chips % self.gpus_per_node:
+            raise ValueError(
+                f"a torus of {self.torus.chips} chips is not a whole number of "
+                f"{self.gpus_per_node}-chip hosts"
+            )
+        return self
 
     def __hash__(self) -> int:
         # The cost model memoises on the cluster; hashing every nested field each call is slow.
@@ -171,7 +206,9 @@ class Cluster(_Frozen):
 
     @property
     def domain(self) -> int:
-        """GPUs that share the fast intra-node fabric (the NVLink domain)."""
+        """GPUs that share the fast intra-node fabric (the NVLink domain, or a TPU slice's torus)."""
+        if self.torus is not None:
+            return self.torus.chips
         return self.intra.domain_size or self.gpus_per_node
 
     @property
@@ -216,6 +253,11 @@ class Cluster(_Frozen):
         if gpus > self.gpus_per_node and gpus % self.gpus_per_node:
             raise ConfigError(
                 f"gpus={gpus} does not fill {self.gpus_per_node}-GPU nodes of cluster {self.name!r} evenly"
+            )
+        if self.torus is not None and gpus > self.domain and gpus % self.domain:
+            raise ConfigError(
+                f"gpus={gpus} is more than one {self.domain}-chip slice of cluster {self.name!r} "
+                "but not a whole number of slices"
             )
         if self.nodes is not None and gpus > self.nodes * self.gpus_per_node:
             raise CapacityError(

@@ -34,6 +34,7 @@ from functools import lru_cache
 
 from gpuyard.errors import ConfigError
 from gpuyard.fabric.cluster import Cluster
+from gpuyard.fabric.torus import torus_time
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 ALGORITHMS = ("ring", "tree", "nvls", "nvls_tree", "pat", "hierarchical", "direct")
@@ -431,6 +432,10 @@ def _time(
 ) -> tuple[float, str, str]:
     if p.gpus <= 1:
         return 0.0, "none", "local"
+    if cluster.torus is not None:  # a TPU slice: rings along the ICI torus (gpuyard.fabric.torus)
+        if algorithm not in (None, "ring"):
+            raise ConfigError(f"algorithm {algorithm!r} does not apply to a TPU slice (torus rings only)")
+        return torus_time(cluster, op, size, p.gpus, p.per_domain), "ici", "torus-ring"
     if cluster.collective_model == "alpha-beta":
         if algorithm not in (None, "ring", "direct"):
             raise ConfigError(f"algorithm {algorithm!r} does not apply to an alpha-beta cluster")

@@ -154,12 +154,15 @@ def layouts(
     model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int, seq_len: int, knobs: Knobs
 ) -> Iterator[ParallelConfig]:
     """Every layout consistent with the fixed knobs, the GPU count and the batch (memory not yet checked)."""
+    # A TPU slice trains with data, FSDP (ZeRO-3) and tensor sharding over its torus (MaxText's ici_*
+    # axes): no pipeline, context parallelism or interleaving is searched there.
+    tpu = cluster.torus is not None
     for tp in _tensor_sizes(model, cluster, knobs):
-        for cp in [knobs.cp] if knobs.cp is not None else CONTEXT_PARALLEL:
+        for cp in [knobs.cp] if knobs.cp is not None else (1,) if tpu else CONTEXT_PARALLEL:
             if gpus % (tp * cp) or (cp > 1 and seq_len % (2 * cp)):
                 continue
             rest = gpus // (tp * cp)
-            for pp in [knobs.pp] if knobs.pp is not None else _divisors(rest, model.layers):
+            for pp in [knobs.pp] if knobs.pp is not None else [1] if tpu else _divisors(rest, model.layers):
                 if rest % pp:
                     continue
                 dp = rest // pp
@@ -227,6 +230,11 @@ def _check_fixed(model: ModelSpec, cluster: Cluster, gpus: int, seq_len: int, kn
         raise ConfigError(
             f"expert-parallel size {knobs.ep} needs a mixture-of-experts model with experts divisible by it"
             f" ({model.name} has {model.experts})"
+        )
+    if cluster.torus is not None and ((knobs.pp or 1) > 1 or (knobs.cp or 1) > 1):
+        raise ConfigError(
+            f"{cluster.name!r} is a TPU slice: gpuyard plans data, FSDP and tensor sharding on it; "
+            "pipeline and context parallelism are not modelled there (drop --pp/--cp)"
         )
     if knobs.stack not in STACKS:
         raise ConfigError(f"unknown software stack {knobs.stack!r}; known: {', '.join(STACKS)}")

@@ -107,6 +107,17 @@ STACKS: dict[str, Stack] = {
             fused_loss=True,
         ),
         Stack("deepspeed", 30.0, 1.0, "fa2", "DeepSpeed ZeRO with FusedAdam"),
+        # MaxText (JAX/XLA on TPU): optax AdamW compiled by XLA into fused passes (fp32 weight, gradient,
+        # m, v read; weight, m, v written: 28 bytes, 30 with the bf16 copy), XLA-fused elementwise
+        # operators, Pallas splash/flash attention (no FA2-on-Hopper penalty applies off NVIDIA).
+        Stack(
+            "maxtext",
+            30.0,
+            1.0,
+            "fa3",
+            "MaxText: JAX/XLA on TPU, optax AdamW, splash attention",
+            loss_bytes_per_logit=12.0,
+        ),
         Stack("other", 30.0, 1.0, "fa3", "a stack the corpus does not profile: fused optimizer and kernels"),
         Stack(
             "gpuyard",

@@ -33,6 +33,9 @@ SOURCES = {
     "(nvidia.com/en-us/data-center/gb200-nvl72; sparse figures / 2)",
     "l40s": "NVIDIA L40S datasheet (l40s-datasheet, 2023)",
     "mi300x": "AMD Instinct MI300X accelerator data sheet (amd.com, 2023)",
+    "tpu_v4": "Google Cloud TPU v4 documentation (cloud.google.com/tpu/docs/v4, system architecture); "
+    "Jouppi et al., TPU v4: An Optically Reconfigurable Supercomputer for Machine Learning with Hardware "
+    "Support for Embeddings, ISCA 2023 (six ICI links per chip, 3D torus)",
     "tpu_v5e": "Google Cloud TPU v5e documentation (cloud.google.com/tpu/docs/v5e, system architecture)",
     "tpu_v5p": "Google Cloud TPU v5p documentation (cloud.google.com/tpu/docs/v5p, system architecture)",
     "tpu_v6e": "Google Cloud TPU v6e (Trillium) documentation (cloud.google.com/tpu/docs/v6e)",
@@ -164,6 +167,14 @@ _SPECS: tuple[AcceleratorSpec, ...] = (
         fp32_tflops=163.4, tf32_tflops=653.7, bf16_tflops=1307.4, fp16_tflops=1307.4, fp8_tflops=2614.9,
         interconnect="infinity-fabric", interconnect_GBps=896, nvlink_generation=None, pcie_gen=5, tdp_w=750,
         sources=("mi300x",), aliases=("mi300x",)),
+    # TPU v4: 275 TF BF16 (bf16 or int8); 32 GiB HBM2 at 1,200 GB/s; 3D torus (cubes of 4x4x4, 4,096-chip
+    # pod). ICI: six links per chip (ISCA 2023 paper), each 50 GB/s per direction (400 Gb/s, as the paper's
+    # summaries quote it): 600 GB/s bidirectional per chip. Measured max power 192 W (docs).
+    AcceleratorSpec(
+        name="TPU-v4", vendor="google", kind="tpu", memory_bytes=32 * 1024**3, memory_bw_GBps=1200,
+        fp32_tflops=None, tf32_tflops=None, bf16_tflops=275, fp16_tflops=None, fp8_tflops=None,
+        interconnect="ici", interconnect_GBps=600, nvlink_generation=None, pcie_gen=None, tdp_w=192,
+        sources=("tpu_v4",), aliases=("v4", "tpu-v4")),
     # TPU v5e: 197 TF BF16, 393 TOPS INT8 (no FP8/FP32 figure); 16 GB HBM2 819 GB/s; ICI 400 GB/s bidir.
     AcceleratorSpec(
         name="TPU-v5e", vendor="google", kind="tpu", memory_bytes=16 * GB, memory_bw_GBps=819,
@@ -204,6 +215,7 @@ _MATCH_RULES: tuple[tuple[str, str | None], ...] = (
     (r"b200", "B200-SXM-180GB"),
     (r"l40s", "L40S-48GB"),
     (r"mi300x", "MI300X-192GB"),
+    (r"tpu\s*v4\b|tpu-v4", "TPU-v4"),
     (r"tpu\s*v5\s*(lite|e\b)|tpu-v5e|v5litepod", "TPU-v5e"),
     (r"tpu\s*v5p?\b|tpu-v5p", "TPU-v5p"),
     (r"tpu\s*v6|trillium", "TPU-v6e"),

@@ -9,12 +9,12 @@ import pytest
 
 from gpuyard.errors import ConfigError
 from gpuyard.scheduler.executors import limits as lim
-from gpuyard.scheduler.spec import parse_spec
+from gpuyard.scheduler.spec import JobSpec, parse_spec
 
 pytestmark = pytest.mark.unit
 
 
-def _spec(**resources: object) -> object:
+def _spec(**resources: object) -> JobSpec:
     return parse_spec({"name": "j", "command": ["true"], "resources": resources})
 
 
@@ -49,6 +49,8 @@ def test_cores_are_limited_for_cpu_jobs_and_gpu_jobs_that_name_them(monkeypatch:
     defaults = lim.LimitDefaults()
     assert defaults.for_spec(_spec()).cpus == 1.0  # a CPU-only job: its slot
     assert defaults.for_spec(_spec(gpus=2)).cpus is None  # cpus: 1 by default is a slot count only
+    stored = JobSpec.model_validate(_spec(gpus=2).model_dump(mode="json"))  # as the service keeps it
+    assert defaults.for_spec(stored).cpus is None
     assert defaults.for_spec(_spec(gpus=2, cpus=8)).cpus == 8.0
     assert defaults.for_spec(_spec(cpus=64)).cpus is None  # the whole machine: nothing to limit
 

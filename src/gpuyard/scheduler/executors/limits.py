@@ -119,14 +119,14 @@ class LimitDefaults:
     def for_spec(self, spec: JobSpec) -> JobLimits:
         """The limits of ``spec``: its declared memory and cores, else these defaults.
 
-        Cores are limited for a CPU-only job (placed on ``cpus`` slots) and for a GPU job that names
-        ``cpus`` itself; a GPU job that does not keeps every core (its default ``cpus: 1`` is a slot
-        count for placement, not what its data loaders need).
+        Cores are limited for a CPU-only job (placed on ``cpus`` slots) and for a GPU job that asks for
+        more than one; a GPU job at the default ``cpus: 1`` (a slot count for placement, not what its
+        data loaders need; a stored spec cannot tell it from an explicit 1) keeps every core.
         """
         res = spec.resources
         memory_gb = res.memory_gb if res.memory_gb is not None else self.memory_gb
         gpu_job = bool(res.gpus or res.gpu_fraction or res.gpu_memory_gb or res.mig)
-        cpus: float | None = float(res.cpus) if not gpu_job or "cpus" in res.model_fields_set else None
+        cpus: float | None = float(res.cpus) if not gpu_job or res.cpus > 1 else None
         if cpus is not None and cpus >= (os.cpu_count() or 1):
             cpus = None  # the whole machine: nothing to limit
         return JobLimits(

@@ -1,7 +1,11 @@
-"""The dashboard in Debian's Chromium: every page loads clean, and a job is submitted and cancelled."""
+"""The dashboard in Debian's Chromium: every page loads clean, and a job is submitted and cancelled; under its
+Content-Security-Policy, hostile fields from a model server's /live document are shown as text, computed
+styles still apply, and the Models page's events fit 1280 px as text."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -173,3 +177,111 @@ def test_a_wrong_token_is_refused_at_sign_in(browser: Any, server: Server, artif
         page.screenshot(path=str(artifacts_dir / "dashboard-login-refused.png"))
     finally:
         context.close()
+
+
+# -- the Content-Security-Policy and escaping ---------------------------------------------------------
+
+PAYLOAD = '<img src=x id="injected">'
+CSP_MARGIN = 2  # px: rounding
+
+
+@pytest.fixture
+def csp_page(browser: Any, server: Server) -> Iterator[Any]:
+    """A signed-in page 1280 px wide; every console error (a CSP refusal is one) is kept."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = context.new_page()
+    pg.problems = []
+    pg.on("console", lambda m: m.type == "error" and pg.problems.append(m.text))
+    pg.on("pageerror", lambda e: pg.problems.append(str(e)))
+    pg.goto(server.url + "/")
+    pg.fill("#token-input", server.token)
+    pg.click("#login-form button")
+    pg.wait_for_selector("#who:has-text('admin')")
+    yield pg
+    context.close()
+
+
+def _json(route: Any, body: Any) -> None:
+    route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+
+def test_a_hostile_live_document_is_shown_as_text(csp_page: Any, server: Server) -> None:
+    page = csp_page
+    deployment = {
+        "id": 7,
+        "model": "m",
+        "version": 1,
+        "ref": "m:1",
+        "status": "running",
+        "replicas": 1,
+        "device": "cpu",
+        "pids": {},
+        "job": None,
+        "url": "http://127.0.0.1:1",
+        "created_at": "2026-01-01T00:00:00",
+    }
+    feature = {
+        "feature": PAYLOAD,
+        "psi": 0.1,
+        "ks": 0.1,
+        "ks_pvalue": 0.5,
+        "drift_psi": False,
+        "drift_ks": False,
+    }
+    live = {
+        "reachable": True,
+        "stats": {"p50_ms": 1.0, "p95_ms": 2.0, "p99_ms": 3.0, "throughput_rps": 4.0, "window_s": PAYLOAD},
+        "drift": {
+            "enabled": True,
+            "reason": "",
+            # The three fields that once reached innerHTML unescaped.
+            "report": {
+                "rows": PAYLOAD,
+                "psi_threshold": PAYLOAD,
+                "ks_pvalue_threshold": 0.05,
+                "features": [feature],
+            },
+            "skew": {"rows": PAYLOAD, "features": [feature]},
+        },
+    }
+    page.route(re.compile(r"/deployments\?all=true$"), lambda r: _json(r, [deployment]))
+    page.route(re.compile(r"/deployments/alerts"), lambda r: _json(r, []))
+    page.route(re.compile(r"/deployments/7/live$"), lambda r: _json(r, live))
+    page.goto(f"{server.url}/#/deployments")
+    page.wait_for_selector("#drift table.drift")
+    text = page.locator("#drift").inner_text()
+    assert text.count(PAYLOAD) >= 4, text  # rows, threshold, skew rows, the features: as text
+    assert page.locator("#injected").count() == 0
+    assert not [p for p in page.problems if "Content Security Policy" in p], page.problems
+
+
+def test_computed_styles_apply_under_the_policy(csp_page: Any, server: Server) -> None:
+    page = csp_page
+    page.goto(f"{server.url}/#/cluster")
+    page.wait_for_selector("table.heat td")
+    # A heatmap cell's colour comes from data-css, set through the DOM (style="..." would be refused).
+    colour = page.locator("table.heat td", has_text="NV18").first.evaluate(
+        "(el) => getComputedStyle(el).backgroundColor"
+    )
+    assert colour not in ("rgba(0, 0, 0, 0)", "transparent"), colour
+    assert page.locator("[data-css]").count() == 0
+    assert not [p for p in page.problems if "Content Security Policy" in p], page.problems
+
+
+def test_model_events_read_as_text_and_fit_1280_px(csp_page: Any, server: Server) -> None:
+    page = csp_page
+    from gpuyard.models.registry import record_event
+    from gpuyard.store.db import Store
+
+    store = Store(f"sqlite:///{server.home / 'gpuyard.db'}")
+    detail = {"note": "x" * 400, "path": "/very/long/" + "segment/" * 60, "nested": {"a": [1, 2, 3]}}
+    with store.session() as s:
+        record_event(s, "digits-clf", 2, "annotated", detail)
+    store.dispose()
+    page.goto(f"{server.url}/#/models")
+    page.locator("#models-table tr[data-name='digits-clf']").click()
+    page.wait_for_selector("table.events td.detail")
+    cell = page.locator("table.events tr", has_text="annotated").locator("td.detail").inner_text()
+    assert "note=" in cell and "path=" in cell and '{"note"' not in cell, cell
+    w = page.evaluate("() => [document.documentElement.scrollWidth, window.innerWidth]")
+    assert w[0] <= w[1] + CSP_MARGIN, w

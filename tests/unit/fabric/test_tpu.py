@@ -1,0 +1,134 @@
+"""TPU slices: catalog figures, the torus collective model, the planner on a slice, `plan --compare`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gpuyard.cli.main import main
+from gpuyard.errors import ConfigError
+from gpuyard.fabric.collectives import collective_time, estimate
+from gpuyard.fabric.models import load_model
+from gpuyard.fabric.planner import Knobs, plan
+from gpuyard.fabric.presets import load_cluster, read_cluster_file
+from gpuyard.fabric.torus import group_shape
+from gpuyard.hardware.catalog import get_spec, match_spec
+
+pytestmark = pytest.mark.unit
+
+TPU_PRESETS = ("tpu-v4-4096", "tpu-v5p-512", "tpu-v5e-256", "tpu-v6e-256")
+GIB = 1 << 30
+
+
+def test_catalog_has_every_tpu_generation_with_its_published_figures() -> None:
+    # Google Cloud TPU pages (v4, v5e, v5p, v6e): peak bf16 TFLOP/s, HBM, bidirectional ICI per chip.
+    expected = {
+        "TPU-v4": (275, 1200, 600),
+        "TPU-v5e": (197, 819, 400),
+        "TPU-v5p": (459, 2765, 1200),
+        "TPU-v6e": (918, 1638, 800),
+    }
+    for name, (tflops, hbm_bw, ici) in expected.items():
+        spec = get_spec(name)
+        assert (spec.peak_tflops("bf16"), spec.memory_bw_GBps, spec.interconnect_GBps) == (
+            tflops,
+            hbm_bw,
+            ici,
+        )
+        assert spec.kind == "tpu" and spec.interconnect == "ici" and spec.sources
+    assert get_spec("TPU-v4").memory_bytes == 32 * GIB
+    assert match_spec("TPU v4").name == "TPU-v4"  # type: ignore[union-attr]
+    assert match_spec("TPU v5 lite").name == "TPU-v5e"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("name", TPU_PRESETS)
+def test_presets_are_slices_with_link_figures_matching_the_catalog(name: str) -> None:
+    c = load_cluster(name)
+    assert c.torus is not None and c.domain == c.torus.chips
+    ports = 2 * len(c.torus.dims)  # two neighbours per dimension
+    # Per-link, per-direction bandwidth x 2 directions x ports = the chip's bidirectional ICI figure.
+    assert c.torus.link_GBps * 2 * ports == pytest.approx(c.spec.interconnect_GBps)  # type: ignore[union-attr]
+    assert len(c.torus.dims) == (3 if c.accelerator in ("TPU-v4", "TPU-v5p") else 2)
+
+
+@pytest.mark.parametrize(("name", "pod_allreduce_TBps"), [("tpu-v5e-256", 51.2), ("tpu-v6e-256", 102.4)])
+def test_whole_pod_all_reduce_approaches_googles_published_pod_bandwidth(
+    name: str, pod_allreduce_TBps: float
+) -> None:
+    # Google's v5e / v6e pages: "All-reduce bandwidth per Pod" 51.2 / 102.4 TB/s. Summed busbw of a large
+    # all-reduce over the whole 16x16 torus reaches it up to the link efficiency (0.9) and hop latencies.
+    c = load_cluster(name)
+    e = estimate(c, "all_reduce", 256, 1 << 32)
+    total = e.busbw_GBps * 256 / 1e3
+    assert 0.85 * pod_allreduce_TBps < total <= pod_allreduce_TBps
+    assert e.algorithm == "torus-ring"
+
+
+def test_torus_dimensions_work_at_once_and_wraparound_doubles_a_ring() -> None:
+    c = load_cluster("tpu-v5p-512")  # 8x8x8 torus
+    size = 1 << 30
+    one_dim, three_dims = (
+        collective_time(c, "all_reduce", size, 8),
+        collective_time(c, "all_reduce", size, 512),
+    )
+    # 8 chips: one ring of a whole dimension. 512: three rings at once: about 3x the bus bandwidth.
+    bus8, bus512 = 2 * 7 / 8 * size / one_dim, 2 * 511 / 512 * size / three_dims
+    assert 2.6 < bus512 / bus8 < 3.1
+    # A group of 4 along an 8-chip dimension is a line: half the bandwidth of a ring (no wraparound).
+    assert group_shape(c.torus, 4) == [(4, False)] and group_shape(c.torus, 8) == [(8, True)]  # type: ignore[arg-type]
+    four = collective_time(c, "reduce_scatter", size, 4)
+    eight = collective_time(c, "reduce_scatter", size, 8)
+    assert four / eight == pytest.approx((3 / 4) / (7 / 8) * 2, rel=0.02)
+    with pytest.raises(ConfigError, match="does not fill a block"):
+        group_shape(c.torus, 3)  # type: ignore[arg-type]
+
+
+def test_going_past_one_slice_crosses_the_slower_data_center_network() -> None:
+    c = load_cluster("tpu-v5p-512")
+    size = 1 << 30
+    inside = collective_time(c, "all_reduce", size, 512)
+    two_slices = collective_time(c, "all_reduce", size, 1024, 512)
+    assert two_slices > inside  # the shard each chip keeps crosses 50 Gb/s of DCN per chip
+    a2a_in, a2a_out = (
+        collective_time(c, "all_to_all", size, 512),
+        collective_time(c, "all_to_all", size, 1024),
+    )
+    assert a2a_out > 5 * a2a_in
+    with pytest.raises(ConfigError, match="whole number of slices"):
+        c.check_gpus(768)
+
+
+def test_planner_searches_data_fsdp_and_tensor_sharding_only_on_a_slice() -> None:
+    model = load_model("llama3-8b")
+    result = plan(model, load_cluster("tpu-v6e-256"), 256, 256, 8192, Knobs(stack="maxtext"), top=20)
+    assert result.plans and all(p.config.pp == 1 and p.config.cp == 1 for p in result.plans)
+    assert {p.config.zero for p in result.plans} & {3}  # FSDP is among the best on 32 GB chips
+    assert all(p.fits for p in result.plans)
+    with pytest.raises(ConfigError, match="TPU slice"):
+        plan(model, load_cluster("tpu-v6e-256"), 256, 256, 8192, Knobs(pp=2))
+
+
+def test_slice_that_is_not_whole_hosts_is_refused_by_name(tmp_path: Path) -> None:
+    text = (Path(__file__).parents[3] / "src/gpuyard/fabric/presets/tpu-v5e-256.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("dims: [16, 16]", "dims: [2, 2]"))
+    with pytest.raises(ConfigError, match="whole number of 8-chip hosts"):
+        read_cluster_file(bad)
+
+
+def test_cli_compares_a_gpu_cluster_and_a_tpu_pod(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "32"]
+    args += ["--seq-len", "4096", "--compare", "tpu-v5p-512", "--compare-gpus", "16", "--top", "2", "--json"]
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 0
+    doc = json.loads(capsys.readouterr().out)
+    other = doc["compare"]
+    assert other["cluster"] == "tpu-v5p-512" and other["gpus"] == 16
+    assert all(p["pp"] == 1 and p["tp"] * p["dp"] == 16 for p in other["plans"])
+    assert other["speedup"] == pytest.approx(
+        other["plans"][0]["tokens_per_s"] / doc["plans"][0]["tokens_per_s"]
+    )
+    assert other["plans"][0]["stack"] == "maxtext"

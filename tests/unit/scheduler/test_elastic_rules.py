@@ -73,7 +73,7 @@ def test_a_train_spec_not_on_the_server_allows_the_whole_range_an_invalid_one_is
 ) -> None:
     assert _sizes(str(tmp_path / "elsewhere.yaml"), 2, 4) == (2, 3, 4)
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model: pkg.mod:model\n")
+    bad.write_text("model: [pkg.mod, model]\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: model: Input should be a valid dictionary"):
         _sizes(str(bad), 2, 4)
 

@@ -23,6 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError as DuplicateRow
 from sqlalchemy.orm import Session
 
+from gpuyard import exitcodes
 from gpuyard.auth import TOKEN_ENV, create_job_token
 from gpuyard.errors import CapacityError, ConfigError, ConflictError, NotFoundError, StoreError
 from gpuyard.scheduler.elastic import (
@@ -669,11 +670,13 @@ class JobService:
             move(s, row, JobState.PREEMPTED, f"preempted ({how}); resumes from its checkpoint", at=end)
             move(s, row, JobState.QUEUED, "requeued after preemption", at=end)
         elif status.lost:
-            move(s, row, JobState.QUEUED, "process lost (never started); requeued", at=end)
+            move(s, row, JobState.QUEUED, f"process {how}; requeued", at=end)
         else:
             row.failures += 1
             max_restarts = int(row.spec.get("max_restarts", 0))
-            if row.failures <= max_restarts:
+            if status.code == exitcodes.UNRECOVERABLE:  # a restart would fail the same way (disk full)
+                move(s, row, JobState.FAILED, f"failed ({how}: unrecoverable, not restarted)", at=end)
+            elif row.failures <= max_restarts:
                 why = f"failed ({how}); restart {row.failures} of {max_restarts}"
                 move(s, row, JobState.QUEUED, why, at=end)
             else:

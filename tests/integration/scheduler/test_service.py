@@ -64,6 +64,16 @@ def test_failures_are_restarted_up_to_max_restarts(make_service: Callable[..., A
     assert service.read_log(job["id"])["text"].count("try") == 2
 
 
+def test_an_unrecoverable_exit_is_not_restarted(make_service: Callable[..., Any]) -> None:
+    """Exit 74 (gpuyard train on a full disk, corrupt input): a restart would fail the same way."""
+    service = make_service()
+    cmd = ["sh", "-c", "echo try; exit 74"]
+    job = service.submit(parse_spec({"name": "full", "command": cmd, "max_restarts": 3}))
+    doc = _run_until(service, job["id"], {"failed"})
+    assert doc["exit_code"] == 74 and doc["attempts"] == 1
+    assert "unrecoverable, not restarted" in service.events(job["id"])[-1]["reason"]
+
+
 def test_missing_command_fails_with_why(make_service: Callable[..., Any]) -> None:
     service = make_service()
     job = service.submit(parse_spec({"name": "nope", "command": ["/no/such/binary"]}))

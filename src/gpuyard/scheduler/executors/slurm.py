@@ -539,7 +539,9 @@ class SlurmExecutor(Executor):
             parts = line.split("|")
             if len(parts) == 3:
                 return exit_from_state(parts[0], parts[1], parts[2])
-        return SlurmExit(code=None, lost=True, reason="Slurm no longer knows the job (no accounting kept)")
+        return SlurmExit(
+            code=None, lost=True, reason="lost: Slurm no longer knows the job (no accounting kept)"
+        )
 
     def stop(self, handle: dict[str, Any], kill: bool) -> None:
         """SIGTERM to the job's tasks (it checkpoints and exits), or with ``kill`` cancel it outright."""

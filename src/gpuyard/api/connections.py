@@ -53,6 +53,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 # Descriptors kept out of the connection budget: the database, job log files and pipes, the listener.
 FD_MARGIN = 512
 LOG_EVERY_S = 10.0
+# Expired connections closed per turn of the event loop.
+SWEEP_BATCH = 128
 # Requests served on any connection, even one over a cap: liveness and readiness probes.
 ALWAYS_SERVED = ("/health", "/ready")
 
@@ -249,17 +251,22 @@ class ConnectionGuard:
             f"request headers not received within {self.header_timeout_s:g} s "
             "(gpuyard server --header-timeout)"
         )
-        while self.waiting:
+        closed = 0
+        while self.waiting and closed < SWEEP_BATCH:
             conn, deadline = next(iter(self.waiting.items()))
             if deadline > now:
                 break
             self._forget(conn)
             self.tally.timed_out[conn.address] += 1
             _close(conn.protocol.transport, 408, detail)
+            closed += 1
         if self.tally.timed_out:
             self._note()
         if self.waiting:
-            self._sweep = asyncio.get_running_loop().call_later(self._sweep_every(), self._timed_out)
+            # A full batch: the rest at once, after the requests waiting meanwhile (a flood's thousands
+            # of expiries never hold the loop for long).
+            wait = 0.0 if closed >= SWEEP_BATCH else self._sweep_every()
+            self._sweep = asyncio.get_running_loop().call_later(wait, self._timed_out)
 
     def _evict(self) -> bool:
         """Close the oldest idle connection of the address holding the most; False when none is idle."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from gpuyard.errors import ConfigError
-from gpuyard.fabric.cluster import Cluster
+from gpuyard.fabric.cluster import Cluster, Compute
 from gpuyard.fabric.models import ModelSpec
 from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.published.runs import PublishedRun, Source, load_runs, load_sources, model_spec
@@ -164,6 +164,9 @@ def fit_efficiencies(corpus: Corpus, sources: set[str]) -> dict[str, float]:
 # GPU generations in release order: a generation no training source measures borrows the fit of the
 # nearest one in this order (the older one on a tie).
 GENERATION_ORDER = ("ampere", "hopper", "blackwell")
+# GEMM efficiency of a device that no training source measures and that has no GPU generation to
+# borrow from (a TPU whose only source is held out): the schema's default, an assumption.
+UNFITTED_EFFICIENCY = Compute().gemm_efficiency
 
 
 def borrowed_generation(gen: str, fitted: dict[str, float]) -> str | None:
@@ -206,6 +209,10 @@ def errors_with(corpus: Corpus, runs: list[PublishedRun], fitted: dict[str, floa
             if near is None:
                 raise ConfigError(f"{r.id}: no fitted GPU generation to predict a {gen} run with")
             eff = fitted[near]
+        elif any(generation(x.device) == gen for x in corpus.runs):
+            # A TPU (no GPU generation to borrow from) whose preset is fitted to the corpus, its own
+            # source included: held out, it takes the unfitted default instead, never its own fit.
+            eff = UNFITTED_EFFICIENCY
         else:
             eff = None  # a preset value not fitted to the corpus (assumed)
         out.append(RunError(r, corpus.published[r.id], corpus.predicted(r, eff)))

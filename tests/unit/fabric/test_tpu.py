@@ -132,3 +132,27 @@ def test_cli_compares_a_gpu_cluster_and_a_tpu_pod(capsys: pytest.CaptureFixture[
         other["plans"][0]["tokens_per_s"] / doc["plans"][0]["tokens_per_s"]
     )
     assert other["plans"][0]["stack"] == "maxtext"
+
+
+def test_held_out_tpu_rows_never_use_the_fit_made_on_themselves() -> None:
+    # The TPU presets hold efficiencies fitted on maxtext-tiering, the only TPU source. Held out, its rows
+    # must take the unfitted default: halving its published figures leaves its predictions unchanged.
+    from gpuyard.fabric.accuracy import UNFITTED_EFFICIENCY, Corpus, leave_one_source_out
+
+    held = "maxtext-tiering"
+    corpus = Corpus.load()
+    corpus.runs = [r for r in corpus.runs if r.source == held or r.source == "llama3-paper"]
+    base = leave_one_source_out(corpus, only=held)[held]
+    skewed = Corpus(
+        corpus.runs,
+        corpus.sources,
+        {k: v * (0.5 if k.startswith(held + "/") else 1.0) for k, v in corpus.published.items()},
+        corpus._cache,
+    )
+    again = leave_one_source_out(skewed, only=held)[held]
+    assert base.errors and [e.predicted_s for e in again.errors] == [e.predicted_s for e in base.errors]
+    assert not {"TPU-v5p", "TPU-v6e"} & set(base.fit)
+    preset = load_cluster("tpu-v6e-256").compute.gemm_efficiency
+    assert preset != UNFITTED_EFFICIENCY  # the shipped preset is fitted; held out it is not used
+    row = next(e for e in base.errors if e.run.device == "TPU-v6e")
+    assert row.predicted_s == pytest.approx(corpus.predicted(row.run, UNFITTED_EFFICIENCY))

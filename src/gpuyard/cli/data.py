@@ -396,7 +396,9 @@ def verify_cmd(
                 soft_wrap=True,
             )
         state = "ok" if report.ok else f"{len(report.bad)} bad"
-        Console().print(f"{report.ref}: {report.checked} objects, {report.bytes} bytes checked: {state}")
+        Console().print(
+            f"{report.ref}: {report.checked} objects, {report.bytes} bytes checked: {state}", soft_wrap=True
+        )
     if not report.ok:
         raise typer.Exit(1)
 
@@ -429,10 +431,11 @@ def gc_cmd(
     con = Console()
     verb = "deleted" if yes else "would delete (dry run; --yes to delete)"
     for key in report.unreferenced:
-        con.print(f"{'deleted' if yes else 'unreferenced'} {key}")
+        con.print(f"{'deleted' if yes else 'unreferenced'} {key}", soft_wrap=True)
     con.print(
         f"{verb} {len(report.unreferenced)} blob(s), {report.bytes} bytes; kept {report.referenced} "
-        f"referenced and {report.too_new} newer than {grace}"
+        f"referenced and {report.too_new} newer than {grace}",
+        soft_wrap=True,
     )
 
 

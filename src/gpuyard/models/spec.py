@@ -183,7 +183,11 @@ def task_for_data(spec: ModelSpec, ds: Dataset, params: dict[str, Any] | None = 
     words = _label_words(ds)
     what = f"the label of {ds.version} is {words}"
     if spec.task is not None and spec.task != task:
-        hint = "; store the label as float to fit a regression" if task == "classification" else ""
+        hint = (
+            "; store the label as float to fit a regression"
+            if task == "classification"
+            else "; declare the label int at ingest (--checks 'columns: {LABEL: {type: int}}') to classify"
+        )
         raise ConfigError(f"{spec.name}: task: {spec.task} contradicts the data: {what}{hint}")
     metric = METRICS[spec.metric]
     if metric.task != task:

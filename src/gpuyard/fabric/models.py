@@ -3,7 +3,11 @@
 A file holds ``layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq_len`` and optionally
 ``gated_mlp`` (SwiGLU: three FFN matrices), ``tied_embeddings``, and for mixture-of-experts models
 ``experts`` and ``top_k`` (every layer's FFN becomes ``experts`` FFNs of width ``ffn_hidden``, each
-token routed to ``top_k`` of them).
+token routed to ``top_k`` of them), ``shared_experts`` (FFNs of the same width every token passes through,
+as in DeepSeek-MoE / DeepSeek-V3), and how unevenly tokens reach the experts: ``capacity_factor``
+(token-dropping routers that pad every expert to ``capacity_factor`` x its balanced share, e.g.
+Megatron's ``--moe-expert-capacity-factor``) or, for dropless routing, ``load_imbalance`` (the busiest
+expert-parallel rank's routed tokens over the balanced share: that rank sets the pace).
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ class ModelSpec:
         tied_embeddings: input embedding and output projection share weights (GPT-3, Megatron).
         experts: FFN experts per layer (0 = dense model).
         top_k: experts each token is routed to.
+        shared_experts: FFNs every token passes through besides its routed ones (0 for most models).
+        capacity_factor: token-dropping routing: each expert computes capacity_factor x its balanced
+            share of tokens (padded); None: dropless.
+        load_imbalance: dropless routing: the busiest expert-parallel rank's routed tokens over the
+            balanced share (>= 1; with ep = 1 every expert is local and it costs nothing).
     """
 
     name: str
@@ -49,6 +58,17 @@ class ModelSpec:
     tied_embeddings: bool = False
     experts: int = 0
     top_k: int = 1
+    shared_experts: int = 0
+    capacity_factor: float | None = None
+    load_imbalance: float = 1.0
+
+    def expert_rows_factor(self, ep: int) -> float:
+        """Routed rows the busiest expert-parallel rank computes over its balanced share."""
+        if not self.is_moe:
+            return 1.0
+        if self.capacity_factor is not None:  # every expert is padded to its capacity
+            return self.capacity_factor
+        return self.load_imbalance if ep > 1 else 1.0
 
     @property
     def is_moe(self) -> bool:
@@ -66,8 +86,13 @@ class ModelSpec:
         return (3 if self.gated_mlp else 2) * self.hidden * self.ffn_hidden
 
     @property
+    def shared_params(self) -> int:
+        """The shared experts of one block (dense: every token passes through them)."""
+        return self.shared_experts * self.ffn_params if self.is_moe else 0
+
+    @property
     def expert_params(self) -> int:
-        """All experts of one block plus the router (0 for a dense model)."""
+        """All routed experts of one block plus the router (0 for a dense model)."""
         return self.experts * self.ffn_params + self.experts * self.hidden if self.is_moe else 0
 
     @property
@@ -75,7 +100,8 @@ class ModelSpec:
         """Parameters one token passes through in a block (top_k experts and the router for MoE)."""
         if not self.is_moe:
             return self.layer_params
-        return self.attention_params + self.top_k * self.ffn_params + self.experts * self.hidden
+        routed = self.top_k * self.ffn_params + self.experts * self.hidden
+        return self.attention_params + self.shared_params + routed
 
     @property
     def head_dim(self) -> int:
@@ -85,7 +111,9 @@ class ModelSpec:
     @property
     def layer_params(self) -> int:
         """Parameters of one block (attention + FFN or all experts; norms and biases are negligible)."""
-        return self.attention_params + (self.expert_params if self.is_moe else self.ffn_params)
+        if self.is_moe:
+            return self.attention_params + self.shared_params + self.expert_params
+        return self.attention_params + self.ffn_params
 
     @property
     def embedding_params(self) -> int:
@@ -131,6 +159,12 @@ PRESETS: dict[str, ModelSpec] = {
     "mixtral-8x7b": ModelSpec(
         "mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 4096, gated_mlp=True, experts=8, top_k=2
     ),
+    # Mixtral 8x22B: Mistral AI's released config (mistralai/Mixtral-8x22B-Instruct-v0.1 config.json: 56
+    # layers, hidden 6144, 48 heads, 8 KV heads, 8 experts of 16384, top-2, vocabulary 32768, 64K context);
+    # 141B parameters, 39B active (Mistral AI's announcement).
+    "mixtral-8x22b": ModelSpec(
+        "mixtral-8x22b", 56, 6144, 48, 8, 16384, 32768, 65536, gated_mlp=True, experts=8, top_k=2
+    ),
 }
 
 
@@ -149,6 +183,9 @@ class TransformerShape(BaseModel):
     tied_embeddings: bool = False
     experts: int = Field(default=0, ge=0)
     top_k: int = Field(default=1, ge=1)
+    shared_experts: int = Field(default=0, ge=0)
+    capacity_factor: float | None = Field(default=None, gt=0)
+    load_imbalance: float = Field(default=1.0, ge=1)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TransformerShape:
@@ -159,6 +196,10 @@ class TransformerShape(BaseModel):
             )
         if self.experts and self.top_k > self.experts:
             raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
+        if not self.experts and (self.shared_experts or self.capacity_factor is not None):
+            raise ValueError(
+                "shared_experts and capacity_factor need a mixture-of-experts model (experts > 0)"
+            )
         return self
 
     def spec(self, name: str, seq_len: int) -> ModelSpec:
@@ -176,6 +217,9 @@ class TransformerShape(BaseModel):
             self.tied_embeddings,
             self.experts,
             self.top_k,
+            self.shared_experts,
+            self.capacity_factor,
+            self.load_imbalance,
         )
 
 

@@ -296,14 +296,18 @@ def _layer_times_cached(
 
         return one(m, n, k), one(m, k, n) + one(k, n, m)
 
-    routed = model.top_k if model.is_moe else 1  # FFN passes per token
+    imbalance = model.expert_rows_factor(ep)
+    # FFN passes per token: routed experts (padded or skewed on the busiest rank) and shared experts.
+    routed = model.top_k * imbalance + model.shared_experts if model.is_moe else 1
     kv_width = 2 * model.kv_heads * model.head_dim
     up = (2 if model.gated_mlp else 1) * model.ffn_hidden
     shapes = [(tokens, (h + kv_width) / tp, h), (tokens, h, h / tp)]  # QKV, attention output
     ffn_rows = tokens
     if model.is_moe:  # each expert sees its share of the tokens routed by the ep group: smaller GEMMs
-        ffn_rows = tokens * model.top_k * ep / model.experts
+        ffn_rows = tokens * model.top_k * ep / model.experts * imbalance
         shapes.append((tokens, model.experts, h))  # the router
+        for _ in range(model.shared_experts):  # shared experts: every token, split by tensor parallelism
+            shapes += [(tokens, up / tp, h), (tokens, h, model.ffn_hidden / tp)]
     ffn_count = model.experts / ep if model.is_moe else 1  # expert GEMMs on this GPU
     gemm_fwd = gemm_bwd = 0.0
     for m, n, k in shapes:
@@ -377,7 +381,7 @@ def _layer_times_cached(
         # Token dispatch and combine: two all-to-alls of the routed activations per pass, not overlapped.
         passes = 3 if recompute == "full" else 2
         per_domain = max(1, min(ep, cluster.domain // (tp * cp)))
-        routed_bytes = tokens * model.top_k * h * 2 / (tp if seqpar else 1)
+        routed_bytes = tokens * model.top_k * imbalance * h * 2 / (tp if seqpar else 1)
         ep_comm = 2 * passes * comm_time(cluster, "all_to_all", routed_bytes, ep, per_domain)
     return _Layer(fwd, bwd, recompute_s, attention, tp_comm, cp_comm, ep_comm, cp_exposed, tp_exposed)
 
@@ -396,7 +400,8 @@ def _activation_bytes_per_token(model: ModelSpec, tp: int, seqpar: bool, recompu
         return 2 * h / sp  # only the layer input
     shared = 10 * h / sp  # norm inputs, GEMM inputs, dropout masks: replicated unless sequence-parallel
     qkv = 2 * (h + 2 * model.kv_heads * model.head_dim)
-    routed = model.top_k if model.is_moe else 1  # each token passes through top_k experts
+    # each token passes through top_k routed experts (capacity padding counted) and the shared ones
+    routed = model.top_k * (model.capacity_factor or 1.0) + model.shared_experts if model.is_moe else 1
     ffn = routed * (2 * model.ffn_hidden * (2 if model.gated_mlp else 1) + 2 * model.ffn_hidden)
     split = (qkv + 2 * h + ffn) / tp
     if recompute == "selective":  # norms and the FFN activation are recomputed, not stored

@@ -22,7 +22,7 @@ def register_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Register a causal LM (with its tokenizer and context length), or with --base a LoRA adapter."""
-    from gpuyard.llm.registry import register_lm
+    from gpuyard.models.llm import register_lm
 
     mv = register_lm(name, folder, base=base, team=team)
     doc = {"ref": mv.ref, "flavor": mv.flavor, **mv.config, "metrics": mv.metrics}
@@ -44,7 +44,7 @@ def eval_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Perplexity over every sequence of a token dataset (loss and tokens counted exactly)."""
-    from gpuyard.llm.registry import evaluate_lm
+    from gpuyard.models.llm import evaluate_lm
 
     out = evaluate_lm(model, data, split, batch_size)
     if as_json:
@@ -64,7 +64,7 @@ def merge_cmd(
     ),
 ) -> None:
     """Merge a LoRA adapter into its base and register the result as a full model version."""
-    from gpuyard.llm.registry import merge_adapter
+    from gpuyard.models.llm import merge_adapter
 
     mv = merge_adapter(adapter, name)
     Console().print(f"[bold]{mv.ref}[/bold] = {adapter} merged into {mv.description.split(' into ')[-1]}")
@@ -82,7 +82,7 @@ def promote_cmd(
 ) -> None:
     """Promote to production when perplexity passes the gate and is no worse than production's."""
     from gpuyard.exitcodes import USAGE
-    from gpuyard.llm.registry import promote_lm
+    from gpuyard.models.llm import promote_lm
 
     decision = promote_lm(model, data, max_perplexity, split)
     if as_json:

@@ -182,7 +182,6 @@ def causal_lm(
 ) -> CausalLM:
     """A train-spec model factory: a causal LM from ``config`` (random init) or ``weights`` (a folder).
 
-    ``weights`` may also name a registered language model (``NAME``, ``NAME:V``, ``NAME@ALIAS``).
     ``lora``: ``{r, alpha, dropout, target_modules}`` to fine-tune low-rank adapters (peft) of the
     frozen weights.
 
@@ -224,21 +223,20 @@ def causal_lm(
 
 
 def resolve_weights(weights: str) -> Path:
-    """A local weights folder, or a registered language model fetched into the local cache.
+    """A local weights folder (a registered model: `gpuyard models export NAME:V FOLDER` first).
 
     Raises:
-        ConfigError: neither a folder with config.json nor a registered language model.
+        ConfigError: not a folder with config.json.
     """
     p = Path(weights).expanduser()
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ConfigError(f"model.kwargs.weights {p}: no config.json in the folder")
-        return p
-    if p.exists():
-        raise ConfigError(f"model.kwargs.weights {p}: a folder with config.json and safetensors, not a file")
-    from gpuyard.llm.registry import fetch_lm
-
-    return fetch_lm(weights)
+    if not p.is_dir():
+        raise ConfigError(
+            f"model.kwargs.weights {p}: not a folder (config.json + safetensors); for a registered model "
+            "run `gpuyard models export NAME:VERSION FOLDER` and name the folder"
+        )
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model.kwargs.weights {p}: no config.json in the folder")
+    return p
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,7 @@ def test_fsdp_two_ranks_train_export_and_perplexity(tmp_path: Path, tokens: tupl
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gpuyard.data.tokens import load_tokenizer
-    from gpuyard.llm.registry import evaluate_lm, fetch_lm, register_lm
+    from gpuyard.models.llm import evaluate_lm, fetch_lm, register_lm
 
     ref, tok_folder = tokens
     vocab = load_tokenizer(tok_folder).vocab_size
@@ -122,7 +122,7 @@ def test_lora_fine_tune_registers_an_adapter_that_merges(tmp_path: Path, tokens:
 
     from gpuyard.data.tokens import load_tokenizer
     from gpuyard.errors import ConfigError
-    from gpuyard.llm.registry import fetch_lm, merge_adapter, promote_lm, register_lm
+    from gpuyard.models.llm import fetch_lm, merge_adapter, promote_lm, register_lm
     from gpuyard.train.hf import causal_lm
     from gpuyard.train.spec import load_spec
     from gpuyard.train.trainer import Trainer
@@ -137,7 +137,13 @@ def test_lora_fine_tune_registers_an_adapter_that_merges(tmp_path: Path, tokens:
     base_mv = register_lm("tiny", base_dir)
     lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     spec = load_spec(
-        _spec(tmp_path, {"weights": "tiny:1", "lora": lora}, ref, max_steps=3, optimizer={"lr": 0.05})
+        _spec(
+            tmp_path,
+            {"weights": str(fetch_lm("tiny:1")), "lora": lora},
+            ref,
+            max_steps=3,
+            optimizer={"lr": 0.05},
+        )
     )
     trainer = Trainer(spec)
     result = trainer.fit()

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from gpuyard.errors import ConfigError
+from gpuyard.fabric.hf_config import load_hf_config, spec_from_hf_config
 from gpuyard.fabric.models import PRESETS
-from gpuyard.llm.plan import load_hf_config, spec_from_hf_config
 
 pytestmark = pytest.mark.unit
 

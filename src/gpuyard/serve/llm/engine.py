@@ -342,24 +342,9 @@ def load_engine(
     folder: str | Path, device: str = "cpu", max_batch: int = 32, max_queue: int = 256, metrics: Any = None
 ) -> tuple[Engine, dict[str, Any]]:
     """An engine over the Hugging Face folder ``folder`` (config, safetensors, tokenizer.json)."""
-    import json
+    from gpuyard.models.llm import load_for_serving
 
-    from transformers import AutoModelForCausalLM
-
-    from gpuyard.data.tokens import load_tokenizer
-
-    folder = Path(folder)
-    tok = load_tokenizer(folder)
-    dev = torch.device(
-        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32
-    )
-    model.to(dev).eval()  # type: ignore[arg-type]
-    info = {}
-    if (folder / "gpuyard.json").is_file():
-        info = json.loads((folder / "gpuyard.json").read_text())
+    model, tok, info, dev = load_for_serving(folder, device)
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(
         model.config, "n_positions", None
     )

@@ -15,7 +15,7 @@ def language_model(ref: str) -> Path | None:
     p = Path(ref).expanduser()
     if p.is_dir() and (p / "config.json").is_file() and (p / "tokenizer.json").is_file():
         return p
-    from gpuyard.llm.registry import ADAPTER_FLAVOR, FLAVOR, fetch_lm
+    from gpuyard.models.llm import ADAPTER_FLAVOR, FLAVOR, fetch_lm
     from gpuyard.models.registry import get_version
 
     try:

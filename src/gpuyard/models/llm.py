@@ -263,3 +263,23 @@ def promote_lm(
     if not promoted and prod is None and max_perplexity is None:
         raise ConflictError(decision["reason"])
     return decision
+
+
+def load_for_serving(folder: str | Path, device: str = "auto") -> tuple[Any, Any, dict[str, Any], Any]:
+    """(model in eval mode on its device, tokenizer, gpuyard.json, device) of a Hugging Face folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gpuyard.data.tokens import load_tokenizer
+
+    folder = Path(folder)
+    tok = load_tokenizer(folder)
+    if device == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    model.to(dev).eval()  # type: ignore[arg-type]
+    info = json.loads((folder / "gpuyard.json").read_text()) if (folder / "gpuyard.json").is_file() else {}
+    return model, tok, info, dev

@@ -5,6 +5,7 @@ Where the measurements go (metrics.jsonl, the state store) is :mod:`gpuyard.trac
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 __all__ = [
@@ -75,10 +76,17 @@ def model_flops_utilization(params: int, tokens_per_s: float, devices: int, peak
 
 
 class Progress:
-    """A rich progress bar for interactive runs on rank 0; does nothing when stdout is not a terminal."""
+    """A rich progress bar for interactive runs on rank 0; with ``lines`` instead (rank 0 when stdout
+    is not a terminal: a job's log, a pipeline stage), a plain line at the first step and then at most
+    every ``every_s`` seconds, so a job's log shows the run moving without a line per step."""
 
-    def __init__(self, total: int | None, enabled: bool) -> None:
+    def __init__(self, total: int | None, enabled: bool, lines: bool = False, every_s: float = 10.0) -> None:
+        import time
+
         self._bar = None
+        self._total = total
+        self._lines, self._every_s, self._clock = lines and not enabled, every_s, time.monotonic
+        self._next_line = 0.0
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
             from rich.progress import Progress as RichProgress
@@ -94,9 +102,15 @@ class Progress:
             self._task = self._bar.add_task("train", total=total, info="")
 
     def update(self, step: int, info: str) -> None:
-        """Move the bar to `step` and show `info` beside it."""
+        """Move the bar to `step` and show `info` beside it (or print a line, when one is due)."""
         if self._bar is not None:
             self._bar.update(self._task, completed=step, info=info)
+        elif self._lines and info and self._clock() >= self._next_line:
+            self._next_line = self._clock() + self._every_s
+            of = f"/{self._total}" if self._total else ""
+            # stderr, as "gpuyard ...": the launcher passes such lines to the terminal (and train.log),
+            # and stdout stays for --json.
+            print(f"gpuyard train: step {step}{of}: {info}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """Stop drawing."""

@@ -746,6 +746,17 @@ class Trainer:
             self.tracker.log_metrics(self.step, metrics)
             self._unlogged = [0.0, 0.0, 0.0]
 
+    def _progress_info(self, loss: float) -> str:
+        """The loss, and for a classifier its accuracy on the step's batch, with the throughput."""
+        info = f"loss {loss:.4f}"
+        acc = getattr(self, "_step_accuracy", None)
+        if acc is not None:
+            info += f" accuracy {float(acc):.3f}"
+        rate = self.last_metrics.get("samples_per_s")
+        if rate:
+            info += f" ({rate:,.0f} samples/s)"
+        return info
+
     def _next_micro(self, it: Any) -> list[Any] | None:
         micro = []
         for _ in range(self.spec.grad_accum):
@@ -776,7 +787,7 @@ class Trainer:
             if diverged:
                 return TrainOutcome.DIVERGED
             self._log_step(loss, samples, tokens, now - tick)
-            progress.update(self.step, f"loss {loss:.4f}")
+            progress.update(self.step, self._progress_info(loss))
             self._callback("step")
             tick = now
             if spec.checkpoint.every_steps and self.step % spec.checkpoint.every_steps == 0:
@@ -809,7 +820,8 @@ class Trainer:
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
             world_size=self.ctx.world_size,
         )
-        progress = Progress(self.total_steps, enabled=self.ctx.rank == 0 and sys.stdout.isatty())
+        tty = sys.stdout.isatty()
+        progress = Progress(self.total_steps, enabled=self.ctx.rank == 0 and tty, lines=self.ctx.rank == 0)
         progress.update(self.step, "")
         status = TrainOutcome.COMPLETED
         try:

@@ -28,6 +28,7 @@ from gpuyard.fabric.step import (
     memory_per_gpu,
     validate,
 )
+from gpuyard.fabric.torus import group_shape
 
 MICRO_BATCHES = (1, 2, 4, 8)
 VIRTUAL_STAGES = (1, 2, 4, 8)
@@ -231,6 +232,15 @@ def _check_fixed(model: ModelSpec, cluster: Cluster, gpus: int, seq_len: int, kn
             f"expert-parallel size {knobs.ep} needs a mixture-of-experts model with experts divisible by it"
             f" ({model.name} has {model.experts})"
         )
+    if cluster.torus is not None and gpus < cluster.domain:
+        try:
+            group_shape(cluster.torus, gpus)
+        except ConfigError:
+            dims = "x".join(map(str, cluster.torus.dims))
+            raise ConfigError(
+                f"{gpus} chips are not a block of the {dims} torus of {cluster.name!r}: a TPU slice is a "
+                "block of whole dimensions' divisors (e.g. 8, 16, 32, 64 chips)"
+            ) from None
     if cluster.torus is not None and ((knobs.pp or 1) > 1 or (knobs.cp or 1) > 1):
         raise ConfigError(
             f"{cluster.name!r} is a TPU slice: gpuyard plans data, FSDP and tensor sharding on it; "

@@ -108,6 +108,8 @@ def test_planner_searches_data_fsdp_and_tensor_sharding_only_on_a_slice() -> Non
     assert all(p.fits for p in result.plans)
     with pytest.raises(ConfigError, match="TPU slice"):
         plan(model, load_cluster("tpu-v6e-256"), 256, 256, 8192, Knobs(pp=2))
+    with pytest.raises(ConfigError, match="not a block of the 16x16 torus"):
+        plan(model, load_cluster("tpu-v6e-256"), 24, 48, 8192, Knobs(stack="maxtext"))
 
 
 def test_slice_that_is_not_whole_hosts_is_refused_by_name(tmp_path: Path) -> None:

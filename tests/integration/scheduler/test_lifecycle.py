@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import os
 import signal
 import subprocess
@@ -93,6 +94,7 @@ def test_health_config_is_checked_before_the_server_starts(gpuyard_home: Path, t
     bad = tmp_path / "health.yaml"
     bad.write_text("interval_s: -1\n")
     argv = [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", "1", "--health-config", str(bad)]
+    argv += ["--job-user", getpass.getuser()]  # not the job-user check, which a root server runs first
     out = subprocess.run(
         argv, capture_output=True, text=True, env={**os.environ, "GPUYARD_HOME": str(gpuyard_home)}
     )

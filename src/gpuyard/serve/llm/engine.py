@@ -302,12 +302,14 @@ class Engine:
         tokens = torch.tensor([[r.pending] for r in self.running], device=self.device)  # type: ignore[attr-defined]
         positions = self._mask.sum(1, keepdim=True)
         mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)
+        # Without padding in any row the causal mask is all attention needs (cheaper than a padding mask).
+        padded = None if bool(self._mask.all()) else mask
         out = self.model(
             input_ids=tokens,
-            attention_mask=mask,
+            attention_mask=padded,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
+            **{self._cache_arg: cache},
         )
         self._kv = [(layer.keys, layer.values) for layer in _cache_of(out).layers]
         self._mask = mask

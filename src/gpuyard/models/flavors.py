@@ -214,7 +214,7 @@ def load_model(folder: str | Path, config: dict[str, Any] | None = None) -> tupl
     found = check_model_file(path)
     if found != flavor:
         raise IntegrityError(f"{path} holds a {found} model, but its config says {flavor}")
-    check_model_safety(path, str(flavor), config)
+    trusted = check_model_safety(path, str(flavor), config)
     if flavor == "torch":
         from safetensors.torch import load_file
 
@@ -223,7 +223,7 @@ def load_model(folder: str | Path, config: dict[str, Any] | None = None) -> tupl
         module.eval()
         return module, TorchPredictor(module, task)
     if flavor == "sklearn":
-        estimator = load_skops(path)
+        estimator = _load_skops(path, trusted)
         return estimator, SklearnPredictor(estimator, task)
     predictor = OnnxPredictor(path, task)
     return predictor.session, predictor
@@ -237,10 +237,14 @@ def load_skops(path: str | Path) -> Any:
     Raises:
         UnsafeModelError: the file names any other type or function (it is refused, never loaded).
     """
+    return _load_skops(path, check_skops(path))
+
+
+def _load_skops(path: str | Path, trusted: list[str]) -> Any:
+    """skops' own load, trusting exactly ``trusted`` (what :func:`check_skops` found and allowed)."""
     import skops.io as sio
     from skops.io.exceptions import UntrustedTypesFoundException
 
-    trusted = check_skops(path)
     try:
         return sio.load(path, trusted=trusted)
     except UntrustedTypesFoundException as exc:  # skops' own audit found more than ours: refuse too

@@ -55,6 +55,7 @@ TRUSTED_FACTORIES = frozenset(
 MAX_SCHEMA_BYTES = 64 << 20  # schema.json of a 1,000-tree forest is ~10 MB
 MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit
 MAX_NODES = 5_000_000
+MAX_SKOPS_BYTES = 8 << 30  # every member's size once unpacked (a zip bomb is refused before reading)
 
 # Node kinds that only hold data: each may name exactly these types.
 _DATA_KINDS: dict[str, frozenset[str]] = {
@@ -189,6 +190,9 @@ def check_skops(path: str | Path) -> list[str]:
     p = Path(path)
     try:
         with zipfile.ZipFile(p) as zf:
+            unpacked = sum(i.file_size for i in zf.infolist())
+            if unpacked > MAX_SKOPS_BYTES:
+                raise UnsafeModelError(f"{p}: {unpacked} bytes once unpacked (limit {MAX_SKOPS_BYTES})")
             info = zf.getinfo("schema.json")
             if info.file_size > MAX_SCHEMA_BYTES:
                 raise UnsafeModelError(

@@ -14,7 +14,7 @@ $G data tokenize chat --tokenizer data/tokenizer --seq-len 128 --val-fraction 0.
 $G train pretrain.yaml --nproc 2
 $G llm register tiny runs/pretrain/hf
 $G llm eval tiny --data stories-tokens
-rm -rf base && $G models export tiny:1 base
+rm -rf base && $G models export tiny:1 --out base
 $G train finetune.yaml
 $G llm register tiny runs/finetune/hf --base tiny:1
 $G llm merge tiny:2

@@ -223,7 +223,7 @@ def causal_lm(
 
 
 def resolve_weights(weights: str) -> Path:
-    """A local weights folder (a registered model: `gpuyard models export NAME:V FOLDER` first).
+    """A local weights folder (a registered model: `gpuyard models export NAME:V --out FOLDER` first).
 
     Raises:
         ConfigError: not a folder with config.json.
@@ -232,7 +232,7 @@ def resolve_weights(weights: str) -> Path:
     if not p.is_dir():
         raise ConfigError(
             f"model.kwargs.weights {p}: not a folder (config.json + safetensors); for a registered model "
-            "run `gpuyard models export NAME:VERSION FOLDER` and name the folder"
+            "run `gpuyard models export NAME:VERSION --out FOLDER` and name the folder"
         )
     if not (p / "config.json").is_file():
         raise ConfigError(f"model.kwargs.weights {p}: no config.json in the folder")

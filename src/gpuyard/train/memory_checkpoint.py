@@ -36,9 +36,9 @@ it is created 0700, and a path that already exists is used only if it is a real 
 link) owned by this user with mode 0700 (:func:`private_dir`): anything else is refused in one line
 naming it, before a byte is written or read. Files are opened with ``O_NOFOLLOW`` (descriptions
 also ``O_EXCL``). Each description carries the SHA-256 of its data file, computed in the background
-thread; at restore every held snapshot that could be used is checked against it, and one that fails
-(its data changed in memory, or a replica that arrived damaged) is dropped with a warning, never
-restored.
+thread; at restore every held snapshot the chosen plan uses is checked against it before a byte
+of it is used, and one that fails (its data changed in memory, or a replica that arrived damaged) is
+dropped with a warning, never restored, and the ranks plan again without it.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import errno
 import hashlib
 import io
 import os
+import queue
 import shutil
 import stat
 import tempfile
@@ -247,19 +248,76 @@ def _digest(data: torch.Tensor) -> str:
 _ALIGN = 64
 
 
-def _layout(tree: Any, out: list[tuple[int, int, str, list[int]]]) -> Any:
-    """The tree with each tensor replaced by ``{"__t": i}``; ``out[i]`` = (offset, bytes, dtype,
-    shape) of its local data in the data file, packed in order and 64-byte aligned."""
+_ATOMS = (int, float, bool, str, bytes, type(None), torch.dtype)
+
+
+def _copied(value: Any) -> Any:
+    """A copy of a small value as ``copy.deepcopy`` makes it, faster for what a snapshot holds
+    (random states: tuples of hundreds of ints; scalars): immutable atoms are shared, containers
+    rebuilt, tensors cloned, anything else deep-copied."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return value
+    if kind is tuple or kind is list:
+        if all(type(v) in _ATOMS for v in value):
+            return value if kind is tuple else list(value)
+        return kind(_copied(v) for v in value)
+    if kind is dict:
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
+        return value.detach().clone()
+    return copy.deepcopy(value)
+
+
+def _flatten(tree: Any, out: list[torch.Tensor]) -> Any:
+    """The tree with each tensor replaced by ``{"__t": i}`` (``out[i]`` is the tensor) and every
+    other value copied."""
     if isinstance(tree, dict):
-        return {k: _layout(v, out) for k, v in tree.items()}
+        return {k: _flatten(v, out) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_layout(v, out) for v in tree)
+        return type(tree)(_flatten(v, out) for v in tree)
     if not isinstance(tree, torch.Tensor):
-        return copy.deepcopy(tree)
-    t = local_tensor(tree)
-    offset = 0 if not out else -(-(out[-1][0] + out[-1][1]) // _ALIGN) * _ALIGN
-    out.append((offset, t.numel() * t.element_size(), str(t.dtype).removeprefix("torch."), list(t.shape)))
+        return _copied(tree)
+    out.append(tree)
     return {"__t": len(out) - 1}
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    # The local data of a state-dict tensor, out of autograd (state dicts are detached already).
+    t = local_tensor(t)
+    return t.detach() if t.requires_grad else t
+
+
+def _plan(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, str, list[int]]]:
+    """(offset, bytes, dtype, shape) of each (local) tensor's data in the data file, packed in
+    order and 64-byte aligned."""
+    out: list[tuple[int, int, str, list[int]]] = []
+    offset = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        out.append((offset, nbytes, str(t.dtype).removeprefix("torch."), list(t.shape)))
+        offset = -(-(offset + nbytes) // _ALIGN) * _ALIGN
+    return out
+
+
+def _host(tree: Any, tensors: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> Any:
+    """The flattened tree with each tensor replaced by its view in the data file (a DTensor keeps
+    its sharding, so a persisted checkpoint has the same DCP layout as a direct save)."""
+    if isinstance(tree, dict):
+        if tree.keys() == {"__t"}:
+            from torch.distributed.tensor import DTensor
+
+            i = tree["__t"]
+            t, dst = tensors[i], views[i]
+            if not isinstance(t, DTensor):
+                return dst
+            return DTensor.from_local(
+                dst, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+            )
+        return {k: _host(v, tensors, views) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_host(v, tensors, views) for v in tree)
+    return tree
 
 
 def _total(layout: list[tuple[int, int, str, list[int]]]) -> int:
@@ -355,7 +413,19 @@ class MemoryCheckpointer:
             self._group = dist.new_group(backend="gloo")
         self._stores: dict[tuple[int, int], torch.Tensor] = {}  # (owner, slot) -> mapped data file
         self._staging: dict[int, torch.Tensor] = {}  # pinned buffers for CUDA tensors, by index
-        self._thread: threading.Thread | None = None
+        # Two long-lived workers (started at the first snapshot; starting a thread per snapshot
+        # cost the training thread 5-20 ms on a loaded machine, waiting for it to be scheduled):
+        # one copies what the next update waits for, at normal priority; the other (lower CPU
+        # priority) hashes, writes the description, sends the replica and persists.
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._slow: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._done: threading.Event | None = None  # set when the last snapshot's work is over
+        # The flattened layout of the last snapshot, reused while the tensors stay the same
+        # (same storage, shape and dtype, as between steps of a plain model and optimizer).
+        self._key: tuple[Any, ...] | None = None
+        self._layout: list[tuple[int, int, str, list[int]]] = []
+        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # slot -> (store, views)
         self._error: BaseException | None = None
         self.stalls: list[float] = []
         self.copy_waits: dict[int, float] = {}  # snapshot step -> wait before the next update
@@ -425,10 +495,20 @@ class MemoryCheckpointer:
         """
         start = time.perf_counter()
         self.wait()
-        layout: list[tuple[int, int, str, list[int]]] = []
-        tree = _layout(app_state, layout)
-        slot = self._free_slot(self.rank)
-        self._drop_slot(self.rank, slot)
+        tensors: list[torch.Tensor] = []
+        tree = _flatten(app_state, tensors)
+        local = [_plain(t) for t in tensors]
+        key = tuple((t.data_ptr(), t.shape, t.dtype, t.device) for t in local)
+        if key != self._key:  # another model, or tensors reallocated: lay the data file out anew
+            self._layout = _plan(local)
+            self._key = key
+            self._views.clear()
+        layout = self._layout
+        held = [h for h in self.inventory() if h.owner == self.rank]
+        slot = 1 - max(held).slot if held else 0
+        for h in held:
+            if h.slot == slot:  # forget the snapshot in that slot before its data is overwritten
+                (self.holder_dir / snapshot_name(h)).unlink(missing_ok=True)
         host: dict[str, Any] | None = None
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -438,8 +518,25 @@ class MemoryCheckpointer:
         except OSError as exc:  # /dev/shm full, say: no snapshot here this step, training goes on
             self.warnings.append(f"step {step}: rank {self.rank} could not write its snapshot: {exc}")
         else:
-            views = [_view(store, entry) for entry in layout]
-            host = self._copy(app_state, iter(range(len(layout))), views, set(defer), deferred, staged)
+            cached = self._views.get(slot)
+            if cached is None or cached[0] is not store:
+                cached = (store, [_view(store, entry) for entry in layout])
+                self._views[slot] = cached
+            views = cached[1]
+            later = defer if isinstance(defer, (set, frozenset)) else set(defer)
+            for i, (src, dst) in enumerate(zip(local, views, strict=True)):
+                if src.device.type == "cuda":
+                    pinned = self._staging.get(i)
+                    if pinned is None or pinned.shape != src.shape or pinned.dtype != src.dtype:
+                        pinned = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
+                        self._staging[i] = pinned
+                    pinned.copy_(src, non_blocking=True)
+                    staged.append((dst, pinned))
+                elif src.data_ptr() in later:
+                    deferred.append((dst, src))  # copied by the background thread, first thing
+                else:
+                    dst.copy_(src)
+            host = _host(tree, tensors, views) if persist else {}
             if staged:
                 # Queued on the current stream ahead of the next step's kernels; the background
                 # thread waits for this event before reading the pinned buffers.
@@ -454,56 +551,45 @@ class MemoryCheckpointer:
             "world_size": self.world_size,
             "tree": tree,
             "layout": layout,
-            "rank_state": copy.deepcopy(rank_state),
+            "rank_state": _copied(rank_state),
         }
-        self._thread = threading.Thread(
-            target=self._background,
-            args=(step, slot, host, doc, dict(meta), persist, event, deferred, staged, copied),
-            name=f"gpuyard-snapshot-{step}",
-            daemon=True,
+        if not self._workers:
+            self._workers = [
+                threading.Thread(target=self._serve, args=(q,), name=f"gpuyard-snapshot-{name}", daemon=True)
+                for q, name in ((self._jobs, "copy"), (self._slow, "write"))
+            ]
+            for worker in self._workers:
+                worker.start()
+        self._done = threading.Event()
+        self._jobs.put(
+            (step, slot, host, doc, dict(meta), persist, event, deferred, staged, copied, self._done)
         )
-        self._thread.start()
         stall = time.perf_counter() - start
         self.stalls.append(stall)
         return stall
 
-    def _copy(
-        self,
-        tree: Any,
-        index: Any,
-        views: list[torch.Tensor],
-        defer: set[int],
-        deferred: list[tuple[torch.Tensor, torch.Tensor]],
-        staged: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> Any:
-        """The tree with each tensor replaced by its view in the data file (DTensors keep their
-        sharding, so a persisted checkpoint has the same DCP layout as a direct save)."""
-        if isinstance(tree, dict):
-            return {k: self._copy(v, index, views, defer, deferred, staged) for k, v in tree.items()}
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(self._copy(v, index, views, defer, deferred, staged) for v in tree)
-        if not isinstance(tree, torch.Tensor):
-            return copy.deepcopy(tree)
-        i = next(index)
-        src, dst = local_tensor(tree).detach(), views[i]
-        if src.device.type == "cuda":
-            pinned = self._staging.get(i)
-            if pinned is None or pinned.shape != src.shape or pinned.dtype != src.dtype:
-                pinned = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
-                self._staging[i] = pinned
-            pinned.copy_(src, non_blocking=True)
-            staged.append((dst, pinned))
-        elif src.data_ptr() in defer:
-            deferred.append((dst, src))  # copied by the background thread, first thing
-        else:
-            dst.copy_(src)
-        from torch.distributed.tensor import DTensor
+    def _serve(self, jobs: queue.SimpleQueue[Any]) -> None:
+        # A worker's loop: run each job handed to it; None ends it.
+        if jobs is self._slow:
+            _lower_priority()  # the rest is not waited for by the next step: training first
+        while (job := jobs.get()) is not None:
+            if jobs is self._jobs:
+                self._copy_job(*job)
+            else:
+                self._background(*job)
 
-        if not isinstance(tree, DTensor):
-            return dst
-        return DTensor.from_local(
-            dst, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape, stride=tree.stride()
-        )
+    def _copy_job(self, *job: Any) -> None:
+        deferred, copied, done = job[7], job[9], job[10]
+        try:
+            for dst, src in deferred:
+                dst.copy_(src)
+        except BaseException as exc:  # handed to the training thread at the next wait()
+            self._error = exc
+            done.set()
+            return
+        finally:
+            copied.set()  # the optimizer step may go on (an error is raised at wait())
+        self._slow.put(job)
 
     def _background(
         self,
@@ -517,16 +603,10 @@ class MemoryCheckpointer:
         deferred: list[tuple[torch.Tensor, torch.Tensor]],
         staged: list[tuple[torch.Tensor, torch.Tensor]],
         copied: threading.Event,
+        done: threading.Event,
     ) -> None:
         start = time.perf_counter()
         try:
-            try:
-                for dst, src in deferred:
-                    dst.copy_(src)
-            finally:
-                copied.set()  # the optimizer step may go on (an error is raised at wait())
-            # The rest is not waited for by the next step: let training have the CPU first.
-            _lower_priority()
             if event is not None:
                 event.synchronize()
             for dst, pinned in staged:
@@ -561,6 +641,7 @@ class MemoryCheckpointer:
             self._error = exc
         finally:
             self.last_background_s = time.perf_counter() - start
+            done.set()
 
     def _share(self, step: int, doc: dict[str, Any] | None, data: torch.Tensor | None) -> None:
         """Send this rank's snapshot to the next rank, keep the previous rank's. A rank without a
@@ -631,9 +712,9 @@ class MemoryCheckpointer:
 
     def wait(self) -> None:
         """Finish the background work of the last snapshot (collective); re-raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._done is not None:
+            self._done.wait()
+            self._done = None
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"in-memory checkpoint: background work failed: {error}") from error
@@ -661,11 +742,9 @@ class MemoryCheckpointer:
         data = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         return meta, data
 
-    def _intact(self, h: Holding, storage_step: int) -> bool:
-        """Whether a held snapshot that a restore could use matches its hash; one that does not
-        is dropped (its description removed) with a warning. Older ones are not read."""
-        if h.step < storage_step or h.world_size != self.world_size:
-            return True  # never restored from; not worth hashing
+    def _intact(self, h: Holding) -> tuple[dict[str, Any], torch.Tensor] | None:
+        """A held snapshot's description and data when the data matches its hash; one that does
+        not is dropped (its description removed) with a warning, and None is returned."""
         whose = "its own snapshot" if h.owner == self.rank else f"rank {h.owner}'s replica"
         try:
             meta, data = self._read_local(h)
@@ -678,10 +757,10 @@ class MemoryCheckpointer:
         except (OSError, RuntimeError, ValueError, KeyError, PermissionDenied) as exc:
             problem = f"unreadable ({exc})"
         if problem is None:
-            return True
+            return meta, data
         self.warnings.append(f"rank {self.rank}: {whose} of step {h.step} {problem}: dropped, not restored")
         (self.holder_dir / snapshot_name(h)).unlink(missing_ok=True)
-        return False
+        return None
 
     def restore(self, storage_step: int) -> Restored | None:
         """Agree on a snapshot step and load this rank's state from memory (collective).
@@ -698,25 +777,47 @@ class MemoryCheckpointer:
         # Read only from this user's folders (mode 0700), and only snapshots whose data matches.
         private_dir(self.folder, create=False)
         private_dir(self.holder_dir, create=False)
-        mine = [h for h in self.inventory() if self._intact(h, storage_step)]
-        if self._group is not None and self.world_size > 1:
-            everyone: list[Any] = [None] * self.world_size
-            dist.all_gather_object(everyone, mine, group=self._group)
-        else:
-            everyone = [mine]
-        plan = plan_restore(everyone, self.world_size, storage_step)
-        if plan is None:
-            return None
-        step, holders = plan
+        mine = self.inventory()
+        # Plan first, then hash only the snapshots the plan uses (each rank those it provides);
+        # one that fails is dropped on every rank's word and the plan made again without it. The
+        # older slot is then never hashed (it used to be: half the restore's time).
+        verified: dict[Holding, tuple[dict[str, Any], torch.Tensor]] = {}
+        while True:
+            if self._group is not None and self.world_size > 1:
+                everyone: list[Any] = [None] * self.world_size
+                dist.all_gather_object(everyone, mine, group=self._group)
+            else:
+                everyone = [mine]
+            plan = plan_restore(everyone, self.world_size, storage_step)
+            if plan is None:
+                return None
+            step, holders = plan
+            bad: list[Holding] = []
+            for h in mine:
+                mine_to_give = h.world_size == self.world_size and holders.get(h.owner) == self.rank
+                if h.step == step and mine_to_give and h not in verified:
+                    got = self._intact(h)
+                    if got is None:
+                        bad.append(h)
+                    else:
+                        verified[h] = got
+            failed = [bool(bad)]
+            if self._group is not None and self.world_size > 1:
+                flags: list[Any] = [None] * self.world_size
+                dist.all_gather_object(flags, bool(bad), group=self._group)
+                failed = flags
+            if not any(failed):
+                break
+            mine = [h for h in mine if h not in bad]
         held = {(h.owner, h.step): h for h in mine}
         doc: dict[str, Any] | None = None
         for owner in range(self.world_size):
             holder = holders[owner]
             if holder == owner:
                 if owner == self.rank:
-                    doc = read_snapshot(*self._read_local(held[(owner, step)]))
+                    doc = read_snapshot(*verified[held[(owner, step)]])
             elif self.rank == holder:
-                meta, data = self._read_local(held[(owner, step)])
+                meta, data = verified[held[(owner, step)]]
                 buf = io.BytesIO()
                 torch.save(meta, buf)
                 self._send(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8), owner)
@@ -745,5 +846,11 @@ class MemoryCheckpointer:
     def close(self) -> None:
         """Wait for background work and drop this rank's snapshots (the run ended cleanly)."""
         self.wait()
+        for jobs in (self._jobs, self._slow):
+            jobs.put(None)
+        for worker in self._workers:
+            worker.join()
+        self._workers = []
         self._stores.clear()
+        self._views.clear()
         shutil.rmtree(self.holder_dir, ignore_errors=True)

@@ -65,12 +65,24 @@ def test_every_loading_command_refuses_a_planted_model(
 
     with pytest.raises(UnsafeModelError, match=r"builtins\.eval"):
         registry.load("evil:1")
+    deploy = ["deploy", "evil:1", "--device", "cpu", "--port", "0", "--timeout", "120"]
     for argv in (
         ["serve", "evil:1", "--port", "0"],
         ["models", "promote", "evil:1", "--holdout", "sklearn:iris"],
-        # deploy starts `gpuyard serve` in the background: it exits 2 naming the type, deploy says so
-        ["deploy", "evil:1", "--device", "cpu", "--port", "0", "--timeout", "120"],
+        deploy,  # refused by deploy itself, before any record or server
     ):
         code, err = _run(argv, capsys)
-        assert code == 2 and "builtins.eval" in err, (argv, err)
+        assert code == 2 and "\n" not in err and "builtins.eval" in err, (argv, err)
         assert not marker.exists(), argv
+    assert deployments() == []
+    # Past deploy's own check, the `gpuyard serve` it starts refuses the model too (exit 2, logged).
+    monkeypatch.setattr("gpuyard.serve.deploy.check_files", lambda ref: None)
+    code, err = _run(deploy, capsys)
+    assert code == 2 and "exited with code 2" in err and "builtins.eval" in err, err
+    assert not marker.exists()
+
+
+def deployments() -> list[object]:
+    from gpuyard.serve.deploy import list_deployments
+
+    return list_deployments(all_=True)

@@ -77,6 +77,23 @@ def create_record(ref: str, opts: ServeOptions, scheduling: Scheduling | None = 
         return deployment_doc(row)
 
 
+def check_files(ref: str) -> None:
+    """Refuse a version whose files gpuyard would not load, before any record or server exists.
+
+    Only a check (the schema and headers are read as data): the model is loaded by the server
+    process, which checks again (:func:`gpuyard.models.flavors.load_model`).
+
+    Raises:
+        UnsafeModelError: (a ConfigError) see :func:`gpuyard.models.safety.check_model_safety`.
+    """
+    from gpuyard.models.flavors import FILE_FOR_FLAVOR
+    from gpuyard.models.registry import fetch, get_version
+    from gpuyard.models.safety import check_model_safety
+
+    mv = get_version(ref)
+    check_model_safety(fetch(mv) / FILE_FOR_FLAVOR[mv.flavor], mv.flavor, mv.config)
+
+
 def _alive(pid: int | None) -> bool:
     import psutil
 
@@ -149,6 +166,7 @@ def deploy(
 
     if opts.deployment_id is not None:
         raise ConfigError("deploy() assigns the deployment id itself")
+    check_files(ref)
     rt = scheduled.route(opts, scheduling)
     if not rt.scheduled:
         doc = create_record(ref, opts)

@@ -1,9 +1,9 @@
 """A registered model version loaded for serving: one forward function from a batch to named outputs.
 
 Loading goes through the registry (:func:`gpuyard.models.registry.load`, files checked against their
-SHA-256). A torch module runs its forward pass once per batch on the chosen device and the outputs
-(probabilities and labels) are derived from those logits; scikit-learn and ONNX models go through
-the registry's predictors.
+SHA-256 and by :mod:`gpuyard.models.safety`: a model file is data, never code). A torch module
+runs its forward pass once per batch on the chosen device and the outputs (probabilities and labels)
+are derived from those logits; scikit-learn and ONNX models go through the registry's predictors.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def load_served(ref: str, device: str = "cpu", max_rows: int = 1024) -> ServedMo
 
     Raises:
         NotFoundError: unknown reference. ConfigError: a signature without an input shape.
-        IntegrityError: a stored file changed since registration.
+        IntegrityError: a stored file changed since registration. UnsafeModelError (a ConfigError,
+        exit 2): a file that names a type, function or factory gpuyard does not load.
     """
     from gpuyard.models.registry import load
     from gpuyard.models.signature import RECIPE_KEY, attach_recipe

@@ -7,6 +7,7 @@ on one host can share one cache folder safely.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import uuid
@@ -18,6 +19,33 @@ from gpuyard.store.artifacts import CHUNK, ArtifactStore
 
 DEFAULT_CACHE_BYTES = 20 << 30
 CACHE_ENV = "GPUYARD_DATA_CACHE_BYTES"
+
+
+# Local files whose content this process has checked against the catalog's SHA-256, by identity
+# (path, inode, size, modification time): a shard is hashed once per process, not once per epoch.
+_VERIFIED: dict[tuple[str, int, int, int], str] = {}
+_VERIFIED_MAX = 100_000
+
+
+def _identity(path: str) -> tuple[str, int, int, int]:
+    st = os.stat(path)
+    return (path, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def mark_verified(path: str | os.PathLike[str], sha256: str) -> None:
+    """Record that ``path`` was just checked against ``sha256`` (e.g. by the cache as it downloaded it)."""
+    if len(_VERIFIED) >= _VERIFIED_MAX:
+        _VERIFIED.clear()
+    with contextlib.suppress(FileNotFoundError):
+        _VERIFIED[_identity(str(path))] = sha256
+
+
+def is_verified(path: str, sha256: str) -> bool:
+    """Whether this process already checked the file at ``path``, unchanged since, against ``sha256``."""
+    try:
+        return _VERIFIED.get(_identity(path)) == sha256
+    except FileNotFoundError:
+        return False
 
 
 @dataclass
@@ -70,8 +98,6 @@ class ShardCache:
             tmp.replace(path)
         finally:
             tmp.unlink(missing_ok=True)
-        from gpuyard.data.dataset import mark_verified
-
         mark_verified(path, sha256)  # just hashed as it was written: no second hash on first read
         return path
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -14,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gpuyard.data.cache import ShardCache, default_cache
+from gpuyard.data.cache import ShardCache, default_cache, is_verified, mark_verified
 from gpuyard.data.catalog import load_manifest, resolve
 from gpuyard.data.columns import TensorSpec, tensor_to_numpy
 from gpuyard.data.shards import ShardInfo, read_shard
@@ -26,33 +24,6 @@ from gpuyard.store.artifacts import CHUNK, ArtifactStore, blob_sha256
 
 if TYPE_CHECKING:
     from gpuyard.data.fitted import FittedTransform
-
-
-# Local files whose content this process has checked against the catalog's SHA-256, by identity
-# (path, inode, size, modification time): a shard is hashed once per process, not once per epoch.
-_VERIFIED: dict[tuple[str, int, int, int], str] = {}
-_VERIFIED_MAX = 100_000
-
-
-def _identity(path: str) -> tuple[str, int, int, int]:
-    st = os.stat(path)
-    return (path, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def mark_verified(path: str | os.PathLike[str], sha256: str) -> None:
-    """Record that ``path`` was just checked against ``sha256`` (e.g. by the cache as it downloaded it)."""
-    if len(_VERIFIED) >= _VERIFIED_MAX:
-        _VERIFIED.clear()
-    with contextlib.suppress(FileNotFoundError):
-        _VERIFIED[_identity(str(path))] = sha256
-
-
-def is_verified(path: str, sha256: str) -> bool:
-    """Whether this process already checked the file at ``path``, unchanged since, against ``sha256``."""
-    try:
-        return _VERIFIED.get(_identity(path)) == sha256
-    except FileNotFoundError:
-        return False
 
 
 def _mismatch(shard: ShardInfo, actual: str, version: str | None) -> IntegrityError:

@@ -61,7 +61,8 @@ def test_a_flipped_footer_byte_fails_the_read_naming_shard_and_version(table: Da
 
     from gpuyard.data import open_dataset
     from gpuyard.data.arrays import load_arrays
-    from gpuyard.data.dataset import _VERIFIED, shard_location
+    from gpuyard.data.cache import _VERIFIED
+    from gpuyard.data.dataset import shard_location
     from gpuyard.store import get_artifacts
 
     path = _shard_file(table)

@@ -55,6 +55,7 @@ import stat
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -384,6 +385,28 @@ def read_snapshot(meta: dict[str, Any], data: torch.Tensor) -> dict[str, Any]:
     }
 
 
+def _serve(owner: weakref.ref[MemoryCheckpointer], jobs: queue.SimpleQueue[Any]) -> None:
+    # A snapshot worker's loop: each job handed to it run by its checkpointer; None ends it.
+    me = owner()
+    if me is not None and jobs is me._slow:
+        _lower_priority()  # the rest is not waited for by the next step: training first
+    del me
+    while (job := jobs.get()) is not None:
+        me = owner()
+        if me is None:
+            return
+        if jobs is me._jobs:
+            me._copy_job(*job)
+        else:
+            me._background(*job)
+        del me
+
+
+def _stop(*queues: queue.SimpleQueue[Any]) -> None:
+    for jobs in queues:
+        jobs.put(None)
+
+
 class MemoryCheckpointer:
     """In-memory snapshots of one rank, their replica on the next rank, and restore (see the module).
 
@@ -432,6 +455,7 @@ class MemoryCheckpointer:
         self._copied: tuple[int, threading.Event] | None = None
         self.warnings: list[str] = []  # snapshots not written (the run goes on); the trainer reports them
         self.last_background_s = 0.0
+        self.last_verify_s = 0.0  # seconds the last restore spent checking SHA-256 (part of its time)
 
     # ----- files --------------------------------------------------------------------------------
     def _free_slot(self, owner: int) -> int:
@@ -554,10 +578,14 @@ class MemoryCheckpointer:
             "rank_state": _copied(rank_state),
         }
         if not self._workers:
+            # The workers hold this object weakly between jobs, and are ended when it is
+            # collected unclosed (a crashed run): its mapped files are then released.
+            me = weakref.ref(self)
             self._workers = [
-                threading.Thread(target=self._serve, args=(q,), name=f"gpuyard-snapshot-{name}", daemon=True)
+                threading.Thread(target=_serve, args=(me, q), name=f"gpuyard-snapshot-{name}", daemon=True)
                 for q, name in ((self._jobs, "copy"), (self._slow, "write"))
             ]
+            weakref.finalize(self, _stop, self._jobs, self._slow)
             for worker in self._workers:
                 worker.start()
         self._done = threading.Event()
@@ -567,16 +595,6 @@ class MemoryCheckpointer:
         stall = time.perf_counter() - start
         self.stalls.append(stall)
         return stall
-
-    def _serve(self, jobs: queue.SimpleQueue[Any]) -> None:
-        # A worker's loop: run each job handed to it; None ends it.
-        if jobs is self._slow:
-            _lower_priority()  # the rest is not waited for by the next step: training first
-        while (job := jobs.get()) is not None:
-            if jobs is self._jobs:
-                self._copy_job(*job)
-            else:
-                self._background(*job)
 
     def _copy_job(self, *job: Any) -> None:
         deferred, copied, done = job[7], job[9], job[10]
@@ -782,6 +800,7 @@ class MemoryCheckpointer:
         # one that fails is dropped on every rank's word and the plan made again without it. The
         # older slot is then never hashed (it used to be: half the restore's time).
         verified: dict[Holding, tuple[dict[str, Any], torch.Tensor]] = {}
+        self.last_verify_s = 0.0
         while True:
             if self._group is not None and self.world_size > 1:
                 everyone: list[Any] = [None] * self.world_size
@@ -796,7 +815,9 @@ class MemoryCheckpointer:
             for h in mine:
                 mine_to_give = h.world_size == self.world_size and holders.get(h.owner) == self.rank
                 if h.step == step and mine_to_give and h not in verified:
+                    began = time.perf_counter()
                     got = self._intact(h)
+                    self.last_verify_s += time.perf_counter() - began
                     if got is None:
                         bad.append(h)
                     else:
@@ -846,8 +867,7 @@ class MemoryCheckpointer:
     def close(self) -> None:
         """Wait for background work and drop this rank's snapshots (the run ended cleanly)."""
         self.wait()
-        for jobs in (self._jobs, self._slow):
-            jobs.put(None)
+        _stop(self._jobs, self._slow)
         for worker in self._workers:
             worker.join()
         self._workers = []

@@ -235,3 +235,45 @@ def test_update_only_tensors_are_copied_before_the_next_update(tmp_path: Path) -
     [held] = memory.inventory()
     saved = read_snapshot(*memory._read_local(held))["app"]
     assert torch.equal(saved["p"], torch.arange(4.0)) and torch.equal(saved["b"], torch.zeros(2))
+
+
+def test_a_reused_layout_follows_the_state_and_a_changed_one_is_laid_out_anew(tmp_path: Path) -> None:
+    from gpuyard.train.memory_checkpoint import MemoryCheckpointer, read_snapshot
+
+    memory = MemoryCheckpointer(tmp_path / "shm", rank=0, world_size=1)
+    w, rng = torch.arange(6.0), (3, tuple(range(10)), None)
+    for step in (1, 2, 3):  # same tensors: the layout of the first snapshot is reused
+        w.add_(1)
+        memory.snapshot(step, {"w": w, "lr": 0.1 * step}, {"rng": rng, "t": torch.tensor([step])}, {})
+        memory.wait()
+    memory.snapshot(4, {"w": torch.ones(2, 3, dtype=torch.float64), "b": torch.arange(3)}, {"s": 4}, {})
+    memory.wait()
+    threads = memory._workers
+    assert len(threads) == 2 and all(t.is_alive() for t in threads)
+    newest, older = sorted(memory.inventory(), reverse=True)
+    app = read_snapshot(*memory._read_local(newest))["app"]
+    assert app["w"].dtype == torch.float64 and torch.equal(app["w"], torch.ones(2, 3, dtype=torch.float64))
+    assert torch.equal(app["b"], torch.arange(3))
+    snap = read_snapshot(*memory._read_local(older))
+    assert torch.equal(snap["app"]["w"], torch.arange(6.0) + 3) and snap["app"]["lr"] == pytest.approx(0.3)
+    assert snap["rank_state"]["rng"] == rng and torch.equal(snap["rank_state"]["t"], torch.tensor([3]))
+    restored = memory.restore(-1)
+    assert restored is not None and restored.step == 4
+    memory.close()
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_an_unclosed_checkpointer_once_collected_ends_its_workers(tmp_path: Path) -> None:
+    import gc
+
+    from gpuyard.train.memory_checkpoint import MemoryCheckpointer
+
+    memory = MemoryCheckpointer(tmp_path / "shm", rank=0, world_size=1)
+    memory.snapshot(1, {"w": torch.arange(4.0)}, {}, {})
+    memory.wait()  # a crashed run: never closed
+    threads = memory._workers
+    del memory
+    gc.collect()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)

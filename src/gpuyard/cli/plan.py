@@ -10,7 +10,10 @@ import typer
 
 def plan_command(
     model: str = typer.Option(
-        ..., "--model", help="Preset (gpt3-175b, llama3-8b/70b/405b, ...) or YAML/JSON."
+        ...,
+        "--model",
+        help="Preset (gpt3-175b, llama3-8b/70b/405b, ...), a YAML/JSON model file, or a Hugging Face"
+        " config.json (or its folder).",
     ),
     cluster: str = typer.Option(
         ..., "--cluster", help="Cluster preset or file (see `gpuyard fabric clusters`)."
@@ -64,7 +67,7 @@ def plan_command(
 ) -> None:
     """Plan tp x pp x dp x cp and memory knobs for a model; plans that do not fit are dropped."""
     from gpuyard.fabric.calibrate import load_calibrated
-    from gpuyard.fabric.models import load_model
+    from gpuyard.fabric.hf_config import load_any_model as load_model
     from gpuyard.fabric.planner import Knobs, expected_ettr, plan
     from gpuyard.fabric.presets import load_cluster
 

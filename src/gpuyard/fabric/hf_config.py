@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuyard.errors import ConfigError
-from gpuyard.fabric.models import ModelSpec
+from gpuyard.fabric.models import ModelSpec, load_model
 
 GPT2_TYPES = ("gpt2",)
 
@@ -100,3 +100,23 @@ def load_hf_config(path: str | Path, seq_len: int | None = None) -> ModelSpec:
         )
     except ConfigError as exc:
         raise ConfigError(f"{file}: {exc}") from None
+
+
+def load_any_model(name_or_path: str) -> ModelSpec:
+    """A model preset, a gpuyard model file, or a Hugging Face ``config.json`` (or a folder holding
+    one): what ``gpuyard plan --model`` and a job's ``workload.model`` accept.
+
+    Raises:
+        NotFoundError / ConfigError: as :func:`gpuyard.fabric.models.load_model` and
+            :func:`load_hf_config`.
+    """
+    path = Path(name_or_path).expanduser()
+    config = path / "config.json" if path.is_dir() else path
+    if config.suffix == ".json" and config.is_file():
+        try:
+            doc = json.loads(config.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            doc = None  # load_model says what is wrong with it
+        if isinstance(doc, dict) and "model_type" in doc:
+            return load_hf_config(config)
+    return load_model(name_or_path)

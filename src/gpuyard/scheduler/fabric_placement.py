@@ -38,7 +38,8 @@ def workload_of(spec: WorkloadSpec) -> Workload:
         NotFoundError: the model is not a preset (the message lists them).
         ConfigError: an invalid knob.
     """
-    from gpuyard.fabric.models import ModelSpec, load_model
+    from gpuyard.fabric.hf_config import load_any_model as load_model
+    from gpuyard.fabric.models import ModelSpec
     from gpuyard.fabric.planner import Knobs
 
     if isinstance(spec.model, str):

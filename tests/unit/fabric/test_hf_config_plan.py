@@ -55,3 +55,30 @@ def test_gpt2_moe_and_bad_configs(tmp_path: Path) -> None:
     (tmp_path / "bin.json").write_bytes(b"\x00\xffbinary")
     with pytest.raises(ConfigError, match="not JSON"):
         load_hf_config(tmp_path / "bin.json")
+
+
+def test_gpuyard_plan_takes_a_hugging_face_config_or_its_folder(tmp_path: Path) -> None:
+    """`gpuyard plan --model config.json` plans the model the config describes (the model you train)."""
+    import json
+
+    from gpuyard.fabric.hf_config import load_any_model
+    from gpuyard.fabric.models import load_model
+
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    preset = load_model("llama3-8b")
+    doc = {
+        "model_type": "llama",
+        "hidden_size": preset.hidden,
+        "num_hidden_layers": preset.layers,
+        "num_attention_heads": preset.heads,
+        "num_key_value_heads": preset.kv_heads,
+        "intermediate_size": preset.ffn_hidden,
+        "vocab_size": preset.vocab,
+        "max_position_embeddings": 8192,
+    }
+    (folder / "config.json").write_text(json.dumps(doc))
+    for ref in (str(folder), str(folder / "config.json")):
+        spec = load_any_model(ref)
+        assert (spec.layers, spec.hidden, spec.kv_heads) == (preset.layers, preset.hidden, preset.kv_heads)
+    assert load_any_model("llama3-8b") == preset  # presets and model files as before

@@ -402,9 +402,13 @@ def _serve(owner: weakref.ref[MemoryCheckpointer], jobs: queue.SimpleQueue[Any])
         del me
 
 
-def _stop(*queues: queue.SimpleQueue[Any]) -> None:
+def _stop(queues: Sequence[queue.SimpleQueue[Any]], workers: Sequence[threading.Thread] = ()) -> None:
+    # End the workers (after the jobs already queued) and wait for them, a bounded time.
     for jobs in queues:
         jobs.put(None)
+    for worker in workers:
+        if worker.is_alive() and worker is not threading.current_thread():
+            worker.join(timeout=60)
 
 
 class MemoryCheckpointer:
@@ -585,7 +589,9 @@ class MemoryCheckpointer:
                 threading.Thread(target=_serve, args=(me, q), name=f"gpuyard-snapshot-{name}", daemon=True)
                 for q, name in ((self._jobs, "copy"), (self._slow, "write"))
             ]
-            weakref.finalize(self, _stop, self._jobs, self._slow)
+            # (also at interpreter exit: ended and joined before the interpreter goes down, not
+            # left running into its finalization)
+            weakref.finalize(self, _stop, (self._jobs, self._slow), list(self._workers))
             for worker in self._workers:
                 worker.start()
         self._done = threading.Event()
@@ -867,9 +873,7 @@ class MemoryCheckpointer:
     def close(self) -> None:
         """Wait for background work and drop this rank's snapshots (the run ended cleanly)."""
         self.wait()
-        _stop(self._jobs, self._slow)
-        for worker in self._workers:
-            worker.join()
+        _stop((self._jobs, self._slow), self._workers)
         self._workers = []
         self._stores.clear()
         self._views.clear()

@@ -32,7 +32,10 @@ checkpoint), and a fresh process resumes it twice: from the snapshot in /dev/shm
 /dev/shm emptied and the storage checkpoint's files evicted from the page cache
 (``posix_fadvise(DONTNEED)`` on those files only; see ``evict_page_cache``), from the newest storage
 checkpoint. ``recovery_*_s`` are the resume inside the new process (state read and loaded into
-model and optimizer), ``restart_s`` the whole new process (start-up, model build, resume).
+model and optimizer), ``restart_s`` the whole new process (start-up, model build, resume). The two
+recoveries do not count the same check: the snapshot's SHA-256 check is inside
+``recovery_memory_s``, the storage checkpoint's runs before the resume's timer
+(``Trainer._intact_checkpoint``); both are printed (``memory_verify_s``, ``storage_verify_s``).
 
 Last line: ``checkpoint: stall_ratio_vs_async=<async stall / in-memory stall>
 cost_ratio_vs_async=<async whole cost / in-memory whole cost> ...`` (medians; above 1: gpuyard's

@@ -222,6 +222,7 @@ class _SkopsAudit:
         self.allowed = allowed_types()
         self.used: set[str] = set()
         self.by_id: dict[Any, list[dict[str, Any]]] = {}
+        self.json_cache: dict[int, Any] = {}
         self.count = 0
 
     def index(self, schema: Any) -> None:
@@ -296,11 +297,18 @@ class _SkopsAudit:
 
     def _json(self, state: Any) -> Any:
         """The JSON value of a JsonNode (None if it is not one, or if its id is ambiguous)."""
+        return self._agreed(self._resolve(state))
+
+    def _agreed(self, nodes: list[Any]) -> Any:
+        """The one JSON value of already resolved ``nodes`` (None if any is not JSON or they differ)."""
         values = []
-        for node in self._resolve(state):
+        for node in nodes:
             if not isinstance(node, dict) or node.get("__loader__") != "JsonNode":
                 return None
-            values.append(json.loads(node["content"]))
+            key = id(node)
+            if key not in self.json_cache:
+                self.json_cache[key] = json.loads(node["content"])
+            values.append(self.json_cache[key])
         return values[0] if values and all(v == values[0] for v in values) else None
 
     def _field(self, state: dict[str, Any], key: str) -> list[Any]:
@@ -313,9 +321,7 @@ class _SkopsAudit:
         return out
 
     def _n_features_in(self, state: dict[str, Any]) -> tuple[int, ...]:
-        fields = self._field(state, "n_features_in_")
-        values = [self._json(f) for f in fields]
-        value = values[0] if values and all(v == values[0] for v in values) else None
+        value = self._agreed(self._field(state, "n_features_in_"))
         return (value,) if isinstance(value, int) and not isinstance(value, bool) else ()
 
     def _arrays(self, nodes: list[Any], what: str) -> list[np.ndarray]:
@@ -341,7 +347,7 @@ class _SkopsAudit:
             raise self.refuse(f"a tree for {declared!r} features in an estimator of {holder!r}")
         counts = self._field(state, "node_count")
         for nodes in self._arrays(self._field(state, "nodes"), "a tree's nodes"):
-            if not counts or any(self._json(c) != len(nodes) for c in counts):
+            if self._agreed(counts) != len(nodes):
                 raise self.refuse(f"a tree whose node_count is not its {len(nodes)} nodes")
             if not {"left_child", "right_child", "feature"} <= set(nodes.dtype.names or ()):
                 raise self.refuse("a tree whose nodes lack left_child/right_child/feature")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
@@ -100,7 +101,9 @@ def test_server_option_errors_are_one_line_exit_2(
     gpuyard_home: Path, capsys: pytest.CaptureFixture[str], options: list[str], message: str
 ) -> None:
     with pytest.raises(SystemExit) as info:
-        main(["server", "--port", str(free_port()), *options])  # refused before it listens
+        # refused before it listens; as the server's own job user, so the root server's check that
+        # its job user can run Python (which comes first) does not answer instead
+        main(["server", "--port", str(free_port()), "--job-user", getpass.getuser(), *options])
     err = capsys.readouterr().err.strip().splitlines()
     assert info.value.code == 2 and len(err) == 1, err
     assert message.format(host=socket.gethostname()) in err[0]

@@ -35,6 +35,7 @@ from gpuyard.data.columns import tensor_array, tensor_field
 from gpuyard.data.dataset import DatasetVersion, open_dataset
 from gpuyard.data.manifest import build_manifest
 from gpuyard.data.shards import ROW_GROUP_BYTES, rows_per_shard, store_shard
+from gpuyard.data.views import LoaderView
 from gpuyard.errors import ConfigError
 from gpuyard.refs import check_dataset_name
 from gpuyard.store import get_artifacts
@@ -432,7 +433,7 @@ def tokenizer_bytes(version: DatasetVersion) -> bytes:
     return get_artifacts().get_bytes(info["key"], sha256=info["sha256"])
 
 
-class PackedBatches:
+class PackedBatches(LoaderView):
     """Wraps a ShardLoader over a token dataset: batches become the causal-LM trainer's form,
     ``{"inputs": {"input_ids", "position_ids"}, "targets": labels}`` (int64 tensors of (B, seq_len)).
 
@@ -440,34 +441,12 @@ class PackedBatches:
     exact as for any shard loader.
     """
 
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
     def __iter__(self) -> Iterator[dict[str, Any]]:
         import torch
 
         for batch in self.loader:
             ids, pos, lab = (torch.as_tensor(np.asarray(batch[c])).long() for c in COLUMNS)
             yield {"inputs": {"input_ids": ids, "position_ids": pos}, "targets": lab}
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch``."""
-        self.loader.set_epoch(epoch)
-
-    def set_global_batch(self, global_batch: int, rank: int, world_size: int) -> None:
-        """Global-batch mode (``data.global_batch_size``)."""
-        self.loader.set_global_batch(global_batch, rank, world_size)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped loader's position."""
-        return dict(self.loader.state_dict())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved position."""
-        self.loader.load_state_dict(state)
 
 
 def packed_batches(

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpuyard.data.views import LoaderView
+
 
 def image_mlp(dataset: str, out_features: int, hidden: int = 64, activation: str = "relu", **kw: Any) -> Any:
     """The MLP over flattened images, standardised with statistics of ``dataset``'s train split."""
@@ -32,33 +34,18 @@ def image_mlp(dataset: str, out_features: int, hidden: int = 64, activation: str
     return net
 
 
-class _Flatten:
+class _Flatten(LoaderView):
     """Wraps a ShardLoader: batches become ``{"inputs": float32 (B, F), "targets": int64 (B,)}``."""
 
     def __init__(self, loader: Any, column: str, label: str) -> None:
-        self.loader, self.column, self.label = loader, column, label
-
-    def __len__(self) -> int:
-        return len(self.loader)
+        super().__init__(loader)
+        self.column, self.label = column, label
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for batch in self.loader:
             x = torch.as_tensor(np.asarray(batch[self.column]))
             y = torch.as_tensor(np.asarray(batch[self.label]))
             yield {"inputs": x.reshape(len(x), -1).float(), "targets": y.long()}
-
-    def set_epoch(self, epoch: int) -> None:
-        self.loader.set_epoch(epoch)
-
-    def set_global_batch(self, global_batch: int, rank: int, world_size: int) -> None:
-        """Global-batch mode (``data.global_batch_size``: resumable at another world size)."""
-        self.loader.set_global_batch(global_batch, rank, world_size)
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.loader.state_dict())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
 
 
 def shard_batches(

@@ -90,3 +90,25 @@ def test_a_slurm_server_refuses_gpu_shares_and_time_limits_elsewhere(gpuyard_hom
     local = JobService(get_store(), nodes, LocalExecutor(gpuyard_home / "jobs"), ServiceConfig())
     with pytest.raises(ConfigError, match="enforced on a Slurm cluster only"):
         local.check(parse_spec({"name": "t", "command": ["true"], "time_limit_min": 5}))
+
+
+def test_polling_many_running_jobs_asks_squeue_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduling loop polls every running job each tick: one squeue answers them all."""
+    from gpuyard.scheduler.executors.slurm import SlurmExecutor
+
+    ex = object.__new__(SlurmExecutor)
+    ex.prefix, ex._states, ex._states_at = "gpuyard-abc-", {}, float("-inf")
+    calls: list[list[str]] = []
+    rows = "".join(f"{i}|RUNNING|None|n1|now|gpuyard-abc-{i}-1\n" for i in range(1, 51))
+    rows += "99|RUNNING|None|n1|now|someone-else\n"
+
+    def call(argv: list[str], check: bool = True, **_: object) -> str:
+        calls.append(argv)
+        return rows if "-j" not in argv else ""
+
+    monkeypatch.setattr(ex, "_call", call)
+    monkeypatch.setattr(ex, "_ended", lambda sid: exit_from_state("COMPLETED", "0:0"))
+    assert all(ex.poll({"slurm_id": str(i)}) is None for i in range(1, 51))
+    assert len(calls) == 1 and "99" not in ex._states  # another user's job is not this server's
+    assert ex.poll({"slurm_id": "77"}) is not None  # not in the list: asked alone, then ended
+    assert len(calls) == 2 and calls[1][calls[1].index("-j") + 1] == "77"

@@ -32,6 +32,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 
 BASE_PORT = 29500  # torch.distributed's customary rendezvous port, offset per job
 CALL_TIMEOUT_S = 30.0
+STATES_TTL_S = 1.0  # how old the one squeue of all this server's jobs may be when a job is polled
 NAME_PREFIX = "gpuyard-"
 # Slurm's job states (squeue/scontrol/sacct spell them alike); those a job does not leave again.
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING"}
@@ -253,7 +255,10 @@ class SlurmExecutor(Executor):
         self.config = config or SlurmConfig()
         self.isolation = isolation
         self._addr: dict[str, str] = {}
-        self._states: dict[str, dict[str, str]] = {}  # Slurm id -> squeue row of the last poll_all
+        # Slurm id -> squeue row of this server's jobs, one squeue for all of them every STATES_TTL_S
+        # (the scheduling loop polls each running job every tick).
+        self._states: dict[str, dict[str, str]] = {}
+        self._states_at = float("-inf")
         self._drained_by_us: set[str] = set()
         for tool in ("sbatch", "squeue", "scancel", "scontrol", "sinfo"):
             if shutil.which(tool, path=self._env().get("PATH")) is None:
@@ -493,14 +498,16 @@ class SlurmExecutor(Executor):
         single = len(plan.nodes) <= 1
         return {**plan.extra, "slurm_id": slurm_id, "log": plan.log_path, "launched": True, "single": single}
 
-    def _squeue(self, ids: list[str]) -> dict[str, dict[str, str]]:
-        if not ids:
+    def _squeue(self, ids: list[str] | None) -> dict[str, dict[str, str]]:
+        """squeue rows of ``ids``, or (None) of every job of this server (by its name prefix)."""
+        if ids == []:
             return {}
-        text = self._call(["squeue", "-h", "-j", ",".join(ids), "-o", "%i|%T|%r|%N|%S"], check=False)
+        which = ["-j", ",".join(ids)] if ids else []
+        text = self._call(["squeue", "-h", *which, "-o", "%i|%T|%r|%N|%S|%j"], check=False)
         out = {}
         for line in text.splitlines():
-            parts = line.split("|")
-            if len(parts) == 5:
+            parts = line.split("|", 5)
+            if len(parts) == 6 and (ids or parts[5].startswith(self.prefix)):
                 out[parts[0]] = {"state": parts[1], "reason": parts[2], "nodes": parts[3], "start": parts[4]}
         return out
 
@@ -514,7 +521,12 @@ class SlurmExecutor(Executor):
         slurm_id = str(handle.get("slurm_id", ""))
         if not slurm_id:
             return ExitStatus(code=None, lost=True)
-        row = self._squeue([slurm_id]).get(slurm_id)
+        now = time.monotonic()
+        if now - self._states_at > STATES_TTL_S:
+            self._states, self._states_at = self._squeue(None), now
+        row = self._states.get(slurm_id)
+        if row is None or row["state"] not in ACTIVE:
+            row = self._squeue([slurm_id]).get(slurm_id)  # submitted since, or ended: ask for it alone
         if row is not None and row["state"] in ACTIVE:
             return None
         return self._ended(slurm_id)

@@ -26,6 +26,7 @@ transformers is imported here only, when a language model is built: other comman
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -179,17 +180,20 @@ def causal_lm(
     lora: dict[str, Any] | None = None,
     activation_checkpointing: bool = False,
     attn_implementation: str = "sdpa",
+    samples: dict[str, Any] | None = None,
 ) -> CausalLM:
     """A train-spec model factory: a causal LM from ``config`` (random init) or ``weights`` (a folder).
 
     ``lora``: ``{r, alpha, dropout, target_modules}`` to fine-tune low-rank adapters (peft) of the
-    frozen weights.
+    frozen weights. ``samples``: the greedy generations made at each validation by ``export_at_end``
+    (:func:`sample_settings`: ``{prompts, count, prompt_tokens, max_new_tokens}``; ``{count: 0}``: none).
 
     Raises:
-        ConfigError: neither or both of config and weights; unreadable files; bad LoRA settings.
+        ConfigError: neither or both of config and weights; unreadable files; bad LoRA or samples settings.
     """
     from transformers import AutoModelForCausalLM
 
+    sampling = sample_settings(samples)
     if (config is None) == (weights is None):
         raise ConfigError("model.kwargs: give config (a config.json: random init) or weights (a folder)")
     if config is not None:
@@ -219,6 +223,7 @@ def causal_lm(
         "weights": str(weights) if weights else None,
         "lora": dict(lora) if lora else None,
     }
+    wrapped._gpuyard_samples = sampling  # type: ignore[assignment]
     return wrapped
 
 
@@ -280,6 +285,163 @@ def perplexity(
         "val_perplexity": math.exp(mean) if tokens else float("nan"),
         "val_tokens": tokens,
     }
+
+
+SAMPLE_KEYS = ("prompts", "count", "prompt_tokens", "max_new_tokens")
+
+
+def sample_settings(samples: dict[str, Any] | None) -> dict[str, Any]:
+    """The sample-generation settings: ``prompts`` (texts; default: the first ``prompt_tokens`` tokens,
+    at most half, of the first ``count`` validation documents), ``max_new_tokens`` generated greedily.
+
+    Raises:
+        ConfigError: an unknown key or a bad value (one line naming it).
+    """
+    got = dict(samples or {})
+    unknown = sorted(set(got) - set(SAMPLE_KEYS))
+    if unknown:
+        raise ConfigError(f"samples: unknown key(s) {', '.join(unknown)} (use {', '.join(SAMPLE_KEYS)})")
+    out: dict[str, Any] = {"prompts": None, "count": 3, "prompt_tokens": 16, "max_new_tokens": 16}
+    prompts = got.get("prompts")
+    if prompts is not None:
+        if not isinstance(prompts, list) or not all(isinstance(x, str) and x for x in prompts):
+            raise ConfigError("samples.prompts: a list of non-empty strings")
+        if len(prompts) > 32:
+            raise ConfigError(f"samples.prompts: {len(prompts)} prompts; at most 32 are generated")
+        out["prompts"] = list(prompts)
+    for key, top in (("count", 32), ("prompt_tokens", 4096), ("max_new_tokens", 1024)):
+        value = got.get(key, out[key])
+        low = 0 if key == "count" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+            raise ConfigError(f"samples.{key}: an integer from {low} to {top}, got {value!r}")
+        out[key] = value
+    return out
+
+
+def default_prompts(input_ids: Any, position_ids: Any, count: int, prompt_tokens: int) -> list[list[int]]:
+    """Token-id prompts from packed sequences: the first ``prompt_tokens`` tokens (at most half) of
+    each of the first ``count`` documents that start in them (a document starts where positions restart)."""
+    prompts: list[list[int]] = []
+    for ids, pos in zip(input_ids, position_ids, strict=True):
+        ids, pos = [int(x) for x in ids], [int(x) for x in pos]
+        starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+        for a, b in itertools.pairwise(starts):
+            # A document runs until positions restart; padding after the last one restarts them too.
+            length = next((k for k in range(1, b - a) if pos[a + k] != k), b - a)
+            take = min(prompt_tokens, length // 2)
+            if take >= 1 and len(prompts) < count:
+                prompts.append(ids[a : a + take])
+        if len(prompts) >= count:
+            break
+    return prompts
+
+
+@torch.no_grad()
+def generate_samples(
+    model: nn.Module, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None
+) -> list[dict[str, str]]:
+    """Greedy continuations of token-id ``prompts`` by a causal LM (a CausalLM, or one wrapped by DDP),
+    as ``[{prompt, completion}]`` texts (``tokenizer``: a ``tokenizers.Tokenizer``)."""
+    wrapped = _unwrap(model)
+    hf: Any = wrapped.hf
+    was_training = wrapped.training
+    wrapped.eval()
+    device = next(wrapped.parameters()).device
+    out = []
+    try:
+        for ids in prompts:
+            x = torch.tensor([ids], dtype=torch.long, device=device)
+            gen = hf.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                use_cache=True,
+                eos_token_id=eos_id,
+                pad_token_id=eos_id,
+            )
+            new = [int(t) for t in gen[0, len(ids) :] if int(t) != eos_id]
+            out.append(
+                {
+                    "prompt": tokenizer.decode(ids, skip_special_tokens=False),
+                    "completion": tokenizer.decode(new, skip_special_tokens=False),
+                }
+            )
+    finally:
+        if was_training:
+            wrapped.train()
+    return out
+
+
+def _validation_samples(trainer: Any, dataset: str, split: str | None) -> list[dict[str, str]]:
+    """The generations of this validation (every rank runs them when the weights are sharded)."""
+    from tokenizers import Tokenizer
+
+    from gpuyard.data.dataset import open_dataset
+    from gpuyard.data.tokens import token_info, tokenizer_bytes
+
+    wrapped = _unwrap(trainer.model)
+    settings = getattr(wrapped, "_gpuyard_samples", None) or sample_settings(None)
+    sharded = any(type(p).__name__ == "DTensor" for p in wrapped.parameters())
+    if (settings["count"] == 0 and not settings["prompts"]) or (trainer.ctx.rank != 0 and not sharded):
+        return []
+    cache = trainer.__dict__.setdefault("_gpuyard_sample_cache", {})
+    if "prompts" not in cache:
+        version = open_dataset(dataset)
+        tok = Tokenizer.from_str(tokenizer_bytes(version).decode("utf-8"))
+        if settings["prompts"]:
+            prompts = [tok.encode(p, add_special_tokens=False).ids for p in settings["prompts"]]
+        else:
+            cols = version.to_numpy(["input_ids", "position_ids"], split)
+            head = slice(0, settings["count"])
+            count, take = settings["count"], settings["prompt_tokens"]
+            prompts = default_prompts(cols["input_ids"][head], cols["position_ids"][head], count, take)
+        cache.update(prompts=prompts, tokenizer=tok, eos=token_info(version)["tokenizer"]["eos_id"])
+    return generate_samples(
+        trainer.model, cache["tokenizer"], cache["prompts"], settings["max_new_tokens"], cache["eos"]
+    )
+
+
+def _record_samples(trainer: Any, record: dict[str, Any] | None) -> None:
+    """Keep a validation's generations with the run: a ``samples`` event in metrics.jsonl and, for a run
+    in the state store, an evaluation record (``gpuyard runs show``) once the store has the run
+    (``record`` None: write the ones kept back, at the end)."""
+    pending = trainer.__dict__.setdefault("_gpuyard_pending_samples", [])
+    if record is not None:
+        log_event = getattr(trainer.tracker, "log_event", None)
+        if log_event is not None:
+            log_event("samples", **record)
+        pending.append(record)
+    run_id = getattr(trainer.tracker, "run_id", None)
+    if run_id is None or getattr(trainer.tracker, "failed", False) or not pending:
+        pending.clear()
+        return
+    try:
+        from gpuyard.store import get_store
+        from gpuyard.store.tables.models import EvaluationRow, RunRow
+
+        with get_store().session() as s:
+            if s.get(RunRow, run_id) is None and record is not None:
+                return  # the tracker's thread has not created the run yet: the next validation or the end
+            for rec in pending:
+                s.add(
+                    EvaluationRow(
+                        run_id=run_id, split="validation", task="text-generation",
+                        dataset_version=rec["dataset"], n_samples=int(rec["metrics"].get("val_tokens", 0)),
+                        metrics=rec["metrics"], details={"step": rec["step"], "samples": rec["samples"]},
+                    )
+                )  # fmt: skip
+    except Exception as exc:  # the database is down or locked: the samples stay in metrics.jsonl
+        import logging
+
+        logging.getLogger("gpuyard.train").warning(
+            "gpuyard train: warning: %d sample generation record(s) not stored in run %s (%s); "
+            "they are in metrics.jsonl",
+            len(pending),
+            run_id[:8],
+            " ".join(str(exc).split())[:200],
+        )
+    pending.clear()
 
 
 def _unwrap(model: nn.Module) -> CausalLM:
@@ -399,9 +561,24 @@ def export_at_end(trainer: Any, event: str) -> None:
         metrics = perplexity(trainer.model, batches, ctx.device, ctx.group("dp"))
         trainer.last_metrics.update(metrics)
         trainer.tracker.log_metrics(trainer.step, metrics)
+        samples = _validation_samples(trainer, val.kwargs["dataset"], val.kwargs.get("split"))
+        if samples and ctx.rank == 0:
+            from gpuyard.data.dataset import open_dataset
+
+            ref = open_dataset(val.kwargs["dataset"]).ref
+            split = val.kwargs.get("split")
+            record = {
+                "step": trainer.step,
+                "dataset": f"{ref}#split={split}" if split else ref,
+                "metrics": metrics,
+                "samples": samples,
+            }
+            _record_samples(trainer, record)
         return
     if event != "end":
         return
+    if trainer.ctx.rank == 0:
+        _record_samples(trainer, None)  # the ones the store could not take at their validation
     wrapped = _unwrap(trainer.model)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     state = full_state_dict(trainer.model) if distributed else None

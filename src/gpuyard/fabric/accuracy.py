@@ -103,6 +103,8 @@ def _cluster_with(preset: str, device: str, efficiency: float | None) -> Cluster
 
 def predict_at(run: PublishedRun, stack: Stack, efficiency: float | None) -> float:
     """Predicted step seconds with the generation's GEMM efficiency set to ``efficiency`` (None: preset's)."""
+    if run.attention is not None and run.attention != stack.attention:
+        stack = replace(stack, attention=run.attention)  # the kernel family the source documents
     cfg = replace(run.parallel_config(), stack=stack.name)
     cluster = _cluster_with(run.cluster, run.device, efficiency)
     return estimate_step(

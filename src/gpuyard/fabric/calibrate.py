@@ -640,6 +640,7 @@ def apply_calibration(cluster: Cluster, cal: Calibration, where: str = "calibrat
         gemm_efficiency=efficiency.get(dtype, cluster.compute.gemm_efficiency),
         attention_efficiency=min(1.0, cal.attention_efficiency),
         gemm_half=(cal.gemm_fit[dtype].half_m, cal.gemm_fit[dtype].half_n, cal.gemm_fit[dtype].half_k),
+        gemm_half_device=None,  # measured here, on this cluster's device
         dtype_efficiency={_short(d): e for d, e in efficiency.items()},
         # The step model moves activations through memory-bound operators at this rate.
         memory_bw_GBps=min(cal.memory_bw_GBps, cal.elementwise_GBps),

@@ -8,6 +8,7 @@ reported by name. Bandwidths are **unidirectional per GPU** (what one ring step 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -97,6 +98,15 @@ class Compute(_Frozen):
     gemm_half: tuple[float, float, float] = Field(
         default=(32.0, 64.0, 192.0), description="GEMM (M, N, K) dimensions at half efficiency."
     )
+    # The halves above come from one device. A small GEMM dimension caps a GEMM's arithmetic intensity
+    # (about that many FLOPs per byte), so the size at which a device saturates follows its ridge point
+    # (peak FLOP/s over memory bandwidth, the roofline's knee): on another catalog device the halves are
+    # scaled by its ridge over this device's (A100: 312 TF / 2.0 TB/s = 153 FLOP/B against the H100's
+    # 989 / 3.35 = 295, so about half). A calibration measures them on its own device (None here).
+    gemm_half_device: str | None = Field(
+        default="H100-SXM5-80GB",
+        description="Catalog device gemm_half was measured on (None: this cluster's own device).",
+    )
     dtype_efficiency: dict[str, float] = Field(
         default_factory=dict,
         description="Measured large-GEMM efficiency per precision (fp32, bf16); others use gemm_efficiency.",
@@ -121,6 +131,20 @@ class Compute(_Frozen):
     def efficiency(self, precision: str) -> float:
         """Large-GEMM efficiency for ``precision`` (measured when calibrated)."""
         return self.dtype_efficiency.get(precision, self.gemm_efficiency)
+
+
+@lru_cache(maxsize=256)
+def _ridge_scaled(
+    half: tuple[float, float, float], source: str | None, device: str
+) -> tuple[float, float, float]:
+    """``half`` measured on ``source``, scaled to ``device`` by the ratio of their ridge points."""
+    if source is None or source == device:
+        return half
+    spec, ref = get_spec(device), get_spec(source)  # NotFoundError names an unknown gemm_half_device
+    if not spec.bf16_tflops or not ref.bf16_tflops:
+        return half
+    ratio = (spec.bf16_tflops / spec.memory_bw_GBps) / (ref.bf16_tflops / ref.memory_bw_GBps)
+    return (half[0] * ratio, half[1] * ratio, half[2] * ratio)
 
 
 class Torus(_Frozen):
@@ -227,6 +251,18 @@ class Cluster(_Frozen):
         if self.compute.memory_bw_GBps:
             return self.compute.memory_bw_GBps
         return self.device.memory_bw_GBps if self.device else get_spec(self.accelerator).memory_bw_GBps
+
+    @property
+    def gemm_halves(self) -> tuple[float, float, float]:
+        """The GEMM shape law's (M, N, K) half-efficiency sizes for this cluster's device.
+
+        ``Compute.gemm_half`` scaled by this device's ridge point (bf16 peak / memory bandwidth) over that
+        of the device it was measured on (``Compute.gemm_half_device``); unscaled where it was measured
+        on this device or the device is not in the catalog (a custom ``Device``).
+        """
+        if self.device is not None:
+            return self.compute.gemm_half
+        return _ridge_scaled(self.compute.gemm_half, self.compute.gemm_half_device, self.accelerator)
 
     def peak_for(self, precision: str) -> float:
         """Peak dense TFLOP/s of one accelerator in ``precision`` (bf16, fp16, fp8, fp32, tf32)."""

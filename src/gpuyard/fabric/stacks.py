@@ -17,14 +17,23 @@ overlap) is the same for every stack; a profile says how a stack runs the parts 
   logits upcasts them (write 4 bytes), takes the log-softmax (read and write 4 + 4), and the backward
   reads and writes the fp32 gradient and casts it down (4 + 4 + 2 + 2): about 24 bytes. Megatron's
   fused vocab-parallel cross-entropy reads the logits once forward and writes the gradient once: 12.
-* ``attention``: the attention kernel family: FlashAttention 2 ("fa2": torchtitan's SDPA flash backend
-  in 2024, llm-foundry's flash-attn 2) or Hopper-native kernels ("fa3": Transformer Engine's cuDNN fused
-  attention in Megatron and NeMo); ``gpuyard.fabric.step.FA2_ON_HOPPER`` says what that costs on Hopper.
+* ``attention``: the attention kernel family (``ATTENTION_FAMILIES``), priced by
+  ``gpuyard.fabric.step``: "unfused" (the s x s scores materialised: two batched GEMMs over the full,
+  unmasked square, a fused scale-mask-softmax and dropout over the scores in memory; Megatron-LM v2 and
+  Megatron-DeepSpeed in 2021-22), "fa1" (FlashAttention 1 and its Triton port), "fa2" (FlashAttention 2:
+  torchtitan's SDPA flash backend in 2024-25), "fa3" or "cudnn" (Hopper-native kernels: FlashAttention 3,
+  Transformer Engine's cuDNN fused attention in Megatron-Core and NeMo). Each family's speed per device is
+  in ``gpuyard.fabric.step.attention_efficiency`` with its source.
 * ``fused_loss``: memory of the loss. ``F.cross_entropy`` (and Megatron's default vocab-parallel
   cross-entropy) keeps fp32 log-probabilities (or softmax) of the whole micro-batch for the backward:
   4 bytes per logit. A fused cross-entropy that writes the gradient into the bf16 logits in place
   (flash-attn's ``CrossEntropyLoss(inplace_backward=True)``, llm-foundry's MPT default
   ``loss_fn: fused_crossentropy``) keeps only those: 2 bytes per logit.
+* ``pp_scatter_gather``: a pipeline stage sends its activations split over the tensor-parallel ranks
+  (each sends 1/tp over its own NIC) and the next stage all-gathers them over NVLink: Megatron-LM's
+  "scatter/gather communication optimization" (Narayanan et al., SC'21, section 4.1), on by default in
+  Megatron-LM v2 (``--no-scatter-gather-tensors-in-pipeline`` turns it off). With sequence parallelism
+  the activations are split already, so the flag matters only without it.
 * ``tp_comm_overlap``: tensor-parallel all-gathers and reduce-scatters (or all-reduces) run split into
   chunks pipelined with the GEMMs next to them (Transformer Engine userbuffers), so only what exceeds
   the GEMMs and the first chunk show. NeMo's and Megatron-Bridge's pre-training performance recipes set
@@ -54,6 +63,8 @@ from gpuyard.errors import NotFoundError
 # per element against 4), RoPE through complex fp32 views on q and k, SwiGLU as silu then multiply, and
 # the residual adds; counted per token and layer this is about 2.2 times the fused count.
 EAGER_LLAMA_ELEMENTWISE = 2.2
+# Attention kernel families, oldest first (see ``attention`` in the module docstring).
+ATTENTION_FAMILIES = ("unfused", "fa1", "fa2", "fa3", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -63,12 +74,21 @@ class Stack:
     name: str
     optimizer_bytes_per_param: float
     elementwise_factor: float
-    attention: str  # "fa2" | "fa3": FlashAttention 2 kernels, or Hopper kernels (FA3 / cuDNN) where present
+    attention: str  # one of ATTENTION_FAMILIES
     summary: str
     fp32_elementwise: bool = False
     loss_bytes_per_logit: float = 24.0
     tp_comm_overlap: bool = False
     fused_loss: bool = False
+    pp_scatter_gather: bool = False
+    tp_overlap_scope: str = "all"  # "all" | "micro-pipeline" (see tp_comm_overlap in the module docstring)
+    selective: str = "megatron"  # "megatron" | "op": what recompute="selective" reruns (module docstring)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_FAMILIES:
+            raise ValueError(f"stack {self.name}: attention {self.attention!r} not in {ATTENTION_FAMILIES}")
+        if self.tp_overlap_scope not in ("all", "micro-pipeline") or self.selective not in ("megatron", "op"):
+            raise ValueError(f"stack {self.name}: bad tp_overlap_scope or selective")
 
 
 STACKS: dict[str, Stack] = {
@@ -78,15 +98,28 @@ STACKS: dict[str, Stack] = {
             "megatron-lm",
             30.0,
             1.0,
-            "fa3",
-            "Megatron-LM / Megatron-Core with Transformer Engine",
+            "cudnn",
+            "Megatron-LM / Megatron-Core with Transformer Engine (cuDNN fused attention)",
             loss_bytes_per_logit=12.0,
+        ),
+        # Megatron-LM v2 (2021) and Megatron-DeepSpeed (MT-NLG, BLOOM, 2021-22): no FlashAttention; QK^T and
+        # softmax x V as batched GEMMs over the whole s x s square, the fused scale-mask-softmax kernel
+        # and attention dropout over the scores in memory; jit-fused bias+GELU and bias+dropout+add; apex
+        # FusedAdam; vocab-parallel cross-entropy; pipeline sends split over the TP ranks (SC'21 4.1).
+        Stack(
+            "megatron-lm-2021",
+            30.0,
+            1.0,
+            "unfused",
+            "Megatron-LM v2 / Megatron-DeepSpeed (2021-22): unfused attention, scatter/gather pipeline sends",
+            loss_bytes_per_logit=12.0,
+            pp_scatter_gather=True,
         ),
         Stack(
             "nemo",
             30.0,
             1.0,
-            "fa3",
+            "cudnn",
             "NVIDIA NeMo / Megatron-Bridge (Megatron-Core and TE underneath), TP comm overlap on",
             loss_bytes_per_logit=12.0,
             tp_comm_overlap=True,
@@ -97,7 +130,11 @@ STACKS: dict[str, Stack] = {
             EAGER_LLAMA_ELEMENTWISE,
             "fa2",
             "torchtitan: FSDP2, fused AdamW, eager RMSNorm/RoPE/SwiGLU unless compiled, SDPA flash (FA2)",
+            tp_overlap_scope="micro-pipeline",
+            selective="op",
         ),
+        # llm-foundry with flash-attn 2 (its `gpu-flash2` extra, `attn_impl: flash`). Older benchmark rows
+        # ran FlashAttention 1 or its Triton port: the corpus marks them (runs.yaml, `attention: fa1`).
         Stack(
             "llm-foundry",
             80.0,

@@ -202,20 +202,45 @@ def _sat(x: float, half: float) -> float:
     return x / (x + half)
 
 
-# FlashAttention-2 kernels on Hopper reach about 35% of peak against 75% for FlashAttention-3 forward,
-# which uses the wgmma and TMA units, and FA3's backward is 1.5-1.75x FA2's (Shah et al.,
-# "FlashAttention-3", 2024, abstract and section 4): forward and backward together, FA2 runs at about
-# 0.6 of the Hopper kernels' throughput. Before Hopper both families are FA2.
+# Attention by kernel family. ``Compute.attention_efficiency`` is the device's best fused kernel
+# relative to a GEMM (FlashAttention 2 on Ampere, FlashAttention 3 / cuDNN on Hopper and later); the
+# older families are priced against it with the kernel papers' own ratios:
+# * FA2 on Hopper: FlashAttention-2 reaches about 35% of H100 peak against 75% for FlashAttention-3's
+#   forward, and FA3's backward is 1.5-1.75x FA2's (Shah et al., "FlashAttention-3", 2024, abstract and
+#   section 4): forward and backward together FA2 runs at about 0.6 of the Hopper kernels.
+# * FA1: FlashAttention-2 is "around 2x faster than FlashAttention" (Dao, "FlashAttention-2", 2023,
+#   abstract and section 4.1: FA1 reaches 25-40% of A100 peak, FA2 50-73%), on every device.
+# * cuDNN fused attention is the Hopper kernel family where it exists (Transformer Engine picks it on
+#   Hopper); before Hopper it runs FlashAttention-2-class kernels, as does FA3 (FA3 needs Hopper).
+# * unfused (no FlashAttention): priced from its parts (:func:`_unfused_attention`), not by a ratio.
 FA2_ON_HOPPER = 0.6
+FA1_OF_FA2 = 0.5
+# Bytes per score element that unfused attention moves through memory with 2-byte activations (Megatron-LM
+# v2: fused scale-mask-softmax, then attention dropout): forward, softmax reads the scores and writes the
+# probabilities (2 + 2), dropout reads them and writes its output and a 1-byte mask (2 + 2 + 1); backward,
+# dropout reads the gradient and mask and writes (2 + 1 + 2), softmax reads probabilities and gradient and
+# writes (2 + 2 + 2). Korthikanti et al. 2022 count the same 5 bytes per score kept for the backward.
+UNFUSED_FWD_BYTES, UNFUSED_BWD_BYTES, UNFUSED_KEPT_BYTES = 9.0, 11.0, 5.0
+
+
+def attention_efficiency(cluster: Cluster, family: str) -> float:
+    """Throughput of a fused attention kernel family relative to a large GEMM on this cluster's device."""
+    spec = cluster.spec
+    hopper_or_later = spec is not None and (spec.nvlink_generation or 0) >= 4
+    best = cluster.compute.attention_efficiency
+    fa2 = best * FA2_ON_HOPPER if hopper_or_later else best
+    if family in ("fa3", "cudnn"):
+        return best
+    if family == "fa2":
+        return fa2
+    if family == "fa1":
+        return fa2 * FA1_OF_FA2
+    raise ConfigError(f"attention family {family!r} has no kernel efficiency (unfused is priced by parts)")
 
 
 def _attention_efficiency(cluster: Cluster, stack: Stack) -> float:
-    """Attention throughput relative to a GEMM, for this stack's kernel family on this device."""
-    spec = cluster.spec
-    hopper_or_later = spec is not None and (spec.nvlink_generation or 0) >= 4
-    if stack.attention == "fa2" and hopper_or_later:
-        return cluster.compute.attention_efficiency * FA2_ON_HOPPER
-    return cluster.compute.attention_efficiency
+    """Attention throughput relative to a GEMM, for this stack's fused kernel family on this device."""
+    return attention_efficiency(cluster, stack.attention)
 
 
 def comm_time(cluster: Cluster, op: str, size: float, gpus: int, per_domain: int | None = None) -> float:
@@ -241,6 +266,36 @@ class _Layer:
     ep_comm: float
     cp_exposed: float = 0.0  # the part of cp_comm (plus ring-step overheads) not hidden by attention
     tp_exposed: float = 0.0  # the part of tp_comm on the critical path (all of it without TP overlap)
+
+
+def _unfused_attention(
+    model: ModelSpec, cluster: Cluster, seq: int, tokens: float, tp: int, cp: int, peak: float, eff: float
+) -> tuple[float, float]:
+    """(forward, backward) seconds of attention without FlashAttention, for ``tokens`` query rows.
+
+    The scores of every head are a batched GEMM over the whole s x s square (the causal mask is applied
+    afterwards, so nothing is skipped), then scale-mask-softmax and dropout over them in memory, then a
+    batched GEMM with V. The backward runs four such GEMMs (dP, dV, dS x K, dS^T x Q) and the dropout and
+    softmax backward over the scores. GEMMs follow the device's shape law (their K is the head dimension
+    or the sequence); score traffic runs at the memory bandwidth.
+    """
+    half_m, half_n, half_k = cluster.gemm_halves
+    heads = model.heads / tp
+    d = model.head_dim
+    rows = seq / cp  # query rows of one sequence on this GPU (each attends to every key)
+    seqs = tokens / rows
+
+    def bmm(m: float, n: float, k: float) -> float:
+        e = eff * _sat(m, half_m) * _sat(n, half_n) * _sat(k, half_k)
+        return seqs * heads * 2 * m * n * k / (peak * e)
+
+    scores = tokens * seq * heads  # score elements of this GPU's heads
+    bw = cluster.memory_bw_GBps * 1e9
+    fwd = bmm(rows, seq, d) + bmm(rows, d, seq) + scores * UNFUSED_FWD_BYTES / bw
+    bwd = (
+        bmm(rows, seq, d) + bmm(seq, d, rows) + bmm(rows, d, seq) + bmm(seq, d, rows)
+    ) + scores * UNFUSED_BWD_BYTES / bw
+    return fwd, bwd
 
 
 def _layer_times(
@@ -284,7 +339,7 @@ def _layer_times_cached(
     peak = cluster.peak_for(precision) * 1e12
     # FP8 recipes (Transformer Engine, torchao float8) run the linear layers in fp8; attention stays bf16.
     attention_peak = cluster.peak_for("bf16" if precision == "fp8" else precision) * 1e12
-    half_m, half_n, half_k = cluster.compute.gemm_half
+    half_m, half_n, half_k = cluster.gemm_halves
     base = cluster.compute.efficiency(precision)
 
     def gemm_s(m: float, n: float, k: float) -> tuple[float, float]:
@@ -320,12 +375,20 @@ def _layer_times_cached(
     def sat(x: float) -> float:
         return _sat(x, half_m)
 
-    # Causal FlashAttention: half of the 4 x s x h score and value products per token.
     attention_eff = cluster.compute.efficiency("bf16" if precision == "fp8" else precision)
-    attention_eff *= _attention_efficiency(cluster, stack)
-    attention = 2 * tokens * seq * h / tp / (attention_peak * attention_eff)
-    if cp > 1:  # ring attention runs on K/V blocks of seq / 2cp tokens (load-balanced halves): shorter tiles
-        attention /= sat(seq / (2 * cp)) / sat(seq)
+    if stack.attention == "unfused":
+        attention, attention_bwd = _unfused_attention(
+            model, cluster, seq, tokens, tp, cp, attention_peak, attention_eff
+        )
+    else:
+        # Causal FlashAttention: half of the 4 x s x h score and value products per token.
+        attention_eff *= _attention_efficiency(cluster, stack)
+        attention = 2 * tokens * seq * h / tp / (attention_peak * attention_eff)
+        if (
+            cp > 1
+        ):  # ring attention runs on K/V blocks of seq / 2cp tokens (load-balanced halves): shorter tiles
+            attention /= sat(seq / (2 * cp)) / sat(seq)
+        attention_bwd = 2.5 * attention
     sp = tp if seqpar else 1
     # The byte counts below are for 2-byte activations; autocast stacks keep norms and residuals in fp32.
     width = (ACT_BYTES["fp32"] if stack.fp32_elementwise else ACT_BYTES[precision]) / 2
@@ -336,7 +399,7 @@ def _layer_times_cached(
         moved += FP8_CAST_BYTES * tokens * (3 * h + routed * model.ffn_hidden) / tp
     elementwise = moved / (cluster.memory_bw_GBps * 1e9)
     fwd = gemm_fwd + attention + elementwise
-    bwd = gemm_bwd + 2.5 * attention + 2 * elementwise
+    bwd = gemm_bwd + attention_bwd + 2 * elementwise
     # Kernel dispatch (zero unless calibrated): a GPU runs queued kernels while the host issues the next,
     # so dispatch shows only where it is the slower; a CPU rank dispatches and computes on one thread.
     launches = KERNELS_PER_LAYER_FWD * cluster.compute.op_overhead_us * 1e-6
@@ -344,24 +407,49 @@ def _layer_times_cached(
         fwd, bwd = max(fwd, launches), max(bwd, 2 * launches)
     else:
         fwd, bwd = fwd + launches, bwd + 2 * launches
-    recompute_s = {"none": 0.0, "selective": elementwise, "full": fwd}[recompute]
-    tp_comm = 0.0
+    op_sac = recompute == "selective" and stack.selective == "op"
+    if op_sac:
+        # torchtitan's per-op policy saves every compute op's output except every second matmul of a
+        # block (wq, wk, wv, wo, w1, w3, w2: wk, wo and w3 are recomputed; w2 without a gate), and the
+        # memory-bound operators, which it does not save.
+        second = [(tokens, kv_width / 2 / tp, h), (tokens, h, h / tp)]
+        second.append(
+            (ffn_rows, model.ffn_hidden / tp, h) if model.gated_mlp else (ffn_rows, h, model.ffn_hidden / tp)
+        )
+        recompute_s = elementwise + sum(
+            gemm_s(m, n, k)[0] * (ffn_count if i == 2 else 1) for i, (m, n, k) in enumerate(second)
+        )
+    else:
+        recompute_s = {"none": 0.0, "selective": elementwise, "full": fwd}[recompute]
+    tp_comm = tp_exposed = 0.0
     if tp > 1:
         size = tokens * h * ACT_BYTES[precision]  # activations of the micro-batch
         passes = 3 if recompute == "full" else 2  # forward, backward (and the recomputed forward)
         if seqpar:
-            one = comm_time(cluster, "all_gather", size, tp)
-            one += comm_time(cluster, "reduce_scatter", size, tp)
+            ag = comm_time(cluster, "all_gather", size, tp)
+            rs = comm_time(cluster, "reduce_scatter", size, tp)
         else:
-            one = comm_time(cluster, "all_reduce", size, tp)
-        tp_comm = 2 * passes * one
-    tp_exposed = tp_comm
-    if tp > 1 and (stack.tp_comm_overlap if tp_overlap is None else tp_overlap):
-        # Split into tp chunks pipelined with the adjacent GEMMs (ring exchange): the first chunk of
-        # each collective shows, and whatever the layer's GEMMs cannot cover.
-        gemms = gemm_fwd + gemm_bwd + (gemm_fwd if recompute == "full" else 0.0)
-        tp_exposed = max(0.0, tp_comm - gemms) + tp_comm / tp
-        tp_exposed = min(tp_comm, tp_exposed)
+            ag, rs = comm_time(cluster, "all_reduce", size, tp), 0.0
+        # Two collectives of each kind per layer and pass; a per-op recompute gathers the inputs of the
+        # matmuls it reruns (attention and FFN inputs) once more.
+        regathered = 2 * ag if op_sac and seqpar else 0.0
+        tp_comm = 2 * passes * (ag + rs) + regathered
+        tp_exposed = tp_comm
+        if stack.tp_comm_overlap if tp_overlap is None else tp_overlap:
+            hidden_able, fixed = tp_comm, 0.0
+            if stack.tp_overlap_scope == "micro-pipeline":
+                # PyTorch's async TP (torch/_inductor/fx_passes/micro_pipeline_tp.py) fuses only
+                # all_gather -> matmul(s) on the gathered input and reduce_scatter(matmul output). With
+                # separate q/k/v and gate/up projections the backward reduce-scatter of the input
+                # gradient takes the sum of several matmuls, so it is not decomposed; it needs sequence
+                # parallelism (without it nothing is fused).
+                fixed = 2 * rs if seqpar else tp_comm
+                hidden_able = tp_comm - fixed
+            # Split into tp chunks pipelined with the adjacent GEMMs (ring exchange): the first chunk of
+            # each collective shows, and whatever the layer's GEMMs cannot cover.
+            gemms = gemm_fwd + gemm_bwd + (gemm_fwd if recompute == "full" else 0.0)
+            tp_exposed = fixed + max(0.0, hidden_able - gemms) + hidden_able / tp
+            tp_exposed = min(tp_comm, tp_exposed)
     cp_comm = cp_exposed = 0.0
     if cp > 1:
         kv_bytes = 2 * tokens * model.kv_heads * model.head_dim * 2 / min(tp, model.kv_heads)
@@ -419,8 +507,11 @@ def _stage_params(model: ModelSpec, cfg: ParallelConfig) -> tuple[float, float]:
     return (layers * dense_layer + emb) / cfg.tp, layers * model.expert_params / (cfg.tp * cfg.ep)
 
 
-def memory_per_gpu(model: ModelSpec, seq: int, cfg: ParallelConfig, micro_batches: int) -> dict[str, float]:
+def memory_per_gpu(
+    model: ModelSpec, seq: int, cfg: ParallelConfig, micro_batches: int, stack: Stack | None = None
+) -> dict[str, float]:
     """Bytes per GPU on the busiest pipeline stage, by kind (weights, grads, optimizer, activations)."""
+    profile = stack or get_stack(cfg.stack)
     per_stage, _ = _stage_layers(model, cfg.pp)
     dense, experts = _stage_params(model, cfg)
     weights = grads = optim = 0.0
@@ -439,11 +530,16 @@ def memory_per_gpu(model: ModelSpec, seq: int, cfg: ParallelConfig, micro_batche
     acts = (
         in_flight * tokens * _activation_bytes_per_token(model, cfg.tp, cfg.sequence_parallel, cfg.recompute)
     )
+    # Unfused attention keeps 5 bytes per score of the s x s matrices (softmax output, dropout mask and
+    # output: Korthikanti et al.'s 5 a s^2 b per layer) unless they are recomputed.
+    scores = 5.0 * model.heads / cfg.tp * seq if profile.attention == "unfused" else 0.0
+    if cfg.recompute == "none":
+        acts += in_flight * tokens * scores
     if cfg.recompute == "full":  # one layer is rebuilt in full during its backward
-        acts += tokens * _activation_bytes_per_token(model, cfg.tp, cfg.sequence_parallel, "none")
+        acts += tokens * (_activation_bytes_per_token(model, cfg.tp, cfg.sequence_parallel, "none") + scores)
     # The loss keeps fp32 log-probabilities of the micro-batch (4 bytes per logit), or with a fused
     # cross-entropy only the bf16 logits it writes the gradient into (2 bytes): gpuyard.fabric.stacks.
-    logits = tokens * model.vocab * LOSS_BYTES_PER_LOGIT[get_stack(cfg.stack).fused_loss] / cfg.tp
+    logits = tokens * model.vocab * LOSS_BYTES_PER_LOGIT[profile.fused_loss] / cfg.tp
     return {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts + logits}
 
 
@@ -524,7 +620,7 @@ def estimate_step(
     peak = cluster.peak_for(cfg.precision) * 1e12
     tokens = cfg.micro_batch * seq_len / cfg.cp
     # The output projection and loss on the last stage, at the same GEMM efficiency as a layer.
-    half_m, _, half_k = cluster.compute.gemm_half
+    half_m, _, half_k = cluster.gemm_halves
     head_eff = cluster.compute.efficiency(cfg.precision) * _sat(tokens, half_m) * _sat(model.hidden, half_k)
     head = 6 * tokens * model.vocab * model.hidden / cfg.tp / (peak * head_eff)
     # Cross-entropy over the logits is memory-bound: bytes per logit by stack (fused or not).
@@ -543,9 +639,14 @@ def estimate_step(
     # Pipeline: activations cross to the next stage forward and gradients come back, per model chunk.
     pp_comm = 0.0
     if cfg.pp > 1:
-        act = tokens * model.hidden * ACT_BYTES[cfg.precision] / (cfg.tp if cfg.sequence_parallel else 1)
+        full = tokens * model.hidden * ACT_BYTES[cfg.precision]
+        split = cfg.sequence_parallel or profile.pp_scatter_gather
+        act = full / (cfg.tp if split else 1)
         same_domain = cfg.tp * cfg.cp * cfg.dp < cluster.domain
         p2p = comm_time(cluster, "send_recv", act, 2, 2 if same_domain else 1)
+        if profile.pp_scatter_gather and not cfg.sequence_parallel and cfg.tp > 1:
+            # Megatron's scatter/gather: each TP rank sends its 1/tp slice, the next stage all-gathers it.
+            p2p += comm_time(cluster, "all_gather", full, cfg.tp)
         pp_comm = 2 * (m * cfg.virtual_stages + cfg.pp - 1) * p2p
     grad_comm, param_comm = _dp_comm(model, cluster, cfg, m)
     mb_fwd = per_stage * layer.fwd
@@ -570,7 +671,7 @@ def estimate_step(
     compute = m * (t_mb - comm_mb) + optimizer
     exposed = m * comm_mb + pp_comm + exposed_dp
     step = compute + bubble + exposed
-    mem = memory or memory_per_gpu(model, seq_len, cfg, m)
+    mem = memory or memory_per_gpu(model, seq_len, cfg, m, profile)
     needed = sum(mem.values()) * FRAGMENTATION + RESERVED_BYTES
     model_flops = model.model_flops_per_token(seq_len) * global_batch * seq_len
     recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[cfg.recompute]

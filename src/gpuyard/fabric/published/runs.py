@@ -18,7 +18,15 @@ RUNS_FILE = Path(__file__).with_name("runs.yaml")
 
 SourceKind = Literal["paper", "framework-table", "mlperf", "vendor-page"]
 Stack = Literal[
-    "megatron-lm", "nemo", "torchtitan", "deepspeed", "llm-foundry", "mlperf-nvidia", "maxtext", "other"
+    "megatron-lm",
+    "megatron-lm-2021",
+    "nemo",
+    "torchtitan",
+    "deepspeed",
+    "llm-foundry",
+    "mlperf-nvidia",
+    "maxtext",
+    "other",
 ]
 Metric = Literal["tflops_per_gpu", "mfu", "tokens_per_s_per_gpu", "tokens_per_s", "step_time_s", "seq_per_s"]
 # Metrics that give the step time without any FLOP convention.
@@ -88,6 +96,11 @@ class PublishedRun(BaseModel):
         default=None,
         description="TP communication overlapped with GEMMs (e.g. torchtitan's async TP); None: the "
         "source's stack default (gpuyard.fabric.stacks).",
+    )
+    attention: Literal["unfused", "fa1", "fa2", "fa3", "cudnn"] | None = Field(
+        default=None,
+        description="Attention kernel family the source documents for this row (e.g. FlashAttention 1 in a "
+        "table measured before FlashAttention 2 existed); None: the stack's (gpuyard.fabric.stacks).",
     )
     metric: Metric
     value: float = Field(gt=0)

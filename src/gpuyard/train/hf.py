@@ -48,7 +48,8 @@ _COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gat
 _ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from ``path`` (ConfigError naming the file when missing, not JSON or not an object)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError as exc:
@@ -74,7 +75,7 @@ def load_config(path: str | Path) -> Any:
 
     p = Path(path)
     file = p / "config.json" if p.is_dir() else p
-    doc = _read_json(file, "model config")
+    doc = read_json(file, "model config")
     kind = doc.pop("model_type", None)
     if not isinstance(kind, str):
         raise ConfigError(f"model config {file}: no model_type (llama, qwen2, qwen3, mistral, gpt2, ...)")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,16 @@ from gpuyard.store import get_artifacts
 
 IGNORE = -100
 MAX_SEQ_LEN = 1 << 20
+MAX_TOKENIZER_BYTES = 512 << 20
+MAX_SENTENCEPIECE_BYTES = 64 << 20
+# Texts a converted SentencePiece model must encode exactly as sentencepiece does (else it is refused).
+SPM_PROBES = (
+    "the cat sat on the mat.",
+    " a leading space,  two spaces   and three; trailing  ",
+    "tabs\tand\nnew lines\n\n",
+    "Caf\u00e9 na\u00efve \u2014 \u65e5\u672c\u8a9e \u30c6\u30b9\u30c8 \U0001f642 \ufb01 \u2460 x\u00a0y",
+    "digits 0123456789, punctuation: (a) [b] {c} 'd' ~!@#$%^&*_+=|;?",
+)
 # Documents tokenized per call of the (multi-threaded) batch encoder.
 ENCODE_BATCH = 1024
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
@@ -55,15 +66,18 @@ DEFAULT_CHAT_TEMPLATE = (
 
 @dataclass
 class LoadedTokenizer:
-    """A tokenizer read from a local ``tokenizer.json`` (or a folder holding one).
+    """A tokenizer read from a local ``tokenizer.json`` or SentencePiece ``.model`` (or a folder holding one).
 
     Attributes:
-        tokenizer: the ``tokenizers.Tokenizer``.
-        raw: the bytes of tokenizer.json (stored with token datasets and models).
+        tokenizer: the ``tokenizers.Tokenizer`` (a SentencePiece model is converted to one).
+        raw: the bytes of tokenizer.json (stored with token datasets and models; for a SentencePiece
+            model, the converted tokenizer.json, which ``AutoTokenizer`` and the server read).
         sha256: their hash.
         eos_id / pad_id: the end-of-sequence and padding token ids.
         chat_template: a Jinja chat template (the folder's tokenizer_config.json's, else gpuyard's).
         folder: the folder it came from, when one was given (other tokenizer files are exported too).
+        source: for a converted SentencePiece model, its format, file name and SHA-256.
+        reference: for a SentencePiece model, the ``sentencepiece`` processor it was converted from.
     """
 
     tokenizer: Any
@@ -74,6 +88,8 @@ class LoadedTokenizer:
     pad_id: int
     chat_template: str
     folder: Path | None = None
+    source: dict[str, Any] | None = None
+    reference: Any = None
 
     @property
     def vocab_size(self) -> int:
@@ -81,11 +97,14 @@ class LoadedTokenizer:
         return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
 
     def encode_batch(self, texts: list[str], specials: bool = False) -> list[list[int]]:
-        """Token ids of each text.
+        """Token ids of each text (of a SentencePiece model: sentencepiece's own, which never reads
+        text as a control piece).
 
         Special-token strings inside a document are encoded as plain text (a document cannot forge a
         boundary); with ``specials`` (text rendered by the chat template) they are the special tokens.
         """
+        if self.reference is not None and not specials:  # SentencePiece: its own encoder, exactly
+            return [list(ids) for ids in self.reference.encode(texts)]
         self.tokenizer.encode_special_tokens = not specials
         try:
             return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
@@ -105,7 +124,17 @@ class LoadedTokenizer:
             "pad_id": self.pad_id,
             "vocab_size": self.vocab_size,
             "chat_template": self.chat_template,
+            **({"source": self.source} if self.source else {}),
         }
+
+    def verify(self, texts: list[str]) -> list[str]:
+        """The texts a converted SentencePiece tokenizer encodes differently from sentencepiece itself
+        (none for a tokenizer.json)."""
+        if self.reference is None:
+            return []
+        self.tokenizer.encode_special_tokens = True
+        ours = [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+        return [t for t, a, b in zip(texts, ours, self.reference.encode(texts), strict=True) if a != b]
 
 
 def render_chat(template: str, messages: list[dict[str, str]], add_generation_prompt: bool, eos: str) -> str:
@@ -138,30 +167,51 @@ def _special(tok: Any, given: str | None, candidates: tuple[str, ...], what: str
 
 
 def load_tokenizer(path: str | Path, eos_token: str | None = None) -> LoadedTokenizer:
-    """Read a Hugging Face ``tokenizer.json`` (a file, or a folder holding one and tokenizer_config.json).
+    """Read a Hugging Face ``tokenizer.json`` or a SentencePiece ``.model`` (a file, or a folder holding
+    tokenizer.json or tokenizer.model, and maybe tokenizer_config.json).
+
+    A SentencePiece model is converted to a ``tokenizers`` tokenizer following its own settings
+    (transformers' converter), checked to encode probe texts exactly as sentencepiece does.
 
     Raises:
-        ConfigError: a missing, binary, malformed or unusable tokenizer file, or no end-of-sequence
-            token (name one with ``eos_token``); one line naming the file.
+        ConfigError: a missing, binary, oversized, malformed or unusable tokenizer file, or no
+            end-of-sequence token (name one with ``eos_token``); one line naming the file.
     """
     from tokenizers import Tokenizer
 
     p = Path(path)
     folder = p if p.is_dir() else None
-    file = p / "tokenizer.json" if folder else p
+    file = p
+    if folder is not None:
+        file = p / "tokenizer.json"
+        if not file.is_file() and (p / "tokenizer.model").is_file():
+            file = p / "tokenizer.model"
     if not file.is_file():
-        raise ConfigError(f"tokenizer {file}: file not found (a Hugging Face tokenizer.json)")
-    if file.stat().st_size > 512 << 20:
-        raise ConfigError(f"tokenizer {file}: {file.stat().st_size} bytes is too large for a tokenizer")
-    raw = file.read_bytes()
-    try:
-        json.loads(raw)
-        tok = Tokenizer.from_str(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        raise ConfigError(f"tokenizer {file} is not a valid tokenizer.json: {first}") from exc
-    except Exception as exc:  # tokenizers raises its own Exception subclass for a bad model
-        raise ConfigError(f"tokenizer {file} is not a valid tokenizer.json: {str(exc)[:200]}") from exc
+        raise ConfigError(
+            f"tokenizer {file}: file not found (a Hugging Face tokenizer.json or a SentencePiece .model)"
+        )
+    spm = file.suffix == ".model"
+    cap = MAX_SENTENCEPIECE_BYTES if spm else MAX_TOKENIZER_BYTES
+    if file.stat().st_size > cap:
+        raise ConfigError(
+            f"tokenizer {file}: {file.stat().st_size} bytes is too large for a tokenizer (at most {cap})"
+        )
+    source: dict[str, Any] | None = None
+    reference = None
+    spm_eos = spm_pad = None
+    if spm:
+        tok, reference, source, spm_eos, spm_pad = _sentencepiece(file)
+        raw = tok.to_str().encode()
+    else:
+        raw = file.read_bytes()
+        try:
+            json.loads(raw)
+            tok = Tokenizer.from_str(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            raise ConfigError(f"tokenizer {file} is not a valid tokenizer.json: {first}") from exc
+        except Exception as exc:  # tokenizers raises its own Exception subclass for a bad model
+            raise ConfigError(f"tokenizer {file} is not a valid tokenizer.json: {str(exc)[:200]}") from exc
     template, config_eos = DEFAULT_CHAT_TEMPLATE, None
     if folder is not None and (folder / "tokenizer_config.json").is_file():
         try:
@@ -174,15 +224,15 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None) -> LoadedToke
         config_eos = eos.get("content") if isinstance(eos, dict) else eos
     if folder is not None and (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
-    found = _special(tok, eos_token or config_eos, EOS_CANDIDATES, "eos_token")
+    found = _special(tok, eos_token or config_eos or spm_eos, EOS_CANDIDATES, "eos_token")
     if found is None:
         raise ConfigError(
             f"tokenizer {file} has none of the end-of-sequence tokens {', '.join(EOS_CANDIDATES)}; "
             "name one with --eos-token"
         )
     eos_id, eos_name = found
-    pad = _special(tok, None, PAD_CANDIDATES, "pad_token")
-    return LoadedTokenizer(
+    pad = _special(tok, spm_pad, PAD_CANDIDATES, "pad_token")
+    loaded = LoadedTokenizer(
         tokenizer=tok,
         raw=raw,
         sha256=hashlib.sha256(raw).hexdigest(),
@@ -191,6 +241,76 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None) -> LoadedToke
         pad_id=pad[0] if pad else eos_id,
         chat_template=template,
         folder=folder,
+        source=source,
+        reference=reference,
+    )
+    differ = loaded.verify(list(SPM_PROBES))
+    if differ:
+        raise ConfigError(
+            f"tokenizer {file}: its conversion for the tokenizers library encodes {differ[0][:80]!r} "
+            "differently from sentencepiece; not used"
+        )
+    return loaded
+
+
+def _sentencepiece(file: Path) -> tuple[Any, Any, dict[str, Any], str | None, str | None]:
+    """A SentencePiece model file as (tokenizers.Tokenizer, sentencepiece processor, source record,
+    end-of-sequence piece, padding piece).
+
+    Raises:
+        ConfigError: sentencepiece is not installed, the file does not parse as a model, or its
+            algorithm is not unigram or BPE.
+    """
+    try:
+        import sentencepiece
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError as exc:
+        raise ConfigError(
+            f"tokenizer {file}: reading a SentencePiece model needs the sentencepiece package "
+            "(pip install sentencepiece)"
+        ) from exc
+    from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import SpmConverter
+
+    raw = file.read_bytes()
+    proto = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]
+    try:
+        proto.ParseFromString(raw)
+        if not proto.pieces:
+            raise ValueError("it has no pieces")
+        processor = sentencepiece.SentencePieceProcessor(model_proto=raw)
+    except Exception as exc:  # protobuf's DecodeError, sentencepiece's RuntimeError/OSError
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ConfigError(f"tokenizer {file} is not a valid SentencePiece model: {first}") from exc
+    kind = proto.trainer_spec.model_type
+    if kind not in (1, 2):  # UNIGRAM, BPE (WORD and CHAR models are not read)
+        name = {3: "word", 4: "char"}.get(kind, str(kind))
+        raise ConfigError(
+            f"tokenizer {file} is a SentencePiece {name} model; gpuyard reads unigram and BPE ones"
+        )
+    if kind == 1:
+        vocab: Any = [(p.piece, p.score) for p in proto.pieces]
+    else:
+        vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    try:
+        tok = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
+    except Exception as exc:
+        raise ConfigError(
+            f"tokenizer {file}: cannot convert this SentencePiece model: {str(exc)[:200]}"
+        ) from exc
+    # Control pieces (<s>, </s>, ...) are special tokens: skipped when decoding, matched in chat text.
+    tok.add_special_tokens(
+        [AddedToken(p.piece, normalized=False, special=True) for p in proto.pieces if p.type == 3]
+    )
+    eos = processor.eos_id()
+    pad = processor.pad_id()
+    source = {"format": "sentencepiece", "file": file.name, "sha256": hashlib.sha256(raw).hexdigest()}
+    return (
+        tok,
+        processor,
+        source,
+        processor.id_to_piece(eos) if eos >= 0 else None,
+        processor.id_to_piece(pad) if pad >= 0 else None,
     )
 
 
@@ -321,12 +441,25 @@ def tokenize(
     check_dataset_name(name)
     check_new_version_team(name, team)
     splits: dict[str, list[list[int]]] = {"train": [], "val": []}
+    conversion: dict[str, int] = {}
     batch: list[str] = []
     which: list[str] = []
 
     chat = (version.manifest.get("text") or {}).get("column") == "messages"
 
     def flush() -> None:
+        if not chat and not any(splits.values()) and tok.reference is not None:
+            # A SentencePiece model: its converted tokenizer.json (what exported models and the server
+            # read) is checked on the first documents.
+            differ = tok.verify(batch)
+            if differ:
+                conversion["mismatches"] = len(differ)
+                warnings.warn(
+                    f"tokenizer: {len(differ)} of the first {len(batch)} documents encode differently with "
+                    f"the converted tokenizer.json than with sentencepiece, e.g. {differ[0][:60]!r} "
+                    "(text spelling control or byte pieces such as </s>)",
+                    stacklevel=2,
+                )
         for ids, split in zip(tok.encode_batch(batch, specials=chat), which, strict=True):
             splits[split].append(ids)
         batch.clear()
@@ -371,7 +504,7 @@ def tokenize(
     total["waste"] = round(total["padding"] / slots, 6) if slots else 0.0
     tokens_doc = {
         "seq_len": seq_len,
-        "tokenizer": {**tok.doc(), "key": tok_info.key},
+        "tokenizer": {**tok.doc(), "key": tok_info.key, **({"conversion": conversion} if conversion else {})},
         **total,
         "splits": counts if val_fraction else {},
     }

@@ -13,7 +13,8 @@ def language_model(ref: str) -> Path | None:
     """The local folder of ``ref`` when it is a language model (a Hugging Face folder, or a registered
     causal-lm/lora-adapter version), else None (another kind of model, or not registered)."""
     p = Path(ref).expanduser()
-    if p.is_dir() and (p / "config.json").is_file() and (p / "tokenizer.json").is_file():
+    tokenizer = (p / "tokenizer.json").is_file() or (p / "tokenizer.model").is_file()
+    if p.is_dir() and (p / "config.json").is_file() and tokenizer:
         return p
     from gpuyard.models.llm import ADAPTER_FLAVOR, FLAVOR, fetch_lm
     from gpuyard.models.registry import get_version

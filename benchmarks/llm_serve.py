@@ -1,7 +1,7 @@
 """Language-model serving: gpuyard's continuous-batching engine vs transformers generate() served one
 request at a time and vs a static-batch generate() server.
 
-Usage: ``python benchmarks/llm_serve.py [--quick] [--clients 1,8,32] [--requests-per-client 3]``
+Usage: ``python benchmarks/llm_serve.py [--quick] [--clients 1,8,32] [--requests-per-client 3] [--rounds 1]``
 
 One model for all three: a random-init Llama (hidden 256, 4 layers, 8 heads / 4 KV heads, vocab from
 a byte-level BPE trained here), fp32 on the CPU with one torch thread (2 shared cores). Closed-loop
@@ -18,7 +18,10 @@ no end-of-sequence stop, so every server generates exactly the same number of to
 Measured in-process (no HTTP, the same for all three): output tokens/s (tokens asked for, over the
 wall time of the level) and p99 time to first token. The baselines return whole answers, so their
 first token arrives with the last (what a client of a non-streaming server sees); gpuyard's is the
-first streamed token. Last line: ratios at the largest client count.
+first streamed token. With ``--rounds N`` each level runs N times (the three servers in turn each
+round) and each server's best round counts: on a shared machine the load varies between rounds. Last
+line: ratios at the largest client count, and at 1 client gpuyard over the plain ``generate()`` loop
+(``single_vs_generate``: the engine's per-token overhead, no batching to gain from).
 """
 
 from __future__ import annotations
@@ -194,6 +197,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--clients", default="1,8,32")
     ap.add_argument("--requests-per-client", type=int, default=3)
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="runs of each level; the best of each server counts"
+    )
     args = ap.parse_args()
     levels = [int(x) for x in args.clients.split(",")]
     rpc = 1 if args.quick else args.requests_per_client
@@ -209,22 +215,30 @@ def main() -> None:
         results: dict[str, dict[int, dict[str, float]]] = {k: {} for k in servers}
         for clients in levels:
             work = workload(tok, clients * rpc, seed=clients)
-            for name, server in servers.items():  # in turn, level by level: the machine's load hits all alike
-                if name == "sequential" and clients > 8 and args.quick:
-                    continue
-                results[name][clients] = r = run_level(server, work, clients, name == "gpuyard")
-                line = f"{name:>10} clients={clients:>2}: {r['tok_s']:8.1f} tok/s"
-                print(
-                    f"{line}  ttft p50 {r['ttft_p50_ms']:8.1f} ms  p99 {r['ttft_p99_ms']:8.1f} ms", flush=True
-                )
+            for _ in range(args.rounds):
+                for name, server in servers.items():  # in turn, level by level: the load hits all alike
+                    if name == "sequential" and clients > 8 and args.quick:
+                        continue
+                    r = run_level(server, work, clients, name == "gpuyard")
+                    best = results[name].get(clients)
+                    if best is None or r["tok_s"] > best["tok_s"]:
+                        results[name][clients] = r
+                    line = f"{name:>10} clients={clients:>2}: {r['tok_s']:8.1f} tok/s"
+                    print(
+                        f"{line}  ttft p50 {r['ttft_p50_ms']:8.1f} ms  p99 {r['ttft_p99_ms']:8.1f} ms",
+                        flush=True,
+                    )
     top = max(levels)
     g, s, st = results["gpuyard"][top], results["sequential"].get(top), results["static"][top]
     vs_seq = g["tok_s"] / s["tok_s"] if s else float("nan")
+    one = results["sequential"].get(1)
+    single = results["gpuyard"][1]["tok_s"] / one["tok_s"] if one else float("nan")
     print(
         f"llm_serve: vs_sequential={vs_seq:.2f} vs_static_batch={g['tok_s'] / st['tok_s']:.2f} "
         f"ttft_p99_ms={g['ttft_p99_ms']:.0f} clients={top} gpuyard_tok_s={g['tok_s']:.1f} "
         f"static_tok_s={st['tok_s']:.1f} sequential_tok_s={s['tok_s'] if s else float('nan'):.1f} "
-        f"static_ttft_p99_ms={st['ttft_p99_ms']:.0f} load1_at_start={load:.2f}"
+        f"static_ttft_p99_ms={st['ttft_p99_ms']:.0f} single_vs_generate={single:.2f} "
+        f"load1_at_start={load:.2f} load1_at_end={os.getloadavg()[0]:.2f}"
     )
 
 

@@ -62,6 +62,7 @@ class Metrics:
             "gpuyard_llm_requests", "Requests by outcome", ["outcome"], registry=self.registry
         )
         self._recent: deque[tuple[float, int]] = deque()
+        self._recent_sum = 0  # tokens in _recent
 
     def observe_ttft(self, s: float) -> None:
         self.ttft.observe(s)
@@ -70,13 +71,17 @@ class Metrics:
         self.itl.observe(s)
 
     def tokens(self, n: int) -> None:
+        """``n`` tokens generated now (the engine calls it once per step)."""
+        if n <= 0:
+            return
         self.generated.inc(n)
         now = time.monotonic()
         self._recent.append((now, n))
+        self._recent_sum += n
         while self._recent and self._recent[0][0] < now - 5:
-            self._recent.popleft()
+            self._recent_sum -= self._recent.popleft()[1]
         span = max(now - self._recent[0][0], 1e-3) if len(self._recent) > 1 else 5.0
-        self.tps.set(sum(k for _, k in self._recent) / span)
+        self.tps.set(self._recent_sum / span)
 
     def set_queue(self, n: int) -> None:
         self.queue.set(n)

@@ -1,22 +1,34 @@
 """gpuyard's generation engine: continuous batching over a transformers causal LM with a KV cache.
 
 One engine thread runs decoding steps. Between two steps, finished and cancelled requests leave the
-running batch and waiting requests join it (up to ``max_batch``): a joining request is prefilled
-alone (its prompt's KV cache and first token), then its cache is merged into the batch's. The batch's
-cache is left-padded to one length, with an attention mask marking each row's real positions and
-per-row position ids, so each step is a single forward pass of one new token per running request,
-whatever their lengths. A long generation therefore never holds back a short one: the short one
-joins at the next step and leaves as soon as it is done.
+running batch and waiting requests join it (up to ``max_batch``). Joining requests are prefilled
+together in left-padded forward passes (grouped by prompt length so padding stays small), and each
+one's prompt KV is copied into a row of the batch's cache.
 
-Sampling per request: greedy (temperature 0) or temperature + top-p with the request's own seeded
-generator (the same seed gives the same text whatever else runs in the batch, up to float rounding
-of batched matmuls). Stops: ``max_tokens``, the end-of-sequence token, or a stop string.
+The batch's cache is one preallocated buffer per layer, ``(max_batch, kv_heads, capacity, head_dim)``,
+written in place: rows ``0..B-1`` are the running requests, columns ``[lo, hi)`` the positions in use,
+and a row's tokens end at column ``hi`` (left padding, with a per-row length for the attention mask
+and the position ids). A decoding step is one forward pass of one token per running request, whose
+new keys and values are written at column ``hi``: nothing is concatenated or rebuilt per step. A
+request that leaves gives its row to the batch's last row (one row copied); the buffer is compacted
+or grown only when its columns run out (amortised over as many steps as the batch is wide). A long
+generation therefore never holds back a short one: the short one joins at the next step and leaves
+as soon as it is done.
+
+Sampling is batched: one argmax over the batch for greedy rows, one softmax (temperature, top-p) for
+sampling rows, one multinomial for unseeded rows and the request's own seeded generator for seeded
+ones (the same seed gives the same text whatever else runs in the batch, up to float rounding of
+batched matmuls), and one device-to-host copy of the step's tokens. Text is decoded incrementally (a
+window of the last few tokens, not the whole generation, per token), holding back an incomplete UTF-8
+character until a later token completes it. Stops: ``max_tokens``, the end-of-sequence token, or a
+stop string.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +39,11 @@ from typing import Any
 import torch
 
 from gpuyard.errors import CapacityError, ConfigError
+
+# Joining requests prefilled in one padded forward: at most this many tokens (padding included) ...
+PREFILL_TOKENS = 4096
+# ... and padding at most this share of them (requests are grouped by prompt length).
+PREFILL_PADDING = 0.25
 
 
 class QueueFull(CapacityError):
@@ -62,6 +79,109 @@ class Request:
     last_token_at: float | None = None
     generator: torch.Generator | None = None
     finish_reason: str | None = None
+    pending: int = -1  # the last sampled token, fed to the next step
+    prefix: int = 0  # generated[prefix:read] is the context decoded before the new tokens
+    read: int = 0  # generated[:read] is in text
+
+
+class _Slots:
+    """The batch's KV cache: per layer a (rows, kv_heads, capacity, head_dim) key and value buffer.
+
+    Row r's cached tokens are columns ``[hi - lens[r], hi)``; ``lo`` is the first column any row uses.
+    """
+
+    def __init__(self) -> None:
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.lens: list[int] = []
+        self.lo = 0
+        self.hi = 0
+
+    @property
+    def rows(self) -> int:
+        return len(self.lens)
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2] if self.k else 0
+
+    def reset(self) -> None:
+        self.lens, self.lo, self.hi = [], 0, 0
+
+    def make_room(self, left: int, rows: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Ensure a row of ``left`` cached tokens can end at column ``hi`` and one more column fits
+        after it: move the used columns right or to the start, or grow the buffers (zeros, so masked
+        columns are finite)."""
+        width = self.hi - self.lo
+        if self.k and self.hi >= left and self.hi < self.capacity:
+            return
+        new_hi = max(width, left)
+        need = new_hi + 1
+        if not self.k or need > self.capacity:
+            like = list(zip(self.k, self.v, strict=True)) or like
+            cap = max(need + max(need, 32), self.capacity)
+            k = [kk.new_zeros((rows, kk.shape[1], cap, kk.shape[3])) for kk, _ in like]
+            v = [vv.new_zeros((rows, vv.shape[1], cap, vv.shape[3])) for _, vv in like]
+            if self.k and width:
+                for old, new in zip([*self.k, *self.v], [*k, *v], strict=True):
+                    new[: self.rows, :, new_hi - width : new_hi] = old[: self.rows, :, self.lo : self.hi]
+            self.k, self.v = k, v
+        elif width:
+            for buf in [*self.k, *self.v]:
+                buf[: self.rows, :, new_hi - width : new_hi] = buf[: self.rows, :, self.lo : self.hi].clone()
+        self.lo, self.hi = new_hi - width, new_hi
+
+    def add(self, kv: list[tuple[torch.Tensor, torch.Tensor]], row: int, length: int) -> None:
+        """Append a request whose cache is the last ``length`` columns of row ``row`` of ``kv``."""
+        r, start = self.rows, self.hi - length
+        for (k, v), bk, bv in zip(kv, self.k, self.v, strict=True):
+            bk[r, :, start : self.hi] = k[row, :, k.shape[2] - length :]
+            bv[r, :, start : self.hi] = v[row, :, v.shape[2] - length :]
+        self.lens.append(length)
+        self.lo = min(self.lo, start) if r else start
+
+    def remove(self, r: int) -> None:
+        """Drop row ``r``: the last row takes its place."""
+        last = self.rows - 1
+        if r != last:
+            for buf in [*self.k, *self.v]:
+                buf[r, :, self.lo : self.hi] = buf[last, :, self.lo : self.hi]
+            self.lens[r] = self.lens[last]
+        self.lens.pop()
+        if self.lens:
+            self.lo = self.hi - max(self.lens)
+        else:
+            self.reset()
+
+
+def _slot_layer_class() -> type:
+    from transformers.cache_utils import DynamicLayer
+
+    class SlotLayer(DynamicLayer):  # type: ignore[misc]
+        """One layer of the batch's cache as transformers sees it: new keys/values are written in place
+        at column ``hi`` and attention reads the columns ``[lo, hi + new)``."""
+
+        def __init__(self, slots: _Slots, index: int) -> None:
+            super().__init__()
+            self.slots, self.index = slots, index
+            self.is_initialized = True
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            s, rows, q = self.slots, key_states.shape[0], key_states.shape[2]
+            k, v = s.k[self.index], s.v[self.index]
+            k[:rows, :, s.hi : s.hi + q] = key_states
+            v[:rows, :, s.hi : s.hi + q] = value_states
+            return k[:rows, :, s.lo : s.hi + q], v[:rows, :, s.lo : s.hi + q]
+
+        def get_seq_length(self) -> int:
+            return self.slots.hi - self.slots.lo
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.get_seq_length() + query_length, 0
+
+    return SlotLayer
 
 
 class Engine:
@@ -95,17 +215,15 @@ class Engine:
         self.metrics = metrics
         self.eos_id = tokenizer.eos_id
         self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # row r of the cache is running[r]
         self._cond = threading.Condition()
         self._stop = False
-        # The batch's cache: per layer (keys, values) of (B, kv_heads, L, head_dim), left-padded.
-        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._mask: torch.Tensor | None = None  # (B, L): 1 at real positions
-        import inspect
-
+        self._slots = _Slots()
+        self._cache: Any = None  # the transformers Cache over the slots, made at the first join
         # transformers renames past_key_values to cache (5.x deprecation): use what forward takes.
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._thread = threading.Thread(target=self._loop, name="gpuyard-llm-engine", daemon=True)
         self._thread.start()
 
@@ -176,8 +294,8 @@ class Engine:
             try:
                 with torch.inference_mode():
                     self._leave()
-                    for req in joining:
-                        self._join(req)
+                    for group in _prefill_groups(joining):
+                        self._join(group)
                     self._leave()
                     if self.running:
                         self._step()
@@ -187,25 +305,41 @@ class Engine:
                     if req.finish_reason is None:
                         req.finish_reason = "error"
                         req.emit({"error": f"{type(exc).__name__}: {exc}"})
-                self.running, self._kv, self._mask = [], [], None
+                self.running = []
+                self._slots.reset()
             if self.metrics is not None:
                 self.metrics.set_batch(len(self.running))
 
-    def _sample(self, req: Request, logits: torch.Tensor) -> int:
-        p = req.params
-        if p.temperature <= 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float() / p.temperature, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < p.top_p
-            keep[0] = True
-            probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
-        return int(torch.multinomial(probs.cpu(), 1, generator=req.generator))
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
+        """The next token of each request from its row of ``logits`` (rows, vocab)."""
+        tokens = torch.argmax(logits, dim=-1)
+        rows = [i for i, r in enumerate(reqs) if r.params.temperature > 0]
+        if rows:
+            idx = torch.tensor(rows, device=logits.device)
+            temp = torch.tensor([reqs[i].params.temperature for i in rows], device=logits.device)
+            probs = torch.softmax(logits.index_select(0, idx).float() / temp[:, None], dim=-1)
+            top_p = [reqs[i].params.top_p for i in rows]
+            if min(top_p) < 1.0:
+                sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+                limit = torch.tensor(top_p, device=logits.device)[:, None]
+                keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < limit
+                keep[:, 0] = True
+                probs = torch.zeros_like(probs).scatter_(1, order, sorted_p * keep)
+            drawn = torch.empty(len(rows), dtype=torch.long)
+            free = [j for j, i in enumerate(rows) if reqs[i].generator is None]
+            if free:
+                sel = torch.tensor(free, device=logits.device)
+                drawn[free] = torch.multinomial(probs.index_select(0, sel), 1)[:, 0].cpu()
+            cpu = probs.cpu() if len(free) < len(rows) else probs
+            for j, i in enumerate(rows):
+                if reqs[i].generator is not None:
+                    drawn[j] = torch.multinomial(cpu[j], 1, generator=reqs[i].generator)[0]
+            tokens = tokens.cpu()
+            tokens[rows] = drawn
+        return [int(t) for t in tokens.tolist()]
 
-    def _accept(self, req: Request, token: int) -> None:
+    def _accept(self, req: Request, token: int, now: float) -> None:
         """Record a sampled token, emit the new text, and decide whether the request is done."""
-        now = time.perf_counter()
         if req.first_token_at is None:
             req.first_token_at = now
             if self.metrics is not None:
@@ -213,13 +347,12 @@ class Engine:
         elif self.metrics is not None and req.last_token_at is not None:
             self.metrics.observe_itl(now - req.last_token_at)
         req.last_token_at = now
-        if self.metrics is not None:
-            self.metrics.tokens(1)
+        req.pending = token
         if token == self.eos_id:
             req.finish_reason = "stop"
         else:
             req.generated.append(token)
-            req.text = self.tok.tokenizer.decode(req.generated)
+            self._detokenize(req, len(req.generated) >= req.params.max_tokens)
         text = req.text
         for s in req.params.stop:
             at = text.find(s, max(0, req.sent - len(s)))
@@ -228,11 +361,12 @@ class Engine:
                 break
         if req.finish_reason is None and len(req.generated) >= req.params.max_tokens:
             req.finish_reason = "length"
-        # Hold back text that may be the start of a stop string, or an incomplete UTF-8 character.
+        if req.finish_reason is not None and req.read < len(req.generated) and text is req.text:
+            self._detokenize(req, True)  # the tokens held back (an incomplete character), as they decode
+            text = req.text
+        # Hold back text that may be the start of a stop string.
         safe = len(text)
         if req.finish_reason is None:
-            if text.endswith("\ufffd"):
-                safe = len(text) - 1
             for s in req.params.stop:
                 for k in range(min(len(s) - 1, len(text)), 0, -1):
                     if text.endswith(s[:k]):
@@ -251,93 +385,113 @@ class Engine:
                 }
             )
 
-    def _join(self, req: Request) -> None:
-        ids = torch.tensor([req.prompt_ids], device=self.device)
-        out = self.model(input_ids=ids, use_cache=True)
-        token = self._sample(req, out.logits[0, -1])
-        self._accept(req, token)
-        if req.finish_reason is not None:
-            return
+    def _detokenize(self, req: Request, final: bool) -> None:
+        """Add the text of the tokens not yet read to ``req.text``, decoding a window of a few tokens
+        (the last ones read give the context, e.g. a leading space): O(1) per token. Text that ends in
+        an incomplete UTF-8 character is held back until a later token completes it (or ``final``)."""
+        ids, decode = req.generated, self.tok.tokenizer.decode
+        before = decode(ids[req.prefix : req.read]) if req.read > req.prefix else ""
+        after = decode(ids[req.prefix :])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            req.text += after[len(before) :]
+            req.prefix, req.read = req.read, len(ids)
+        elif final:
+            req.read = len(ids)
+
+    def _accept_all(self, reqs: list[Request], tokens: list[int]) -> None:
+        now = time.perf_counter()
+        accepted = 0
+        for req, token in zip(reqs, tokens, strict=True):
+            if not req.cancelled:
+                self._accept(req, token, now)
+                accepted += 1
+        if self.metrics is not None:
+            self.metrics.tokens(accepted)
+
+    def _join(self, group: list[Request]) -> None:
+        """Prefill ``group`` in one left-padded forward and add each unfinished request to the batch."""
+        lengths = [len(r.prompt_ids) for r in group]
+        width = max(lengths)
+        ids = torch.tensor(
+            [[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in group], device=self.device
+        )
+        kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True, **self._last_only}
+        if min(lengths) < width:
+            mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
+            kwargs["attention_mask"] = mask
+            kwargs["position_ids"] = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.model(**kwargs)
+        self._accept_all(group, self._sample(group, out.logits[:, -1]))
         kv = [(layer.keys, layer.values) for layer in _cache_of(out).layers]
-        mask = torch.ones((1, len(req.prompt_ids)), dtype=torch.long, device=self.device)
-        if not self.running:
-            self._kv, self._mask = kv, mask
-        else:
-            assert self._mask is not None
-            have, new = self._mask.shape[1], mask.shape[1]
-            width = max(have, new)
-            self._kv = [
-                (torch.cat([_pad(k0, width), _pad(k1, width)]), torch.cat([_pad(v0, width), _pad(v1, width)]))
-                for (k0, v0), (k1, v1) in zip(self._kv, kv, strict=True)
-            ]
-            self._mask = torch.cat([_pad_mask(self._mask, width), _pad_mask(mask, width)])
-        req.pending = token  # type: ignore[attr-defined]
-        self.running.append(req)
+        slots = self._slots
+        if self._cache is None:
+            from transformers import DynamicCache
+
+            slots.make_room(width, self.max_batch, kv)
+            layer = _slot_layer_class()
+            self._cache = DynamicCache()
+            self._cache.layers = [layer(slots, i) for i in range(len(kv))]
+            self._cache.layer_class_to_replicate = None
+        for row, req in enumerate(group):
+            if req.finish_reason is None and not req.cancelled:
+                slots.make_room(lengths[row], self.max_batch, kv)
+                slots.add(kv, row, lengths[row])
+                self.running.append(req)
 
     def _leave(self) -> None:
-        keep = [i for i, r in enumerate(self.running) if r.finish_reason is None and not r.cancelled]
-        if len(keep) == len(self.running):
-            return
-        self.running = [self.running[i] for i in keep]
-        if not keep:
-            self._kv, self._mask = [], None
-            return
-        idx = torch.tensor(keep, device=self.device)
-        assert self._mask is not None
-        mask = self._mask.index_select(0, idx)
-        # Columns that are padding in every remaining row are dropped (the cache stays as short as it can).
-        first = int((mask.cumsum(1) == 0).sum(1).min())
-        self._mask = mask[:, first:]
-        self._kv = [
-            (k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:]) for k, v in self._kv
-        ]
+        gone = [i for i, r in enumerate(self.running) if r.finish_reason is not None or r.cancelled]
+        for i in reversed(gone):  # the last row takes a leaving row's place
+            self._slots.remove(i)
+            last = self.running.pop()
+            if i < len(self.running):
+                self.running[i] = last
 
     def _step(self) -> None:
-        from transformers import DynamicCache
-
-        assert self._mask is not None
-        cache = DynamicCache()
-        for i, (k, v) in enumerate(self._kv):
-            cache.update(k, v, i)
-        tokens = torch.tensor([[r.pending] for r in self.running], device=self.device)  # type: ignore[attr-defined]
-        positions = self._mask.sum(1, keepdim=True)
-        mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)
-        # Without padding in any row the causal mask is all attention needs (cheaper than a padding mask).
-        padded = None if bool(self._mask.all()) else mask
+        slots = self._slots
+        slots.make_room(0, self.max_batch, [])
+        tokens = torch.tensor([[r.pending] for r in self.running], device=self.device)
+        positions = torch.tensor(slots.lens, device=self.device)[:, None]
+        width = slots.hi - slots.lo
+        mask = None
+        if min(slots.lens) < width:  # some rows are padded: a mask of each row's columns (and the new one)
+            cols = torch.arange(width + 1, device=self.device)[None, :]
+            mask = (cols >= width - positions).long()
         out = self.model(
             input_ids=tokens,
-            attention_mask=padded,
+            attention_mask=mask,
             position_ids=positions,
             use_cache=True,
-            **{self._cache_arg: cache},
+            **{self._cache_arg: self._cache},
+            **self._last_only,
         )
-        self._kv = [(layer.keys, layer.values) for layer in _cache_of(out).layers]
-        self._mask = mask
-        logits = out.logits[:, -1]
-        for i, req in enumerate(self.running):
-            if req.cancelled:
-                continue
-            token = self._sample(req, logits[i])
-            req.pending = token  # type: ignore[attr-defined]
-            self._accept(req, token)
+        slots.hi += 1
+        slots.lens = [n + 1 for n in slots.lens]
+        self._accept_all(self.running, self._sample(self.running, out.logits[:, -1]))
+
+
+def _prefill_groups(joining: list[Request]) -> list[list[Request]]:
+    """Joining requests in groups of similar prompt lengths for padded prefill (module constants)."""
+    groups: list[list[Request]] = []
+    group: list[Request] = []
+    real = 0
+    for req in sorted(joining, key=lambda r: len(r.prompt_ids), reverse=True):
+        n = len(req.prompt_ids)
+        if group:
+            width = len(group[0].prompt_ids)
+            slots = width * (len(group) + 1)
+            if slots > PREFILL_TOKENS or slots - real - n > PREFILL_PADDING * slots:
+                groups.append(group)
+                group, real = [], 0
+        group.append(req)
+        real += n
+    if group:
+        groups.append(group)
+    return groups
 
 
 def _cache_of(out: Any) -> Any:
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
-
-
-def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Left-pad the sequence dimension (2) of a (B, heads, L, d) cache tensor with zeros to ``width``."""
-    extra = width - t.shape[2]
-    if extra == 0:
-        return t
-    return torch.cat([t.new_zeros((t.shape[0], t.shape[1], extra, t.shape[3])), t], dim=2)
-
-
-def _pad_mask(m: torch.Tensor, width: int) -> torch.Tensor:
-    extra = width - m.shape[1]
-    return m if extra == 0 else torch.cat([m.new_zeros((m.shape[0], extra)), m], dim=1)
 
 
 def load_engine(

@@ -124,6 +124,15 @@ class Compute(_Frozen):
     # "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning:
     # Performance and Power Implications" (arXiv:2507.03114) measures an average 18.9% compute slowdown
     # (up to 40%) on A100 and H100 while NCCL kernels run beside GPT and Llama layers.
+    # Identical GPUs do not run equally fast: Sinha et al., "Not All GPUs Are Created Equal" (SC'22,
+    # arXiv:2208.11035) measure an average 8% performance variation (max 22%; outliers excluded, which
+    # reach 1.5x slower than the median) between GPUs of one SKU in one cluster, across five clusters and
+    # compute- and memory-bound applications. Read as the whisker-to-whisker span of a normal (about
+    # +-2.7 sigma), the spread of one GPU's speed is sigma = 1.5%. A synchronous step waits for the slowest
+    # of its N GPUs (gpuyard.fabric.step.slowest_of).
+    speed_spread: float = Field(
+        default=0.015, ge=0, lt=0.5, description="Standard deviation of one GPU's speed over identical GPUs."
+    )
     overlap_slowdown: float = Field(
         default=0.19, ge=0, le=1, description="Share of hidden communication time that still slows compute."
     )

@@ -92,12 +92,17 @@ def generation(device: str) -> str:
 
 
 @lru_cache(maxsize=4096)
-def _cluster_with(preset: str, device: str, efficiency: float | None) -> Cluster:
+def _cluster_with(
+    preset: str, device: str, efficiency: float | None, memory_bw_GBps: float | None = None
+) -> Cluster:
     cluster = run_cluster(preset, device)
-    if efficiency is None:
+    if efficiency is None and memory_bw_GBps is None:
         return cluster
     data = cluster.model_dump()
-    data["compute"] = {**data["compute"], "gemm_efficiency": efficiency}
+    if efficiency is not None:
+        data["compute"] = {**data["compute"], "gemm_efficiency": efficiency}
+    if memory_bw_GBps is not None:  # the source's own GPUs differ from the catalog entry
+        data["compute"] = {**data["compute"], "memory_bw_GBps": memory_bw_GBps}
     return Cluster.model_validate(data)
 
 
@@ -106,7 +111,7 @@ def predict_at(run: PublishedRun, stack: Stack, efficiency: float | None) -> flo
     if run.attention is not None and run.attention != stack.attention:
         stack = replace(stack, attention=run.attention)  # the kernel family the source documents
     cfg = replace(run.parallel_config(), stack=stack.name)
-    cluster = _cluster_with(run.cluster, run.device, efficiency)
+    cluster = _cluster_with(run.cluster, run.device, efficiency, run.memory_bw_GBps)
     return estimate_step(
         model_spec(run), cluster, run.gpus, run.global_batch, run.seq_len, cfg, stack=stack
     ).step_time_s

@@ -148,3 +148,15 @@ def test_corpus_rows_marked_fa1_are_the_ones_measured_before_flashattention_2() 
         )
     }
     assert marked == expected and len(marked) == 86
+
+
+def test_only_grand_teton_rows_carry_the_sources_hbm2e_bandwidth() -> None:
+    carried = {r.id for r in load_runs() if r.memory_bw_GBps is not None}
+    grand_teton = {
+        r.id
+        for r in load_runs()
+        if r.source in ("torchtitan-2024-12", "torchtitan-asynctp-2025-06")
+        or r.id.startswith("torchtitan-2024-08/llama3.1-405b")
+    }
+    assert carried == grand_teton and len(carried) == 33
+    assert {r.memory_bw_GBps for r in load_runs() if r.id in carried} == {2400}

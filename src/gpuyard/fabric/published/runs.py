@@ -102,6 +102,12 @@ class PublishedRun(BaseModel):
         description="Attention kernel family the source documents for this row (e.g. FlashAttention 1 in a "
         "table measured before FlashAttention 2 existed); None: the stack's (gpuyard.fabric.stacks).",
     )
+    memory_bw_GBps: float | None = Field(
+        default=None,
+        gt=0,
+        description="Memory bandwidth the source states for its GPUs where they differ from the catalog "
+        "device (e.g. torchtitan's 96 GB HBM2e H100 at 2.4 TB/s); None: the catalog's.",
+    )
     metric: Metric
     value: float = Field(gt=0)
     notes: str = ""

@@ -1,7 +1,11 @@
 """Generate the tiny-llm example's data offline: a story corpus, a small chat instruction set, a tokenizer.
 
-Sentences come from a small grammar (seeded), so the model has structure to learn in a few hundred
-steps; the tokenizer is a byte-level BPE trained on the corpus with `tokenizers` (no downloads).
+Sentences come from a small grammar (seeded), so the model has structure to learn in a few dozen
+steps. Like web text, the pre-training corpus also holds some dialogues in the chat template's format
+("what did the red fox do?" answered from the question); the chat set teaches another question ("where
+is the red fox?"), which the base model has never seen answered. The tokenizer is a byte-level BPE
+trained on all of it with `tokenizers` (no downloads). ``data_stage`` is the pipeline's first stage
+(``uses: make_data:data_stage``); ``python make_data.py DIR`` writes the same files by hand.
 """
 
 from __future__ import annotations
@@ -10,8 +14,9 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
-from gpuyard.data.tokens import train_tokenizer
+from gpuyard.data.tokens import DEFAULT_CHAT_TEMPLATE, render_chat, train_tokenizer
 
 ANIMALS = ["cat", "dog", "bird", "fox", "horse", "rabbit", "owl", "mouse"]
 COLOURS = ["red", "blue", "green", "small", "old", "young", "quick", "lazy"]
@@ -27,30 +32,62 @@ def sentence(rng: random.Random) -> str:
     )
 
 
-def main(out: Path, stories: int = 3000) -> None:
-    rng = random.Random(0)
+VOCAB = 512
+
+
+def chat(question: str, answer: str) -> list[dict[str, str]]:
+    """A chat record: one user question, one assistant answer."""
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+def main(
+    out: Path, stories: int = 3000, dialogues: int = 600, chats: int = 400, seed: int = 0
+) -> dict[str, str]:
+    """Write corpus.txt, chat.jsonl, tokenizer/ and config.json (a ~1M-parameter Llama) into ``out``."""
+    rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     docs = [" ".join(sentence(rng) for _ in range(rng.randint(1, 4))) for _ in range(stories)]
-    (out / "corpus.txt").write_text("\n\n".join(docs) + "\n")
-    chats = []
-    for _ in range(400):
+    for _ in range(dialogues):  # "what did X do?" answered from the question, in the chat format
+        said = sentence(rng)
+        subject = " ".join(said.split()[:3])
+        question = f"what did {subject} do?"
+        docs.insert(
+            rng.randrange(len(docs) + 1), render_chat(DEFAULT_CHAT_TEMPLATE, chat(question, said), False, "")
+        )
+    (out / "corpus.txt").write_text("\n\n".join(d.strip() for d in docs) + "\n")
+    records = []
+    for _ in range(chats):  # the fine-tuning set: another question, a few of them repeated
         a, colour, place = rng.choice(ANIMALS), rng.choice(COLOURS), rng.choice(PLACES)
-        chats.append({"messages": [
-            {"role": "user", "content": f"where is the {colour} {a}?"},
-            {"role": "assistant", "content": f"the {colour} {a} is near the {place}."},
-        ]})  # fmt: skip
-    (out / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in chats) + "\n")
-    train_tokenizer(
-        docs + [m["content"] for c in chats for m in c["messages"]], out / "tokenizer", vocab_size=256
-    )
+        records.append(
+            {"messages": chat(f"where is the {colour} {a}?", f"the {colour} {a} is near the {place}.")}
+        )
+    (out / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in records) + "\n")
+    texts = docs + [render_chat(DEFAULT_CHAT_TEMPLATE, c["messages"], False, "") for c in records]
+    train_tokenizer(texts, out / "tokenizer", vocab_size=VOCAB)
     config = {
-        "model_type": "llama", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 352,
+        "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 352,
         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 128, "tie_word_embeddings": False, "eos_token_id": 0, "pad_token_id": 1,
     }  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    print(f"{out}: corpus.txt ({len(docs)} stories), chat.jsonl ({len(chats)}), tokenizer/, config.json")
+    return {k: str(out / f) for k, f in (("corpus", "corpus.txt"), ("chat", "chat.jsonl"),
+                                          ("tokenizer", "tokenizer"), ("config", "config.json"))}  # fmt: skip
+
+
+def data_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
+    """Pipeline stage: the example's files in the stage's own folder (outputs: their paths)."""
+    n = {k: int(inputs.get(k, d)) for k, d in (("stories", 3000), ("dialogues", 600), ("chats", 400))}
+    paths = main(Path(ctx["workdir"]) / "data", **n, seed=int(inputs.get("seed", 0)))
+    return {
+        **paths,
+        "report": [
+            f"{n['stories']} stories and {n['dialogues']} dialogues (corpus.txt), {n['chats']} chat records"
+            f" (chat.jsonl), a {VOCAB}-token byte-level BPE, a Llama config (4 layers, hidden 128)"
+        ],
+    }
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "data"))
+    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "data")
+    main(folder)
+    print(f"{folder}: corpus.txt, chat.jsonl, tokenizer/, config.json")

@@ -41,19 +41,38 @@ def eval_cmd(
         "val", "--split", help="The split to evaluate (the whole dataset when it has none)."
     ),
     batch_size: int = typer.Option(8, "--batch-size", min=1),
+    prompt: list[str] = typer.Option(
+        [],
+        "--prompt",
+        help="A prompt to generate from (repeat; default: the start of the split's documents).",
+    ),
+    samples: int = typer.Option(
+        3, "--samples", min=0, max=32, help="Default prompts taken (0: no generations)."
+    ),
+    sample_tokens: int = typer.Option(
+        16, "--sample-tokens", min=1, max=1024, help="Tokens generated per prompt."
+    ),
+    record: bool = typer.Option(
+        True, "--record/--no-record", help="Store the evaluation with the registered model and its run."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Perplexity over every sequence of a token dataset (loss and tokens counted exactly)."""
+    """Perplexity over every sequence of a token dataset (loss and tokens counted exactly), and greedy
+    generations of a fixed set of prompts; both are stored with a registered model (`gpuyard runs show`)."""
     from gpuyard.models.llm import evaluate_lm
 
-    out = evaluate_lm(model, data, split, batch_size)
+    settings = {"prompts": prompt or None, "count": samples, "max_new_tokens": sample_tokens}
+    out = evaluate_lm(model, data, split, batch_size, samples=settings, record=record)
     if as_json:
         typer.echo(json.dumps(out))
         return
-    Console().print(
+    con = Console()
+    con.print(
         f"{model} on {out['dataset']} ({out['split']}): perplexity {out['val_perplexity']:.4f}, "
         f"loss {out['val_loss_tokens']:.4f} over {int(out['val_tokens'])} tokens"
     )
+    for sample in out["samples"]:
+        con.print(f"  {sample['prompt']!r} -> {sample['completion']!r}", markup=False, highlight=False)
 
 
 @llm_app.command("merge")

@@ -123,10 +123,13 @@ def run(
             }
             for s in result.stages
         ]
-        typer.echo(json.dumps({"pipeline": spec.name, "stages": doc}, default=str))
+        out = {"pipeline": spec.name, "stages": doc, "summary": result.summary}
+        typer.echo(json.dumps(out, default=str))
         return
     result = run_with_view(spec, base, executor, not no_cache)
     print_reports(result)
+    for line in result.summary:
+        console.print(line, markup=False, highlight=False)
     ran = sum(not s.cached for s in result.stages)
     console.print(f"pipeline {spec.name}: {ran} stage(s) ran, {len(result.stages) - ran} skipped (unchanged)")
 

@@ -163,6 +163,14 @@ def show(
             f"[bold]evaluation[/bold] {ev['split']} ({ev['n']} samples, {ev['dataset_version'] or '-'}): "
             + ", ".join(f"{k}={fmt(v)}" for k, v in sorted(ev["metrics"].items()))
         )
+        step = (ev["details"] or {}).get("step")
+        for sample in (ev["details"] or {}).get("samples") or []:  # a language model's generations
+            where = f"step {step}: " if step is not None else ""
+            con.print(
+                f"  {where}{sample.get('prompt')!r} -> {sample.get('completion')!r}",
+                markup=False,
+                highlight=False,
+            )
     for art in doc["artifacts"]:
         con.print(f"[bold]artifact[/bold] {art['name']}  {art['size']} B  sha256:{art['sha256'][:12]}")
     if doc["children"]:

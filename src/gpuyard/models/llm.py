@@ -74,7 +74,7 @@ def register_lm(
         NotFoundError: ``base`` is not registered.
     """
     from gpuyard.data.tokens import load_tokenizer
-    from gpuyard.train.hf import GPUYARD_FILE, load_config
+    from gpuyard.train.hf import GPUYARD_FILE
 
     check_model_name(name)
     folder = Path(folder)
@@ -95,15 +95,15 @@ def register_lm(
         config.update(tokenizer_sha256=base_mv.config.get("tokenizer_sha256"))
         files = [src / "adapter_config.json", *weights]
     else:
-        cfg = load_config(folder)
+        cfg = hf_config_fields(folder)
         tok = load_tokenizer(folder)
-        context = info.get("context_length") or getattr(cfg, "max_position_embeddings", None)
+        context = info.get("context_length") or cfg["max_position_embeddings"]
         config.update(
-            architecture=(getattr(cfg, "architectures", None) or [type(cfg).__name__])[0],
-            model_type=cfg.model_type,
+            architecture=cfg["architecture"],
+            model_type=cfg["model_type"],
             context_length=int(context) if context else None,
-            max_position_embeddings=getattr(cfg, "max_position_embeddings", None),
-            vocab_size=cfg.vocab_size,
+            max_position_embeddings=cfg["max_position_embeddings"],
+            vocab_size=cfg["vocab_size"],
             tokenizer_sha256=tok.sha256,
             eos_id=tok.eos_id,
         )
@@ -129,6 +129,32 @@ def register_lm(
         description=description,
     )
     return _insert_version(get_store(), name, fields, team)
+
+
+def hf_config_fields(folder: Path) -> dict[str, Any]:
+    """What the registry records of a Hugging Face ``config.json``, read as JSON (importing transformers
+    to parse it costs seconds per process; the weights load through transformers when served).
+
+    Raises:
+        ConfigError: a missing or malformed file, no model_type, or no positive integer vocab_size.
+    """
+    from gpuyard.train.hf import read_json
+
+    file = folder / "config.json"
+    doc = read_json(file, "model config")
+    kind, vocab = doc.get("model_type"), doc.get("vocab_size")
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError(f"model config {file}: no model_type (llama, qwen2, gpt2, ...)")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ConfigError(f"model config {file}: vocab_size {vocab!r} is not a positive integer")
+    context = next((doc[k] for k in ("max_position_embeddings", "n_positions", "n_ctx") if k in doc), None)
+    archs = doc.get("architectures")
+    return {
+        "architecture": str(archs[0]) if isinstance(archs, list) and archs else kind,
+        "model_type": kind,
+        "max_position_embeddings": int(context) if isinstance(context, int) and context > 0 else None,
+        "vocab_size": vocab,
+    }
 
 
 def fetch_lm(ref: str) -> Path:
@@ -184,21 +210,35 @@ def merge_adapter(ref: str, name: str | None = None) -> ModelVersion:
     return register_lm(target, folder, description=f"{mv.ref} merged into {mv.config['base']}")
 
 
-def evaluate_lm(ref: str, dataset: str, split: str | None = "val", batch_size: int = 8) -> dict[str, float]:
-    """Perplexity of language model ``ref`` (or a local folder) on token dataset ``dataset`` (exact counts).
+def evaluate_lm(
+    ref: str,
+    dataset: str,
+    split: str | None = "val",
+    batch_size: int = 8,
+    samples: dict[str, Any] | None = None,
+    record: bool = False,
+) -> dict[str, Any]:
+    """Perplexity of language model ``ref`` (or a local folder) on token dataset ``dataset`` (exact counts),
+    and greedy generations of a fixed set of prompts (``samples``: :func:`gpuyard.train.hf.sample_settings`;
+    default: the start of the split's first 3 documents; ``{"count": 0}``: none).
+
+    With ``record`` and a registered model, the evaluation (perplexity and generations) is stored
+    against the model version and its training run (``gpuyard runs show``).
 
     Raises:
         ConfigError: the dataset's tokenizer is not the model's, or its sequences are longer than
-            the model's context.
+            the model's context; bad sample settings.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     from gpuyard.data.dataset import open_dataset
     from gpuyard.data.tokens import load_tokenizer, packed_batches, token_info
-    from gpuyard.train.hf import CausalLM, perplexity
+    from gpuyard.train.hf import CausalLM, perplexity, sample_settings
 
-    folder = Path(ref) if Path(ref).is_dir() else fetch_lm(ref)
+    settings = sample_settings(samples)
+    local = Path(ref).is_dir()
+    folder = Path(ref) if local else fetch_lm(ref)
     version = open_dataset(dataset)
     info = token_info(version)
     tok = load_tokenizer(folder)
@@ -215,8 +255,54 @@ def evaluate_lm(ref: str, dataset: str, split: str | None = "val", batch_size: i
     use = split if split in splits else None
     batches = packed_batches(version.ref, batch_size=batch_size, split=use, shuffle=False)
     batches.set_epoch(0)
-    out = perplexity(model, batches, torch.device("cpu"))
-    return {**out, "dataset": version.ref, "split": use or "all"}  # type: ignore[dict-item]
+    out: dict[str, Any] = dict(perplexity(model, batches, torch.device("cpu")))
+    out.update(
+        dataset=version.ref, split=use or "all", samples=lm_samples(model, tok, version, use, settings)
+    )
+    if record and not local:
+        record_lm_evaluation(ref, out)
+    return out
+
+
+def lm_samples(model: Any, tok: Any, version: Any, split: str | None, settings: dict[str, Any]) -> list[Any]:
+    """Greedy generations of ``settings``' prompts (given texts, else the start of ``split``'s documents)."""
+    from gpuyard.train.hf import default_prompts, generate_samples
+
+    if settings["prompts"]:
+        prompts = tok.encode_batch(settings["prompts"], specials=True)
+    elif settings["count"]:
+        cols = version.to_numpy(["input_ids", "position_ids"], split)
+        head = slice(0, settings["count"])
+        prompts = default_prompts(
+            cols["input_ids"][head], cols["position_ids"][head], settings["count"], settings["prompt_tokens"]
+        )
+    else:
+        return []
+    return generate_samples(model, tok.tokenizer, prompts, settings["max_new_tokens"], tok.eos_id)
+
+
+def record_lm_evaluation(ref: str, result: dict[str, Any]) -> int:
+    """Store an :func:`evaluate_lm` result against model version ``ref`` and the run it came from
+    (split ``validation``, task ``text-generation``, the generations in its details); returns its id."""
+    from gpuyard.models.evaluate import Evaluation, record_evaluation
+
+    mv = get_version(ref)
+    metrics = {k: float(result[k]) for k in ("val_perplexity", "val_loss_tokens", "val_tokens")}
+    ev = Evaluation(
+        split="validation",
+        task="text-generation",
+        n_samples=int(result["val_tokens"]),
+        metrics=metrics,
+        details={"samples": result.get("samples", []), "split": result.get("split")},
+    )
+    where = (
+        result["dataset"]
+        if result.get("split") in (None, "all")
+        else f"{result['dataset']}#split={result['split']}"
+    )
+    return record_evaluation(
+        ev, run_id=mv.run_id, model_name=mv.name, model_version=mv.version, dataset_version=where
+    )
 
 
 def promote_lm(
@@ -230,12 +316,15 @@ def promote_lm(
     mv = get_version(ref)
     if mv.flavor not in (FLAVOR, ADAPTER_FLAVOR):
         raise ConfigError(f"{mv.ref} is a {mv.flavor} model; use `gpuyard models promote`")
-    mine = evaluate_lm(mv.ref, dataset, split)["val_perplexity"]
+    none = {"count": 0}  # promotion compares perplexities; `gpuyard llm eval` records generations
+    mine = evaluate_lm(mv.ref, dataset, split, samples=none)["val_perplexity"]
     current = None
     try:
         prod = get_version(f"{mv.name}@production")
         current = (
-            None if prod.version == mv.version else evaluate_lm(prod.ref, dataset, split)["val_perplexity"]
+            None
+            if prod.version == mv.version
+            else evaluate_lm(prod.ref, dataset, split, samples=none)["val_perplexity"]
         )
     except NotFoundError:
         prod = None

@@ -126,6 +126,107 @@ class PlanInputs(StageInputs):
     gpu_counts: list[int] = Field([8, 16, 64, 256], min_length=1, description="GPU counts to price")
 
 
+class TextIngestInputs(StageInputs):
+    """``text-ingest``: a text corpus (documents or chat records) as a version of dataset ``name``."""
+
+    source: str = Field(description="a .txt/.md file or folder, or JSONL/Parquet (relative to the pipeline)")
+    name: str = Field(description="the dataset the version belongs to")
+    format: Literal["text", "jsonl", "parquet"] | None = Field(None, description="default: from the path")
+    text_field: str = Field("text", description="the field holding a document (JSONL/Parquet)")
+    messages_field: str | None = Field(
+        None, description="the field holding a chat record (role/content list)"
+    )
+    max_doc_bytes: int = Field(1 << 20, ge=1, description="documents over this size are quarantined")
+
+
+class TokenizeInputs(StageInputs):
+    """``tokenize``: a text version tokenized and packed into fixed-length sequences."""
+
+    dataset: str = Field(description="a text dataset reference")
+    tokenizer: str = Field(description="a tokenizer.json or a folder with it (relative to the pipeline)")
+    seq_len: int = Field(ge=2, le=1 << 20, description="tokens per packed sequence")
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="documents sent to the val split")
+    seed: int = 0
+    output: str | None = Field(None, description="the token dataset's name (default NAME-tokens)")
+
+
+class Samples(StageInputs):
+    """Greedy generations made at each evaluation (default prompts: the start of validation documents)."""
+
+    prompts: list[str] | None = Field(None, max_length=32, description="prompt texts")
+    count: int = Field(3, ge=0, le=32, description="default prompts taken from validation documents")
+    prompt_tokens: int = Field(16, ge=1, le=4096, description="tokens of a default prompt (at most half)")
+    max_new_tokens: int = Field(16, ge=1, le=1024, description="tokens generated per prompt")
+
+
+class LlmTrainInputs(StageInputs):
+    """``llm-train``: ``gpuyard train`` of a Hugging Face causal LM on a token dataset's train split."""
+
+    dataset: str = Field(description="a token dataset NAME[@VERSION] with train and val splits")
+    config: str | None = Field(None, description="a config.json: random initialisation")
+    weights: str | None = Field(None, description="a registered model NAME:VERSION or a weights folder")
+    lora: dict[str, Any] | None = Field(None, description="LoRA settings {r, alpha, dropout, target_modules}")
+    max_steps: int = Field(100, ge=1, description="optimizer steps")
+    batch_size: int = Field(16, ge=1, description="sequences per rank and step")
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(10, ge=0)
+    val_every_steps: int | None = Field(None, ge=1, description="default: twice, halfway and at the end")
+    nproc: int = Field(2, ge=1, le=64, description="processes (DDP ranks)")
+    threads: int = Field(1, ge=1, le=256, description="intra-op threads per rank (OMP_NUM_THREADS)")
+    seed: int = 0
+    samples: Samples = Field(
+        default_factory=lambda: Samples.model_validate({}), description="generations at each validation"
+    )
+    experiment: str = Field("llm", description="the tracked run's experiment")
+    run_name: str | None = Field(None, description="the tracked run's name (default: the stage's)")
+
+
+class LlmRegisterInputs(StageInputs):
+    """``llm-register``: an exported Hugging Face folder registered (with ``base``: its LoRA adapter)."""
+
+    name: str = Field(description="the registered model's name")
+    model_dir: str = Field(description="the exported folder (llm-train's model_dir)")
+    base: str | None = Field(None, description="register the folder's LoRA adapter of this model")
+    merge: bool = Field(False, description="with base: also register the adapter merged into it")
+    run: str | None = Field(None, description="the training run (lineage)")
+
+
+class LlmEvalInputs(StageInputs):
+    """``llm-eval``: perplexity of a language model on a token dataset, with sample generations."""
+
+    model: str = Field(description="a registered language model or a Hugging Face folder")
+    dataset: str = Field(description="a token dataset made with the model's tokenizer")
+    split: str = Field("val", description="the split (the whole dataset when it has none)")
+    batch_size: int = Field(8, ge=1)
+    samples: Samples = Field(
+        default_factory=lambda: Samples.model_validate({}), description="generations recorded with it"
+    )
+    threads: int = Field(1, ge=1, le=256, description="intra-op threads")
+
+
+class LlmPromoteInputs(StageInputs):
+    """``llm-promote``: promotion to production gated on perplexity (and no worse than production)."""
+
+    model: str = Field(description="NAME:VERSION of a registered language model")
+    dataset: str = Field(description="the token dataset perplexity is measured on")
+    split: str = "val"
+    max_perplexity: float | None = Field(None, gt=0, description="refuse above this perplexity")
+    threads: int = Field(1, ge=1, le=256, description="intra-op threads")
+
+
+class LlmServeInputs(StageInputs):
+    """``llm-serve``: ``gpuyard serve`` of a language model, one streamed chat completion, then stopped."""
+
+    model: str = Field(description="a registered language model (NAME:VERSION or NAME@ALIAS)")
+    message: str = Field(description="the user message of the chat completion")
+    max_tokens: int = Field(32, ge=1, le=4096)
+    stop: list[str] | None = Field(None, max_length=4, description="stop sequences")
+    max_batch: int = Field(8, ge=1, le=1024)
+    threads: int = Field(1, ge=1, le=256, description="the server's intra-op threads (OMP_NUM_THREADS)")
+    start_timeout_s: float = Field(120.0, gt=0, le=3600, description="how long the server may take to start")
+
+
 INPUTS: dict[str, type[StageInputs]] = {
     "ingest": IngestInputs,
     "transform": TransformInputs,
@@ -136,6 +237,13 @@ INPUTS: dict[str, type[StageInputs]] = {
     "register": RegisterInputs,
     "serve": ServeInputs,
     "plan": PlanInputs,
+    "text-ingest": TextIngestInputs,
+    "tokenize": TokenizeInputs,
+    "llm-train": LlmTrainInputs,
+    "llm-register": LlmRegisterInputs,
+    "llm-eval": LlmEvalInputs,
+    "llm-promote": LlmPromoteInputs,
+    "llm-serve": LlmServeInputs,
 }
 
 M = TypeVar("M", bound=StageInputs)

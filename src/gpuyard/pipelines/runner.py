@@ -21,7 +21,7 @@ from typing import Any
 from gpuyard.errors import ConfigError, GpuyardError
 from gpuyard.pipelines import cache
 from gpuyard.pipelines.inputs import stage_inputs
-from gpuyard.pipelines.spec import PipelineSpec, StageSpec, resolve
+from gpuyard.pipelines.spec import PipelineSpec, StageSpec, render_summary, resolve
 from gpuyard.settings import load_settings
 
 Event = dict[str, Any]
@@ -51,6 +51,7 @@ class PipelineResult:
 
     name: str
     stages: list[StageResult] = field(default_factory=list)
+    summary: list[str] = field(default_factory=list)
 
     def outputs(self, stage: str) -> dict[str, Any]:
         """Outputs of ``stage`` (ConfigError when the pipeline has no such stage)."""
@@ -230,6 +231,7 @@ def run_pipeline(
                 )
             outputs[st.name] = res.outputs
             result.stages.append(res)
+        result.summary = render_summary(spec.summary, outputs)
     finally:
         if jobs is not None:
             jobs.close()

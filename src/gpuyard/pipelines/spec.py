@@ -7,6 +7,7 @@ reference keeps the output's type; inside a longer string it is formatted in.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,11 @@ class PipelineSpec(BaseModel):
     name: str
     description: str = ""
     stages: list[StageSpec] = Field(min_length=1)
+    summary: list[str] = Field(
+        default_factory=list,
+        max_length=20,
+        description="lines printed at the end, with ${stage.output} references (numbers to 4 digits)",
+    )
 
     @model_validator(mode="after")
     def _refs(self) -> PipelineSpec:
@@ -67,6 +73,9 @@ class PipelineSpec(BaseModel):
                         f" (earlier: {', '.join(sorted(seen)) or 'none'})"
                     )
             seen.add(st.name)
+        for ref, _key in references(self.summary):
+            if ref not in seen:
+                raise ValueError(f"summary refers to ${{{ref}...}}, which is not a stage ({', '.join(seen)})")
         for st in self.stages:  # once the stages and their references are known to be sound
             check_names(st.uses, st.inputs, st.name)
         return self
@@ -109,6 +118,21 @@ def resolve(value: Any, outputs: dict[str, dict[str, Any]], where: str) -> Any:
     if whole:
         return lookup(whole.group(1), whole.group(2))
     return REF.sub(lambda m: str(lookup(m.group(1), m.group(2))), value)
+
+
+def render_summary(lines: list[str], outputs: dict[str, dict[str, Any]]) -> list[str]:
+    """The summary lines with references replaced by the stages' outputs (numbers to 4 significant
+    digits, text with line breaks quoted; an output a stage did not produce is written ``?``)."""
+
+    def value(m: re.Match[str]) -> str:
+        got = outputs.get(m.group(1), {}).get(m.group(2), "?")
+        if isinstance(got, float):
+            return f"{got:.4g}"
+        if isinstance(got, str):
+            return got if got.isprintable() else repr(got)  # a line stays one line
+        return json.dumps(got)
+
+    return [REF.sub(value, line) for line in lines]
 
 
 def parse_pipeline(doc: Any, source: str = "pipeline") -> PipelineSpec:

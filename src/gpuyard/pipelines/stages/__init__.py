@@ -24,6 +24,13 @@ KINDS: dict[str, str] = {
     "register": "gpuyard.pipelines.stages.models:register_stage",
     "serve": "gpuyard.pipelines.stages.serve:serve_stage",
     "plan": "gpuyard.pipelines.stages.fabric:plan_stage",
+    "text-ingest": "gpuyard.pipelines.stages.llm:text_ingest_stage",
+    "tokenize": "gpuyard.pipelines.stages.llm:tokenize_stage",
+    "llm-train": "gpuyard.pipelines.stages.llm:llm_train_stage",
+    "llm-register": "gpuyard.pipelines.stages.llm:llm_register_stage",
+    "llm-eval": "gpuyard.pipelines.stages.llm:llm_eval_stage",
+    "llm-promote": "gpuyard.pipelines.stages.llm:llm_promote_stage",
+    "llm-serve": "gpuyard.pipelines.stages.llm:llm_serve_stage",
 }
 
 

@@ -415,7 +415,12 @@ class Engine:
         ids = torch.tensor(
             [[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in group], device=self.device
         )
-        kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True, **self._last_only}
+        from transformers import DynamicCache
+
+        # A cache of full layers (not the config's sliding-window ones, which keep only the window).
+        kwargs: dict[str, Any] = {
+            "input_ids": ids, "use_cache": True, self._cache_arg: DynamicCache(), **self._last_only
+        }  # fmt: skip
         if min(lengths) < width:
             mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
             kwargs["attention_mask"] = mask
@@ -425,8 +430,6 @@ class Engine:
         kv = [(layer.keys, layer.values) for layer in _cache_of(out).layers]
         slots = self._slots
         if self._cache is None:
-            from transformers import DynamicCache
-
             slots.make_room(width, self.max_batch, kv)
             layer = _slot_layer_class()
             self._cache = DynamicCache()

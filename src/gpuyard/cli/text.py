@@ -9,11 +9,12 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from gpuyard.data.text import TEXT_SUFFIXES
-
 
 def is_text_source(src: Path, fmt: str | None, text_field: str | None, messages_field: str | None) -> bool:
     """True when ``gpuyard data ingest`` should read ``src`` as a text corpus."""
+    # Imported here: gpuyard.data loads pyarrow and the catalog, which every other command would pay for.
+    from gpuyard.data.text import TEXT_SUFFIXES
+
     if text_field or messages_field or fmt in ("text", "txt"):
         return True
     if fmt is not None:

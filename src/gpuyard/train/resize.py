@@ -9,8 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpuyard.errors import ConfigError
-from gpuyard.train.data import rank_batch_size
-from gpuyard.train.parallel import resolve_layout
 from gpuyard.train.spec import load_spec
 
 
@@ -24,6 +22,10 @@ def allowed_world_sizes(path: str | Path, low: int, high: int) -> tuple[int, ...
         ConfigError: the spec is invalid, has no ``data.global_batch_size``, or no size in the range
             splits it (one line, naming the spec).
     """
+    # Imported here: they import torch, which `gpuyard server` (the caller) need not load to start.
+    from gpuyard.train.data import rank_batch_size
+    from gpuyard.train.parallel import resolve_layout
+
     train = load_spec(path)
     global_batch = train.data.global_batch_size
     if global_batch is None:

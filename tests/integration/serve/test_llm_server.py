@@ -197,23 +197,26 @@ def test_dropped_stream_frees_its_slot_and_short_requests_pass_long_ones(served:
     assert "gpuyard_llm_batch_size" in metrics and "gpuyard_llm_queue_depth" in metrics
 
 
-def test_full_queue_answers_429(model_dir: Path) -> None:
-    served = Served(model_dir, max_batch=1, max_queue=2, start=False)
-    try:
-        body = {"model": "tiny", "prompt": "the cat", "max_tokens": 4}
+def test_full_queue_answers_429(served: Served) -> None:
+    """The module's model behind a second app whose engine never runs (requests stay queued), driven
+    in-process through ASGI: no second model load or port."""
+    from gpuyard.serve.llm.app import Metrics, build_app
+    from gpuyard.serve.llm.engine import Engine
 
-        async def fire() -> int:
-            async with httpx.AsyncClient(timeout=30) as c:
-                pending = [
-                    asyncio.create_task(c.post(served.url + "/completions", json=body)) for _ in range(2)
-                ]
-                await asyncio.to_thread(wait_for, lambda: len(served.engine.waiting) == 2)
-                third = await c.post(served.url + "/completions", json=body)
-                for t in pending:
-                    t.cancel()
-                assert "queue is full (2 requests waiting)" in third.json()["error"]["message"]
-                return third.status_code
+    engine = Engine(served.engine.model, served.engine.tok, CONTEXT, 1, 2, metrics=Metrics())
+    engine.close()  # no engine thread: requests stay queued
+    app = build_app(engine, "tiny")
+    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 4}
 
-        assert asyncio.run(fire()) == 429
-    finally:
-        served.close()
+    async def fire() -> int:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gpuyard", timeout=30) as c:
+            pending = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(2)]
+            await asyncio.to_thread(wait_for, lambda: len(engine.waiting) == 2)
+            third = await c.post("/v1/completions", json=body)
+            for t in pending:
+                t.cancel()
+            assert "queue is full (2 requests waiting)" in third.json()["error"]["message"]
+            return third.status_code
+
+    assert asyncio.run(fire()) == 429

@@ -86,3 +86,19 @@ def test_library_does_not_import_front_ends() -> None:
             if f"from {fe}" in source or f"import {fe}" in source:
                 offenders.append(f"{name} -> {fe}")
     assert offenders == []
+
+
+# What `gpuyard server` and every CLI command load before they do anything: none of these may pull in
+# torch, pyarrow or the data catalog (seconds of start-up each, paid by every command and server start).
+_LIGHT = ("gpuyard.cli.main", "gpuyard.scheduler.setup", "gpuyard.api.app", "gpuyard.train.resize")
+_HEAVY = ("torch", "pyarrow", "gpuyard.data.catalog", "transformers")
+
+
+def test_the_command_line_and_the_server_start_without_heavy_libraries() -> None:
+    script = (
+        "import importlib, sys\n"
+        f"for name in {_LIGHT!r}: importlib.import_module(name)\n"
+        f"print(' '.join(m for m in {_HEAVY!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [], f"loaded at start-up: {out.stdout.strip()}"

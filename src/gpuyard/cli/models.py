@@ -158,7 +158,9 @@ def show(
     for split, metrics in mv.metrics.items():
         con.print(f"[bold]{split:>16}[/bold]  " + ", ".join(f"{k}={fmt(v)}" for k, v in metrics.items()))
     sig = mv.signature
-    if sig:
+    if sig and "inputs" not in sig:  # a language model's: text in, text out
+        con.print(f"[bold]{'signature':>16}[/bold]  {sig.get('task')}")
+    elif sig:
         out = sig.get("outputs", {})
         con.print(
             f"[bold]{'signature':>16}[/bold]  in {sig['inputs']['dtype']}{sig['inputs']['shape']} -> "

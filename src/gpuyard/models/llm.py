@@ -114,7 +114,9 @@ def register_lm(
     for path in files:
         put = artifacts.put_blob(path)
         stored[path.name] = {"key": put.key, "sha256": put.sha256, "size": put.size}
-    metrics = {**{k: v for k, v in info.items() if k == "val_perplexity"}, **(metrics or {})}
+    # By split, as the registry keeps every flavor's metrics (`gpuyard models show` prints them so).
+    measured = {"perplexity": info["val_perplexity"]} if isinstance(info.get("val_perplexity"), float) else {}
+    metrics = {**({"validation": measured} if measured else {}), **(metrics or {})}
     fields = dict(
         flavor=config["flavor"],
         stage=ModelStage.NONE,

@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 from tests.llm_fixtures import corpus, tokenizer_folder
+from typer.testing import CliRunner
 
+from gpuyard.cli.main import app
 from gpuyard.errors import ConfigError
 from gpuyard.pipelines.inputs import LlmTrainInputs, parse_inputs, stage_inputs
 from gpuyard.pipelines.spec import parse_pipeline, render_summary
@@ -194,8 +196,12 @@ def test_llm_eval_records_perplexity_and_generations_with_the_model(lm: SimpleNa
 
     dataset = lm.dataset
     torch.manual_seed(0)
-    folder = save_hf(causal_lm(config=str(lm.tmp / "config.json")), None, lm.tmp / "hf", lm.tok)
+    model = causal_lm(config=str(lm.tmp / "config.json"))
+    folder = save_hf(model, None, lm.tmp / "hf", lm.tok, {"val_perplexity": 250.0})
     mv = register_lm("tiny", folder)
+    assert mv.metrics == {"validation": {"perplexity": 250.0}}  # by split, as every flavor's
+    shown = CliRunner().invoke(app, ["models", "show", mv.ref])
+    assert shown.exit_code == 0 and "perplexity=250" in shown.output
     prompts = {"prompts": ["the cat sat", "a dog"], "max_new_tokens": 4}
     out = evaluate_lm(mv.ref, dataset, "val", samples=prompts, record=True)
     assert [s["prompt"] for s in out["samples"]] == ["the cat sat", "a dog"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -224,6 +225,9 @@ def llm_train_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, An
     i = parse_inputs(LlmTrainInputs, inputs, ctx["stage"])
     work = Path(ctx["workdir"])
     run_dir = work / "run"
+    if run_dir.exists():
+        # The stage runs again (--no-cache, or after a failure): train afresh, not resume its last run.
+        shutil.rmtree(run_dir)
     weights = _weights(i.weights, ctx) if i.weights is not None else None
     spec = llm_train_spec(i, run_dir, weights, ctx)
     spec_path = work / "train.yaml"
@@ -256,9 +260,10 @@ def llm_train_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, An
     what = (
         f"LoRA {i.lora} on {i.weights}" if i.lora else (f"from {i.weights}" if i.weights else "from scratch")
     )
+    ranks = f"{i.nproc} ranks (DDP, gloo)" if i.nproc > 1 else "1 rank"
     curve = ", ".join(f"{_fmt(v)} at step {k}" for k, v in sorted(ppl.items()))
     lines = [
-        f"{what}: {steps} steps on {i.nproc} rank(s) (DDP, gloo) in {seconds:.1f} s;"
+        f"{what}: {steps} steps on {ranks} in {seconds:.1f} s;"
         f" run {str(run_id)[:8]} on {spec['tracking']['dataset']}",
         f"train loss {_fmt(losses[0])} at step 1 (perplexity {_fmt(math.exp(min(losses[0], 50)))})"
         f" -> {_fmt(losses[-1])}; validation perplexity {curve}"
@@ -290,10 +295,11 @@ def llm_register_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str,
     mv = register_lm(i.name, _path(i.model_dir, ctx), base=i.base, run_id=i.run)
     out: dict[str, Any] = {"model": mv.ref, "version": mv.version, "flavor": mv.flavor}
     cfg = mv.config
+    measured = "perplexity" in mv.metrics.get("validation", {})
     lines = [
         f"registered {mv.ref} ({mv.flavor}{', adapter of ' + str(cfg.get('base')) if i.base else ''}),"
         f" context {cfg.get('context_length')}, tokenizer {str(cfg.get('tokenizer_sha256'))[:12]}"
-        + (f", validation perplexity {_fmt(mv.metrics.get('val_perplexity'))}" if not i.base else "")
+        + (f", validation perplexity {_fmt(mv.metrics['validation']['perplexity'])}" if measured else "")
     ]
     if i.merge:
         folder = _path(i.model_dir, ctx)

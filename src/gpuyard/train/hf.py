@@ -129,17 +129,26 @@ class CausalLM(nn.Module):
         """One FSDP2 unit per decoder layer (then the root holds embeddings and head)."""
         return decoder_layers(self.hf)
 
-    def tp_plan(self) -> dict[str, Any]:
-        """Megatron-style tensor parallelism of the attention and MLP projections (Llama family).
+    def tp_plan(self, tp: int = 1) -> dict[str, Any]:
+        """Megatron-style tensor parallelism of the attention and MLP projections (Llama family) over
+        ``tp`` ranks: q/k/v/gate/up column-wise (each rank a share of the heads and of the MLP), o/down
+        row-wise (their partial sums all-reduced). Embeddings, norms and the head stay replicated, so
+        tied embeddings stay tied.
 
         Raises:
             ConfigError: the architecture's layers are not named as in Llama/Qwen/Mistral, or its
-                head counts do not split.
+                head counts or MLP width do not split over ``tp``.
         """
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
         if self.lora:
             raise ConfigError("parallel.tp: LoRA fine-tuning runs with dp only (ddp or fsdp)")
+        cfg = self.hf.config
+        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            n = getattr(cfg, key, None)
+            if isinstance(n, int) and n % tp:
+                # Column shards must hold whole heads: attention reshapes each rank's share by head_dim.
+                raise ConfigError(f"parallel.tp={tp}: the model's {key} ({n}) does not split over {tp} ranks")
         plan: dict[str, Any] = {}
         for name, _ in self.hf.named_modules():
             tail = name.split(".layers.", 1)[-1].split(".", 1)[-1] if ".layers." in name else ""
@@ -383,7 +392,10 @@ def _validation_samples(trainer: Any, dataset: str, split: str | None) -> list[d
 
     wrapped = _unwrap(trainer.model)
     settings = getattr(wrapped, "_gpuyard_samples", None) or sample_settings(None)
-    sharded = any(type(p).__name__ == "DTensor" for p in wrapped.parameters())
+    # From the layout, not the parameters' type: FSDP2 leaves the root's parameters unsharded (plain
+    # tensors) after a forward without backward (the perplexity just run), yet every rank must join.
+    layout = trainer.ctx.layout
+    sharded = layout.tp > 1 or (layout.dp > 1 and trainer.spec.parallel.data_parallel == "fsdp")
     if (settings["count"] == 0 and not settings["prompts"]) or (trainer.ctx.rank != 0 and not sharded):
         return []
     cache = trainer.__dict__.setdefault("_gpuyard_sample_cache", {})

@@ -141,19 +141,26 @@ def init_distributed(spec: ParallelSpec) -> DistContext:
     return DistContext(rank, world, local_rank, device, layout, mesh)
 
 
-def tp_plan_of(model: nn.Module) -> dict[str, Any]:
-    """The model's tensor-parallel plan, `model.tp_plan()`.
+def tp_plan_of(model: nn.Module, tp: int = 1) -> dict[str, Any]:
+    """The model's tensor-parallel plan, `model.tp_plan()` (`model.tp_plan(tp=tp)` where the method
+    takes the tp size, to check that its layers split over that many ranks).
 
     Raises:
-        ConfigError: when the model gives no plan.
+        ConfigError: when the model gives no plan (or its own check refuses tp).
     """
+    import inspect
+
     plan_fn = getattr(model, "tp_plan", None)
     if not callable(plan_fn):
         raise ConfigError(
             f"parallel.tp: {type(model).__name__} has no tp_plan() method returning "
             "{module_path: ColwiseParallel()/RowwiseParallel()}"
         )
-    return dict(plan_fn())
+    try:
+        takes_tp = "tp" in inspect.signature(plan_fn).parameters
+    except (TypeError, ValueError):  # a callable without a readable signature
+        takes_tp = False
+    return dict(plan_fn(tp=tp) if takes_tp else plan_fn())
 
 
 def apply_tensor_parallel(
@@ -166,7 +173,8 @@ def apply_tensor_parallel(
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    return parallelize_module(model, ctx.mesh["tp"], tp_plan_of(model) if plan is None else plan)
+    plan = tp_plan_of(model, ctx.layout.tp) if plan is None else plan
+    return parallelize_module(model, ctx.mesh["tp"], plan)
 
 
 def stage_tp_plan(plan: dict[str, Any], stage: nn.Module) -> dict[str, Any]:
@@ -279,7 +287,7 @@ def build_pipeline(model: nn.Module, ctx: DistContext, spec: ParallelSpec, loss_
 
     pp_rank, pp = ctx.coord("pp"), ctx.layout.pp
     # The plan is read from the whole model: a stage is a plain nn.Sequential without tp_plan().
-    plan = tp_plan_of(model) if ctx.layout.tp > 1 else {}
+    plan = tp_plan_of(model, ctx.layout.tp) if ctx.layout.tp > 1 else {}
     module = stage_module(model, pp_rank, pp).to(ctx.device)
     if ctx.layout.tp > 1:
         module = apply_tensor_parallel(module, ctx, stage_tp_plan(plan, module))
@@ -299,17 +307,39 @@ def build_pipeline(model: nn.Module, ctx: DistContext, spec: ParallelSpec, loss_
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, ctx: DistContext) -> float:
-    """Clip gradients to a global norm (DTensor shards and pipeline stages included); returns the norm."""
+    """Clip gradients to a global norm (DTensor shards and pipeline stages included); returns the norm.
+
+    Gradients are grouped by kind: plain tensors (replicated parameters, the same on every rank of a
+    tensor-parallel group: counted once), and DTensors by mesh and placements (FSDP shards, tensor
+    parallel column/row shards: each group's norm is made whole across its mesh). torch's foreach
+    kernels take one kind per call, so a tensor-parallel model (sharded projections beside replicated
+    embeddings and norms) cannot be clipped in one call.
+    """
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=ctx.device)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    parts = []
+    for group in groups.values():
+        part = torch.nn.utils.get_total_norm(group)
+        parts.append(part.full_tensor() if isinstance(part, DTensor) else part)
+    if not parts:
+        norm = torch.zeros((), device=ctx.device)
+    elif len(parts) == 1:
+        norm = parts[0]
+    else:  # the norm of all: the root of the groups' summed squares
+        norm = torch.stack([n.float().pow(2) for n in parts]).sum().sqrt()
     if ctx.layout.pp > 1:
         # Each stage holds different parameters: the global norm sums their squares.
         sq = norm.pow(2)
         dist.all_reduce(sq, group=ctx.group("pp"))
         norm = sq.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    with_grads = [p for p in params if p.grad is not None]
+    for kind in (True, False):  # DTensor parameters, then plain ones: one foreach kind per call
+        same = [p for p in with_grads if isinstance(p.grad, DTensor) is kind]
+        if same:
+            torch.nn.utils.clip_grads_with_norm_(same, max_norm, norm)
     return float(norm)

@@ -70,7 +70,13 @@ from gpuyard.train.straggler import (
     StragglerDetector,
     node_name,
 )
-from gpuyard.train.validation import drive_pipeline, early_stopping_update, evaluate, is_classification
+from gpuyard.train.validation import (
+    accuracy_counts,
+    drive_pipeline,
+    early_stopping_update,
+    evaluate,
+    is_classification,
+)
 
 
 @dataclass
@@ -579,7 +585,9 @@ class Trainer:
         d = self.spec.data
         total = torch.zeros((), device=self.ctx.device)
         samples = tokens = 0
-        self._counts: list[Any] = [0, 0, 0]  # right predictions, labels, batches not classification
+        # [right predictions, counted labels] (one tensor: one device sync in _agree), batches not
+        # classification
+        self._counts: list[Any] = [None, 0]
         for i, batch in enumerate(micro):
             inputs, targets = split_batch(batch, d.input_key, d.target_key)
             n, t = count_batch(inputs)
@@ -614,10 +622,10 @@ class Trainer:
         """The loss, counting right predictions on the way when the task is classification (class
         scores against integer labels): the step's ``accuracy`` is logged beside its loss."""
         if is_classification(outputs, targets):
-            self._counts[0] = self._counts[0] + (outputs.detach().argmax(-1) == targets).sum()
-            self._counts[1] += targets.numel()
+            pair = accuracy_counts(outputs, targets)
+            self._counts[0] = pair if self._counts[0] is None else self._counts[0] + pair
         else:
-            self._counts[2] += 1
+            self._counts[1] += 1
         return self.loss_fn(outputs, targets)
 
     def _pipeline_step(self, inputs: Any, targets: Any) -> torch.Tensor:
@@ -638,8 +646,9 @@ class Trainer:
         """
         value = float(loss.item())  # one device sync per step: the loss is logged every step anyway
         self._waits = (data_s, 0.0)
-        counts = getattr(self, "_counts", [0, 0, 1])
-        right, labels, other = float(counts[0]), float(counts[1]), float(counts[2])
+        counts = getattr(self, "_counts", [None, 1])
+        right, labels = (0.0, 0.0) if counts[0] is None else counts[0].tolist()
+        other = float(counts[1])
         self._step_accuracy: float | None = None
         if self.ctx.world_size == 1:
             if labels and not other:

@@ -65,8 +65,8 @@ def evaluate(
             right = labels = 0.0
             other = 1.0
             if pipeline is None and is_classification(outputs, targets):
-                right = float((outputs.argmax(-1) == targets).sum())
-                labels, other = float(targets.numel()), 0.0
+                right, labels = accuracy_counts(outputs, targets).tolist()
+                other = 0.0
             total += torch.tensor([float(loss) * n, n, right, labels, other], dtype=torch.float64)
     model.train()
     if ctx.world_size > 1:
@@ -77,6 +77,17 @@ def evaluate(
     if total[3] > 0 and total[4] == 0:
         out["val_accuracy"] = float(total[2] / total[3])
     return out
+
+
+IGNORE_INDEX = -100  # F.cross_entropy's default: labels not predicted (padding, a packed document's end)
+
+
+def accuracy_counts(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``[right predictions, counted labels]`` (float64, on the outputs' device) of class scores
+    ``[..., C]`` against integer labels ``[...]``; labels equal to ``IGNORE_INDEX`` are not counted."""
+    counted = targets != IGNORE_INDEX
+    right = (outputs.detach().argmax(-1) == targets) & counted
+    return torch.stack([right.sum(), counted.sum()]).double()
 
 
 def is_classification(outputs: Any, targets: Any) -> bool:

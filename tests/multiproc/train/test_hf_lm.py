@@ -1,5 +1,6 @@
-"""Hugging Face causal LMs on gpuyard's trainer: packed sequences, FSDP2 on 2 ranks, exact validation
-perplexity, export in Hugging Face layout that transformers opens, LoRA adapters registered and merged."""
+"""Hugging Face causal LMs on gpuyard's trainer: packed sequences, FSDP2 and tensor parallelism on 2
+ranks (one launch), exact validation perplexity, export in Hugging Face layout that transformers opens,
+LoRA adapters registered and merged."""
 
 from __future__ import annotations
 
@@ -18,20 +19,22 @@ from tests.llm_fixtures import corpus, tokenizer_folder
 pytestmark = pytest.mark.multiproc
 
 
-def tiny_llama(folder: Path, vocab: int, ctx: int = 64) -> Path:
+def tiny_llama(folder: Path, vocab: int, ctx: int = 64, tie: bool = False) -> Path:
     """A Llama config.json: hidden 32, 2 layers, 4 heads (2 key/value heads: GQA)."""
     folder.mkdir(parents=True, exist_ok=True)
     cfg = {
         "model_type": "llama", "vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": ctx, "tie_word_embeddings": False, "eos_token_id": 0, "pad_token_id": 1,
+        "max_position_embeddings": ctx, "tie_word_embeddings": tie, "eos_token_id": 0, "pad_token_id": 1,
     }  # fmt: skip
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder / "config.json"
 
 
-def _spec(tmp: Path, model: dict[str, Any], data: str, **fields: Any) -> Path:
-    spec = {
+def _spec(tmp: Path, model: dict[str, Any], data: str, val: bool = True, **fields: Any) -> Path:
+    """A train spec in ``tmp`` (run folder ``tmp/run``); ``val``: with the val split as validation data."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    spec: dict[str, Any] = {
         "name": "lm",
         "run_dir": str(tmp / "run"),
         "model": {"entrypoint": "gpuyard.train.hf:causal_lm", "kwargs": model},
@@ -52,6 +55,8 @@ def _spec(tmp: Path, model: dict[str, Any], data: str, **fields: Any) -> Path:
         "tracking": "jsonl",
         **fields,
     }
+    if not val:
+        del spec["data"]["val"]
     path = tmp / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -69,29 +74,56 @@ def tokens(gpuyard_home: Path, tmp_path: Path) -> tuple[str, Path]:
     return v.ref, folder
 
 
-def test_fsdp_two_ranks_train_export_and_perplexity(tmp_path: Path, tokens: tuple[str, Path]) -> None:
+LAYER0 = "hf.model.layers.0"  # the first decoder layer's parameter names in gpuyard's CausalLM
+
+
+def _losses(run: Path) -> list[float]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [x["loss"] for x in rows if x.get("event") == "metrics" and "step_time" in x]
+
+
+def test_two_ranks_fsdp_and_tensor_parallel_train_and_export(
+    tmp_path: Path, tokens: tuple[str, Path]
+) -> None:
+    """One launch of 2 ranks trains twice: FSDP2 (dp=2) and tensor parallel (tp=2, tied embeddings)."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gpuyard.data.tokens import load_tokenizer
     from gpuyard.models.llm import evaluate_lm, fetch_lm, register_lm
+    from gpuyard.train.spec import load_spec
+    from gpuyard.train.trainer import Trainer
 
     ref, tok_folder = tokens
     vocab = load_tokenizer(tok_folder).vocab_size
-    spec = _spec(
-        tmp_path, {"config": str(tiny_llama(tmp_path / "cfg", vocab))}, ref,
-        max_steps=6, val_every_steps=3, parallel={"data_parallel": "fsdp"},
+    fsdp = _spec(
+        tmp_path / "fsdp", {"config": str(tiny_llama(tmp_path / "cfg", vocab)), "samples": {"count": 1}},
+        ref, max_steps=4, val_every_steps=2, parallel={"data_parallel": "fsdp"},
     )  # fmt: skip
-    cmd = [sys.executable, "-m", "gpuyard.cli.main", "train", str(spec), "--nproc", "2", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    # Tensor parallel: tied embeddings (replicated; the head is the embedding), clipping over DTensor
+    # gradients, no validation; the same spec on one process is the reference.
+    tied = {"config": str(tiny_llama(tmp_path / "tied", vocab, tie=True))}
+    tp_fields: dict[str, Any] = {"max_steps": 3, "clip_grad_norm": 1.0, "val": False}
+    tp2 = _spec(tmp_path / "tp2", tied, ref, parallel={"tp": 2}, **tp_fields)
+    tp1 = _spec(tmp_path / "tp1", tied, ref, **tp_fields)
+    script = Path(__file__).with_name("hf_lm_ranks.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    proc = subprocess.run([*cmd, str(fsdp), str(tp2)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    status = json.loads(proc.stdout)
-    assert status["status"] == "completed" and status["step"] == 6
-    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+    # FSDP2 over 2 ranks: trained, validated, exported.
+    run = tmp_path / "fsdp" / "run"
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == "completed" and status["step"] == 4
+    shards = json.loads((run / "shards.json").read_text())
+    q = shards[f"{LAYER0}.self_attn.q_proj.weight"]
+    assert shards["layout"] == [1, 2, 1] and q["dtensor"] and q["local"] == [16, 32] and q["full"] == [32, 32]
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     train = [x for x in lines if "loss" in x.get("metrics", x) and "tokens_per_s" in x.get("metrics", x)]
     assert train and all(x.get("metrics", x)["tokens_per_s"] > 0 for x in train)
     ppl = [x.get("metrics", x) for x in lines if "val_perplexity" in x.get("metrics", x)]
     assert len(ppl) >= 2 and ppl[-1]["val_perplexity"] < ppl[0]["val_perplexity"] < vocab
-    exported = tmp_path / "run" / "hf"
+    exported = run / "hf"
     info = json.loads((exported / "gpuyard.json").read_text())
     assert info["context_length"] == 32 and info["dataset"] == ref
     # The export is the trained model: transformers opens it and its perplexity on the same split,
@@ -114,6 +146,30 @@ def test_fsdp_two_ranks_train_export_and_perplexity(tmp_path: Path, tokens: tupl
     assert (fetch_lm("tiny") / "model.safetensors").read_bytes() == (
         exported / "model.safetensors"
     ).read_bytes()
+
+    # Tensor parallel over 2 ranks: each rank holds half the heads and half the MLP (column-wise q,
+    # row-wise o), and the run is the one-process run of the same spec: the same losses step by
+    # step, the same weights in the export (gathered from the shards), the same greedy generations.
+    tp_run = tmp_path / "tp2" / "run"
+    assert json.loads((tp_run / "status.json").read_text())["status"] == "completed"
+    shards = json.loads((tp_run / "shards.json").read_text())
+    q, o = shards[f"{LAYER0}.self_attn.q_proj.weight"], shards[f"{LAYER0}.self_attn.o_proj.weight"]
+    assert shards["layout"] == [1, 1, 2] and q["local"] == [16, 32] and o["local"] == [32, 16]
+    assert not shards["hf.model.embed_tokens.weight"]["dtensor"]
+    assert "hf.lm_head.weight" not in shards  # tied: the same parameter as the embedding
+    single = Trainer(load_spec(tp1))
+    assert single.fit().status == "completed"
+    want, got = _losses(tmp_path / "tp1" / "run"), _losses(tp_run)
+    assert len(got) == 3 and got == pytest.approx(want, rel=1e-5) and got[-1] < got[0]
+    a = load_file(tmp_path / "tp1" / "run" / "hf" / "model.safetensors")
+    b = load_file(tp_run / "hf" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    prompt = hf_tok("the cat sat on", return_tensors="pt")
+    outs = [
+        AutoModelForCausalLM.from_pretrained(folder).generate(**prompt, max_new_tokens=12, do_sample=False)
+        for folder in (tmp_path / "tp1" / "run" / "hf", tp_run / "hf")
+    ]
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_lora_fine_tune_registers_an_adapter_that_merges(tmp_path: Path, tokens: tuple[str, Path]) -> None:

@@ -166,12 +166,14 @@ def test_validation_stores_sample_generations_with_the_run(lm: SimpleNamespace) 
     tracker = _Tracker(run.run_id)
     val = SimpleNamespace(kwargs={"dataset": dataset, "split": "val", "batch_size": 4})
     ctx = SimpleNamespace(
-        rank=0, dp_rank=0, layout=SimpleNamespace(dp=1), device=torch.device("cpu"), group=lambda _n: None
+        rank=0,
+        dp_rank=0,
+        layout=SimpleNamespace(dp=1, tp=1),
+        device=torch.device("cpu"),
+        group=lambda _n: None,
     )
-    trainer = SimpleNamespace(
-        spec=SimpleNamespace(data=SimpleNamespace(val=val)), ctx=ctx, model=model, step=7,
-        last_metrics={}, tracker=tracker,
-    )  # fmt: skip
+    spec = SimpleNamespace(data=SimpleNamespace(val=val), parallel=SimpleNamespace(data_parallel="ddp"))
+    trainer = SimpleNamespace(spec=spec, ctx=ctx, model=model, step=7, last_metrics={}, tracker=tracker)
     export_at_end(trainer, "validation")
     assert trainer.last_metrics["val_perplexity"] > 1
     [event] = [e for e in tracker.events if e["event"] == "samples"]

@@ -16,7 +16,7 @@ from tests.llm_fixtures import corpus
 from tests.waiting import wait_for
 
 from gpuyard.data.tokens import load_tokenizer
-from gpuyard.serve.llm.engine import Engine, Request, SamplingParams, _Slots
+from gpuyard.serve.llm.engine import DECODE_WINDOW, Engine, Request, SamplingParams, _Slots
 
 pytestmark = pytest.mark.unit
 
@@ -196,6 +196,11 @@ def test_streamed_text_holds_back_split_characters_and_stop_strings(model: Any, 
     assert "".join(out.chunks) == "the cat sat " and out.done["done"] == "stop"
     out, _ = feed(["\U0001f642"])  # a stop string made of byte pieces
     assert "".join(out.chunks) == TEXT[: TEXT.index("\U0001f642")] and out.done["done"] == "stop"
+    # Stray bytes that never make a character are held back at most DECODE_WINDOW tokens.
+    stray = Request([1], SamplingParams(max_tokens=40), Collect())
+    for _ in range(40):
+        engine._accept(stray, spm_tokenizer.tokenizer.token_to_id("<0x80>"), 0.0)
+    assert "".join(stray.emit.chunks) == "\ufffd" * 40 and len(stray.emit.chunks) == 40 // DECODE_WINDOW + 1
 
 
 def test_a_sentencepiece_folder_serves(tmp_path: Path, model: Any, spm_tokenizer: Any) -> None:

@@ -44,6 +44,8 @@ from gpuyard.errors import CapacityError, ConfigError
 PREFILL_TOKENS = 4096
 # ... and padding at most this share of them (requests are grouped by prompt length).
 PREFILL_PADDING = 0.25
+# Tokens an incomplete UTF-8 character is held back at most (then it is sent as U+FFFD).
+DECODE_WINDOW = 16
 
 
 class QueueFull(CapacityError):
@@ -82,6 +84,7 @@ class Request:
     pending: int = -1  # the last sampled token, fed to the next step
     prefix: int = 0  # generated[prefix:read] is the context decoded before the new tokens
     read: int = 0  # generated[:read] is in text
+    tail: int = 0  # characters of text from generated[read:] (before an incomplete character)
 
 
 class _Slots:
@@ -387,16 +390,20 @@ class Engine:
 
     def _detokenize(self, req: Request, final: bool) -> None:
         """Add the text of the tokens not yet read to ``req.text``, decoding a window of a few tokens
-        (the last ones read give the context, e.g. a leading space): O(1) per token. Text that ends in
-        an incomplete UTF-8 character is held back until a later token completes it (or ``final``)."""
+        (the last ones read give the context, e.g. a leading space): O(1) per token. An incomplete
+        UTF-8 character at the end is held back until a later token completes it, ``final``, or
+        ``DECODE_WINDOW`` tokens (then it stays a replacement character)."""
         ids, decode = req.generated, self.tok.tokenizer.decode
         before = decode(ids[req.prefix : req.read]) if req.read > req.prefix else ""
         after = decode(ids[req.prefix :])
-        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            req.text += after[len(before) :]
-            req.prefix, req.read = req.read, len(ids)
-        elif final:
-            req.read = len(ids)
+        new = after[len(before) :]
+        complete = final or not new.endswith("\ufffd") or len(ids) - req.read >= DECODE_WINDOW
+        stable = new if complete else new.rstrip("\ufffd")
+        if len(stable) > req.tail:
+            req.text += stable[req.tail :]
+            req.tail = len(stable)
+        if complete:
+            req.prefix, req.read, req.tail = req.read, len(ids), 0
 
     def _accept_all(self, reqs: list[Request], tokens: list[int]) -> None:
         now = time.perf_counter()

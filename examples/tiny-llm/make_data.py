@@ -43,7 +43,7 @@ def chat(question: str, answer: str) -> list[dict[str, str]]:
 def main(
     out: Path, stories: int = 3000, dialogues: int = 600, chats: int = 400, seed: int = 0
 ) -> dict[str, str]:
-    """Write corpus.txt, chat.jsonl, tokenizer/ and config.json (a ~1M-parameter Llama) into ``out``."""
+    """Write corpus.txt, chat.jsonl, tokenizer/ and config.json (a 0.87M-parameter Llama) into ``out``."""
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     docs = [" ".join(sentence(rng) for _ in range(rng.randint(1, 4))) for _ in range(stories)]

@@ -68,14 +68,50 @@ def spec_from_hf_config(doc: dict[str, Any], name: str = "hf-model", seq_len: in
     experts = 0 if gpt2 else experts
     top_k = _int(doc, "num_experts_per_tok", default=1) if experts else 1
     vocab = _int(doc, "vocab_size")
-    if hidden % heads or heads % kv:
+    extra: dict[str, int] = {}
+    if not gpt2:
+        extra = _shape_extras(doc, hidden, heads, layers, experts)
+    if (hidden % heads and not extra.get("head_size")) or heads % kv:
         raise ConfigError(
             f"Hugging Face config: heads={heads} must divide hidden={hidden} and kv_heads={kv} heads"
         )
     return ModelSpec(
         name, layers, hidden, heads, kv, ffn, vocab, seq_len or context,
-        gated_mlp=not gpt2, tied_embeddings=tied, experts=experts, top_k=top_k,
+        gated_mlp=not gpt2, tied_embeddings=tied, experts=experts, top_k=top_k, **extra,
     )  # fmt: skip
+
+
+def _shape_extras(doc: dict[str, Any], hidden: int, heads: int, layers: int, experts: int) -> dict[str, int]:
+    """head_dim, shared experts, leading dense layers and MLA fields of a (non-GPT-2) config.
+
+    Raises:
+        ConfigError: a layer pattern ModelSpec cannot express (MoE on only some layers other than
+            the first ones).
+    """
+    out: dict[str, int] = {}
+    if "kv_lora_rank" in doc:  # multi-head latent attention (DeepSeek-V2/V3, Kimi K2)
+        out["kv_lora_rank"] = _int(doc, "kv_lora_rank")
+        out["q_lora_rank"] = doc["q_lora_rank"] if isinstance(doc.get("q_lora_rank"), int) else 0
+        out["rope_head_dim"] = _int(doc, "qk_rope_head_dim")
+        out["head_size"] = _int(doc, "qk_nope_head_dim")
+        out["v_head_dim"] = _int(doc, "v_head_dim")
+    elif isinstance(doc.get("head_dim"), int) and doc["head_dim"] * heads != hidden:
+        out["head_size"] = _int(doc, "head_dim")
+    if not experts:
+        return out
+    if isinstance(doc.get("n_shared_experts"), int) and doc["n_shared_experts"] > 0:
+        out["shared_experts"] = doc["n_shared_experts"]
+    dense = doc.get("first_k_dense_replace", 0)
+    if isinstance(dense, int) and dense > 0:
+        out["dense_layers"] = min(dense, layers - 1)
+        out["dense_ffn_hidden"] = _int(doc, "intermediate_size")
+    step = doc.get("decoder_sparse_step", doc.get("moe_layer_freq", 1))
+    if step not in (None, 1) or doc.get("mlp_only_layers"):
+        raise ConfigError(
+            "Hugging Face config: MoE on only some layers (decoder_sparse_step / moe_layer_freq / "
+            "mlp_only_layers) is not expressible; only leading dense layers (first_k_dense_replace) are"
+        )
+    return out
 
 
 def load_hf_config(path: str | Path, seq_len: int | None = None) -> ModelSpec:

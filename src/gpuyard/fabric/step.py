@@ -16,7 +16,7 @@ Models", section 4) generalised to grouped-query attention and gated FFNs.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from statistics import NormalDist
 
@@ -315,21 +315,31 @@ def _unfused_attention(
 def _layer_times(
     model: ModelSpec, cluster: Cluster, seq: int, cfg: ParallelConfig, stack: Stack | None = None
 ) -> _Layer:
-    return _layer_times_cached(
-        model,
-        cluster,
-        seq,
-        cfg.tp,
-        cfg.cp,
-        cfg.micro_batch,
-        cfg.recompute,
-        cfg.sequence_parallel,
-        cfg.ep,
-        cfg.precision,
-        stack or get_stack(cfg.stack),
-        cfg.compiled,
-        cfg.tp_overlap,
-    )
+    """One layer's times; for a model with dense and MoE layers, the average over its layers."""
+    parts = [
+        (
+            share,
+            _layer_times_cached(
+                part,
+                cluster,
+                seq,
+                cfg.tp,
+                cfg.cp,
+                cfg.micro_batch,
+                cfg.recompute,
+                cfg.sequence_parallel,
+                cfg.ep,
+                cfg.precision,
+                stack or get_stack(cfg.stack),
+                cfg.compiled,
+                cfg.tp_overlap,
+            ),
+        )
+        for share, part in model.parts()
+    ]
+    if len(parts) == 1:
+        return parts[0][1]
+    return _Layer(*(sum(share * getattr(t, f.name) for share, t in parts) for f in fields(_Layer)))
 
 
 @lru_cache(maxsize=1 << 14)
@@ -369,8 +379,9 @@ def _layer_times_cached(
     # FFN passes per token: routed experts (padded or skewed on the busiest rank) and shared experts.
     routed = model.top_k * imbalance + model.shared_experts if model.is_moe else 1
     kv_width = 2 * model.kv_heads * model.head_dim
+    attn_gemms = model.attention_gemms(tokens, tp)
     up = (2 if model.gated_mlp else 1) * model.ffn_hidden
-    shapes = [(tokens, (h + kv_width) / tp, h), (tokens, h, h / tp)]  # QKV, attention output
+    shapes = list(attn_gemms)  # QKV (MLA: through its latents), attention output
     ffn_rows = tokens
     if model.is_moe:  # each expert sees its share of the tokens routed by the ep group: smaller GEMMs
         ffn_rows = tokens * model.top_k * ep / model.experts * imbalance
@@ -397,7 +408,7 @@ def _layer_times_cached(
     else:
         # Causal FlashAttention: half of the 4 x s x h score and value products per token.
         attention_eff *= _attention_efficiency(cluster, stack)
-        attention = 2 * tokens * seq * h / tp / (attention_peak * attention_eff)
+        attention = 2 * tokens * seq * model.attention_width / tp / (attention_peak * attention_eff)
         if (
             cp > 1
         ):  # ring attention runs on K/V blocks of seq / 2cp tokens (load-balanced halves): shorter tiles
@@ -426,7 +437,7 @@ def _layer_times_cached(
         # torchtitan's per-op policy saves every compute op's output except every second matmul of a
         # block (wq, wk, wv, wo, w1, w3, w2: wk, wo and w3 are recomputed; w2 without a gate), and the
         # memory-bound operators, which it does not save.
-        second = [(tokens, kv_width / 2 / tp, h), (tokens, h, h / tp)]
+        second = [(tokens, kv_width / 2 / tp, h), attn_gemms[-1]]
         second.append(
             (ffn_rows, model.ffn_hidden / tp, h) if model.gated_mlp else (ffn_rows, h, model.ffn_hidden / tp)
         )
@@ -495,13 +506,20 @@ def _stage_layers(model: ModelSpec, pp: int) -> tuple[int, int]:
 
 
 def _activation_bytes_per_token(model: ModelSpec, tp: int, seqpar: bool, recompute: str) -> float:
-    """Activation bytes one layer keeps per token for the backward pass (Korthikanti et al. 2022)."""
+    """Activation bytes one layer keeps per token for the backward pass (Korthikanti et al. 2022).
+
+    For a model with dense and MoE layers, the average over its layers.
+    """
+    return sum(share * _activation_bytes_one(part, tp, seqpar, recompute) for share, part in model.parts())
+
+
+def _activation_bytes_one(model: ModelSpec, tp: int, seqpar: bool, recompute: str) -> float:
     h = model.hidden
     sp = tp if seqpar else 1
     if recompute == "full":
         return 2 * h / sp  # only the layer input
     shared = 10 * h / sp  # norm inputs, GEMM inputs, dropout masks: replicated unless sequence-parallel
-    qkv = 2 * (h + 2 * model.kv_heads * model.head_dim)
+    qkv = 2 * (model.heads + 2 * model.kv_heads) * model.head_dim
     # each token passes through top_k routed experts (capacity padding counted) and the shared ones
     routed = model.top_k * (model.capacity_factor or 1.0) + model.shared_experts if model.is_moe else 1
     ffn = routed * (2 * model.ffn_hidden * (2 if model.gated_mlp else 1) + 2 * model.ffn_hidden)

@@ -108,6 +108,12 @@ class PublishedRun(BaseModel):
         description="Memory bandwidth the source states for its GPUs where they differ from the catalog "
         "device (e.g. torchtitan's 96 GB HBM2e H100 at 2.4 TB/s); None: the catalog's.",
     )
+    regression_guard_pct: float | None = Field(
+        default=None,
+        gt=0,
+        description="This row's regression guard where it differs from its source's (rows of a kind the "
+        "model misses by more than the rest of the source, e.g. the first MoE rows); None: the source's.",
+    )
     metric: Metric
     value: float = Field(gt=0)
     notes: str = ""

@@ -124,7 +124,7 @@ def test_llm_train_spec_pins_the_dataset_and_passes_samples(lm: SimpleNamespace)
     assert spec["model"]["kwargs"]["samples"]["count"] == 2
     assert spec["val_every_steps"] == 15 and spec["max_steps"] == 30
     both = parse_inputs(LlmTrainInputs, {"dataset": dataset, "config": "c", "weights": "w"}, "pre")
-    with pytest.raises(ConfigError, match=r"give config .* or weights"):
+    with pytest.raises(ConfigError, match=r"give one of config \(random init\) and weights"):
         llm_train_spec(both, tmp_path / "run", tmp_path, ctx)
 
 
@@ -238,3 +238,21 @@ def test_the_registry_reads_a_config_json_without_transformers(tmp_path: Path) -
     (tmp_path / "config.json").write_bytes(b"\x00\x01binary")
     with pytest.raises(ConfigError, match=r"model config .*config.json is not JSON"):
         hf_config_fields(tmp_path)
+
+
+def test_a_lora_export_is_registered_as_merged_only_when_trained_on_that_base(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gpuyard.models.llm as llm
+    from gpuyard.pipelines.stages.llm import _merged_export_of
+
+    fetched = {"tiny:1": tmp_path / "cache" / "tiny" / "1", "tiny:5": tmp_path / "cache" / "tiny" / "5"}
+    monkeypatch.setattr(llm, "fetch_lm", lambda ref: fetched[ref])
+    hf = tmp_path / "hf"
+    (hf / "adapter").mkdir(parents=True)
+    (hf / "model.safetensors").write_bytes(b"weights")
+    (hf / "gpuyard.json").write_text(json.dumps({"source": {"weights": str(fetched["tiny:1"])}}))
+    assert _merged_export_of(hf, "tiny:1")
+    assert not _merged_export_of(hf, "tiny:5")  # trained on another base: merged from the registry instead
+    (hf / "gpuyard.json").write_text("{not json")
+    assert not _merged_export_of(hf, "tiny:1")

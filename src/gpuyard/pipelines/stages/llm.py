@@ -128,7 +128,7 @@ def llm_train_spec(
     from gpuyard.data.tokens import token_info
 
     if (i.config is None) == (weights is None):
-        raise ConfigError(f"stage {ctx['stage']!r}: give config (random init) or weights (a model), not both")
+        raise ConfigError(f"stage {ctx['stage']!r}: give one of config (random init) and weights (a model)")
     version = open_dataset(pin(i.dataset))
     token_info(version)
     splits = version.manifest.get("splits") or {}
@@ -285,6 +285,23 @@ def llm_train_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, An
     }
 
 
+def _merged_export_of(folder: Path, base: str) -> bool:
+    """Whether ``folder`` is a LoRA run's export (adapter and merged model) trained on the weights of
+    registered model ``base`` (its gpuyard.json names the folder the registry fetched ``base`` to)."""
+    from gpuyard.models.llm import fetch_lm
+
+    info_file = folder / "gpuyard.json"
+    if not (
+        (folder / "adapter").is_dir() and (folder / "model.safetensors").is_file() and info_file.is_file()
+    ):
+        return False
+    try:
+        source = json.loads(info_file.read_text()).get("source") or {}
+    except (OSError, ValueError):
+        return False
+    return bool(source.get("weights")) and Path(str(source["weights"])) == fetch_lm(base)
+
+
 def llm_register_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     """Register an exported model (``gpuyard llm register``), or its LoRA adapter of ``base`` (and merged)."""
     from gpuyard.models.llm import merge_adapter, register_lm
@@ -303,7 +320,7 @@ def llm_register_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str,
     ]
     if i.merge:
         folder = _path(i.model_dir, ctx)
-        if (folder / "adapter").is_dir() and (folder / "model.safetensors").is_file():
+        if _merged_export_of(folder, str(i.base)):
             # A LoRA run's export holds the adapter merged into the weights it trained on (peft's
             # merge_and_unload at export): registering it spares a process loading peft to merge again.
             how = "merged at export"

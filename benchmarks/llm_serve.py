@@ -21,8 +21,9 @@ first token arrives with the last (what a client of a non-streaming server sees)
 the engine samples the request's first token (its ``time_to_first_token`` metric; the random model's
 text is mostly stray UTF-8 bytes, which the server holds back up to 16 tokens before streaming them).
 With ``--rounds N`` each level runs N times (the three servers in turn each
-round) and each server's best round counts: on a shared machine the load varies between rounds. Last
-line: ratios at the largest client count, and at 1 client gpuyard over the plain ``generate()`` loop
+round) and each server's best round counts: on a shared machine the load varies between rounds (each
+round's ratios are printed too, and the last line has their median). Last line: ratios at the largest
+client count, and at 1 client gpuyard over the plain ``generate()`` loop
 (``single_vs_generate``: the engine's per-token overhead, no batching to gain from).
 """
 
@@ -213,13 +214,16 @@ def main() -> None:
             "gpuyard": Gpuyard(model, tok, batch),
         }
         results: dict[str, dict[int, dict[str, float]]] = {k: {} for k in servers}
+        rounds: dict[int, list[dict[str, float]]] = {}  # per level, each round's ratios (same load)
         for clients in levels:
             work = workload(tok, clients * rpc, seed=clients)
             for _ in range(args.rounds):
+                this: dict[str, float] = {}
                 for name, server in servers.items():  # in turn, level by level: the load hits all alike
                     if name == "sequential" and clients > 8 and args.quick:
                         continue
                     r = run_level(server, work, clients, name == "gpuyard")
+                    this[name] = r["tok_s"]
                     best = results[name].get(clients)
                     if best is None or r["tok_s"] > best["tok_s"]:
                         results[name][clients] = r
@@ -228,6 +232,11 @@ def main() -> None:
                         f"{line}  ttft p50 {r['ttft_p50_ms']:8.1f} ms  p99 {r['ttft_p99_ms']:8.1f} ms",
                         flush=True,
                     )
+                ratios = {k: this["gpuyard"] / v for k, v in this.items() if k != "gpuyard"}
+                rounds.setdefault(clients, []).append(ratios)
+                print(
+                    "     round: " + " ".join(f"gpuyard/{k}={v:.2f}" for k, v in ratios.items()), flush=True
+                )
     top = max(levels)
     g, s, st = results["gpuyard"][top], results["sequential"].get(top), results["static"][top]
     vs_seq = g["tok_s"] / s["tok_s"] if s else float("nan")
@@ -238,6 +247,7 @@ def main() -> None:
         f"ttft_p99_ms={g['ttft_p99_ms']:.0f} clients={top} gpuyard_tok_s={g['tok_s']:.1f} "
         f"static_tok_s={st['tok_s']:.1f} sequential_tok_s={s['tok_s'] if s else float('nan'):.1f} "
         f"static_ttft_p99_ms={st['ttft_p99_ms']:.0f} single_vs_generate={single:.2f} "
+        f"vs_static_batch_round_median={statistics.median(r['static'] for r in rounds[top]):.2f} "
         f"load1_at_start={load:.2f} load1_at_end={os.getloadavg()[0]:.2f}"
     )
 

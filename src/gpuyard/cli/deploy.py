@@ -80,9 +80,14 @@ def deploy(
     typer.echo(
         f"deployment {doc['id']}: {doc['model']}:{doc['version']} running at {doc['url']} ({_where(doc)})"
     )
-    typer.echo(
-        f"  predict: POST {doc['url']}/v1/models/{doc['model']}/predict  stop: gpuyard undeploy {doc['id']}"
-    )
+    from gpuyard.models.llm import ADAPTER_FLAVOR, FLAVOR
+    from gpuyard.models.registry import get_version
+
+    if get_version(f"{doc['model']}:{doc['version']}").flavor in (FLAVOR, ADAPTER_FLAVOR):
+        use = f"OpenAI API at {doc['url']}/v1 (model {doc['ref']!r}: /v1/completions, /v1/chat/completions)"
+    else:
+        use = f"predict: POST {doc['url']}/v1/models/{doc['model']}/predict"
+    typer.echo(f"  {use}  stop: gpuyard undeploy {doc['id']}")
 
 
 def _where(doc: dict[str, Any]) -> str:

@@ -476,4 +476,11 @@ def check_model_safety(path: str | Path, flavor: str, config: dict[str, Any] | N
     if flavor == "onnx":
         check_onnx(path)
         return []
+    if flavor in ("causal-lm", "lora-adapter"):  # gpuyard.models.llm: a folder of safetensors weights
+        weights = sorted(Path(path).glob("*.safetensors"))
+        if not weights:
+            raise UnsafeModelError(f"{path}: a language model version without safetensors weights")
+        for w in weights:
+            check_safetensors(w)
+        return []
     raise UnsafeModelError(f"{path}: model flavor {flavor!r} unknown")

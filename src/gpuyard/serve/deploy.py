@@ -91,7 +91,7 @@ def check_files(ref: str) -> None:
     from gpuyard.models.safety import check_model_safety
 
     mv = get_version(ref)
-    check_model_safety(fetch(mv) / FILE_FOR_FLAVOR[mv.flavor], mv.flavor, mv.config)
+    check_model_safety(fetch(mv) / FILE_FOR_FLAVOR.get(mv.flavor, ""), mv.flavor, mv.config)
 
 
 def _alive(pid: int | None) -> bool:

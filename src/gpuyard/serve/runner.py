@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from gpuyard.errors import ConfigError
@@ -63,10 +63,15 @@ def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int 
     from gpuyard.serve.alerts import reference_for
     from gpuyard.serve.batching import make_batcher
     from gpuyard.serve.drift import DriftMonitor
+    from gpuyard.serve.llm.run import language_model, serve_lm
     from gpuyard.serve.model import load_served, resolve_device, warm_up
     from gpuyard.serve.monitor import ServeMetrics
     from gpuyard.serve.server import AppConfig, FastPredict, create_app
 
+    folder = language_model(ref)
+    if folder is not None:  # a language model: the OpenAI-compatible server (docs/llm.md)
+        serve_lm(ref, folder, replace(opts, device=resolve_device(opts.device, index)), sock=sock)
+        return
     # Default: leave one core to the HTTP loops. Intra-op threads that outnumber the free cores stall
     # at their barriers whenever one is descheduled, which shows up as p99 spikes.
     threads = opts.batch.threads or max(1, ((os.cpu_count() or 1) - 1) // opts.replicas)

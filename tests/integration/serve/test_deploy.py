@@ -156,3 +156,23 @@ def test_deploy_command_passes_batching_and_body_limit_to_the_server(serve_home:
     assert bad.returncode == 2 and bad.stderr.strip().endswith(
         "--batching 'threads': use one of inline, thread"
     )
+
+
+def test_a_language_model_deploys_as_an_openai_server_and_undeploys(serve_home: Path, tmp_path: Path) -> None:
+    """`gpuyard deploy` of a registered causal LM: the deployment's server speaks the OpenAI API (its
+    replica is the language-model engine, not the tensor server), is recorded running, and stops."""
+    from openai import OpenAI
+    from tests.integration.serve.test_llm_server import tiny_model
+
+    from gpuyard.models.llm import register_lm
+
+    register_lm("tinylm", tiny_model(tmp_path))
+    doc = deploy("tinylm", ServeOptions(port=0, device="cpu", drift=False, batch=BatchConfig(max_batch=4)))
+    assert doc["status"] == "running" and doc["model"] == "tinylm"
+    assert httpx.get(f"{doc['url']}/ready", timeout=10).status_code == 200
+    client = OpenAI(base_url=f"{doc['url']}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["tinylm"]
+    out = client.completions.create(model="tinylm", prompt="the cat", max_tokens=5, temperature=0)
+    assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("length", "stop")
+    [stopped] = undeploy(str(doc["id"]))
+    assert stopped["status"] == "stopped" and _gone([doc["pids"]["server"]])

@@ -287,6 +287,12 @@ def build_app(engine: Engine, model_name: str, info: dict[str, Any] | None = Non
             "waiting": len(engine.waiting),
         }
 
+    @app.get("/ready")
+    async def ready() -> Response:
+        # The model is loaded before the app exists; ready while the engine's decoding thread runs.
+        up = engine.alive()
+        return JSONResponse({"ready": up}, status_code=200 if up else 503)
+
     @app.get("/metrics")
     async def prom() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

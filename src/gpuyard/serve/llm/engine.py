@@ -272,6 +272,10 @@ class Engine:
         with self._cond:
             self._cond.notify()
 
+    def alive(self) -> bool:
+        """True while the decoding thread runs (it stops only on :meth:`close`)."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         """Stop the engine thread."""
         with self._cond:

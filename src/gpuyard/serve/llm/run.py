@@ -28,8 +28,9 @@ def language_model(ref: str) -> Path | None:
     return fetch_lm(ref)
 
 
-def serve_lm(ref: str, folder: Path, opts: Any, max_queue: int | None = None) -> None:
-    """Serve the language model in ``folder`` as ``ref`` on opts.host:opts.port until stopped."""
+def serve_lm(ref: str, folder: Path, opts: Any, max_queue: int | None = None, sock: Any = None) -> None:
+    """Serve the language model in ``folder`` as ``ref`` until stopped: on opts.host:opts.port, or on
+    the listening socket ``sock`` (a replica of a deployment, which bound it)."""
     import uvicorn
 
     from gpuyard.serve.llm.app import Metrics, build_app
@@ -41,9 +42,10 @@ def serve_lm(ref: str, folder: Path, opts: Any, max_queue: int | None = None) ->
     app = build_app(engine, ref, info)
     config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
-    print(f"gpuyard serve: {ref} (language model, context {engine.context_length}) at "
-          f"http://{opts.host}:{opts.port}/v1 (OpenAI API)", file=sys.stderr, flush=True)  # fmt: skip
+    if sock is None:
+        print(f"gpuyard serve: {ref} (language model, context {engine.context_length}) at "
+              f"http://{opts.host}:{opts.port}/v1 (OpenAI API)", file=sys.stderr, flush=True)  # fmt: skip
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
         engine.close()

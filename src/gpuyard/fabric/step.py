@@ -446,6 +446,10 @@ def _layer_times_cached(
         )
     else:
         recompute_s = {"none": 0.0, "selective": elementwise, "full": fwd}[recompute]
+        if recompute == "selective" and stack.attention == "unfused":
+            # Megatron's selective recomputation reruns the core attention (Korthikanti et al. 2022),
+            # which is what stores the s x s scores when attention is unfused.
+            recompute_s += attention
     tp_comm = tp_exposed = 0.0
     if tp > 1:
         size = tokens * h * ACT_BYTES[precision]  # activations of the micro-batch

@@ -75,6 +75,11 @@ def test_unfused_attention_is_quadratic_and_pays_for_the_scores_in_memory() -> N
     sel = memory_per_gpu(GPT, 2048, replace(cfg, recompute="selective"), 8)["activations"]
     sel_flash = memory_per_gpu(GPT, 2048, replace(cfg, recompute="selective", stack="megatron-lm"), 8)
     assert sel == pytest.approx(sel_flash["activations"])
+    # ... and pays for it in time: the core attention's forward runs again.
+    stack = STACKS["megatron-lm-2021"]
+    rerun = _layer_times(GPT, a100, 2048, replace(cfg, recompute="selective"), stack)
+    kept_layer = _layer_times(GPT, a100, 2048, cfg, stack)
+    assert rerun.recompute > _attention(a100, "unfused")[0] > 0 == kept_layer.recompute
 
 
 def test_gemm_half_sizes_follow_the_ridge_point_of_each_device() -> None:

@@ -22,14 +22,17 @@ the engine samples the request's first token (its ``time_to_first_token`` metric
 text is mostly stray UTF-8 bytes, which the server holds back up to 16 tokens before streaming them).
 With ``--rounds N`` each level runs N times (the three servers in turn each
 round) and each server's best round counts: on a shared machine the load varies between rounds (each
-round's ratios are printed too, and the last line has their median). Last line: ratios at the largest
-client count, and at 1 client gpuyard over the plain ``generate()`` loop
-(``single_vs_generate``: the engine's per-token overhead, no batching to gain from).
+round's ratios are printed too, and the last line has their median). Each level also counts the
+process's CPU time: tokens per CPU-second (``_cpu`` ratios, medians over rounds) is what a server
+does with the CPU it gets, which the other work on a shared machine changes far less than the wall
+time. Last line: ratios at the largest client count, and at 1 client gpuyard over the plain
+``generate()`` loop (``single_vs_generate``: the engine's per-token overhead, no batching to gain from).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import queue
 import random
@@ -180,17 +183,20 @@ def run_level(
             with lock:
                 ttfts.append(got.get("t", time.perf_counter() - start))
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     tokens = sum(n for _, n in work[: per * clients])
     ttfts.sort()
     p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
-    return {"tok_s": tokens / wall, "ttft_p99_ms": 1000 * p99, "ttft_p50_ms": 1000 * statistics.median(ttfts)}
+    return {
+        "tok_s": tokens / wall, "cpu_tok_s": tokens / max(cpu, 1e-9), "ttft_p99_ms": 1000 * p99,
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -219,20 +225,25 @@ def main() -> None:
             work = workload(tok, clients * rpc, seed=clients)
             for _ in range(args.rounds):
                 this: dict[str, float] = {}
+                cpu_this: dict[str, float] = {}
                 for name, server in servers.items():  # in turn, level by level: the load hits all alike
                     if name == "sequential" and clients > 8 and args.quick:
                         continue
                     r = run_level(server, work, clients, name == "gpuyard")
-                    this[name] = r["tok_s"]
+                    this[name], cpu_this[name] = r["tok_s"], r["cpu_tok_s"]
                     best = results[name].get(clients)
                     if best is None or r["tok_s"] > best["tok_s"]:
                         results[name][clients] = r
                     line = f"{name:>10} clients={clients:>2}: {r['tok_s']:8.1f} tok/s"
+                    line += f" ({r['cpu_tok_s']:6.1f}/cpu-s)"
                     print(
                         f"{line}  ttft p50 {r['ttft_p50_ms']:8.1f} ms  p99 {r['ttft_p99_ms']:8.1f} ms",
                         flush=True,
                     )
                 ratios = {k: this["gpuyard"] / v for k, v in this.items() if k != "gpuyard"}
+                ratios.update(
+                    {f"{k}_cpu": cpu_this["gpuyard"] / v for k, v in cpu_this.items() if k != "gpuyard"}
+                )
                 rounds.setdefault(clients, []).append(ratios)
                 print(
                     "     round: " + " ".join(f"gpuyard/{k}={v:.2f}" for k, v in ratios.items()), flush=True
@@ -242,12 +253,15 @@ def main() -> None:
     vs_seq = g["tok_s"] / s["tok_s"] if s else float("nan")
     one = results["sequential"].get(1)
     single = results["gpuyard"][1]["tok_s"] / one["tok_s"] if one else float("nan")
+    single_cpu = statistics.median(r.get("sequential_cpu", math.nan) for r in rounds.get(1, [{}]))
     print(
         f"llm_serve: vs_sequential={vs_seq:.2f} vs_static_batch={g['tok_s'] / st['tok_s']:.2f} "
         f"ttft_p99_ms={g['ttft_p99_ms']:.0f} clients={top} gpuyard_tok_s={g['tok_s']:.1f} "
         f"static_tok_s={st['tok_s']:.1f} sequential_tok_s={s['tok_s'] if s else float('nan'):.1f} "
         f"static_ttft_p99_ms={st['ttft_p99_ms']:.0f} single_vs_generate={single:.2f} "
         f"vs_static_batch_round_median={statistics.median(r['static'] for r in rounds[top]):.2f} "
+        f"vs_static_batch_cpu={statistics.median(r['static_cpu'] for r in rounds[top]):.2f} "
+        f"single_vs_generate_cpu={single_cpu:.2f} "
         f"load1_at_start={load:.2f} load1_at_end={os.getloadavg()[0]:.2f}"
     )
 

@@ -184,6 +184,75 @@ def _lora_config(lora: dict[str, Any]) -> Any:
     )
 
 
+# The attention the trainer's models use (registered with transformers on first use): sdpa, except
+# that attention over whole sequences on the CPU runs in float32 with GQA in place (_cpu_float32_sdpa).
+GPUYARD_SDPA = "gpuyard_sdpa"
+
+
+def _cpu_float32_sdpa(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, except on the CPU over a whole sequence (training, prefill) with a
+    boolean mask or none: there torch's flash kernel runs in float32 (bf16/fp16 inputs, from autocast or
+    half weights, are cast up and the output back, outside autocast) with grouped key/value heads read
+    in place (``enable_gqa``: transformers copies them per query head when a mask is given).
+
+    Why: with the block-diagonal mask of packed sequences, the CPU flash kernel's bf16 backward takes
+    about 4x its float32 time (measured here in a bf16 training step: 661 vs 166 ms for 4 layers;
+    BENCHMARKS.md, llm_train), and the key/value copies cost a sum per layer in backward; float32
+    accumulation is also the more exact. Decoding steps, GPUs, float masks (position bias) and
+    softcapping go to transformers' sdpa as they are.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    same = query.shape[2] == key.shape[2] and query.shape[2] > 1
+    bool_mask = attention_mask is None or attention_mask.dtype == torch.bool
+    # Under autocast, rotary embeddings leave q and k in float32 and v in bf16; sdpa would run in bf16.
+    cpu = query.device.type == "cpu"
+    low = torch.get_autocast_dtype("cpu") if cpu and torch.is_autocast_enabled("cpu") else value.dtype
+    if (
+        not cpu
+        or low not in (torch.bfloat16, torch.float16, torch.float32)
+        or not same
+        or not bool_mask
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            is_causal=is_causal, **kwargs,
+        )  # fmt: skip
+    causal = attention_mask is None and (
+        is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    )
+    gqa = getattr(module, "num_key_value_groups", 1) > 1
+    q, k, v = (t.float() for t in (query, key, value))  # no copy where already float32
+    with torch.autocast("cpu", enabled=False):  # autocast would cast the float32 inputs back to bf16
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=bool(causal),
+            enable_gqa=gqa,
+        )  # fmt: skip
+    return out.to(low).transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> str:
+    """Register gpuyard's sdpa variant (and sdpa's mask for it) with transformers; returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GPUYARD_SDPA, _cpu_float32_sdpa)
+    AttentionMaskInterface.register(GPUYARD_SDPA, sdpa_mask)
+    return GPUYARD_SDPA
+
+
 def causal_lm(
     config: str | None = None,
     weights: str | None = None,
@@ -195,7 +264,9 @@ def causal_lm(
     """A train-spec model factory: a causal LM from ``config`` (random init) or ``weights`` (a folder).
 
     ``lora``: ``{r, alpha, dropout, target_modules}`` to fine-tune low-rank adapters (peft) of the
-    frozen weights. ``samples``: the greedy generations made at each validation by ``export_at_end``
+    frozen weights. ``attn_implementation``: transformers' name; the default ``sdpa`` runs as
+    :func:`_cpu_float32_sdpa` (the exported config names none: transformers picks its own).
+    ``samples``: the greedy generations made at each validation by ``export_at_end``
     (:func:`sample_settings`: ``{prompts, count, prompt_tokens, max_new_tokens}``; ``{count: 0}``: none).
 
     Raises:
@@ -204,6 +275,8 @@ def causal_lm(
     from transformers import AutoModelForCausalLM
 
     sampling = sample_settings(samples)
+    if attn_implementation == "sdpa":  # the default: sdpa, with float32 GQA attention on the CPU
+        attn_implementation = _register_attention()
     if (config is None) == (weights is None):
         raise ConfigError("model.kwargs: give config (a config.json: random init) or weights (a folder)")
     if config is not None:

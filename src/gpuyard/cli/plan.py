@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from gpuyard.fabric.stacks import STACKS
+
 
 def plan_command(
     model: str = typer.Option(
@@ -36,7 +38,7 @@ def plan_command(
     stack: str = typer.Option(
         "megatron-lm",
         "--stack",
-        help="Software stack: megatron-lm, nemo, torchtitan, llm-foundry, deepspeed, gpuyard, other "
+        help=f"Software stack: {', '.join(STACKS)} "
         "(optimizer, fused kernels, attention family; docs/fabric.md).",
     ),
     calibration: Path = typer.Option(

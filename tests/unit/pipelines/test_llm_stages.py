@@ -256,3 +256,33 @@ def test_a_lora_export_is_registered_as_merged_only_when_trained_on_that_base(
     assert not _merged_export_of(hf, "tiny:5")  # trained on another base: merged from the registry instead
     (hf / "gpuyard.json").write_text("{not json")
     assert not _merged_export_of(hf, "tiny:1")
+
+
+def test_the_serve_stage_reads_a_streamed_chat_completion_and_refuses_a_bad_stream() -> None:
+    import httpx
+
+    from gpuyard.pipelines.stages.llm import stream_chat
+
+    def server(events: list[str], status: int = 200) -> httpx.MockTransport:
+        def answer(request: httpx.Request) -> httpx.Response:
+            sent = json.loads(request.content)
+            assert sent["stream"] is True and sent["model"] == "tiny:3" and sent["max_tokens"] == 4
+            return httpx.Response(status, content="".join(f"data: {e}\n\n" for e in events).encode())
+
+        return httpx.MockTransport(answer)
+
+    def chunk(text: str | None, finish: str | None = None) -> str:
+        return json.dumps({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]})
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    ok = [chunk("the"), chunk(" fox"), chunk(None, "stop"), "[DONE]"]
+    got = stream_chat("http://x/v1", "tiny:3", body, server(ok))
+    assert got["reply"] == "the fox" and got["chunks"] == 2 and got["finish_reason"] == "stop"
+    with pytest.raises(ConfigError, match=r"ended without data: \[DONE\]"):
+        stream_chat("http://x/v1", "tiny:3", body, server(ok[:2]))
+    with pytest.raises(ConfigError, match=r"not an OpenAI chunk: '<html>'"):
+        stream_chat("http://x/v1", "tiny:3", body, server(["<html>", "[DONE]"]))
+    with pytest.raises(ConfigError, match=r"not an OpenAI chunk"):
+        stream_chat("http://x/v1", "tiny:3", body, server(['{"choices": 3}', "[DONE]"]))
+    with pytest.raises(ConfigError, match=r"HTTP 400"):
+        stream_chat("http://x/v1", "tiny:3", body, server(["{}"], status=400))

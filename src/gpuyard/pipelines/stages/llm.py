@@ -422,21 +422,25 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: f
         time.sleep(0.2)  # the server is a separate process: its readiness can only be polled
 
 
-def stream_chat(url: str, model: str, body: dict[str, Any]) -> dict[str, Any]:
+MAX_REPLY_CHARS = 1 << 20
+
+
+def stream_chat(url: str, model: str, body: dict[str, Any], transport: Any = None) -> dict[str, Any]:
     """One streamed chat completion over the OpenAI API at ``url`` (server-sent events up to ``[DONE]``):
     the reply, the time to its first token, the chunks and the finish reason.
 
     Raises:
-        ConfigError: an error answer (its message), or a stream that ended without ``[DONE]``.
+        ConfigError: an error answer (its status and message), an event that is not a JSON object of
+            choices, a reply over 1 MiB, or a stream that ended without ``[DONE]``.
     """
     import httpx
 
     t0 = time.perf_counter()
     reply: list[str] = []
     first: float | None = None
-    finish, done, chunks = None, False, 0
+    finish, done, chunks, size = None, False, 0, 0
     with (
-        httpx.Client(timeout=60) as client,
+        httpx.Client(timeout=60, transport=transport) as client,
         client.stream("POST", f"{url}/chat/completions", json={**body, "model": model, "stream": True}) as r,
     ):
         if r.status_code != 200:
@@ -449,14 +453,21 @@ def stream_chat(url: str, model: str, body: dict[str, Any]) -> dict[str, Any]:
             if data == "[DONE]":
                 done = True
                 break
-            doc = json.loads(data)
-            for choice in doc.get("choices", []):
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
+            try:
+                doc = json.loads(data)
+                choices = doc["choices"]
+                deltas = [(c.get("delta") or {}, c.get("finish_reason")) for c in choices]
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise ConfigError(f"chat completion: not an OpenAI chunk: {data[:200]!r}") from None
+            for delta, reason in deltas:
+                piece = delta.get("content") if isinstance(delta, dict) else None
+                if isinstance(piece, str) and piece:
                     first = first if first is not None else time.perf_counter() - t0
                     reply.append(piece)
-                    chunks += 1
-                finish = choice.get("finish_reason") or finish
+                    chunks, size = chunks + 1, size + len(piece)
+                finish = reason or finish
+            if size > MAX_REPLY_CHARS:
+                raise ConfigError(f"chat completion: the reply passed {MAX_REPLY_CHARS} characters")
     if not done:
         raise ConfigError("chat completion: the stream ended without data: [DONE]")
     return {

@@ -68,7 +68,9 @@ def register_text(app: typer.Typer) -> None:
     def tokenize_cmd(
         ref: str = typer.Argument(..., help="A text dataset: NAME or NAME@VERSION."),
         tokenizer: Path = typer.Option(
-            ..., "--tokenizer", help="A Hugging Face tokenizer.json, or a folder holding one."
+            ...,
+            "--tokenizer",
+            help="A Hugging Face tokenizer.json or SentencePiece .model file, or a folder holding one.",
         ),
         seq_len: int = typer.Option(..., "--seq-len", help="Tokens per packed sequence."),
         output: str | None = typer.Option(

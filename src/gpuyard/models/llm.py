@@ -111,9 +111,16 @@ def register_lm(
         files += [w for w in weights if w not in files]
     artifacts = get_artifacts()
     stored: dict[str, Any] = {}
-    for path in files:
-        put = artifacts.put_blob(path)
-        stored[path.name] = {"key": put.key, "sha256": put.sha256, "size": put.size}
+    with tempfile.TemporaryDirectory() as tmp:
+        if not adapter and not (folder / "tokenizer.json").is_file():
+            # A SentencePiece folder (tokenizer.model only): the version keeps the checked conversion,
+            # which is what tokenizer_sha256 hashes and what serving and AutoTokenizer read.
+            converted = Path(tmp) / "tokenizer.json"
+            converted.write_bytes(tok.raw)
+            files.append(converted)
+        for path in files:
+            put = artifacts.put_blob(path)
+            stored[path.name] = {"key": put.key, "sha256": put.sha256, "size": put.size}
     # By split, as the registry keeps every flavor's metrics (`gpuyard models show` prints them so).
     measured = {"perplexity": info["val_perplexity"]} if isinstance(info.get("val_perplexity"), float) else {}
     metrics = {**({"validation": measured} if measured else {}), **(metrics or {})}

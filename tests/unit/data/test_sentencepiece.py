@@ -113,3 +113,33 @@ def test_tokenize_with_a_sentencepiece_model_records_both_hashes(gpuyard_home: P
     # "</s>" spelled inside a document is text, not the end-of-sequence token.
     forged = tok.encode_batch([docs[3]])[0]
     assert tok.eos_id not in forged and len(forged) > len(tok.encode_batch([corpus(40)[3]])[0]) + 1
+
+
+def test_a_model_with_only_tokenizer_model_exports_and_registers_its_conversion(
+    gpuyard_home: Path, tmp_path: Path
+) -> None:
+    """A Hugging Face folder whose tokenizer is a SentencePiece ``tokenizer.model`` (no tokenizer.json):
+    an export and a registered version keep the checked conversion, so the tokenizer is not lost."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from gpuyard.models.llm import fetch_lm, register_lm
+    from gpuyard.train.hf import write_tokenizer
+
+    spm = train_spm(tmp_path / "sp.model")
+    tok = load_tokenizer(spm)
+    out = tmp_path / "export"
+    out.mkdir()
+    write_tokenizer(spm, out)  # a .model file: converted, never copied as if it were JSON
+    assert (out / "tokenizer.json").read_bytes() == tok.raw
+
+    folder = tmp_path / "model"
+    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, max_position_embeddings=64)  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    (folder / "tokenizer.model").write_bytes(spm.read_bytes())
+    mv = register_lm("spm-lm", folder)
+    assert mv.config["tokenizer_sha256"] == tok.sha256 and "tokenizer.json" in mv.files
+    fetched = fetch_lm("spm-lm:1")
+    assert load_tokenizer(fetched).sha256 == tok.sha256
+    text = "a cat saw the dog"
+    assert AutoTokenizer.from_pretrained(fetched).decode(tok.encode_batch([text])[0]).strip() == text

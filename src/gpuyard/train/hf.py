@@ -607,7 +607,21 @@ def write_tokenizer(tokenizer: Path | bytes | None, out: Path, meta: dict[str, A
             if (tokenizer / name).is_file():
                 shutil.copyfile(tokenizer / name, out / name)
     else:
-        shutil.copyfile(tokenizer, out / "tokenizer.json")
+        if tokenizer.is_dir():
+            for name in (
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "special_tokens_map.json",
+                "chat_template.jinja",
+            ):
+                if (tokenizer / name).is_file():
+                    shutil.copyfile(tokenizer / name, out / name)
+        elif tokenizer.suffix != ".model":
+            shutil.copyfile(tokenizer, out / "tokenizer.json")
+        if not (out / "tokenizer.json").is_file():
+            # A SentencePiece model (a .model file, or a folder with tokenizer.model only): its checked
+            # conversion, which AutoTokenizer, the registry and the server read.
+            (out / "tokenizer.json").write_bytes(load_tokenizer(tokenizer).raw)
     tok = load_tokenizer(out)
     cfg_path = out / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}

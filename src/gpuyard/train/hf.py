@@ -597,15 +597,6 @@ def write_tokenizer(tokenizer: Path | bytes | None, out: Path, meta: dict[str, A
         return
     if isinstance(tokenizer, bytes):
         (out / "tokenizer.json").write_bytes(tokenizer)
-    elif tokenizer.is_dir():
-        for name in (
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "special_tokens_map.json",
-            "chat_template.jinja",
-        ):
-            if (tokenizer / name).is_file():
-                shutil.copyfile(tokenizer / name, out / name)
     else:
         if tokenizer.is_dir():
             for name in (

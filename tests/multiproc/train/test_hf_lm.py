@@ -232,3 +232,31 @@ def test_lora_fine_tune_registers_an_adapter_that_merges(tmp_path: Path, tokens:
     (tmp_path / "bad.json").write_bytes(b"\x00\x01binary")
     with pytest.raises(ConfigError, match="is not JSON"):
         causal_lm(config=str(tmp_path / "bad.json"))
+
+
+def test_cpu_attention_equals_eager_attention_on_packed_sequences(tmp_path: Path) -> None:
+    """The trainer's default attention (float32 flash with GQA in place on the CPU) computes what
+    transformers' eager attention does on packed documents, forward and backward, in fp32 and bf16."""
+    from gpuyard.train.hf import GPUYARD_SDPA, causal_lm
+
+    cfg = str(tiny_llama(tmp_path, vocab=40))
+    torch.manual_seed(0)
+    ours = causal_lm(config=cfg)
+    eager = causal_lm(config=cfg, attn_implementation="eager")
+    eager.load_state_dict(ours.state_dict())
+    assert ours.hf.config._attn_implementation == GPUYARD_SDPA
+    ids = torch.randint(2, 40, (2, 24))
+    pos = torch.cat([torch.arange(10), torch.arange(14)]).repeat(2, 1)  # two documents a row
+    batch = {"input_ids": ids, "position_ids": pos}
+    for model in (ours, eager):
+        model(batch).float().square().mean().backward()
+    assert torch.allclose(ours(batch), eager(batch), atol=1e-5)
+    q = "hf.model.layers.0.self_attn.k_proj.weight"
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    assert torch.allclose(grads[q], dict(eager.named_parameters())[q].grad, atol=1e-5)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        low, ref = ours(batch).float(), eager(batch).float()
+    assert (low - ref).abs().max() < 0.05
+    # No attention across the boundary: the second document alone gives its packed logits.
+    alone = ours({"input_ids": ids[:, 10:], "position_ids": pos[:, 10:]})
+    assert torch.allclose(alone, ours(batch)[:, 10:], atol=1e-5)

@@ -318,17 +318,41 @@ def is_resumable_loader(obj: Any) -> bool:
     return all(callable(getattr(obj, name, None)) for name in ("__iter__", "state_dict", "load_state_dict"))
 
 
-def call_factory(factory: Callable[..., Any], kwargs: dict[str, Any], dp_rank: int, dp_size: int) -> Any:
-    """Call a dataset/loader factory, passing `dp_rank`/`dp_size` when its signature accepts them."""
+def call_factory(
+    factory: Callable[..., Any],
+    kwargs: dict[str, Any],
+    dp_rank: int,
+    dp_size: int,
+    batch_size: int | None = None,
+    field: str = "data.train",
+) -> Any:
+    """Call a dataset/loader factory, passing `dp_rank`/`dp_size` when its signature accepts them.
+
+    A factory with a ``batch_size`` parameter makes its own batches: it gets `batch_size` (the
+    trainer's per-rank batch) unless ``kwargs`` names one, so that ``data.batch_size`` is the batch
+    the steps take, not the factory's default.
+
+    Raises:
+        ConfigError: ``kwargs`` names a ``batch_size`` other than `batch_size` (the spec would say
+            one batch and the steps take another).
+    """
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         params = {}  # type: ignore[assignment]
-    extra = {}
+    extra: dict[str, Any] = {}
     accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     for key, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
         if key in params or accepts_any:
             extra[key] = value
+    if batch_size is not None and "batch_size" in params:
+        given = kwargs.get("batch_size", batch_size)
+        if given != batch_size:
+            raise ConfigError(
+                f"{field}.kwargs.batch_size={given} but each rank's batch is {batch_size} (data.batch_size"
+                " or data.global_batch_size): set one of them, or make them agree"
+            )
+        extra["batch_size"] = batch_size
     return factory(**{**extra, **kwargs})
 
 

@@ -327,11 +327,36 @@ def resolve_weights(weights: str) -> Path:
     return p
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the counted (non ``-100``) labels of a packed batch (labels pre-shifted)."""
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE
-    )
+class LmLoss:
+    """Mean cross-entropy over the counted (non ``-100``) labels of a packed batch (labels pre-shifted).
+
+    A token-weighted loss for the trainer (:func:`gpuyard.train.step.token_weighted`): packed
+    sequences carry different numbers of counted labels, so the mean of per-rank (or per
+    micro-batch) means is not the mean over the step's tokens. The trainer divides the summed loss
+    (``total``) by the labels ``count`` of the whole step over every data-parallel rank instead,
+    which makes a step on N ranks the step on one rank with the same global batch.
+    """
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE
+        )
+
+    def total(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy over the counted labels (0, with its graph, when none counts)."""
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)),
+            labels.reshape(-1),
+            ignore_index=IGNORE,
+            reduction="sum",
+        )
+
+    def count(self, labels: torch.Tensor) -> int:
+        """The counted labels of a batch."""
+        return int((labels != IGNORE).sum())
+
+
+lm_loss = LmLoss()
 
 
 @torch.no_grad()

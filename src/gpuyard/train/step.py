@@ -49,3 +49,31 @@ def apply_update(optimizer: torch.optim.Optimizer, scheduler: Any = None) -> Non
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def token_weighted(loss_fn: Any) -> bool:
+    """Whether ``loss_fn`` is a mean over counted items that differ in number from batch to batch
+    (the labels of packed sequences): it then has ``total(outputs, targets)`` (the summed loss) and
+    ``count(targets)`` (the items counted), and a step divides the sum by the count of the whole
+    step, over its micro-batches and data-parallel ranks (:func:`step_scale`)."""
+    return callable(getattr(loss_fn, "total", None)) and callable(getattr(loss_fn, "count", None))
+
+
+def step_scale(counts: list[int], dp: int = 1, group: Any = None, device: Any = None) -> float:
+    """The factor of each micro-batch's summed loss that makes a step the mean over all its items.
+
+    Data parallelism averages gradients over ``dp`` ranks, so each rank scales its sums by
+    ``dp / N`` (``N`` the items of the step over every rank, summed over ``group``; ``counts`` this
+    rank's, one per micro-batch): the averaged gradient is then that of (sum over the step's items)
+    / N, whatever the world size or the number of micro-batches, as on one rank with the same global
+    batch. All ranks of ``group`` must call it. NaN when no item counts anywhere (as the mean of
+    nothing is: the trainer reports the step as diverged).
+    """
+    total = sum(counts)
+    if dp > 1:
+        import torch.distributed as dist
+
+        t = torch.tensor([float(total)], dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=group)
+        total = int(t.item())
+    return dp / total if total > 0 else float("nan")

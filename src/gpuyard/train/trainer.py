@@ -62,7 +62,7 @@ from gpuyard.train.parallel import (
     parallelize,
 )
 from gpuyard.train.spec import TrainSpec
-from gpuyard.train.step import apply_update, batch_loss
+from gpuyard.train.step import apply_update, batch_loss, step_scale, token_weighted
 from gpuyard.train.straggler import (
     CommTimer,
     SchedulerReporter,
@@ -239,6 +239,11 @@ class Trainer:
         arg = self._train_arg if which == "train" else self._val_arg
         entry = self.spec.data.train if which == "train" else self.spec.data.val
         ctx, d = self.ctx, self.spec.data
+        train = which == "train"
+        # With data.global_batch_size the per-rank batch follows the world size (elastic resume).
+        batch, global_batch = rank_batch_size(
+            d.batch_size, d.global_batch_size, ctx.layout.dp, self.spec.grad_accum
+        )
         if arg is None:
             if entry is None:
                 if which == "train":
@@ -247,12 +252,10 @@ class Trainer:
                     )
                 return None
             factory = import_ref(entry.entrypoint, f"data.{which}.entrypoint")
-            arg = call_factory(factory, entry.kwargs, ctx.dp_rank, ctx.layout.dp)
-        train = which == "train"
-        # With data.global_batch_size the per-rank batch follows the world size (elastic resume).
-        batch, global_batch = rank_batch_size(
-            d.batch_size, d.global_batch_size, ctx.layout.dp, self.spec.grad_accum
-        )
+            # A loader factory's batch is the step's batch (train); validation batches may differ.
+            arg = call_factory(
+                factory, entry.kwargs, ctx.dp_rank, ctx.layout.dp, batch if train else None, f"data.{which}"
+            )
         return make_source(
             arg,
             f"data.{which}",
@@ -588,8 +591,15 @@ class Trainer:
         # [right predictions, counted labels] (one tensor: one device sync in _agree), batches not
         # classification
         self._counts: list[Any] = [None, 0]
-        for i, batch in enumerate(micro):
-            inputs, targets = split_batch(batch, d.input_key, d.target_key)
+        parts = [split_batch(batch, d.input_key, d.target_key) for batch in micro]
+        # A token-weighted loss (lm_loss): each micro-batch's sum over the step's count on all dp
+        # ranks, not a mean of means (packed batches count different numbers of labels).
+        scale = None
+        if self.pipeline is None and token_weighted(self.loss_fn):
+            counts = [int(self.loss_fn.count(targets)) for _, targets in parts]  # type: ignore[attr-defined]
+            dp = self.ctx.layout.dp
+            scale = step_scale(counts, dp, self.ctx.group("dp") if dp > 1 else None, self.ctx.device)
+        for i, (inputs, targets) in enumerate(parts):
             n, t = count_batch(inputs)
             samples, tokens = samples + n, tokens + t
             inputs, targets = to_device(inputs, self.ctx.device), to_device(targets, self.ctx.device)
@@ -597,7 +607,10 @@ class Trainer:
                 total = total + self._pipeline_step(inputs, targets)
                 continue
             with gradient_sync(self.model, i == len(micro) - 1), self._autocast():
-                loss = batch_loss(self.model, self._counting_loss, inputs, targets, parts=len(micro))
+                if scale is None:
+                    loss = batch_loss(self.model, self._counting_loss, inputs, targets, parts=len(micro))
+                else:
+                    loss = self._counting_loss(self.model(inputs), targets, summed=True) * scale
             loss.backward()
             if self._comm_timer is not None and i == len(micro) - 1:
                 self._comm_wait = self._comm_timer.wait_since_launch()
@@ -618,7 +631,7 @@ class Trainer:
         apply_update(self.optimizer, self.scheduler)
         return total, samples, tokens
 
-    def _counting_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+    def _counting_loss(self, outputs: Any, targets: Any, summed: bool = False) -> torch.Tensor:
         """The loss, counting right predictions on the way when the task is classification (class
         scores against integer labels): the step's ``accuracy`` is logged beside its loss."""
         if is_classification(outputs, targets):
@@ -626,6 +639,8 @@ class Trainer:
             self._counts[0] = pair if self._counts[0] is None else self._counts[0] + pair
         else:
             self._counts[1] += 1
+        if summed:
+            return self.loss_fn.total(outputs, targets)  # type: ignore[attr-defined]
         return self.loss_fn(outputs, targets)
 
     def _pipeline_step(self, inputs: Any, targets: Any) -> torch.Tensor:

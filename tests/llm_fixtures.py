@@ -60,3 +60,18 @@ def tokenizer_folder(tmp: Path, vocab_size: int = 200) -> Path:
     from gpuyard.data.tokens import train_tokenizer
 
     return train_tokenizer(corpus(300, seed=1), tmp / "tokenizer", vocab_size=vocab_size)
+
+
+def token_dataset(tmp: Path, docs: int, val_fraction: float) -> tuple[str, Path]:
+    """A packed token dataset (32-token sequences) of ``docs`` corpus documents, in the current
+    GPUYARD_HOME: (its reference, the tokenizer folder)."""
+    import json
+
+    from gpuyard.data.text import ingest_text
+    from gpuyard.data.tokens import tokenize
+
+    folder = tokenizer_folder(tmp)
+    src = tmp / "c.jsonl"
+    src.write_text("\n".join(json.dumps({"text": t}) for t in corpus(docs)))
+    v = tokenize(ingest_text(src, "corpus").ref, folder, seq_len=32, val_fraction=val_fraction, seed=0)
+    return v.ref, folder

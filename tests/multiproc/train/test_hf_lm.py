@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from tests.llm_fixtures import corpus, tokenizer_folder
+from tests.llm_fixtures import token_dataset
 
 pytestmark = pytest.mark.multiproc
 
@@ -64,14 +64,7 @@ def _spec(tmp: Path, model: dict[str, Any], data: str, val: bool = True, **field
 
 @pytest.fixture
 def tokens(gpuyard_home: Path, tmp_path: Path) -> tuple[str, Path]:
-    from gpuyard.data.text import ingest_text
-    from gpuyard.data.tokens import tokenize
-
-    folder = tokenizer_folder(tmp_path)
-    src = tmp_path / "c.jsonl"
-    src.write_text("\n".join(json.dumps({"text": t}) for t in corpus(160)))
-    v = tokenize(ingest_text(src, "corpus").ref, folder, seq_len=32, val_fraction=0.2, seed=0)
-    return v.ref, folder
+    return token_dataset(tmp_path, 160, val_fraction=0.2)
 
 
 LAYER0 = "hf.model.layers.0"  # the first decoder layer's parameter names in gpuyard's CausalLM

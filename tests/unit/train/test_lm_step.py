@@ -4,13 +4,12 @@ trainer's batch size instead of its own default."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from tests.llm_fixtures import corpus, tokenizer_folder
+from tests.llm_fixtures import token_dataset
 from torch import nn
 
 from gpuyard.errors import ConfigError
@@ -38,14 +37,10 @@ class TinyLM(nn.Module):
 
 @pytest.fixture
 def tokens(gpuyard_home: Path, tmp_path: Path) -> tuple[str, int]:
-    from gpuyard.data.text import ingest_text
-    from gpuyard.data.tokens import load_tokenizer, tokenize
+    from gpuyard.data.tokens import load_tokenizer
 
-    folder = tokenizer_folder(tmp_path)
-    src = tmp_path / "c.jsonl"
-    src.write_text("\n".join(json.dumps({"text": t}) for t in corpus(60)))
-    v = tokenize(ingest_text(src, "corpus").ref, folder, seq_len=32, val_fraction=0.0, seed=0)
-    return v.ref, load_tokenizer(folder).vocab_size
+    ref, folder = token_dataset(tmp_path, 60, val_fraction=0.0)
+    return ref, load_tokenizer(folder).vocab_size
 
 
 def _losses(run_dir: Path, ref: str, vocab: int, **fields: Any) -> list[float]:

@@ -5,8 +5,18 @@ Each attempt of a gpuyard job becomes one Slurm batch job (``sbatch``), named
 (topology- or fabric-aware) become ``--nodelist`` with ``--nodes`` equal to their count, so Slurm
 runs the job exactly there or keeps it pending; a gang job is one allocation. The batch script runs
 the job's command once per node under ``srun`` (one task per node); a training job runs
-``gpuyard train --nproc <GPUs per node> --nnodes N --rdzv <first node>:<port>`` on every node, so
-torchrun's c10d rendezvous meets on the first node.
+``gpuyard train --nproc <that node's GPUs> --nnodes N --rdzv <first node>:<port>`` on every node, so
+torchrun's c10d rendezvous meets on the first node and numbers the ranks across nodes.
+
+A gang placed with the same GPUs on every node asks ``--gpus-per-node``. One placed unequally (8 + 4
+GPUs, or 5 + 3 + 3 on fragmented nodes) is a Slurm heterogeneous job: one component per distinct GPU
+count (``sbatch`` options separated by ``:``, each with its own ``--nodes``, ``--nodelist`` and
+``--gpus-per-node``), the first node's component first, and one ``srun`` step over all components
+(``srun --het-group=0 ... : --het-group=1 ...``) whose tasks run ``--nproc`` of their own node's GPUs.
+Slurm lists such a job once per component (``123+0``, ``123+1``); gpuyard knows it by its first
+component's id, which ``scancel`` and ``scontrol`` take for the whole job. Slurm starts
+heterogeneous jobs from its backfill scheduler only, so they wait for its next pass
+(``SchedulerParameters=bf_interval``, 30 s by default).
 
 Why the command-line tools rather than ``slurmrestd``: they are on every Slurm cluster (login and
 controller nodes), need no JWT or REST daemon to be set up by the cluster admin, speak munge like
@@ -376,13 +386,19 @@ class SlurmExecutor(Executor):
         env = job_env(job_id, spec, attempt, ())
         env.pop("CUDA_VISIBLE_DEVICES")  # Slurm gives each node's GPUs (--gpus-per-node)
         nnodes = max(1, len(nodes))
-        gpus_per_node = len(nodes[0].gpus) if nodes else 0
         if not self._addr and nodes:
             self.nodes()
         first = nodes[0].node if nodes else ""
         master = self._addr.get(first, first) or "127.0.0.1"
         port = self.config.port_base + job_id % 1000
-        argv = job_argv(spec, nproc=gpus_per_node or None, nnodes=nnodes, rdzv=f"{master}:{port}")
+        # One group of nodes per GPU count, the first node's group first (the batch script and the
+        # rendezvous are there): one group is a plain job, several are a heterogeneous job.
+        groups: dict[int, list[NodeSlots]] = {}
+        for n in nodes:
+            groups.setdefault(len(n.gpus), []).append(n)
+        rdzv = f"{master}:{port}"
+        argvs = [job_argv(spec, nproc=gpus or None, nnodes=nnodes, rdzv=rdzv) for gpus in groups]
+        argv = argvs[0] if argvs else job_argv(spec, nnodes=nnodes, rdzv=rdzv)
         env.update({"MASTER_ADDR": master, "MASTER_PORT": str(port), "NNODES": str(nnodes)})
         user: str | None = None
         ids: dict[str, Any] = {}
@@ -403,9 +419,6 @@ class SlurmExecutor(Executor):
         res = spec.resources
         opts = [
             f"--job-name={name}",
-            f"--nodes={nnodes}",
-            "--ntasks-per-node=1",
-            f"--cpus-per-task={max(1, res.cpus)}",
             f"--output={log_path}",
             "--open-mode=append",
             f"--chdir={cwd}",
@@ -416,19 +429,39 @@ class SlurmExecutor(Executor):
             "--no-requeue",  # gpuyard requeues (a new attempt), never Slurm behind its back
             "--kill-on-invalid-dep=yes",
         ]
-        if nodes:
-            opts.append(f"--nodelist={','.join(n.node for n in nodes)}")
-        if gpus_per_node:
-            opts.append(f"--gpus-per-node={gpus_per_node}")
-        if res.memory_gb:
-            opts.append(f"--mem={max(1, int(res.memory_gb * 1024))}M")
-        limit = getattr(spec, "time_limit_min", None)
-        if limit:
-            opts.append(f"--time={int(limit)}")
-        for key, value in self.config.for_team(spec.team).items():
-            opts.append(f"--{key}={value}")
         if user is not None:
             opts.append(f"--uid={user}")
+        # What each part of the job asks for; sbatch separates a heterogeneous job's components by
+        # ":" and each gets its own nodes and GPUs per node (and, to be explicit, the same limits).
+        shared = []
+        if res.memory_gb:
+            shared.append(f"--mem={max(1, int(res.memory_gb * 1024))}M")
+        limit = getattr(spec, "time_limit_min", None)
+        if limit:
+            shared.append(f"--time={int(limit)}")
+        shared += [f"--{key}={value}" for key, value in self.config.for_team(spec.team).items()]
+        parts = list(groups.items()) or [(0, [])]
+        for i, (gpus, members) in enumerate(parts):
+            if i:
+                opts.append(":")
+            opts += [
+                f"--nodes={len(members) or 1}",
+                "--ntasks-per-node=1",
+                f"--cpus-per-task={max(1, res.cpus)}",
+            ]
+            if members:
+                opts.append(f"--nodelist={','.join(n.node for n in members)}")
+            if gpus:
+                opts.append(f"--gpus-per-node={gpus}")
+            opts += shared
+        het = (
+            {
+                "het_groups": [{"nodes": [n.node for n in m], "gpus_per_node": g} for g, m in parts],
+                "het_argv": argvs,
+            }
+            if len(parts) > 1
+            else {}
+        )
         return LaunchPlan(
             job_id=job_id,
             attempt=attempt,
@@ -444,6 +477,7 @@ class SlurmExecutor(Executor):
                 "script": str(folder / f"attempt-{attempt}.sbatch"),
                 "user": user,
                 **ids,
+                **het,
             },
         )
 
@@ -462,8 +496,18 @@ class SlurmExecutor(Executor):
             return "\n".join(lines) + "\n"
         # Each node's task learns its node's scheduler name from Slurm (straggler reports name it).
         inner = f'export {NODE_ENV}="$SLURMD_NODENAME"; exec "$@"'
-        srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--export=ALL", "bash", "-c", inner]
-        lines.append("exec " + " ".join(shlex.quote(x) for x in [*srun, "gpuyard", *plan.argv]))
+        task = ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "--export=ALL", "bash", "-c", inner, "gpuyard"]
+        het_argv = plan.extra.get("het_argv")
+        if not het_argv:
+            srun = ["srun", *task, *plan.argv]
+        else:
+            # A heterogeneous job: one step over all its components (srun's "A : B"), each component's
+            # nodes running their own command (a training job's --nproc is that node's GPUs). Slurm
+            # numbers the step's nodes and tasks across components (SLURM_NODEID, SLURM_PROCID).
+            srun = ["srun"]
+            for group, argv in enumerate(het_argv):
+                srun += [*([":"] if group else []), f"--het-group={group}", *task, *argv]
+        lines.append("exec " + " ".join(shlex.quote(x) for x in srun))
         return "\n".join(lines) + "\n"
 
     def launch(self, plan: LaunchPlan) -> dict[str, Any]:
@@ -504,11 +548,15 @@ class SlurmExecutor(Executor):
             return {}
         which = ["-j", ",".join(ids)] if ids else []
         text = self._call(["squeue", "-h", *which, "-o", "%i|%T|%r|%N|%S|%j"], check=False)
-        out = {}
+        out: dict[str, dict[str, str]] = {}
         for line in text.splitlines():
             parts = line.split("|", 5)
             if len(parts) == 6 and (ids or parts[5].startswith(self.prefix)):
-                out[parts[0]] = {"state": parts[1], "reason": parts[2], "nodes": parts[3], "start": parts[4]}
+                # A heterogeneous job is listed once per component (``123+0``, ``123+1``): it is
+                # known by its first component's id, and that component's row stands for it.
+                job, _, offset = parts[0].partition("+")
+                if offset in ("", "0") or job not in out:
+                    out[job] = {"state": parts[1], "reason": parts[2], "nodes": parts[3], "start": parts[4]}
         return out
 
     def describe_pending(self, handle: dict[str, Any]) -> str | None:
@@ -533,7 +581,10 @@ class SlurmExecutor(Executor):
 
     def _ended(self, slurm_id: str) -> ExitStatus:
         text = self._call(["scontrol", "show", "job", "-o", slurm_id], check=False)
-        row = parse_kv_line(text.strip()) if text.strip() else {}
+        # One line per component of a heterogeneous job: the first component's (where the batch
+        # script ran; its exit code is the job's) is the job's.
+        rows = [parse_kv_line(line) for line in text.splitlines() if line.strip()]
+        row = next((r for r in rows if r.get("JobId") == slurm_id), rows[0] if rows else {})
         if row.get("JobState"):
             if row["JobState"] in ACTIVE:  # between squeue and scontrol: still finishing
                 return SlurmExit(
@@ -576,7 +627,7 @@ class SlurmExecutor(Executor):
         ids = text.split()
         if not ids:
             return None
-        return {**plan_hint, "slurm_id": ids[0], "launched": True}
+        return {**plan_hint, "slurm_id": ids[0].partition("+")[0], "launched": True}
 
     def pending_reasons(self) -> dict[int, str]:
         """gpuyard job id -> Slurm's reason, for gpuyard's jobs Slurm keeps pending."""
@@ -596,7 +647,7 @@ class SlurmExecutor(Executor):
         for line in text.splitlines():
             name, _, sid = line.partition("|")
             if name.startswith(self.prefix):
-                out[name] = sid
+                out[name] = sid.partition("+")[0]  # a heterogeneous job's first component
         return out
 
 

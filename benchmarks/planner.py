@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from gpuyard.fabric import collectives, step
+from gpuyard.fabric import step
 from gpuyard.fabric.models import PRESETS
 from gpuyard.fabric.planner import Knobs, PlanResult, layouts, plan
 from gpuyard.fabric.presets import load_cluster
@@ -23,8 +23,7 @@ from gpuyard.fabric.step import StepEstimate
 
 
 def _clear_caches() -> None:
-    collectives.collective_time.cache_clear()
-    step._layer_times_cached.cache_clear()
+    step.clear_caches()  # every memo of the step and collective models: each timed run starts cold
 
 
 def timed_search(repeats: int) -> tuple[float, PlanResult]:

@@ -464,6 +464,12 @@ def collective_time(
     return _time(cluster, op, float(size_bytes), place(cluster, gpus, per_domain))[0]
 
 
+def clear_caches() -> None:
+    """Forget the memoised collective times and algorithm tables (for cold-cache timings)."""
+    collective_time.cache_clear()
+    _table.cache_clear()
+
+
 def estimate(
     cluster: Cluster, op: str, gpus: int, size_bytes: int, algorithm: str | None = None
 ) -> CollectiveEstimate:

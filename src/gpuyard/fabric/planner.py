@@ -15,7 +15,7 @@ from gpuyard.fabric.cluster import Cluster
 from gpuyard.fabric.failures import LLAMA3_405B, EttrPlan, FailureModel, plan_ettr
 from gpuyard.fabric.models import ModelSpec
 from gpuyard.fabric.published.ceilings import mfu_warning
-from gpuyard.fabric.stacks import STACKS
+from gpuyard.fabric.stacks import STACKS, get_stack
 from gpuyard.fabric.step import (
     FRAGMENTATION,
     GIB,
@@ -24,8 +24,7 @@ from gpuyard.fabric.step import (
     RESERVED_BYTES,
     ParallelConfig,
     StepEstimate,
-    estimate_step,
-    memory_per_gpu,
+    step_model,
     validate,
 )
 from gpuyard.fabric.torus import group_shape
@@ -155,10 +154,27 @@ def layouts(
     model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int, seq_len: int, knobs: Knobs
 ) -> Iterator[ParallelConfig]:
     """Every layout consistent with the fixed knobs, the GPU count and the batch (memory not yet checked)."""
+    for knob_values in _layout_knobs(model, cluster, gpus, global_batch, seq_len, knobs):
+        yield ParallelConfig(*knob_values, knobs.precision, knobs.stack)
+
+
+# (tp, pp, dp, cp, micro_batch, virtual_stages, recompute, zero, sequence_parallel, ep): ParallelConfig's
+# leading fields, in order. The search keeps layouts in this form until they fit in memory.
+_Knobs = tuple[int, int, int, int, int, int, str, int, bool, int]
+
+
+def _layout_knobs(
+    model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int, seq_len: int, knobs: Knobs
+) -> Iterator[_Knobs]:
+    """:func:`layouts` as tuples of ParallelConfig's leading fields, in the same order."""
     # A TPU slice trains with data, FSDP (ZeRO-3) and tensor sharding over its torus (MaxText's ici_*
     # axes): no pipeline, context parallelism or interleaving is searched there.
     tpu = cluster.torus is not None
+    recomputes = [knobs.recompute] if knobs.recompute is not None else RECOMPUTE
     for tp in _tensor_sizes(model, cluster, knobs):
+        sps = [knobs.sequence_parallel] if knobs.sequence_parallel is not None else [False, True]
+        if tp == 1:
+            sps = [False]
         for cp in [knobs.cp] if knobs.cp is not None else (1,) if tpu else CONTEXT_PARALLEL:
             if gpus % (tp * cp) or (cp > 1 and seq_len % (2 * cp)):
                 continue
@@ -170,6 +186,9 @@ def layouts(
                 if global_batch % dp:
                     continue
                 per_replica = global_batch // dp
+                # Without data-parallel peers every ZeRO stage is the same layout: search only stage 0.
+                zeros = [knobs.zero] if knobs.zero is not None else (0, 1, 2, 3) if dp * cp > 1 else (0,)
+                experts = _expert_sizes(model, dp, knobs)
                 for mb in [knobs.micro_batch] if knobs.micro_batch is not None else MICRO_BATCHES:
                     if per_replica % mb:
                         continue
@@ -177,11 +196,11 @@ def layouts(
                     for v in [knobs.virtual_stages] if knobs.virtual_stages is not None else VIRTUAL_STAGES:
                         if v > 1 and (pp == 1 or m % pp or pp * v > model.layers):
                             continue
-                        for ep in _expert_sizes(model, dp, knobs):
-                            base = ParallelConfig(
-                                tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=mb, virtual_stages=v, ep=ep
-                            )
-                            yield from _memory_knobs(base, knobs)
+                        for ep in experts:
+                            for rc in recomputes:
+                                for zero in zeros:
+                                    for sp in sps:
+                                        yield tp, pp, dp, cp, mb, v, rc, zero, sp, ep
 
 
 def _expert_sizes(model: ModelSpec, dp: int, knobs: Knobs) -> list[int]:
@@ -190,29 +209,6 @@ def _expert_sizes(model: ModelSpec, dp: int, knobs: Knobs) -> list[int]:
     if not model.is_moe:
         return [1]
     return [e for e in (1, 2, 4, 8, 16, 32, 64) if model.experts % e == 0 and dp % e == 0]
-
-
-def _memory_knobs(base: ParallelConfig, knobs: Knobs) -> Iterator[ParallelConfig]:
-    for rc in [knobs.recompute] if knobs.recompute is not None else RECOMPUTE:
-        # Without data-parallel peers every ZeRO stage is the same layout: search only stage 0.
-        zeros = (0, 1, 2, 3) if base.dp * base.cp > 1 else (0,)
-        for zero in [knobs.zero] if knobs.zero is not None else zeros:
-            sps = [knobs.sequence_parallel] if knobs.sequence_parallel is not None else [False, True]
-            for sp in sps if base.tp > 1 else [False]:
-                yield ParallelConfig(
-                    base.tp,
-                    base.pp,
-                    base.dp,
-                    base.cp,
-                    base.micro_batch,
-                    base.virtual_stages,
-                    rc,
-                    zero,
-                    sp,
-                    base.ep,
-                    knobs.precision,
-                    knobs.stack,
-                )
 
 
 def _check_fixed(model: ModelSpec, cluster: Cluster, gpus: int, seq_len: int, knobs: Knobs) -> None:
@@ -289,14 +285,23 @@ def plan(
     _check_fixed(model, cluster, gpus, seq, knobs)
     limit = cluster.device_memory_bytes
     considered, smallest, plans = 0, float("inf"), []
-    for cfg in layouts(model, cluster, gpus, global_batch, seq, knobs):
+    # One step model for the whole search: the terms layouts share are computed once and looked up.
+    steps = step_model(model, cluster, gpus, global_batch, seq, knobs.precision, get_stack(knobs.stack))
+    memory = steps.memory.parts
+    for tp, pp, dp, cp, mb, v, rc, zero, sp, ep in _layout_knobs(
+        model, cluster, gpus, global_batch, seq, knobs
+    ):
         considered += 1
-        m = global_batch // (cfg.dp * cfg.micro_batch)
-        mem = memory_per_gpu(model, seq, cfg, m)
-        need = sum(mem.values()) * FRAGMENTATION + RESERVED_BYTES
-        smallest = min(smallest, need)
-        if need <= limit:
-            plans.append(estimate_step(model, cluster, gpus, global_batch, seq, cfg, mem))
+        m = global_batch // (dp * mb)
+        weights, grads, optim, acts = memory(tp, pp, dp, cp, mb, v, rc, zero, sp, ep, m)
+        need = (weights + grads + optim + acts) * FRAGMENTATION + RESERVED_BYTES
+        if need < smallest:
+            smallest = need
+        if need <= limit:  # memory first: only the layouts that fit have their time modelled
+            cfg = ParallelConfig(tp, pp, dp, cp, mb, v, rc, zero, sp, ep, knobs.precision, knobs.stack)
+            validate(model, gpus, global_batch, seq, cfg)
+            mem = {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts}
+            plans.append(steps.estimate(cfg, m, mem))
     if not considered:
         if knobs.fixed():  # the fixed layout's own check says precisely what is wrong
             dp = gpus // ((knobs.tp or 1) * (knobs.pp or 1) * (knobs.cp or 1))

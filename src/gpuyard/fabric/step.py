@@ -23,6 +23,7 @@ from statistics import NormalDist
 from gpuyard.errors import ConfigError
 from gpuyard.fabric.cluster import Cluster
 from gpuyard.fabric.collectives import bus_factor, collective_time
+from gpuyard.fabric.collectives import clear_caches as clear_collective_caches
 from gpuyard.fabric.models import ModelSpec
 from gpuyard.fabric.stacks import STACKS, Stack, get_stack
 
@@ -534,56 +535,139 @@ def _activation_bytes_one(model: ModelSpec, tp: int, seqpar: bool, recompute: st
     return shared + split
 
 
-def _stage_params(model: ModelSpec, cfg: ParallelConfig) -> tuple[float, float]:
+def _stage_params(model: ModelSpec, tp: int, pp: int, ep: int) -> tuple[float, float]:
     """(dense, expert) parameters one GPU of the busiest stage holds."""
-    per_stage, _ = _stage_layers(model, cfg.pp)
-    layers = model.layers if cfg.pp == 1 else per_stage
-    emb = model.embedding_params if cfg.pp == 1 else model.vocab * model.hidden
+    per_stage, _ = _stage_layers(model, pp)
+    layers = model.layers if pp == 1 else per_stage
+    emb = model.embedding_params if pp == 1 else model.vocab * model.hidden
     dense_layer = model.layer_params - model.expert_params
-    return (layers * dense_layer + emb) / cfg.tp, layers * model.expert_params / (cfg.tp * cfg.ep)
+    return (layers * dense_layer + emb) / tp, layers * model.expert_params / (tp * ep)
+
+
+class _MemoryModel:
+    """Memory per GPU of one (model, sequence length, stack), for any layout.
+
+    The terms layouts share (stage sizes, parameters per stage, activation bytes per token, sharded
+    weight and optimizer state) are computed once, by the same expressions, and looked up by their
+    small keys: the planner checks tens of thousands of layouts of one model.
+    """
+
+    def __init__(self, model: ModelSpec, seq: int, profile: Stack) -> None:
+        self.model, self.seq, self.profile = model, seq, profile
+        # Unfused attention keeps 5 bytes per score of the s x s matrices (softmax output, dropout mask and
+        # output: Korthikanti et al.'s 5 a s^2 b per layer) unless they are recomputed.
+        self.unfused = profile.attention == "unfused"
+        # The loss keeps fp32 log-probabilities of the micro-batch (4 bytes per logit), or with a fused
+        # cross-entropy only the bf16 logits it writes the gradient into (2 bytes): gpuyard.fabric.stacks.
+        self.logit_bytes = LOSS_BYTES_PER_LOGIT[profile.fused_loss]
+        self._stages: dict[int, tuple[int, int]] = {}
+        self._params: dict[tuple[int, int, int], tuple[float, float]] = {}
+        self._states: dict[tuple[int, int, int, int, int], tuple[float, float, float]] = {}
+        self._acts: dict[tuple[int, bool, str], float] = {}
+
+    def stage_layers(self, pp: int) -> tuple[int, int]:
+        """:func:`_stage_layers` of this model."""
+        got = self._stages.get(pp)
+        if got is None:
+            got = self._stages[pp] = _stage_layers(self.model, pp)
+        return got
+
+    def stage_params(self, tp: int, pp: int, ep: int) -> tuple[float, float]:
+        """:func:`_stage_params` of this model."""
+        key = (tp, pp, ep)
+        got = self._params.get(key)
+        if got is None:
+            got = self._params[key] = _stage_params(self.model, tp, pp, ep)
+        return got
+
+    def activation_bytes(self, tp: int, seqpar: bool, recompute: str) -> float:
+        """:func:`_activation_bytes_per_token` of this model."""
+        key = (tp, seqpar, recompute)
+        got = self._acts.get(key)
+        if got is None:
+            got = self._acts[key] = _activation_bytes_per_token(self.model, tp, seqpar, recompute)
+        return got
+
+    def states(self, tp: int, pp: int, ep: int, dp_cp: int, zero: int) -> tuple[float, float, float]:
+        """(weights, grads, optimizer) bytes per GPU of the busiest stage."""
+        key = (tp, pp, ep, dp_cp, zero)
+        got = self._states.get(key)
+        if got is None:
+            dense, experts = self.stage_params(tp, pp, ep)
+            weights = grads = optim = 0.0
+            # Megatron shards optimizer state over data and context parallel ranks; expert weights over
+            # the ranks that hold the same experts (dp x cp / ep).
+            for params, shard in ((dense, dp_cp), (experts, dp_cp // ep)):
+                weights += params * WEIGHT_BYTES / (shard if zero >= 3 else 1)
+                grads += params * GRAD_BYTES / (shard if zero >= 2 else 1)
+                optim += params * OPTIM_BYTES / (shard if zero >= 1 else 1)
+            got = self._states[key] = (weights, grads, optim)
+        return got
+
+    def parts(
+        self,
+        tp: int,
+        pp: int,
+        dp: int,
+        cp: int,
+        micro_batch: int,
+        virtual_stages: int,
+        recompute: str,
+        zero: int,
+        seqpar: bool,
+        ep: int,
+        micro_batches: int,
+    ) -> tuple[float, float, float, float]:
+        """(weights, grads, optimizer, activations) bytes per GPU on the busiest pipeline stage."""
+        model = self.model
+        per_stage = self.stage_layers(pp)[0]
+        weights, grads, optim = self.states(tp, pp, ep, dp * cp, zero)
+        tokens = micro_batch * self.seq / cp
+        if virtual_stages == 1:
+            in_flight: float = min(pp, micro_batches) * per_stage
+        else:  # Megatron's interleaved warm-up on the first stage, counted in model chunks
+            chunks = 2 * (pp - 1) + (virtual_stages - 1) * pp + 1
+            in_flight = min(chunks, micro_batches * virtual_stages) * per_stage / virtual_stages
+        acts = in_flight * tokens * self.activation_bytes(tp, seqpar, recompute)
+        scores = 5.0 * model.heads / tp * self.seq if self.unfused else 0.0
+        if recompute == "none":
+            acts += in_flight * tokens * scores
+        if recompute == "full":  # one layer is rebuilt in full during its backward
+            acts += tokens * (self.activation_bytes(tp, seqpar, "none") + scores)
+        logits = tokens * model.vocab * self.logit_bytes / tp
+        return weights, grads, optim, acts + logits
+
+
+@lru_cache(maxsize=64)
+def _memory_model(model: ModelSpec, seq: int, profile: Stack) -> _MemoryModel:
+    return _MemoryModel(model, seq, profile)
 
 
 def memory_per_gpu(
     model: ModelSpec, seq: int, cfg: ParallelConfig, micro_batches: int, stack: Stack | None = None
 ) -> dict[str, float]:
     """Bytes per GPU on the busiest pipeline stage, by kind (weights, grads, optimizer, activations)."""
-    profile = stack or get_stack(cfg.stack)
-    per_stage, _ = _stage_layers(model, cfg.pp)
-    dense, experts = _stage_params(model, cfg)
-    weights = grads = optim = 0.0
-    # Megatron shards optimizer state over data and context parallel ranks; expert weights over the
-    # ranks that hold the same experts (dp x cp / ep).
-    for params, shard in ((dense, cfg.dp * cfg.cp), (experts, cfg.dp * cfg.cp // cfg.ep)):
-        weights += params * WEIGHT_BYTES / (shard if cfg.zero >= 3 else 1)
-        grads += params * GRAD_BYTES / (shard if cfg.zero >= 2 else 1)
-        optim += params * OPTIM_BYTES / (shard if cfg.zero >= 1 else 1)
-    tokens = cfg.micro_batch * seq / cfg.cp
-    if cfg.virtual_stages == 1:
-        in_flight: float = min(cfg.pp, micro_batches) * per_stage
-    else:  # Megatron's interleaved warm-up on the first stage, counted in model chunks
-        chunks = 2 * (cfg.pp - 1) + (cfg.virtual_stages - 1) * cfg.pp + 1
-        in_flight = min(chunks, micro_batches * cfg.virtual_stages) * per_stage / cfg.virtual_stages
-    acts = (
-        in_flight * tokens * _activation_bytes_per_token(model, cfg.tp, cfg.sequence_parallel, cfg.recompute)
+    weights, grads, optim, acts = _memory_model(model, seq, stack or get_stack(cfg.stack)).parts(
+        cfg.tp,
+        cfg.pp,
+        cfg.dp,
+        cfg.cp,
+        cfg.micro_batch,
+        cfg.virtual_stages,
+        cfg.recompute,
+        cfg.zero,
+        cfg.sequence_parallel,
+        cfg.ep,
+        micro_batches,
     )
-    # Unfused attention keeps 5 bytes per score of the s x s matrices (softmax output, dropout mask and
-    # output: Korthikanti et al.'s 5 a s^2 b per layer) unless they are recomputed.
-    scores = 5.0 * model.heads / cfg.tp * seq if profile.attention == "unfused" else 0.0
-    if cfg.recompute == "none":
-        acts += in_flight * tokens * scores
-    if cfg.recompute == "full":  # one layer is rebuilt in full during its backward
-        acts += tokens * (_activation_bytes_per_token(model, cfg.tp, cfg.sequence_parallel, "none") + scores)
-    # The loss keeps fp32 log-probabilities of the micro-batch (4 bytes per logit), or with a fused
-    # cross-entropy only the bf16 logits it writes the gradient into (2 bytes): gpuyard.fabric.stacks.
-    logits = tokens * model.vocab * LOSS_BYTES_PER_LOGIT[profile.fused_loss] / cfg.tp
-    return {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts + logits}
+    return {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts}
 
 
 def _dp_comm(
     model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, micro_batches: int
 ) -> tuple[float, float]:
     """(gradient-side, parameter-side) data-parallel communication seconds per step."""
-    dense, experts = _stage_params(model, cfg)
+    dense, experts = _stage_params(model, cfg.tp, cfg.pp, cfg.ep)
     weight_bytes = ACT_BYTES[cfg.precision]  # gathered in the compute precision (fp32 runs: fp32)
     grad_s = param_s = 0.0
     for params, group in ((dense, cfg.dp * cfg.cp), (experts, cfg.dp * cfg.cp // cfg.ep)):
@@ -624,6 +708,213 @@ def _zero3_exposed(layer: _Layer, per_stage: int, m: int, grad_comm: float, para
     return m * per_mb + scatter
 
 
+class _StepModel:
+    """The step model of one (model, cluster, GPU count, batch, sequence length, precision, stack).
+
+    What every layout of that setting shares (peak, bandwidth, the slowest-of-N factor, FLOPs per step)
+    is computed once; per-layout terms that depend on a few knobs only (a layer's times, the output layer,
+    a pipeline hop, data-parallel traffic) are computed once per distinct knob values and looked up. A
+    lone :func:`estimate_step` and the planner's search go through the same code, so they agree exactly.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: Cluster,
+        gpus: int,
+        global_batch: int,
+        seq: int,
+        precision: str,
+        profile: Stack,
+    ) -> None:
+        self.model, self.cluster, self.gpus, self.global_batch, self.seq = (
+            model,
+            cluster,
+            gpus,
+            global_batch,
+            seq,
+        )
+        self.precision, self.profile = precision, profile
+        self.memory = _memory_model(model, seq, profile)
+        self.peak = cluster.peak_for(precision) * 1e12
+        self.bw = cluster.memory_bw_GBps * 1e9
+        self.domain = cluster.domain
+        self.device_memory = cluster.device_memory_bytes
+        self.overlap_slowdown = cluster.compute.overlap_slowdown
+        # The slowest of the job's GPUs sets the pace of every synchronous step (Compute.speed_spread).
+        self.straggle = 1.0 + cluster.compute.speed_spread * slowest_of(gpus)
+        self.model_flops = model.model_flops_per_token(seq) * global_batch * seq
+        self.hw_flops: dict[str, float] = {}
+        for recompute, extra in (("none", 0.0), ("selective", 0.0), ("full", 1 / 3)):
+            recomputed = extra * 6 * model.layers * model.active_layer_params * global_batch * seq
+            self.hw_flops[recompute] = self.model_flops + recomputed
+        self._layers: dict[tuple[object, ...], _Layer] = {}
+        self._heads: dict[tuple[int, int, int], float] = {}
+        self._hops: dict[tuple[int, int, int, bool, bool], float] = {}
+        self._dp: dict[tuple[int, ...], tuple[float, float]] = {}
+
+    def layer(self, cfg: ParallelConfig) -> _Layer:
+        """:func:`_layer_times` of this setting."""
+        key = (
+            cfg.tp,
+            cfg.cp,
+            cfg.micro_batch,
+            cfg.recompute,
+            cfg.sequence_parallel,
+            cfg.ep,
+            cfg.compiled,
+            cfg.tp_overlap,
+        )
+        got = self._layers.get(key)
+        if got is None:
+            got = self._layers[key] = _layer_times(self.model, self.cluster, self.seq, cfg, self.profile)
+        return got
+
+    def head(self, micro_batch: int, cp: int, tp: int) -> float:
+        """Seconds of the output projection and loss on the last stage, per micro-batch."""
+        key = (micro_batch, cp, tp)
+        got = self._heads.get(key)
+        if got is None:
+            model, cluster = self.model, self.cluster
+            tokens = micro_batch * self.seq / cp
+            # The output projection and loss, at the same GEMM efficiency as a layer.
+            half_m, _, half_k = cluster.gemm_halves
+            eff = (
+                cluster.compute.efficiency(self.precision) * _sat(tokens, half_m) * _sat(model.hidden, half_k)
+            )
+            got = 6 * tokens * model.vocab * model.hidden / tp / (self.peak * eff)
+            # Cross-entropy over the logits is memory-bound: bytes per logit by stack (fused or not).
+            got += tokens * model.vocab / tp * self.profile.loss_bytes_per_logit / self.bw
+            self._heads[key] = got
+        return got
+
+    def hop(self, micro_batch: int, cp: int, tp: int, seqpar: bool, same_domain: bool) -> float:
+        """Seconds of one pipeline send/recv of a micro-batch's activations (or gradients)."""
+        key = (micro_batch, cp, tp, seqpar, same_domain)
+        got = self._hops.get(key)
+        if got is None:
+            cluster, profile = self.cluster, self.profile
+            tokens = micro_batch * self.seq / cp
+            full = tokens * self.model.hidden * ACT_BYTES[self.precision]
+            split = seqpar or profile.pp_scatter_gather
+            act = full / (tp if split else 1)
+            got = comm_time(cluster, "send_recv", act, 2, 2 if same_domain else 1)
+            if profile.pp_scatter_gather and not seqpar and tp > 1:
+                # Megatron's scatter/gather: each TP rank sends its 1/tp slice, the next stage all-gathers it.
+                got += comm_time(cluster, "all_gather", full, tp)
+            self._hops[key] = got
+        return got
+
+    def dp_comm(self, cfg: ParallelConfig, m: int) -> tuple[float, float]:
+        """:func:`_dp_comm` of this setting (only ZeRO-3 depends on the micro-batch count)."""
+        key = (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.zero, m if cfg.zero == 3 else 0)
+        got = self._dp.get(key)
+        if got is None:
+            got = self._dp[key] = _dp_comm(self.model, self.cluster, cfg, m)
+        return got
+
+    def estimate(self, cfg: ParallelConfig, m: int, memory: dict[str, float] | None = None) -> StepEstimate:
+        """The step of a layout already validated, with ``m`` micro-batches per step."""
+        model, seq_len, gpus = self.model, self.seq, self.gpus
+        layer = self.layer(cfg)
+        per_stage, last = self.memory.stage_layers(cfg.pp)
+        head = self.head(cfg.micro_batch, cfg.cp, cfg.tp)
+        layer_compute = layer.fwd + layer.bwd + layer.recompute
+        layer_comm = layer.tp_exposed + layer.ep_comm + layer.cp_exposed
+        # The busiest stage sets the pace: a full stage, or the last one with fewer layers plus the head.
+        full_stage = per_stage * (layer_compute + layer_comm)
+        last_stage = last * (layer_compute + layer_comm) + head
+        if cfg.pp == 1:
+            t_mb, comm_mb = model.layers * (layer_compute + layer_comm) + head, model.layers * layer_comm
+        elif full_stage >= last_stage:
+            t_mb, comm_mb = full_stage, per_stage * layer_comm
+        else:
+            t_mb, comm_mb = last_stage, last * layer_comm
+        # Pipeline: activations cross to the next stage forward and gradients come back, per model chunk.
+        pp_comm = 0.0
+        if cfg.pp > 1:
+            same_domain = cfg.tp * cfg.cp * cfg.dp < self.domain
+            p2p = self.hop(cfg.micro_batch, cfg.cp, cfg.tp, cfg.sequence_parallel, same_domain)
+            pp_comm = 2 * (m * cfg.virtual_stages + cfg.pp - 1) * p2p
+        grad_comm, param_comm = self.dp_comm(cfg, m)
+        mb_fwd = per_stage * layer.fwd
+        if cfg.zero == 3:
+            exposed_dp = _zero3_exposed(layer, per_stage, m, grad_comm, param_comm)
+        else:  # bucketed gradient reduction overlaps the last backward; parameter gather the first forward
+            exposed_dp = max(0.0, grad_comm - (t_mb - mb_fwd)) + max(0.0, param_comm - mb_fwd)
+        # Communication hidden behind compute still slows it (SMs and memory bandwidth are shared).
+        hidden_cp = m * per_stage * max(0.0, layer.cp_comm - layer.cp_exposed)
+        hidden_tp = m * per_stage * max(0.0, layer.tp_comm - layer.tp_exposed)
+        dp_total, dp_exposed = grad_comm + param_comm, exposed_dp
+        overlap = self.overlap_slowdown * (max(0.0, dp_total - exposed_dp) + hidden_cp + hidden_tp)
+        exposed_dp += overlap
+        dense, experts = self.memory.stage_params(cfg.tp, cfg.pp, cfg.ep)
+        shard = cfg.dp * cfg.cp if cfg.zero >= 1 else 1
+        params_owned = dense / shard + experts / max(1, shard // cfg.ep)
+        optimizer = params_owned * self.profile.optimizer_bytes_per_param / self.bw
+        bubble = (cfg.pp - 1) / cfg.virtual_stages * t_mb
+        tp_total = m * per_stage * layer.tp_comm
+        cp_total = m * per_stage * layer.cp_comm
+        ep_total = m * per_stage * layer.ep_comm
+        compute = m * (t_mb - comm_mb) + optimizer
+        straggle = self.straggle
+        compute, bubble = compute * straggle, bubble * straggle
+        exposed = m * comm_mb + pp_comm + exposed_dp
+        step = compute + bubble + exposed
+        mem = memory or memory_per_gpu(model, seq_len, cfg, m, self.profile)
+        needed = sum(mem.values()) * FRAGMENTATION + RESERVED_BYTES
+        model_flops = self.model_flops
+        hw_flops = self.hw_flops[cfg.recompute]
+        return StepEstimate(
+            config=cfg,
+            step_time_s=step,
+            tokens_per_s=self.global_batch * seq_len / step,
+            model_tflops_per_gpu=model_flops / step / gpus / 1e12,
+            hardware_tflops_per_gpu=hw_flops / step / gpus / 1e12,
+            mfu=model_flops / step / gpus / self.peak,
+            memory_gib_per_gpu=needed / GIB,
+            fits=needed <= self.device_memory,
+            breakdown=Breakdown(
+                compute,
+                tp_total,
+                cp_total,
+                pp_comm,
+                grad_comm + param_comm,
+                bubble,
+                exposed,
+                ep_total,
+                tp_exposed_s=m * per_stage * layer.tp_exposed,
+                cp_exposed_s=m * per_stage * min(layer.cp_comm, layer.cp_exposed),
+                dp_exposed_s=min(dp_total, dp_exposed),
+                overlap_cost_s=overlap,
+            ),
+            memory_gib={k: v / GIB for k, v in mem.items()},
+        )
+
+
+@lru_cache(maxsize=32)
+def step_model(
+    model: ModelSpec,
+    cluster: Cluster,
+    gpus: int,
+    global_batch: int,
+    seq_len: int,
+    precision: str,
+    profile: Stack,
+) -> _StepModel:
+    """The step model of one setting, with its per-knob terms memoised (shared by every layout of it)."""
+    return _StepModel(model, cluster, gpus, global_batch, seq_len, precision, profile)
+
+
+def clear_caches() -> None:
+    """Forget every memoised term of the step model and the collective model (for cold-cache timings)."""
+    step_model.cache_clear()
+    _memory_model.cache_clear()
+    _layer_times_cached.cache_clear()
+    slowest_of.cache_clear()
+    clear_collective_caches()
+
+
 def estimate_step(
     model: ModelSpec,
     cluster: Cluster,
@@ -651,93 +942,6 @@ def estimate_step(
     """
     m = validate(model, gpus, global_batch, seq_len, cfg)
     profile = stack or get_stack(cfg.stack)
-    layer = _layer_times(model, cluster, seq_len, cfg, profile)
-    per_stage, last = _stage_layers(model, cfg.pp)
-    peak = cluster.peak_for(cfg.precision) * 1e12
-    tokens = cfg.micro_batch * seq_len / cfg.cp
-    # The output projection and loss on the last stage, at the same GEMM efficiency as a layer.
-    half_m, _, half_k = cluster.gemm_halves
-    head_eff = cluster.compute.efficiency(cfg.precision) * _sat(tokens, half_m) * _sat(model.hidden, half_k)
-    head = 6 * tokens * model.vocab * model.hidden / cfg.tp / (peak * head_eff)
-    # Cross-entropy over the logits is memory-bound: bytes per logit by stack (fused or not).
-    head += tokens * model.vocab / cfg.tp * profile.loss_bytes_per_logit / (cluster.memory_bw_GBps * 1e9)
-    layer_compute = layer.fwd + layer.bwd + layer.recompute
-    layer_comm = layer.tp_exposed + layer.ep_comm + layer.cp_exposed
-    # The busiest stage sets the pace: a full stage, or the last one with fewer layers plus the head.
-    full_stage = per_stage * (layer_compute + layer_comm)
-    last_stage = last * (layer_compute + layer_comm) + head
-    if cfg.pp == 1:
-        t_mb, comm_mb = model.layers * (layer_compute + layer_comm) + head, model.layers * layer_comm
-    elif full_stage >= last_stage:
-        t_mb, comm_mb = full_stage, per_stage * layer_comm
-    else:
-        t_mb, comm_mb = last_stage, last * layer_comm
-    # Pipeline: activations cross to the next stage forward and gradients come back, per model chunk.
-    pp_comm = 0.0
-    if cfg.pp > 1:
-        full = tokens * model.hidden * ACT_BYTES[cfg.precision]
-        split = cfg.sequence_parallel or profile.pp_scatter_gather
-        act = full / (cfg.tp if split else 1)
-        same_domain = cfg.tp * cfg.cp * cfg.dp < cluster.domain
-        p2p = comm_time(cluster, "send_recv", act, 2, 2 if same_domain else 1)
-        if profile.pp_scatter_gather and not cfg.sequence_parallel and cfg.tp > 1:
-            # Megatron's scatter/gather: each TP rank sends its 1/tp slice, the next stage all-gathers it.
-            p2p += comm_time(cluster, "all_gather", full, cfg.tp)
-        pp_comm = 2 * (m * cfg.virtual_stages + cfg.pp - 1) * p2p
-    grad_comm, param_comm = _dp_comm(model, cluster, cfg, m)
-    mb_fwd = per_stage * layer.fwd
-    if cfg.zero == 3:
-        exposed_dp = _zero3_exposed(layer, per_stage, m, grad_comm, param_comm)
-    else:  # bucketed gradient reduction overlaps the last backward; parameter gather the first forward
-        exposed_dp = max(0.0, grad_comm - (t_mb - mb_fwd)) + max(0.0, param_comm - mb_fwd)
-    # Communication hidden behind compute still slows it (SMs and memory bandwidth are shared).
-    hidden_cp = m * per_stage * max(0.0, layer.cp_comm - layer.cp_exposed)
-    hidden_tp = m * per_stage * max(0.0, layer.tp_comm - layer.tp_exposed)
-    dp_total, dp_exposed = grad_comm + param_comm, exposed_dp
-    overlap = cluster.compute.overlap_slowdown * (max(0.0, dp_total - exposed_dp) + hidden_cp + hidden_tp)
-    exposed_dp += overlap
-    dense, experts = _stage_params(model, cfg)
-    shard = cfg.dp * cfg.cp if cfg.zero >= 1 else 1
-    params_owned = dense / shard + experts / max(1, shard // cfg.ep)
-    optimizer = params_owned * profile.optimizer_bytes_per_param / (cluster.memory_bw_GBps * 1e9)
-    bubble = (cfg.pp - 1) / cfg.virtual_stages * t_mb
-    tp_total = m * per_stage * layer.tp_comm
-    cp_total = m * per_stage * layer.cp_comm
-    ep_total = m * per_stage * layer.ep_comm
-    compute = m * (t_mb - comm_mb) + optimizer
-    # The slowest of the job's GPUs sets the pace of every synchronous step (Compute.speed_spread).
-    straggle = 1.0 + cluster.compute.speed_spread * slowest_of(gpus)
-    compute, bubble = compute * straggle, bubble * straggle
-    exposed = m * comm_mb + pp_comm + exposed_dp
-    step = compute + bubble + exposed
-    mem = memory or memory_per_gpu(model, seq_len, cfg, m, profile)
-    needed = sum(mem.values()) * FRAGMENTATION + RESERVED_BYTES
-    model_flops = model.model_flops_per_token(seq_len) * global_batch * seq_len
-    recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[cfg.recompute]
-    recomputed = recompute_extra * 6 * model.layers * model.active_layer_params * global_batch * seq_len
-    hw_flops = model_flops + recomputed
-    return StepEstimate(
-        config=cfg,
-        step_time_s=step,
-        tokens_per_s=global_batch * seq_len / step,
-        model_tflops_per_gpu=model_flops / step / gpus / 1e12,
-        hardware_tflops_per_gpu=hw_flops / step / gpus / 1e12,
-        mfu=model_flops / step / gpus / peak,
-        memory_gib_per_gpu=needed / GIB,
-        fits=needed <= cluster.device_memory_bytes,
-        breakdown=Breakdown(
-            compute,
-            tp_total,
-            cp_total,
-            pp_comm,
-            grad_comm + param_comm,
-            bubble,
-            exposed,
-            ep_total,
-            tp_exposed_s=m * per_stage * layer.tp_exposed,
-            cp_exposed_s=m * per_stage * min(layer.cp_comm, layer.cp_exposed),
-            dp_exposed_s=min(dp_total, dp_exposed),
-            overlap_cost_s=overlap,
-        ),
-        memory_gib={k: v / GIB for k, v in mem.items()},
+    return step_model(model, cluster, gpus, global_batch, seq_len, cfg.precision, profile).estimate(
+        cfg, m, memory
     )

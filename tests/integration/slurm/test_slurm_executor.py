@@ -1,5 +1,6 @@
-"""gpuyard's jobs as Slurm jobs on a real slurmctld with four slurmd (conftest.py): placement, gang,
-cancel with grace, preemption and requeue, a Slurm-side time limit, adoption after a restart, drain."""
+"""gpuyard's jobs as Slurm jobs on a real slurmctld with four slurmd (conftest.py): placement, gang
+(equal, and unequal as a heterogeneous job), cancel with grace, preemption and requeue, a Slurm-side
+time limit, adoption after a restart, drain."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.waiting import wait_for
 from gpuyard.scheduler.executors.slurm_local import LocalSlurm
 from gpuyard.scheduler.spec import parse_spec
 
-from .conftest import make_slurm_service, slurm_job
+from .conftest import make_slurm_service, slurm_components, slurm_job
 
 pytestmark = pytest.mark.integration
 
@@ -114,6 +115,50 @@ def test_a_gang_job_is_one_allocation_over_the_nodes_gpuyard_chose(
     lines = sorted(x for x in service.read_log(job["id"])["text"].splitlines() if x.startswith("rank="))
     assert [x.split()[:2] for x in lines] == [["rank=0", "node=n1"], ["rank=1", "node=n2"]]
     assert len({x.split()[2] for x in lines}) == 1  # one rendezvous address for both
+
+
+def test_an_unequal_gang_is_one_heterogeneous_slurm_job_with_each_nodes_gpus(
+    slurm_cluster: LocalSlurm, time_limited: dict[str, Any], gpuyard_home: Path
+) -> None:
+    """4 GPUs over n3 (2) and n1, n2 (1 each): one component per GPU count, one srun over both; the
+    job runs (polled by its first component's id) until a cancel's SIGTERM reaches every node."""
+    service = make_slurm_service(gpuyard_home, nodes=["n1", "n2", "n3"])
+    body = (
+        'trap "echo term on $GPUYARD_NODE; exit 75" TERM; '
+        'echo "up node=$GPUYARD_NODE id=$SLURM_NODEID of=$SLURM_NNODES gpus=$SLURM_GPUS_ON_NODE"; '
+        "while true; do sleep 0.05; done"
+    )
+    job = service.submit(
+        parse_spec({"name": "het", "command": ["bash", "-c", body], "resources": {"gpus": 4}})
+    )
+    _until(service, job["id"], {"running"})
+    ups = wait_for(
+        lambda: (
+            len(x := [y for y in service.read_log(job["id"])["text"].splitlines() if y.startswith("up ")])
+            == 3
+            and x
+        ),
+        timeout=30,
+    )
+    placed = {p["node"]: len(p["gpus"]) for p in service.get(job["id"])["placement"]["nodes"]}
+    assert placed == {"n3": 2, "n1": 1, "n2": 1}
+    # Each node's task sees its own GPUs; Slurm numbers the nodes 0-2 across the components.
+    assert sorted(x.split()[1:] for x in ups) == [
+        ["node=n1", "id=1", "of=3", "gpus=1"],
+        ["node=n2", "id=2", "of=3", "gpus=1"],
+        ["node=n3", "id=0", "of=3", "gpus=2"],
+    ]
+    comps = slurm_components(slurm_cluster, service.executor.prefix, job["id"])
+    asked = [(c["NodeList"], c["TresPerNode"]) for c in comps]
+    assert asked == [("n3", "gres:gpu:2"), ("n[1-2]", "gres:gpu:1")]
+    assert service.get(job["id"])["state"] == "running"
+    service.cancel(job["id"])
+    doc = _until(service, job["id"], {"cancelled", "failed", "succeeded"})
+    log = service.read_log(job["id"])["text"]
+    assert doc["state"] == "cancelled", log
+    assert sorted(x for x in log.splitlines() if x.startswith("term on")) == [
+        f"term on n{i}" for i in (1, 2, 3)
+    ]
 
 
 def test_cancel_gives_the_grace_period_to_checkpoint(
@@ -345,35 +390,57 @@ def test_a_slurm_time_limit_ends_the_job_with_that_reason(
     assert slurm_job(slurm_cluster, service.executor.prefix, time_limited["job"])["JobState"] == "TIMEOUT"
 
 
-def test_gpuyard_train_spans_two_slurm_nodes_with_one_rendezvous(
+# The model of the training test: each rank notes where it runs and the world it is in, then trains
+# the example MLP.
+PROBE = """
+import os
+from pathlib import Path
+from gpuyard.train.examples import mlp as _mlp
+
+def mlp(**kwargs):
+    out = Path(__file__).with_name("ranks")
+    out.mkdir(exist_ok=True)
+    keys = ("GPUYARD_NODE", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
+    (out / os.environ["RANK"]).write_text(" ".join(os.environ[k] for k in keys))
+    return _mlp(**kwargs)
+"""
+
+
+def test_gpuyard_train_spans_unequal_slurm_nodes_with_one_rendezvous(
     slurm_cluster: LocalSlurm, time_limited: dict[str, Any], gpuyard_home: Path, tmp_path: Path
 ) -> None:
-    """A training job over n1 and n2: srun starts `gpuyard train --nnodes 2` on each, torchrun's c10d
-    rendezvous meets on the first node, and the two ranks train as one world."""
+    """A 3-GPU training job over n3 (2 GPUs) and n1 (1): srun starts `gpuyard train --nproc 2 --nnodes
+    2` on n3 and `--nproc 1` on n1 (a heterogeneous job), torchrun's c10d rendezvous meets on the first
+    node, and the three ranks train as one world of 3 (the 8 + 4 GPU case, scaled to this cluster)."""
     import yaml
 
+    (tmp_path / "probe.py").write_text(PROBE)
     spec_path = tmp_path / "train.yaml"
     doc = {
         "name": "slurm-ddp",
         "run_dir": str(tmp_path / "run"),
         "seed": 3,
-        "model": {"entrypoint": "gpuyard.train.examples:mlp"},
+        "model": {"entrypoint": "probe:mlp"},
         "data": {
-            "train": {"entrypoint": "gpuyard.train.examples:classification_data", "kwargs": {"n": 64}},
+            "train": {"entrypoint": "gpuyard.train.examples:classification_data", "kwargs": {"n": 72}},
             "batch_size": 8,
         },
         "optimizer": {"name": "adamw", "lr": 0.01},
         "epochs": 1,
     }
     spec_path.write_text(yaml.safe_dump(doc))
-    service = make_slurm_service(gpuyard_home, nodes=["n1", "n2"])
+    service = make_slurm_service(gpuyard_home, nodes=["n1", "n3"])
     env = {"OMP_NUM_THREADS": "1", "GPUYARD_HOME": str(gpuyard_home)}
     job = service.submit(
-        parse_spec({"name": "ddp", "train": str(spec_path), "resources": {"gpus": 2}, "env": env})
+        parse_spec({"name": "ddp", "train": str(spec_path), "resources": {"gpus": 3}, "env": env})
     )
     done = _until(service, job["id"], {"succeeded", "failed"}, timeout=180)
     log = service.read_log(job["id"])["text"]
     assert done["state"] == "succeeded", log[-3000:]
-    assert sorted(p["node"] for p in done["placement"]["nodes"]) == ["n1", "n2"]
-    # 64 samples, 8 per rank and step: one epoch is 4 steps in a world of 2 ranks (8 in two worlds of 1).
-    assert "completed at step 4 " in log and "step 8" not in log, log[-2000:]
+    assert {p["node"]: len(p["gpus"]) for p in done["placement"]["nodes"]} == {"n3": 2, "n1": 1}
+    # Ranks 0-2 of one world of 3: two on n3, one on n1.
+    ranks = {int(p.name): p.read_text().split() for p in (tmp_path / "ranks").iterdir()}
+    assert sorted(ranks) == [0, 1, 2]
+    assert sorted(ranks.values()) == [["n1", "1", "3"], ["n3", "2", "3"], ["n3", "2", "3"]]
+    # 72 samples, 8 per rank and step: one epoch is 3 steps in a world of 3 (4 with 2, 2 with 4).
+    assert "completed at step 3 " in log and "step 4" not in log, log[-2000:]

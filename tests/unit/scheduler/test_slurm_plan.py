@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from gpuyard.errors import ConfigError
 from gpuyard.scheduler.executors.base import LaunchPlan, NodeSlots
 from gpuyard.scheduler.executors.slurm import SlurmConfig, SlurmExecutor, exit_from_state
 from gpuyard.scheduler.spec import parse_spec
@@ -135,6 +136,25 @@ def test_a_single_node_job_is_unchanged(tmp_path: Path) -> None:
     plan = ex.plan(3, _train(tmp_path, 4), _slots(4), 1)
     assert _asked(plan.extra["sbatch"]) == [(["n1"], 4)]
     assert ex.script(plan).strip().splitlines()[-1].startswith("exec ") and "srun" not in ex.script(plan)
+
+
+def test_a_cluster_without_heterogeneous_steps_refuses_an_unequal_gang_before_sbatch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ex = _executor(tmp_path)
+    ex.het_steps = False  # SchedulerParameters=disable_hetjob_steps: srun would fail after allocation
+
+    def no_call(argv: list[str], **_: object) -> str:
+        raise AssertionError(f"{argv[0]} called")
+
+    monkeypatch.setattr(ex, "_call", no_call)
+    plan = ex.plan(3, _train(tmp_path, 12), _slots(8, 4), 1)
+    with pytest.raises(ConfigError, match="disable_hetjob_steps") as info:
+        ex.launch(plan)
+    assert "n1: 8, n2: 4" in str(info.value) and "\n" not in str(info.value)
+    equal = ex.plan(4, _train(tmp_path, 8), _slots(4, 4), 1)
+    monkeypatch.setattr(ex, "_call", lambda argv, **_: "77\n")
+    assert ex.launch(equal)["slurm_id"] == "77"  # equal splits need no heterogeneous step
 
 
 def test_a_heterogeneous_job_is_polled_ended_and_found_by_its_first_component(

@@ -274,6 +274,10 @@ class SlurmExecutor(Executor):
             if shutil.which(tool, path=self._env().get("PATH")) is None:
                 raise ConfigError(f"--slurm: {tool} is not on PATH (install the Slurm client tools)")
         self._call(["sinfo", "-h", "-o", "%P"])  # the controller answers, or one line saying why not
+        # An unequal gang runs as one step over a heterogeneous job's components, which a cluster's
+        # admin may disable (srun then fails the job after Slurm allocated it).
+        settings = self._call(["scontrol", "show", "config"], check=False)
+        self.het_steps = "disable_hetjob_steps" not in settings
 
     # -- talking to Slurm ---------------------------------------------------------------------------
     def _env(self) -> dict[str, str]:
@@ -511,7 +515,19 @@ class SlurmExecutor(Executor):
         return "\n".join(lines) + "\n"
 
     def launch(self, plan: LaunchPlan) -> dict[str, Any]:
-        """Write the script and submit it; the handle carries the Slurm job id."""
+        """Write the script and submit it; the handle carries the Slurm job id.
+
+        Raises:
+            ConfigError: an unequal gang on a cluster that disables steps over heterogeneous jobs.
+        """
+        groups = plan.extra.get("het_groups")
+        if groups and not getattr(self, "het_steps", True):
+            split = ", ".join(f"{node}: {g['gpus_per_node']}" for g in groups for node in g["nodes"])
+            raise ConfigError(
+                "Slurm: this cluster disables job steps over heterogeneous jobs "
+                f"(SchedulerParameters=disable_hetjob_steps), so a gang placed unequally (GPUs per node "
+                f"{split}) cannot run as one step (Slurm's default, enable_hetjob_steps, allows it)"
+            )
         script = Path(plan.extra["script"])
         script.parent.mkdir(parents=True, exist_ok=True)
         if self.isolation is not None:

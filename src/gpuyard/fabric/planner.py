@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from gpuyard.errors import CapacityError, ConfigError
 from gpuyard.fabric.cluster import Cluster
@@ -127,15 +128,12 @@ def _rank_key(e: StepEstimate) -> tuple[float, ...]:
     """Throughput first (4 significant digits: closer is noise); ties go to less memory, then to the
     simpler layout (less context parallelism, fewer virtual stages, shorter pipelines, narrower tensor).
     """
-    c = e.config
-    return (
-        -float(f"{e.tokens_per_s:.4g}"),
-        round(e.memory_gib_per_gpu, 1),
-        c.cp,
-        c.virtual_stages,
-        c.pp,
-        c.tp,
-    )
+    return _rank(e.tokens_per_s, e.memory_gib_per_gpu, e.config)
+
+
+def _rank(tokens_per_s: float, memory_gib: float, c: ParallelConfig) -> tuple[float, ...]:
+    """:func:`_rank_key` from a plan's figures (the search ranks before it builds the estimates)."""
+    return (-float(f"{tokens_per_s:.4g}"), round(memory_gib, 1), c.cp, c.virtual_stages, c.pp, c.tp)
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -284,13 +282,16 @@ def plan(
         raise ConfigError(f"global batch and top must be at least 1, got {global_batch} and {top}")
     _check_fixed(model, cluster, gpus, seq, knobs)
     limit = cluster.device_memory_bytes
-    considered, smallest, plans = 0, float("inf"), []
+    considered, smallest = 0, float("inf")
     # One step model for the whole search: the terms layouts share are computed once and looked up.
     steps = step_model(model, cluster, gpus, global_batch, seq, knobs.precision, get_stack(knobs.stack))
-    memory = steps.memory.parts
-    for tp, pp, dp, cp, mb, v, rc, zero, sp, ep in _layout_knobs(
-        model, cluster, gpus, global_batch, seq, knobs
-    ):
+    memory, step_terms = steps.memory.parts, steps.terms
+    tokens = global_batch * seq
+    # (rank, layout, micro-batches, memory by kind) of each layout that fits; estimates are built for the
+    # top ones only, from the same step model (so equal to what estimate_step gives each layout).
+    fitting: list[tuple[tuple[float, ...], ParallelConfig, int, dict[str, float]]] = []
+    search = _layout_knobs(model, cluster, gpus, global_batch, seq, knobs)
+    for tp, pp, dp, cp, mb, v, rc, zero, sp, ep in search:
         considered += 1
         m = global_batch // (dp * mb)
         weights, grads, optim, acts = memory(tp, pp, dp, cp, mb, v, rc, zero, sp, ep, m)
@@ -300,8 +301,9 @@ def plan(
         if need <= limit:  # memory first: only the layouts that fit have their time modelled
             cfg = ParallelConfig(tp, pp, dp, cp, mb, v, rc, zero, sp, ep, knobs.precision, knobs.stack)
             validate(model, gpus, global_batch, seq, cfg)
+            rank = _rank(tokens / step_terms(cfg, m).step, need / GIB, cfg)
             mem = {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts}
-            plans.append(steps.estimate(cfg, m, mem))
+            fitting.append((rank, cfg, m, mem))
     if not considered:
         if knobs.fixed():  # the fixed layout's own check says precisely what is wrong
             dp = gpus // ((knobs.tp or 1) * (knobs.pp or 1) * (knobs.cp or 1))
@@ -312,7 +314,7 @@ def plan(
             f"no tp x pp x dp x cp layout of {gpus} GPUs divides global batch {global_batch} "
             f"with the knobs given"
         )
-    if not plans:
+    if not fitting:
         what = (
             "the fixed plan needs"
             if knobs.fixed()
@@ -321,14 +323,14 @@ def plan(
         raise CapacityError(
             f"{what} {smallest / GIB:.1f} GiB per GPU; {cluster.device_name} has {limit / GIB:.1f} GiB"
         )
-    plans.sort(key=_rank_key)
-    chosen = plans[:top]
+    fitting.sort(key=itemgetter(0))  # stable: equal ranks keep the search's order
+    chosen = [steps.estimate(cfg, m, mem) for _, cfg, m, mem in fitting[:top]]
     warnings = []
     if chosen:  # the MFU sanity rule: no plan is believed faster than any published run on the device
         warning = mfu_warning(cluster.device_name, chosen[0].config.precision, chosen[0].mfu, model, seq)
         if warning:
             warnings.append(f"top plan: {warning}")
-    return PlanResult(plans=chosen, considered=considered, fitting=len(plans), warnings=warnings)
+    return PlanResult(plans=chosen, considered=considered, fitting=len(fitting), warnings=warnings)
 
 
 # -- expected ETTR at the planned scale (gpuyard.fabric.failures) -------------------------------------

@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from statistics import NormalDist
+from typing import NamedTuple
 
 from gpuyard.errors import ConfigError
 from gpuyard.fabric.cluster import Cluster
@@ -708,6 +709,24 @@ def _zero3_exposed(layer: _Layer, per_stage: int, m: int, grad_comm: float, para
     return m * per_mb + scatter
 
 
+class _Terms(NamedTuple):
+    """A step's time and the parts of :class:`Breakdown` (seconds per step)."""
+
+    step: float
+    compute: float
+    tp_total: float
+    cp_total: float
+    pp_comm: float
+    dp_total: float
+    bubble: float
+    exposed: float
+    ep_total: float
+    tp_exposed: float
+    cp_exposed: float
+    dp_exposed: float
+    overlap: float
+
+
 class _StepModel:
     """The step model of one (model, cluster, GPU count, batch, sequence length, precision, stack).
 
@@ -813,9 +832,9 @@ class _StepModel:
             got = self._dp[key] = _dp_comm(self.model, self.cluster, cfg, m)
         return got
 
-    def estimate(self, cfg: ParallelConfig, m: int, memory: dict[str, float] | None = None) -> StepEstimate:
-        """The step of a layout already validated, with ``m`` micro-batches per step."""
-        model, seq_len, gpus = self.model, self.seq, self.gpus
+    def terms(self, cfg: ParallelConfig, m: int) -> _Terms:
+        """The step time and its parts for a layout already validated, with ``m`` micro-batches per step."""
+        model = self.model
         layer = self.layer(cfg)
         per_stage, last = self.memory.stage_layers(cfg.pp)
         head = self.head(cfg.micro_batch, cfg.cp, cfg.tp)
@@ -853,40 +872,56 @@ class _StepModel:
         params_owned = dense / shard + experts / max(1, shard // cfg.ep)
         optimizer = params_owned * self.profile.optimizer_bytes_per_param / self.bw
         bubble = (cfg.pp - 1) / cfg.virtual_stages * t_mb
-        tp_total = m * per_stage * layer.tp_comm
-        cp_total = m * per_stage * layer.cp_comm
-        ep_total = m * per_stage * layer.ep_comm
         compute = m * (t_mb - comm_mb) + optimizer
         straggle = self.straggle
         compute, bubble = compute * straggle, bubble * straggle
         exposed = m * comm_mb + pp_comm + exposed_dp
-        step = compute + bubble + exposed
-        mem = memory or memory_per_gpu(model, seq_len, cfg, m, self.profile)
+        return _Terms(
+            compute + bubble + exposed,
+            compute,
+            m * per_stage * layer.tp_comm,
+            m * per_stage * layer.cp_comm,
+            pp_comm,
+            grad_comm + param_comm,
+            bubble,
+            exposed,
+            m * per_stage * layer.ep_comm,
+            m * per_stage * layer.tp_exposed,
+            m * per_stage * min(layer.cp_comm, layer.cp_exposed),
+            min(dp_total, dp_exposed),
+            overlap,
+        )
+
+    def estimate(self, cfg: ParallelConfig, m: int, memory: dict[str, float] | None = None) -> StepEstimate:
+        """The modelled step of a layout already validated, with ``m`` micro-batches per step."""
+        t = self.terms(cfg, m)
+        step, gpus = t.step, self.gpus
+        mem = memory or memory_per_gpu(self.model, self.seq, cfg, m, self.profile)
         needed = sum(mem.values()) * FRAGMENTATION + RESERVED_BYTES
         model_flops = self.model_flops
         hw_flops = self.hw_flops[cfg.recompute]
         return StepEstimate(
             config=cfg,
             step_time_s=step,
-            tokens_per_s=self.global_batch * seq_len / step,
+            tokens_per_s=self.global_batch * self.seq / step,
             model_tflops_per_gpu=model_flops / step / gpus / 1e12,
             hardware_tflops_per_gpu=hw_flops / step / gpus / 1e12,
             mfu=model_flops / step / gpus / self.peak,
             memory_gib_per_gpu=needed / GIB,
             fits=needed <= self.device_memory,
             breakdown=Breakdown(
-                compute,
-                tp_total,
-                cp_total,
-                pp_comm,
-                grad_comm + param_comm,
-                bubble,
-                exposed,
-                ep_total,
-                tp_exposed_s=m * per_stage * layer.tp_exposed,
-                cp_exposed_s=m * per_stage * min(layer.cp_comm, layer.cp_exposed),
-                dp_exposed_s=min(dp_total, dp_exposed),
-                overlap_cost_s=overlap,
+                t.compute,
+                t.tp_total,
+                t.cp_total,
+                t.pp_comm,
+                t.dp_total,
+                t.bubble,
+                t.exposed,
+                t.ep_total,
+                tp_exposed_s=t.tp_exposed,
+                cp_exposed_s=t.cp_exposed,
+                dp_exposed_s=t.dp_exposed,
+                overlap_cost_s=t.overlap,
             ),
             memory_gib={k: v / GIB for k, v in mem.items()},
         )

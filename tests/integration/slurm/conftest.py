@@ -50,11 +50,25 @@ def slurm_cluster() -> Iterator[LocalSlurm]:
     saved = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(cluster.conf)
     yield cluster
+    _end_jobs(cluster)
     cluster.stop()
     if saved is None:
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = saved
+
+
+def _end_jobs(cluster: LocalSlurm) -> None:
+    """Cancel every job and wait until Slurm has ended them: a slurmd stopped while it still ends a job
+    leaves that job's slurmstepd behind (seen after a run of some tests, with the time-limited job
+    still running)."""
+    from tests.waiting import wait_for
+
+    ids = cluster.run("squeue", "-h", "-o", "%i", check=False).split()
+    if not ids:
+        return
+    cluster.run("scancel", *{i.partition("+")[0] for i in ids}, check=False)
+    wait_for(lambda: not cluster.run("squeue", "-h", "-o", "%i", check=False).strip(), timeout=30, every=0.1)
 
 
 def slurm_components(cluster: LocalSlurm, prefix: str, job_id: int, attempt: int = 1) -> list[dict[str, str]]:

@@ -18,3 +18,27 @@ def wait_for(cond: Callable[[], T], timeout: float = 30.0, every: float = 0.05) 
             return value
         time.sleep(every)
     raise AssertionError(f"condition not met within {timeout} s")
+
+
+def ensure_user(name: str) -> str:
+    """The system user ``name``, created when missing (the tests run as root); safe when several pytest
+    workers (pytest-xdist) create the same user at once: useradd's 'already exists' (9) counts as done,
+    and its 'cannot lock /etc/passwd' (10) is retried until the other creator is through."""
+    import pwd
+    import subprocess
+
+    def created() -> bool:
+        try:
+            pwd.getpwnam(name)
+            return True
+        except KeyError:
+            pass
+        done = subprocess.run(
+            ["useradd", "--system", "--no-create-home", name], capture_output=True, text=True
+        )
+        if done.returncode not in (0, 9, 10):
+            raise AssertionError(f"useradd {name} failed ({done.returncode}): {done.stderr.strip()}")
+        return done.returncode != 10
+
+    wait_for(created, timeout=30, every=0.1)
+    return name

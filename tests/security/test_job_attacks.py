@@ -9,7 +9,6 @@ artifacts, the server's environment, and to signal vision's process.
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import httpx
 import psutil
 import pytest
 from tests.integration.scheduler.conftest import ServerStarter, free_port
-from tests.waiting import wait_for
+from tests.waiting import ensure_user, wait_for
 
 from gpuyard.auth import add_user, create_token
 
@@ -35,12 +34,7 @@ def team_users() -> dict[str, str]:
     """The Unix user of each team's jobs (created when missing: the tests run as root)."""
     users = {}
     for team in TEAMS:
-        name = f"gpuyard-{team}"
-        try:
-            pwd.getpwnam(name)
-        except KeyError:
-            subprocess.run(["useradd", "--system", "--no-create-home", name], check=True)
-        users[team] = name
+        users[team] = ensure_user(f"gpuyard-{team}")
     return users
 
 

@@ -13,7 +13,6 @@ import json
 import os
 import pwd
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from tests.integration.scheduler.conftest import ServerStarter, free_port
-from tests.waiting import wait_for
+from tests.waiting import ensure_user, wait_for
 
 from gpuyard.auth import add_user, create_token
 from gpuyard.errors import ConfigError
@@ -44,12 +43,7 @@ def team_users() -> dict[str, str]:
     """The Unix user of each team's jobs (created when missing: the tests run as root)."""
     users = {}
     for team in (*TEAMS, "job"):
-        name = f"gpuyard-{team}"
-        try:
-            pwd.getpwnam(name)
-        except KeyError:
-            subprocess.run(["useradd", "--system", "--no-create-home", name], check=True)
-        users[team] = name
+        users[team] = ensure_user(f"gpuyard-{team}")
     return users
 
 

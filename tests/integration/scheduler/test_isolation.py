@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.waiting import ensure_user
 
 from gpuyard.scheduler.client import JobClient
 from gpuyard.scheduler.executors.isolation import DEFAULT_JOB_USER
@@ -36,11 +37,7 @@ GPUYARD = [sys.executable, "-m", "gpuyard.cli.main"]
 @pytest.fixture(scope="session")
 def job_user() -> str:
     """The unprivileged job user (created when missing: the tests run as root)."""
-    try:
-        pwd.getpwnam(DEFAULT_JOB_USER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", DEFAULT_JOB_USER], check=True)
-    return DEFAULT_JOB_USER
+    return ensure_user(DEFAULT_JOB_USER)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.waiting import wait_for
+from tests.waiting import ensure_user, wait_for
 
 from gpuyard.scheduler.executors.slurm_local import LocalSlurm
 from gpuyard.scheduler.spec import parse_spec
@@ -251,11 +251,7 @@ def test_a_job_runs_as_its_unix_user_with_the_allow_listed_environment(
 
     from gpuyard.scheduler.executors.isolation import DEFAULT_JOB_USER, JobIsolation
 
-    try:
-        entry = pwd.getpwnam(DEFAULT_JOB_USER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", DEFAULT_JOB_USER], check=True)
-        entry = pwd.getpwnam(DEFAULT_JOB_USER)
+    entry = pwd.getpwnam(ensure_user(DEFAULT_JOB_USER))
     root = Path(tempfile.mkdtemp(prefix="gpuyard-slurm-iso-"))
     os.chmod(root, 0o711)
     monkeypatch.setenv("SERVER_SECRET", "must-not-reach-jobs")

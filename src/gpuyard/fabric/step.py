@@ -763,10 +763,6 @@ class _StepModel:
         # The slowest of the job's GPUs sets the pace of every synchronous step (Compute.speed_spread).
         self.straggle = 1.0 + cluster.compute.speed_spread * slowest_of(gpus)
         self.model_flops = model.model_flops_per_token(seq) * global_batch * seq
-        self.hw_flops: dict[str, float] = {}
-        for recompute, extra in (("none", 0.0), ("selective", 0.0), ("full", 1 / 3)):
-            recomputed = extra * 6 * model.layers * model.active_layer_params * global_batch * seq
-            self.hw_flops[recompute] = self.model_flops + recomputed
         self._layers: dict[tuple[object, ...], _Layer] = {}
         self._heads: dict[tuple[int, int, int], float] = {}
         self._hops: dict[tuple[int, int, int, bool, bool], float] = {}
@@ -832,6 +828,23 @@ class _StepModel:
             got = self._dp[key] = _dp_comm(self.model, self.cluster, cfg, m)
         return got
 
+    def memory_of(self, cfg: ParallelConfig, m: int) -> dict[str, float]:
+        """:func:`memory_per_gpu` of a layout of this setting."""
+        weights, grads, optim, acts = self.memory.parts(
+            cfg.tp,
+            cfg.pp,
+            cfg.dp,
+            cfg.cp,
+            cfg.micro_batch,
+            cfg.virtual_stages,
+            cfg.recompute,
+            cfg.zero,
+            cfg.sequence_parallel,
+            cfg.ep,
+            m,
+        )
+        return {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts}
+
     def terms(self, cfg: ParallelConfig, m: int) -> _Terms:
         """The step time and its parts for a layout already validated, with ``m`` micro-batches per step."""
         model = self.model
@@ -896,14 +909,17 @@ class _StepModel:
         """The modelled step of a layout already validated, with ``m`` micro-batches per step."""
         t = self.terms(cfg, m)
         step, gpus = t.step, self.gpus
-        mem = memory or memory_per_gpu(self.model, self.seq, cfg, m, self.profile)
+        model, seq_len, global_batch = self.model, self.seq, self.global_batch
+        mem = memory or self.memory_of(cfg, m)
         needed = sum(mem.values()) * FRAGMENTATION + RESERVED_BYTES
         model_flops = self.model_flops
-        hw_flops = self.hw_flops[cfg.recompute]
+        recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[cfg.recompute]
+        recomputed = recompute_extra * 6 * model.layers * model.active_layer_params * global_batch * seq_len
+        hw_flops = model_flops + recomputed
         return StepEstimate(
             config=cfg,
             step_time_s=step,
-            tokens_per_s=self.global_batch * self.seq / step,
+            tokens_per_s=global_batch * seq_len / step,
             model_tflops_per_gpu=model_flops / step / gpus / 1e12,
             hardware_tflops_per_gpu=hw_flops / step / gpus / 1e12,
             mfu=model_flops / step / gpus / self.peak,

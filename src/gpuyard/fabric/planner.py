@@ -214,7 +214,13 @@ def _expert_sizes(model: ModelSpec, dp: int, knobs: Knobs) -> list[int]:
 def _check_fixed(model: ModelSpec, cluster: Cluster, gpus: int, seq_len: int, knobs: Knobs) -> None:
     """Reject fixed knobs that can never work, with the reason (before any search)."""
     cluster.check_gpus(gpus)
-    if knobs.tp is not None and (model.heads % knobs.tp or knobs.tp < 1):
+    for name in ("tp", "pp", "cp", "micro_batch", "virtual_stages", "ep"):
+        value = getattr(knobs, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{name.replace('_', '-')} must be at least 1, got {value}")
+    if knobs.zero is not None and knobs.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"zero must be 0, 1, 2 or 3, got {knobs.zero}")
+    if knobs.tp is not None and model.heads % knobs.tp:
         raise ConfigError(
             f"tensor-parallel size {knobs.tp} does not divide the {model.heads} heads of {model.name}"
         )

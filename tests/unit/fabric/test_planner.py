@@ -126,6 +126,10 @@ def test_planner_ranks_fitting_plans_and_holds_fixed_knobs() -> None:
         (Knobs(tp=8, pp=3), ConfigError, "not divisible"),
         (Knobs(cp=3), ConfigError, "divisible"),
         (Knobs(recompute="some"), ConfigError, "recompute"),
+        (Knobs(tp=0), ConfigError, "tp must be at least 1, got 0"),
+        (Knobs(virtual_stages=0), ConfigError, "virtual-stages must be at least 1"),
+        (Knobs(pp=-2), ConfigError, "pp must be at least 1, got -2"),
+        (Knobs(zero=7), ConfigError, "zero must be 0, 1, 2 or 3"),
     ],
 )
 def test_planner_rejects_bad_knobs(knobs: Knobs, error: type[Exception], words: str) -> None:

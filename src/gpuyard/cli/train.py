@@ -16,6 +16,11 @@ def train(
     rdzv: Optional[str] = typer.Option(
         None, "--rdzv", help="HOST:PORT of the rendezvous, same on every node."
     ),
+    world_size: Optional[int] = typer.Option(
+        None,
+        "--world-size",
+        help="Ranks of the job over all nodes, when nodes run different --nproc (default: nproc x nnodes).",
+    ),
     max_restarts: Optional[int] = typer.Option(None, "--max-restarts", help="Overrides spec.max_restarts."),
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Overrides spec.run_dir."),
     plan: Optional[Path] = typer.Option(None, "--plan", help="A `gpuyard plan --json` file: its dp/tp/pp."),
@@ -35,7 +40,9 @@ def train(
     from gpuyard.cli.main import fast_exit
     from gpuyard.train.launch import LaunchConfig, launch, prepare, torchrun_command
 
-    cfg = LaunchConfig(spec, nproc, nnodes, rdzv, max_restarts, run_dir, plan, tracking, experiment, fresh)
+    cfg = LaunchConfig(
+        spec, nproc, nnodes, rdzv, max_restarts, run_dir, plan, tracking, experiment, fresh, world_size
+    )
     if dry_run:
         parsed, overrides = prepare(cfg)
         cmd = torchrun_command(cfg, parsed, overrides)

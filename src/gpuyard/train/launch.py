@@ -50,6 +50,9 @@ class LaunchConfig:
         tracking: overrides spec.tracking.backend (db or jsonl).
         experiment: overrides spec.tracking.experiment.
         fresh: start a new run even when the run folder holds one (the old folder is kept, renamed).
+        world_size: the job's ranks over all its nodes, when nodes run different numbers of them (a
+            gang placed 8 + 4); None: nproc x nnodes (equal nodes). Every check made before the
+            ranks start (the parallel layout, resuming a checkpoint) uses it.
     """
 
     spec_path: Path
@@ -62,6 +65,12 @@ class LaunchConfig:
     tracking: str | None = None
     experiment: str | None = None
     fresh: bool = False
+    world_size: int | None = None
+
+    @property
+    def world(self) -> int:
+        """The job's ranks over all its nodes."""
+        return self.world_size if self.world_size is not None else self.nproc * self.nnodes
 
 
 # The ranks' stderr goes to this file in the run folder (appended); the terminal gets gpuyard's own
@@ -103,6 +112,7 @@ def prepare(cfg: LaunchConfig) -> tuple[TrainSpec, dict[str, Any]]:
         raise ConfigError(f"--nproc {cfg.nproc} / --nnodes {cfg.nnodes}: must be at least 1")
     if cfg.nnodes > 1 and not cfg.rdzv:
         raise ConfigError("--rdzv HOST:PORT is required with --nnodes > 1 (every node uses the same one)")
+    check_world_size(cfg)
     overrides: dict[str, Any] = {}
     if cfg.run_dir:
         overrides["run_dir"] = str(Path(cfg.run_dir).expanduser().resolve())
@@ -115,11 +125,50 @@ def prepare(cfg: LaunchConfig) -> tuple[TrainSpec, dict[str, Any]]:
     _on_import_path(spec_folder(cfg.spec_path))  # `model: shapes:make` next to the spec
     for field, ref in _entrypoints(spec):
         import_ref(ref, field)
-    layout = resolve_layout(spec.parallel, cfg.nproc * cfg.nnodes)
     from gpuyard.train.elastic import check_resume
 
-    check_resume(spec, layout)  # a resume at another world size the workers would refuse
+    try:
+        layout = resolve_layout(spec.parallel, cfg.world)
+        check_resume(spec, layout)  # a resume at another world size the workers would refuse
+    except ConfigError as exc:
+        if cfg.nnodes == 1:
+            raise
+        # Say where this launcher's world size came from: one of the nodes may run other counts.
+        raise ConfigError(f"{exc} ({_world_source(cfg)})") from None
     return spec, overrides
+
+
+def check_world_size(cfg: LaunchConfig) -> None:
+    """Refuse a --world-size this node's part cannot belong to: on one node it is --nproc; over
+    several, at least --nproc here plus one rank on each other node (more is possible: other nodes
+    may run more ranks than this one).
+
+    Raises:
+        ConfigError: naming --world-size and the least (or the only) value that fits.
+    """
+    world = cfg.world_size
+    if world is None:
+        return
+    if cfg.nnodes == 1 and world != cfg.nproc:
+        raise ConfigError(
+            f"--world-size {world}: one node (--nnodes 1) runs --nproc {cfg.nproc} ranks; "
+            f"give --world-size {cfg.nproc} or leave it out"
+        )
+    least = cfg.nproc + cfg.nnodes - 1
+    if world < least:
+        raise ConfigError(
+            f"--world-size {world} is too small: --nproc {cfg.nproc} ranks on this node and at least one "
+            f"on each of the other {cfg.nnodes - 1} node(s) of --nnodes {cfg.nnodes} make at least {least}"
+        )
+
+
+def _world_source(cfg: LaunchConfig) -> str:
+    if cfg.world_size is not None:
+        return f"world size {cfg.world} from --world-size; --nproc {cfg.nproc} on this node"
+    return (
+        f"world size {cfg.world} = --nproc {cfg.nproc} x --nnodes {cfg.nnodes}: give the job's total "
+        f"with --world-size when its nodes run different numbers of ranks"
+    )
 
 
 def _entrypoints(spec: TrainSpec) -> list[tuple[str, str]]:

@@ -80,6 +80,7 @@ def test_an_equal_split_is_one_job_with_gpus_per_node(tmp_path: Path) -> None:
     (srun,) = _srun_parts(ex, plan)
     assert not any(x.startswith("--het-group") for x in srun)
     assert srun[srun.index("--nproc") + 1] == "8" and srun[srun.index("--nnodes") + 1] == "2"
+    assert srun[srun.index("--world-size") + 1] == "16"
 
 
 @pytest.mark.parametrize(
@@ -116,6 +117,8 @@ def test_an_unequal_split_is_a_heterogeneous_job_asking_exactly_the_placed_gpus(
         assert part[0] == f"--het-group={group}" and "--kill-on-bad-exit=1" in part
         assert part[part.index("--nproc") + 1] == str(per)
         assert part[part.index("--nnodes") + 1] == str(len(gpus))
+        # The job's ranks over all nodes: each node's launcher checks resume and layout against it.
+        assert part[part.index("--world-size") + 1] == str(sum(gpus))
         rdzv.add(part[part.index("--rdzv") + 1])
     assert rdzv == {"10.0.0.1:29507"}  # the first node: where the batch script and component 0 run
     assert plan.env["MASTER_ADDR"] == "10.0.0.1" and plan.env["NNODES"] == str(len(gpus))

@@ -50,11 +50,57 @@ def test_training_spec_becomes_gpuyard_train_with_nproc() -> None:
     spec = parse_spec({"name": "t", "train": "spec.yaml", "resources": {"gpus": 4}, "checkpoint_dir": "/ck"})
     argv = job_argv(spec)
     assert argv[-6:] == ["train", "spec.yaml", "--nproc", "4", "--run-dir", "/ck"]
-    multi = job_argv(spec, nproc=8, nnodes=2, rdzv="10.0.0.1:29500")
-    assert multi[-8:-2] == ["--nproc", "8", "--nnodes", "2", "--rdzv", "10.0.0.1:29500"]
+    multi = job_argv(spec, nproc=8, nnodes=2, rdzv="10.0.0.1:29500", world_size=12)
+    assert multi[-10:-2] == [
+        "--nproc",
+        "8",
+        "--nnodes",
+        "2",
+        "--rdzv",
+        "10.0.0.1:29500",
+        "--world-size",
+        "12",
+    ]
     env = job_env(7, spec, 2, (0, 3))
     assert env["CUDA_VISIBLE_DEVICES"] == "0,3" and env["GPUYARD_CHECKPOINT_DIR"] == "/ck"
     assert job_env(7, parse_spec({"name": "c", "command": "true"}), 1, ())["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_a_gang_placed_unequally_passes_its_whole_world_to_every_node() -> None:
+    from gpuyard.scheduler.executors.base import NodeSlots, gang_world_size
+
+    spec = parse_spec({"name": "t", "train": "spec.yaml", "resources": {"gpus": 12}})
+    nodes = [NodeSlots("a", tuple(range(8))), NodeSlots("b", (0, 1, 2, 3))]
+    assert gang_world_size(spec, nodes) == 12  # 8 + 4, not 2 nodes x 8 (or x 4)
+    for node in nodes:
+        argv = job_argv(spec, nproc=len(node.gpus), nnodes=2, rdzv="a:29500", world_size=12)
+        assert argv[argv.index("--nproc") + 1] == str(len(node.gpus))
+        assert argv[argv.index("--world-size") + 1] == "12"
+    # CPU-only nodes run spec.nproc each.
+    cpu = parse_spec({"name": "c", "train": "spec.yaml", "nproc": 3})
+    assert gang_world_size(cpu, [NodeSlots("a", ()), NodeSlots("b", ())]) == 6
+    # A multi-node training argv without its world, or with one its nodes cannot make, is a bug.
+    with pytest.raises(ValueError, match="world size None"):
+        job_argv(spec, nproc=8, nnodes=2, rdzv="a:29500")
+    with pytest.raises(ValueError, match="world size 8 for 2 nodes"):
+        job_argv(spec, nproc=8, nnodes=2, rdzv="a:29500", world_size=8)
+    # One node, or a command job: no --world-size.
+    assert "--world-size" not in job_argv(spec, nproc=8)
+    assert job_argv(parse_spec({"name": "c", "command": "true"}), nnodes=2, rdzv="a:1") == ["true"]
+
+
+def test_the_ray_executor_gives_each_node_its_own_nproc_and_the_whole_world(tmp_path: Path) -> None:
+    from gpuyard.scheduler.executors.base import NodeSlots
+    from gpuyard.scheduler.executors.ray import RayExecutor
+
+    ex = object.__new__(RayExecutor)  # no cluster: plan() only reads these
+    ex.jobs_dir, ex.limits, ex._ips = tmp_path, None, {"a": "10.0.0.1"}
+    spec = parse_spec({"name": "t", "train": "spec.yaml", "resources": {"gpus": 12}})
+    plan = ex.plan(5, spec, [NodeSlots("a", tuple(range(8))), NodeSlots("b", (0, 1, 2, 3))], 1)
+    argvs = plan.extra["rank_argv"]
+    assert [a[a.index("--nproc") + 1] for a in argvs] == ["8", "4"]
+    assert {a[a.index("--world-size") + 1] for a in argvs} == {"12"}
+    assert {a[a.index("--rdzv") + 1] for a in argvs} == {"10.0.0.1:29505"}
 
 
 def test_transitions_cover_the_life_of_a_job() -> None:

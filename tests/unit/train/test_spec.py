@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,91 @@ def test_cli_dry_run_prints_the_torchrun_command(tmp_path: Path, capsys: pytest.
     assert code.value.code in (0, None)
     cmd = json.loads(capsys.readouterr().out)["command"]
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "gpuyard.train.worker" in cmd
+
+
+def _checkpoint_of_world(tmp_path: Path, world: int) -> Path:
+    """A spec with a per-rank batch whose run folder holds a checkpoint as `world` ranks of data
+    parallel write it, as far as the launcher reads it: trained here in one process, then its marker
+    and rank 0's data position say `world` (with rank0.pt's digest updated, so it stays intact).
+    tests/multiproc/train/test_elastic_resume.py writes a real one over two nodes of 2 and 1 ranks."""
+    import hashlib
+
+    import torch
+
+    from gpuyard.train.checkpoint import MARKER, latest_checkpoint
+    from gpuyard.train.trainer import Trainer
+
+    doc = {
+        **GOOD,
+        "run_dir": str(tmp_path / "run"),
+        "data": {**GOOD["data"], "batch_size": 8},
+        "max_steps": 1,
+        "checkpoint": {"every_steps": 1},
+        "tracking": "jsonl",
+    }
+    path = _write(tmp_path, doc)
+    trainer = Trainer(load_spec(path))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    ckpt = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert ckpt is not None
+    state = torch.load(ckpt / "rank0.pt", weights_only=True)
+    assert state["data"]["dp_size"] == 1
+    state["data"]["dp_size"] = world
+    torch.save(state, ckpt / "rank0.pt")
+    marker = json.loads((ckpt / MARKER).read_text())
+    blob = (ckpt / "rank0.pt").read_bytes()
+    marker["files"]["rank0.pt"] = {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    (ckpt / MARKER).write_text(json.dumps({**marker, "world_size": world, "layout": [1, world, 1]}))
+    return path
+
+
+def test_an_unequal_gang_resumes_at_its_whole_world_size(tmp_path: Path) -> None:
+    """Nodes of 2 and 1 ranks resume a checkpoint of world size 3 with --world-size 3; each node's
+    own --nproc x --nnodes (4 and 2) would refuse it, and a real change of world is still refused."""
+    spec = _checkpoint_of_world(tmp_path, 3)
+    rdzv = "127.0.0.1:29400"
+    for nproc in (2, 1):
+        prepare(LaunchConfig(spec, nproc=nproc, nnodes=2, rdzv=rdzv, world_size=3))
+        with pytest.raises(ConfigError, match=rf"this run has {2 * nproc} .*--world-size") as err:
+            prepare(LaunchConfig(spec, nproc=nproc, nnodes=2, rdzv=rdzv))
+        assert f"= --nproc {nproc} x --nnodes 2" in str(err.value)
+    with pytest.raises(ConfigError, match=r"size 3 \(batch 8 per rank\), this run has 4 .*from --world-size"):
+        prepare(LaunchConfig(spec, nproc=2, nnodes=2, rdzv=rdzv, world_size=4))  # 2 + 2: a real change
+    # Nothing changes for one node: --world-size is its --nproc.
+    prepare(LaunchConfig(spec, nproc=3, world_size=3))
+
+
+def test_the_parallel_layout_is_checked_against_the_whole_world(tmp_path: Path) -> None:
+    doc = {**GOOD, "parallel": {"tp": 3, "data_parallel": "fsdp"}}
+    spec = _write(tmp_path, doc)
+    spec_parsed, _ = prepare(LaunchConfig(spec, nproc=2, nnodes=2, rdzv="h:1", world_size=3))
+    assert spec_parsed.parallel.tp == 3
+    with pytest.raises(ConfigError, match=r"does not divide the world size 4 .*--world-size"):
+        prepare(LaunchConfig(spec, nproc=2, nnodes=2, rdzv="h:1"))
+
+
+@pytest.mark.parametrize(
+    ("nproc", "nnodes", "world", "message"),
+    [
+        (2, 1, 3, r"one node \(--nnodes 1\) runs --nproc 2 ranks; give --world-size 2"),
+        (2, 2, 2, "--world-size 2 is too small: --nproc 2 ranks on this node .* at least 3"),
+        (8, 3, 9, "--world-size 9 is too small: .* other 2 node\\(s\\) of --nnodes 3 make at least 10"),
+        (1, 2, 0, "--world-size 0 is too small"),
+    ],
+)
+def test_an_impossible_world_size_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], nproc: int, nnodes: int, world: int, message: str
+) -> None:
+    from gpuyard.cli.main import main
+
+    args = ["train", str(_write(tmp_path, GOOD)), "--nproc", str(nproc), "--nnodes", str(nnodes)]
+    args += ["--rdzv", "h:1", "--world-size", str(world), "--dry-run"]
+    with pytest.raises(SystemExit) as code:
+        main(args)
+    assert code.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert re.search(message, err), err

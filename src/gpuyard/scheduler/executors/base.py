@@ -106,12 +106,25 @@ class ExitStatus:
         return self.code == exitcodes.PREEMPTED
 
 
+def node_nproc(spec: JobSpec, gpus: int = 0) -> int:
+    """Training ranks on a node where the job has ``gpus`` GPUs: one per GPU; without GPUs
+    spec.nproc, else the job's GPUs, else 1."""
+    return gpus or spec.nproc or max(1, spec.resources.gpus)
+
+
+def gang_world_size(spec: JobSpec, nodes: list[NodeSlots]) -> int:
+    """Training ranks of a job over all its nodes: the sum of each node's, which may differ (a gang
+    placed 8 + 4 is a world of 12, not 2 x 8)."""
+    return sum(node_nproc(spec, len(n.gpus)) for n in nodes)
+
+
 def job_argv(
     spec: JobSpec,
     nproc: int | None = None,
     nnodes: int = 1,
     rdzv: str | None = None,
     python: str | None = None,
+    world_size: int | None = None,
 ) -> list[str]:
     """The command of a job: its own argv, or ``gpuyard train SPEC --nproc N`` for a training spec.
 
@@ -121,16 +134,23 @@ def job_argv(
         nnodes: nodes taking part; above 1 the training runtime meets its peers at ``rdzv``.
         rdzv: HOST:PORT of the rendezvous (multi-node jobs).
         python: the interpreter whose ``gpuyard`` runs a training spec (default: this one).
+        world_size: the job's ranks over all nodes (:func:`gang_world_size`); required with
+            ``nnodes`` above 1, since nodes may run different numbers of ranks.
+
+    Raises:
+        ValueError: a multi-node training job without its world size, or one smaller than its nodes.
     """
     if spec.command is not None:
         return list(spec.command)
-    n = nproc or spec.nproc or max(1, spec.resources.gpus)
+    n = node_nproc(spec, nproc or 0)
     python = python or sys.executable
     exe = shutil.which("gpuyard", path=str(Path(python).parent))
     argv = [*([exe] if exe else [python, "-m", "gpuyard.cli.main"]), "train", str(spec.train)]
     argv += ["--nproc", str(n)]
     if nnodes > 1 and rdzv:
-        argv += ["--nnodes", str(nnodes), "--rdzv", rdzv]
+        if world_size is None or world_size < n + nnodes - 1:
+            raise ValueError(f"job_argv: world size {world_size} for {nnodes} nodes, {n} ranks on this one")
+        argv += ["--nnodes", str(nnodes), "--rdzv", rdzv, "--world-size", str(world_size)]
     if spec.checkpoint_dir:
         argv += ["--run-dir", spec.checkpoint_dir]  # checkpoints live there: a resumed job finds them
     return argv

@@ -24,7 +24,15 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from gpuyard.errors import StoreError
-from gpuyard.scheduler.executors.base import Executor, ExitStatus, LaunchPlan, NodeSlots, job_argv, job_env
+from gpuyard.scheduler.executors.base import (
+    Executor,
+    ExitStatus,
+    LaunchPlan,
+    NodeSlots,
+    gang_world_size,
+    job_argv,
+    job_env,
+)
 from gpuyard.scheduler.executors.limits import GIB, JobLimits, LimitDefaults
 from gpuyard.scheduler.placement import NodeSpec
 from gpuyard.scheduler.spec import JobSpec
@@ -174,8 +182,11 @@ class RayExecutor(Executor):
         env = job_env(job_id, spec, attempt, ())
         env.pop("CUDA_VISIBLE_DEVICES")  # set by each worker from Ray's assignment
         port = BASE_PORT + job_id % 1000
+        world = gang_world_size(spec, nodes)  # each node's --nproc may differ (a gang placed 8 + 4)
         rank_argv = [
-            job_argv(spec, nproc=len(n.gpus) or None, nnodes=len(nodes), rdzv=f"{master}:{port}")
+            job_argv(
+                spec, nproc=len(n.gpus) or None, nnodes=len(nodes), rdzv=f"{master}:{port}", world_size=world
+            )
             for n in nodes
         ]
         env.update(

@@ -5,8 +5,9 @@ Each attempt of a gpuyard job becomes one Slurm batch job (``sbatch``), named
 (topology- or fabric-aware) become ``--nodelist`` with ``--nodes`` equal to their count, so Slurm
 runs the job exactly there or keeps it pending; a gang job is one allocation. The batch script runs
 the job's command once per node under ``srun`` (one task per node); a training job runs
-``gpuyard train --nproc <that node's GPUs> --nnodes N --rdzv <first node>:<port>`` on every node, so
-torchrun's c10d rendezvous meets on the first node and numbers the ranks across nodes.
+``gpuyard train --nproc <that node's GPUs> --nnodes N --rdzv <first node>:<port> --world-size <the
+job's GPUs>`` on every node, so torchrun's c10d rendezvous meets on the first node and numbers the
+ranks across nodes, and each node's launcher checks the job's world (not its own --nproc x N).
 
 A gang placed with the same GPUs on every node asks ``--gpus-per-node``. One placed unequally (8 + 4
 GPUs, or 5 + 3 + 3 on fragmented nodes) is a Slurm heterogeneous job: one component per distinct GPU
@@ -52,7 +53,15 @@ from typing import Any
 import yaml
 
 from gpuyard.errors import ConfigError, StoreError
-from gpuyard.scheduler.executors.base import Executor, ExitStatus, LaunchPlan, NodeSlots, job_argv, job_env
+from gpuyard.scheduler.executors.base import (
+    Executor,
+    ExitStatus,
+    LaunchPlan,
+    NodeSlots,
+    gang_world_size,
+    job_argv,
+    job_env,
+)
 from gpuyard.scheduler.executors.isolation import JobIsolation
 from gpuyard.scheduler.nodes import DRAINED, HEALTHY, NodeHealthMonitor
 from gpuyard.scheduler.placement import NodeSpec
@@ -401,7 +410,10 @@ class SlurmExecutor(Executor):
         for n in nodes:
             groups.setdefault(len(n.gpus), []).append(n)
         rdzv = f"{master}:{port}"
-        argvs = [job_argv(spec, nproc=gpus or None, nnodes=nnodes, rdzv=rdzv) for gpus in groups]
+        world = gang_world_size(spec, nodes)  # the ranks of all groups: each runs its own --nproc
+        argvs = [
+            job_argv(spec, nproc=gpus or None, nnodes=nnodes, rdzv=rdzv, world_size=world) for gpus in groups
+        ]
         argv = argvs[0] if argvs else job_argv(spec, nnodes=nnodes, rdzv=rdzv)
         env.update({"MASTER_ADDR": master, "MASTER_PORT": str(port), "NNODES": str(nnodes)})
         user: str | None = None

@@ -135,6 +135,15 @@ def prepare(cfg: LaunchConfig) -> tuple[TrainSpec, dict[str, Any]]:
             raise
         # Say where this launcher's world size came from: one of the nodes may run other counts.
         raise ConfigError(f"{exc} ({_world_source(cfg)})") from None
+    if cfg.nnodes > 1 and cfg.nproc % layout.tp:
+        # torchrun numbers each node's ranks in one block and tp groups are blocks of tp ranks: one
+        # crosses this node's edge exactly when tp does not divide its ranks (an unequal gang's too).
+        _log.warning(
+            "gpuyard train: warning: parallel.tp=%d does not divide --nproc %d on this node: a "
+            "tensor-parallel group spans two nodes (its collectives of every layer go over the network)",
+            layout.tp,
+            cfg.nproc,
+        )
     return spec, overrides
 
 

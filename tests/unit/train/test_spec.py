@@ -208,13 +208,21 @@ def test_an_unequal_gang_resumes_at_its_whole_world_size(tmp_path: Path) -> None
     prepare(LaunchConfig(spec, nproc=3, world_size=3))
 
 
-def test_the_parallel_layout_is_checked_against_the_whole_world(tmp_path: Path) -> None:
-    doc = {**GOOD, "parallel": {"tp": 3, "data_parallel": "fsdp"}}
-    spec = _write(tmp_path, doc)
-    spec_parsed, _ = prepare(LaunchConfig(spec, nproc=2, nnodes=2, rdzv="h:1", world_size=3))
-    assert spec_parsed.parallel.tp == 3
-    with pytest.raises(ConfigError, match=r"does not divide the world size 4 .*--world-size"):
-        prepare(LaunchConfig(spec, nproc=2, nnodes=2, rdzv="h:1"))
+def test_the_parallel_layout_is_checked_against_the_whole_world(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = _write(tmp_path, {**GOOD, "parallel": {"tp": 2, "data_parallel": "fsdp"}})
+    prepare(LaunchConfig(spec, nproc=4, nnodes=2, rdzv="h:1", world_size=6))  # 4 + 2: tp groups in nodes
+    assert "spans two nodes" not in caplog.text
+    with pytest.raises(ConfigError, match=r"divide the world size 5 \(world size 5 from --world-size"):
+        prepare(LaunchConfig(spec, nproc=4, nnodes=2, rdzv="h:1", world_size=5))  # 4 + 1
+    # 3 + 1: the world divides, but a tp group holds rank 2 (here) and rank 3 (the other node).
+    prepare(LaunchConfig(spec, nproc=3, nnodes=2, rdzv="h:1", world_size=4))
+    assert (
+        "parallel.tp=2 does not divide --nproc 3 on this node: a tensor-parallel group spans" in caplog.text
+    )
+    with pytest.raises(ConfigError, match=r"divide the world size 3 \(world size 3 = --nproc 1 x --nnodes 3"):
+        prepare(LaunchConfig(spec, nproc=1, nnodes=3, rdzv="h:1"))
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,12 @@ What is measured and what it sets in the cluster:
 * A GEMM loop with and without a concurrent all_reduce -> how much of hidden communication still
   costs compute time (``Compute.overlap_slowdown``; NCCL kernels hold SMs, gloo holds CPU cores).
 * Collectives nccl-tests style (:mod:`gpuyard.fabric.bench`) -> per-op latency and bandwidth.
+* Device memory (CUDA only), after everything above has run: what the process holds outside PyTorch's
+  caching allocator (``torch.cuda.mem_get_info`` used bytes minus ``torch.cuda.memory_reserved``: the
+  CUDA context, cuBLAS/cuDNN handles, NCCL communicators and buffers) -> ``Compute.memory_reserved_bytes``;
+  and the allocator's overhead, peak reserved over peak allocated over a few training steps of a small
+  transformer whose batch shape changes every step -> ``Compute.memory_fragmentation``. Measure on an
+  otherwise idle GPU: memory other processes hold on it would count as this process's reserve.
 """
 
 from __future__ import annotations
@@ -98,6 +104,19 @@ class Calibration(_Doc):
     overlap_slowdown: float | None = None
     collectives: list[dict[str, Any]] = Field(default_factory=list)
     links: dict[str, MeasuredLink] = Field(default_factory=dict)
+    memory_reserved_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Device memory held outside the caching allocator once CUDA, cuBLAS and NCCL run "
+        "(CUDA only).",
+    )
+    memory_fragmentation: float | None = Field(
+        default=None,
+        ge=1,
+        allow_inf_nan=False,
+        description="Caching allocator's peak reserved / peak allocated over a short training loop "
+        "(CUDA only).",
+    )
 
 
 @dataclass(frozen=True)
@@ -355,6 +374,97 @@ def measure_overlap(device: Any, world: int, sync: Any) -> float | None:
     return float(min(1.0, max(0.0, slow.item() / world)))
 
 
+# Training-like loop for the allocator's overhead: (batch, sequence) per step, changing every step as a
+# data loader with variable-length batches makes it; the model is a pre-norm transformer of this width.
+FRAGMENTATION_STEPS = ((4, 2048), (2, 4096), (8, 1024), (3, 3072), (6, 1536), (1, 8192), (5, 2560), (4, 2048))
+FRAGMENTATION_WIDTH, FRAGMENTATION_LAYERS = 2048, 6
+
+
+def measure_fragmentation(device: Any, quick: bool) -> float | None:
+    """Peak reserved / peak allocated by PyTorch's caching allocator over a short training loop (CUDA).
+
+    A small pre-norm transformer (bf16 autocast, causal SDPA, fused AdamW) trains for a few steps whose
+    batch shape changes every step, so freed blocks are reused by tensors of other sizes, as in a run
+    with variable-length batches; everything cached before it is released first. None on a CPU.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    if device.type != "cuda":
+        return None
+    width, layers = (512, 2) if quick else (FRAGMENTATION_WIDTH, FRAGMENTATION_LAYERS)
+    heads = width // 128
+    steps = [(b, s // 4) for b, s in FRAGMENTATION_STEPS] if quick else list(FRAGMENTATION_STEPS)
+
+    def linear(i: int, o: int) -> torch.nn.Linear:
+        return torch.nn.Linear(i, o, bias=False, device=device)
+
+    def norm() -> torch.nn.LayerNorm:
+        return torch.nn.LayerNorm(width, device=device)
+
+    # (norm, qkv, out, norm, up, down) per block
+    blocks = [
+        (
+            norm(),
+            linear(width, 3 * width),
+            linear(width, width),
+            norm(),
+            linear(width, 4 * width),
+            linear(4 * width, width),
+        )
+        for _ in range(layers)
+    ]
+    params = [p for block in blocks for module in block for p in module.parameters()]
+    optim = torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        for norm1, qkv, out, norm2, up, down in blocks:
+            q, k, v = qkv(norm1(x)).view(b, s, 3, heads, width // heads).unbind(2)
+            a = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )
+            x = x + out(a.transpose(1, 2).reshape(b, s, width))
+            x = x + down(F.gelu(up(norm2(x))))
+        return x
+
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    for batch, seq in steps:
+        x = torch.randn(batch, seq, width, device=device)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = forward(x).float().pow(2).mean()
+        torch.autograd.backward(loss)  # Tensor.backward has no annotations
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    allocated = torch.cuda.max_memory_allocated(device)
+    reserved = torch.cuda.max_memory_reserved(device)
+    blocks.clear()
+    params.clear()
+    optim.state.clear()
+    torch.cuda.empty_cache()
+    return max(1.0, reserved / allocated) if allocated else None
+
+
+def measure_memory_reserve(device: Any) -> int | None:
+    """Bytes this process holds on its GPU outside PyTorch's caching allocator (None on a CPU).
+
+    ``torch.cuda.mem_get_info`` gives the device's used bytes (all of it, whoever holds it) and
+    ``torch.cuda.memory_reserved`` what the caching allocator holds; the rest is the CUDA context, the
+    cuBLAS and cuDNN handles and workspaces outside the allocator and NCCL's communicators and buffers.
+    Called after the GEMMs, attention and collectives have run, so each of them has started.
+    """
+    import torch
+
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, int(total - free) - int(torch.cuda.memory_reserved(device)))
+
+
 def _rank_measure(cfg: CalibrateConfig, rank: int, world: int, device: Any) -> dict[str, Any]:
     """Everything one rank measures; all ranks run it at once."""
     import torch
@@ -427,6 +537,9 @@ def _worker(rank: int, world: int, cfg: CalibrateConfig, port: int, out: str) ->
     try:
         doc = _rank_measure(cfg, rank, world, device)
         doc["collectives"] = _collectives(cfg, rank, world, device)
+        # Last, so that CUDA, cuBLAS, attention kernels and NCCL (its communicators) have all started.
+        doc["memory_fragmentation"] = measure_fragmentation(device, cfg.quick)
+        doc["memory_reserved_bytes"] = measure_memory_reserve(device)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -510,7 +623,15 @@ def _combine(docs: list[dict[str, Any]], world: int) -> Calibration:
         overlap_slowdown=first["overlap_slowdown"],
         collectives=first["collectives"],
         links=links,
+        memory_reserved_bytes=_median_or_none([d.get("memory_reserved_bytes") for d in docs]),
+        memory_fragmentation=_median_or_none([d.get("memory_fragmentation") for d in docs]),
     )
+
+
+def _median_or_none(values: list[Any]) -> Any:
+    """Median over the ranks that measured (CUDA ranks), None where none did."""
+    measured = [v for v in values if v is not None]
+    return _median(measured) if measured else None
 
 
 def run_calibration(cfg: CalibrateConfig) -> Calibration:
@@ -636,6 +757,12 @@ def apply_calibration(cluster: Cluster, cal: Calibration, where: str = "calibrat
     else:
         peak = cluster.peak_tflops
     efficiency = {d: min(1.0, f.peak_tflops / _dtype_peak(cluster, d, peak)) for d, f in cal.gemm_fit.items()}
+    reserved = cal.memory_reserved_bytes
+    if reserved is not None and reserved >= cluster.device_memory_bytes:
+        raise ConfigError(
+            f"{where}: memory_reserved_bytes {reserved} is not below the {cluster.device_memory_bytes} "
+            f"bytes of one {cluster.device_name}: calibrate again on an idle GPU"
+        )
     data["compute"] = Compute(
         gemm_efficiency=efficiency.get(dtype, cluster.compute.gemm_efficiency),
         attention_efficiency=min(1.0, cal.attention_efficiency),
@@ -648,6 +775,12 @@ def apply_calibration(cluster: Cluster, cal: Calibration, where: str = "calibrat
         async_dispatch=cal.device_kind != "cpu",
         overlap_slowdown=(
             cal.overlap_slowdown if cal.overlap_slowdown is not None else cluster.compute.overlap_slowdown
+        ),
+        memory_reserved_bytes=reserved if reserved is not None else cluster.compute.memory_reserved_bytes,
+        memory_fragmentation=(
+            cal.memory_fragmentation
+            if cal.memory_fragmentation is not None
+            else cluster.compute.memory_fragmentation
         ),
     ).model_dump()
     if cal.links:

@@ -13,8 +13,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gpuyard.errors import CapacityError, ConfigError
+from gpuyard.errors import CapacityError, ConfigError, NotFoundError
 from gpuyard.hardware.catalog import AcceleratorSpec, get_spec
+
+# Assumed, not measured (see Compute.memory_reserved_bytes): what a CUDA process holds outside the caching
+# allocator, and the allocator's peak reserved over peak allocated.
+DEFAULT_RESERVED_BYTES = 2 * 1024**3
+DEFAULT_FRAGMENTATION = 1.05
 
 
 class _Frozen(BaseModel):
@@ -136,10 +141,39 @@ class Compute(_Frozen):
     overlap_slowdown: float = Field(
         default=0.19, ge=0, le=1, description="Share of hidden communication time that still slows compute."
     )
+    # Device memory a training process cannot use for its tensors. Outside PyTorch's caching allocator a
+    # CUDA process holds its context, the cuBLAS/cuDNN handles and NCCL's communicators and buffers; inside
+    # it, the allocator reserves more than it hands out (blocks rounded up, split and cached), measured as
+    # peak reserved / peak allocated. Unmeasured (None) the step model assumes DEFAULT_RESERVED_BYTES and
+    # DEFAULT_FRAGMENTATION (2 GiB, 5%): assumptions, not measurements; `gpuyard fabric calibrate` measures
+    # both on a CUDA machine (torch.cuda.mem_get_info against torch.cuda.memory_reserved after CUDA, cuBLAS
+    # and NCCL have started; max_memory_reserved / max_memory_allocated over a short training loop).
+    memory_reserved_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Device memory held outside the caching allocator (context, cuBLAS, NCCL); "
+        "None: the assumed 2 GiB.",
+    )
+    memory_fragmentation: float | None = Field(
+        default=None,
+        ge=1,
+        allow_inf_nan=False,
+        description="Caching allocator's peak reserved / peak allocated; None: the assumed 1.05.",
+    )
 
     def efficiency(self, precision: str) -> float:
         """Large-GEMM efficiency for ``precision`` (measured when calibrated)."""
         return self.dtype_efficiency.get(precision, self.gemm_efficiency)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Device memory kept from tensors: the measured figure, else the assumed 2 GiB."""
+        return DEFAULT_RESERVED_BYTES if self.memory_reserved_bytes is None else self.memory_reserved_bytes
+
+    @property
+    def fragmentation(self) -> float:
+        """Allocator overhead factor on tensor memory: the measured figure, else the assumed 1.05."""
+        return DEFAULT_FRAGMENTATION if self.memory_fragmentation is None else self.memory_fragmentation
 
 
 @lru_cache(maxsize=256)
@@ -217,6 +251,17 @@ class Cluster(_Frozen):
                 f"a torus of {self.torus.chips} chips is not a whole number of "
                 f"{self.gpus_per_node}-chip hosts"
             )
+        reserved = self.compute.memory_reserved_bytes
+        if reserved is not None:
+            try:
+                memory = self.device_memory_bytes
+            except NotFoundError:  # an unknown accelerator is reported where it is used
+                return self
+            if reserved >= memory:
+                raise ValueError(
+                    f"compute.memory_reserved_bytes {reserved} is not below the {memory} bytes of one "
+                    f"{self.device_name}"
+                )
         return self
 
     def __hash__(self) -> int:

@@ -20,11 +20,9 @@ from gpuyard.fabric.models import ModelSpec
 from gpuyard.fabric.published.ceilings import mfu_warning
 from gpuyard.fabric.stacks import STACKS, get_stack
 from gpuyard.fabric.step import (
-    FRAGMENTATION,
     GIB,
     PRECISIONS,
     RECOMPUTE,
-    RESERVED_BYTES,
     ParallelConfig,
     StepEstimate,
     step_model,
@@ -303,7 +301,7 @@ def plan(
         considered += 1
         m = global_batch // (dp * mb)
         weights, grads, optim, acts = memory(tp, pp, dp, cp, mb, v, rc, zero, sp, ep, m)
-        need = (weights + grads + optim + acts) * FRAGMENTATION + RESERVED_BYTES
+        need = steps.needed(weights + grads + optim + acts)
         if need < smallest:
             smallest = need
         if need <= limit:  # memory first: only the layouts that fit have their time modelled

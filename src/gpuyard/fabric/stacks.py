@@ -29,6 +29,19 @@ overlap) is the same for every stack; a profile says how a stack runs the parts 
   4 bytes per logit. A fused cross-entropy that writes the gradient into the bf16 logits in place
   (flash-attn's ``CrossEntropyLoss(inplace_backward=True)``, llm-foundry's MPT default
   ``loss_fn: fused_crossentropy``) keeps only those: 2 bytes per logit.
+* ``dropout``: the hidden and attention dropout probability of the models the stack trains, by its
+  framework's default; it is memory only (a mask of one byte per element is kept for the backward only
+  where the probability is above 0: PyTorch's ``dropout`` returns its input unchanged at p = 0, and
+  ``native_dropout`` runs only for 0 < p < 1, aten/src/ATen/native/Dropout.cpp). Korthikanti et al.'s
+  34 s b h + 5 a s^2 b / h counts two hidden masks (s b h each) and, with unfused attention, the
+  attention mask and dropout output (3 of the 5 bytes per score). Megatron-LM: ``--hidden-dropout``
+  and ``--attention-dropout`` default to 0.1 (megatron/training/arguments.py), as does Megatron-Core's
+  ``TransformerConfig`` that NeMo and Megatron-Bridge build on (their Llama configs and NeMo's
+  ``GPTConfig175B`` set 0, but its ``GPTConfig20B`` keeps 0.1: per model, which the stack cannot say, so
+  the 0.1 stays); torchtitan's Llama has no dropout module; llm-foundry's MPT config defaults
+  ``attn_pdrop`` and ``resid_pdrop`` to 0 (llmfoundry/models/mpt/configuration_mpt.py); MaxText's
+  ``dropout_rate`` is 0 in configs/base.yml; gpuyard's own example transformer defaults to 0
+  (gpuyard.train.examples). Stacks without a documented default (DeepSpeed, ``other``) keep 0.1.
 * ``pp_scatter_gather``: a pipeline stage sends its activations split over the tensor-parallel ranks
   (each sends 1/tp over its own NIC) and the next stage all-gathers them over NVLink: Megatron-LM's
   "scatter/gather communication optimization" (Narayanan et al., SC'21, section 4.1), on by default in
@@ -83,10 +96,13 @@ class Stack:
     pp_scatter_gather: bool = False
     tp_overlap_scope: str = "all"  # "all" | "micro-pipeline" (see tp_comm_overlap in the module docstring)
     selective: str = "megatron"  # "megatron" | "op": what recompute="selective" reruns (module docstring)
+    dropout: float = 0.1  # hidden and attention dropout of the models it trains (memory: masks kept)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FAMILIES:
             raise ValueError(f"stack {self.name}: attention {self.attention!r} not in {ATTENTION_FAMILIES}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"stack {self.name}: dropout {self.dropout} is not in [0, 1)")
         if self.tp_overlap_scope not in ("all", "micro-pipeline") or self.selective not in ("megatron", "op"):
             raise ValueError(f"stack {self.name}: bad tp_overlap_scope or selective")
 
@@ -132,6 +148,7 @@ STACKS: dict[str, Stack] = {
             "torchtitan: FSDP2, fused AdamW, eager RMSNorm/RoPE/SwiGLU unless compiled, SDPA flash (FA2)",
             tp_overlap_scope="micro-pipeline",
             selective="op",
+            dropout=0.0,
         ),
         # llm-foundry with flash-attn 2 (its `gpu-flash2` extra, `attn_impl: flash`). Older benchmark rows
         # ran FlashAttention 1 or its Triton port: the corpus marks them (runs.yaml, `attention: fa1`).
@@ -142,6 +159,7 @@ STACKS: dict[str, Stack] = {
             "fa2",
             "MosaicML llm-foundry / Composer: FSDP1, flash-attn 2, fused norms and cross-entropy",
             fused_loss=True,
+            dropout=0.0,
         ),
         Stack("deepspeed", 30.0, 1.0, "fa2", "DeepSpeed ZeRO with FusedAdam"),
         # MaxText (JAX/XLA on TPU): optax AdamW compiled by XLA into fused passes (fp32 weight, gradient,
@@ -154,6 +172,7 @@ STACKS: dict[str, Stack] = {
             "fa3",
             "MaxText: JAX/XLA on TPU, optax AdamW, splash attention",
             loss_bytes_per_logit=12.0,
+            dropout=0.0,
         ),
         Stack("other", 30.0, 1.0, "fa3", "a stack the corpus does not profile: fused optimizer and kernels"),
         Stack(
@@ -163,6 +182,7 @@ STACKS: dict[str, Stack] = {
             "fa3",
             "gpuyard's trainer: eager PyTorch, autocast (fp32 norms), fused AdamW, SDPA",
             fp32_elementwise=True,
+            dropout=0.0,
         ),
     )
 }

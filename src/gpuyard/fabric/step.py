@@ -22,7 +22,7 @@ from statistics import NormalDist
 from typing import NamedTuple
 
 from gpuyard.errors import ConfigError
-from gpuyard.fabric.cluster import Cluster
+from gpuyard.fabric.cluster import DEFAULT_FRAGMENTATION, DEFAULT_RESERVED_BYTES, Cluster
 from gpuyard.fabric.collectives import bus_factor, collective_time
 from gpuyard.fabric.collectives import clear_caches as clear_collective_caches
 from gpuyard.fabric.models import ModelSpec
@@ -46,8 +46,10 @@ FP8_CAST_BYTES = 9
 ELEMENTWISE_BYTES_PER_H = 30.0
 # Bytes per parameter: bf16 weights, fp32 gradients, fp32 master weights + Adam m and v.
 WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 2, 4, 12
-# CUDA context, NCCL buffers and workspace kept aside on every device, plus allocator fragmentation.
-RESERVED_BYTES, FRAGMENTATION = 2 * GIB, 1.05
+# CUDA context, NCCL buffers and workspace kept aside on every device, plus allocator fragmentation: the
+# assumed defaults of an unmeasured cluster (Compute.memory_reserved_bytes / memory_fragmentation hold
+# what `gpuyard fabric calibrate` measured; Compute.reserved_bytes / fragmentation apply either).
+RESERVED_BYTES, FRAGMENTATION = DEFAULT_RESERVED_BYTES, DEFAULT_FRAGMENTATION
 LOSS_BYTES_PER_LOGIT = {False: 4, True: 2}  # kept for the backward: unfused fp32 / fused in-place bf16
 # One ring-attention step (context parallelism): a FlashAttention launch on a K/V block, a P2P post and an
 # event wait. Tens of microseconds on current stacks; it is what separates cp=2 from cp=8 at equal tokens.
@@ -511,20 +513,56 @@ def _stage_layers(model: ModelSpec, pp: int) -> tuple[int, int]:
     return per_stage, max(1, model.layers - (pp - 1) * per_stage) if pp > 1 else per_stage
 
 
-def _activation_bytes_per_token(model: ModelSpec, tp: int, seqpar: bool, recompute: str) -> float:
+def _activation_bytes_per_token(
+    model: ModelSpec, tp: int, seqpar: bool, recompute: str, dropout: bool = True, op_sac: bool = False
+) -> float:
     """Activation bytes one layer keeps per token for the backward pass (Korthikanti et al. 2022).
 
-    For a model with dense and MoE layers, the average over its layers.
+    ``dropout``: the stack's models run dropout, so its masks are kept (``Stack.dropout``); ``op_sac``:
+    selective recomputation is torchtitan's per-op policy (``Stack.selective``). For a model with dense
+    and MoE layers, the average over its layers.
     """
-    return sum(share * _activation_bytes_one(part, tp, seqpar, recompute) for share, part in model.parts())
+    return sum(
+        share * _activation_bytes_one(part, tp, seqpar, recompute, dropout, op_sac)
+        for share, part in model.parts()
+    )
 
 
-def _activation_bytes_one(model: ModelSpec, tp: int, seqpar: bool, recompute: str) -> float:
+def _op_sac_bytes(model: ModelSpec, tp: int, seqpar: bool) -> float:
+    """Bytes per token one dense GQA layer keeps under torchtitan's per-op selective checkpointing.
+
+    torchtitan (torchtitan/models/llama3/infra/parallelize.py, ``_save_list`` and
+    ``_get_custom_policy``) checkpoints each block and saves, of the ops it runs, only the outputs of
+    every second ``mm`` (the 1st, 3rd, 5th and 7th of wq, wk, wv, wo, w1, w3, w2: wq, wv, w1 and w2; no
+    w2 without a gate, being the 6th), of SDPA (its output and fp32 log-sum-exp) and of the
+    reduce-scatters after wo and w2 under sequence parallelism. Everything else, norms, RoPE and the
+    activation included, is recomputed from those and the block's input, which the checkpoint keeps.
+    """
+    h, sp = model.hidden, (tp if seqpar else 1)
+    kept = 2 * h / sp  # the block's input
+    kept += 2 * model.heads * model.head_dim / tp  # wq
+    kept += 2 * model.kv_heads * model.head_dim / tp  # wv
+    kept += (2 * model.heads * model.head_dim + 4 * model.heads) / tp  # SDPA output and log-sum-exp
+    kept += 2 * model.ffn_hidden / tp  # w1 (the gate, or the up projection without a gate)
+    if model.gated_mlp:
+        kept += 2 * h  # w2's output, before its reduce-scatter (a partial sum of the whole sequence)
+    if tp > 1 and seqpar:
+        kept += 2 * 2 * h / tp  # the reduce-scatters' outputs after wo and w2
+    return kept
+
+
+def _activation_bytes_one(
+    model: ModelSpec, tp: int, seqpar: bool, recompute: str, dropout: bool = True, op_sac: bool = False
+) -> float:
     h = model.hidden
     sp = tp if seqpar else 1
     if recompute == "full":
         return 2 * h / sp  # only the layer input
+    if recompute == "selective" and op_sac and not model.is_moe and not model.is_mla:
+        return _op_sac_bytes(model, tp, seqpar)
     shared = 10 * h / sp  # norm inputs, GEMM inputs, dropout masks: replicated unless sequence-parallel
+    if not dropout:  # the two hidden dropout masks (1 byte per element each) are not kept at p = 0
+        shared -= 2 * h / sp
     qkv = 2 * (model.heads + 2 * model.kv_heads) * model.head_dim
     # each token passes through top_k routed experts (capacity padding counted) and the shared ones
     routed = model.top_k * (model.capacity_factor or 1.0) + model.shared_experts if model.is_moe else 1
@@ -556,8 +594,12 @@ class _MemoryModel:
     def __init__(self, model: ModelSpec, seq: int, profile: Stack) -> None:
         self.model, self.seq, self.profile = model, seq, profile
         # Unfused attention keeps 5 bytes per score of the s x s matrices (softmax output, dropout mask and
-        # output: Korthikanti et al.'s 5 a s^2 b per layer) unless they are recomputed.
+        # output: Korthikanti et al.'s 5 a s^2 b per layer) unless they are recomputed; without attention
+        # dropout only the softmax output (2 bytes), which both the V GEMM and the softmax backward use.
         self.unfused = profile.attention == "unfused"
+        self.dropout = profile.dropout > 0  # dropout masks are kept only where dropout runs
+        self.score_bytes = 5.0 if self.dropout else 2.0
+        self.op_sac = profile.selective == "op"
         # The loss keeps fp32 log-probabilities of the micro-batch (4 bytes per logit), or with a fused
         # cross-entropy only the bf16 logits it writes the gradient into (2 bytes): gpuyard.fabric.stacks.
         self.logit_bytes = LOSS_BYTES_PER_LOGIT[profile.fused_loss]
@@ -586,7 +628,9 @@ class _MemoryModel:
         key = (tp, seqpar, recompute)
         got = self._acts.get(key)
         if got is None:
-            got = self._acts[key] = _activation_bytes_per_token(self.model, tp, seqpar, recompute)
+            got = self._acts[key] = _activation_bytes_per_token(
+                self.model, tp, seqpar, recompute, self.dropout, self.op_sac
+            )
         return got
 
     def states(self, tp: int, pp: int, ep: int, dp_cp: int, zero: int) -> tuple[float, float, float]:
@@ -630,7 +674,7 @@ class _MemoryModel:
             chunks = 2 * (pp - 1) + (virtual_stages - 1) * pp + 1
             in_flight = min(chunks, micro_batches * virtual_stages) * per_stage / virtual_stages
         acts = in_flight * tokens * self.activation_bytes(tp, seqpar, recompute)
-        scores = 5.0 * model.heads / tp * self.seq if self.unfused else 0.0
+        scores = self.score_bytes * model.heads / tp * self.seq if self.unfused else 0.0
         if recompute == "none":
             acts += in_flight * tokens * scores
         if recompute == "full":  # one layer is rebuilt in full during its backward
@@ -759,6 +803,9 @@ class _StepModel:
         self.bw = cluster.memory_bw_GBps * 1e9
         self.domain = cluster.domain
         self.device_memory = cluster.device_memory_bytes
+        # Kept from tensors on every device: measured by calibration, else assumed (gpuyard.fabric.cluster).
+        self.reserved = cluster.compute.reserved_bytes
+        self.fragmentation = cluster.compute.fragmentation
         self.overlap_slowdown = cluster.compute.overlap_slowdown
         # The slowest of the job's GPUs sets the pace of every synchronous step (Compute.speed_spread).
         self.straggle = 1.0 + cluster.compute.speed_spread * slowest_of(gpus)
@@ -827,6 +874,10 @@ class _StepModel:
         if got is None:
             got = self._dp[key] = _dp_comm(self.model, self.cluster, cfg, m)
         return got
+
+    def needed(self, tensor_bytes: float) -> float:
+        """Device bytes a layout needs: its tensors with the allocator's overhead, plus the reserve."""
+        return tensor_bytes * self.fragmentation + self.reserved
 
     def memory_of(self, cfg: ParallelConfig, m: int) -> dict[str, float]:
         """:func:`memory_per_gpu` of a layout of this setting."""
@@ -911,7 +962,7 @@ class _StepModel:
         step, gpus = t.step, self.gpus
         model, seq_len, global_batch = self.model, self.seq, self.global_batch
         mem = memory or self.memory_of(cfg, m)
-        needed = sum(mem.values()) * FRAGMENTATION + RESERVED_BYTES
+        needed = self.needed(sum(mem.values()))
         model_flops = self.model_flops
         recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[cfg.recompute]
         recomputed = recompute_extra * 6 * model.layers * model.active_layer_params * global_batch * seq_len

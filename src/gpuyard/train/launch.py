@@ -169,6 +169,15 @@ def check_world_size(cfg: LaunchConfig) -> None:
             f"--world-size {world} is too small: --nproc {cfg.nproc} ranks on this node and at least one "
             f"on each of the other {cfg.nnodes - 1} node(s) of --nnodes {cfg.nnodes} make at least {least}"
         )
+    if world != cfg.nproc * cfg.nnodes and os.environ.get(_IDENTICAL_ENV) == "1":
+        # torchrun would number the ranks as node rank x --nproc + local rank: wrong, or colliding.
+        raise ConfigError(
+            f"{_IDENTICAL_ENV}=1 makes torchrun number ranks as if every node ran --nproc {cfg.nproc}, "
+            f"but this job's world is {world} over {cfg.nnodes} nodes: unset it"
+        )
+
+
+_IDENTICAL_ENV = "TORCH_ELASTIC_WORKER_IDENTICAL"
 
 
 def _world_source(cfg: LaunchConfig) -> str:

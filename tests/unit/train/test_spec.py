@@ -206,6 +206,11 @@ def test_an_unequal_gang_resumes_at_its_whole_world_size(tmp_path: Path) -> None
         prepare(LaunchConfig(spec, nproc=2, nnodes=2, rdzv=rdzv, world_size=4))  # 2 + 2: a real change
     # Nothing changes for one node: --world-size is its --nproc.
     prepare(LaunchConfig(spec, nproc=3, world_size=3))
+    # torchrun's shortcut for identical nodes would number these ranks wrongly: refused.
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("TORCH_ELASTIC_WORKER_IDENTICAL", "1")
+        with pytest.raises(ConfigError, match=r"TORCH_ELASTIC_WORKER_IDENTICAL=1 .* world is 3 over 2 nodes"):
+            prepare(LaunchConfig(spec, nproc=1, nnodes=2, rdzv=rdzv, world_size=3))
 
 
 def test_the_parallel_layout_is_checked_against_the_whole_world(

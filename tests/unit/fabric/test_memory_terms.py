@@ -1,0 +1,177 @@
+"""Memory terms the step model counts only where the stack stores them, and the allocator's reserve and
+fragmentation per cluster (assumed 2 GiB / 1.05, or measured by `gpuyard fabric calibrate`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpuyard.errors import ConfigError
+from gpuyard.fabric.accuracy import run_cluster
+from gpuyard.fabric.calibrate import Calibration, apply_calibration, load_calibration
+from gpuyard.fabric.cluster import DEFAULT_FRAGMENTATION, DEFAULT_RESERVED_BYTES
+from gpuyard.fabric.models import PRESETS
+from gpuyard.fabric.presets import load_cluster
+from gpuyard.fabric.published.runs import load_runs, load_sources, model_spec
+from gpuyard.fabric.stacks import STACKS, get_stack
+from gpuyard.fabric.step import GIB, ParallelConfig, estimate_step, memory_per_gpu
+
+pytestmark = pytest.mark.unit
+
+H100_FIT = {"peak_tflops": 720, "half_m": 32, "half_n": 64, "half_k": 192, "median_error": 0, "max_error": 0}
+
+
+def _h100_calibration(**over: object) -> dict[str, object]:
+    return {
+        "format": "gpuyard-calibration/1",
+        "created": "2026-11-27T00:00:00+00:00",
+        "host": "test",
+        "device_kind": "cuda",
+        "device_name": "NVIDIA H100 80GB HBM3",
+        "accelerator": "H100-SXM5-80GB",
+        "ranks": 1,
+        "threads_per_rank": 1,
+        "gemm": [],
+        "gemm_fit": {"bfloat16": H100_FIT},
+        "attention_tflops": 400.0,
+        "attention_efficiency": 0.55,
+        "memory_bw_GBps": 3000.0,
+        "elementwise_GBps": 2500.0,
+        "op_overhead_us": 5.0,
+        **over,
+    }
+
+
+def test_dropout_masks_are_counted_only_for_stacks_that_run_dropout() -> None:
+    model = PRESETS["llama3-8b"]
+    cfg = ParallelConfig(tp=2, dp=4, micro_batch=2, zero=1, sequence_parallel=True, recompute="none")
+    with_masks = replace(STACKS["megatron-lm"], dropout=0.1)
+    without = replace(with_masks, dropout=0.0)
+    kept = memory_per_gpu(model, 4096, cfg, 4, with_masks)["activations"]
+    dropped = memory_per_gpu(model, 4096, cfg, 4, without)["activations"]
+    # Two masks of one byte per element of the layer's sequence-parallel slice, on every layer.
+    assert kept - dropped == pytest.approx(model.layers * 2 * 4096 * 2 * model.hidden / 2)
+    assert STACKS["megatron-lm"].dropout == 0.1 and STACKS["torchtitan"].dropout == 0.0
+    # Unfused attention keeps the softmax output alone (2 of Korthikanti's 5 bytes per score) at p = 0.
+    unfused = replace(with_masks, attention="unfused")
+    full = memory_per_gpu(model, 4096, cfg, 4, unfused)["activations"]
+    bare = memory_per_gpu(model, 4096, cfg, 4, replace(unfused, dropout=0.0))["activations"]
+    scores = model.layers * 2 * 4096 * 4096 * model.heads / 2  # micro-batch 2, tp 2
+    assert full - bare == pytest.approx(kept - dropped + 3 * scores)
+    with pytest.raises(ValueError, match="dropout"):
+        replace(with_masks, dropout=1.0)
+
+
+def test_torchtitans_per_op_checkpointing_keeps_what_its_policy_saves() -> None:
+    model = PRESETS["llama3-8b"]
+    h, q, kv, ffn = (
+        model.hidden,
+        model.heads * model.head_dim,
+        model.kv_heads * model.head_dim,
+        model.ffn_hidden,
+    )
+    cfg = ParallelConfig(dp=8, micro_batch=1, zero=3, recompute="selective")
+    op = memory_per_gpu(model, 8192, cfg, 1, STACKS["torchtitan"])["activations"]
+    logits = 8192 * model.vocab * 4
+    # Input, wq, wv, SDPA output + log-sum-exp, w1 and w2 outputs (2 bytes each, lse 4), per token and layer.
+    per_token = 2 * h + 2 * q + 2 * kv + 2 * q + 4 * model.heads + 2 * ffn + 2 * h
+    assert op - logits == pytest.approx(model.layers * 8192 * per_token)
+    megatron = memory_per_gpu(model, 8192, cfg, 1, replace(STACKS["torchtitan"], selective="megatron"))
+    assert op - logits < 0.7 * (megatron["activations"] - logits)
+
+
+def _refused(*ids: str) -> list[str]:
+    """The corpus rows of ``ids`` the step model refuses for memory (each as its source ran it)."""
+    sources = load_sources()
+    refused = []
+    runs = {run.id: run for run in load_runs()}
+    for run_id in ids:
+        run = runs[run_id]
+        stack = get_stack(sources[run.source].stack)
+        if run.attention is not None:
+            stack = replace(stack, attention=run.attention)
+        cfg = replace(run.parallel_config(), stack=stack.name)
+        cluster = run_cluster(run.cluster, run.device)
+        est = estimate_step(
+            model_spec(run), cluster, run.gpus, run.global_batch, run.seq_len, cfg, stack=stack
+        )
+        if not est.fits:
+            refused.append(run_id)
+    return refused
+
+
+def test_layouts_that_ran_without_dropout_or_with_per_op_checkpointing_are_accepted() -> None:
+    # MPT without recomputation (refused while two dropout masks per layer were counted) and torchtitan's
+    # per-op selective checkpointing (refused while counted as Megatron's selective recomputation).
+    assert not _refused(
+        "llm-foundry/h100/mpt-3b-s8192-g8-mb3",
+        "llm-foundry/a100-40gb/mpt-3b-s2048-g64-mb6",
+        "llm-foundry/a100-40gb/mpt-1b-s2048-g32-mb10",
+        "torchtitan-2024-12/table1/llama3-8b-8gpus-fsdp",
+        "torchtitan-2024-08/llama2-70b-64-a100-selective-op-lbs1",
+    )
+
+
+def test_a_calibrated_reserve_and_fragmentation_change_the_memory_verdict() -> None:
+    model = PRESETS["llama3-8b"]
+    cfg = ParallelConfig(dp=8, micro_batch=1, zero=3, recompute="selective", stack="megatron-lm")
+    plain = load_cluster("dgx-h100")
+    assumed = estimate_step(model, plain, 8, 8, 4096, cfg)
+    tensors = sum(assumed.memory_gib.values()) * GIB
+    assert assumed.memory_gib_per_gpu * GIB == pytest.approx(
+        tensors * DEFAULT_FRAGMENTATION + DEFAULT_RESERVED_BYTES
+    )
+    device = plain.device_memory_bytes
+    # A reserve and fragmentation on either side of the layout's need flip its verdict.
+    tight = Calibration.model_validate(
+        _h100_calibration(memory_reserved_bytes=int(device - tensors * 1.02) + GIB, memory_fragmentation=1.02)
+    )
+    roomy = Calibration.model_validate(
+        _h100_calibration(memory_reserved_bytes=int(device - tensors * 1.02) - GIB, memory_fragmentation=1.02)
+    )
+    refused = estimate_step(model, apply_calibration(plain, tight), 8, 8, 4096, cfg)
+    accepted = estimate_step(model, apply_calibration(plain, roomy), 8, 8, 4096, cfg)
+    assert not refused.fits and accepted.fits
+    assert refused.memory_gib_per_gpu - accepted.memory_gib_per_gpu == pytest.approx(2.0)
+    assert refused.step_time_s == accepted.step_time_s  # memory only
+    uncalibrated = apply_calibration(plain, Calibration.model_validate(_h100_calibration()))
+    assert uncalibrated.compute.reserved_bytes == DEFAULT_RESERVED_BYTES
+    assert uncalibrated.compute.fragmentation == DEFAULT_FRAGMENTATION
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"memory_reserved_bytes": -1}, "memory_reserved_bytes"),
+        ({"memory_fragmentation": 0.9}, "memory_fragmentation"),
+        ({"memory_fragmentation": float("nan")}, "memory_fragmentation"),
+    ],
+)
+def test_out_of_range_memory_figures_are_refused_in_one_line(
+    tmp_path: Path, over: dict[str, object], message: str
+) -> None:
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(_h100_calibration(**over)))
+    with pytest.raises(ConfigError, match=message) as info:
+        load_calibration(path)
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_a_reserve_above_device_memory_is_refused_in_one_line(tmp_path: Path) -> None:
+    plain = load_cluster("dgx-h100")
+    huge = Calibration.model_validate(_h100_calibration(memory_reserved_bytes=plain.device_memory_bytes))
+    with pytest.raises(ConfigError, match=r"memory_reserved_bytes .* is not below") as info:
+        apply_calibration(plain, huge)
+    assert len(str(info.value).splitlines()) == 1
+    # A cluster file that says so is refused the same way.
+    data = plain.model_dump(mode="json", exclude_none=True)
+    data["compute"]["memory_reserved_bytes"] = 100 * GIB
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="memory_reserved_bytes") as info:
+        load_cluster(str(path))
+    assert len(str(info.value).strip().splitlines()) == 1

@@ -213,6 +213,11 @@ def calibrate(
         lines.append(f"host->device {cal.h2d_GBps:.1f} GB/s, device->host {cal.d2h_GBps:.1f} GB/s (pinned)")
     if cal.overlap_slowdown is not None:
         lines.append(f"hidden communication still costs {cal.overlap_slowdown:.0%} of its time in compute")
+    if cal.memory_reserved_bytes is not None and cal.memory_fragmentation is not None:
+        lines.append(
+            f"device memory: {cal.memory_reserved_bytes / 2**30:.2f} GiB held outside the caching allocator "
+            f"(context, cuBLAS, NCCL); allocator peak reserved / allocated {cal.memory_fragmentation:.3f}"
+        )
     for op, link in cal.links.items():
         lines.append(f"{op}: hop {link.hop_us:.1f} us, {link.bw_GBps:.2f} GB/s ({cal.backend})")
     lines.append(f"written to {out}; use it with --calibration {out}")

@@ -217,6 +217,11 @@ def calibrate(
         lines.append(
             f"device memory: {cal.memory_reserved_bytes / 2**30:.2f} GiB held outside the caching allocator "
             f"(context, cuBLAS, NCCL); allocator peak reserved / allocated {cal.memory_fragmentation:.3f}"
+            + (
+                "; one rank: no NCCL communicator ran, so its buffers are not in the reserve"
+                if cal.ranks == 1
+                else ""
+            )
         )
     for op, link in cal.links.items():
         lines.append(f"{op}: hop {link.hop_us:.1f} us, {link.bw_GBps:.2f} GB/s ({cal.backend})")

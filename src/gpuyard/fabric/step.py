@@ -130,7 +130,8 @@ class StepEstimate:
     memory_gib_per_gpu: float
     fits: bool
     breakdown: Breakdown
-    memory_gib: dict[str, float] = field(default_factory=dict)
+    memory_gib: dict[str, float] = field(default_factory=dict)  # tensors by kind (logits in activations)
+    memory_reserved_gib: float = 0.0  # held outside the caching allocator (Compute.reserved_bytes)
 
     def to_dict(self) -> dict[str, object]:
         """The issue's plan shape: the layout's knobs, then figures, then the breakdown."""
@@ -150,7 +151,16 @@ class StepEstimate:
             }
         )
         out["breakdown"] = {**asdict(self.breakdown), "collectives": self.breakdown.collectives}
-        out["memory_breakdown_gib"] = dict(self.memory_gib)
+        # Tensors by kind, the caching allocator's overhead on them and the reserve: these sum to
+        # memory_gib_per_gpu, so a plan that does not fit shows which part does not.
+        overhead = max(
+            0.0, self.memory_gib_per_gpu - sum(self.memory_gib.values()) - self.memory_reserved_gib
+        )
+        out["memory_breakdown_gib"] = {
+            **self.memory_gib,
+            "allocator_overhead": overhead,
+            "reserved": self.memory_reserved_gib,
+        }
         return out
 
 
@@ -991,6 +1001,7 @@ class _StepModel:
                 overlap_cost_s=t.overlap,
             ),
             memory_gib={k: v / GIB for k, v in mem.items()},
+            memory_reserved_gib=self.reserved / GIB,
         )
 
 

@@ -6,6 +6,8 @@ STAMP  := $(VENV)/.installed
 # CPU builds for this kind of machine; on a GPU server: make CONSTRAINTS= install
 CONSTRAINTS ?= constraints/cpu.txt
 PYTEST_ARGS ?=
+# `make test` runs test files on this many pytest-xdist workers (0: one process, no xdist).
+TEST_WORKERS ?= 3
 
 .PHONY: install demo test test-unit lint format bench clean gpu-wheels gpu-check
 
@@ -21,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/gpuyard demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The unit tier alone (no processes, no servers): under a minute on 2 cores.
 test-unit: $(STAMP)

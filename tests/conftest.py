@@ -17,6 +17,27 @@ import pytest
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
+# `make test` runs the suite on pytest-xdist workers, one test file at a time per worker, handed out in
+# collection order (`--dist loadfile --no-loadscope-reorder`). Files that start processes and servers
+# (minutes in all, up to a minute and a half each) go first; the many short unit files come last and fill
+# whichever worker finishes first, so no worker is left alone with a long file at the end. The Slurm
+# module goes first of all: most of its time is a wait for Slurm's own time limit, which other files'
+# work then fills.
+_FILE_ORDER = ("integration/slurm", "multiproc", "integration", "security", "browser", "gpu", "unit")
+
+
+def _file_rank(item: pytest.Item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    for rank, prefix in enumerate(_FILE_ORDER):
+        if path.startswith(f"tests/{prefix}/"):
+            return rank
+    return len(_FILE_ORDER)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_file_rank)  # stable: each file keeps its own order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_user_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """No test writes to the user's ~/.gpuyard or talks to a gpuyard server it did not start.

@@ -42,6 +42,13 @@ overlap) is the same for every stack; a profile says how a stack runs the parts 
   ``attn_pdrop`` and ``resid_pdrop`` to 0 (llmfoundry/models/mpt/configuration_mpt.py); MaxText's
   ``dropout_rate`` is 0 in configs/base.yml; gpuyard's own example transformer defaults to 0
   (gpuyard.train.examples). Stacks without a documented default (DeepSpeed, ``other``) keep 0.1.
+* ``grad_bytes``: bytes per parameter of the gradient buffer (memory only). Megatron-LM accumulates and
+  reduces gradients in fp32 whenever it trains in bf16 (``accumulate_allreduce_grads_in_fp32`` is forced
+  on, megatron/training/arguments.py): 4. NeMo's and Megatron-Bridge's pre-training performance recipes
+  turn that off (NeMo 2's ``pretrain_performance_optimizations``: ``trainer.plugins.grad_reduce_in_fp32 =
+  False``; Megatron-Bridge's scripts/performance common overrides: ``mixed_precision.grad_reduce_in_fp32``
+  and ``ddp.grad_reduce_in_fp32 = False``): bf16 gradients, 2, whose optimizer shard then keeps an fp32
+  copy (Megatron's distributed-optimizer table: 4 + 16/d bytes per parameter instead of 6 + 12/d).
 * ``pp_scatter_gather``: a pipeline stage sends its activations split over the tensor-parallel ranks
   (each sends 1/tp over its own NIC) and the next stage all-gathers them over NVLink: Megatron-LM's
   "scatter/gather communication optimization" (Narayanan et al., SC'21, section 4.1), on by default in
@@ -97,12 +104,15 @@ class Stack:
     tp_overlap_scope: str = "all"  # "all" | "micro-pipeline" (see tp_comm_overlap in the module docstring)
     selective: str = "megatron"  # "megatron" | "op": what recompute="selective" reruns (module docstring)
     dropout: float = 0.1  # hidden and attention dropout of the models it trains (memory: masks kept)
+    grad_bytes: int = 4  # gradient buffer bytes per parameter: fp32 (4) or bf16 (2); memory only
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FAMILIES:
             raise ValueError(f"stack {self.name}: attention {self.attention!r} not in {ATTENTION_FAMILIES}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"stack {self.name}: dropout {self.dropout} is not in [0, 1)")
+        if self.grad_bytes not in (2, 4):
+            raise ValueError(f"stack {self.name}: grad_bytes {self.grad_bytes} is not 2 or 4")
         if self.tp_overlap_scope not in ("all", "micro-pipeline") or self.selective not in ("megatron", "op"):
             raise ValueError(f"stack {self.name}: bad tp_overlap_scope or selective")
 
@@ -139,6 +149,7 @@ STACKS: dict[str, Stack] = {
             "NVIDIA NeMo / Megatron-Bridge (Megatron-Core and TE underneath), TP comm overlap on",
             loss_bytes_per_logit=12.0,
             tp_comm_overlap=True,
+            grad_bytes=2,
         ),
         Stack(
             "torchtitan",

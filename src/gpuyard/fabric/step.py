@@ -615,7 +615,7 @@ class _MemoryModel:
         self.logit_bytes = LOSS_BYTES_PER_LOGIT[profile.fused_loss]
         self._stages: dict[int, tuple[int, int]] = {}
         self._params: dict[tuple[int, int, int], tuple[float, float]] = {}
-        self._states: dict[tuple[int, int, int, int, int], tuple[float, float, float]] = {}
+        self._states: dict[tuple[int, int, int, int, int], tuple[float, float, float, float]] = {}
         self._acts: dict[tuple[int, bool, str], float] = {}
 
     def stage_layers(self, pp: int) -> tuple[int, int]:
@@ -643,20 +643,32 @@ class _MemoryModel:
             )
         return got
 
-    def states(self, tp: int, pp: int, ep: int, dp_cp: int, zero: int) -> tuple[float, float, float]:
-        """(weights, grads, optimizer) bytes per GPU of the busiest stage."""
+    def states(self, tp: int, pp: int, ep: int, dp_cp: int, zero: int) -> tuple[float, float, float, float]:
+        """(weights, grads, optimizer, optimizer-step gradient copy) bytes per GPU of the busiest stage.
+
+        Gradients are kept in the stack's buffer dtype (``Stack.grad_bytes``). A 16-bit gradient is
+        copied to fp32 for the optimizer's shard at the optimizer step (Megatron-Core's distributed
+        optimizer, ``_copy_model_grads_to_main_grads``: ``shard_main_param.grad = shard_model_grad.float()``,
+        dropped by ``zero_grad`` before the next forward): Megatron's distributed-optimizer table gives
+        4 + 16/d bytes per parameter with 16-bit gradients against 6 + 12/d with fp32 ones. That copy
+        never coexists with the activations, so it is returned apart (:meth:`parts` keeps the larger).
+        Memory only: the data-parallel time model still reduces fp32 gradients.
+        """
         key = (tp, pp, ep, dp_cp, zero)
         got = self._states.get(key)
         if got is None:
             dense, experts = self.stage_params(tp, pp, ep)
-            weights = grads = optim = 0.0
+            weights = grads = optim = step_copy = 0.0
+            grad_bytes = self.profile.grad_bytes
+            copy_bytes = GRAD_BYTES if grad_bytes < GRAD_BYTES else 0
             # Megatron shards optimizer state over data and context parallel ranks; expert weights over
             # the ranks that hold the same experts (dp x cp / ep).
             for params, shard in ((dense, dp_cp), (experts, dp_cp // ep)):
                 weights += params * WEIGHT_BYTES / (shard if zero >= 3 else 1)
-                grads += params * GRAD_BYTES / (shard if zero >= 2 else 1)
+                grads += params * grad_bytes / (shard if zero >= 2 else 1)
                 optim += params * OPTIM_BYTES / (shard if zero >= 1 else 1)
-            got = self._states[key] = (weights, grads, optim)
+                step_copy += params * copy_bytes / (shard if zero >= 1 else 1)
+            got = self._states[key] = (weights, grads, optim, step_copy)
         return got
 
     def parts(
@@ -676,7 +688,7 @@ class _MemoryModel:
         """(weights, grads, optimizer, activations) bytes per GPU on the busiest pipeline stage."""
         model = self.model
         per_stage = self.stage_layers(pp)[0]
-        weights, grads, optim = self.states(tp, pp, ep, dp * cp, zero)
+        weights, grads, optim, step_copy = self.states(tp, pp, ep, dp * cp, zero)
         tokens = micro_batch * self.seq / cp
         if virtual_stages == 1:
             in_flight: float = min(pp, micro_batches) * per_stage
@@ -690,6 +702,8 @@ class _MemoryModel:
         if recompute == "full":  # one layer is rebuilt in full during its backward
             acts += tokens * (self.activation_bytes(tp, seqpar, "none") + scores)
         logits = tokens * model.vocab * self.logit_bytes / tp
+        # The optimizer step's fp32 gradient copy (16-bit gradients) lives while the activations do not.
+        optim += max(0.0, step_copy - (acts + logits))
         return weights, grads, optim, acts + logits
 
 

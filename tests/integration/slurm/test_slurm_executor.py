@@ -5,6 +5,7 @@ time limit, adoption after a restart, drain."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -428,6 +429,22 @@ def test_gpuyard_train_spans_unequal_slurm_nodes_with_one_rendezvous(
     assert sorted(ranks.values()) == [["n1", "1", "3"], ["n3", "2", "3"], ["n3", "2", "3"]]
     # 72 samples, 8 per rank and step: one epoch is 3 steps in a world of 3 (4 with 2, 2 with 4).
     assert "completed at step 3 " in log and "step 4" not in log, log[-2000:]
+    # Each node's launcher was told the job's world (--world-size 3), so a resume of this world-3
+    # checkpoint (a per-rank batch: it cannot change world size) passes its checks on both nodes;
+    # with its own --nproc x --nnodes (4 on n3, 2 on n1) it was refused.
+    from gpuyard.errors import ConfigError
+    from gpuyard.train.launch import LaunchConfig, prepare
+
+    script = gpuyard_home / "jobs" / str(job["id"]) / "attempt-1.sbatch"
+    srun = shlex.split(script.read_text().splitlines()[-1])
+    cut = srun.index(":")  # srun's heterogeneous step: n3's component, then n1's
+    for opts in (srun[:cut], srun[cut + 1 :]):
+        nproc, nnodes = int(opts[opts.index("--nproc") + 1]), int(opts[opts.index("--nnodes") + 1])
+        rdzv, world = opts[opts.index("--rdzv") + 1], int(opts[opts.index("--world-size") + 1])
+        assert (nnodes, world) == (2, 3)
+        prepare(LaunchConfig(spec_path, nproc=nproc, nnodes=nnodes, rdzv=rdzv, world_size=world))
+        with pytest.raises(ConfigError, match=rf"size 3 \(batch 8 per rank\), this run has {2 * nproc} "):
+            prepare(LaunchConfig(spec_path, nproc=nproc, nnodes=nnodes, rdzv=rdzv))
 
 
 def test_a_slurm_time_limit_ends_the_job_with_that_reason(

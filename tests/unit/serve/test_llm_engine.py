@@ -146,6 +146,44 @@ def test_greedy_output_equals_generate_while_requests_join_and_leave(model: Any,
         engine.close()
 
 
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_batchs_decoding_steps(
+    model: Any, spm_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gpuyard.serve.llm.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 8)
+    widths: list[int] = []  # tokens per row of each forward pass, in order
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
+    engine = Engine(model, spm_tokenizer, 256, max_batch=4, max_queue=16)
+    try:
+        engine.eos_id = -1
+        rng = random.Random(5)
+        short_ids = [rng.randrange(3, spm_tokenizer.vocab_size) for _ in range(5)]
+        long_ids = [rng.randrange(3, spm_tokenizer.vocab_size) for _ in range(61)]  # 8 chunks, the last of 5
+        short = Request(short_ids, SamplingParams(max_tokens=60, temperature=0), Collect())
+        engine.submit(short)
+        wait_for(lambda: len(short.generated) >= 2)
+        long = Request(long_ids, SamplingParams(max_tokens=6, temperature=0), Collect())
+        engine.submit(long)
+        assert long.emit.finished.wait(60) and short.emit.finished.wait(60)
+        for ids, req in ((short_ids, short), (long_ids, long)):
+            with torch.inference_mode():
+                ref = model.generate(
+                    input_ids=torch.tensor([ids]), max_new_tokens=req.params.max_tokens, do_sample=False,
+                    pad_token_id=0,
+                )  # fmt: skip
+            assert req.generated == ref[0, len(ids) :].tolist()
+        # The long prompt went in as 7 chunks of 8 and one of 5, each followed by a decoding step of the
+        # running request (width 1): it never held the short one back by more than a chunk.
+        first = widths.index(8)
+        assert widths[first : first + 16] == [8, 1] * 7 + [5, 1], widths
+    finally:
+        hook.remove()
+        engine.close()
+
+
 def test_seeds_repeat_in_a_batch_and_a_cancelled_request_frees_its_slot(
     model: Any, spm_tokenizer: Any
 ) -> None:

@@ -3,7 +3,11 @@
 One engine thread runs decoding steps. Between two steps, finished and cancelled requests leave the
 running batch and waiting requests join it (up to ``max_batch``). Joining requests are prefilled
 together in left-padded forward passes (grouped by prompt length so padding stays small), and each
-one's prompt KV is copied into a row of the batch's cache.
+one's prompt KV is copied into a row of the batch's cache. A prompt longer than ``PREFILL_CHUNK`` tokens
+is prefilled in chunks instead (chunked prefill, as in Sarathi-Serve and vLLM): one chunk per engine
+iteration, into a cache of its own, between the running batch's decoding steps, so a long prompt delays
+the others' next token by one chunk's forward pass rather than by its whole prefill; its KV joins the
+batch when its last chunk is done.
 
 The batch's cache is one preallocated buffer per layer, ``(max_batch, kv_heads, capacity, head_dim)``,
 written in place: rows ``0..B-1`` are the running requests, columns ``[lo, hi)`` the positions in use,
@@ -44,6 +48,8 @@ from gpuyard.errors import CapacityError, ConfigError
 PREFILL_TOKENS = 4096
 # ... and padding at most this share of them (requests are grouped by prompt length).
 PREFILL_PADDING = 0.25
+# Prompts longer than this are prefilled this many tokens per engine iteration (chunked prefill).
+PREFILL_CHUNK = 512
 # Tokens an incomplete UTF-8 character is held back at most (then it is sent as U+FFFD).
 DECODE_WINDOW = 16
 
@@ -85,6 +91,15 @@ class Request:
     prefix: int = 0  # generated[prefix:read] is the context decoded before the new tokens
     read: int = 0  # generated[:read] is in text
     tail: int = 0  # characters of text from generated[read:] (before an incomplete character)
+
+
+@dataclass
+class _Partial:
+    """A long prompt being prefilled chunk by chunk: its first ``done`` tokens are in ``cache``."""
+
+    req: Request
+    cache: Any
+    done: int = 0
 
 
 class _Slots:
@@ -219,6 +234,7 @@ class Engine:
         self.eos_id = tokenizer.eos_id
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # row r of the cache is running[r]
+        self.partial: collections.deque[_Partial] = collections.deque()  # long prompts, oldest first
         self._cond = threading.Condition()
         self._stop = False
         self._slots = _Slots()
@@ -287,12 +303,12 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self.waiting and not self.running:
+                while not self._stop and not self.waiting and not self.running and not self.partial:
                     self._cond.wait()
                 if self._stop:
                     return
                 joining: list[Request] = []
-                while self.waiting and len(self.running) + len(joining) < self.max_batch:
+                while self.waiting and len(self.running) + len(self.partial) + len(joining) < self.max_batch:
                     req = self.waiting.popleft()
                     if not req.cancelled:
                         joining.append(req)
@@ -301,18 +317,22 @@ class Engine:
             try:
                 with torch.inference_mode():
                     self._leave()
-                    for group in _prefill_groups(joining):
+                    short = [r for r in joining if len(r.prompt_ids) <= PREFILL_CHUNK]
+                    self.partial.extend(_Partial(r, self._new_cache()) for r in joining if r not in short)
+                    for group in _prefill_groups(short):
                         self._join(group)
+                    self._advance()
                     self._leave()
                     if self.running:
                         self._step()
                         self._leave()
             except Exception as exc:  # a failed step fails its requests, not the server
-                for req in [*self.running, *joining]:
+                for req in [*self.running, *joining, *(p.req for p in self.partial)]:
                     if req.finish_reason is None:
                         req.finish_reason = "error"
                         req.emit({"error": f"{type(exc).__name__}: {exc}"})
                 self.running = []
+                self.partial.clear()
                 self._slots.reset()
             if self.metrics is not None:
                 self.metrics.set_batch(len(self.running))
@@ -426,11 +446,8 @@ class Engine:
         ids = torch.tensor(
             [[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in group], device=self.device
         )
-        from transformers import DynamicCache
-
-        # A cache of full layers (not the config's sliding-window ones, which keep only the window).
         kwargs: dict[str, Any] = {
-            "input_ids": ids, "use_cache": True, self._cache_arg: DynamicCache(), **self._last_only
+            "input_ids": ids, "use_cache": True, self._cache_arg: self._new_cache(), **self._last_only
         }  # fmt: skip
         if min(lengths) < width:
             mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
@@ -438,12 +455,50 @@ class Engine:
             kwargs["position_ids"] = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(**kwargs)
         self._accept_all(group, self._sample(group, out.logits[:, -1]))
-        kv = [(layer.keys, layer.values) for layer in _cache_of(out).layers]
+        self._admit(group, [(layer.keys, layer.values) for layer in _cache_of(out).layers], lengths)
+
+    @staticmethod
+    def _new_cache() -> Any:
+        from transformers import DynamicCache
+
+        # A cache of full layers (not the config's sliding-window ones, which keep only the window).
+        return DynamicCache()
+
+    def _advance(self) -> None:
+        """Prefill the next chunk of the oldest long prompt; after its last chunk, sample its first token
+        and move its KV into the batch."""
+        while self.partial and (self.partial[0].req.cancelled or self.partial[0].req.finish_reason):
+            self.partial.popleft()
+        if not self.partial:
+            return
+        part = self.partial[0]
+        ids = part.req.prompt_ids
+        end = min(part.done + PREFILL_CHUNK, len(ids))
+        out = self.model(
+            input_ids=torch.tensor([ids[part.done : end]], device=self.device),
+            position_ids=torch.arange(part.done, end, device=self.device)[None, :],
+            use_cache=True,
+            **{self._cache_arg: part.cache},
+            **self._last_only,
+        )
+        part.done = end
+        if end < len(ids):
+            return
+        self.partial.popleft()
+        self._accept_all([part.req], self._sample([part.req], out.logits[:, -1]))
+        self._admit([part.req], [(layer.keys, layer.values) for layer in part.cache.layers], [len(ids)])
+
+    def _admit(
+        self, group: list[Request], kv: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int]
+    ) -> None:
+        """Copy each unfinished request's prompt KV (the last ``lengths[i]`` columns of row i of ``kv``)
+        into a row of the batch's cache and add it to the running batch."""
+        width = max(lengths)
         slots = self._slots
         if self._cache is None:
             slots.make_room(width, self.max_batch, kv)
             layer = _slot_layer_class()
-            self._cache = DynamicCache()
+            self._cache = self._new_cache()
             self._cache.layers = [layer(slots, i) for i in range(len(kv))]
             self._cache.layer_class_to_replicate = None
         for row, req in enumerate(group):

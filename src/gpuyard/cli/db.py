@@ -6,6 +6,7 @@ import json
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 db_app = typer.Typer(help="The state store (SQLite by default, PostgreSQL by GPUYARD_DATABASE_URL).")
 
@@ -31,7 +32,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) ->
         return
     console = Console()
     for key, value in doc.items():
-        console.print(f"[bold]{key:>10}[/bold]  {value}")
+        console.print(f"[bold]{key:>10}[/bold]  {escape(str(value))}")
 
 
 @db_app.command("upgrade")

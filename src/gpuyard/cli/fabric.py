@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 fabric_app = typer.Typer(help="The fabric between GPUs: clusters, collective model, measured collectives.")
 
@@ -258,7 +259,7 @@ def _print_bench(result: object, calibrate: Path | None) -> None:
     wrong = [r for r in result.rows if not r.correct]
     console.print(f"{len(result.rows) - len(wrong)} of {len(result.rows)} results correct")
     if calibrate:
-        console.print(f"calibrated cluster written to {calibrate}")
+        console.print(f"calibrated cluster written to {escape(str(calibrate))}")
 
 
 @fabric_app.command("topology")

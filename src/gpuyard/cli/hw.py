@@ -9,6 +9,7 @@ from typing import Any
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 _STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
@@ -30,7 +31,7 @@ def _summary(console: Console, node: dict[str, Any]) -> None:
     cpu, drv = node["cpu"], node["driver"]
     isa = [k for k, v in cpu["isa_summary"].items() if v]
     numa = ", ".join(f"node{n['id']}: cpus {n['cpus']}" for n in cpu["numa_nodes"])
-    console.print(f"[bold]{node['hostname']}[/bold]  health {_status(node['health'])}")
+    console.print(f"[bold]{escape(str(node['hostname']))}[/bold]  health {_status(node['health'])}")
     console.print(
         f"  CPU     {cpu['model']} ({cpu['arch']}): {cpu['sockets']} socket(s), {cpu['cores']} cores, "
         f"{cpu['threads']} threads, {cpu['usable_cpus']} usable"
@@ -40,7 +41,7 @@ def _summary(console: Console, node: dict[str, Any]) -> None:
     if drv.get("nvml"):
         console.print(f"  NVIDIA  driver {drv['driver_version']}, CUDA {drv['cuda_driver_version']}")
     else:
-        console.print(f"  NVIDIA  no NVML ({drv.get('error') or 'not found'})")
+        console.print(f"  NVIDIA  no NVML ({escape(str(drv.get('error') or 'not found'))})")
 
 
 def _devices(console: Console, accels: list[dict[str, Any]]) -> None:
@@ -312,7 +313,8 @@ def hw(
                 record_inventory(inventory)
             except StoreError as exc:
                 # The inventory itself is good: print it, and say why it is not recorded.
-                err.print(f"[yellow]warning:[/yellow] inventory not recorded: {exc}", soft_wrap=True)
+                why = escape(str(exc))
+                err.print(f"[yellow]warning:[/yellow] inventory not recorded: {why}", soft_wrap=True)
     doc = inventory.to_dict()
     if as_json:
         typer.echo(json.dumps(doc))

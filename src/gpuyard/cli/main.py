@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     except GpuyardError as exc:
         if _state["debug"]:
             traceback.print_exc()
-        err.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err.print("interrupted")

@@ -215,7 +215,7 @@ def print_plans(result: object, title: str) -> None:
     console.print(table)
     console.print(f"{result.fitting} of {result.considered} layouts fit in memory. {result.explain()}")
     for warning in result.warnings:
-        console.print(f"warning: {warning}")
+        console.print(f"warning: {warning}", markup=False, highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 console = Console()
@@ -85,7 +86,7 @@ def print_reports(result: Any) -> None:
             if st.job_id
             else f" ({st.seconds:.1f} s)"
         )
-        console.print(f"[bold]{st.name}[/] [dim]{st.uses}{tag}[/]")
+        console.print(f"[bold]{escape(st.name)}[/] [dim]{escape(st.uses)}{tag}[/]")
         for line in st.outputs.get("report", []):
             console.print(f"  {line}", markup=False, highlight=False)
 
@@ -131,7 +132,8 @@ def run(
     for line in result.summary:
         console.print(line, markup=False, highlight=False)
     ran = sum(not s.cached for s in result.stages)
-    console.print(f"pipeline {spec.name}: {ran} stage(s) ran, {len(result.stages) - ran} skipped (unchanged)")
+    skipped = len(result.stages) - ran
+    console.print(f"pipeline {escape(spec.name)}: {ran} stage(s) ran, {skipped} skipped (unchanged)")
 
 
 def register(app: typer.Typer) -> None:

@@ -92,3 +92,18 @@ def test_a_commands_exit_code_is_kept() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code, "boom"], capture_output=True, text=True)
     assert out.returncode == 3 and out.stderr == "", out.stderr
+
+
+def test_an_error_naming_a_user_path_prints_it_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Square brackets in a name (rich markup to the console) are printed as they are, not swallowed."""
+    from gpuyard.cli.main import main
+
+    spec = tmp_path / "spec[red][x].yaml"
+    spec.write_text("[1, 2]\n")
+    with pytest.raises(SystemExit) as done:
+        main(["train", str(spec)])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {spec}:" in " ".join(err.split()), err

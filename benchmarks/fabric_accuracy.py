@@ -39,6 +39,7 @@ from gpuyard.fabric.accuracy import (
     generation,
     leave_one_source_out,
 )
+from gpuyard.fabric.published.runs import model_spec
 
 GOAL_MEDIAN_PCT = 5.0  # issue 31: median |error| over every leave-one-source-out row
 GOAL_MAX_PCT = 15.0  # and the worst row
@@ -142,6 +143,11 @@ def main() -> int:
     print(
         f"  rows whose generation other sources measure: {len(own)}, median {o_med:.1f}% worst {o_max:.1f}%"
     )
+    moe = [e for e in every if model_spec(e.run).is_moe]
+    dense = [e for e in every if not model_spec(e.run).is_moe]
+    for label, rows in (("dense", dense), ("mixture-of-experts", moe)):
+        k_med, k_max, k_bias = _pct(rows)
+        print(f"  {label} rows: {len(rows)}, median {k_med:.1f}% worst {k_max:.1f}% bias {k_bias:+.1f}%")
     for h in held.values():
         for gen, near in sorted(h.borrowed.items()):
             rows = [e for e in h.rows(borrowed=True) if generation(e.run.device) == gen]

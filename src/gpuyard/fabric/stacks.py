@@ -42,9 +42,10 @@ overlap) is the same for every stack; a profile says how a stack runs the parts 
   ``attn_pdrop`` and ``resid_pdrop`` to 0 (llmfoundry/models/mpt/configuration_mpt.py); MaxText's
   ``dropout_rate`` is 0 in configs/base.yml; gpuyard's own example transformer defaults to 0
   (gpuyard.train.examples). Stacks without a documented default (DeepSpeed, ``other``) keep 0.1.
-* ``grad_bytes``: bytes per parameter of the gradient buffer (memory only). Megatron-LM accumulates and
-  reduces gradients in fp32 whenever it trains in bf16 (``accumulate_allreduce_grads_in_fp32`` is forced
-  on, megatron/training/arguments.py): 4. NeMo's and Megatron-Bridge's pre-training performance recipes
+* ``grad_bytes``: bytes per parameter of the gradient buffer and of its data-parallel reduction.
+  Megatron-LM accumulates and reduces gradients in fp32 whenever it trains in bf16
+  (``accumulate_allreduce_grads_in_fp32`` is forced on, megatron/training/arguments.py): 4.
+  NeMo's and Megatron-Bridge's pre-training performance recipes
   turn that off (NeMo 2's ``pretrain_performance_optimizations``: ``trainer.plugins.grad_reduce_in_fp32 =
   False``; Megatron-Bridge's scripts/performance common overrides: ``mixed_precision.grad_reduce_in_fp32``
   and ``ddp.grad_reduce_in_fp32 = False``): bf16 gradients, 2, whose optimizer shard then keeps an fp32
@@ -104,7 +105,7 @@ class Stack:
     tp_overlap_scope: str = "all"  # "all" | "micro-pipeline" (see tp_comm_overlap in the module docstring)
     selective: str = "megatron"  # "megatron" | "op": what recompute="selective" reruns (module docstring)
     dropout: float = 0.1  # hidden and attention dropout of the models it trains (memory: masks kept)
-    grad_bytes: int = 4  # gradient buffer bytes per parameter: fp32 (4) or bf16 (2); memory only
+    grad_bytes: int = 4  # gradient bytes per parameter (buffer and reduction): fp32 (4) or bf16 (2)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FAMILIES:

@@ -652,7 +652,7 @@ class _MemoryModel:
         dropped by ``zero_grad`` before the next forward): Megatron's distributed-optimizer table gives
         4 + 16/d bytes per parameter with 16-bit gradients against 6 + 12/d with fp32 ones. That copy
         never coexists with the activations, so it is returned apart (:meth:`parts` keeps the larger).
-        Memory only: the data-parallel time model still reduces fp32 gradients.
+        The data-parallel time model reduces gradients in the same dtype (:func:`_dp_comm`).
         """
         key = (tp, pp, ep, dp_cp, zero)
         got = self._states.get(key)
@@ -733,9 +733,11 @@ def memory_per_gpu(
 
 
 def _dp_comm(
-    model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, micro_batches: int
+    model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, micro_batches: int, grad_bytes: int = GRAD_BYTES
 ) -> tuple[float, float]:
-    """(gradient-side, parameter-side) data-parallel communication seconds per step."""
+    """(gradient-side, parameter-side) data-parallel communication seconds per step; gradients are reduced
+    in the stack's gradient dtype (``Stack.grad_bytes``: bf16 where its recipes turn off
+    ``grad_reduce_in_fp32``)."""
     dense, experts = _stage_params(model, cfg.tp, cfg.pp, cfg.ep)
     weight_bytes = ACT_BYTES[cfg.precision]  # gathered in the compute precision (fp32 runs: fp32)
     grad_s = param_s = 0.0
@@ -748,12 +750,12 @@ def _dp_comm(
             return comm_time(cluster, op, size, group, per_domain)
 
         if cfg.zero == 0:
-            grad_s += t("all_reduce", params * GRAD_BYTES)
+            grad_s += t("all_reduce", params * grad_bytes)
         elif cfg.zero in (1, 2):
-            grad_s += t("reduce_scatter", params * GRAD_BYTES)
+            grad_s += t("reduce_scatter", params * grad_bytes)
             param_s += t("all_gather", params * weight_bytes)
         else:  # ZeRO-3 / FSDP: gathered for forward and backward, gradients scattered, per micro-batch
-            grad_s += micro_batches * t("reduce_scatter", params * GRAD_BYTES)
+            grad_s += micro_batches * t("reduce_scatter", params * grad_bytes)
             param_s += 2 * micro_batches * t("all_gather", params * weight_bytes)
     return grad_s, param_s
 
@@ -896,7 +898,8 @@ class _StepModel:
         key = (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.zero, m if cfg.zero == 3 else 0)
         got = self._dp.get(key)
         if got is None:
-            got = self._dp[key] = _dp_comm(self.model, self.cluster, cfg, m)
+            grad_bytes = max(self.profile.grad_bytes, ACT_BYTES[cfg.precision])  # fp32 runs: fp32 gradients
+            got = self._dp[key] = _dp_comm(self.model, self.cluster, cfg, m, grad_bytes)
         return got
 
     def needed(self, tensor_bytes: float) -> float:

@@ -142,6 +142,23 @@ def test_bf16_gradients_halve_the_buffer_and_the_step_copy_shows_only_without_ac
         replace(nemo, grad_bytes=3)
 
 
+def test_bf16_gradients_are_also_reduced_in_bf16_except_in_fp32_runs() -> None:
+    model, cluster = PRESETS["llama3-8b"], load_cluster("dgx-h100")
+    nemo = STACKS["nemo"]
+    fp32_grads = replace(nemo, grad_bytes=4)
+    for zero in (0, 1, 3):
+        cfg = ParallelConfig(tp=1, dp=64, micro_batch=1, zero=zero, recompute="full", stack="nemo")
+        bf16 = estimate_step(model, cluster, 64, 512, 4096, cfg, stack=nemo)
+        fp32 = estimate_step(model, cluster, 64, 512, 4096, cfg, stack=fp32_grads)
+        # ZeRO-0 all-reduces gradients only: half the bytes (latency aside); ZeRO-1/3 also gather bf16
+        # weights, the same on both sides.
+        assert bf16.breakdown.dp_comm_s < (0.6 if zero == 0 else 0.9) * fp32.breakdown.dp_comm_s, zero
+    cfg = ParallelConfig(tp=1, dp=64, micro_batch=1, zero=1, recompute="full", precision="fp32", stack="nemo")
+    a = estimate_step(model, cluster, 64, 512, 4096, cfg, stack=nemo)
+    b = estimate_step(model, cluster, 64, 512, 4096, cfg, stack=fp32_grads)
+    assert a.breakdown.dp_comm_s == pytest.approx(b.breakdown.dp_comm_s)  # fp32 training: fp32 gradients
+
+
 def test_a_calibrated_reserve_and_fragmentation_change_the_memory_verdict() -> None:
     model = PRESETS["llama3-8b"]
     cfg = ParallelConfig(dp=8, micro_batch=1, zero=3, recompute="selective", stack="megatron-lm")

@@ -3,7 +3,9 @@ equal splits (one job) and unequal ones (a heterogeneous job, one component per 
 
 from __future__ import annotations
 
+import os
 import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import pytest
 
 from gpuyard.errors import ConfigError
 from gpuyard.scheduler.executors.base import LaunchPlan, NodeSlots
-from gpuyard.scheduler.executors.slurm import SlurmConfig, SlurmExecutor, exit_from_state
+from gpuyard.scheduler.executors.slurm import RDZV_PLACEHOLDER, SlurmConfig, SlurmExecutor, exit_from_state
 from gpuyard.scheduler.spec import parse_spec
 
 pytestmark = pytest.mark.unit
@@ -120,7 +122,7 @@ def test_an_unequal_split_is_a_heterogeneous_job_asking_exactly_the_placed_gpus(
         # The job's ranks over all nodes: each node's launcher checks resume and layout against it.
         assert part[part.index("--world-size") + 1] == str(sum(gpus))
         rdzv.add(part[part.index("--rdzv") + 1])
-    assert rdzv == {"10.0.0.1:29507"}  # the first node: where the batch script and component 0 run
+    assert rdzv == {RDZV_PLACEHOLDER}  # the batch host's address and a port free there, in each task
     assert plan.env["MASTER_ADDR"] == "10.0.0.1" and plan.env["NNODES"] == str(len(gpus))
     assert plan.extra["het_groups"] == [{"nodes": n, "gpus_per_node": g} for n, g in want]
 
@@ -191,3 +193,22 @@ def test_a_heterogeneous_job_is_polled_ended_and_found_by_its_first_component(
     assert ex.recover(5, {"slurm_name": "gpuyard-t-5-1"})["slurm_id"] == "41"  # type: ignore[index]
     answers["squeue"] = "gpuyard-t-5-1|41+0\ngpuyard-t-5-1|41+1\nother|9\n"
     assert ex.adopt() == {"gpuyard-t-5-1": "41"}
+
+
+def test_the_rendezvous_port_is_picked_on_the_batch_host_when_the_job_starts(tmp_path: Path) -> None:
+    """Not job id + 29500: two jobs on the same first node whose ids differ by 1000 would collide. The
+    script picks a free port; each task puts the launching node's address and that port in its command."""
+    ex = _executor(tmp_path)
+    plan = ex.plan(7, _train(tmp_path, 12), _slots(8, 4), 1)
+    lines = ex.script(plan).strip().splitlines()
+    pick = next(line for line in lines if line.startswith("MASTER_PORT=$("))
+    port = subprocess.run(["bash", "-c", f"{pick}; echo $MASTER_PORT"], capture_output=True, text=True)
+    assert 1024 <= int(port.stdout) <= 65535 and int(port.stdout) != 29507
+    srun = shlex.split(lines[-1])
+    inner = srun[srun.index("-c") + 1]
+    env = {"PATH": os.environ["PATH"], "SLURM_LAUNCH_NODE_IPADDR": "10.9.8.7", "MASTER_PORT": "40123"}
+    out = subprocess.run(
+        ["bash", "-c", inner, "gpuyard", "echo", "--rdzv", RDZV_PLACEHOLDER, "a b"],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "--rdzv 10.9.8.7:40123 a b"

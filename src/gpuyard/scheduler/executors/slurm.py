@@ -5,8 +5,8 @@ Each attempt of a gpuyard job becomes one Slurm batch job (``sbatch``), named
 (topology- or fabric-aware) become ``--nodelist`` with ``--nodes`` equal to their count, so Slurm
 runs the job exactly there or keeps it pending; a gang job is one allocation. The batch script runs
 the job's command once per node under ``srun`` (one task per node); a training job runs
-``gpuyard train --nproc <that node's GPUs> --nnodes N --rdzv <first node>:<port> --world-size <the
-job's GPUs>`` on every node, so torchrun's c10d rendezvous meets on the first node and numbers the
+``gpuyard train --nproc <that node's GPUs> --nnodes N --rdzv <batch host>:<port> --world-size <the
+job's GPUs>`` on every node, so torchrun's c10d rendezvous meets on the batch host and numbers the
 ranks across nodes, and each node's launcher checks the job's world (not its own --nproc x N).
 
 A gang placed with the same GPUs on every node asks ``--gpus-per-node``. One placed unequally (8 + 4
@@ -43,6 +43,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
@@ -71,6 +72,9 @@ from gpuyard.settings import NODE_ENV
 log = logging.getLogger(__name__)
 
 BASE_PORT = 29500  # torch.distributed's customary rendezvous port, offset per job
+# A multi-node job's rendezvous in its command line, replaced in each task by the batch host's ADDR:PORT.
+RDZV_PLACEHOLDER = "@GPUYARD_RDZV@"
+_FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
 CALL_TIMEOUT_S = 30.0
 STATES_TTL_S = 1.0  # how old the one squeue of all this server's jobs may be when a job is polled
 NAME_PREFIX = "gpuyard-"
@@ -491,6 +495,7 @@ class SlurmExecutor(Executor):
                 "slurm_name": name,
                 "sbatch": opts,
                 "script": str(folder / f"attempt-{attempt}.sbatch"),
+                "rdzv": rdzv,
                 "user": user,
                 **ids,
                 **het,
@@ -510,19 +515,39 @@ class SlurmExecutor(Executor):
             lines.append(f'export {NODE_ENV}="$SLURMD_NODENAME"')
             lines.append("exec " + " ".join(shlex.quote(x) for x in plan.argv))
             return "\n".join(lines) + "\n"
+        # The rendezvous is on the node running this script (Slurm's batch host: the first node of the
+        # allocation in Slurm's node order), at a port free there when the job starts. A port derived from
+        # the job id would collide with any other job on the same first node whose id differs by 1000,
+        # and with whatever else listens there. srun launches every task from this node, so each task
+        # reads its address as SLURM_LAUNCH_NODE_IPADDR; the placeholder in the command becomes
+        # ADDR:PORT in each task. If no Python can pick a port, the id-derived one is used.
+        fallback = plan.env.get("MASTER_PORT", "29500")
+        pick = f"{shlex.quote(sys.executable)} -c {shlex.quote(_FREE_PORT)}"
+        lines.append(f"MASTER_PORT=$({pick}) || MASTER_PORT={fallback}")
+        lines.append("export MASTER_PORT")
         # Each node's task learns its node's scheduler name from Slurm (straggler reports name it).
-        inner = f'export {NODE_ENV}="$SLURMD_NODENAME"; exec "$@"'
+        inner = (
+            f'export {NODE_ENV}="$SLURMD_NODENAME"; '
+            'export MASTER_ADDR="${SLURM_LAUNCH_NODE_IPADDR:-$MASTER_ADDR}"; '
+            f'a=(); for x in "$@"; do a+=("${{x//{RDZV_PLACEHOLDER}/$MASTER_ADDR:$MASTER_PORT}}"); done; '
+            'exec "${a[@]}"'
+        )
         task = ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "--export=ALL", "bash", "-c", inner, "gpuyard"]
+        rdzv = plan.extra.get("rdzv")
+
+        def placed(argv: list[str]) -> list[str]:
+            return [RDZV_PLACEHOLDER if rdzv and x == rdzv else x for x in argv]
+
         het_argv = plan.extra.get("het_argv")
         if not het_argv:
-            srun = ["srun", *task, *plan.argv]
+            srun = ["srun", *task, *placed(plan.argv)]
         else:
             # A heterogeneous job: one step over all its components (srun's "A : B"), each component's
             # nodes running their own command (a training job's --nproc is that node's GPUs). Slurm
             # numbers the step's nodes and tasks across components (SLURM_NODEID, SLURM_PROCID).
             srun = ["srun"]
             for group, argv in enumerate(het_argv):
-                srun += [*([":"] if group else []), f"--het-group={group}", *task, *argv]
+                srun += [*([":"] if group else []), f"--het-group={group}", *task, *placed(argv)]
         lines.append("exec " + " ".join(shlex.quote(x) for x in srun))
         return "\n".join(lines) + "\n"
 

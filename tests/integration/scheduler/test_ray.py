@@ -95,6 +95,9 @@ def test_eight_gpu_job_spans_both_nodes_with_a_rendezvous(ray_service: Any, pyth
     rank1 = Path(doc["log_path"].replace(".log", "-rank1.log")).read_text().split()
     assert rank0[:4] == ["rank", "0", "of", "2"] and rank1[:4] == ["rank", "1", "of", "2"]
     assert rank0[5:7] == rank1[5:7]  # the same MASTER_ADDR and MASTER_PORT
+    # The port was picked free on the first node when the job started, not 29500 + id mod 1000 (which
+    # two jobs on one first node whose ids differ by 1000 would share).
+    assert int(rank0[6]) != 29500 + job["id"] % 1000
     assert len(rank0[8].split(",")) == 4 and len(rank1[8].split(",")) == 4  # 4 GPUs per worker, from Ray
 
 

@@ -93,6 +93,16 @@ class _HealthAgent:
         return ray.get_runtime_context().get_node_id(), self.checker.run(busy, selftest)
 
 
+@ray.remote(num_cpus=0)
+def _free_port() -> int:
+    """A TCP port free on the node this runs on (the rendezvous node: bundle 0 of the job's group)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
 def _set_rlimits(rlimits: dict[str, int]) -> Any:
     """A preexec_fn setting ``rlimits`` (resource name without ``RLIMIT_`` -> soft and hard limit),
     never above the worker's own hard limit."""
@@ -181,7 +191,7 @@ class RayExecutor(Executor):
         master = self._ips.get(nodes[0].node, "127.0.0.1") if nodes else "127.0.0.1"
         env = job_env(job_id, spec, attempt, ())
         env.pop("CUDA_VISIBLE_DEVICES")  # set by each worker from Ray's assignment
-        port = BASE_PORT + job_id % 1000
+        port = BASE_PORT + job_id % 1000  # launch() replaces it by a port free on the first node
         world = gang_world_size(spec, nodes)  # each node's --nproc may differ (a gang placed 8 + 4)
         rank_argv = [
             job_argv(
@@ -212,6 +222,7 @@ class RayExecutor(Executor):
                 "bundles": bundles,
                 "label_selectors": [{"ray.io/node-id": n.node} for n in nodes],
                 "rank_argv": rank_argv,  # a training job runs `--nproc <its node's GPUs>` on each node
+                "rdzv": f"{master}:{port}",
                 "rlimits": rlimits,
             },
         )
@@ -229,8 +240,17 @@ class RayExecutor(Executor):
         if not pg.wait(timeout_seconds=READY_TIMEOUT_S):
             remove_placement_group(pg)
             raise RuntimeError(f"placement group {extra['pg']} not ready after {READY_TIMEOUT_S:g} s")
+        env0, rank_argv = dict(plan.env), extra["rank_argv"]
+        if len(extra["bundles"]) > 1 and extra.get("rdzv"):
+            # The rendezvous port, picked free on the first node now: 29500 + id mod 1000 collides with
+            # any job on the same first node whose id differs by 1000 (and whatever else listens there).
+            on_first = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+            port = ray.get(_free_port.options(scheduling_strategy=on_first).remote(), timeout=READY_TIMEOUT_S)
+            master = env0["MASTER_ADDR"]
+            env0["MASTER_PORT"] = str(port)
+            rank_argv = [[f"{master}:{port}" if x == extra["rdzv"] else x for x in a] for a in rank_argv]
         for rank, (name, bundle) in enumerate(zip(extra["actors"], extra["bundles"], strict=True)):
-            env = {**plan.env, "NODE_RANK": str(rank), "RANK": str(rank), "LOCAL_RANK": "0"}
+            env = {**env0, "NODE_RANK": str(rank), "RANK": str(rank), "LOCAL_RANK": "0"}
             env[NODE_ENV] = plan.nodes[rank].node  # the scheduler's name of this worker's node
             log = plan.log_path if rank == 0 else plan.log_path.replace(".log", f"-rank{rank}.log")
             _Worker.options(  # type: ignore[attr-defined]
@@ -240,7 +260,7 @@ class RayExecutor(Executor):
                 num_cpus=bundle.get("CPU", 0),
                 memory=bundle.get("memory") or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-            ).remote(extra["rank_argv"][rank], env, plan.cwd, log, extra.get("rlimits") or None)
+            ).remote(rank_argv[rank], env, plan.cwd, log, extra.get("rlimits") or None)
         return {**extra, "launched": True, "log": plan.log_path}
 
     def poll(self, handle: dict[str, Any]) -> ExitStatus | None:

@@ -283,6 +283,8 @@ def plan(
         CapacityError: layouts exist but none fits in device memory (the message gives the smallest need).
     """
     knobs = knobs or Knobs()
+    if seq_len is not None and seq_len < 1:
+        raise ConfigError(f"sequence length must be at least 1, got {seq_len}")
     seq = seq_len or model.seq_len
     if global_batch < 1 or top < 1:
         raise ConfigError(f"global batch and top must be at least 1, got {global_batch} and {top}")

@@ -180,6 +180,10 @@ def validate(model: ModelSpec, gpus: int, global_batch: int, seq_len: int, cfg: 
         raise ConfigError(f"zero must be 0, 1, 2 or 3, got {cfg.zero}")
     if min(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.micro_batch, cfg.virtual_stages) < 1:
         raise ConfigError(f"every parallel size must be at least 1: {cfg}")
+    if seq_len < 1 or global_batch < 1:
+        raise ConfigError(
+            f"sequence length and global batch must be at least 1, got {seq_len} and {global_batch}"
+        )
     if model.heads % cfg.tp or (model.kv_heads % cfg.tp and cfg.tp % model.kv_heads):
         raise ConfigError(
             f"tensor-parallel size {cfg.tp} does not divide the {model.heads} heads "

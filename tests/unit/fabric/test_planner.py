@@ -253,3 +253,13 @@ def test_the_stack_profile_is_held_and_changes_the_prediction() -> None:
     assert fused.config.stack == "megatron-lm" and eager.plans[0].config.stack == "torchtitan"
     # torchtitan's eager norms/RoPE/SwiGLU and FA2 kernels cost time that Megatron's fused ones do not.
     assert eager.plans[0].step_time_s > fused.step_time_s
+
+
+@pytest.mark.parametrize("seq_len", [0, -5])
+def test_a_sequence_length_below_one_is_refused_not_planned(seq_len: int) -> None:
+    """--seq-len -5 planned layouts with negative tokens/s; 0 silently took the model's default."""
+    with pytest.raises(ConfigError, match=f"sequence length must be at least 1, got {seq_len}"):
+        plan(PRESETS["llama3-8b"], load_cluster("dgx-h100"), 64, 512, seq_len=seq_len)
+    cfg = ParallelConfig(tp=8, dp=8, micro_batch=1)
+    with pytest.raises(ConfigError, match="sequence length and global batch must be at least 1"):
+        estimate_step(PRESETS["llama3-8b"], load_cluster("dgx-h100"), 64, 512, seq_len, cfg)

@@ -75,9 +75,15 @@ def spec_from_hf_config(doc: dict[str, Any], name: str = "hf-model", seq_len: in
         raise ConfigError(
             f"Hugging Face config: heads={heads} must divide hidden={hidden} and kv_heads={kv} heads"
         )
+    # The config's dropout rates (GPT-2: attn_pdrop / resid_pdrop, 0.1 by default; Llama-style:
+    # attention_dropout, 0.0): masks are kept in training only where one is above 0. None: not stated.
+    rates = [doc[k] for k in ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop") if k in doc]
+    if any(not isinstance(r, int | float) or isinstance(r, bool) or not 0 <= r < 1 for r in rates):
+        raise ConfigError(f"Hugging Face config: dropout rates must be numbers in [0, 1), got {rates}")
     return ModelSpec(
         name, layers, hidden, heads, kv, ffn, vocab, seq_len or context,
         gated_mlp=not gpt2, tied_embeddings=tied, experts=experts, top_k=top_k, **extra,
+        dropout=float(max(rates)) if rates else (0.1 if gpt2 else None),
     )  # fmt: skip
 
 

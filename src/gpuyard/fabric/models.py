@@ -58,6 +58,8 @@ class ModelSpec:
             queries and keys/values pass through low-rank latents of these widths (kv_lora_rank > 0
             turns MLA on; q_lora_rank 0 projects queries directly), each query/key head adds a
             ``rope_head_dim`` positional part, each value head is ``v_head_dim`` wide.
+        dropout: the model's dropout rate in training (memory: masks are kept only where it is above 0);
+            None: the software stack's default (``Stack.dropout``).
     """
 
     name: str
@@ -82,6 +84,7 @@ class ModelSpec:
     kv_lora_rank: int = 0
     rope_head_dim: int = 0
     v_head_dim: int = 0
+    dropout: float | None = None
 
     def expert_rows_factor(self, ep: int) -> float:
         """Routed rows the busiest expert-parallel rank computes over its balanced share."""
@@ -350,6 +353,12 @@ PRESETS: dict[str, ModelSpec] = {
         head_size=128,
     ),
 }
+# These architectures train without dropout whatever the framework's default: their released configs set
+# attention dropout 0.0 and have no hidden dropout (Hugging Face LlamaConfig, MixtralConfig,
+# DeepseekV3Config, Qwen3MoeConfig: attention_dropout 0.0), and Meta's Llama 3 reference model has none.
+for _name in ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "mixtral-8x22b", "deepseek-v3",
+              "qwen3-235b-a22b", "qwen3-30b-a3b"):  # fmt: skip
+    PRESETS[_name] = replace(PRESETS[_name], dropout=0.0)
 
 
 class TransformerShape(BaseModel):
@@ -377,6 +386,7 @@ class TransformerShape(BaseModel):
     kv_lora_rank: int = Field(default=0, ge=0)
     rope_head_dim: int = Field(default=0, ge=0)
     v_head_dim: int = Field(default=0, ge=0)
+    dropout: float | None = Field(default=None, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TransformerShape:
@@ -430,6 +440,7 @@ class TransformerShape(BaseModel):
             self.kv_lora_rank,
             self.rope_head_dim,
             self.v_head_dim,
+            self.dropout,
         )
 
 

@@ -611,7 +611,10 @@ class _MemoryModel:
         # output: Korthikanti et al.'s 5 a s^2 b per layer) unless they are recomputed; without attention
         # dropout only the softmax output (2 bytes), which both the V GEMM and the softmax backward use.
         self.unfused = profile.attention == "unfused"
-        self.dropout = profile.dropout > 0  # dropout masks are kept only where dropout runs
+        # Dropout masks are kept only where dropout runs: the model's own rate (Llama, Mixtral, DeepSeek,
+        # Qwen3: 0), else the stack's default.
+        rate = model.dropout if model.dropout is not None else profile.dropout
+        self.dropout = rate > 0
         self.score_bytes = 5.0 if self.dropout else 2.0
         self.op_sac = profile.selective == "op"
         # The loss keeps fp32 log-probabilities of the micro-batch (4 bytes per logit), or with a fused

@@ -72,18 +72,24 @@ def test_hugging_face_configs_map_to_the_presets() -> None:
         "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "q_lora_rank": 1536,
         "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
         "vocab_size": 129280, "tie_word_embeddings": False, "max_position_embeddings": 163840,
+        "attention_dropout": 0.0,
     }  # fmt: skip
     qwen = {
         "model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288, "head_dim": 128,
         "moe_intermediate_size": 1536, "num_hidden_layers": 94, "num_attention_heads": 64,
         "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
-        "mlp_only_layers": [], "vocab_size": 151936, "tie_word_embeddings": False,
+        "mlp_only_layers": [], "vocab_size": 151936, "tie_word_embeddings": False, "attention_dropout": 0.0,
     }  # fmt: skip
     for doc, preset in ((v3, "deepseek-v3"), (qwen, "qwen3-235b-a22b")):
         spec = spec_from_hf_config(doc, name=preset, seq_len=4096)
         assert spec == PRESETS[preset]
     with pytest.raises(Exception, match="only some layers"):
         spec_from_hf_config({**qwen, "decoder_sparse_step": 2})
+    # Dropout as the config states it (None: the training stack's default).
+    assert spec_from_hf_config({k: v for k, v in qwen.items() if k != "attention_dropout"}).dropout is None
+    assert spec_from_hf_config({**qwen, "attention_dropout": 0.1}).dropout == 0.1
+    with pytest.raises(Exception, match="dropout rates"):
+        spec_from_hf_config({**qwen, "attention_dropout": 1.5})
 
 
 def test_plan_accepts_deepseek_v3_at_its_published_layout_and_counts_active_flops(

@@ -38,6 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 torch.set_num_threads(1)
 
+from benchmarks.llm_serve import build  # noqa: E402  (the same model, at 4K positions)
+
 
 class _Hooks:
     """The engine's metrics hooks, keeping (time, inter-token gap) pairs."""
@@ -61,38 +63,6 @@ class _Hooks:
 
     def set_batch(self, n: int) -> None:
         pass
-
-
-def build(tmp: Path) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from gpuyard.data.tokens import load_tokenizer, train_tokenizer
-
-    rng = random.Random(0)
-    words = [
-        "the",
-        "a",
-        "cat",
-        "dog",
-        "bird",
-        "sat",
-        "ran",
-        "on",
-        "under",
-        "mat",
-        "tree",
-        "house",
-        "then",
-        "and",
-    ]
-    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 40))) for _ in range(500)]
-    tok = load_tokenizer(train_tokenizer(texts, tmp / "tok", vocab_size=512))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=tok.vocab_size, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
-    )  # fmt: skip
-    return AutoModelForCausalLM.from_config(cfg).eval(), tok
 
 
 def one(model: Any, tok: Any, chunked: bool, prompt: int, streams: int) -> tuple[float, float]:
@@ -152,7 +122,7 @@ def main() -> None:
     if not 1 <= prompt <= 4000 or streams < 1 or rounds < 1:
         parser.error("--prompt must be 1-4000 tokens (4K context), --streams and --rounds at least 1")
     with tempfile.TemporaryDirectory() as tmp:
-        model, tok = build(Path(tmp))
+        model, tok = build(Path(tmp), context=4096)
         best: dict[bool, tuple[float, float]] = {}
         for r in range(rounds):
             for chunked in (True, False):

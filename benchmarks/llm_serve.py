@@ -74,7 +74,8 @@ WORDS = [
 ]
 
 
-def build(tmp: Path) -> tuple[Any, Any]:
+def build(tmp: Path, context: int = 512) -> tuple[Any, Any]:
+    """The benchmark's random-init Llama and a byte-level BPE trained here (``context`` positions)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from gpuyard.data.tokens import load_tokenizer, train_tokenizer
@@ -85,7 +86,7 @@ def build(tmp: Path) -> tuple[Any, Any]:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=tok.vocab_size, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=context,
     )  # fmt: skip
     return AutoModelForCausalLM.from_config(cfg).eval(), tok
 

@@ -713,6 +713,14 @@ class _MemoryModel:
         optim += max(0.0, step_copy - (acts + logits))
         return weights, grads, optim, acts + logits
 
+    def of(self, cfg: ParallelConfig, m: int) -> dict[str, float]:
+        """Bytes per GPU on the busiest stage of layout ``cfg`` with ``m`` micro-batches, by kind."""
+        weights, grads, optim, acts = self.parts(
+            cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.micro_batch, cfg.virtual_stages, cfg.recompute, cfg.zero,
+            cfg.sequence_parallel, cfg.ep, m,
+        )  # fmt: skip
+        return {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts}
+
 
 @lru_cache(maxsize=64)
 def _memory_model(model: ModelSpec, seq: int, profile: Stack) -> _MemoryModel:
@@ -723,20 +731,7 @@ def memory_per_gpu(
     model: ModelSpec, seq: int, cfg: ParallelConfig, micro_batches: int, stack: Stack | None = None
 ) -> dict[str, float]:
     """Bytes per GPU on the busiest pipeline stage, by kind (weights, grads, optimizer, activations)."""
-    weights, grads, optim, acts = _memory_model(model, seq, stack or get_stack(cfg.stack)).parts(
-        cfg.tp,
-        cfg.pp,
-        cfg.dp,
-        cfg.cp,
-        cfg.micro_batch,
-        cfg.virtual_stages,
-        cfg.recompute,
-        cfg.zero,
-        cfg.sequence_parallel,
-        cfg.ep,
-        micro_batches,
-    )
-    return {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts}
+    return _memory_model(model, seq, stack or get_stack(cfg.stack)).of(cfg, micro_batches)
 
 
 def _dp_comm(
@@ -915,20 +910,7 @@ class _StepModel:
 
     def memory_of(self, cfg: ParallelConfig, m: int) -> dict[str, float]:
         """:func:`memory_per_gpu` of a layout of this setting."""
-        weights, grads, optim, acts = self.memory.parts(
-            cfg.tp,
-            cfg.pp,
-            cfg.dp,
-            cfg.cp,
-            cfg.micro_batch,
-            cfg.virtual_stages,
-            cfg.recompute,
-            cfg.zero,
-            cfg.sequence_parallel,
-            cfg.ep,
-            m,
-        )
-        return {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts}
+        return self.memory.of(cfg, m)
 
     def terms(self, cfg: ParallelConfig, m: int) -> _Terms:
         """The step time and its parts for a layout already validated, with ``m`` micro-batches per step."""

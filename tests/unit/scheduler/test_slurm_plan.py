@@ -197,16 +197,22 @@ def test_a_heterogeneous_job_is_polled_ended_and_found_by_its_first_component(
 
 def test_the_rendezvous_port_is_picked_on_the_batch_host_when_the_job_starts(tmp_path: Path) -> None:
     """Not job id + 29500: two jobs on the same first node whose ids differ by 1000 would collide. The
-    script picks a free port; each task puts the launching node's address and that port in its command."""
+    script picks a free port on the node it runs on (Slurm's batch host, whichever of the nodes that is),
+    takes that node's NodeAddr as MASTER_ADDR, and each task puts both in its command."""
     ex = _executor(tmp_path)
     plan = ex.plan(7, _train(tmp_path, 12), _slots(8, 4), 1)
-    lines = ex.script(plan).strip().splitlines()
-    pick = next(line for line in lines if line.startswith("MASTER_PORT=$("))
-    port = subprocess.run(["bash", "-c", f"{pick}; echo $MASTER_PORT"], capture_output=True, text=True)
-    assert 1024 <= int(port.stdout) <= 65535 and int(port.stdout) != 29507
-    srun = shlex.split(lines[-1])
+    script = ex.script(plan)
+    head = "\n".join(line for line in script.splitlines() if not line.startswith("exec "))
+    for batch_host, addr in (("n2", "10.0.0.2"), ("n1", "10.0.0.1")):
+        got = subprocess.run(
+            ["bash", "-c", f"{head}\necho $MASTER_ADDR $MASTER_PORT"],
+            capture_output=True, text=True, env={"PATH": os.environ["PATH"], "SLURMD_NODENAME": batch_host},
+        )  # fmt: skip
+        master, port = got.stdout.split()
+        assert master == addr and 1024 <= int(port) <= 65535 and int(port) != 29507, got
+    srun = shlex.split(script.strip().splitlines()[-1])
     inner = srun[srun.index("-c") + 1]
-    env = {"PATH": os.environ["PATH"], "SLURM_LAUNCH_NODE_IPADDR": "10.9.8.7", "MASTER_PORT": "40123"}
+    env = {"PATH": os.environ["PATH"], "MASTER_ADDR": "10.9.8.7", "MASTER_PORT": "40123"}
     out = subprocess.run(
         ["bash", "-c", inner, "gpuyard", "echo", "--rdzv", RDZV_PLACEHOLDER, "a b"],
         capture_output=True, text=True, env=env, check=True,

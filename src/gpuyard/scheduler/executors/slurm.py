@@ -496,6 +496,7 @@ class SlurmExecutor(Executor):
                 "sbatch": opts,
                 "script": str(folder / f"attempt-{attempt}.sbatch"),
                 "rdzv": rdzv,
+                "addrs": {n.node: self._addr.get(n.node, n.node) for n in nodes},
                 "user": user,
                 **ids,
                 **het,
@@ -516,11 +517,19 @@ class SlurmExecutor(Executor):
             lines.append("exec " + " ".join(shlex.quote(x) for x in plan.argv))
             return "\n".join(lines) + "\n"
         # The rendezvous is on the node running this script (Slurm's batch host: the first node of the
-        # allocation in Slurm's node order), at a port free there when the job starts. A port derived from
-        # the job id would collide with any other job on the same first node whose id differs by 1000,
-        # and with whatever else listens there. srun launches every task from this node, so each task
-        # reads its address as SLURM_LAUNCH_NODE_IPADDR; the placeholder in the command becomes
-        # ADDR:PORT in each task. If no Python can pick a port, the id-derived one is used.
+        # allocation in Slurm's node order, not necessarily the first one placed), at a port free there
+        # when the job starts. A port derived from the job id would collide with any other job on the
+        # same first node whose id differs by 1000, and with whatever else listens there. The batch
+        # host's address is its NodeAddr, as for every node (SLURMD_NODENAME names it); each task puts
+        # ADDR:PORT where the command has the placeholder. If no Python can pick a port, the id-derived
+        # one is used.
+        addrs = plan.extra.get("addrs") or {}
+        if addrs:
+            lines.append('case "$SLURMD_NODENAME" in')
+            for node, addr in sorted(addrs.items()):
+                lines.append(f"  {shlex.quote(node)}) MASTER_ADDR={shlex.quote(addr)} ;;")
+            lines.append("esac")
+            lines.append("export MASTER_ADDR")
         fallback = plan.env.get("MASTER_PORT", "29500")
         pick = f"{shlex.quote(sys.executable)} -c {shlex.quote(_FREE_PORT)}"
         lines.append(f"MASTER_PORT=$({pick}) || MASTER_PORT={fallback}")
@@ -528,7 +537,6 @@ class SlurmExecutor(Executor):
         # Each node's task learns its node's scheduler name from Slurm (straggler reports name it).
         inner = (
             f'export {NODE_ENV}="$SLURMD_NODENAME"; '
-            'export MASTER_ADDR="${SLURM_LAUNCH_NODE_IPADDR:-$MASTER_ADDR}"; '
             f'a=(); for x in "$@"; do a+=("${{x//{RDZV_PLACEHOLDER}/$MASTER_ADDR:$MASTER_PORT}}"); done; '
             'exec "${a[@]}"'
         )

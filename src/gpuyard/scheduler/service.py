@@ -36,7 +36,7 @@ from gpuyard.scheduler.elastic import (
     plan_shrinks,
 )
 from gpuyard.scheduler.estimator import RuntimeEstimator
-from gpuyard.scheduler.executors.base import Executor, ExitStatus, NodeSlots
+from gpuyard.scheduler.executors.base import Executor, ExecutorUnreachable, ExitStatus, NodeSlots
 from gpuyard.scheduler.fabric_placement import (
     DEFAULT_MAX_WAIT_S,
     FabricPlacer,
@@ -559,7 +559,14 @@ class JobService:
             for row in s.scalars(select(JobRow).where(JobRow.state.in_(ACTIVE))):
                 handle = row.handle or {}
                 if not handle.get("launched"):
-                    found = self.executor.recover(row.id, handle)
+                    try:
+                        found = self.executor.recover(row.id, handle)
+                    except ExecutorUnreachable as exc:
+                        # Unknown whether it was submitted: it stays scheduled (its GPUs held) and
+                        # the tick asks again (_reconcile_unsure) until the controller answers.
+                        row.handle = {**handle, "unsure": str(exc)}
+                        counts["adopted"] += 1
+                        continue
                     if found is None:
                         row.handle, row.placement = None, None
                         move(s, row, JobState.QUEUED, "server restarted before the launch was recorded")
@@ -599,18 +606,30 @@ class JobService:
                 s.add(JobEventRow(job_id=row.id, from_state=row.state, to_state=row.state, reason=why))
 
     def _reap(self) -> None:
+        """Poll every running job and record those that ended. The executor is asked outside any
+        transaction (its calls may take long while its controller does not answer; the store's
+        write lock is held only for each short write), and each write checks that the job is still
+        the attempt that was polled."""
+        with self.store.read() as s:
+            running = [
+                (r.id, r.attempts, dict(r.handle or {}), r.stop_requested, r.stop_deadline, r.killed)
+                for r in s.scalars(select(JobRow).where(JobRow.state == JobState.RUNNING.value))
+            ]
+        self._reconcile_unsure()
         now = utcnow()
-        with self.store.session() as s:
-            for row in s.scalars(select(JobRow).where(JobRow.state == JobState.RUNNING.value)):
-                status = self.executor.poll(row.handle or {})
-                if status is None:
-                    if (
-                        row.stop_requested
-                        and row.stop_deadline
-                        and now >= row.stop_deadline
-                        and not row.killed
-                    ):
-                        self.executor.stop(row.handle or {}, kill=True)
+        for job_id, attempt, handle, stop_requested, deadline, killed in running:
+            status = self.executor.poll(handle)
+            if status is None:
+                if stop_requested and deadline and now >= deadline and not killed:
+                    try:
+                        self.executor.stop(handle, kill=True)
+                    except ExecutorUnreachable as exc:  # tried again next tick
+                        log.warning("job %d: SIGKILL not delivered: %s", job_id, exc)
+                        continue
+                    with self.store.session() as s:
+                        row = s.get(JobRow, job_id)
+                        if row is None or row.state != JobState.RUNNING.value or row.attempts != attempt:
+                            continue
                         row.killed = True
                         s.add(
                             JobEventRow(
@@ -620,16 +639,44 @@ class JobService:
                                 reason=f"no exit {self.config.grace_s:g} s after SIGTERM: SIGKILL",
                             )
                         )
+                continue
+            if job_id not in self._ended_seen:  # the first sight of its end, kept until recorded
+                lost = status.code is None and status.killed and not killed
+                disk = unrecorded_exit_disk(handle) if lost else None
+                self._ended_seen[job_id] = (utcnow(), disk)
+            seen_at, disk = self._ended_seen[job_id]
+            if status.ended_at is None:
+                status = replace(status, ended_at=seen_at)
+            with self.store.session() as s:
+                row = s.get(JobRow, job_id)
+                if row is not None and row.state == JobState.RUNNING.value and row.attempts == attempt:
+                    self._finish(s, row, status, disk)
+            self._ended_seen.pop(job_id, None)  # committed: this end is recorded
+
+    def _reconcile_unsure(self) -> None:
+        """Scheduled jobs whose submission got no answer: running if the executor finds them now,
+        queued again if it answers that it has no such job; left as they are while it does not."""
+        with self.store.read() as s:
+            unsure = [
+                (r.id, r.attempts, dict(r.handle or {}))
+                for r in s.scalars(select(JobRow).where(JobRow.state == JobState.SCHEDULED.value))
+                if (r.handle or {}).get("unsure")
+            ]
+        for job_id, attempt, handle in unsure:
+            try:
+                found = self.executor.recover(job_id, handle)
+            except ExecutorUnreachable:
+                continue
+            with self.store.session() as s:
+                row = s.get(JobRow, job_id)
+                if row is None or row.state != JobState.SCHEDULED.value or row.attempts != attempt:
                     continue
-                if row.id not in self._ended_seen:  # the first sight of its end, kept until recorded
-                    lost = status.code is None and status.killed and not row.killed
-                    disk = unrecorded_exit_disk(row.handle or {}) if lost else None
-                    self._ended_seen[row.id] = (utcnow(), disk)
-                seen_at, disk = self._ended_seen[row.id]
-                if status.ended_at is None:
-                    status = replace(status, ended_at=seen_at)
-                self._finish(s, row, status, disk)
-        self._ended_seen.clear()  # committed: every end seen is recorded
+                if found is None:
+                    row.handle, row.placement = None, None
+                    move(s, row, JobState.QUEUED, f"not launched ({handle['unsure']}); queued again")
+                else:
+                    row.handle, row.started_at = found, utcnow()
+                    move(s, row, JobState.RUNNING, f"attempt {attempt} (its submission was found)")
 
     def _finish(self, s: Session, row: JobRow, status: ExitStatus, full_disk: str | None = None) -> None:
         """Record how a job's attempt ended (``full_disk``: the folder whose full disk kept its exit
@@ -669,16 +716,21 @@ class JobService:
             row.preemptions += 1
             move(s, row, JobState.PREEMPTED, f"preempted ({how}); resumes from its checkpoint", at=end)
             move(s, row, JobState.QUEUED, "requeued after preemption", at=end)
+        elif status.untraced:  # the executor has no trace of its end: it may have finished
+            move(s, row, JobState.FAILED, f"{how}; not run again: it may have finished", at=end)
         elif status.lost:
             move(s, row, JobState.QUEUED, f"process {how}; requeued", at=end)
         else:
             row.failures += 1
             max_restarts = int(row.spec.get("max_restarts", 0))
+            ended = "ended" if status.cancelled else "failed"
             if status.code == exitcodes.UNRECOVERABLE:  # a restart would fail the same way (disk full)
                 move(s, row, JobState.FAILED, f"failed ({how}: unrecoverable, not restarted)", at=end)
             elif row.failures <= max_restarts:
-                why = f"failed ({how}); restart {row.failures} of {max_restarts}"
+                why = f"{ended} ({how}); restart {row.failures} of {max_restarts}"
                 move(s, row, JobState.QUEUED, why, at=end)
+            elif status.cancelled:  # by someone outside gpuyard (an admin's scancel)
+                move(s, row, JobState.CANCELLED, how, at=end)
             else:
                 move(s, row, JobState.FAILED, f"failed ({how})", at=end)
         if request != "resize":
@@ -695,9 +747,14 @@ class JobService:
         row.stop_requested = why
         row.stop_deadline = utcnow() + timedelta(seconds=self.config.grace_s)
         if row.handle:
-            self.executor.stop(row.handle, kill=False)
+            try:
+                self.executor.stop(row.handle, kill=False)
+            except ExecutorUnreachable as exc:  # the stop stays requested: SIGKILL at its deadline
+                log.warning("job %d: SIGTERM not delivered: %s", row.id, exc)
 
     def _schedule(self) -> None:
+        if self.executor.unavailable() is not None:
+            return  # nothing starts or is preempted while the executor's controller does not answer
         with self.store.read() as s:
             self._refresh_state(s)
             queued = list(s.scalars(select(JobRow).where(JobRow.state == JobState.QUEUED.value)))
@@ -914,7 +971,18 @@ class JobService:
                     plan.env.update({TOKEN_ENV: token, SERVER_ENV: self.api_url})
         try:
             handle = self.executor.launch(plan)
-        except Exception as exc:  # any launch failure is the job's failure, recorded with why
+        except ExecutorUnreachable as exc:
+            with self.store.session() as s:
+                row = self._row(s, job_id)
+                if exc.submitted is None:  # it may have reached the controller: found, or not, later
+                    row.handle = {**(row.handle or {}), "unsure": str(exc)}
+                    note = f"submission unanswered ({exc}): looked for in Slurm when it answers"
+                    s.add(JobEventRow(job_id=job_id, from_state=row.state, to_state=row.state, reason=note))
+                else:  # refused before it was sent: this attempt never was
+                    row.placement, row.handle, row.attempts = None, None, row.attempts - 1
+                    move(s, row, JobState.QUEUED, f"not launched: {exc}; waits for it to answer")
+            return
+        except Exception as exc:  # any other launch failure is the job's failure, recorded with why
             with self.store.session() as s:
                 row = self._row(s, job_id)
                 row.placement, row.handle = None, None

@@ -43,8 +43,13 @@ def test_end_states_say_what_slurm_did() -> None:
     assert "out of memory" in exit_from_state("OUT_OF_MEMORY", "0:9").describe()
     assert exit_from_state("COMPLETED", "0:0").code == 0
     assert exit_from_state("FAILED", "3:0").describe() == "exit code 3"
+    # An outside scancel: the job checkpointed on SIGTERM and exited 75, yet it was cancelled, not
+    # preempted (only Slurm's PREEMPTED is a preemption).
     checkpointed = exit_from_state("CANCELLED by 0", "75:0")
-    assert checkpointed.code == 75 and checkpointed.preempted  # exited on its own after SIGTERM
+    assert checkpointed.code == 75 and checkpointed.cancelled and not checkpointed.preempted
+    assert checkpointed.describe() == "cancelled in Slurm by uid 0 (exit code 75)"
+    assert exit_from_state("PREEMPTED", "0:15").preempted
+    assert not exit_from_state("FAILED", "75:0").preempted
     cancelled = exit_from_state("CANCELLED", "0:15", reason="None")
     assert cancelled.killed and "cancelled in Slurm" in cancelled.describe()
     assert exit_from_state("FAILED", "0:9").code == -9
@@ -97,17 +102,17 @@ def test_polling_many_running_jobs_asks_squeue_once(monkeypatch: pytest.MonkeyPa
     from gpuyard.scheduler.executors.slurm import SlurmExecutor
 
     ex = object.__new__(SlurmExecutor)
-    ex.prefix, ex._states, ex._states_at = "gpuyard-abc-", {}, float("-inf")
+    ex.prefix, ex._states, ex._states_at, ex._seen = "gpuyard-abc-", {}, float("-inf"), {}
     calls: list[list[str]] = []
-    rows = "".join(f"{i}|RUNNING|None|n1|now|gpuyard-abc-{i}-1\n" for i in range(1, 51))
-    rows += "99|RUNNING|None|n1|now|someone-else\n"
+    rows = "".join(f"{i}|RUNNING|None|n1|now|N/A|gpuyard-abc-{i}-1\n" for i in range(1, 51))
+    rows += "99|RUNNING|None|n1|now|N/A|someone-else\n"
 
     def call(argv: list[str], check: bool = True, **_: object) -> str:
         calls.append(argv)
         return rows if "-j" not in argv else ""
 
     monkeypatch.setattr(ex, "_call", call)
-    monkeypatch.setattr(ex, "_ended", lambda sid: exit_from_state("COMPLETED", "0:0"))
+    monkeypatch.setattr(ex, "_ended", lambda sid, handle: exit_from_state("COMPLETED", "0:0"))
     assert all(ex.poll({"slurm_id": str(i)}) is None for i in range(1, 51))
     assert len(calls) == 1 and "99" not in ex._states  # another user's job is not this server's
     assert ex.poll({"slurm_id": "77"}) is not None  # not in the list: asked alone, then ended

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuyard import exitcodes
+from gpuyard.errors import StoreError
 from gpuyard.scheduler.spec import JobSpec
 from gpuyard.settings import NODE_ENV, TEAM_ENV
 
@@ -86,6 +87,12 @@ class ExitStatus:
     reason: str = ""
     # What else happened to the attempt, one event each ("log cut at 100 MiB: ...").
     notes: tuple[str, ...] = ()
+    # Ended by someone outside gpuyard (an admin's ``scancel``): cancelled, not failed; it runs again
+    # only as its spec's max_restarts allows.
+    cancelled: bool = False
+    # The executor has no trace of how the attempt ended (a cluster controller that lost its state):
+    # it may have finished, so it is not run again.
+    untraced: bool = False
 
     def describe(self) -> str:
         """Short why for events: "exit code 3", "killed by SIGTERM", "killed (SIGKILL)", or ``reason``."""
@@ -104,6 +111,21 @@ class ExitStatus:
     def preempted(self) -> bool:
         """The job checkpointed after SIGTERM and asked to be resumed."""
         return self.code == exitcodes.PREEMPTED
+
+
+class ExecutorUnreachable(StoreError):
+    """The executor's controller (Slurm's slurmctld, Ray's head) did not answer: what it would have
+    said is unknown, which is neither "running" nor "gone". A job keeps its state, resources and place
+    until the controller answers again.
+
+    Attributes:
+        submitted: for a submission, whether it may have reached the controller (None: cannot tell,
+            the call timed out) or surely did not (False: refused before it was sent).
+    """
+
+    def __init__(self, message: str, submitted: bool | None = False) -> None:
+        super().__init__(message)
+        self.submitted = submitted
 
 
 def node_nproc(spec: JobSpec, gpus: int = 0) -> int:
@@ -271,6 +293,11 @@ class Executor(ABC):
 
     def recover(self, job_id: int, plan_hint: dict[str, Any] | None) -> dict[str, Any] | None:
         """After a crash between placing and recording a launch: the handle of a job that did start."""
+        return None
+
+    def unavailable(self) -> str | None:
+        """Why no job can be started or stopped now (a cluster controller that does not answer), or
+        None. The service starts nothing while it is not None."""
         return None
 
     def close(self) -> None:  # noqa: B027 - most executors hold nothing to release

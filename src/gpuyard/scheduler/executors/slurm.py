@@ -29,6 +29,15 @@ State comes from ``squeue`` while the job is known to the controller (pending re
 cluster keeps accounting. A job Slurm ended itself (time limit, out of memory, node failure,
 preemption by Slurm, cancelled by someone else) ends in gpuyard with that reason.
 
+What Slurm says of a job has three values, not two: active (pending, running, still ending), ended
+(with Slurm's state and exit code), or unknown. A Slurm tool that fails, is refused or times out (the
+controller is down or restarting) answers nothing: the job stays as it was, with its GPUs, until the
+controller answers again (:class:`ExecutorUnreachable`; nothing new starts meanwhile, see
+:meth:`SlurmExecutor.unavailable`). Every row Slurm gives is checked against the attempt by its job
+name (``<prefix><job>-<attempt>``) and submit time, so a Slurm id reused after a controller lost its
+state is never read as this attempt's. An attempt Slurm has no trace of at all ends "lost: ..." and
+is not run again: it may have finished.
+
 Stop: ``scancel --signal=TERM`` reaches the job's tasks (the batch script ``exec``s srun, which
 forwards it): the job checkpoints and exits 75 as it does locally; the service kills it
 (``scancel``) once its grace period is over.
@@ -56,6 +65,7 @@ import yaml
 from gpuyard.errors import ConfigError, StoreError
 from gpuyard.scheduler.executors.base import (
     Executor,
+    ExecutorUnreachable,
     ExitStatus,
     LaunchPlan,
     NodeSlots,
@@ -78,6 +88,20 @@ _FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getso
 CALL_TIMEOUT_S = 30.0
 STATES_TTL_S = 1.0  # how old the one squeue of all this server's jobs may be when a job is polled
 NAME_PREFIX = "gpuyard-"
+# While the controller does not answer, how often gpuyard asks again (one squeue for all jobs).
+UNREACHABLE_RETRY_S = 5.0
+# How far Slurm's SubmitTime of an attempt may be from the moments gpuyard's sbatch began and returned
+# (the controller's clock against the server's): a row outside that is another job under a reused id.
+SUBMIT_SKEW_S = 60.0
+# A Slurm tool's error that means the controller did not answer, not that a job is gone.
+_UNREACHABLE = re.compile(
+    r"Unable to contact slurm controller|Socket timed out|Connection refused|Connection reset|"
+    r"Zero Bytes were transmitted|Communication connection failure|Transport endpoint|"
+    r"standby mode|not responding|Resource temporarily unavailable|persistent connection",
+    re.IGNORECASE,
+)
+# ... and those that mean it did answer: no such job (any more), or no accounting to ask.
+_NO_TRACE = ("Invalid job id specified", "accounting storage is disabled")
 # Slurm's job states (squeue/scontrol/sacct spell them alike); those a job does not leave again.
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING"}
 ACTIVE |= {"REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD", "SPECIAL_EXIT", "STAGE_OUT", "STOPPED"}
@@ -104,6 +128,12 @@ class SlurmExit(ExitStatus):
     def describe(self) -> str:
         """Slurm's reason when Slurm ended the job (time limit, OOM...), else as any exit status."""
         return self.reason or super().describe()
+
+    @property
+    def preempted(self) -> bool:
+        """Preempted only when Slurm says so: an exit code 75 after a SIGTERM gpuyard did not send (an
+        outside ``scancel``) is not a preemption (gpuyard's own preemptions are its stop requests)."""
+        return self.state == "PREEMPTED"
 
 
 @dataclass(frozen=True)
@@ -232,17 +262,26 @@ def parse_time(text: str) -> datetime | None:
 
 def exit_from_state(state: str, exit_code: str, end: str = "", reason: str = "") -> SlurmExit:
     """The ExitStatus of a job Slurm reports ended in ``state`` with ``ExitCode=code:signal``."""
-    state = state.split()[0].rstrip("+") if state else ""
+    words = state.split()
+    state = words[0].rstrip("+") if words else ""
     code, sig = parse_exit_code(exit_code)
     ended = parse_time(end)
     if state in SLURM_ENDS:
         return SlurmExit(code=None, killed=True, ended_at=ended, state=state, reason=SLURM_ENDS[state])
     if state == "CANCELLED":
-        by = f" ({reason})" if reason and reason != "None" else ""
-        if code:  # it exited on its own after a signal (a checkpoint on SIGTERM, exit 75)
-            return SlurmExit(code=code, ended_at=ended, state=state)
+        # Cancelled in Slurm (scancel), by gpuyard's kill or by someone else; gpuyard's own stop
+        # requests are told apart by the service. A job that exited on the signal (a checkpoint on
+        # SIGTERM, exit 75) was still cancelled: not preempted, and not a success.
+        by = f" by uid {words[2]}" if len(words) == 3 and words[1] == "by" else ""  # sacct's "CANCELLED by 0"
+        by += f" ({reason})" if reason and reason != "None" else ""
+        how = f"exit code {code}" if code else "killed" + (f" by signal {sig}" if sig else "")
         return SlurmExit(
-            code=None, killed=True, ended_at=ended, state=state, reason=f"cancelled in Slurm{by}"
+            code=code or None,
+            killed=not code,
+            ended_at=ended,
+            state=state,
+            reason=f"cancelled in Slurm{by} ({how})",
+            cancelled=True,
         )
     if sig:
         return SlurmExit(code=-sig, killed=True, ended_at=ended, state=state)
@@ -263,6 +302,8 @@ class SlurmExecutor(Executor):
     name = "slurm"
     multi_node = True
     time_limits = True  # JobSpec.time_limit_min becomes --time
+    # Whether the controller answered the last squeue ("" : it did; else why not) and since when.
+    _down, _down_since = "", 0.0
 
     def __init__(
         self,
@@ -282,6 +323,10 @@ class SlurmExecutor(Executor):
         # (the scheduling loop polls each running job every tick).
         self._states: dict[str, dict[str, str]] = {}
         self._states_at = float("-inf")
+        # Why the last squeue of all jobs got no answer ("" : it did), and since when (monotonic).
+        self._down, self._down_since = "", 0.0
+        # Slurm id -> (its last state seen, when: wall clock), for what a lost attempt's report says.
+        self._seen: dict[str, tuple[str, float]] = {}
         self._drained_by_us: set[str] = set()
         for tool in ("sbatch", "squeue", "scancel", "scontrol", "sinfo"):
             if shutil.which(tool, path=self._env().get("PATH")) is None:
@@ -308,12 +353,40 @@ class SlurmExecutor(Executor):
                 timeout=CALL_TIMEOUT_S,
                 env=self._env() if env is None else env,
             )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise StoreError(f"Slurm: {argv[0]} did not answer: {exc}") from None
-        if check and proc.returncode != 0:
+        except subprocess.TimeoutExpired:
+            raise ExecutorUnreachable(
+                f"Slurm: {argv[0]} did not answer within {CALL_TIMEOUT_S:g} s (is slurmctld up?)",
+                submitted=None,
+            ) from None
+        except OSError as exc:
+            raise ExecutorUnreachable(f"Slurm: cannot run {argv[0]}: {exc.strerror or exc}") from None
+        if proc.returncode != 0:
             lines = [x for x in (proc.stderr or proc.stdout).strip().splitlines() if x.strip()]
-            raise StoreError(f"Slurm: {' '.join(argv[:2])} failed: {lines[-1] if lines else proc.returncode}")
+            last = lines[-1] if lines else f"exit code {proc.returncode}"
+            if _UNREACHABLE.search(proc.stderr or ""):
+                # Refused at connect: nothing was sent. Any other failure may have reached it.
+                sent = None if not re.search(r"connect failure|Connection refused", proc.stderr) else False
+                raise ExecutorUnreachable(
+                    f"Slurm's controller did not answer {argv[0]}: {last}", submitted=sent
+                )
+            if check:
+                raise StoreError(f"Slurm: {' '.join(argv[:2])} failed: {last}")
         return proc.stdout
+
+    def _ask(self, argv: list[str]) -> str:
+        """A query's answer; "" when Slurm answered that it has no such job (or no accounting).
+
+        Raises:
+            ExecutorUnreachable: any other failure: the answer is unknown, not empty.
+        """
+        try:
+            return self._call(argv)
+        except ExecutorUnreachable:
+            raise
+        except StoreError as exc:
+            if any(word in str(exc) for word in _NO_TRACE):
+                return ""
+            raise ExecutorUnreachable(str(exc)) from None
 
     # -- nodes ----------------------------------------------------------------------------------------
     def node_info(self) -> list[dict[str, str]]:
@@ -596,29 +669,103 @@ class SlurmExecutor(Executor):
         base = dict(plan.env) if self.isolation is not None else {**os.environ, **plan.env}
         tools = {k: v for k, v in self._env().items() if k.startswith("SLURM_CONF") or k == "PATH"}
         env = {**tools, **base} if self.isolation is not None else {**base, **self.config.env}
-        out = self._call(["sbatch", "--parsable", *plan.extra["sbatch"], str(script)], env=env)
+        self._check_reachable()
+        before = time.time()
+        try:
+            out = self._call(["sbatch", "--parsable", *plan.extra["sbatch"], str(script)], env=env)
+        except ExecutorUnreachable as exc:
+            self._note_down(str(exc))
+            raise
         slurm_id = out.strip().split(";")[0]
         if not slurm_id.isdigit():
             raise StoreError(f"Slurm: sbatch answered {out.strip()[:200]!r}, not a job id")
         single = len(plan.nodes) <= 1
-        return {**plan.extra, "slurm_id": slurm_id, "log": plan.log_path, "launched": True, "single": single}
+        # Slurm's SubmitTime of this attempt lies in this window: a row outside it is another job.
+        window = [round(before, 3), round(time.time(), 3)]
+        return {
+            **plan.extra,
+            "slurm_id": slurm_id,
+            "log": plan.log_path,
+            "launched": True,
+            "single": single,
+            "submit_window": window,
+        }
 
     def _squeue(self, ids: list[str] | None) -> dict[str, dict[str, str]]:
-        """squeue rows of ``ids``, or (None) of every job of this server (by its name prefix)."""
+        """squeue rows of ``ids``, or (None) of every job of this server (by its name prefix); an id
+        Slurm does not know is left out.
+
+        Raises:
+            ExecutorUnreachable: squeue got no answer.
+        """
         if ids == []:
             return {}
         which = ["-j", ",".join(ids)] if ids else []
-        text = self._call(["squeue", "-h", *which, "-o", "%i|%T|%r|%N|%S|%j"], check=False)
+        text = self._ask(["squeue", "-h", *which, "-o", "%i|%T|%r|%N|%S|%V|%j"])
         out: dict[str, dict[str, str]] = {}
         for line in text.splitlines():
-            parts = line.split("|", 5)
-            if len(parts) == 6 and (ids or parts[5].startswith(self.prefix)):
+            parts = line.split("|", 6)
+            if len(parts) == 7 and (ids or parts[6].startswith(self.prefix)):
                 # A heterogeneous job is listed once per component (``123+0``, ``123+1``): it is
                 # known by its first component's id, and that component's row stands for it.
                 job, _, offset = parts[0].partition("+")
                 if offset in ("", "0") or job not in out:
-                    out[job] = {"state": parts[1], "reason": parts[2], "nodes": parts[3], "start": parts[4]}
+                    out[job] = {
+                        "state": parts[1],
+                        "reason": parts[2],
+                        "nodes": parts[3],
+                        "start": parts[4],
+                        "submit": parts[5],
+                        "name": parts[6],
+                    }
         return out
+
+    def _refresh_states(self) -> None:
+        """One squeue of all this server's jobs; on no answer, remember why (and since when)."""
+        self._states_at = time.monotonic()
+        try:
+            self._states = self._squeue(None)
+        except ExecutorUnreachable as exc:
+            self._note_down(str(exc))
+            return
+        if self._down:
+            log.warning("Slurm's controller answers again after %.1f s", time.monotonic() - self._down_since)
+        self._down = ""
+
+    def _note_down(self, why: str) -> None:
+        if not self._down:
+            self._down_since = time.monotonic()
+            log.warning("Slurm: %s; the states of gpuyard's Slurm jobs are unknown until it answers", why)
+        self._down, self._states_at = why, time.monotonic()
+
+    def unavailable(self) -> str | None:
+        """Why nothing should be started or stopped on Slurm now (its controller does not answer), or
+        None. Asks again every UNREACHABLE_RETRY_S while it does not."""
+        if self._down and time.monotonic() - self._states_at >= UNREACHABLE_RETRY_S:
+            self._refresh_states()
+        if not self._down:
+            return None
+        return f"{self._down} (for {time.monotonic() - self._down_since:.0f} s)"
+
+    def _check_reachable(self) -> None:
+        """Raise at once, sending nothing, while the controller is known not to answer."""
+        why = self.unavailable()
+        if why is not None:
+            raise ExecutorUnreachable(why, submitted=False)
+
+    @staticmethod
+    def _is_attempt(name: str, submit: str, handle: dict[str, Any]) -> bool:
+        """Whether a Slurm row (its job name and submit time) is the attempt ``handle`` launched, not
+        another job under the same id (Slurm reuses ids after its controller lost its state)."""
+        want = handle.get("slurm_name")
+        if want and name and name != want:
+            return False
+        window = handle.get("submit_window")
+        when = parse_time(submit)
+        if window and when is not None:
+            at = when.timestamp()
+            return float(window[0]) - SUBMIT_SKEW_S <= at <= float(window[1]) + SUBMIT_SKEW_S
+        return True
 
     def describe_pending(self, handle: dict[str, Any]) -> str | None:
         """Why Slurm keeps a submitted job pending (its Reason), or None when it runs or ended."""
@@ -626,66 +773,118 @@ class SlurmExecutor(Executor):
         return row["reason"] if row and row["state"] == "PENDING" else None
 
     def poll(self, handle: dict[str, Any]) -> ExitStatus | None:
-        """None while Slurm has the job pending or running; then how it ended (Slurm's reason too)."""
+        """None while Slurm has the job pending, running or still ending, and while Slurm does not
+        answer (unknown: the job keeps its state); then how it ended (Slurm's reason too)."""
         slurm_id = str(handle.get("slurm_id", ""))
         if not slurm_id:
             return ExitStatus(code=None, lost=True)
+        try:
+            return self._poll(slurm_id, handle)
+        except ExecutorUnreachable as exc:
+            if not self._down:  # a single call failed while the controller otherwise answers
+                log.warning("Slurm job %s: its state is unknown for now: %s", slurm_id, exc)
+            return None
+
+    def _poll(self, slurm_id: str, handle: dict[str, Any]) -> ExitStatus | None:
         now = time.monotonic()
-        if now - self._states_at > STATES_TTL_S:
-            self._states, self._states_at = self._squeue(None), now
+        if now - self._states_at > (UNREACHABLE_RETRY_S if self._down else STATES_TTL_S):
+            self._refresh_states()
+        if self._down:
+            raise ExecutorUnreachable(self._down)
         row = self._states.get(slurm_id)
+        if row is not None and not self._is_attempt(row["name"], row["submit"], handle):
+            row = None
         if row is None or row["state"] not in ACTIVE:
             row = self._squeue([slurm_id]).get(slurm_id)  # submitted since, or ended: ask for it alone
+            if row is not None and not self._is_attempt(row["name"], row["submit"], handle):
+                row = None
         if row is not None and row["state"] in ACTIVE:
+            self._seen[slurm_id] = (row["state"], time.time())
             return None
-        return self._ended(slurm_id)
+        status = self._ended(slurm_id, handle)
+        if status is not None:
+            self._seen.pop(slurm_id, None)
+        return status
 
-    def _ended(self, slurm_id: str) -> ExitStatus:
-        text = self._call(["scontrol", "show", "job", "-o", slurm_id], check=False)
+    def _ended(self, slurm_id: str, handle: dict[str, Any] | None = None) -> ExitStatus | None:
+        """How the attempt ended, from scontrol, else sacct; None while Slurm still ends it.
+
+        Raises:
+            ExecutorUnreachable: a tool got no answer.
+        """
+        handle = handle or {}
+        text = self._ask(["scontrol", "show", "job", "-o", slurm_id])
         # One line per component of a heterogeneous job: the first component's (where the batch
         # script ran; its exit code is the job's) is the job's.
         rows = [parse_kv_line(line) for line in text.splitlines() if line.strip()]
+        rows = [r for r in rows if self._is_attempt(r.get("JobName", ""), r.get("SubmitTime", ""), handle)]
         row = next((r for r in rows if r.get("JobId") == slurm_id), rows[0] if rows else {})
         if row.get("JobState"):
-            if row["JobState"] in ACTIVE:  # between squeue and scontrol: still finishing
-                return SlurmExit(
-                    code=None, killed=True, state=row["JobState"], reason="still ending in Slurm"
-                )
+            if row["JobState"].split()[0] in ACTIVE:  # between squeue and scontrol: still ending
+                return None
             return exit_from_state(
                 row["JobState"], row.get("ExitCode", "0:0"), row.get("EndTime", ""), row.get("Reason", "")
             )
-        text = (
-            self._call(["sacct", "-n", "-P", "-X", "-j", slurm_id, "-o", "State,ExitCode,End"], check=False)
-            if shutil.which("sacct", path=self._env().get("PATH"))
-            else ""
-        )
-        for line in text.splitlines():
-            parts = line.split("|")
-            if len(parts) == 3:
-                return exit_from_state(parts[0], parts[1], parts[2])
-        return SlurmExit(
-            code=None, lost=True, reason="lost: Slurm no longer knows the job (no accounting kept)"
-        )
+        if shutil.which("sacct", path=self._env().get("PATH")):
+            fields = "JobName,State,ExitCode,End,Submit"
+            text = self._ask(["sacct", "-n", "-P", "-X", "-j", slurm_id, "-o", fields])
+            for line in reversed(text.splitlines()):  # the newest record of that id first
+                parts = line.split("|")
+                if len(parts) == 5 and self._is_attempt(parts[0], parts[4], handle):
+                    if parts[1].split()[0] in ACTIVE:
+                        return None
+                    return exit_from_state(parts[1], parts[2], parts[3])
+        return SlurmExit(code=None, untraced=True, reason=self._no_trace(slurm_id, handle))
+
+    def _no_trace(self, slurm_id: str, handle: dict[str, Any]) -> str:
+        """What is known of an attempt Slurm has no trace of (a controller that lost its state)."""
+        facts = [f"Slurm job {slurm_id}"]
+        if handle.get("slurm_name"):
+            facts.append(f"named {handle['slurm_name']}")
+        window = handle.get("submit_window")
+        if window:
+            at = datetime.fromtimestamp(float(window[0]), timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+            facts.append(f"submitted {at}")
+        seen = self._seen.get(slurm_id)
+        if seen is not None:
+            ago = max(0.0, time.time() - seen[1])
+            facts.append(f"last seen {seen[0]} {ago:.0f} s ago")
+        return f"lost: Slurm has no trace of the attempt ({', '.join(facts)}; no accounting kept)"
 
     def stop(self, handle: dict[str, Any], kill: bool) -> None:
-        """SIGTERM to the job's tasks (it checkpoints and exits), or with ``kill`` cancel it outright."""
+        """SIGTERM to the job's tasks (it checkpoints and exits), or with ``kill`` cancel it outright.
+
+        Raises:
+            ExecutorUnreachable: the controller did not answer (the stop was not delivered).
+        """
         slurm_id = str(handle.get("slurm_id", ""))
         if not slurm_id:
             return
+        self._check_reachable()  # at once while the controller is known not to answer
         if kill:
             argv = ["scancel", slurm_id]
         elif handle.get("single"):  # the batch step is the command itself (see script())
             argv = ["scancel", "--batch", "--signal=TERM", slurm_id]
         else:  # srun forwards it to every node's task
             argv = ["scancel", "--signal=TERM", slurm_id]
-        self._call(argv, check=False)
+        # By name too: after a controller lost its state the id may be another job's now.
+        name = handle.get("slurm_name")
+        self._call([*argv[:-1], *([f"--name={name}"] if name else []), slurm_id], check=False)
 
     def recover(self, job_id: int, plan_hint: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The handle of a submission the server did not get to record: found by its job name."""
+        """The handle of a submission the server did not get to record: found by its job name, among
+        the jobs Slurm has queued or ended recently.
+
+        Raises:
+            ExecutorUnreachable: Slurm did not answer (whether it was submitted is unknown).
+        """
         if not plan_hint or not plan_hint.get("slurm_name"):
             return None
-        text = self._call(["squeue", "-h", "-n", plan_hint["slurm_name"], "-o", "%i"], check=False)
-        ids = text.split()
+        name = plan_hint["slurm_name"]
+        ids = self._ask(["squeue", "-h", "-n", name, "-o", "%i"]).split()
+        if not ids:
+            rows = [parse_kv_line(x) for x in self._ask(["scontrol", "show", "job", "-o"]).splitlines()]
+            ids = [r["JobId"] for r in rows if r.get("JobName") == name and r.get("JobId")]
         if not ids:
             return None
         return {**plan_hint, "slurm_id": ids[0].partition("+")[0], "launched": True}

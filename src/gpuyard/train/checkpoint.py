@@ -232,8 +232,15 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def read_marker(path: str | Path) -> dict[str, Any]:
-    """The metadata rank 0 wrote when the checkpoint became complete."""
-    return dict(json.loads((Path(path) / MARKER).read_text()))
+    """The metadata rank 0 wrote when the checkpoint became complete.
+
+    Raises:
+        OSError: unreadable; ValueError: not a JSON object (a damaged marker).
+    """
+    doc = json.loads((Path(path) / MARKER).read_text())
+    if not isinstance(doc, dict):
+        raise ValueError(f"{MARKER} is not a JSON object")
+    return doc
 
 
 def _dcp() -> Any:

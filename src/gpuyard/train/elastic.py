@@ -119,7 +119,13 @@ def check_resume(spec: TrainSpec, layout: MeshLayout) -> None:
         return
     path = latest_checkpoint(Path(spec.resolved_run_dir()) / "checkpoints")
     new = [layout.pp, layout.dp, layout.tp]
-    if path is None or not resized(meta := read_marker(path), layout.world_size, new):
+    if path is None:
+        return
+    try:
+        meta = read_marker(path)
+    except (OSError, ValueError):
+        return  # a damaged marker: the workers' check sets that checkpoint aside, in one line
+    if not resized(meta, layout.world_size, new):
         return
     rank0 = path / "rank0.pt"
     state = torch.load(rank0, weights_only=True) if rank0.is_file() else {}

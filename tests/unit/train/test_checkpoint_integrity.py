@@ -82,6 +82,23 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_loaded(sp
     assert [e["step"] for e in _events(spec.resolved_run_dir(), "resume")] == [6]
 
 
+def test_a_completion_marker_that_is_not_json_is_set_aside_like_other_damage(spec_factory) -> None:
+    """The launcher's resume check and the workers' load both meet it: no traceback, one line."""
+    from gpuyard.train.elastic import check_resume
+    from gpuyard.train.parallel import MeshLayout
+
+    spec = spec_factory(max_steps=9, tracking="jsonl", checkpoint={"at_epoch_end": False})
+    run(spec)
+    root = spec.resolved_run_dir() / "checkpoints"
+    (root / "step-000000009" / "COMPLETE.json").write_text('{"step": 9, "files": {')
+    check_resume(spec, MeshLayout(1, 1, 1))  # no traceback before the workers start
+    _, result = run(spec.model_copy(update={"max_steps": 12}))
+    assert result.step == 12
+    [aside] = _events(spec.resolved_run_dir(), "checkpoint_set_aside")
+    assert aside["step"] == 9 and aside["reason"].startswith("COMPLETE.json unreadable")
+    assert [e["step"] for e in _events(spec.resolved_run_dir(), "resume")] == [6]
+
+
 def test_a_save_on_a_full_disk_removes_its_folder_and_ends_the_run_failed(
     spec_factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

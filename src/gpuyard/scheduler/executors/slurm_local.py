@@ -236,6 +236,51 @@ class LocalSlurm:
             topo.append(f"SwitchName=spine Switches={','.join(self.switches)}")
         (f / "topology.conf").write_text("\n".join(topo) + "\n")
 
+    def _controller(self) -> subprocess.Popen[bytes] | None:
+        return next((p for p in self.procs if Path(str(p.args[0])).name == "slurmctld"), None)  # type: ignore[index]
+
+    def stop_controller(self, sig: int = signal.SIGTERM) -> None:
+        """Stop slurmctld alone (the slurmds and their jobs run on): SIGTERM saves its state first,
+        SIGKILL does not; ``signal.SIGSTOP`` freezes it instead (its port accepts, nothing answers)."""
+        proc = self._controller()
+        if proc is None:
+            raise StoreError("slurmctld is not running")
+        os.killpg(proc.pid, sig)
+        if sig == signal.SIGSTOP:
+            return
+        proc.wait(timeout=30)
+        self.procs.remove(proc)
+
+    def start_controller(self, lose_state: bool = False, timeout_s: float = 30.0) -> None:
+        """Start slurmctld again (or SIGCONT a frozen one). ``lose_state``: from an empty state, as a
+        controller whose state was lost: it forgets every job and numbers new ones from 1 again."""
+        proc = self._controller()
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGCONT)
+            return
+        argv = [_which("slurmctld"), "-D", "-i"]
+        if lose_state:
+            for entry in (self.folder / "state").iterdir():
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+            argv.append("-c")
+        proc = subprocess.Popen(
+            argv,
+            env={**os.environ, **self.env},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.procs.insert(1, proc)  # after munged, before the slurmds (stop() ends them in reverse)
+        deadline = time.monotonic() + timeout_s
+        while self.run("sinfo", "-h", "-o", "%P", check=False).strip() == "":
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log = _tail(self.folder / "log" / "slurmctld.log")
+                raise StoreError(f"slurmctld did not come back: {log}")
+            time.sleep(0.1)
+
     def run(self, *argv: str, check: bool = True) -> str:
         """Run a Slurm tool against this cluster; its stdout."""
         proc = subprocess.run(

@@ -152,10 +152,15 @@ class JobIsolation:
                 f"jobs run as user {self.user} (uid {self.uid}) in {self.work_root}, "
                 f"environment allow-listed, GPUYARD_HOME 0700{limits}"
             )
+        # A root server told to run jobs as root needs another --job-user, not to be started as root.
+        fix = (
+            "pass an unprivileged --job-user to run them as that user"
+            if os.geteuid() == 0
+            else "start the server as root to run them as an unprivileged --job-user"
+        )
         return (
             f"jobs run as the server's user {self.user}: NOT isolated from GPUYARD_HOME, the database "
-            "or the token (start the server as root to run them as an unprivileged --job-user); "
-            f"environment allow-listed{limits}"
+            f"or the token ({fix}); environment allow-listed{limits}"
         )
 
     def prepare(self, job_id: int, cwd: str) -> None:

@@ -38,6 +38,8 @@ from gpuyard.scheduler.placement import NodeSpec
 from gpuyard.scheduler.spec import JobSpec
 from gpuyard.settings import NODE_ENV
 
+log = logging.getLogger(__name__)
+
 NAMESPACE = "gpuyard"
 READY_TIMEOUT_S = 60.0
 BASE_PORT = 29500  # torch.distributed's customary rendezvous port, offset per job
@@ -264,15 +266,26 @@ class RayExecutor(Executor):
         return {**extra, "launched": True, "log": plan.log_path}
 
     def poll(self, handle: dict[str, Any]) -> ExitStatus | None:
-        """None while any worker runs; then rank 0's code, or the first failure among the ranks."""
+        """None while any worker runs, and while Ray does not answer (unknown is not gone: the job
+        keeps its state and GPUs); then rank 0's code, or the first failure among the ranks. A worker
+        is gone only when Ray says so: its actor died (or its node), or the head, answering, has no
+        actor of that name."""
         codes: list[int | None] = []
         lost = False
         for name in handle.get("actors", []):
             try:
                 code: Any = ray.get(ray.get_actor(name).poll.remote(), timeout=30)
                 codes.append(None if code is None else int(code))
-            except (ValueError, ray.exceptions.RayError):
-                lost = True  # the actor (or its node) is gone
+            except (ray.exceptions.ActorDiedError, ray.exceptions.NodeDiedError):
+                lost = True  # Ray says the actor, or its node, is dead
+            except ValueError:  # no actor of that name: gone, if the head itself answers
+                if not self._head_answers():
+                    log.warning("Ray job %s: its state is unknown: Ray's head does not answer", name)
+                    return None
+                lost = True
+            except (ray.exceptions.RayError, ConnectionError) as exc:
+                log.warning("Ray job %s: its state is unknown for now: %s", name, str(exc).splitlines()[0])
+                return None  # unavailable, timed out, the head unreachable: unknown, not gone
         if not lost and any(c is None for c in codes):
             return None
         self._cleanup(handle)
@@ -281,6 +294,15 @@ class RayExecutor(Executor):
         failed = [c for c in codes if c]
         code = failed[0] if failed else 0
         return ExitStatus(code=code, killed=code < 0)
+
+    @staticmethod
+    def _head_answers() -> bool:
+        """Whether Ray's head (its GCS) answers a question now."""
+        try:
+            ray.cluster_resources()
+        except Exception:  # any failure to get an answer is no answer
+            return False
+        return True
 
     def stop(self, handle: dict[str, Any], kill: bool) -> None:
         """SIGTERM (or SIGKILL) every worker's process group."""

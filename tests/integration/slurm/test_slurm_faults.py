@@ -11,6 +11,7 @@ reason, and no job ran twice.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
@@ -270,3 +271,61 @@ def test_an_outside_scancel_is_a_cancel_not_a_preemption(cluster: LocalSlurm, se
     assert doc["state"] == "cancelled" and doc["preemptions"] == 0
     assert not any("preempt" in r for j in (plain, again) for r in server.reasons(j))
     assert [len(server.runs(n)) for n in ("plain", "again")] == [1, 2]
+
+
+def test_a_slurmd_killed_under_a_gang_ends_the_attempt_everywhere_before_its_retry(
+    cluster: LocalSlurm, server: Server
+) -> None:
+    """A two-node job loses one node's slurmd: Slurm ends it NODE_FAIL and ends its task on the other
+    node, but cannot reach the silent one, whose task runs on. gpuyard holds the attempt's end (and
+    its GPUs) until that slurmd answers again and has ended it, then runs the job once more
+    (max_restarts 1). The retry's tasks look for the first attempt's: none may still run."""
+    from gpuyard.scheduler.executors.slurm import SlurmNodeMonitor
+
+    marker = server.markers / "gang"
+    overlap = server.markers / "overlap"
+    body = (
+        '[ "$GPUYARD_ATTEMPT" = 1 ] && exec bash -c "while true; do sleep 0.2; done"; '
+        f"for p in $(awk '$1 == 1 {{print $3}}' {marker}); do "
+        f'kill -0 "$p" 2>/dev/null && echo "$SLURMD_NODENAME sees $p" >> {overlap}; done; true'
+    )
+    job = server.submit("gang", body, max_restarts=1, resources={"gpus": 2})
+    server.wait(job, {"running"})
+    first = wait_for(lambda: len(server.runs("gang")) == 2 and server.runs("gang"), timeout=60)
+    victim = sorted(line.split()[1] for line in first)[-1]  # not the batch host (the first node)
+    orphan = next(int(line.split()[2]) for line in first if line.split()[1] == victim)
+    name = f"{server.executor.prefix}{job}-1"
+    slurm_id = cluster.run("squeue", "-h", "-n", name, "-o", "%i").strip()
+    monitor = SlurmNodeMonitor(server.service, server.executor)
+    began = time.monotonic()
+    cluster.kill_slurmd(victim)
+    restarted = False
+    try:
+        # Slurm finds the node silent after SlurmdTimeout (10 s here) and ends the job NODE_FAIL; the
+        # server's node monitor (called here) drains the node in gpuyard.
+        wait_for(lambda: monitor.check_once()[victim]["state"] == "drained", timeout=120, every=1)
+        wait_for(lambda: slurm_id in server.executor._held, timeout=60)  # gpuyard saw the end
+        ended_s = time.monotonic() - began
+        assert Path(f"/proc/{orphan}").exists()  # what Slurm could not end: the silent node's task
+        doc = server.service.get(job)
+        assert (doc["state"], doc["attempts"]) == ("running", 1)  # held: no retry beside it
+        cluster.start_slurmd(victim)  # back (as systemd restarts it): it ends the orphaned task
+        restarted = True
+        doc = server.wait(job, {"succeeded", "failed"}, timeout=180)
+        retried_s = time.monotonic() - began
+        reasons = server.reasons(job)
+        assert doc["state"] == "succeeded" and doc["attempts"] == 2, reasons
+        restart = "failed (a node of the job failed (Slurm NODE_FAIL)); restart 1 of 1"
+        assert restart in reasons, reasons
+        assert len([line for line in server.runs("gang") if line.startswith("2 ")]) == 2
+        seen = overlap.read_text() if overlap.exists() else ""
+        print(f"\nslurmd of {victim} killed: end seen {ended_s:.1f} s, retry done {retried_s:.1f} s later")
+        assert seen == "", f"the first attempt still ran when its retry started: {seen}"
+    finally:
+        if not restarted:
+            cluster.start_slurmd(victim)
+        for line in server.runs("gang"):
+            if line.startswith("1 "):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(line.split()[2]), signal.SIGKILL)
+        cluster.run("scontrol", "update", f"NodeName={victim}", "State=RESUME", check=False)

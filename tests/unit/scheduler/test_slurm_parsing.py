@@ -103,6 +103,7 @@ def test_polling_many_running_jobs_asks_squeue_once(monkeypatch: pytest.MonkeyPa
 
     ex = object.__new__(SlurmExecutor)
     ex.prefix, ex._states, ex._states_at, ex._seen = "gpuyard-abc-", {}, float("-inf"), {}
+    ex._held = {}
     calls: list[list[str]] = []
     rows = "".join(f"{i}|RUNNING|None|n1|now|N/A|gpuyard-abc-{i}-1\n" for i in range(1, 51))
     rows += "99|RUNNING|None|n1|now|N/A|someone-else\n"

@@ -169,15 +169,20 @@ def test_a_heterogeneous_job_is_polled_ended_and_found_by_its_first_component(
     line each: the job is known, polled, ended, recovered and adopted by its first component's id."""
     ex = object.__new__(SlurmExecutor)
     ex.prefix, ex._states, ex._states_at, ex._seen = "gpuyard-t-", {}, float("-inf"), {}
+    ex._held = {}
     answers: dict[str, str] = {}
 
     def call(argv: list[str], check: bool = True, **_: object) -> str:
         return answers[argv[0]]
 
     monkeypatch.setattr(ex, "_call", call)
-    answers["squeue"] = "41+0|RUNNING|None|n1|now|N/A|gpuyard-t-5-1\n41+1|RUNNING|None|n2|now|N/A|gpuyard-t-5-1\n"
+    answers["squeue"] = (
+        "41+0|RUNNING|None|n1|now|N/A|gpuyard-t-5-1\n41+1|RUNNING|None|n2|now|N/A|gpuyard-t-5-1\n"
+    )
     assert ex.poll({"slurm_id": "41"}) is None  # running: not mistaken for a job Slurm no longer lists
-    answers["squeue"] = "41+0|PENDING|Resources|(null)|N/A|N/A|gpuyard-t-5-1\n41+1|PENDING|Priority|x|N/A|N/A|g\n"
+    answers["squeue"] = (
+        "41+0|PENDING|Resources|(null)|N/A|N/A|gpuyard-t-5-1\n41+1|PENDING|Priority|x|N/A|N/A|g\n"
+    )
     assert ex.describe_pending({"slurm_id": "41"}) == "Resources"
     answers["squeue"] = ""
     ex._states_at = float("-inf")

@@ -44,6 +44,7 @@ class FakeSlurm:
     next_id: int = 1
     calls: list[list[str]] = field(default_factory=list)
     cancelled: list[list[str]] = field(default_factory=list)
+    node_states: dict[str, str] = field(default_factory=lambda: {"n1": "IDLE", "n2": "IDLE"})
 
     def run(self, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         self.calls.append(list(argv))
@@ -96,8 +97,13 @@ class FakeSlurm:
         if argv[1:3] == ["show", "config"]:
             return self._done(argv, "SchedulerParameters = (null)\n")
         if argv[1:3] == ["show", "node"]:
-            rows = [f"NodeName=n{i} NodeAddr=127.0.0.1 Gres=gpu:1 CPUTot=2 State=IDLE" for i in (1, 2)]
+            rows = [
+                f"NodeName={n} NodeAddr=127.0.0.1 Gres=gpu:1 CPUTot=2 State={s}"
+                for n, s in self.node_states.items()
+            ]
             return self._done(argv, "\n".join(rows) + "\n")
+        if argv[1:3] == ["show", "hostnames"]:
+            return self._done(argv, "\n".join(argv[3].split(",")) + "\n")
         if argv[1:3] == ["show", "topology"]:
             return self._done(argv)
         assert argv[1:3] == ["show", "job"], argv
@@ -107,7 +113,7 @@ class FakeSlurm:
             return self._unknown(argv)
         lines = [
             f"JobId={j.id} JobName={j.name} JobState={j.state} Reason=None ExitCode={j.exit} "
-            f"SubmitTime={j.submit} EndTime=Unknown"
+            f"SubmitTime={j.submit} EndTime=Unknown NodeList={j.node}"
             for j in jobs
         ]
         return self._done(argv, "".join(x + "\n" for x in lines))
@@ -213,6 +219,29 @@ def test_an_id_reused_after_state_loss_is_not_taken_for_the_attempt(fake: FakeSl
     fake.jobs[1].submit = "2099-01-01T00:00:00"
     assert ex.poll(handle).untraced  # type: ignore[union-attr]
     assert not fake.cancelled  # nothing was done to the other job
+
+
+def test_a_failed_attempt_ends_only_once_its_silent_node_answers(
+    fake: FakeSlurm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NODE_FAIL on a two-node job whose n2 slurmd does not answer: its task there may still run, so
+    the end (and a retry) waits for n2, at most SILENT_NODE_WAIT_S, then says what may still run."""
+    ex = SlurmExecutor(tmp_path, instance="store")
+    handle = _submitted(ex, fake)
+    fake.jobs[1].state, fake.jobs[1].node = "NODE_FAIL", "n1,n2"
+    fake.node_states["n2"] = "DOWN+NOT_RESPONDING"
+    assert ex.poll(handle) is None and ex.poll(handle) is None
+    fake.node_states["n2"] = "IDLE"  # its slurmd is back (and ended the job's task there)
+    status = ex.poll(handle)
+    assert status is not None and status.describe() == "a node of the job failed (Slurm NODE_FAIL)"
+    assert status.notes == ()
+    fake.node_states["n2"] = "DOWN+NOT_RESPONDING"
+    monkeypatch.setattr(slurm_mod, "SILENT_NODE_WAIT_S", 0.0)
+    status = ex.poll(handle)
+    assert status is not None and status.notes[0].startswith("its tasks on n2 may still run")
+    fake.jobs[1].state, fake.jobs[1].exit = "COMPLETED", "0:0"  # a success is never held
+    monkeypatch.setattr(slurm_mod, "SILENT_NODE_WAIT_S", 300.0)
+    assert ex.poll(handle).code == 0  # type: ignore[union-attr]
 
 
 def test_nothing_is_sent_while_the_controller_is_known_away(fake: FakeSlurm, tmp_path: Path) -> None:

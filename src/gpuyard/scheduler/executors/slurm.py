@@ -93,6 +93,9 @@ UNREACHABLE_RETRY_S = 5.0
 # How far Slurm's SubmitTime of an attempt may be from the moments gpuyard's sbatch began and returned
 # (the controller's clock against the server's): a row outside that is another job under a reused id.
 SUBMIT_SKEW_S = 60.0
+# How long the end of an attempt that did not succeed is held back while a node of it does not answer
+# (its slurmd may still run the attempt's tasks there, and a retry would run beside them).
+SILENT_NODE_WAIT_S = 300.0
 # A Slurm tool's error that means the controller did not answer, not that a job is gone.
 _UNREACHABLE = re.compile(
     r"Unable to contact slurm controller|Socket timed out|Connection refused|Connection reset|"
@@ -327,6 +330,8 @@ class SlurmExecutor(Executor):
         self._down, self._down_since = "", 0.0
         # Slurm id -> (its last state seen, when: wall clock), for what a lost attempt's report says.
         self._seen: dict[str, tuple[str, float]] = {}
+        # Slurm id -> since when (monotonic) its end is held back for a node that does not answer.
+        self._held: dict[str, float] = {}
         self._drained_by_us: set[str] = set()
         for tool in ("sbatch", "squeue", "scancel", "scontrol", "sinfo"):
             if shutil.which(tool, path=self._env().get("PATH")) is None:
@@ -822,9 +827,12 @@ class SlurmExecutor(Executor):
         if row.get("JobState"):
             if row["JobState"].split()[0] in ACTIVE:  # between squeue and scontrol: still ending
                 return None
-            return exit_from_state(
+            status = exit_from_state(
                 row["JobState"], row.get("ExitCode", "0:0"), row.get("EndTime", ""), row.get("Reason", "")
             )
+            if status.code == 0:
+                return status
+            return self._when_nodes_answer(slurm_id, status, ",".join(r.get("NodeList", "") for r in rows))
         if shutil.which("sacct", path=self._env().get("PATH")):
             fields = "JobName,State,ExitCode,End,Submit"
             text = self._ask(["sacct", "-n", "-P", "-X", "-j", slurm_id, "-o", fields])
@@ -835,6 +843,39 @@ class SlurmExecutor(Executor):
                         return None
                     return exit_from_state(parts[1], parts[2], parts[3])
         return SlurmExit(code=None, untraced=True, reason=self._no_trace(slurm_id, handle))
+
+    def _when_nodes_answer(self, slurm_id: str, status: SlurmExit, nodelist: str) -> SlurmExit | None:
+        """A failed attempt's end once every node of it answers Slurm again: a node whose slurmd does
+        not answer (killed, hung) may still run the attempt's tasks, which Slurm cannot end there,
+        and a retry would run beside them. When its slurmd is back it ends them itself (Slurm tells
+        it the job is over). Held at most SILENT_NODE_WAIT_S; then the end carries a note naming
+        the nodes."""
+        names = [n for part in nodelist.split(",") for n in self.hostnames(part)] if nodelist else []
+        states = {r["NodeName"]: r.get("State", "") for r in self.node_info()}
+        silent = sorted(n for n in set(names) if "NOT_RESPONDING" in states.get(n, ""))
+        if not silent:
+            self._held.pop(slurm_id, None)
+            return status
+        first = slurm_id not in self._held
+        now = time.monotonic()
+        waited = now - self._held.setdefault(slurm_id, now)
+        if waited < SILENT_NODE_WAIT_S:
+            if first:
+                log.warning(
+                    "Slurm job %s ended (%s) but %s does not answer: its end waits for %s (at most %g s)",
+                    slurm_id,
+                    status.describe(),
+                    ", ".join(silent),
+                    "them" if len(silent) > 1 else "it",
+                    SILENT_NODE_WAIT_S,
+                )
+            return None
+        self._held.pop(slurm_id, None)
+        note = (
+            f"its tasks on {', '.join(silent)} may still run: Slurm has had no answer from "
+            f"{'their' if len(silent) > 1 else 'its'} slurmd for {waited:.0f} s"
+        )
+        return replace(status, notes=(*status.notes, note))
 
     def _no_trace(self, slurm_id: str, handle: dict[str, Any]) -> str:
         """What is known of an attempt Slurm has no trace of (a controller that lost its state)."""

@@ -281,6 +281,31 @@ class LocalSlurm:
                 raise StoreError(f"slurmctld did not come back: {log}")
             time.sleep(0.1)
 
+    def _slurmd(self, node: str) -> subprocess.Popen[bytes] | None:
+        return next((p for p in self.procs if list(p.args)[-2:] == ["-N", node]), None)  # type: ignore[arg-type]
+
+    def kill_slurmd(self, node: str) -> None:
+        """SIGKILL one node's slurmd alone, as a crash: the job steps it started (slurmstepd and their
+        tasks) run on without it."""
+        proc = self._slurmd(node)
+        if proc is None:
+            raise StoreError(f"no slurmd of {node} is running")
+        proc.kill()
+        proc.wait(timeout=30)
+        self.procs.remove(proc)
+
+    def start_slurmd(self, node: str) -> None:
+        """Start one node's slurmd again (after :meth:`kill_slurmd`)."""
+        self.procs.append(
+            subprocess.Popen(
+                [_which("slurmd"), "-D", "-N", node],
+                env={**os.environ, **self.env},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        )
+
     def run(self, *argv: str, check: bool = True) -> str:
         """Run a Slurm tool against this cluster; its stdout."""
         proc = subprocess.run(

@@ -299,7 +299,7 @@ class RayExecutor(Executor):
     def _head_answers() -> bool:
         """Whether Ray's head (its GCS) answers a question now."""
         try:
-            ray.cluster_resources()
+            ray.cluster_resources()  # type: ignore[no-untyped-call]
         except Exception:  # any failure to get an answer is no answer
             return False
         return True

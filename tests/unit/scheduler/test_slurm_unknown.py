@@ -410,3 +410,16 @@ def test_an_outside_scancel_is_cancelled_in_slurm_and_restarts_only_as_the_spec_
         e["reason"] == "ended (cancelled in Slurm (exit code 75)); restart 1 of 1"
         for e in service.events(again)
     )
+
+
+def test_node_states_stay_as_they_are_while_slurm_does_not_answer(service: Any, fake: FakeSlurm) -> None:
+    from gpuyard.scheduler.executors.slurm import SlurmNodeMonitor
+
+    monitor = SlurmNodeMonitor(service, service.executor)
+    fake.node_states["n2"] = "DOWN+NOT_RESPONDING"
+    assert monitor.check_once()["n2"]["state"] == "drained"
+    fake.down = "refused"
+    fake.node_states["n2"] = "IDLE"
+    assert monitor.check_once()["n2"]["state"] == "drained"  # unknown: not taken for "back"
+    fake.down = ""
+    assert monitor.check_once()["n2"]["state"] == "healthy"

@@ -973,6 +973,7 @@ class SlurmNodeMonitor(NodeHealthMonitor):
         self.service, self.executor = service, executor
         self.names = {n.name for n in service.nodes}
         self._pending: dict[int, str] = {}
+        self._unanswered = False  # Slurm did not answer the last check (said once per outage)
 
     def describe(self) -> str:
         return (
@@ -985,8 +986,16 @@ class SlurmNodeMonitor(NodeHealthMonitor):
 
     def check_nodes(self, used: Mapping[str, Collection[int]]) -> dict[str, dict[str, Any]]:
         states = self.states
-        slurm_down = {n: why for n, why in self.executor.unavailable_nodes().items() if n in self.names}
         docs = {d["node"]: d for d in states.states(sorted(self.names))}
+        try:
+            down = self.executor.unavailable_nodes()
+        except ExecutorUnreachable as exc:  # unknown: every node keeps its state until Slurm answers
+            if not self._unanswered:
+                log.warning("node states not synced with Slurm: %s", exc)
+            self._unanswered = True
+            return docs
+        self._unanswered = False
+        slurm_down = {n: why for n, why in down.items() if n in self.names}
         for node, why in slurm_down.items():
             if "gpuyard:" in why:
                 continue  # our own drain, seen from Slurm
@@ -1009,7 +1018,10 @@ class SlurmNodeMonitor(NodeHealthMonitor):
     def _note_pending(self) -> None:
         from gpuyard.store.tables.jobs import JobEventRow
 
-        waiting = self.executor.pending_reasons()
+        try:
+            waiting = self.executor.pending_reasons()
+        except ExecutorUnreachable:
+            return
         changed = {j: r for j, r in waiting.items() if self._pending.get(j) != r}
         self._pending = waiting
         if not changed:

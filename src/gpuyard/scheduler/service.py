@@ -10,11 +10,12 @@ recovers; any service may submit, cancel and read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -130,6 +131,8 @@ class JobService:
         # When the scheduler first saw each running job's process gone: its end when the executor
         # knows none and recording it had to wait (a full disk, a database outage).
         self._ended_seen: dict[int, tuple[Any, str | None]] = {}  # job -> (seen at, full disk)
+        # Stops requested in the transaction now open, sent once it has committed (_stop_after).
+        self._stops: list[tuple[int, dict[str, Any]]] = []
         # The API's URL when a `gpuyard server` runs this service: its jobs then get a job-scoped token.
         self.api_url: str | None = None
         if config.placement not in ("topology", "fabric"):
@@ -325,7 +328,7 @@ class JobService:
 
     def cancel(self, job_id: int) -> dict[str, Any]:
         """Cancel a job: at once when queued; a running one gets SIGTERM, then SIGKILL after the grace."""
-        with self._lock, self.store.session() as s:
+        with self._lock, self._stop_after() as s:
             row = self._row(s, job_id)
             if JobState(row.state).terminal:
                 raise ConflictError(f"job {job_id} is already {row.state}")
@@ -412,7 +415,7 @@ class JobService:
             f"straggler: rank {report['rank']} on node {node} is {float(report['slowdown']):.2f}x slower "
             f"than the median rank (cause: {report['cause']}) at step {report['step']}"
         )
-        with self._lock, self.store.session() as s:
+        with self._lock, self._stop_after() as s:
             row = self._row(s, job_id)
             restart, why = self._straggler_restart(s, row, node)
             if restart:
@@ -596,7 +599,7 @@ class JobService:
         self.state.set_drained({self._node_index[n] for n in drained})
         if not drained:
             return
-        with self.store.session() as s:
+        with self._stop_after() as s:
             for row in s.scalars(select(JobRow).where(JobRow.state == JobState.RUNNING.value)):
                 on = sorted(drained & {p["node"] for p in (row.placement or {}).get("nodes", [])})
                 if not on or row.stop_requested or not preemptible(row.spec):
@@ -747,10 +750,26 @@ class JobService:
         row.stop_requested = why
         row.stop_deadline = utcnow() + timedelta(seconds=self.config.grace_s)
         if row.handle:
+            self._stops.append((row.id, dict(row.handle)))  # sent after the commit (_stop_after)
+
+    @contextlib.contextmanager
+    def _stop_after(self) -> Iterator[Session]:
+        """A write transaction whose stop requests (``_request_stop``) reach the executor once it has
+        committed: no executor call is made while the store's write lock is held (a Slurm controller
+        that does not answer would hold it for as long as its tools wait)."""
+        self._stops = []
+        try:
+            with self.store.session() as s:
+                yield s
+        except BaseException:
+            self._stops = []
+            raise
+        stops, self._stops = self._stops, []
+        for job_id, handle in stops:
             try:
-                self.executor.stop(row.handle, kill=False)
-            except ExecutorUnreachable as exc:  # the stop stays requested: SIGKILL at its deadline
-                log.warning("job %d: SIGTERM not delivered: %s", row.id, exc)
+                self.executor.stop(handle, kill=False)
+            except Exception as exc:  # the stop stays requested: SIGKILL (retried) at its deadline
+                log.warning("job %d: SIGTERM not delivered: %s", job_id, exc)
 
     def _schedule(self) -> None:
         if self.executor.unavailable() is not None:
@@ -770,7 +789,7 @@ class JobService:
         running = [self._running(r) for r in active if r.placement and not share_of(r.spec.get("resources"))]
         decision = self.policy.decide(self.state, queue, running, now, multi_node=self.executor.multi_node)
         if decision.preempt:
-            with self.store.session() as s:
+            with self._stop_after() as s:
                 for jid in decision.preempt:
                     row = self._row(s, jid)
                     if row.state == JobState.RUNNING.value:
@@ -932,7 +951,7 @@ class JobService:
         """Stop each job as for a preemption, to restart at its new size."""
         if not plans:
             return
-        with self.store.session() as s:
+        with self._stop_after() as s:
             for jid, size in plans:
                 row = self._row(s, jid)
                 if row.state != JobState.RUNNING.value or row.stop_requested:

@@ -315,6 +315,8 @@ def test_the_service_polls_slurm_outside_the_stores_write_lock(
     assert service.get(job)["state"] == "running"
     fake.down = ""
     service.tick()
+    service.cancel(job)  # its SIGTERM (scancel) is sent once the cancel is committed
+    assert fake.cancelled and fake.cancelled[-1][:3] == ["scancel", "--batch", "--signal=TERM"]
     assert seen.count(True) == 0
 
 

@@ -187,17 +187,22 @@ def read_beneath(
         return fh.read(limit)
 
 
-# The child of read_as: opens the file as the member's user, refuses what is not a regular file or
-# larger than the cap (before reading a byte of it), writes what it read to stdout. Standard library.
+# The child of read_as: started as the server (the interpreter may lie where only the server can
+# read), it becomes the member's user before it opens anything, refuses what is not a regular file or
+# is larger than the cap (before reading a byte of it) and writes what it read to stdout. It runs with
+# -I -S and the privileged environment: nothing of the member's steers it but the path it opens.
 _READER = r"""
 import os, stat, sys
-path, cap = sys.argv[1], int(sys.argv[2])
+path, cap, uid, gid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+os.setgroups([])
+os.setgid(gid)
+os.setuid(uid)
 try:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
 except FileNotFoundError:
     sys.exit(3)
 except OSError as exc:
-    print(exc.strerror, file=sys.stderr); sys.exit(4)
+    print(f"it cannot: {exc.strerror}", file=sys.stderr); sys.exit(4)
 st = os.fstat(fd)
 if not stat.S_ISREG(st.st_mode):
     print("not a regular file", file=sys.stderr); sys.exit(4)
@@ -238,10 +243,7 @@ def read_as(uid: int | None, gid: int | None, path: str | Path, cap: int = READ_
         return data
     try:
         proc = subprocess.run(
-            [sys.executable, "-I", "-S", "-c", _READER, str(path), str(cap)],
-            user=uid,
-            group=gid,
-            extra_groups=[],
+            [sys.executable, "-I", "-S", "-c", _READER, str(path), str(cap), str(uid), str(gid)],
             cwd="/",
             env=environment(),
             capture_output=True,
@@ -255,7 +257,7 @@ def read_as(uid: int | None, gid: int | None, path: str | Path, cap: int = READ_
     if proc.returncode != 0:
         why = proc.stderr.decode(errors="replace").strip().splitlines() or [f"exit {proc.returncode}"]
         name = _user_name(uid)
-        raise ConfigError(f"{path}: {name} cannot read it ({why[-1][:200]})")
+        raise ConfigError(f"{path}: not read as {name} ({why[-1][:200]})")
     return proc.stdout
 
 

@@ -38,7 +38,7 @@ from gpuyard.scheduler.executors.base import (
     job_argv,
     job_env,
 )
-from gpuyard.scheduler.executors.isolation import JobIsolation, private_tmp_env
+from gpuyard.scheduler.executors.isolation import PRIVATE_TMP_VARS, JobIsolation, private_tmp_env
 from gpuyard.scheduler.spec import JobSpec
 
 SHIM = Path(__file__).with_name("shim.py")
@@ -140,6 +140,8 @@ class LocalExecutor(Executor):
                 job.update(uid=iso.uid, gid=iso.gid)
             if iso.confinement is not None and "limits" in plan.extra:
                 job.update(self._confine(plan, iso))
+                if job["namespace"].get("tmp"):  # its temp folder is its /tmp: the job names it so
+                    job["env"] = _inside_tmp(plan.env, plan.extra["tmp"])
             _write_private(Path(plan.extra["job_file"]), json.dumps(job))
             # The shim runs as the server: the privileged allow-list (it is -I anyway), never the job's.
             env, cwd = privileged.environment(), str(Path(plan.log_path).parent)
@@ -238,6 +240,15 @@ class LocalExecutor(Executor):
                 return handle
             handle = {**handle, "pid": pid, "create_time": _create_time(pid)}
         return handle
+
+
+def _inside_tmp(env: dict[str, str], folder: str) -> dict[str, str]:
+    """``env`` with paths into ``folder`` (the attempt's temp folder) as the job sees them: in /tmp."""
+    out = dict(env)
+    for key, value in env.items():
+        if key in PRIVATE_TMP_VARS and (value == folder or value.startswith(folder + "/")):
+            out[key] = "/tmp" + value[len(folder) :]
+    return out
 
 
 def _under_tmp(path: str) -> bool:

@@ -96,6 +96,8 @@ def _run(argv: list, job: dict, why: dict) -> int:
         try:
             private_mounts(job["namespace"])
         except OSError as exc:
+            if job["namespace"].get("tmp"):  # its TMPDIR and caches say /tmp: never the shared one
+                return _cannot_start(why, f"its private /tmp could not be set up: {exc}")
             _say(f"private /dev/shm and /proc not set up: {exc}")
     cgroup = job.get("cgroup") or {}
     try:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from typing import Any
 
+from gpuyard import privileged
 from gpuyard.hardware.health import SelfTestResult
 
 
@@ -90,7 +90,8 @@ def selftest_gpu(
         The result; ``ok`` False when the child crashed or ran past ``timeout_s`` (a hung GPU), None
         when it could not test (no torch, no CUDA).
     """
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    # The server (root) runs it: the privileged allow-list, not whatever its environment holds.
+    env = privileged.environment({"CUDA_VISIBLE_DEVICES": str(gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
     argv = [sys.executable, "-m", "gpuyard.hardware.selftest", "--size", str(size)]
     argv += ["--memory-mb", str(memory_mb), "--iters", str(iters), "--device", device]
     start = time.perf_counter()

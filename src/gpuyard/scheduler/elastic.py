@@ -68,22 +68,30 @@ class ElasticJob:
     gpu_type: str | None = None
 
 
-# The sizes of a training spec's range it can run at: (path of the train spec, low, high) -> sizes.
-# Given by the front end (``gpuyard.train.resize.allowed_world_sizes``): the scheduler does not
-# import the training package.
-TrainSizes = Callable[[Path, int, int], tuple[int, ...]]
+# The sizes of a training spec's range it can run at: (path of the train spec, low, high, its text) ->
+# sizes. Given by the front end (``gpuyard.train.resize.allowed_world_sizes``): the scheduler does not
+# import the training package, and reads the file itself (see ``read`` of allowed_sizes).
+TrainSizes = Callable[[Path, int, int, str], tuple[int, ...]]
+# Reads a file a job names (bounded, as the job's user): its bytes, or None when there is none.
+SpecReader = Callable[[Path], "bytes | None"]
+TRAIN_SPEC_CAP = 1 << 20  # bytes of a training spec read to learn an elastic job's sizes
 
 
-def allowed_sizes(spec: JobSpec, train_sizes: TrainSizes | None = None) -> tuple[int, ...]:
+def allowed_sizes(
+    spec: JobSpec, train_sizes: TrainSizes | None = None, read: SpecReader | None = None
+) -> tuple[int, ...]:
     """The GPU counts an elastic job may run at, ascending (a rigid job: its own count).
 
-    For a training job, ``train_sizes`` reads its train spec (a path relative to the job's
-    ``workdir``). Without it, or when there is no such file here, every size in the range is allowed
-    and the trainer refuses a bad one when it starts.
+    For a training job, ``train_sizes`` parses its train spec (a path relative to the job's
+    ``workdir``) as ``read`` gives it: by the server, as the job's Unix user and at most
+    :data:`TRAIN_SPEC_CAP` bytes (default: read here under the same bounds). Without ``train_sizes``,
+    or when there is no such file, every size in the range is allowed and the trainer refuses a bad
+    one when it starts.
 
     Raises:
-        ConfigError: from ``train_sizes``: the train spec is invalid, has no
-            ``data.global_batch_size``, or no size in the range splits it (one line, naming the spec).
+        ConfigError: the train spec cannot be read (not a regular file, too large, not readable by the
+            job's user: one line naming the path, nothing of its content), is invalid, has no
+            ``data.global_batch_size``, or no size in the range splits it.
     """
     res = spec.resources
     low, high = res.gpus, res.gpus_max or res.gpus
@@ -93,9 +101,22 @@ def allowed_sizes(spec: JobSpec, train_sizes: TrainSizes | None = None) -> tuple
     path = Path(spec.train)
     if not path.is_absolute() and spec.workdir:
         path = Path(spec.workdir) / path
-    if not path.is_file():
+    if read is None:
+        from gpuyard.privileged import read_as
+
+        def read(p: Path) -> bytes | None:
+            return read_as(None, None, p, TRAIN_SPEC_CAP)
+
+    data = read(path)
+    if data is None:
         return sizes  # not here (another machine's path, or not there yet): the trainer checks at start
-    return train_sizes(path, low, high)  # a spec that is there but does not fit is refused now
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        from gpuyard.errors import ConfigError
+
+        raise ConfigError(f"train: {path} is not UTF-8 text, not a training spec") from None
+    return train_sizes(path, low, high, text)  # a spec that is there but does not fit is refused now
 
 
 def largest_fit(

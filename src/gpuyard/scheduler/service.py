@@ -24,10 +24,11 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError as DuplicateRow
 from sqlalchemy.orm import Session
 
-from gpuyard import exitcodes
+from gpuyard import exitcodes, privileged
 from gpuyard.auth import TOKEN_ENV, create_job_token
 from gpuyard.errors import CapacityError, ConfigError, ConflictError, NotFoundError, StoreError
 from gpuyard.scheduler.elastic import (
+    TRAIN_SPEC_CAP,
     ElasticConfig,
     ElasticJob,
     TrainSizes,
@@ -198,7 +199,8 @@ class JobService:
         if spec.workload is not None:
             self._check_workload(spec)
         if res.elastic:
-            allowed_sizes(spec, self.train_sizes)  # a training job's batch must split at some size
+            # A training job's batch must split at some size: its train spec is read as the job's user.
+            allowed_sizes(spec, self.train_sizes, self._reader(spec))
         if res.gpus == 0:
             most = int(self.state.cpu_capacity.max()) if self.nodes else 0
             if res.cpus > most:
@@ -222,6 +224,15 @@ class JobService:
                 f"resources.gpus: {res.gpus} GPUs asked, but {where} has at most {most} healthy"
                 f"{' ' + res.gpu_type if res.gpu_type else ''} GPUs: it could never start"
             )
+
+    def _reader(self, spec: JobSpec) -> Any:
+        """How the server reads a file a job's spec names: as the job's Unix user when jobs run as
+        other users (the server learns only what the job could read itself), at most
+        TRAIN_SPEC_CAP bytes of a regular file, never following into a FIFO or a device."""
+        isolation = getattr(self.executor, "isolation", None)
+        who = isolation.for_job(spec.team, spec.user) if isolation is not None else None
+        uid, gid = (who.uid, who.gid) if who is not None and who.switch else (None, None)
+        return lambda path: privileged.read_as(uid, gid, path, TRAIN_SPEC_CAP)
 
     def check_disk(self) -> None:
         """Refuse new work while the disk of the state store or of GPUYARD_HOME (the jobs' logs and exit
@@ -375,17 +386,18 @@ class JobService:
 
     def read_log(self, job_id: int, offset: int = 0, limit: int = 1 << 16) -> dict[str, Any]:
         """Up to ``limit`` bytes of a job's log from ``offset``; ``done`` once the job is over and read."""
-        doc = self.get(job_id)
+        with self.store.read() as s:
+            row = self._row(s, job_id)
+            doc = job_doc(row)
         data = b""
         if doc["log_path"]:
+            base, rel, owners = self._log_location(doc)
             try:
-                with open(doc["log_path"], "rb") as fh:
-                    # Past the end there is nothing to read (seeking far past it is EINVAL on ext4).
-                    if offset < os.fstat(fh.fileno()).st_size:
-                        fh.seek(offset)
-                        data = fh.read(limit)
+                data = privileged.read_beneath(base, rel, owners, offset, limit)
             except FileNotFoundError:
                 pass
+            except PermissionError as exc:
+                raise ConflictError(f"job {job_id}'s log: {exc}") from None
         done = JobState(doc["state"]).terminal and len(data) < limit
         return {
             "text": data.decode("utf-8", "replace"),
@@ -393,6 +405,25 @@ class JobService:
             "done": done,
             "state": doc["state"],
         }
+
+    def _log_location(self, doc: dict[str, Any]) -> tuple[str, str, set[int]]:
+        """Where a job's log is read from, as the server never opens what a job controls: the folder
+        of the server's own it lies under, the path below it (opened without following a link), and
+        whose file it must be. A log in the job's own folder (Slurm, as the job's user: slurmd writes
+        it) must be the job user's; one in the server's folder (the shim writes it) the server's."""
+        path = os.path.abspath(doc["log_path"])
+        isolation = getattr(self.executor, "isolation", None)
+        job_root = str(isolation.work_root) if isolation is not None else None
+        for root in (job_root, str(getattr(self.executor, "jobs_dir", "") or "") or None):
+            if root and path.startswith(os.path.abspath(root) + os.sep):
+                rel = os.path.relpath(path, root)
+                if root == job_root and isolation is not None:
+                    try:
+                        return root, rel, {isolation.for_job(doc["team"], doc["user"]).uid}
+                    except ConfigError as exc:  # its Unix user is gone: whose the file is is unknown
+                        raise ConflictError(f"job {doc['id']}'s log: {exc}") from None
+                return root, rel, {os.geteuid()}
+        return os.path.dirname(path), os.path.basename(path), {os.geteuid()}
 
     def report_straggler(self, job_id: int, report: dict[str, Any]) -> dict[str, Any]:
         """A running job's launcher names a rank that stays slower (``gpuyard.train.straggler``).
@@ -857,7 +888,7 @@ class JobService:
         if row.id not in self._sizes:
             spec = JobSpec.model_validate(row.spec)
             try:
-                self._sizes[row.id] = allowed_sizes(spec, self.train_sizes)
+                self._sizes[row.id] = allowed_sizes(spec, self.train_sizes, self._reader(spec))
             except ConfigError as exc:
                 log.warning("job %s: runs at its minimum size: %s", row.id, exc)
                 self._sizes[row.id] = (spec.resources.gpus,)

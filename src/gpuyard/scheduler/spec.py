@@ -18,6 +18,7 @@ from pydantic import (
 )
 
 from gpuyard.errors import ConfigError, NotFoundError
+from gpuyard.privileged import job_env_refusal
 from gpuyard.states import StrEnum
 from gpuyard.textfiles import load_yaml
 
@@ -308,6 +309,17 @@ class JobSpec(BaseModel):
             if len(value) > MAX_COMMAND_CHARS:
                 raise ValueError(f"at most {MAX_COMMAND_CHARS} characters, got {len(value)}")
             return split_command(value)
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        # The job's environment reaches the job only, never a program the server runs as itself (see
+        # gpuyard.privileged); names that would steer such a program, or gpuyard's own, are refused.
+        for name in value:
+            why = job_env_refusal(name)
+            if why:
+                raise ValueError(f"{_short(name, 60)}: {why}")
         return value
 
     @model_validator(mode="after")

@@ -12,8 +12,9 @@ from gpuyard.errors import ConfigError
 from gpuyard.train.spec import load_spec
 
 
-def allowed_world_sizes(path: str | Path, low: int, high: int) -> tuple[int, ...]:
-    """The sizes from ``low`` to ``high`` at which the train spec at ``path`` splits its
+def allowed_world_sizes(path: str | Path, low: int, high: int, text: str | None = None) -> tuple[int, ...]:
+    """The sizes from ``low`` to ``high`` at which the train spec at ``path`` (``text``: its text, read
+    by the caller; None: read here) splits its
     ``data.global_batch_size`` evenly over its data-parallel ranks (with its ``parallel`` layout) and
     ``grad_accum``: the trainer's own checks, so the global batch, the sample order and the steps are
     the same at each of them.
@@ -26,7 +27,7 @@ def allowed_world_sizes(path: str | Path, low: int, high: int) -> tuple[int, ...
     from gpuyard.train.data import rank_batch_size
     from gpuyard.train.parallel import resolve_layout
 
-    train = load_spec(path)
+    train = load_spec(path, text=text)
     global_batch = train.data.global_batch_size
     if global_batch is None:
         raise ConfigError(

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpuyard.errors import ConfigError, NotFoundError
-from gpuyard.textfiles import load_yaml
+from gpuyard.textfiles import load_yaml, parse_yaml
 
 
 class _Strict(BaseModel):
@@ -232,15 +232,18 @@ def parse_spec(doc: Any, source: str = "spec") -> TrainSpec:
         raise ConfigError(_format_validation(exc, source)) from None
 
 
-def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> TrainSpec:
+def load_spec(
+    path: str | Path, overrides: dict[str, Any] | None = None, text: str | None = None
+) -> TrainSpec:
     """Read SPEC.yaml and validate it; `overrides` replace top-level fields (mappings merge into them).
+    With ``text``, that is the file's text (read by the caller) and ``path`` only names it.
 
     Raises:
         ConfigError: unreadable file, bad YAML, or an invalid field (named).
     """
     path = Path(path)
     try:
-        doc = load_yaml(path, "training spec")
+        doc = load_yaml(path, "training spec") if text is None else parse_yaml(text, path)
     except NotFoundError as exc:
         raise ConfigError(str(exc)) from None  # as before: a missing spec is a bad argument
     if isinstance(doc, dict) and overrides:

@@ -20,7 +20,7 @@ import pytest
 from tests.waiting import ensure_user
 
 from gpuyard.scheduler.client import JobClient
-from gpuyard.scheduler.executors.isolation import DEFAULT_JOB_USER
+from gpuyard.scheduler.executors.isolation import DEFAULT_JOB_USER, PRIVATE_TMP_VARS
 from gpuyard.scheduler.spec import parse_spec
 
 from .conftest import free_port, wait_for
@@ -123,8 +123,14 @@ def test_job_environment_holds_no_token_and_no_server_variable(
     assert set(env) <= {
         "PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "HOME", "USER", "LOGNAME", "CUDA_VISIBLE_DEVICES",
         "GPUYARD_JOB_ID", "GPUYARD_JOB_NAME", "GPUYARD_ATTEMPT", "GPUYARD_SERVER", "GPUYARD_TEAM",
-        "GPUYARD_NODE", "PWD", "SHLVL", "_",
+        "GPUYARD_NODE", "PWD", "SHLVL", "_", *PRIVATE_TMP_VARS,
     }  # fmt: skip
+    # Its temp folder and caches are the attempt's own, in the work root: its /tmp when it has a mount
+    # namespace (a root server here), removed when it ended.
+    tmp = env["TMPDIR"]
+    assert tmp == "/tmp" or tmp.startswith(f"{job_dir}/.tmp-{doc['id']}-1-"), tmp
+    assert env["TRITON_CACHE_DIR"] == f"{tmp}/triton" and env["TORCHINDUCTOR_CACHE_DIR"].startswith(tmp)
+    assert not list(job_dir.glob(".tmp-*"))
     assert f"jobs run as user {DEFAULT_JOB_USER}" in log.read_text()
 
 
@@ -137,7 +143,8 @@ def test_job_cannot_read_the_database_the_token_or_the_server_home(
     script = f"cat {db} >/dev/null; echo db=$?; cat {token}; echo token=$?; ls {home}; echo ls=$?"
     _, text = _run(client, ["sh", "-c", script])
     assert "db=1" in text and "token=1" in text and "ls=2" in text, text
-    assert text.count("Permission denied") == 3 and "gy_" not in text
+    # Refused, or (its /tmp private, when the home is under the machine's /tmp) not there at all.
+    assert text.count("Permission denied") + text.count("No such file") == 3 and "gy_" not in text
     assert (home.stat().st_mode & 0o777, db.stat().st_mode & 0o777) == (0o700, 0o600)
 
 

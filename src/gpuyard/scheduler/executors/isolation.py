@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuyard import privileged
 from gpuyard.errors import ConfigError
 from gpuyard.settings import ARTIFACTS_ENV, DATABASE_ENV, HOME_ENV, SERVER_ENV, Settings
 
@@ -47,6 +48,27 @@ PASSED_VARS = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 # The store's location: passed only to jobs that run as the server's user (they can read it anyway).
 STORE_VARS = (HOME_ENV, DATABASE_ENV, ARTIFACTS_ENV)
 FALLBACK_PATH = "/usr/local/bin:/usr/bin:/bin"
+# The temp folder and the caches the field's tools keep compiled or downloaded code in: set for every
+# job to a private folder of its own (a subfolder of it, or itself for ""), unless its spec sets one.
+# A shared /tmp would otherwise let one team prepare another team's torch.compile or Triton cache.
+TMP_ENV = "TMPDIR"
+PRIVATE_TMP_VARS = {
+    TMP_ENV: "",
+    "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+    "TRITON_CACHE_DIR": "triton",
+    "CUDA_CACHE_PATH": "nv",
+    "HF_HOME": "huggingface",
+    "XDG_CACHE_HOME": "cache",
+}
+
+
+def private_tmp_env(folder: str | Path, job_vars: dict[str, str]) -> dict[str, str]:
+    """:data:`PRIVATE_TMP_VARS` pointing into ``folder``, but those ``job_vars`` set already."""
+    return {
+        key: os.path.join(folder, sub) if sub else str(folder)
+        for key, sub in PRIVATE_TMP_VARS.items()
+        if key not in job_vars
+    }
 
 
 @dataclass(frozen=True)
@@ -162,6 +184,24 @@ class JobIsolation:
             f"jobs run as the server's user {self.user}: NOT isolated from GPUYARD_HOME, the database "
             f"or the token ({fix}); environment allow-listed{limits}"
         )
+
+    def tmpdir(self, job_id: int, attempt: int, tag: str) -> Path:
+        """The private temp folder of one attempt (made by :meth:`make_tmp`, removed at its end)."""
+        return self.work_root / f".tmp-{job_id}-{attempt}-{tag}"
+
+    def make_tmp(self, path: Path) -> None:
+        """Create an attempt's temp folder: the job user's, 0700, never an existing one.
+
+        Raises:
+            ConfigError: something is there already (refused, not reused).
+        """
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            raise ConfigError(f"job temp folder {path} exists already: refused") from None
+        if self.switch:
+            os.chown(path, self.uid, self.gid)
+        os.chmod(path, 0o700)
 
     def prepare(self, job_id: int, cwd: str) -> None:
         """Create the job's default working directory (owned by the job's user, 0700) if ``cwd`` is it."""
@@ -309,7 +349,7 @@ def _python_problem(uid: int, gid: int, python: str | None = None) -> str | None
             group=gid,
             extra_groups=[],
             cwd="/",
-            env={"PATH": FALLBACK_PATH},
+            env=privileged.environment(),
             capture_output=True,
             timeout=30,
             check=False,

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuyard import privileged
 from gpuyard.errors import ConfigError
 from gpuyard.scheduler.spec import JobSpec
 
@@ -528,6 +529,7 @@ def setup_confinement(defaults: LimitDefaults) -> Confinement:
         try:
             probe = subprocess.run(
                 [sys.executable, "-I", "-S", str(shim), "--probe-namespace"],
+                env=privileged.environment(),
                 capture_output=True,
                 text=True,
                 timeout=30,

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from typing import Any
 
 import psutil
 
+from gpuyard import privileged
 from gpuyard.scheduler.executors import limits as job_limits
 from gpuyard.scheduler.executors.base import (
     Executor,
@@ -36,7 +38,7 @@ from gpuyard.scheduler.executors.base import (
     job_argv,
     job_env,
 )
-from gpuyard.scheduler.executors.isolation import JobIsolation
+from gpuyard.scheduler.executors.isolation import PRIVATE_TMP_VARS, JobIsolation, private_tmp_env
 from gpuyard.scheduler.spec import JobSpec
 
 SHIM = Path(__file__).with_name("shim.py")
@@ -76,7 +78,11 @@ class LocalExecutor(Executor):
         else:
             iso = iso.for_job(spec.team, spec.user)  # a --job-user template: the team's own user
             cwd = spec.workdir or str(iso.workdir(job_id))
-            env = iso.environment(env, cwd)
+            # A temp folder of the attempt's own: TMPDIR and the compiler caches point into it, and
+            # with a mount namespace it is the job's /tmp (see _confine); removed when it ends.
+            tmp = iso.tmpdir(job_id, attempt, secrets.token_hex(4))
+            env = iso.environment({**private_tmp_env(tmp, env), **env}, cwd)
+            extra["tmp"] = str(tmp)
             extra.update(
                 job_file=str(folder / f"attempt-{attempt}.job.json"), user=iso.user, uid=iso.uid, gid=iso.gid
             )
@@ -127,13 +133,18 @@ class LocalExecutor(Executor):
             if plan.extra.get("python"):
                 iso.check_python()
             iso.prepare(plan.job_id, plan.cwd)
+            if plan.extra.get("tmp"):
+                iso.make_tmp(Path(plan.extra["tmp"]))
             job: dict[str, Any] = {"env": plan.env, "cwd": plan.cwd, "uid": None, "gid": None}
             if iso.switch:
                 job.update(uid=iso.uid, gid=iso.gid)
             if iso.confinement is not None and "limits" in plan.extra:
                 job.update(self._confine(plan, iso))
+                if job["namespace"].get("tmp"):  # its temp folder is its /tmp: the job names it so
+                    job["env"] = _inside_tmp(plan.env, plan.extra["tmp"])
             _write_private(Path(plan.extra["job_file"]), json.dumps(job))
-            env, cwd = dict(os.environ), str(Path(plan.log_path).parent)
+            # The shim runs as the server: the privileged allow-list (it is -I anyway), never the job's.
+            env, cwd = privileged.environment(), str(Path(plan.log_path).parent)
             files += ["--job", plan.extra["job_file"]]
         cmd = [sys.executable, "-I", "-S", str(SHIM), *files, "--", *plan.argv]
         with open(plan.log_path, "ab") as log:
@@ -173,11 +184,16 @@ class LocalExecutor(Executor):
                     f"cannot create the job's cgroup {exc.filename or cgroup['dirs'][0]}: {exc.strerror}"
                 ) from None
         uid = iso.uid if iso.switch else os.geteuid()
+        namespace: dict[str, Any] = dict(conf.namespace)
+        if namespace and iso.switch and plan.extra.get("tmp") and _own_tmp_fits(plan.cwd, iso, plan.job_id):
+            # Its temp folder becomes its /tmp; its own job folder stays where it is when that is
+            # under /tmp (the shim binds it back into the private one).
+            namespace.update(tmp=plan.extra["tmp"], keep=[plan.cwd] if _under_tmp(plan.cwd) else [])
         return {
             "cgroup": cgroup,
             "rlimits": job_limits.rlimits(limits, conf.cgroups, uid),
             "log_cap": limits.log_bytes,
-            "namespace": conf.namespace,
+            "namespace": namespace,
         }
 
     def poll(self, handle: dict[str, Any]) -> ExitStatus | None:
@@ -226,6 +242,34 @@ class LocalExecutor(Executor):
         return handle
 
 
+def _inside_tmp(env: dict[str, str], folder: str) -> dict[str, str]:
+    """``env`` with paths into ``folder`` (the attempt's temp folder) as the job sees them: in /tmp."""
+    out = dict(env)
+    for key, value in env.items():
+        if key in PRIVATE_TMP_VARS and (value == folder or value.startswith(folder + "/")):
+            out[key] = "/tmp" + value[len(folder) :]
+    return out
+
+
+def _under_tmp(path: str) -> bool:
+    return path == "/tmp" or path.startswith("/tmp/")
+
+
+def _own_tmp_fits(cwd: str, iso: JobIsolation, job_id: int) -> bool:
+    """Whether the job can have a private /tmp: not when it works in a folder of its choosing under the
+    machine's /tmp (hidden by a private one; TMPDIR and the caches are private all the same)."""
+    return not _under_tmp(cwd) or cwd == str(iso.workdir(job_id))
+
+
+def _remove_tmp(handle: dict[str, Any]) -> None:
+    """Remove an attempt's temp folder. shutil.rmtree walks it by descriptors and never follows a link
+    the job left there; the folder itself is in the work root, which only the server can change."""
+    tmp = handle.get("tmp")
+    if tmp and os.path.isdir(tmp) and not os.path.islink(tmp):
+        assert shutil.rmtree.avoids_symlink_attacks
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
@@ -262,6 +306,7 @@ def _ended(handle: dict[str, Any], lost: bool) -> ExitStatus:
     if cgroup:
         ooms = max(ooms, job_limits.oom_kills(cgroup))
         job_limits.remove(cgroup)
+    _remove_tmp(handle)
     limits = job_limits.JobLimits(**handle["limits"]) if handle.get("limits") else job_limits.JobLimits()
     reason, notes = "", []
     code = status.code

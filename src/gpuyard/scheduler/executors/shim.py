@@ -18,8 +18,9 @@ With ``--job FILE`` (`gpuyard server`) the file holds what the command gets:
 - ``rlimits``: setrlimit values (NOFILE, DATA, NPROC) set in the command before it runs.
 - ``log_cap``: the command's output goes through a pipe: the first ``log_cap`` bytes reach the log, then
   one line saying where it was cut; the rest is read and discarded (the job is not blocked).
-- ``namespace``: a private mount namespace for the job (root only): its own ``/dev/shm`` (tmpfs) and a
-  ``/proc`` that hides other users' processes (hidepid).
+- ``namespace``: a private mount namespace for the job (root only): its own ``/dev/shm`` (tmpfs), a
+  ``/proc`` that hides other users' processes (hidepid) and, with ``tmp``, that folder (the attempt's
+  own, 0700) as its ``/tmp``, the folders in ``keep`` bound back at their paths inside it.
 
 What the shim learnt (start error, log cut, OOM kills) goes to ``EXIT_FILE.why`` (JSON) before the exit
 file. The shim itself runs with ``-I`` and the server's environment: nothing of the job's touches it.
@@ -38,6 +39,7 @@ from collections.abc import Callable  # already loaded at start-up; typing is no
 
 CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
+MS_REMOUNT, MS_BIND = 32, 4096
 
 
 def main() -> int:
@@ -56,16 +58,24 @@ def main() -> int:
     if options[:1] == ["--job"]:
         with open(options[1]) as fh:
             job = json.load(fh)
+    # The exit files are written through a handle on their folder taken now: a private /tmp mounted
+    # for the job (below) may hide the path of that folder.
+    folder = os.open(os.path.dirname(os.path.abspath(exit_file)), os.O_RDONLY | os.O_DIRECTORY)
+    name = os.path.basename(exit_file)
     why: dict = {}
     code = _run(argv, job, why)
     if why:
-        with open(exit_file + ".why.tmp", "w") as fh:
-            json.dump(why, fh)
-        os.replace(exit_file + ".why.tmp", exit_file + ".why")
-    with open(exit_file + ".tmp", "w") as fh:
-        fh.write(str(code))
-    os.replace(exit_file + ".tmp", exit_file)
+        _write_at(folder, name + ".why", json.dumps(why))
+    _write_at(folder, name, str(code))
     return 128 - code if code < 0 else code
+
+
+def _write_at(folder: int, name: str, text: str) -> None:
+    """Write ``name`` in the folder of descriptor ``folder`` atomically (a temp file, then a rename)."""
+    fd = os.open(name + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=folder)
+    with open(fd, "w") as fh:
+        fh.write(text)
+    os.replace(name + ".tmp", name, src_dir_fd=folder, dst_dir_fd=folder)
 
 
 def _run(argv: list, job: dict, why: dict) -> int:
@@ -86,6 +96,8 @@ def _run(argv: list, job: dict, why: dict) -> int:
         try:
             private_mounts(job["namespace"])
         except OSError as exc:
+            if job["namespace"].get("tmp"):  # its TMPDIR and caches say /tmp: never the shared one
+                return _cannot_start(why, f"its private /tmp could not be set up: {exc}")
             _say(f"private /dev/shm and /proc not set up: {exc}")
     cgroup = job.get("cgroup") or {}
     try:
@@ -288,6 +300,38 @@ def private_mounts(namespace: dict) -> None:
             call("mount", b"proc", b"/proc", b"proc", flags, b"hidepid=invisible")
         except OSError:
             call("mount", b"proc", b"/proc", b"proc", flags, b"hidepid=2")
+    if namespace.get("tmp"):
+        _private_tmp(call, namespace["tmp"], namespace.get("keep") or [])
+
+
+def _private_tmp(call: Callable[..., None], folder: str, keep: list) -> None:
+    """The job's own temp folder becomes its /tmp; each ``keep`` folder under the machine's /tmp (the
+    job's own folder, which the server made) is bound back at the same path inside it.
+
+    The mount points are made component by component relative to descriptors, never following a
+    link (another job of the same user could have put one there), and mounts name their source
+    and target by descriptor (/proc/self/fd), so no path is resolved twice.
+    """
+    directory = os.O_RDONLY | os.O_DIRECTORY
+    old = os.open("/tmp", directory)  # the machine's /tmp, still reachable through this handle
+    sources = []
+    for path in keep:
+        rel = os.path.relpath(path, "/tmp")
+        sources.append((rel, os.open(rel, directory, dir_fd=old)))
+    call("mount", folder.encode(), b"/tmp", None, MS_BIND, None)
+    call("mount", None, b"/tmp", None, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV, None)
+    for rel, src in sources:
+        at = os.open("/tmp", directory)
+        for part in rel.split("/"):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o711, dir_fd=at)
+            nxt = os.open(part, directory | os.O_NOFOLLOW, dir_fd=at)
+            os.close(at)
+            at = nxt
+        call("mount", f"/proc/self/fd/{src}".encode(), f"/proc/self/fd/{at}".encode(), None, MS_BIND, None)
+        os.close(at)
+        os.close(src)
+    os.close(old)
 
 
 def _probe() -> int:

@@ -62,6 +62,7 @@ from typing import Any
 
 import yaml
 
+from gpuyard import privileged
 from gpuyard.errors import ConfigError, StoreError
 from gpuyard.scheduler.executors.base import (
     Executor,
@@ -73,7 +74,7 @@ from gpuyard.scheduler.executors.base import (
     job_argv,
     job_env,
 )
-from gpuyard.scheduler.executors.isolation import JobIsolation
+from gpuyard.scheduler.executors.isolation import PRIVATE_TMP_VARS, JobIsolation
 from gpuyard.scheduler.nodes import DRAINED, HEALTHY, NodeHealthMonitor
 from gpuyard.scheduler.placement import NodeSpec
 from gpuyard.scheduler.spec import JobSpec
@@ -118,6 +119,8 @@ SLURM_ENDS = {
     "PREEMPTED": "preempted by Slurm (PREEMPTED)",
     "REVOKED": "revoked by Slurm federation (REVOKED)",
 }
+# Variables bash will not take from an export line (set by the shell itself).
+_SHELL_READONLY = frozenset({"SHELLOPTS", "BASHOPTS", "EUID", "UID", "PPID", "GROUPS", "SHLVL", "_"})
 _NODE_STATE_DOWN = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "INVAL", "POWERED_DOWN", "FUTURE")
 
 
@@ -344,7 +347,10 @@ class SlurmExecutor(Executor):
 
     # -- talking to Slurm ---------------------------------------------------------------------------
     def _env(self) -> dict[str, str]:
-        return {**os.environ, **self.config.env}
+        # Every Slurm tool runs with the privileged allow-list: a fixed system PATH (the tool is found
+        # there, nowhere else), the server's own SLURM_CONF, nothing of any job's environment.
+        conf = {"SLURM_CONF": os.environ["SLURM_CONF"]} if os.environ.get("SLURM_CONF") else {}
+        return privileged.environment({**conf, **self.config.env})
 
     def _call(
         self, argv: list[str], check: bool = True, stdin: str | None = None, env: dict[str, str] | None = None
@@ -520,9 +526,10 @@ class SlurmExecutor(Executor):
             f"--output={log_path}",
             "--open-mode=append",
             f"--chdir={cwd}",
-            # The job gets sbatch's environment, and sbatch runs with the job's environment only (see
-            # launch): --export=NONE would have slurmd load the user's login environment instead
-            # (measured: about 3 s more before the job starts), and ALL of the server's would leak.
+            # sbatch runs with the privileged allow-list (see launch), which the batch step starts
+            # with; the script then sets the job's own environment. --export=NONE would have slurmd
+            # load the user's login environment instead (measured: about 3 s more before the job
+            # starts).
             "--export=ALL",
             "--no-requeue",  # gpuyard requeues (a new attempt), never Slurm behind its back
             "--kill-on-invalid-dep=yes",
@@ -576,6 +583,7 @@ class SlurmExecutor(Executor):
                 "rdzv": rdzv,
                 "addrs": {n.node: self._addr.get(n.node, n.node) for n in nodes},
                 "user": user,
+                "isolated": iso is not None,
                 **ids,
                 **het,
             },
@@ -588,8 +596,17 @@ class SlurmExecutor(Executor):
         costs a step launch, about a second); on several nodes it runs it once per node under srun.
         """
         lines = ["#!/bin/bash", f"# gpuyard job {plan.job_id}, attempt {plan.attempt}"]
-        for key, value in sorted(plan.env.items()):
+        # The first line that is not a comment (an export: GPUYARD_JOB_ID at least) ends sbatch's
+        # reading of #SBATCH lines, so no value of the job's (one may hold a newline) is an option.
+        for key, value in sorted(self._script_env(plan).items()):
             lines.append(f"export {key}={shlex.quote(value)}")
+        # Private temp space and compiler caches in the job's own folder (0700), a fresh one per
+        # attempt, the earlier attempts' removed (as the job's user): a shared /tmp never holds them.
+        tmp = shlex.quote(str(Path(plan.log_path).parent / ".tmp"))
+        lines.append(f'rm -rf {tmp}-*; GPUYARD_TMP={tmp}-"$SLURM_JOB_ID"; mkdir -m 700 -p "$GPUYARD_TMP"')
+        for key, sub in PRIVATE_TMP_VARS.items():
+            if key not in plan.env:  # the job's own choice, if it made one
+                lines.append(f'export {key}="$GPUYARD_TMP{"/" + sub if sub else ""}"')
         if len(plan.nodes) <= 1:
             lines.append(f'export {NODE_ENV}="$SLURMD_NODENAME"')
             lines.append("exec " + " ".join(shlex.quote(x) for x in plan.argv))
@@ -637,6 +654,21 @@ class SlurmExecutor(Executor):
         lines.append("exec " + " ".join(shlex.quote(x) for x in srun))
         return "\n".join(lines) + "\n"
 
+    @staticmethod
+    def _script_env(plan: LaunchPlan) -> dict[str, str]:
+        """What the script exports: the job's environment (isolated: all of it, allow-listed), or in a
+        user's own command the user's environment with the job's on top, as the local executor does."""
+        if plan.extra.get("isolated"):
+            return dict(plan.env)
+        own = {
+            k: v
+            for k, v in os.environ.items()
+            if privileged.ENV_NAME.fullmatch(k)
+            and not k.startswith(("BASH", *privileged.SLURM_INPUT_PREFIXES))
+            and k not in _SHELL_READONLY
+        }
+        return {**own, **plan.env}
+
     def launch(self, plan: LaunchPlan) -> dict[str, Any]:
         """Write the script and submit it; the handle carries the Slurm job id.
 
@@ -668,16 +700,12 @@ class SlurmExecutor(Executor):
         fd = os.open(script, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(self.script(plan))
-        # sbatch's own environment is the job's: its allow-listed variables (isolated) or the server's
-        # (not isolated, as the local executor does), plus what the Slurm tools need to find the
-        # cluster.
-        base = dict(plan.env) if self.isolation is not None else {**os.environ, **plan.env}
-        tools = {k: v for k, v in self._env().items() if k.startswith("SLURM_CONF") or k == "PATH"}
-        env = {**tools, **base} if self.isolation is not None else {**base, **self.config.env}
+        # sbatch (root, with --uid) runs with the privileged allow-list only: the job's environment is
+        # in the script, which runs as the job's user; nothing of it steers sbatch.
         self._check_reachable()
         before = time.time()
         try:
-            out = self._call(["sbatch", "--parsable", *plan.extra["sbatch"], str(script)], env=env)
+            out = self._call(["sbatch", "--parsable", *plan.extra["sbatch"], str(script)])
         except ExecutorUnreachable as exc:
             self._note_down(str(exc))
             raise

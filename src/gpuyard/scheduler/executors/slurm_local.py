@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuyard import privileged
 from gpuyard.errors import ConfigError, StoreError
 
 TOOLS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "munged")
@@ -106,7 +107,7 @@ class LocalSlurm:
         self._start_munge()
         ports = _free_ports(2 + len(self.nodes))
         self._write_conf(ports)
-        env = {**os.environ, **self.env}
+        env = privileged.environment(self.env)  # root's daemons: the allow-list and SLURM_CONF only
         self.procs.append(
             subprocess.Popen(
                 [_which("slurmctld"), "-D", "-i"],
@@ -162,6 +163,7 @@ class LocalSlurm:
             subprocess.Popen(
                 argv,
                 preexec_fn=demote,
+                env=privileged.environment(),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
@@ -309,7 +311,11 @@ class LocalSlurm:
     def run(self, *argv: str, check: bool = True) -> str:
         """Run a Slurm tool against this cluster; its stdout."""
         proc = subprocess.run(
-            list(argv), capture_output=True, text=True, env={**os.environ, **self.env}, timeout=30
+            [privileged.program(argv[0]), *argv[1:]],
+            capture_output=True,
+            text=True,
+            env=privileged.environment(self.env),
+            timeout=30,
         )
         if check and proc.returncode != 0:
             raise StoreError(f"{' '.join(argv[:2])}: {proc.stderr.strip() or proc.returncode}")

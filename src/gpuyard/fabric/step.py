@@ -275,14 +275,55 @@ def slowest_of(gpus: int) -> float:
     return NormalDist().inv_cdf((gpus - 0.375) / (gpus + 0.25))
 
 
-def comm_time(cluster: Cluster, op: str, size: float, gpus: int, per_domain: int | None = None) -> float:
+def comm_time(
+    cluster: Cluster,
+    op: str,
+    size: float,
+    gpus: int,
+    per_domain: int | None = None,
+    remote_share: float | None = None,
+) -> float:
     """Seconds of one collective: the link measured on this machine when calibrated, else the model."""
     link = cluster.measured_links.get(op)
     if link is not None and gpus > 1 and gpus <= cluster.gpus_per_node and (per_domain or gpus) >= gpus:
         steps = {"all_reduce": 2 * (gpus - 1), "send_recv": 1, "all_to_all": 1}.get(op, gpus - 1)
         wire = size * bus_factor(op, gpus)
         return steps * link.hop_us * 1e-6 + wire / (link.bw_GBps * 1e9)
-    return collective_time(cluster, op, size, gpus, per_domain)
+    return collective_time(cluster, op, size, gpus, per_domain, remote_share)
+
+
+# Megatron-Core's dropless token dispatcher (megatron/core/transformer/moe/token_dispatcher.py,
+# MoEAlltoAllTokenDispatcher, with moe_utils.permute / sort_chunks_by_idxs / unpermute) moves each routed
+# copy of a token (2h bytes in bf16) through four memory-bound passes forward: permute into expert order
+# (read + write), sort the received chunks by local expert, unsort them, and unpermute with the routing
+# probabilities (read each copy, write one token): about 14 h bytes per routed copy plus 2 h per token.
+PERMUTE_BYTES_PER_COPY_H = 14
+PERMUTE_BYTES_PER_TOKEN_H = 2
+
+
+def permutation_bytes_per_token(model: ModelSpec, imbalance: float = 1.0) -> float:
+    """Bytes a MoE layer's token permutation and unpermutation move per token, forward (0 for dense)."""
+    if not model.is_moe:
+        return 0.0
+    copies = model.top_k * imbalance
+    return (PERMUTE_BYTES_PER_COPY_H * copies + PERMUTE_BYTES_PER_TOKEN_H) * model.hidden
+
+
+def remote_share(model: ModelSpec, ep: int, per_domain: int) -> float | None:
+    """Fraction of a token's routed copies that leave its NVLink domain in the expert all-to-all.
+
+    None (every peer's equal part, (ep - k) / ep) unless the model limits routing by node
+    (``ModelSpec.route_nodes``): DeepSeek-V3 sends each token to experts on at most 4 nodes and sends it
+    once over InfiniBand to each target node, where NVLink forwards it to the experts' GPUs
+    (DeepSeek-AI, arXiv:2412.19437, sections 2.1.2 and 3.2.2). Off-domain traffic per token is then the
+    expected number of distinct remote domains among ``top_k`` uniform picks, capped at ``route_nodes``,
+    over the ``top_k`` copies the buffer holds.
+    """
+    if not model.is_moe or not model.route_nodes or ep <= per_domain:
+        return None
+    domains = math.ceil(ep / per_domain)
+    remote = (domains - 1) * (1 - (1 - 1 / domains) ** model.top_k)
+    return min(float(model.route_nodes), remote) / model.top_k
 
 
 @dataclass(frozen=True)
@@ -443,6 +484,9 @@ def _layer_times_cached(
     elementwise = moved / (cluster.memory_bw_GBps * 1e9)
     fwd = gemm_fwd + attention + elementwise
     bwd = gemm_bwd + attention_bwd + 2 * elementwise
+    if model.is_moe:  # tokens gathered into expert order and back: memory-bound, twice over backward
+        permute = tokens / sp * permutation_bytes_per_token(model, imbalance) / (cluster.memory_bw_GBps * 1e9)
+        fwd, bwd = fwd + permute, bwd + 2 * permute
     # Kernel dispatch (zero unless calibrated): a GPU runs queued kernels while the host issues the next,
     # so dispatch shows only where it is the slower; a CPU rank dispatches and computes on one thread.
     launches = KERNELS_PER_LAYER_FWD * cluster.compute.op_overhead_us * 1e-6
@@ -517,7 +561,8 @@ def _layer_times_cached(
         passes = 3 if recompute == "full" else 2
         per_domain = max(1, min(ep, cluster.domain // (tp * cp)))
         routed_bytes = tokens * model.top_k * imbalance * h * 2 / (tp if seqpar else 1)
-        ep_comm = 2 * passes * comm_time(cluster, "all_to_all", routed_bytes, ep, per_domain)
+        share = remote_share(model, ep, per_domain)
+        ep_comm = 2 * passes * comm_time(cluster, "all_to_all", routed_bytes, ep, per_domain, share)
     return _Layer(fwd, bwd, recompute_s, attention, tp_comm, cp_comm, ep_comm, cp_exposed, tp_exposed)
 
 

@@ -495,7 +495,18 @@ def _layer_times_cached(
     else:
         fwd, bwd = fwd + launches, bwd + 2 * launches
     op_sac = recompute == "selective" and stack.selective == "op"
-    if op_sac:
+    dots_sac = (
+        recompute == "selective"
+        and stack.selective == "dots-except-mlpwi"
+        and not model.is_moe
+        and not model.is_mla
+    )
+    if dots_sac:
+        # MaxText's save_dot_except_mlpwi reruns the MLP input projections (gate and up), attention and the
+        # memory-bound operators; the other projections' outputs are saved.
+        recompute_s = elementwise + attention
+        recompute_s += ffn_count * gemm_s(ffn_rows, up / tp, h)[0]
+    elif op_sac:
         # torchtitan's per-op policy saves every compute op's output except every second matmul of a
         # block (wq, wk, wv, wo, w1, w3, w2: wk, wo and w3 are recomputed; w2 without a gate), and the
         # memory-bound operators, which it does not save.
@@ -573,12 +584,13 @@ def _stage_layers(model: ModelSpec, pp: int) -> tuple[int, int]:
 
 
 def _activation_bytes_per_token(
-    model: ModelSpec, tp: int, seqpar: bool, recompute: str, dropout: bool = True, op_sac: bool = False
+    model: ModelSpec, tp: int, seqpar: bool, recompute: str, dropout: bool = True, op_sac: bool | str = False
 ) -> float:
     """Activation bytes one layer keeps per token for the backward pass (Korthikanti et al. 2022).
 
     ``dropout``: the stack's models run dropout, so its masks are kept (``Stack.dropout``); ``op_sac``:
-    selective recomputation is torchtitan's per-op policy (``Stack.selective``). For a model with dense
+    selective recomputation is torchtitan's per-op policy (True) or MaxText's ``save_dot_except_mlpwi``
+    ("dots-except-mlpwi"), from ``Stack.selective``. For a model with dense
     and MoE layers, the average over its layers.
     """
     return sum(
@@ -610,14 +622,37 @@ def _op_sac_bytes(model: ModelSpec, tp: int, seqpar: bool) -> float:
     return kept
 
 
+def _dots_sac_bytes(model: ModelSpec, tp: int, seqpar: bool) -> float:
+    """Bytes per token one dense layer keeps under MaxText's ``save_dot_except_mlpwi`` remat policy.
+
+    ``jax.checkpoint_policies.save_only_these_names("query_proj", "value_proj", "key_proj", "qkv_proj",
+    "out_proj", "mlpwo")`` (MaxText layers/decoders.py, ``get_remat_policy``): the scanned layer's input
+    (the scan carry), the query, key and value projections, the attention output projection and the MLP's
+    down projection are kept; the MLP's input projections (mlpwi), norms, RoPE and attention are
+    recomputed. XLA reuses the recomputed buffers across layers (liveness-based buffer assignment).
+    """
+    h, sp = model.hidden, (tp if seqpar else 1)
+    kept = 2 * h / sp  # the layer input
+    kept += 2 * (model.heads + 2 * model.kv_heads) * model.head_dim / tp  # query, key, value projections
+    kept += 2 * 2 * h / sp  # out_proj and mlpwo outputs
+    return kept
+
+
 def _activation_bytes_one(
-    model: ModelSpec, tp: int, seqpar: bool, recompute: str, dropout: bool = True, op_sac: bool = False
+    model: ModelSpec,
+    tp: int,
+    seqpar: bool,
+    recompute: str,
+    dropout: bool = True,
+    op_sac: bool | str = False,
 ) -> float:
     h = model.hidden
     sp = tp if seqpar else 1
     if recompute == "full":
         return 2 * h / sp  # only the layer input
-    if recompute == "selective" and op_sac and not model.is_moe and not model.is_mla:
+    if recompute == "selective" and op_sac == "dots-except-mlpwi" and not model.is_moe and not model.is_mla:
+        return _dots_sac_bytes(model, tp, seqpar)
+    if recompute == "selective" and op_sac is True and not model.is_moe and not model.is_mla:
         return _op_sac_bytes(model, tp, seqpar)
     shared = 10 * h / sp  # norm inputs, GEMM inputs, dropout masks: replicated unless sequence-parallel
     if not dropout:  # the two hidden dropout masks (1 byte per element each) are not kept at p = 0
@@ -661,7 +696,14 @@ class _MemoryModel:
         rate = model.dropout if model.dropout is not None else profile.dropout
         self.dropout = rate > 0
         self.score_bytes = 5.0 if self.dropout else 2.0
-        self.op_sac = profile.selective == "op"
+        # What recompute="selective" keeps: torchtitan's per-op policy (True), MaxText's named policy.
+        self.op_sac: bool | str = (
+            True
+            if profile.selective == "op"
+            else "dots-except-mlpwi"
+            if profile.selective == "dots-except-mlpwi"
+            else False
+        )
         # The loss keeps fp32 log-probabilities of the micro-batch (4 bytes per logit), or with a fused
         # cross-entropy only the bf16 logits it writes the gradient into (2 bytes): gpuyard.fabric.stacks.
         self.logit_bytes = LOSS_BYTES_PER_LOGIT[profile.fused_loss]
@@ -877,8 +919,8 @@ class _StepModel:
         self.domain = cluster.domain
         self.device_memory = cluster.device_memory_bytes
         # Kept from tensors on every device: measured by calibration, else assumed (gpuyard.fabric.cluster).
-        self.reserved = cluster.compute.reserved_bytes
-        self.fragmentation = cluster.compute.fragmentation
+        self.reserved = cluster.reserved_bytes
+        self.fragmentation = cluster.fragmentation
         self.overlap_slowdown = cluster.compute.overlap_slowdown
         # The slowest of the job's GPUs sets the pace of every synchronous step (Compute.speed_spread).
         self.straggle = 1.0 + cluster.compute.speed_spread * slowest_of(gpus)

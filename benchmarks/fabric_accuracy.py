@@ -10,16 +10,23 @@ constant fitted to published runs, the GEMM efficiency of each GPU generation, i
   source, that one included). A generation only the held-out source measures (Blackwell: only
   megatron-bridge-25.11) takes the nearest generation's fit (Hopper); those rows are reported apart.
 
-The accuracy goal (issue 31) is a figure here, not a test: median <= 5% and worst <= 15% of
-|predicted / published - 1| over every leave-one-source-out row. ``tests/unit/fabric/
-test_step_accuracy.py`` only guards against regressions (each source's worst error today plus a margin).
+It leads with the figures a user meets: each source held out in turn (every constant fitted from rows
+refitted without it), its median |predicted / published - 1| and worst row, then the median over the
+sources and the worst source, every source weighing the same however many rows it has (llm-foundry
+has 216 of 308: a median over rows mostly measures that one source). The accuracy goal (issue 40) is a
+figure here, not a test: median over sources <= 5% and worst source <= 15%. The detail below it keeps
+the in-sample and every-row figures. ``tests/unit/fabric/test_step_accuracy.py`` only guards against
+regressions (each source's worst error today plus a margin).
 
     python benchmarks/fabric_accuracy.py [--plot docs/img/fabric_accuracy.png] [--quick]
 
 Last line: ``fabric_accuracy: loso_median_pct=<x> loso_max_pct=<y> own_gen_median_pct=<a>
 own_gen_max_pct=<b> borrowed_median_pct=<c> borrowed_max_pct=<d> borrowed_runs=<m> goal_met=<yes|no>
-in_sample_median_pct=<z> runs=<n> sources=<k>``: loso_* over every row; own_gen_* over the rows whose
-generation other sources measure; borrowed_* over the rows predicted with another generation's fit.
+in_sample_median_pct=<z> runs=<n> sources=<k> source_median_pct=<s> source_worst_pct=<w>
+source_worst=<name> fitted_constants=<f>``: loso_* over every row; own_gen_* over the rows whose
+generation other sources measure; borrowed_* over the rows predicted with another generation's fit;
+source_* the per-source figures above; goal_met judges those (issue 40's goal); fitted_constants counts
+the constants fitted from rows (one GEMM efficiency per generation the corpus measures).
 """
 
 from __future__ import annotations
@@ -36,13 +43,15 @@ from gpuyard.fabric.accuracy import (
     RunError,
     errors_with,
     fit_efficiencies,
+    fitted_constants,
     generation,
     leave_one_source_out,
+    per_source,
 )
 from gpuyard.fabric.published.runs import model_spec
 
-GOAL_MEDIAN_PCT = 5.0  # issue 31: median |error| over every leave-one-source-out row
-GOAL_MAX_PCT = 15.0  # and the worst row
+GOAL_MEDIAN_PCT = 5.0  # issue 40: median over sources of each held-out source's median |error|
+GOAL_WORST_SOURCE_PCT = 15.0  # and the worst source's median
 
 
 def _pct(errors: list[RunError]) -> tuple[float, float, float]:
@@ -97,35 +106,51 @@ def plot(in_sample: list[RunError], loso: dict[str, list[RunError]], path: Path)
 
 
 def main() -> int:
-    """Fit, predict, print the table and the summary line."""
+    """Fit, predict, print the per-source table first, then the detail and the summary line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plot", type=Path, help="Write the predicted-vs-published PNG here.")
-    parser.add_argument("--quick", action="store_true", help="Accepted for `make bench`; the run is ~2 s.")
+    parser.add_argument("--quick", action="store_true", help="Accepted for `make bench`; the run is ~8 s.")
     args = parser.parse_args()
 
     started = time.perf_counter()
     corpus = Corpus.load()
     names = sorted(corpus.sources)
     fitted = fit_efficiencies(corpus, set(names))
+    constants = fitted_constants(corpus)
     in_sample = errors_with(corpus, corpus.runs, fitted)
     held = leave_one_source_out(corpus)
     loso = {name: h.errors for name, h in held.items()}
-    print(f"GEMM efficiency fitted on every source: {fitted}")
+    figures = per_source(held)
+    worst = figures.worst
+
+    print("Each source held out in turn: every constant fitted from rows is refitted without it.")
+    print(f"{'source':<28} {'stack':<16} {'runs':>4}  {'median':>7} {'worst row':>9}  {'bias':>7}")
+    for f in figures.sources:
+        print(
+            f"{f.source:<28} {corpus.sources[f.source].stack:<16} {f.runs:>4}  {f.median_pct:6.1f}% "
+            f"{f.worst_pct:8.1f}%  {f.bias_pct:+6.1f}%"
+        )
+    met = figures.median_pct <= GOAL_MEDIAN_PCT and worst.median_pct <= GOAL_WORST_SOURCE_PCT
     print(
-        f"{'source':<28} {'stack':<12} {'runs':>4}  {'in-sample med/max':>18}  {'LOSO med/max':>14}  "
-        f"{'LOSO bias':>9}  fit without it"
+        f"over {len(figures.sources)} sources, each weighing the same: median {figures.median_pct:.1f}%, "
+        f"worst source {worst.source} {worst.median_pct:.1f}%; goal (median <= {GOAL_MEDIAN_PCT:.0f}%, "
+        f"worst source <= {GOAL_WORST_SOURCE_PCT:.0f}%) {'met' if met else 'NOT met'}"
     )
+    print(
+        f"constants fitted from rows: {len(constants)} (GEMM efficiency of {', '.join(constants)}); "
+        f"fitted on every source: {fitted}"
+    )
+    print()
+    print("Detail: in sample (the shipped presets' fit) and held out, with the fit used for each source.")
+    print(f"{'source':<28} {'in-sample med/max':>18}  {'LOSO med/max':>14}  fit without it")
     for name in names:
         h: HeldOut = held[name]
         mine = [e for e in in_sample if e.run.source == name]
         i_med, i_max, _ = _pct(mine)
-        l_med, l_max, bias = _pct(h.errors)
+        l_med, l_max, _ = _pct(h.errors)
         fit = ", ".join(f"{k} {v:.2f}" for k, v in sorted(h.fit.items()))
         lent = "".join(f"; {g} rows use the {n} fit" for g, n in sorted(h.borrowed.items()))
-        print(
-            f"{name:<28} {corpus.sources[name].stack:<12} {len(mine):>4}  {i_med:7.1f}% /{i_max:6.1f}%  "
-            f"{l_med:5.1f}% /{l_max:5.1f}%  {bias:+8.1f}%  {fit}{lent}"
-        )
+        print(f"{name:<28} {i_med:7.1f}% /{i_max:6.1f}%  {l_med:5.1f}% /{l_max:5.1f}%  {fit}{lent}")
     every = [e for v in loso.values() for e in v]
     own = [e for h in held.values() for e in h.rows(borrowed=False)]
     lent_rows = [e for h in held.values() for e in h.rows(borrowed=True)]
@@ -133,11 +158,9 @@ def main() -> int:
     o_med, o_max, _ = _pct(own)
     b_med, b_max, _ = _pct(lent_rows)
     i_med, i_max, _ = _pct(in_sample)
-    per_source = statistics.median(_pct(v)[0] for v in loso.values())
     print(
-        f"all runs: in-sample median {i_med:.1f}% worst {i_max:.1f}%; "
-        f"leave-one-source-out median {l_med:.1f}% worst {l_max:.1f}%; "
-        f"median of the sources' LOSO medians {per_source:.1f}% "
+        f"every row alike (llm-foundry is {len(loso['llm-foundry'])} of {len(every)}): in-sample median "
+        f"{i_med:.1f}% worst {i_max:.1f}%; leave-one-source-out median {l_med:.1f}% worst {l_max:.1f}% "
         f"({time.perf_counter() - started:.1f} s)"
     )
     print(
@@ -157,11 +180,6 @@ def main() -> int:
                 f"with the {near} fit ({h.fit[near]:.2f}): median {g_med:.1f}% worst {g_max:.1f}% "
                 f"bias {g_bias:+.1f}%"
             )
-    met = l_med <= GOAL_MEDIAN_PCT and l_max <= GOAL_MAX_PCT
-    print(
-        f"goal (median <= {GOAL_MEDIAN_PCT:.0f}%, worst <= {GOAL_MAX_PCT:.0f}% over every "
-        f"leave-one-source-out row): {'met' if met else 'NOT met'} (median {l_med:.1f}%, worst {l_max:.1f}%)"
-    )
     if args.plot:
         plot(in_sample, loso, args.plot)
         print(f"plot written to {args.plot}")
@@ -170,7 +188,9 @@ def main() -> int:
         f"own_gen_median_pct={o_med:.1f} own_gen_max_pct={o_max:.1f} "
         f"borrowed_median_pct={b_med:.1f} borrowed_max_pct={b_max:.1f} borrowed_runs={len(lent_rows)} "
         f"goal_met={'yes' if met else 'no'} in_sample_median_pct={i_med:.1f} runs={len(in_sample)} "
-        f"sources={len(names)}"
+        f"sources={len(names)} source_median_pct={figures.median_pct:.1f} "
+        f"source_worst_pct={worst.median_pct:.1f} source_worst={worst.source} "
+        f"fitted_constants={len(constants)}"
     )
     return 0
 

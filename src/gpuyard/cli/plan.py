@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import typer
@@ -64,6 +65,24 @@ def plan_command(
     compare_stack: str = typer.Option(
         None, "--compare-stack", help="Software stack on --compare (default: maxtext on a TPU, else --stack)."
     ),
+    storage: str = typer.Option(
+        None,
+        "--storage",
+        help="A storage tier (meta-tectonic, superpod-gds, s3-c5n, or a YAML/JSON file): whether loading "
+        "and checkpoint writes stall the GPUs on it; its checkpoint write time becomes the stall.",
+    ),
+    checkpoint_interval_min: float = typer.Option(
+        None,
+        "--checkpoint-interval-min",
+        min=0.001,
+        help="Checkpoint interval for the storage check, minutes (default: the best-ETTR interval).",
+    ),
+    bytes_per_sample: int = typer.Option(
+        None,
+        "--bytes-per-sample",
+        min=1,
+        help="Bytes the loader reads per sequence (default: the stored token IDs, 2 or 4 per token).",
+    ),
     top: int = typer.Option(5, "--top", help="Plans to show."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
@@ -86,9 +105,32 @@ def plan_command(
         precision=precision,
         stack=stack,
     )
+    from gpuyard.fabric.storage import check_storage, checkpoint_write_s, load_tier
+
     spec, fabric = load_model(model), load_calibrated(load_cluster(cluster), calibration)
+    tier = load_tier(storage) if storage is not None else None
     result = plan(spec, fabric, gpus, global_batch, seq_len, knobs, top)
+    if tier is not None and checkpoint_s is None:
+        checkpoint_s = checkpoint_write_s(tier, spec, gpus, fabric.gpus_per_node)
     goodput = expected_ettr(spec, fabric, gpus, checkpoint_s, restart_s)
+    storage_check = None
+    if tier is not None and result.plans:
+        if checkpoint_interval_min is not None:
+            interval = checkpoint_interval_min * 60
+        elif math.isfinite(goodput.best_interval_s) and goodput.best_interval_s > 0:
+            interval = goodput.best_interval_s
+        else:
+            interval = 3600.0  # nothing fails in the model, or free checkpoints: an hour, said in the line
+        storage_check = check_storage(
+            tier,
+            spec,
+            result.plans[0].tokens_per_s,
+            gpus,
+            fabric.gpus_per_node,
+            interval,
+            seq_len or spec.seq_len,
+            bytes_per_sample,
+        )
     other = None
     if compare is not None:
         other_fabric = load_cluster(compare)
@@ -115,6 +157,8 @@ def plan_command(
             "warnings": result.warnings,
             "ettr": goodput.to_dict(),
         }
+        if storage_check is not None:
+            doc["storage"] = storage_check.to_dict()
         if other is not None:
             o_fabric, o_gpus, o_result = other
             doc["compare"] = {
@@ -130,6 +174,9 @@ def plan_command(
         return
     print_plans(result, f"{spec.name} on {gpus} x {fabric.device_name} ({fabric.name}), batch {global_batch}")
     print_ettr(goodput)
+    if storage_check is not None:
+        for line in storage_check.lines():
+            typer.echo(line)
     if other is not None:
         o_fabric, o_gpus, o_result = other
         title = f"{spec.name} on {o_gpus} x {o_fabric.device_name} ({o_fabric.name}), batch {global_batch}"

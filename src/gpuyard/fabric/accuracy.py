@@ -260,6 +260,68 @@ def leave_one_source_out(corpus: Corpus, only: str | None = None) -> dict[str, H
     return out
 
 
+@dataclass(frozen=True)
+class SourceFigure:
+    """One held-out source as a user meets it: the median and worst of its rows' |error|, its bias."""
+
+    source: str
+    runs: int
+    median_pct: float
+    worst_pct: float
+    bias_pct: float  # median signed error (negative: predicted fast)
+
+
+@dataclass(frozen=True)
+class PerSource:
+    """Every source held out in turn, each weighing the same whatever its number of rows."""
+
+    sources: list[SourceFigure]
+
+    @property
+    def median_pct(self) -> float:
+        """The median over sources of each held-out source's median |error|."""
+        return statistics.median(s.median_pct for s in self.sources)
+
+    @property
+    def worst(self) -> SourceFigure:
+        """The source with the largest held-out median |error|."""
+        return max(self.sources, key=lambda s: (s.median_pct, s.source))
+
+
+def per_source(held: dict[str, HeldOut]) -> PerSource:
+    """The per-source figures of a leave-one-source-out run (:func:`leave_one_source_out`).
+
+    Raises:
+        ConfigError: a held-out source with no rows (its median would be undefined).
+    """
+    out = []
+    for name in sorted(held):
+        errors = held[name].errors
+        if not errors:
+            raise ConfigError(f"source {name} has no rows to judge it by")
+        values = [abs(e.error) * 100 for e in errors]
+        out.append(
+            SourceFigure(
+                name,
+                len(errors),
+                statistics.median(values),
+                max(values),
+                statistics.median(e.error * 100 for e in errors),
+            )
+        )
+    return PerSource(out)
+
+
+def fitted_constants(corpus: Corpus) -> list[str]:
+    """The constants of the model fitted from corpus rows: one GEMM efficiency per generation measured.
+
+    Everything else (attention and shape efficiencies, overlaps, MoE and TPU terms) comes from a cited
+    figure or a measurement, not from these rows. The list is what :func:`fit_efficiencies` returns
+    keys for on the whole corpus; a held-out source is always predicted with a refit without it.
+    """
+    return sorted({generation(r.device) for r in corpus.runs})
+
+
 # ----- MFU ceilings ----------------------------------------------------------------------------------
 
 

@@ -278,6 +278,31 @@ class Cluster(_Frozen):
         return None if self.device is not None else get_spec(self.accelerator)
 
     @property
+    def is_tpu(self) -> bool:
+        """True for a TPU (catalog kind ``tpu``): XLA, not a CUDA caching allocator, owns its memory."""
+        spec = self.spec
+        return spec is not None and spec.kind == "tpu"
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Device memory kept from tensors: measured, else 0 on a TPU, else the assumed CUDA 2 GiB.
+
+        XLA assigns every buffer of a compiled step ahead of time (buffer assignment, with liveness-based
+        reuse: openxla.org/xla/architecture) and runs no CUDA context, cuBLAS workspaces or NCCL buffers
+        on a TPU, so neither the CUDA reserve nor a caching allocator's overhead applies there.
+        """
+        if self.compute.memory_reserved_bytes is None and self.is_tpu:
+            return 0
+        return self.compute.reserved_bytes
+
+    @property
+    def fragmentation(self) -> float:
+        """Allocator overhead on tensor memory: measured, else 1.0 on a TPU, else the assumed 1.05."""
+        if self.compute.memory_fragmentation is None and self.is_tpu:
+            return 1.0
+        return self.compute.fragmentation
+
+    @property
     def device_name(self) -> str:
         """The accelerator's catalog name, or the custom device's name."""
         return self.device.name if self.device else self.accelerator

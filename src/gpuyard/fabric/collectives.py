@@ -358,26 +358,37 @@ def _choice_time_us(c: _Choice, size: float, n: int, measured: bool = False) -> 
     return lat + wire / (1e3 * bw)
 
 
-def _direct(op: str, size: float, p: Placement, lk: Links) -> float:
-    """all_to_all and send/recv: every peer at once over NVLink or the rank's share of the NICs (us)."""
+def _direct(op: str, size: float, p: Placement, lk: Links, remote_share: float | None = None) -> float:
+    """all_to_all and send/recv: every peer at once over NVLink or the rank's share of the NICs (us).
+
+    An all_to_all sends ``(n - k) / n`` of its buffer off the domain when every peer gets an equal part;
+    ``remote_share`` replaces that fraction where routing bounds it (node-limited MoE routing).
+    """
     n, k, m = p.gpus, p.per_domain, p.domains
     hop = BASE_LAT_US["ring"][SIMPLE] + (lk.alpha_net if m > 1 else lk.alpha_intra) * 1e6
     if op == "send_recv":
         bw = lk.bw_intra if m == 1 else lk.bw_net / k
         return hop + size / bw * 1e6
     intra_t = (k - 1) / n * size / lk.bw_intra if k > 1 else 0.0
-    net_t = (n - k) / n * size / (lk.bw_net / k) if m > 1 else 0.0
+    share = (n - k) / n if remote_share is None else remote_share
+    net_t = share * size / (lk.bw_net / k) if m > 1 else 0.0
     return hop + (n - 1) * PEER_OVERHEAD_US + max(intra_t, net_t) * 1e6
 
 
 def _nccl_time(
-    cluster: Cluster, op: str, size: float, p: Placement, algorithm: str | None = None
+    cluster: Cluster,
+    op: str,
+    size: float,
+    p: Placement,
+    algorithm: str | None = None,
+    remote_share: float | None = None,
 ) -> tuple[float, str, str]:
     """(seconds, protocol, algorithm) of the cheapest NCCL choice (or of the forced algorithm)."""
     if op in ("all_to_all", "send_recv"):
         if algorithm not in (None, "direct"):
             raise ConfigError(f"algorithm {algorithm!r} does not apply to {op}")
-        return (LAUNCH_US + _direct(op, size, p, links(cluster, p))) * 1e-6, "Simple", "direct"
+        t_us = LAUNCH_US + _direct(op, size, p, links(cluster, p), remote_share)
+        return t_us * 1e-6, "Simple", "direct"
     if algorithm == "hierarchical":
         return _hierarchical(cluster, op, size, p)
     # NCCL picks by its own predicted time; the reported time adds what a measurement also pays.
@@ -410,7 +421,9 @@ def _hierarchical(cluster: Cluster, op: str, size: float, p: Placement) -> tuple
     return t, "Simple", "hierarchical"
 
 
-def _alpha_beta_time(cluster: Cluster, op: str, size: float, p: Placement) -> tuple[float, str, str]:
+def _alpha_beta_time(
+    cluster: Cluster, op: str, size: float, p: Placement, remote_share: float | None = None
+) -> tuple[float, str, str]:
     """Clusters calibrated by ``gpuyard fabric bench`` (gloo and the like): one hop latency, one bandwidth."""
     lk = links(cluster, p)
     n, k, m = p.gpus, p.per_domain, p.domains
@@ -421,14 +434,20 @@ def _alpha_beta_time(cluster: Cluster, op: str, size: float, p: Placement) -> tu
     else:
         hop, bw = ((k - 1) * lk.alpha_intra + lk.alpha_net) / k, min(lk.bw_intra, lk.bw_net)
     if op in ("all_to_all", "send_recv"):
-        return _direct(op, size, p, lk) * 1e-6 - BASE_LAT_US["ring"][SIMPLE] * 1e-6, "alpha-beta", "direct"
+        t_us = _direct(op, size, p, lk, remote_share) - BASE_LAT_US["ring"][SIMPLE]
+        return t_us * 1e-6, "alpha-beta", "direct"
     steps = _nsteps(op, n)
     wire = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(op, (n - 1) / n) * size
     return steps * hop + wire / bw, "alpha-beta", "ring"
 
 
 def _time(
-    cluster: Cluster, op: str, size: float, p: Placement, algorithm: str | None = None
+    cluster: Cluster,
+    op: str,
+    size: float,
+    p: Placement,
+    algorithm: str | None = None,
+    remote_share: float | None = None,
 ) -> tuple[float, str, str]:
     if p.gpus <= 1:
         return 0.0, "none", "local"
@@ -439,13 +458,18 @@ def _time(
     if cluster.collective_model == "alpha-beta":
         if algorithm not in (None, "ring", "direct"):
             raise ConfigError(f"algorithm {algorithm!r} does not apply to an alpha-beta cluster")
-        return _alpha_beta_time(cluster, op, size, p)
-    return _nccl_time(cluster, op, size, p, algorithm)
+        return _alpha_beta_time(cluster, op, size, p, remote_share)
+    return _nccl_time(cluster, op, size, p, algorithm, remote_share)
 
 
 @lru_cache(maxsize=1 << 16)
 def collective_time(
-    cluster: Cluster, op: str, size_bytes: float, gpus: int, per_domain: int | None = None
+    cluster: Cluster,
+    op: str,
+    size_bytes: float,
+    gpus: int,
+    per_domain: int | None = None,
+    remote_share: float | None = None,
 ) -> float:
     """Seconds for one collective of ``size_bytes`` over ``gpus`` ranks (the planner's entry point).
 
@@ -455,13 +479,15 @@ def collective_time(
         size_bytes: nccl-tests' size (the full buffer: output of all_gather, input of reduce_scatter).
         gpus: ranks in the group.
         per_domain: ranks of the group inside one NVLink domain (default: as packed as possible).
+        remote_share: all_to_all only: the fraction of the buffer that leaves the domain, where routing
+            bounds it (default: every peer's equal part, (n - k) / n).
 
     Returns:
         The time of NCCL's cheapest (algorithm, protocol) for this size, launch cost included.
 
     Memoised: the planner asks for the same few collectives across thousands of layouts.
     """
-    return _time(cluster, op, float(size_bytes), place(cluster, gpus, per_domain))[0]
+    return _time(cluster, op, float(size_bytes), place(cluster, gpus, per_domain), None, remote_share)[0]
 
 
 def clear_caches() -> None:

@@ -107,6 +107,17 @@ def _shape_extras(doc: dict[str, Any], hidden: int, heads: int, layers: int, exp
         return out
     if isinstance(doc.get("n_shared_experts"), int) and doc["n_shared_experts"] > 0:
         out["shared_experts"] = doc["n_shared_experts"]
+    # Group-limited routing (DeepSeek-V3: n_group 8, topk_group 4): each token's experts come from at
+    # most topk_group of n_group expert groups; DeepSeek places one group per node, so it is node-limited.
+    groups, picked = doc.get("n_group"), doc.get("topk_group")
+    if (
+        type(groups) is int
+        and type(picked) is int
+        and groups > 1
+        and 0 < picked < groups
+        and experts % groups == 0
+    ):
+        out["route_nodes"] = picked
     dense = doc.get("first_k_dense_replace", 0)
     if isinstance(dense, int) and dense > 0:
         out["dense_layers"] = min(dense, layers - 1)

@@ -60,6 +60,8 @@ class ModelSpec:
             ``rope_head_dim`` positional part, each value head is ``v_head_dim`` wide.
         dropout: the model's dropout rate in training (memory: masks are kept only where it is above 0);
             None: the software stack's default (``Stack.dropout``).
+        route_nodes: node-limited routing: each token goes to experts on at most this many nodes and
+            crosses the network once per target node (DeepSeek-V3: 4); 0: unlimited.
     """
 
     name: str
@@ -85,6 +87,7 @@ class ModelSpec:
     rope_head_dim: int = 0
     v_head_dim: int = 0
     dropout: float | None = None
+    route_nodes: int = 0
 
     def expert_rows_factor(self, ep: int) -> float:
         """Routed rows the busiest expert-parallel rank computes over its balanced share."""
@@ -319,6 +322,7 @@ PRESETS: dict[str, ModelSpec] = {
         kv_lora_rank=512,
         rope_head_dim=64,
         v_head_dim=128,
+        route_nodes=4,  # "each token will be sent to at most 4 nodes" (section 4.2)
     ),
     # Qwen3-MoE: Qwen team 2025 (arXiv:2505.09388, Table 2) and Qwen/Qwen3-235B-A22B, Qwen/Qwen3-30B-A3B
     # config.json: 94 (48) layers, hidden 4096 (2048), 64 (32) query heads of 128 with 4 KV heads (so
@@ -387,6 +391,7 @@ class TransformerShape(BaseModel):
     rope_head_dim: int = Field(default=0, ge=0)
     v_head_dim: int = Field(default=0, ge=0)
     dropout: float | None = Field(default=None, ge=0, lt=1)
+    route_nodes: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TransformerShape:
@@ -409,9 +414,10 @@ class TransformerShape(BaseModel):
             )
         if self.experts and self.top_k > self.experts:
             raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
-        if not self.experts and (self.shared_experts or self.capacity_factor is not None):
+        if not self.experts and (self.shared_experts or self.capacity_factor is not None or self.route_nodes):
             raise ValueError(
-                "shared_experts and capacity_factor need a mixture-of-experts model (experts > 0)"
+                "shared_experts, capacity_factor and route_nodes need a mixture-of-experts model "
+                "(experts > 0)"
             )
         return self
 
@@ -441,6 +447,7 @@ class TransformerShape(BaseModel):
             self.rope_head_dim,
             self.v_head_dim,
             self.dropout,
+            self.route_nodes,
         )
 
 

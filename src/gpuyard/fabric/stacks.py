@@ -103,7 +103,8 @@ class Stack:
     fused_loss: bool = False
     pp_scatter_gather: bool = False
     tp_overlap_scope: str = "all"  # "all" | "micro-pipeline" (see tp_comm_overlap in the module docstring)
-    selective: str = "megatron"  # "megatron" | "op": what recompute="selective" reruns (module docstring)
+    # "megatron" | "op" | "dots-except-mlpwi": what recompute="selective" reruns (module docstring)
+    selective: str = "megatron"
     dropout: float = 0.1  # hidden and attention dropout of the models it trains (memory: masks kept)
     grad_bytes: int = 4  # gradient bytes per parameter (buffer and reduction): fp32 (4) or bf16 (2)
 
@@ -114,7 +115,11 @@ class Stack:
             raise ValueError(f"stack {self.name}: dropout {self.dropout} is not in [0, 1)")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"stack {self.name}: grad_bytes {self.grad_bytes} is not 2 or 4")
-        if self.tp_overlap_scope not in ("all", "micro-pipeline") or self.selective not in ("megatron", "op"):
+        if self.tp_overlap_scope not in ("all", "micro-pipeline") or self.selective not in (
+            "megatron",
+            "op",
+            "dots-except-mlpwi",
+        ):
             raise ValueError(f"stack {self.name}: bad tp_overlap_scope or selective")
 
 
@@ -185,6 +190,13 @@ STACKS: dict[str, Stack] = {
             "MaxText: JAX/XLA on TPU, optax AdamW, splash attention",
             loss_bytes_per_logit=12.0,
             dropout=0.0,
+            # XLA on TPU: async collective fusion overlaps the sharded layers' collectives with their
+            # matmuls (MaxText's runs set LIBTPU_INIT_ARGS --xla_tpu_enable_async_collective_fusion,
+            # ..._fuse_all_gather, ..._multiple_steps and --xla_tpu_overlap_compute_collective_tc).
+            tp_comm_overlap=True,
+            # MaxText's "selective" is remat_policy save_dot_except_mlpwi (layers/decoders.py,
+            # get_remat_policy: query/key/value/out projections and mlpwo saved, mlpwi recomputed).
+            selective="dots-except-mlpwi",
         ),
         Stack("other", 30.0, 1.0, "fa3", "a stack the corpus does not profile: fused optimizer and kernels"),
         Stack(

@@ -275,14 +275,55 @@ def slowest_of(gpus: int) -> float:
     return NormalDist().inv_cdf((gpus - 0.375) / (gpus + 0.25))
 
 
-def comm_time(cluster: Cluster, op: str, size: float, gpus: int, per_domain: int | None = None) -> float:
+def comm_time(
+    cluster: Cluster,
+    op: str,
+    size: float,
+    gpus: int,
+    per_domain: int | None = None,
+    remote_share: float | None = None,
+) -> float:
     """Seconds of one collective: the link measured on this machine when calibrated, else the model."""
     link = cluster.measured_links.get(op)
     if link is not None and gpus > 1 and gpus <= cluster.gpus_per_node and (per_domain or gpus) >= gpus:
         steps = {"all_reduce": 2 * (gpus - 1), "send_recv": 1, "all_to_all": 1}.get(op, gpus - 1)
         wire = size * bus_factor(op, gpus)
         return steps * link.hop_us * 1e-6 + wire / (link.bw_GBps * 1e9)
-    return collective_time(cluster, op, size, gpus, per_domain)
+    return collective_time(cluster, op, size, gpus, per_domain, remote_share)
+
+
+# Megatron-Core's dropless token dispatcher (megatron/core/transformer/moe/token_dispatcher.py,
+# MoEAlltoAllTokenDispatcher, with moe_utils.permute / sort_chunks_by_idxs / unpermute) moves each routed
+# copy of a token (2h bytes in bf16) through four memory-bound passes forward: permute into expert order
+# (read + write), sort the received chunks by local expert, unsort them, and unpermute with the routing
+# probabilities (read each copy, write one token): about 14 h bytes per routed copy plus 2 h per token.
+PERMUTE_BYTES_PER_COPY_H = 14
+PERMUTE_BYTES_PER_TOKEN_H = 2
+
+
+def permutation_bytes_per_token(model: ModelSpec, imbalance: float = 1.0) -> float:
+    """Bytes a MoE layer's token permutation and unpermutation move per token, forward (0 for dense)."""
+    if not model.is_moe:
+        return 0.0
+    copies = model.top_k * imbalance
+    return (PERMUTE_BYTES_PER_COPY_H * copies + PERMUTE_BYTES_PER_TOKEN_H) * model.hidden
+
+
+def remote_share(model: ModelSpec, ep: int, per_domain: int) -> float | None:
+    """Fraction of a token's routed copies that leave its NVLink domain in the expert all-to-all.
+
+    None (every peer's equal part, (ep - k) / ep) unless the model limits routing by node
+    (``ModelSpec.route_nodes``): DeepSeek-V3 sends each token to experts on at most 4 nodes and sends it
+    once over InfiniBand to each target node, where NVLink forwards it to the experts' GPUs
+    (DeepSeek-AI, arXiv:2412.19437, sections 2.1.2 and 3.2.2). Off-domain traffic per token is then the
+    expected number of distinct remote domains among ``top_k`` uniform picks, capped at ``route_nodes``,
+    over the ``top_k`` copies the buffer holds.
+    """
+    if not model.is_moe or not model.route_nodes or ep <= per_domain:
+        return None
+    domains = math.ceil(ep / per_domain)
+    remote = (domains - 1) * (1 - (1 - 1 / domains) ** model.top_k)
+    return min(float(model.route_nodes), remote) / model.top_k
 
 
 @dataclass(frozen=True)
@@ -443,6 +484,9 @@ def _layer_times_cached(
     elementwise = moved / (cluster.memory_bw_GBps * 1e9)
     fwd = gemm_fwd + attention + elementwise
     bwd = gemm_bwd + attention_bwd + 2 * elementwise
+    if model.is_moe:  # tokens gathered into expert order and back: memory-bound, twice over backward
+        permute = tokens / sp * permutation_bytes_per_token(model, imbalance) / (cluster.memory_bw_GBps * 1e9)
+        fwd, bwd = fwd + permute, bwd + 2 * permute
     # Kernel dispatch (zero unless calibrated): a GPU runs queued kernels while the host issues the next,
     # so dispatch shows only where it is the slower; a CPU rank dispatches and computes on one thread.
     launches = KERNELS_PER_LAYER_FWD * cluster.compute.op_overhead_us * 1e-6
@@ -451,7 +495,18 @@ def _layer_times_cached(
     else:
         fwd, bwd = fwd + launches, bwd + 2 * launches
     op_sac = recompute == "selective" and stack.selective == "op"
-    if op_sac:
+    dots_sac = (
+        recompute == "selective"
+        and stack.selective == "dots-except-mlpwi"
+        and not model.is_moe
+        and not model.is_mla
+    )
+    if dots_sac:
+        # MaxText's save_dot_except_mlpwi reruns the MLP input projections (gate and up), attention and the
+        # memory-bound operators; the other projections' outputs are saved.
+        recompute_s = elementwise + attention
+        recompute_s += ffn_count * gemm_s(ffn_rows, up / tp, h)[0]
+    elif op_sac:
         # torchtitan's per-op policy saves every compute op's output except every second matmul of a
         # block (wq, wk, wv, wo, w1, w3, w2: wk, wo and w3 are recomputed; w2 without a gate), and the
         # memory-bound operators, which it does not save.
@@ -517,7 +572,8 @@ def _layer_times_cached(
         passes = 3 if recompute == "full" else 2
         per_domain = max(1, min(ep, cluster.domain // (tp * cp)))
         routed_bytes = tokens * model.top_k * imbalance * h * 2 / (tp if seqpar else 1)
-        ep_comm = 2 * passes * comm_time(cluster, "all_to_all", routed_bytes, ep, per_domain)
+        share = remote_share(model, ep, per_domain)
+        ep_comm = 2 * passes * comm_time(cluster, "all_to_all", routed_bytes, ep, per_domain, share)
     return _Layer(fwd, bwd, recompute_s, attention, tp_comm, cp_comm, ep_comm, cp_exposed, tp_exposed)
 
 
@@ -528,12 +584,13 @@ def _stage_layers(model: ModelSpec, pp: int) -> tuple[int, int]:
 
 
 def _activation_bytes_per_token(
-    model: ModelSpec, tp: int, seqpar: bool, recompute: str, dropout: bool = True, op_sac: bool = False
+    model: ModelSpec, tp: int, seqpar: bool, recompute: str, dropout: bool = True, op_sac: bool | str = False
 ) -> float:
     """Activation bytes one layer keeps per token for the backward pass (Korthikanti et al. 2022).
 
     ``dropout``: the stack's models run dropout, so its masks are kept (``Stack.dropout``); ``op_sac``:
-    selective recomputation is torchtitan's per-op policy (``Stack.selective``). For a model with dense
+    selective recomputation is torchtitan's per-op policy (True) or MaxText's ``save_dot_except_mlpwi``
+    ("dots-except-mlpwi"), from ``Stack.selective``. For a model with dense
     and MoE layers, the average over its layers.
     """
     return sum(
@@ -565,14 +622,37 @@ def _op_sac_bytes(model: ModelSpec, tp: int, seqpar: bool) -> float:
     return kept
 
 
+def _dots_sac_bytes(model: ModelSpec, tp: int, seqpar: bool) -> float:
+    """Bytes per token one dense layer keeps under MaxText's ``save_dot_except_mlpwi`` remat policy.
+
+    ``jax.checkpoint_policies.save_only_these_names("query_proj", "value_proj", "key_proj", "qkv_proj",
+    "out_proj", "mlpwo")`` (MaxText layers/decoders.py, ``get_remat_policy``): the scanned layer's input
+    (the scan carry), the query, key and value projections, the attention output projection and the MLP's
+    down projection are kept; the MLP's input projections (mlpwi), norms, RoPE and attention are
+    recomputed. XLA reuses the recomputed buffers across layers (liveness-based buffer assignment).
+    """
+    h, sp = model.hidden, (tp if seqpar else 1)
+    kept = 2 * h / sp  # the layer input
+    kept += 2 * (model.heads + 2 * model.kv_heads) * model.head_dim / tp  # query, key, value projections
+    kept += 2 * 2 * h / sp  # out_proj and mlpwo outputs
+    return kept
+
+
 def _activation_bytes_one(
-    model: ModelSpec, tp: int, seqpar: bool, recompute: str, dropout: bool = True, op_sac: bool = False
+    model: ModelSpec,
+    tp: int,
+    seqpar: bool,
+    recompute: str,
+    dropout: bool = True,
+    op_sac: bool | str = False,
 ) -> float:
     h = model.hidden
     sp = tp if seqpar else 1
     if recompute == "full":
         return 2 * h / sp  # only the layer input
-    if recompute == "selective" and op_sac and not model.is_moe and not model.is_mla:
+    if recompute == "selective" and op_sac == "dots-except-mlpwi" and not model.is_moe and not model.is_mla:
+        return _dots_sac_bytes(model, tp, seqpar)
+    if recompute == "selective" and op_sac is True and not model.is_moe and not model.is_mla:
         return _op_sac_bytes(model, tp, seqpar)
     shared = 10 * h / sp  # norm inputs, GEMM inputs, dropout masks: replicated unless sequence-parallel
     if not dropout:  # the two hidden dropout masks (1 byte per element each) are not kept at p = 0
@@ -616,7 +696,14 @@ class _MemoryModel:
         rate = model.dropout if model.dropout is not None else profile.dropout
         self.dropout = rate > 0
         self.score_bytes = 5.0 if self.dropout else 2.0
-        self.op_sac = profile.selective == "op"
+        # What recompute="selective" keeps: torchtitan's per-op policy (True), MaxText's named policy.
+        self.op_sac: bool | str = (
+            True
+            if profile.selective == "op"
+            else "dots-except-mlpwi"
+            if profile.selective == "dots-except-mlpwi"
+            else False
+        )
         # The loss keeps fp32 log-probabilities of the micro-batch (4 bytes per logit), or with a fused
         # cross-entropy only the bf16 logits it writes the gradient into (2 bytes): gpuyard.fabric.stacks.
         self.logit_bytes = LOSS_BYTES_PER_LOGIT[profile.fused_loss]
@@ -832,8 +919,8 @@ class _StepModel:
         self.domain = cluster.domain
         self.device_memory = cluster.device_memory_bytes
         # Kept from tensors on every device: measured by calibration, else assumed (gpuyard.fabric.cluster).
-        self.reserved = cluster.compute.reserved_bytes
-        self.fragmentation = cluster.compute.fragmentation
+        self.reserved = cluster.reserved_bytes
+        self.fragmentation = cluster.fragmentation
         self.overlap_slowdown = cluster.compute.overlap_slowdown
         # The slowest of the job's GPUs sets the pace of every synchronous step (Compute.speed_spread).
         self.straggle = 1.0 + cluster.compute.speed_spread * slowest_of(gpus)

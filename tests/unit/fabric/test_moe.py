@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpuyard.errors import ConfigError
+from gpuyard.fabric import step as step_mod
 from gpuyard.fabric.models import PRESETS, load_model
 from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.step import ParallelConfig, estimate_step, memory_per_gpu
@@ -77,3 +78,57 @@ def test_model_file_takes_the_moe_fields_and_refuses_them_on_a_dense_model(tmp_p
     low.write_text(good.read_text().replace("load_imbalance: 1.3", "load_imbalance: 0.5"))
     with pytest.raises(ConfigError, match="load_imbalance"):
         load_model(str(low))
+
+
+def _ep_comm(model: object, ep: int, gpus: int = 512) -> float:
+    cfg = ParallelConfig(tp=1, dp=gpus, ep=ep, micro_batch=1, zero=1, recompute="none")
+    step = estimate_step(model, load_cluster("dgx-h100"), gpus, gpus, 4096, cfg)  # type: ignore[arg-type]
+    return step.breakdown.ep_comm_s  # type: ignore[attr-defined]
+
+
+def test_expert_all_to_all_grows_once_expert_parallelism_leaves_the_node() -> None:
+    v3 = replace(PRESETS["deepseek-v3"], route_nodes=0)
+    inside, two, eight = _ep_comm(v3, 8), _ep_comm(v3, 16), _ep_comm(v3, 64)
+    # Over NVLink inside one node, then over the NICs (each GPU's 50 GB/s against 450 GB/s of NVLink).
+    assert two > 2 * inside
+    assert eight > two  # more of each token's copies leave the node: (n - 8) / n of them
+
+
+def test_node_limited_routing_sends_fewer_copies_over_the_network() -> None:
+    v3 = PRESETS["deepseek-v3"]
+    unlimited = replace(v3, route_nodes=0)
+    assert v3.route_nodes == 4
+    # 64-way EP over 8 nodes: 8 picks reach about 4.6 other nodes, capped at 4, against 7 of 8 copies.
+    assert step_mod.remote_share(v3, 64, 8) == pytest.approx(0.5)
+    assert step_mod.remote_share(unlimited, 64, 8) is None
+    assert step_mod.remote_share(v3, 8, 8) is None  # inside one node: nothing to limit
+    assert _ep_comm(v3, 64) < 0.7 * _ep_comm(unlimited, 64)
+    assert _ep_comm(v3, 8) == pytest.approx(_ep_comm(unlimited, 8))
+
+
+def test_token_permutation_is_memory_traffic_of_every_routed_copy() -> None:
+    m = PRESETS["qwen3-30b-a3b"]
+    # Megatron-Core's dispatcher: 14 h bytes per routed copy and 2 h per token, forward.
+    assert step_mod.permutation_bytes_per_token(m) == (14 * 8 + 2) * m.hidden
+    assert step_mod.permutation_bytes_per_token(PRESETS["llama3-8b"]) == 0.0
+    cluster = load_cluster("dgx-h100")
+    cfg = ParallelConfig(tp=1, dp=8, ep=8, micro_batch=1, zero=1, recompute="none")
+    with_it = estimate_step(m, cluster, 8, 64, 4096, cfg).step_time_s
+    orig = (step_mod.PERMUTE_BYTES_PER_COPY_H, step_mod.PERMUTE_BYTES_PER_TOKEN_H)
+    step_mod.clear_caches()
+    try:
+        step_mod.PERMUTE_BYTES_PER_COPY_H, step_mod.PERMUTE_BYTES_PER_TOKEN_H = 0, 0
+        without = estimate_step(m, cluster, 8, 64, 4096, cfg).step_time_s
+    finally:
+        step_mod.PERMUTE_BYTES_PER_COPY_H, step_mod.PERMUTE_BYTES_PER_TOKEN_H = orig
+        step_mod.clear_caches()
+    assert with_it > without * 1.005
+
+
+def test_route_nodes_needs_a_mixture_of_experts_model(tmp_path: Path) -> None:
+    bad = tmp_path / "dense.yaml"
+    bad.write_text(
+        "layers: 4\nhidden: 512\nheads: 8\nffn_hidden: 256\nvocab: 1000\nseq_len: 512\nroute_nodes: 2\n"
+    )
+    with pytest.raises(ConfigError, match="route_nodes"):
+        load_model(str(bad))

@@ -72,7 +72,7 @@ def test_hugging_face_configs_map_to_the_presets() -> None:
         "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "q_lora_rank": 1536,
         "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
         "vocab_size": 129280, "tie_word_embeddings": False, "max_position_embeddings": 163840,
-        "attention_dropout": 0.0,
+        "attention_dropout": 0.0, "n_group": 8, "topk_group": 4,
     }  # fmt: skip
     qwen = {
         "model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288, "head_dim": 128,
@@ -85,6 +85,10 @@ def test_hugging_face_configs_map_to_the_presets() -> None:
         assert spec == PRESETS[preset]
     with pytest.raises(Exception, match="only some layers"):
         spec_from_hf_config({**qwen, "decoder_sparse_step": 2})
+    # Group-limited routing is node-limited where groups divide the experts; nonsense is ignored.
+    assert spec_from_hf_config({**v3, "topk_group": 8}).route_nodes == 0
+    assert spec_from_hf_config({**v3, "n_group": "8"}).route_nodes == 0
+    assert spec_from_hf_config({**v3, "n_group": 7}).route_nodes == 0
     # Dropout as the config states it (None: the training stack's default).
     assert spec_from_hf_config({k: v for k, v in qwen.items() if k != "attention_dropout"}).dropout is None
     assert spec_from_hf_config({**qwen, "attention_dropout": 0.1}).dropout == 0.1

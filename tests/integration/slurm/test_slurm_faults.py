@@ -345,9 +345,6 @@ def test_the_api_of_gpuyard_server_answers_while_the_controller_is_away(
 
     from gpuyard.scheduler.client import JobClient
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path / "server.log"
     markers = tmp_path / "markers"
     markers.mkdir()
@@ -357,11 +354,35 @@ def test_the_api_of_gpuyard_server_answers_while_the_controller_is_away(
         "GPUYARD_HOME": str(gpuyard_home),
         "GPUYARD_TOKEN": "t0ken-for-slurm-faults",
     }
-    argv = [sys.executable, "-m", "gpuyard.cli.main", "server", "--slurm", "--port", str(port)]
-    argv += ["--job-user", "root", "--job-dir", str(tmp_path / "jobs")]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+
+    def serve() -> tuple[subprocess.Popen[bytes], str]:
+        """The server on a free port; again on another if something took that one meanwhile (this
+        machine's other tests pick free ports too)."""
+        for _ in range(3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            argv = [sys.executable, "-m", "gpuyard.cli.main", "server", "--slurm", "--port", str(port)]
+            argv += ["--job-user", "root", "--job-dir", str(tmp_path / "jobs")]
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+            url = f"http://127.0.0.1:{port}"
+
+            def up(proc: subprocess.Popen[bytes] = proc, url: str = url) -> bool:
+                if proc.poll() is not None:
+                    return True
+                try:
+                    return httpx.get(f"{url}/health", timeout=1).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_for(up, timeout=60, every=0.1)
+            if proc.poll() is None:
+                return proc, url
+            assert "address already in use" in log.read_text(), log.read_text()
+        raise AssertionError(f"no free port for the server: {log.read_text()}")
+
+    proc, url = serve()
     release = tmp_path / "release"
     stopped = False
 
@@ -370,15 +391,6 @@ def test_the_api_of_gpuyard_server_answers_while_the_controller_is_away(
         return {"name": name, "command": ["bash", "-c", cmd], "resources": {"gpus": 1}}
 
     try:
-
-        def up() -> bool:
-            assert proc.poll() is None, log.read_text()
-            try:
-                return httpx.get(f"{url}/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(up, timeout=60, every=0.1)
         client = JobClient(url)
         long = client.submit(parse_spec(job("long", f"while [ ! -e {release} ]; do sleep 0.1; done")))
         wait_for(lambda: (markers / "long").exists(), timeout=60)

@@ -329,3 +329,94 @@ def test_a_slurmd_killed_under_a_gang_ends_the_attempt_everywhere_before_its_ret
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(line.split()[2]), signal.SIGKILL)
         cluster.run("scontrol", "update", f"NodeName={victim}", "State=RESUME", check=False)
+
+
+def test_the_api_of_gpuyard_server_answers_while_the_controller_is_away(
+    cluster: LocalSlurm, gpuyard_home: Path, tmp_path: Path
+) -> None:
+    """`gpuyard server --slurm` as a command, its controller stopped while a job runs: once the server
+    has found the controller silent (its log says so), a read and a submission over HTTP answer (the
+    store is not held by the loop's unanswered Slurm calls); both jobs then end once."""
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    from gpuyard.scheduler.client import JobClient
+
+    log = tmp_path / "server.log"
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = {
+        **os.environ,
+        **cluster.env,
+        "GPUYARD_HOME": str(gpuyard_home),
+        "GPUYARD_TOKEN": "t0ken-for-slurm-faults",
+    }
+
+    def serve() -> tuple[subprocess.Popen[bytes], str]:
+        """The server on a free port; again on another if something took that one meanwhile (this
+        machine's other tests pick free ports too)."""
+        for _ in range(3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            argv = [sys.executable, "-m", "gpuyard.cli.main", "server", "--slurm", "--port", str(port)]
+            argv += ["--job-user", "root", "--job-dir", str(tmp_path / "jobs")]
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+            url = f"http://127.0.0.1:{port}"
+
+            def up(proc: subprocess.Popen[bytes] = proc, url: str = url) -> bool:
+                if proc.poll() is not None:
+                    return True
+                try:
+                    return httpx.get(f"{url}/health", timeout=1).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_for(up, timeout=60, every=0.1)
+            if proc.poll() is None:
+                return proc, url
+            assert "address already in use" in log.read_text(), log.read_text()
+        raise AssertionError(f"no free port for the server: {log.read_text()}")
+
+    proc, url = serve()
+    release = tmp_path / "release"
+    stopped = False
+
+    def job(name: str, body: str) -> dict[str, Any]:
+        cmd = f"echo run >> {markers / name}; {body}"
+        return {"name": name, "command": ["bash", "-c", cmd], "resources": {"gpus": 1}}
+
+    try:
+        client = JobClient(url)
+        long = client.submit(parse_spec(job("long", f"while [ ! -e {release} ]; do sleep 0.1; done")))
+        wait_for(lambda: (markers / "long").exists(), timeout=60)
+        cluster.stop_controller()
+        stopped = True
+        wait_for(lambda: "unknown until it answers" in log.read_text(), timeout=60, every=0.2)
+        t0 = time.monotonic()
+        assert client.get(long["id"])["state"] == "running"
+        read_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        during = client.submit(parse_spec(job("during", "true")))
+        submit_s = time.monotonic() - t0
+        assert client.get(during["id"])["state"] == "queued"
+        cluster.start_controller()
+        stopped = False
+        release.touch()
+        for j in (long, during):
+            doc = wait_for(
+                lambda j=j: (d := client.get(j["id"]))["state"] in ("succeeded", "failed") and d, 120
+            )
+            assert (doc["state"], doc["attempts"]) == ("succeeded", 1), log.read_text()
+        assert [(markers / n).read_text().count("run") for n in ("long", "during")] == [1, 1]
+        print(f"\nHTTP during the outage: a read {read_s:.3f} s, a submission {submit_s:.3f} s")
+        client.close()
+    finally:
+        if stopped:
+            cluster.start_controller()
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -96,7 +96,7 @@ UNREACHABLE_RETRY_S = 5.0
 SUBMIT_SKEW_S = 60.0
 # How long the end of an attempt that did not succeed is held back while a node of it does not answer
 # (its slurmd may still run the attempt's tasks there, and a retry would run beside them).
-SILENT_NODE_WAIT_S = 300.0
+SILENT_NODE_WAIT_S = 120.0  # well inside MinJobAge (300 s by default), while scontrol still has the end
 # A Slurm tool's error that means the controller did not answer, not that a job is gone.
 _UNREACHABLE = re.compile(
     r"Unable to contact slurm controller|Socket timed out|Connection refused|Connection reset|"

@@ -11,6 +11,8 @@ from gpuyard.api.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_PER_ADDRESS,
+    DEFAULT_MAX_PER_TEAM,
+    DEFAULT_MAX_REQUESTS_PER_TEAM,
 )
 from gpuyard.fabric.presets import list_presets
 from gpuyard.scheduler.executors.limits import DEFAULT_LOG_MB, DEFAULT_NOFILE, DEFAULT_PIDS
@@ -160,13 +162,28 @@ def server(
         DEFAULT_MAX_CONNECTIONS,
         "--max-connections",
         min=1,
-        help="Open connections served as usual; past it only /health, /ready and admins get in.",
+        help="Open connections served without a token; past it only /health, /ready, admins and teams"
+        " under their share get in.",
     ),
     max_connections_per_address: int = typer.Option(
         DEFAULT_MAX_PER_ADDRESS,
         "--max-connections-per-address",
         min=1,
-        help="Open connections of one client address (IPv6: a /64) served as usual; past it, 429.",
+        help="Open connections of one client address (IPv6: a /64) served until a token charges them to"
+        " a team; past it, 429.",
+    ),
+    max_connections_per_team: int = typer.Option(
+        DEFAULT_MAX_PER_TEAM,
+        "--max-connections-per-team",
+        min=1,
+        help="Open connections charged to one team (by its members' and jobs' tokens) served; past it, 429.",
+    ),
+    max_requests_per_team: int = typer.Option(
+        DEFAULT_MAX_REQUESTS_PER_TEAM,
+        "--max-requests-per-team",
+        min=1,
+        max=100_000,
+        help="Requests of one team (or of one address without a token) in flight at once; past it, 429.",
     ),
 ) -> None:
     """Serve the job API and run the scheduler (state in GPUYARD_HOME or GPUYARD_DATABASE_URL)."""
@@ -215,6 +232,8 @@ def server(
         header_timeout_s=header_timeout,
         max_connections=max_connections,
         max_connections_per_address=max_connections_per_address,
+        max_connections_per_team=max_connections_per_team,
+        max_requests_per_team=max_requests_per_team,
     )
     run_server(service, options)
 

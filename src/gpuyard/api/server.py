@@ -82,11 +82,13 @@ def run_server(service: JobService, options: ServerOptions) -> None:
         health,
     )
     shown_host = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
+    disk = service.disk.describe() if service.disk is not None else "no disk shares (executor's own disk)"
     logging.getLogger("gpuyard.server").info(
-        "dashboard and API at http://%s:%d/ (OpenAPI at /docs); %s",
+        "dashboard and API at http://%s:%d/ (OpenAPI at /docs); %s; %s",
         shown_host,
         options.port,
         guard.describe(),
+        disk,
     )
     service.api_url = f"http://{_url_host(shown_host)}:{options.port}"  # for the jobs' own tokens
     stop = threading.Event()

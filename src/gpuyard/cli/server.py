@@ -138,6 +138,22 @@ def server(
         max=1_048_576,
         help="MiB of output each attempt of a job may write to its log; the rest is cut (0: not capped).",
     ),
+    team_disk_gb: float = typer.Option(
+        None,
+        "--team-disk-gb",
+        min=0,
+        max=1_048_576,
+        help="GiB one team's job folders (logs) may hold under GPUYARD_HOME; a log past its team's share"
+        " is cut (default: a quarter of the disk; 0: no team quota).",
+    ),
+    disk_reserve_mb: float = typer.Option(
+        None,
+        "--disk-reserve-mb",
+        min=0,
+        max=1_048_576,
+        help="MiB the server keeps free on GPUYARD_HOME's disk: no job's log takes it (default: 5% of"
+        " the disk, 24 MiB to 1 GiB; at least 24).",
+    ),
     job_python: str = typer.Option(
         None,
         "--job-python",
@@ -188,6 +204,7 @@ def server(
 ) -> None:
     """Serve the job API and run the scheduler (state in GPUYARD_HOME or GPUYARD_DATABASE_URL)."""
     from gpuyard.api.server import ServerOptions, run_server
+    from gpuyard.scheduler.diskshare import enable as enable_disk_shares
     from gpuyard.scheduler.executors.limits import LimitDefaults
     from gpuyard.scheduler.setup import build_service
     from gpuyard.scheduler.spec import parse_team_weights
@@ -224,6 +241,7 @@ def server(
         ),
         job_python=job_python,
     )
+    enable_disk_shares(service, team_disk_gb, disk_reserve_mb)
     options = ServerOptions(
         host=host,
         port=port,

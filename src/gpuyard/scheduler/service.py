@@ -132,6 +132,8 @@ class JobService:
         self._ended_seen: dict[int, tuple[Any, str | None]] = {}  # job -> (seen at, full disk)
         # The API's URL when a `gpuyard server` runs this service: its jobs then get a job-scoped token.
         self.api_url: str | None = None
+        # Each team's share of GPUYARD_HOME's disk (gpuyard.scheduler.diskshare.enable; None: not kept).
+        self.disk: Any = None
         if config.placement not in ("topology", "fabric"):
             raise ConfigError(f"placement {config.placement!r} is unknown; choose topology or fabric")
         if config.placement == "fabric" and fabric is None:
@@ -544,6 +546,8 @@ class JobService:
             if not self.holds_lease():
                 return
             self._reap()
+            if self.disk is not None:
+                self.disk.maybe_refresh(self.store)  # teams' disk use, log allowances, cut events
             self._apply_node_health()
             self._schedule()
 
@@ -894,6 +898,8 @@ class JobService:
                 return
             spec = JobSpec.model_validate(row.spec)
             plan = self.executor.plan(job_id, spec, slots, row.attempts + 1)
+            if self.disk is not None:
+                self.disk.grant(plan.extra, plan.log_path, spec.team)  # its log's share of the disk
             row.attempts += 1
             how = placement.how
             if spec.resources.elastic:

@@ -13,9 +13,9 @@ job as soon as it sees the cut (the job is not killed). The log cap of an attemp
 above the reserve.
 
 Efficiency: a finished job's folder is measured once (after it ends); the running jobs' folders are
-measured every ``REFRESH_S`` in the scheduling loop (a few files each); the list of job folders is read
-again every ``RESCAN_S``, so folders an operator removed stop counting. Nothing walks the whole tree on
-a write.
+measured every ``REFRESH_S`` in the scheduling loop (a few files each), their logs' sizes read with one
+``stat`` when an allowance is computed; the list of job folders is read again every ``RESCAN_S``, so
+folders an operator removed stop counting. Nothing walks the whole tree on a write.
 """
 
 from __future__ import annotations
@@ -139,6 +139,13 @@ def folder_bytes(path: Path, limit: int = MAX_ENTRIES) -> int:
 class DiskShares:
     """Per-team use of the job folders under ``jobs_dir`` and the log allowances of running attempts.
 
+    A team's use now is what its finished jobs' folders held when last measured, plus for each of its
+    active jobs what its folder holds besides the log (measured every ``REFRESH_S``) and its log's
+    size now (one ``stat``). Each attempt with an allowance gets ``its log's size + (quota - use) / n``
+    for the ``n`` such attempts of the team, rewritten for all of them whenever one starts and at every
+    refresh: their allowances never add up to more than the quota (the shim re-reads its file as soon
+    as it changes).
+
     Args:
         jobs_dir: one folder per job (GPUYARD_HOME/jobs).
         policy: the team quota and the reserve.
@@ -149,8 +156,8 @@ class DiskShares:
     def __init__(self, jobs_dir: Path, policy: DiskPolicy, work_dir: Path | None = None) -> None:
         self.jobs_dir, self.policy, self.work_dir = Path(jobs_dir), policy, work_dir
         self.finished: dict[int, tuple[str, int]] = {}  # job -> (team, bytes), measured after its end
-        self.active: dict[int, tuple[str, int]] = {}  # job -> (team, bytes), measured each refresh
-        self.usage: dict[str, int] = {}  # team -> bytes, as of the last refresh
+        self.active: dict[int, tuple[str, int, str]] = {}  # job -> (team, bytes besides its log, log)
+        self.budgets: dict[int, str] = {}  # active job -> its attempt's allowance file
         self._reported: set[str] = set()  # cut files already turned into events
         self._refreshed = float("-inf")
         self._scanned = float("-inf")
@@ -160,21 +167,30 @@ class DiskShares:
         """The startup line's phrase."""
         return self.policy.describe()
 
+    def used(self, team: str) -> int:
+        """Bytes ``team``'s job folders hold now (finished ones as last measured)."""
+        total = sum(size for t, size in self.finished.values() if t == team)
+        for t, besides, log_path in self.active.values():
+            if t == team:
+                total += besides + _size_of(log_path)
+        return total
+
     # -- at launch ---------------------------------------------------------------------------------
 
-    def grant(self, extra: dict[str, Any], log_path: str, team: str) -> None:
+    def grant(self, job_id: int, extra: dict[str, Any], log_path: str, team: str) -> None:
         """Give a new attempt its allowance: ``extra`` (the launch plan's, which becomes the handle)
-        gets the allowance file and the reserve the shim reads."""
+        gets the allowance file and the reserve the shim reads; the team's other attempts' allowances
+        shrink to make room for it."""
         exit_file = extra.get("exit_file")
         if not exit_file:
             return  # not the local executor's shim: nothing reads an allowance
         extra["disk_reserve"] = self.policy.reserve_bytes
         if self.policy.team_bytes is None:
             return
-        budget = f"{exit_file}.budget"
-        extra["log_budget"] = budget
-        sharing = 1 + sum(1 for t, _ in self.active.values() if t == team)
-        self._write_budget(budget, log_path, team, sharing)
+        extra["log_budget"] = f"{exit_file}.budget"
+        self.active[job_id] = (team, self._besides_log(job_id, log_path), log_path)
+        self.budgets[job_id] = extra["log_budget"]
+        self._allot(team)
 
     # -- in the scheduling loop --------------------------------------------------------------------
 
@@ -193,33 +209,50 @@ class DiskShares:
                 log.warning("disk shares not refreshed: %s", exc)
 
     def refresh(self, store: Any) -> None:
-        """Measure the running jobs' folders (and new finished ones), rewrite the allowances of the
+        """Measure the active jobs' folders (and new finished ones), rewrite the allowances of the
         running attempts, and record an event for each log cut since the last pass."""
         with store.session() as s:
             rows = s.execute(
-                select(JobRow.id, JobRow.team, JobRow.state, JobRow.handle).where(JobRow.state.in_(ACTIVE))
+                select(JobRow.id, JobRow.team, JobRow.state, JobRow.handle, JobRow.log_path).where(
+                    JobRow.state.in_(ACTIVE)
+                )
             ).all()
             ids = {r.id for r in rows}
             for gone in set(self.active) - ids:  # ended since the last pass: measured once more
                 team = self.active.pop(gone)[0]
+                self.budgets.pop(gone, None)
                 self.finished[gone] = (team, self._measure(gone))
             if time.monotonic() - self._scanned >= RESCAN_S:
                 self._rescan(s, ids)
             for r in rows:
-                self.active[r.id] = (r.team, self._measure(r.id))
-            usage: dict[str, int] = {}
-            for team, size in [*self.finished.values(), *self.active.values()]:
-                usage[team] = usage.get(team, 0) + size
-            self.usage = usage
-            budgets: dict[str, list[dict[str, Any]]] = {}
-            for r in rows:
                 handle = r.handle or {}
-                if handle.get("log_budget") and r.state == "running":
-                    budgets.setdefault(r.team, []).append(handle)
+                log_path = str(handle.get("log") or r.log_path or "")
+                self.active[r.id] = (r.team, self._besides_log(r.id, log_path), log_path)
+                if handle.get("log_budget"):
+                    self.budgets[r.id] = str(handle["log_budget"])
                 self._report_cut(s, r.id, r.state, handle)
-        for team, handles in budgets.items():
-            for handle in handles:
-                self._write_budget(handle["log_budget"], handle.get("log") or "", team, len(handles))
+        for team in {self.active[j][0] for j in self.budgets if j in self.active}:
+            self._allot(team)
+
+    def _allot(self, team: str) -> None:
+        """Rewrite the allowance of each attempt of ``team``: its log now plus an equal part of what
+        the team has left."""
+        quota = self.policy.team_bytes
+        if quota is None:
+            return
+        mine = [
+            (j, path) for j, path in self.budgets.items() if j in self.active and self.active[j][0] == team
+        ]
+        if not mine:
+            return
+        used = self.used(team)
+        part = max(0, quota - used) // len(mine)
+        why = (
+            f"team {team} has used {format_bytes(used)} of its {format_bytes(quota)} on the disk of "
+            "GPUYARD_HOME (gpuyard server --team-disk-gb)"
+        )
+        for job_id, path in mine:
+            _write_budget(path, _size_of(self.active[job_id][2]) + part, why)
 
     def _rescan(self, s: Any, active: set[int]) -> None:
         """List the job folders: count new finished ones (their teams read in one query), drop removed."""
@@ -244,34 +277,13 @@ class DiskShares:
             total += folder_bytes(self.work_dir / f"job-{job_id}")
         return total
 
-    def _write_budget(self, path: str, log_path: str, team: str, sharing: int) -> None:
-        """The allowance file of one attempt: the size its log may reach, and why not more."""
-        quota = self.policy.team_bytes
-        if quota is None:
-            return
-        used = self.usage.get(team, 0)
+    def _besides_log(self, job_id: int, log_path: str) -> int:
+        """What a job's folders hold besides its log (whose size is read apart, when needed)."""
         try:
-            size = os.stat(log_path).st_size if log_path else 0
+            log_blocks = os.stat(log_path).st_blocks * 512 if log_path else 0
         except OSError:
-            size = 0
-        allowed = size + max(0, quota - used) // max(1, sharing)
-        why = (
-            f"team {team} has used {format_bytes(used)} of its {format_bytes(quota)} on the disk of "
-            "GPUYARD_HOME (gpuyard server --team-disk-gb)"
-        )
-        doc = json.dumps({"size": allowed, "why": why})
-        try:
-            with contextlib.suppress(FileNotFoundError), open(path) as fh:
-                if fh.read() == doc:
-                    return
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.new"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(doc)
-            os.replace(tmp, path)
-        except OSError as exc:  # the shim keeps the last allowance it read, and the reserve holds
-            log.debug("log allowance %s not written: %s", path, exc)
+            log_blocks = 0
+        return max(0, self._measure(job_id) - log_blocks)
 
     def _report_cut(self, s: Any, job_id: int, state: str, handle: dict[str, Any]) -> None:
         exit_file = handle.get("exit_file")
@@ -290,6 +302,31 @@ class DiskShares:
         kept = int(doc.get("kept", 0)) if isinstance(doc, dict) else 0
         reason = f"log cut at {format_bytes(kept)}: {why}; the job goes on, its further output is discarded"
         s.add(JobEventRow(job_id=job_id, from_state=state, to_state=state, reason=reason))
+
+
+def _size_of(path: str) -> int:
+    try:
+        return os.stat(path).st_size if path else 0
+    except OSError:
+        return 0
+
+
+def _write_budget(path: str, size: int, why: str) -> None:
+    """An attempt's allowance file: the size its log may reach, and why not more (written atomically;
+    unchanged content is not rewritten)."""
+    doc = json.dumps({"size": size, "why": why})
+    try:
+        with contextlib.suppress(FileNotFoundError), open(path) as fh:
+            if fh.read() == doc:
+                return
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.new"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(doc)
+        os.replace(tmp, path)
+    except OSError as exc:  # the shim keeps the last allowance it read, and the reserve holds
+        log.debug("log allowance %s not written: %s", path, exc)
 
 
 def enable(service: Any, team_gb: float | None, reserve_mb: float | None) -> DiskShares | None:

@@ -899,7 +899,7 @@ class JobService:
             spec = JobSpec.model_validate(row.spec)
             plan = self.executor.plan(job_id, spec, slots, row.attempts + 1)
             if self.disk is not None:
-                self.disk.grant(plan.extra, plan.log_path, spec.team)  # its log's share of the disk
+                self.disk.grant(job_id, plan.extra, plan.log_path, spec.team)  # its log's share of the disk
             row.attempts += 1
             how = placement.how
             if spec.resources.elastic:

@@ -73,18 +73,24 @@ def test_allowances_split_a_teams_remaining_quota_and_cuts_become_events(gpuyard
     _write(jobs / str(other) / "output.log", 2 * MIB)
     shares = DiskShares(jobs, DiskPolicy(team_bytes=8 * MIB, reserve_bytes=24 * MIB))
     shares.refresh(store)
-    assert 5 * MIB <= shares.usage["a"] < 5 * MIB + 64 * 1024  # 3 MiB finished + 2 x 1 MiB running
-    assert 2 * MIB <= shares.usage["b"] < 2 * MIB + 64 * 1024
-    left = 8 * MIB - shares.usage["a"]
+    used = shares.used("a")
+    assert 5 * MIB <= used < 5 * MIB + 64 * 1024  # 3 MiB finished + 2 x 1 MiB running
+    assert 2 * MIB <= shares.used("b") < 2 * MIB + 64 * 1024
     for _, handle in running:
         doc = json.loads(Path(handle["log_budget"]).read_text())
-        assert doc["size"] == MIB + left // 2  # its log now plus half of what team a has left
+        assert doc["size"] == MIB + (8 * MIB - used) // 2  # its log now plus half of what a has left
         assert doc["why"].startswith("team a has used 5 MiB of its 8 MiB") and "--team-disk-gb" in doc["why"]
-    # A new attempt of team a shares what is left three ways; team b is not touched by a's use.
-    extra = {"exit_file": str(jobs / "99" / "attempt-1.exit")}
-    shares.grant(extra, str(jobs / "99" / "output.log"), "a")
+    # A new attempt of team a: what is left is shared three ways, the running ones' allowances shrink
+    # at once, and all of them together stay within the quota.
+    extra: dict[str, Any] = {"exit_file": str(jobs / "99" / "attempt-1.exit")}
+    shares.grant(99, extra, str(jobs / "99" / "output.log"), "a")
     assert extra["disk_reserve"] == 24 * MIB
-    assert json.loads(Path(extra["log_budget"]).read_text())["size"] == left // 3
+    allowed = [json.loads(Path(h["log_budget"]).read_text())["size"] for _, h in running]
+    allowed.append(json.loads(Path(extra["log_budget"]).read_text())["size"])
+    assert allowed == [MIB + (8 * MIB - used) // 3] * 2 + [(8 * MIB - used) // 3]
+    assert sum(allowed) + (used - 2 * MIB) <= 8 * MIB
+    # Team b's use is its own.
+    assert shares.used("b") < 2 * MIB + 64 * 1024
     # The shim's cut marker becomes one event on the job, once.
     jid, handle = running[0]
     Path(handle["exit_file"] + ".cut").write_text(json.dumps({"kept": 3 * MIB, "why": "team a has used"}))
@@ -99,7 +105,7 @@ def test_allowances_split_a_teams_remaining_quota_and_cuts_become_events(gpuyard
     shutil.rmtree(jobs / str(done))
     shares._scanned = float("-inf")
     shares.refresh(store)
-    assert shares.usage["a"] < 3 * MIB
+    assert shares.used("a") < 3 * MIB
 
 
 def test_a_reserve_under_the_submission_floor_is_refused(tmp_path: Path) -> None:

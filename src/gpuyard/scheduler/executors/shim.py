@@ -20,10 +20,10 @@ With ``--job FILE`` (`gpuyard server`) the file holds what the command gets:
   one line saying where it was cut; the rest is read and discarded (the job is not blocked).
 - ``log_budget`` and ``disk_reserve`` (`gpuyard server`'s disk shares): the log is also cut once it
   would pass the size the server allows it (``log_budget`` names a JSON file ``{"size": BYTES, "why":
-  TEXT}`` the server rewrites as the team's quota is used, read again at most every
-  ``BUDGET_EVERY_S``), or would leave less than ``disk_reserve`` bytes free on its disk (checked before
-  every write). The cut is said in the log and, at once, in ``EXIT_FILE.cut`` (JSON: why), which the
-  server turns into a job event while the job runs.
+  TEXT}`` the server rewrites as the team's quota is used, read again whenever it changes), or would
+  leave less than ``disk_reserve`` bytes free on its disk (checked before every write). The cut is
+  said in the log and, at once, in ``EXIT_FILE.cut`` (JSON: why), which the server turns into a job
+  event while the job runs.
 - ``namespace``: a private mount namespace for the job (root only): its own ``/dev/shm`` (tmpfs) and a
   ``/proc`` that hides other users' processes (hidepid).
 
@@ -43,7 +43,6 @@ import time
 from collections.abc import Callable  # already loaded at start-up; typing is not: the shim starts fast
 
 CLONE_NEWNS = 0x00020000
-BUDGET_EVERY_S = 0.5
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
 
 
@@ -176,7 +175,7 @@ class _Bounds:
     def __init__(self, cap: int, budget_file: str | None, reserve: int) -> None:
         self.cap, self.budget_file, self.reserve = cap, budget_file, reserve
         self.budget: dict | None = None
-        self.read_at = 0.0
+        self.seen: tuple | None = None
         try:
             self.size = os.fstat(1).st_size  # the log is opened for appending: earlier attempts' output
         except OSError:
@@ -188,10 +187,14 @@ class _Bounds:
         if self.cap and self.cap - written < room:
             room, why = self.cap - written, ""  # the --job-log-mb cut keeps its own words
         if self.budget_file:
-            now = time.monotonic()
-            if now - self.read_at >= BUDGET_EVERY_S:
-                self.read_at = now
-                with contextlib.suppress(OSError, ValueError, TypeError):
+            try:  # one stat per write: the server's new allowance is seen at once
+                info = os.stat(self.budget_file)
+                seen = (info.st_ino, info.st_mtime_ns, info.st_size)
+            except OSError:
+                seen = None
+            if seen is not None and seen != self.seen:
+                self.seen = seen
+                with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
                     with open(self.budget_file) as fh:
                         doc = json.load(fh)
                     self.budget = {"size": int(doc["size"]), "why": str(doc.get("why", ""))[:300]}

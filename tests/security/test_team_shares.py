@@ -257,7 +257,7 @@ def test_a_job_writing_logs_past_the_disk_leaves_the_reserve_and_another_teams_s
 
         reasons = wait_for(cut_events, timeout=90, every=0.2)
         for reason in reasons:
-            assert "team alpha has used" in reason and "--team-disk-gb" in reason, reason
+            assert "share of team alpha's disk quota" in reason and "--team-disk-gb" in reason, reason
             assert "the job goes on" in reason
         # Both still run: cut, not killed.
         for jid in floods:
@@ -289,7 +289,7 @@ def test_a_job_writing_logs_past_the_disk_leaves_the_reserve_and_another_teams_s
         assert sum(sizes) <= 16 * 2**20, sizes
         for p in logs:
             tail = p.read_bytes()[-600:].decode(errors="replace")
-            assert "[gpuyard: log cut here after" in tail and "team alpha has used" in tail, tail
+            assert "[gpuyard: log cut here after" in tail and "share of team alpha's disk quota" in tail, tail
         release.touch()
         for jid in floods:
             doc = wait_for(

@@ -247,9 +247,10 @@ class DiskShares:
             return
         used = self.used(team)
         part = max(0, quota - used) // len(mine)
+        running = f"{len(mine)} attempts" if len(mine) > 1 else "1 attempt"
         why = (
-            f"team {team} has used {format_bytes(used)} of its {format_bytes(quota)} on the disk of "
-            "GPUYARD_HOME (gpuyard server --team-disk-gb)"
+            f"its share of team {team}'s disk quota, {format_bytes(quota)} under GPUYARD_HOME (gpuyard "
+            f"server --team-disk-gb): the team had used {format_bytes(used)}, {running} sharing the rest"
         )
         for job_id, path in mine:
             _write_budget(path, _size_of(self.active[job_id][2]) + part, why)

@@ -79,7 +79,10 @@ def test_allowances_split_a_teams_remaining_quota_and_cuts_become_events(gpuyard
     for _, handle in running:
         doc = json.loads(Path(handle["log_budget"]).read_text())
         assert doc["size"] == MIB + (8 * MIB - used) // 2  # its log now plus half of what a has left
-        assert doc["why"].startswith("team a has used 5 MiB of its 8 MiB") and "--team-disk-gb" in doc["why"]
+        assert doc["why"] == (
+            "its share of team a's disk quota, 8 MiB under GPUYARD_HOME (gpuyard server --team-disk-gb): "
+            "the team had used 5 MiB, 2 attempts sharing the rest"
+        )
     # A new attempt of team a: what is left is shared three ways, the running ones' allowances shrink
     # at once, and all of them together stay within the quota.
     extra: dict[str, Any] = {"exit_file": str(jobs / "99" / "attempt-1.exit")}
@@ -93,12 +96,12 @@ def test_allowances_split_a_teams_remaining_quota_and_cuts_become_events(gpuyard
     assert shares.used("b") < 2 * MIB + 64 * 1024
     # The shim's cut marker becomes one event on the job, once.
     jid, handle = running[0]
-    Path(handle["exit_file"] + ".cut").write_text(json.dumps({"kept": 3 * MIB, "why": "team a has used"}))
+    Path(handle["exit_file"] + ".cut").write_text(json.dumps({"kept": 3 * MIB, "why": "team a's quota"}))
     shares.refresh(store)
     shares.refresh(store)
     with store.read() as s:
         reasons = [e.reason for e in s.scalars(select(JobEventRow).where(JobEventRow.job_id == jid))]
-    assert reasons == ["log cut at 3 MiB: team a has used; the job goes on, its further output is discarded"]
+    assert reasons == ["log cut at 3 MiB: team a's quota; the job goes on, its further output is discarded"]
     # A finished job's folder removed by an operator stops counting at the next listing.
     import shutil
 
@@ -141,7 +144,7 @@ WRITE = (
 
 def test_the_shim_cuts_a_log_at_its_allowance_and_says_why(tmp_path: Path) -> None:
     budget = tmp_path / "a.exit.budget"
-    why = "team a has used 7 MiB of its 8 MiB on the disk of GPUYARD_HOME (gpuyard server --team-disk-gb)"
+    why = "its share of team a's disk quota, 8 MiB under GPUYARD_HOME (gpuyard server --team-disk-gb): ..."
     budget.write_text(json.dumps({"size": 100_000, "why": why}))
     handle = _shim(tmp_path, [sys.executable, "-c", WRITE.format(n=16)], log_budget=str(budget))
     data = Path(handle["log"]).read_bytes()

@@ -44,6 +44,9 @@ MIN_RESERVE_BYTES = 24 * MIB
 DEFAULT_TEAM_FRACTION = 0.25  # of the disk of GPUYARD_HOME, without --team-disk-gb
 REFRESH_S = 2.0
 RESCAN_S = 60.0
+# Left out of each attempt's allowance: its job, pid, exit and allowance files and the cut's own lines,
+# written past the allowance (a few KiB), so that the team's files together stay within its quota.
+ATTEMPT_FILES_BYTES = 16 << 10
 MAX_ENTRIES = 100_000  # files counted per job folder per measure (a folder of millions is "at least")
 ACTIVE = ("scheduled", "running")
 
@@ -246,7 +249,7 @@ class DiskShares:
         if not mine:
             return
         used = self.used(team)
-        part = max(0, quota - used) // len(mine)
+        part = max(0, quota - used - ATTEMPT_FILES_BYTES * len(mine)) // len(mine)
         running = f"{len(mine)} attempts" if len(mine) > 1 else "1 attempt"
         why = (
             f"its share of team {team}'s disk quota, {format_bytes(quota)} under GPUYARD_HOME (gpuyard "

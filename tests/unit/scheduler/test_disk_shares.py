@@ -78,7 +78,8 @@ def test_allowances_split_a_teams_remaining_quota_and_cuts_become_events(gpuyard
     assert 2 * MIB <= shares.used("b") < 2 * MIB + 64 * 1024
     for _, handle in running:
         doc = json.loads(Path(handle["log_budget"]).read_text())
-        assert doc["size"] == MIB + (8 * MIB - used) // 2  # its log now plus half of what a has left
+        # Its log now plus half of what team a has left, less 16 KiB for the attempt's small files.
+        assert doc["size"] == MIB + (8 * MIB - used - 2 * 16384) // 2
         assert doc["why"] == (
             "its share of team a's disk quota, 8 MiB under GPUYARD_HOME (gpuyard server --team-disk-gb): "
             "the team had used 5 MiB, 2 attempts sharing the rest"
@@ -90,7 +91,8 @@ def test_allowances_split_a_teams_remaining_quota_and_cuts_become_events(gpuyard
     assert extra["disk_reserve"] == 24 * MIB
     allowed = [json.loads(Path(h["log_budget"]).read_text())["size"] for _, h in running]
     allowed.append(json.loads(Path(extra["log_budget"]).read_text())["size"])
-    assert allowed == [MIB + (8 * MIB - used) // 3] * 2 + [(8 * MIB - used) // 3]
+    part = (8 * MIB - used - 3 * 16384) // 3
+    assert allowed == [MIB + part] * 2 + [part]
     assert sum(allowed) + (used - 2 * MIB) <= 8 * MIB
     # Team b's use is its own.
     assert shares.used("b") < 2 * MIB + 64 * 1024

@@ -154,6 +154,14 @@ def server(
         help="MiB the server keeps free on GPUYARD_HOME's disk: no job's log takes it (default: 5% of"
         " the disk, 24 MiB to 1 GiB; at least 24).",
     ),
+    max_queued_per_team: int = typer.Option(
+        None,
+        "--max-queued-per-team",
+        min=1,
+        max=10_000_000,
+        help="Jobs one team may have waiting (queued or preempted) at once; past it a submission is 429"
+        " (default: 10000).",
+    ),
     job_python: str = typer.Option(
         None,
         "--job-python",
@@ -242,6 +250,8 @@ def server(
         job_python=job_python,
     )
     enable_disk_shares(service, team_disk_gb, disk_reserve_mb)
+    if max_queued_per_team is not None:
+        service.max_queued_per_team = max_queued_per_team
     options = ServerOptions(
         host=host,
         port=port,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError as DuplicateRow
 from sqlalchemy.orm import Session
 
@@ -79,6 +79,16 @@ class DiskFullError(StoreError):
     http_status = 507
 
 
+# Jobs one team may have waiting (queued or preempted) at once (gpuyard server --max-queued-per-team).
+DEFAULT_MAX_QUEUED_PER_TEAM = 10_000
+
+
+class QueueFullError(CapacityError):
+    """A team already has its most jobs waiting: HTTP 429 (the others' submissions are not affected)."""
+
+    http_status = 429
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """How the server schedules.
@@ -134,6 +144,9 @@ class JobService:
         self.api_url: str | None = None
         # Each team's share of GPUYARD_HOME's disk (gpuyard.scheduler.diskshare.enable; None: not kept).
         self.disk: Any = None
+        # Jobs one team may have waiting at once (None: no bound): one team's flood of submissions
+        # neither grows the queue every tick walks without end nor crowds the others out of it.
+        self.max_queued_per_team: int | None = DEFAULT_MAX_QUEUED_PER_TEAM
         if config.placement not in ("topology", "fabric"):
             raise ConfigError(f"placement {config.placement!r} is unknown; choose topology or fabric")
         if config.placement == "fabric" and fabric is None:
@@ -238,6 +251,26 @@ class JobService:
                     "free space there and resubmit"
                 )
 
+    def check_queue(self, team: str) -> None:
+        """Refuse a submission of ``team`` while it has ``max_queued_per_team`` jobs waiting.
+
+        Raises:
+            QueueFullError: the team's waiting jobs are at the bound (names it and the option).
+        """
+        cap = self.max_queued_per_team
+        if cap is None:
+            return
+        waiting = (JobState.QUEUED.value, JobState.PREEMPTED.value)
+        with self.store.read() as s:
+            n = s.scalar(
+                select(func.count()).select_from(JobRow).where(JobRow.team == team, JobRow.state.in_(waiting))
+            )
+        if n is not None and n >= cap:
+            raise QueueFullError(
+                f"team {team} has {n} jobs waiting, at most {cap} (gpuyard server --max-queued-per-team); "
+                "submit more once some have started, or cancel some"
+            )
+
     def _disk_folders(self) -> list[str]:
         folders = []
         database = self.store.engine.url.database if self.store.is_sqlite else None
@@ -276,6 +309,7 @@ class JobService:
             return first, False
         self.check(spec)
         self.check_disk()
+        self.check_queue(spec.team)
         try:
             doc = self._insert(spec, idempotency_key)
         except DuplicateRow:

@@ -82,7 +82,11 @@ def run_server(service: JobService, options: ServerOptions) -> None:
         health,
     )
     shown_host = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
-    disk = service.disk.describe() if service.disk is not None else "no disk shares (executor's own disk)"
+    disk = (
+        service.disk.describe()
+        if service.disk is not None
+        else "no disk shares per team (logs are written by the executor's nodes)"
+    )
     logging.getLogger("gpuyard.server").info(
         "dashboard and API at http://%s:%d/ (OpenAPI at /docs); %s; %s",
         shown_host,

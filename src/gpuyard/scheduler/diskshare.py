@@ -339,8 +339,8 @@ def enable(service: Any, team_gb: float | None, reserve_mb: float | None) -> Dis
     from gpuyard.settings import load_settings
 
     jobs_dir = getattr(service.executor, "jobs_dir", None)
-    if jobs_dir is None:
-        return None
+    if jobs_dir is None or service.executor.name != "local":
+        return None  # Ray and Slurm write logs on their nodes, by their own means: no shim cuts them
     home = load_settings().home
     policy = resolve_policy(home, team_gb, reserve_mb)
     isolation = getattr(service.executor, "isolation", None)

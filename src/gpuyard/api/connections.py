@@ -1,24 +1,40 @@
-"""Connection limits of `gpuyard server`: a header timeout, caps per client address and in total.
+"""Connection limits of `gpuyard server`: a header timeout, and shares of the server per team, per
+client address and in total.
 
 uvicorn keeps a connection that never sends a request (or half of one) open forever and accepts
 connections until the process runs out of file descriptors; then nobody gets in, ``/health``
-included. :class:`ConnectionGuard` sits at two layers of the same server:
+included. And a job on the server's machine shares the server's address (127.0.0.1) with every other
+team's jobs and clients, so caps counted by address alone let one team's job refuse the others.
+:class:`ConnectionGuard` sits at two layers of the same server:
 
 - the HTTP protocol (a subclass of uvicorn's, :func:`guarded_protocol`) registers every connection
   when it is accepted and forgets it when it closes. A connection whose request headers are not
   complete ``header_timeout_s`` after it opened, or after its previous response, is answered 408 and
   closed. Past ``max_connections + reserve`` open connections, the oldest idle connection (no request
-  in flight) of the address that holds the most is closed to make room; when none is idle the new
-  connection is answered 503 and closed at once. The server's descriptors are thus bounded.
-- the ASGI application (:meth:`ConnectionGuard.wrap`) sees each request with its connection. A
-  connection opened while its address already held ``per_address`` connections, or while the server
-  held ``max_connections``, is in the *reserve*: on it only ``/health``, ``/ready`` and requests with
-  an admin token are served; others get 429 (the address's cap) or 503 (the total) with
-  ``Connection: close``, naming the cap. So a member holding thousands of connections neither
-  reaches other members' share nor keeps an operator out.
+  in flight) of the *holder* with the most connections is closed to make room; when none is idle the
+  new connection is answered 503 and closed at once. The server's descriptors are thus bounded.
+- the ASGI application (:meth:`ConnectionGuard.wrap`) sees each request with its connection and its
+  token, and charges the connection to a holder:
 
-An address is an IPv4 address or an IPv6 /64 (one host usually has a whole /64). What the guard did
-is logged at most once per ``LOG_EVERY_S`` as one line per address, never per connection.
+  * a connection is charged to its **address** (an IPv4 address, an IPv6 /64) from its accept until a
+    request on it carries a valid token;
+  * from then on it is charged to the token's **team** (a member's, a viewer's or a job's token: the
+    team of its user), or to the admins (never refused);
+  * a connection that joined its holder while the holder already had its share (``per_address``
+    connections of an address, ``per_team`` of a team) is served only ``/health`` and ``/ready``
+    until the holder is back under its share: 429 naming the cap, with ``Connection: close``. An
+    address's connection opened while the server held ``max_connections`` is likewise refused
+    (503) until a token charges it to a team: the total cap is for connections nobody has claimed;
+  * at most ``per_team_requests`` requests of one holder are in flight at once (worker threads,
+    database sessions); the next is answered 429 at once.
+
+  So a team's request is judged by its own team's connections and requests, never by the address it
+  shares with others: however many connections one job holds, idle or not, another team's request
+  gets in (its new connection evicts the oldest idle one of the largest holder) and is served. Each
+  share is at most half of ``max_connections`` (lowered to it at start, said in the log).
+
+What the guard did is logged at most once per ``LOG_EVERY_S`` as one line per holder, never per
+connection.
 """
 
 from __future__ import annotations
@@ -26,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import ipaddress
 import json
 import logging
@@ -40,6 +57,8 @@ from gpuyard.api.limits import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_PER_ADDRESS,
+    DEFAULT_MAX_PER_TEAM,
+    DEFAULT_MAX_REQUESTS_PER_TEAM,
     DEFAULT_RESERVE,
 )
 
@@ -57,6 +76,12 @@ LOG_EVERY_S = 10.0
 SWEEP_BATCH = 128
 # Requests served on any connection, even one over a cap: liveness and readiness probes.
 ALWAYS_SERVED = ("/health", "/ready")
+# The holder of admins' connections (never refused); teams are "team NAME", addresses their address.
+ADMINS = "admins"
+TEAM_PREFIX = "team "
+# How long a token's holder is remembered (the app authenticates every request itself, at once).
+IDENTITY_TTL_S = 5.0
+IDENTITY_CACHE = 4096
 
 
 def raise_nofile_limit() -> int:
@@ -99,8 +124,18 @@ class _Conn:
     protocol: Any
     peer: tuple[str, int] | None
     address: str
-    over: str | None  # None, "address" or "total": the cap it was opened over
+    holder: str  # its address until a token charges it to a team (or to the admins)
+    over: str | None  # None, "share" (its holder's) or "total": the cap it joined over
     busy: int = 0  # requests in flight
+
+
+def team_holder(team: str) -> str:
+    """The holder name of a team's connections (never an address: addresses hold no space)."""
+    return TEAM_PREFIX + team
+
+
+def _shown(holder: str) -> str:
+    return f"of team {holder[len(TEAM_PREFIX) :]}" if holder.startswith(TEAM_PREFIX) else f"from {holder}"
 
 
 @dataclass
@@ -122,11 +157,15 @@ class ConnectionGuard:
 
     Args:
         max_connections: connections served as usual; above it, new ones are in the reserve.
-        per_address: connections of one address served as usual; above it, new ones are in the reserve.
-        reserve: connections allowed past ``max_connections`` (probes and admins get in through them).
+        per_address: connections of one address served before a token charges them to a team.
+        reserve: connections allowed past ``max_connections`` (probes, admins and teams under their
+            share get in through them).
         header_timeout_s: a request's headers must be complete this long after the connection opened or
             its previous response ended.
-        is_admin: whether a bearer token is an admin's (called in a worker thread; None: nobody is).
+        identify: a bearer token's holder: :data:`ADMINS` or :func:`team_holder` of its team; raises for
+            an invalid token (called in a worker thread; None: every request is its address's).
+        per_team: connections charged to one team served as usual.
+        per_team_requests: requests of one holder (team or address) in flight at once.
     """
 
     def __init__(
@@ -135,15 +174,24 @@ class ConnectionGuard:
         per_address: int = DEFAULT_MAX_PER_ADDRESS,
         reserve: int = DEFAULT_RESERVE,
         header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-        is_admin: Callable[[str], bool] | None = None,
+        identify: Callable[[str], str] | None = None,
+        per_team: int = DEFAULT_MAX_PER_TEAM,
+        per_team_requests: int = DEFAULT_MAX_REQUESTS_PER_TEAM,
     ) -> None:
-        if max_connections < 1 or per_address < 1 or reserve < 1 or header_timeout_s <= 0:
+        if (
+            min(max_connections, per_address, reserve, per_team, per_team_requests) < 1
+            or header_timeout_s <= 0
+        ):
             raise ValueError("connection limits: caps and the reserve must be >= 1, the timeout > 0")
         self.max_connections, self.per_address, self.reserve = max_connections, per_address, reserve
+        self.per_team, self.per_team_requests = per_team, per_team_requests
         self.header_timeout_s = header_timeout_s
-        self.is_admin = is_admin
+        self.identify = identify
         self.conns: dict[tuple[str, int] | None, _Conn] = {}  # by peer, as in the ASGI scope's client
-        self.by_address: dict[str, OrderedDict[int, _Conn]] = {}  # oldest first
+        self.by_holder: dict[str, OrderedDict[int, _Conn]] = {}  # oldest first
+        self.in_flight: Counter[str] = Counter()  # requests being served, by holder
+        # sha256(token) -> (holder or None for an invalid token, until when): LRU, IDENTITY_CACHE at most
+        self._identities: OrderedDict[bytes, tuple[str | None, float]] = OrderedDict()
         self.tally = _Tally()
         # Connections waiting for a request's headers, by deadline (armed in time order: oldest first).
         self.waiting: OrderedDict[_Conn, float] = OrderedDict()
@@ -159,28 +207,45 @@ class ConnectionGuard:
         per_address: int = DEFAULT_MAX_PER_ADDRESS,
         reserve: int = DEFAULT_RESERVE,
         header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-        is_admin: Callable[[str], bool] | None = None,
+        identify: Callable[[str], str] | None = None,
+        per_team: int = DEFAULT_MAX_PER_TEAM,
+        per_team_requests: int = DEFAULT_MAX_REQUESTS_PER_TEAM,
     ) -> tuple[ConnectionGuard, str | None]:
-        """A guard whose caps fit ``nofile`` descriptors, and a note when they had to be lowered."""
+        """A guard whose caps fit ``nofile`` descriptors, and a note when they had to be lowered.
+
+        No one holder's share may pass half of ``max_connections``: what one team or address holds
+        leaves the other half to the rest.
+        """
         budget = max(nofile - FD_MARGIN, nofile // 2)
-        note = None
+        notes = []
         if max_connections + reserve > budget:
             reserve = max(1, min(reserve, budget // 16))
             lowered = max(1, budget - reserve)
-            note = (
+            notes.append(
                 f"--max-connections {max_connections} lowered to {lowered}: the open-file limit is {nofile} "
                 "(raise the hard limit, e.g. LimitNOFILE= in the systemd unit, for more)"
             )
             max_connections = lowered
-        per_address = min(per_address, max_connections)
-        guard = cls(max_connections, per_address, reserve, header_timeout_s, is_admin)
-        return guard, note
+        half = max(1, max_connections // 2)
+        for option, value in (("per-address", per_address), ("per-team", per_team)):
+            if value > half:
+                notes.append(
+                    f"--max-connections-{option} {value} lowered to {half}: one holder's share is at most "
+                    f"half of --max-connections ({max_connections})"
+                )
+        per_address, per_team = min(per_address, half), min(per_team, half)
+        guard = cls(
+            max_connections, per_address, reserve, header_timeout_s, identify, per_team, per_team_requests
+        )
+        return guard, "; ".join(notes) or None
 
     def describe(self) -> str:
         """One phrase for the server's startup line."""
         return (
-            f"connections: at most {self.max_connections} (+{self.reserve} for /health and admins), "
-            f"{self.per_address} per address, request headers within {self.header_timeout_s:g} s"
+            f"connections: {self.per_team} per team and {self.per_team_requests} of its requests in flight, "
+            f"{self.per_address} per address until a token names the team, at most "
+            f"{self.max_connections} unclaimed (+{self.reserve}), request headers within "
+            f"{self.header_timeout_s:g} s"
         )
 
     # -- the protocol side -------------------------------------------------------------------------
@@ -189,30 +254,53 @@ class ConnectionGuard:
         """A connection was accepted (``protocol.client``: its peer; ``protocol.transport``)."""
         peer = protocol.client
         address = address_of(peer)
-        mine = self.by_address.get(address)
         total = len(self.conns)
-        over = (
-            "address"
-            if mine is not None and len(mine) >= self.per_address
-            else "total"
-            if total >= self.max_connections
-            else None
-        )
         if total >= self.max_connections + self.reserve and not self._evict():
             self.tally.refused[address] += 1
             self._note()
             _close(protocol.transport, 503, self._full_detail())
             return
-        conn = _Conn(protocol, peer, address, over)
+        conn = _Conn(protocol, peer, address, address, None)
         old = self.conns.get(peer)
         if old is not None:  # a peer seen again before its close was noticed: forget the old one
             self._forget(old)
         self.conns[peer] = conn
-        self.by_address.setdefault(address, OrderedDict())[id(conn)] = conn
-        if over is not None:
-            self.tally.reserve[address] += 1
-            self._note()
+        self._join(conn, address)
         self._arm(conn)
+
+    def _join(self, conn: _Conn, holder: str) -> None:
+        """Charge ``conn`` to ``holder``: over its share if the holder had its share already."""
+        mine = self.by_holder.setdefault(holder, OrderedDict())
+        cap = self._share(holder)
+        if cap is not None and len(mine) >= cap:
+            conn.over = "share"
+        elif holder == conn.address and len(self.conns) > self.max_connections:
+            conn.over = "total"  # unclaimed connections past the total: only a token gets them served
+        else:
+            conn.over = None
+        conn.holder = holder
+        mine[id(conn)] = conn
+        if conn.over is not None:
+            self.tally.reserve[holder] += 1
+            self._note()
+
+    def _move(self, conn: _Conn, holder: str) -> None:
+        """Charge ``conn`` to ``holder`` instead of its present one (its token named another)."""
+        self._leave(conn)
+        self._join(conn, holder)
+
+    def _leave(self, conn: _Conn) -> None:
+        mine = self.by_holder.get(conn.holder)
+        if mine is not None:
+            mine.pop(id(conn), None)
+            if not mine:
+                del self.by_holder[conn.holder]
+
+    def _share(self, holder: str) -> int | None:
+        """Connections served as usual for ``holder`` (None: no cap, the admins)."""
+        if holder == ADMINS:
+            return None
+        return self.per_team if holder.startswith(TEAM_PREFIX) else self.per_address
 
     def closed(self, protocol: Any) -> None:
         """A connection closed (either side)."""
@@ -224,11 +312,7 @@ class ConnectionGuard:
         self.waiting.pop(conn, None)
         if self.conns.get(conn.peer) is conn:
             del self.conns[conn.peer]
-        mine = self.by_address.get(conn.address)
-        if mine is not None:
-            mine.pop(id(conn), None)
-            if not mine:
-                del self.by_address[conn.address]
+        self._leave(conn)
 
     def _arm(self, conn: _Conn) -> None:
         """Start the connection's header clock (one sweep timer serves every connection)."""
@@ -257,7 +341,7 @@ class ConnectionGuard:
             if deadline > now:
                 break
             self._forget(conn)
-            self.tally.timed_out[conn.address] += 1
+            self.tally.timed_out[conn.holder] += 1
             _close(conn.protocol.transport, 408, detail)
             closed += 1
         if self.tally.timed_out:
@@ -269,12 +353,12 @@ class ConnectionGuard:
             self._sweep = asyncio.get_running_loop().call_later(wait, self._timed_out)
 
     def _evict(self) -> bool:
-        """Close the oldest idle connection of the address holding the most; False when none is idle."""
-        for address in sorted(self.by_address, key=lambda a: -len(self.by_address[a])):
-            for conn in self.by_address[address].values():
+        """Close the oldest idle connection of the holder with the most; False when none is idle."""
+        for holder in sorted(self.by_holder, key=lambda h: -len(self.by_holder[h])):
+            for conn in self.by_holder[holder].values():
                 if not conn.busy:
                     self._forget(conn)
-                    self.tally.evicted[address] += 1
+                    self.tally.evicted[holder] += 1
                     self._note()
                     conn.protocol.transport.abort()  # idle: nothing of its to flush
                     return True
@@ -289,7 +373,8 @@ class ConnectionGuard:
     # -- the application side ----------------------------------------------------------------------
 
     def wrap(self, app: ASGIApp) -> ASGIApp:
-        """``app`` with each HTTP request checked against its connection's reserve status."""
+        """``app`` with each HTTP request charged to its connection's holder and checked against its
+        shares (see the module's docstring)."""
 
         async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
             conn = self.conns.get(scope.get("client")) if scope["type"] == "http" else None
@@ -298,47 +383,80 @@ class ConnectionGuard:
                 return
             conn.busy += 1
             self._disarm(conn)
+            charged: str | None = None
             try:
-                refusal = await self._refusal(conn, scope)
+                refusal, charged = await self._admit(conn, scope)
                 if refusal is not None:
                     await _answer(send, *refusal)
                     return
                 await app(scope, receive, send)
             finally:
+                if charged is not None:
+                    self.in_flight[charged] -= 1
+                    if self.in_flight[charged] <= 0:
+                        del self.in_flight[charged]
                 conn.busy -= 1
                 if not conn.busy and self.conns.get(conn.peer) is conn:
                     self._arm(conn)  # the next request's headers are due within the timeout
 
         return guarded
 
-    async def _refusal(self, conn: _Conn, scope: Scope) -> tuple[int, str] | None:
-        """None to serve the request; else the status and detail to answer it with."""
-        if conn.over is None:
-            return None
-        mine = len(self.by_address.get(conn.address, ()))
-        if conn.over == "address" and mine <= self.per_address and len(self.conns) <= self.max_connections:
+    async def _admit(self, conn: _Conn, scope: Scope) -> tuple[tuple[int, str] | None, str | None]:
+        """Charge the request's connection to its token's holder; return the refusal (None to serve:
+        status and detail else) and the holder whose in-flight count it took (None: not counted)."""
+        if scope.get("path", "").rstrip("/") in ALWAYS_SERVED:
+            return None, None  # probes: always, uncounted (an async route: no worker thread)
+        holder = await self._holder(scope)
+        if self.conns.get(conn.peer) is not conn:
+            return (503, "connection closed while its token was checked"), None
+        if holder is not None and holder != conn.holder:
+            self._move(conn, holder)
+        holder = conn.holder
+        if holder == ADMINS:
+            return None, None
+        if conn.over == "share" and len(self.by_holder.get(holder, ())) <= (self._share(holder) or 0):
             conn.over = None  # the pressure is gone: an ordinary connection from now on
-            return None
         if conn.over == "total" and len(self.conns) <= self.max_connections:
             conn.over = None
-            return None
-        if scope.get("path", "").rstrip("/") in ALWAYS_SERVED or await self._admin(scope):
-            return None
-        self.tally.refused_requests[conn.address] += 1
-        self._note()
-        if conn.over == "address":
-            return 429, (
-                f"too many connections from {conn.address}: {mine} open, at most {self.per_address} "
-                "per address (gpuyard server --max-connections-per-address); close idle ones and retry"
+        if conn.over is not None:
+            self.tally.refused_requests[holder] += 1
+            self._note()
+            return self._over_detail(conn), None
+        if self.in_flight[holder] >= self.per_team_requests:
+            self.tally.refused_requests[holder] += 1
+            self._note()
+            who = f"team {holder[len(TEAM_PREFIX) :]}" if holder.startswith(TEAM_PREFIX) else holder
+            return (
+                429,
+                f"too many requests of {who} in flight: {self.in_flight[holder]}, at most "
+                f"{self.per_team_requests} (gpuyard server --max-requests-per-team); retry when they end",
+            ), None
+        self.in_flight[holder] += 1
+        return None, holder
+
+    def _over_detail(self, conn: _Conn) -> tuple[int, str]:
+        mine = len(self.by_holder.get(conn.holder, ()))
+        if conn.over == "total":
+            return 503, (
+                f"server at its connection cap: {len(self.conns)} open, at most {self.max_connections} "
+                "without a token (gpuyard server --max-connections); retry shortly, with a token"
             )
-        return 503, (
-            f"server at its connection cap: {len(self.conns)} open, at most {self.max_connections} "
-            "(gpuyard server --max-connections); retry shortly"
+        if conn.holder.startswith(TEAM_PREFIX):
+            return 429, (
+                f"too many connections of team {conn.holder[len(TEAM_PREFIX) :]}: {mine} open, at most "
+                f"{self.per_team} per team (gpuyard server --max-connections-per-team); close idle ones "
+                "and retry"
+            )
+        return 429, (
+            f"too many connections from {conn.address}: {mine} open without a token, at most "
+            f"{self.per_address} per address (gpuyard server --max-connections-per-address); close idle "
+            "ones and retry, or send a token: a team's requests count against its own share"
         )
 
-    async def _admin(self, scope: Scope) -> bool:
-        if self.is_admin is None:
-            return False
+    async def _holder(self, scope: Scope) -> str | None:
+        """The holder the request's bearer token names (None: no token, or an invalid one)."""
+        if self.identify is None:
+            return None
         token = None
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
@@ -346,14 +464,25 @@ class ConnectionGuard:
                 if scheme.lower() == "bearer":
                     token = rest.strip()
         if not token:
-            return False
+            return None
+        key = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+        now = time.monotonic()
+        known = self._identities.get(key)
+        if known is not None and known[1] > now:
+            self._identities.move_to_end(key)
+            return known[0]
         from anyio import to_thread
 
-        check = self.is_admin
+        check = self.identify
         try:
-            return bool(await to_thread.run_sync(lambda: check(token)))
-        except Exception:  # an unknown or revoked token, a store error: not an admin
-            return False
+            holder: str | None = str(await to_thread.run_sync(lambda: check(token)))
+        except Exception:  # an unknown, revoked or expired token, a store error: its address's
+            holder = None
+        self._identities[key] = (holder, time.monotonic() + IDENTITY_TTL_S)
+        self._identities.move_to_end(key)
+        while len(self._identities) > IDENTITY_CACHE:
+            self._identities.popitem(last=False)
+        return holder
 
     # -- the log -----------------------------------------------------------------------------------
 
@@ -365,36 +494,37 @@ class ConnectionGuard:
         self._flush = asyncio.get_running_loop().call_later(wait, self.flush_log)
 
     def flush_log(self) -> None:
-        """Log what the guard did since the last line: one line per address."""
+        """Log what the guard did since the last line: one line per holder (address or team)."""
         self._flush = None
         tally, self.tally = self.tally, _Tally()
         if not tally:
             return
         self._last_log = time.monotonic()
-        addresses = (
+        holders = (
             set(tally.reserve)
             | set(tally.refused_requests)
             | set(tally.evicted)
             | set(tally.refused)
             | set(tally.timed_out)
         )
-        for address in sorted(addresses):
+        for holder in sorted(holders):
             parts = [
                 f"{n} {what}"
                 for n, what in (
-                    (tally.reserve[address], "opened over a cap"),
-                    (tally.refused_requests[address], "requests refused (429/503)"),
-                    (tally.evicted[address], "idle connections closed to make room"),
-                    (tally.timed_out[address], "closed without complete headers (408)"),
-                    (tally.refused[address], "refused (503, all busy)"),
+                    (tally.reserve[holder], "opened over a cap"),
+                    (tally.refused_requests[holder], "requests refused (429/503)"),
+                    (tally.evicted[holder], "idle connections closed to make room"),
+                    (tally.timed_out[holder], "closed without complete headers (408)"),
+                    (tally.refused[holder], "refused (503, all busy)"),
                 )
                 if n
             ]
             log.warning(
-                "connections from %s: %s; %d open now (caps: %d per address, %d in total)",
-                address,
+                "connections %s: %s; %d open now (caps: %d per team, %d per address, %d unclaimed in total)",
+                _shown(holder),
                 ", ".join(parts),
-                len(self.by_address.get(address, ())),
+                len(self.by_holder.get(holder, ())),
+                self.per_team,
                 self.per_address,
                 self.max_connections,
             )

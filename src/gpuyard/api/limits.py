@@ -28,9 +28,13 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 
 # Connections (gpuyard.api.connections): a request's headers must arrive within this many seconds of
-# the connection opening (or of its previous response); open connections served as usual in total and
-# per client address, and how many more are let in for /health, /ready and admins.
+# the connection opening (or of its previous response); open connections served as usual without a
+# token in total and per client address; how many more are let in (probes, admins, teams under their
+# share); connections of one team; requests of one team (or address) in flight at once, under the 40
+# worker threads FastAPI's routes run in, so one team never holds them all.
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_MAX_CONNECTIONS = 4096
 DEFAULT_MAX_PER_ADDRESS = 512
 DEFAULT_RESERVE = 64
+DEFAULT_MAX_PER_TEAM = 512
+DEFAULT_MAX_REQUESTS_PER_TEAM = 24

@@ -8,13 +8,21 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from gpuyard.api.connections import ConnectionGuard, guarded_protocol, raise_nofile_limit
+from gpuyard.api.connections import (
+    ADMINS,
+    ConnectionGuard,
+    guarded_protocol,
+    raise_nofile_limit,
+    team_holder,
+)
 from gpuyard.api.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_PER_ADDRESS,
+    DEFAULT_MAX_PER_TEAM,
+    DEFAULT_MAX_REQUESTS_PER_TEAM,
 )
 from gpuyard.scheduler.service import JobService
 
@@ -31,6 +39,8 @@ class ServerOptions:
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_connections_per_address: int = DEFAULT_MAX_PER_ADDRESS
+    max_connections_per_team: int = DEFAULT_MAX_PER_TEAM
+    max_requests_per_team: int = DEFAULT_MAX_REQUESTS_PER_TEAM
 
 
 def run_server(service: JobService, options: ServerOptions) -> None:
@@ -72,11 +82,17 @@ def run_server(service: JobService, options: ServerOptions) -> None:
         health,
     )
     shown_host = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
+    disk = (
+        service.disk.describe()
+        if service.disk is not None
+        else "no disk shares per team (logs are written by the executor's nodes)"
+    )
     logging.getLogger("gpuyard.server").info(
-        "dashboard and API at http://%s:%d/ (OpenAPI at /docs); %s",
+        "dashboard and API at http://%s:%d/ (OpenAPI at /docs); %s; %s",
         shown_host,
         options.port,
         guard.describe(),
+        disk,
     )
     service.api_url = f"http://{_url_host(shown_host)}:{options.port}"  # for the jobs' own tokens
     stop = threading.Event()
@@ -105,12 +121,18 @@ def connection_guard(options: ServerOptions) -> ConnectionGuard:
     """The connection limits of ``options``, fitted to the open-file limit (raised to its hard limit)."""
     from gpuyard.auth import authenticate
 
+    def identify(token: str) -> str:
+        principal = authenticate(token)  # a job's token: its submitter's team
+        return ADMINS if principal.is_admin else team_holder(principal.team)
+
     guard, note = ConnectionGuard.fitted(
         raise_nofile_limit(),
         max_connections=options.max_connections,
         per_address=options.max_connections_per_address,
         header_timeout_s=options.header_timeout_s,
-        is_admin=lambda token: authenticate(token).is_admin,
+        identify=identify,
+        per_team=options.max_connections_per_team,
+        per_team_requests=options.max_requests_per_team,
     )
     if note is not None:
         logging.getLogger("gpuyard.server").warning("%s", note)

@@ -11,6 +11,8 @@ from gpuyard.api.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_PER_ADDRESS,
+    DEFAULT_MAX_PER_TEAM,
+    DEFAULT_MAX_REQUESTS_PER_TEAM,
 )
 from gpuyard.fabric.presets import list_presets
 from gpuyard.scheduler.executors.limits import DEFAULT_LOG_MB, DEFAULT_NOFILE, DEFAULT_PIDS
@@ -136,6 +138,30 @@ def server(
         max=1_048_576,
         help="MiB of output each attempt of a job may write to its log; the rest is cut (0: not capped).",
     ),
+    team_disk_gb: float = typer.Option(
+        None,
+        "--team-disk-gb",
+        min=0,
+        max=1_048_576,
+        help="GiB one team's job folders (logs) may hold under GPUYARD_HOME; a log past its team's share"
+        " is cut (default: a quarter of the disk; 0: no team quota).",
+    ),
+    disk_reserve_mb: float = typer.Option(
+        None,
+        "--disk-reserve-mb",
+        min=0,
+        max=1_048_576,
+        help="MiB the server keeps free on GPUYARD_HOME's disk: no job's log takes it (default: 5% of"
+        " the disk, 24 MiB to 1 GiB; at least 24).",
+    ),
+    max_queued_per_team: int = typer.Option(
+        None,
+        "--max-queued-per-team",
+        min=1,
+        max=10_000_000,
+        help="Jobs one team may have waiting (queued or preempted) at once; past it a submission is 429"
+        " (default: 10000).",
+    ),
     job_python: str = typer.Option(
         None,
         "--job-python",
@@ -160,17 +186,33 @@ def server(
         DEFAULT_MAX_CONNECTIONS,
         "--max-connections",
         min=1,
-        help="Open connections served as usual; past it only /health, /ready and admins get in.",
+        help="Open connections served without a token; past it only /health, /ready, admins and teams"
+        " under their share get in.",
     ),
     max_connections_per_address: int = typer.Option(
         DEFAULT_MAX_PER_ADDRESS,
         "--max-connections-per-address",
         min=1,
-        help="Open connections of one client address (IPv6: a /64) served as usual; past it, 429.",
+        help="Open connections of one client address (IPv6: a /64) served until a token charges them to"
+        " a team; past it, 429.",
+    ),
+    max_connections_per_team: int = typer.Option(
+        DEFAULT_MAX_PER_TEAM,
+        "--max-connections-per-team",
+        min=1,
+        help="Open connections charged to one team (by its members' and jobs' tokens) served; past it, 429.",
+    ),
+    max_requests_per_team: int = typer.Option(
+        DEFAULT_MAX_REQUESTS_PER_TEAM,
+        "--max-requests-per-team",
+        min=1,
+        max=100_000,
+        help="Requests of one team (or of one address without a token) in flight at once; past it, 429.",
     ),
 ) -> None:
     """Serve the job API and run the scheduler (state in GPUYARD_HOME or GPUYARD_DATABASE_URL)."""
     from gpuyard.api.server import ServerOptions, run_server
+    from gpuyard.scheduler.diskshare import enable as enable_disk_shares
     from gpuyard.scheduler.executors.limits import LimitDefaults
     from gpuyard.scheduler.setup import build_service
     from gpuyard.scheduler.spec import parse_team_weights
@@ -207,6 +249,9 @@ def server(
         ),
         job_python=job_python,
     )
+    enable_disk_shares(service, team_disk_gb, disk_reserve_mb)
+    if max_queued_per_team is not None:
+        service.max_queued_per_team = max_queued_per_team
     options = ServerOptions(
         host=host,
         port=port,
@@ -215,6 +260,8 @@ def server(
         header_timeout_s=header_timeout,
         max_connections=max_connections,
         max_connections_per_address=max_connections_per_address,
+        max_connections_per_team=max_connections_per_team,
+        max_requests_per_team=max_requests_per_team,
     )
     run_server(service, options)
 

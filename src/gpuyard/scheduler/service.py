@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError as DuplicateRow
 from sqlalchemy.orm import Session
 
@@ -81,6 +81,16 @@ class DiskFullError(StoreError):
     http_status = 507
 
 
+# Jobs one team may have waiting (queued or preempted) at once (gpuyard server --max-queued-per-team).
+DEFAULT_MAX_QUEUED_PER_TEAM = 10_000
+
+
+class QueueFullError(CapacityError):
+    """A team already has its most jobs waiting: HTTP 429 (the others' submissions are not affected)."""
+
+    http_status = 429
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """How the server schedules.
@@ -136,6 +146,11 @@ class JobService:
         self._stops: list[tuple[int, dict[str, Any]]] = []
         # The API's URL when a `gpuyard server` runs this service: its jobs then get a job-scoped token.
         self.api_url: str | None = None
+        # Each team's share of GPUYARD_HOME's disk (gpuyard.scheduler.diskshare.enable; None: not kept).
+        self.disk: Any = None
+        # Jobs one team may have waiting at once (None: no bound): one team's flood of submissions
+        # neither grows the queue every tick walks without end nor crowds the others out of it.
+        self.max_queued_per_team: int | None = DEFAULT_MAX_QUEUED_PER_TEAM
         if config.placement not in ("topology", "fabric"):
             raise ConfigError(f"placement {config.placement!r} is unknown; choose topology or fabric")
         if config.placement == "fabric" and fabric is None:
@@ -250,6 +265,26 @@ class JobService:
                     "free space there and resubmit"
                 )
 
+    def check_queue(self, team: str) -> None:
+        """Refuse a submission of ``team`` while it has ``max_queued_per_team`` jobs waiting.
+
+        Raises:
+            QueueFullError: the team's waiting jobs are at the bound (names it and the option).
+        """
+        cap = self.max_queued_per_team
+        if cap is None:
+            return
+        waiting = (JobState.QUEUED.value, JobState.PREEMPTED.value)
+        with self.store.read() as s:
+            n = s.scalar(
+                select(func.count()).select_from(JobRow).where(JobRow.team == team, JobRow.state.in_(waiting))
+            )
+        if n is not None and n >= cap:
+            raise QueueFullError(
+                f"team {team} has {n} jobs waiting, at most {cap} (gpuyard server --max-queued-per-team); "
+                "submit more once some have started, or cancel some"
+            )
+
     def _disk_folders(self) -> list[str]:
         folders = []
         database = self.store.engine.url.database if self.store.is_sqlite else None
@@ -288,6 +323,7 @@ class JobService:
             return first, False
         self.check(spec)
         self.check_disk()
+        self.check_queue(spec.team)
         try:
             doc = self._insert(spec, idempotency_key)
         except DuplicateRow:
@@ -578,6 +614,8 @@ class JobService:
             if not self.holds_lease():
                 return
             self._reap()
+            if self.disk is not None:
+                self.disk.maybe_refresh(self.store)  # teams' disk use, log allowances, cut events
             self._apply_node_health()
             self._schedule()
 
@@ -1001,6 +1039,8 @@ class JobService:
                 return
             spec = JobSpec.model_validate(row.spec)
             plan = self.executor.plan(job_id, spec, slots, row.attempts + 1)
+            if self.disk is not None:
+                self.disk.grant(job_id, plan.extra, plan.log_path, spec.team)  # its log's share of the disk
             row.attempts += 1
             how = placement.how
             if spec.resources.elastic:

@@ -193,6 +193,9 @@ class LocalExecutor(Executor):
             "cgroup": cgroup,
             "rlimits": job_limits.rlimits(limits, conf.cgroups, uid),
             "log_cap": limits.log_bytes,
+            # The server's disk shares (gpuyard.scheduler.diskshare), when it keeps them.
+            "log_budget": plan.extra.get("log_budget"),
+            "disk_reserve": plan.extra.get("disk_reserve"),
             "namespace": namespace,
         }
 
@@ -320,7 +323,12 @@ def _ended(handle: dict[str, Any], lost: bool) -> ExitStatus:
         last = _last_line(handle.get("log"))
         reason = f"exit code {code}: {last}" if last else f"exit code {code} (the command could not run)"
     cut = why.get("log_cut")
-    if isinstance(cut, dict) and limits.log_bytes:
+    if isinstance(cut, dict) and cut.get("why"):  # the team's disk quota or the disk's reserve
+        notes.append(
+            f"log cut at {job_limits.format_bytes(int(cut.get('kept', 0)))} ({str(cut['why'])[:300]}): "
+            f"{int(cut.get('dropped', 0))} more bytes of output discarded"
+        )
+    elif isinstance(cut, dict) and limits.log_bytes:
         notes.append(
             f"log cut at {job_limits.format_bytes(limits.log_bytes)} (--job-log-mb): "
             f"{int(cut.get('dropped', 0))} more bytes of output discarded"

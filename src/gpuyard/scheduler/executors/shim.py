@@ -18,6 +18,12 @@ With ``--job FILE`` (`gpuyard server`) the file holds what the command gets:
 - ``rlimits``: setrlimit values (NOFILE, DATA, NPROC) set in the command before it runs.
 - ``log_cap``: the command's output goes through a pipe: the first ``log_cap`` bytes reach the log, then
   one line saying where it was cut; the rest is read and discarded (the job is not blocked).
+- ``log_budget`` and ``disk_reserve`` (`gpuyard server`'s disk shares): the log is also cut once it
+  would pass the size the server allows it (``log_budget`` names a JSON file ``{"size": BYTES, "why":
+  TEXT}`` the server rewrites as the team's quota is used, read again whenever it changes), or would
+  leave less than ``disk_reserve`` bytes free on its disk (checked before every write). The cut is
+  said in the log and, at once, in ``EXIT_FILE.cut`` (JSON: why), which the server turns into a job
+  event while the job runs.
 - ``namespace``: a private mount namespace for the job (root only): its own ``/dev/shm`` (tmpfs), a
   ``/proc`` that hides other users' processes (hidepid) and, with ``tmp``, that folder (the attempt's
   own, 0700) as its ``/tmp``, the folders in ``keep`` bound back at their paths inside it.
@@ -63,7 +69,7 @@ def main() -> int:
     folder = os.open(os.path.dirname(os.path.abspath(exit_file)), os.O_RDONLY | os.O_DIRECTORY)
     name = os.path.basename(exit_file)
     why: dict = {}
-    code = _run(argv, job, why)
+    code = _run(argv, job, why, exit_file)
     if why:
         _write_at(folder, name + ".why", json.dumps(why))
     _write_at(folder, name, str(code))
@@ -78,7 +84,7 @@ def _write_at(folder: int, name: str, text: str) -> None:
     os.replace(name + ".tmp", name, src_dir_fd=folder, dst_dir_fd=folder)
 
 
-def _run(argv: list, job: dict, why: dict) -> int:
+def _run(argv: list, job: dict, why: dict, exit_file: str = "") -> int:
     err_r, err_w = os.pipe()  # the command's user/folder/limit failure, said before it exits 126
     kwargs: dict = {}
     if job:
@@ -90,7 +96,8 @@ def _run(argv: list, job: dict, why: dict) -> int:
         if job.get("uid") is not None:
             kwargs.update(user=job["uid"], group=job["gid"], extra_groups=[])
     cap = job.get("log_cap")
-    if cap:
+    piped = bool(cap or job.get("log_budget") or job.get("disk_reserve"))
+    if piped:
         kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if job.get("namespace"):
         try:
@@ -122,9 +129,12 @@ def _run(argv: list, job: dict, why: dict) -> int:
         os.close(err_w)
     said = _read_all(err_r)
     copier = None
-    if cap:
+    if piped:
         assert proc.stdout is not None
-        copier = threading.Thread(target=_copy, args=(proc.stdout.fileno(), int(cap), why), daemon=True)
+        bounds = _Bounds(int(cap or 0), job.get("log_budget"), int(job.get("disk_reserve") or 0))
+        copier = threading.Thread(
+            target=_copy, args=(proc.stdout.fileno(), bounds, why, exit_file), daemon=True
+        )
         copier.start()
     code = proc.wait()
     if said:
@@ -171,9 +181,57 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def _copy(src: int, cap: int, why: dict) -> None:
-    """Copy the command's output to the log (our stdout) up to ``cap`` bytes, then discard it."""
+class _Bounds:
+    """What the log may still take: the attempt's cap, the server's allowance, the disk's reserve."""
+
+    def __init__(self, cap: int, budget_file: str | None, reserve: int) -> None:
+        self.cap, self.budget_file, self.reserve = cap, budget_file, reserve
+        self.budget: dict | None = None
+        self.seen: tuple | None = None
+        try:
+            self.size = os.fstat(1).st_size  # the log is opened for appending: earlier attempts' output
+        except OSError:
+            self.size = 0
+
+    def room(self, written: int, want: int) -> tuple[int, str]:
+        """Bytes of ``want`` that may be written now, and why not more ("" when all may)."""
+        room, why = want, ""
+        if self.cap and self.cap - written < room:
+            room, why = self.cap - written, ""  # the --job-log-mb cut keeps its own words
+        if self.budget_file:
+            try:  # one stat per write: the server's new allowance is seen at once
+                info = os.stat(self.budget_file)
+                seen = (info.st_ino, info.st_mtime_ns, info.st_size)
+            except OSError:
+                seen = None
+            if seen is not None and seen != self.seen:
+                self.seen = seen
+                with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+                    with open(self.budget_file) as fh:
+                        doc = json.load(fh)
+                    self.budget = {"size": int(doc["size"]), "why": str(doc.get("why", ""))[:300]}
+            if self.budget is not None and self.budget["size"] - self.size < room:
+                room, why = self.budget["size"] - self.size, self.budget["why"] or "the server's allowance"
+        if self.reserve:
+            try:
+                st = os.fstatvfs(1)
+            except OSError:
+                st = None
+            if st is not None:
+                free = st.f_bavail * st.f_frsize
+                if free - self.reserve < room:
+                    room = free - self.reserve
+                    why = (
+                        f"the log's disk has {_size(max(free, 0))} free and the server keeps "
+                        f"{_size(self.reserve)} of it (--disk-reserve-mb)"
+                    )
+        return max(0, room), why
+
+
+def _copy(src: int, bounds: _Bounds, why: dict, exit_file: str = "") -> None:
+    """Copy the command's output to the log (our stdout) while ``bounds`` allow, then discard it."""
     written = dropped = 0
+    cut: str | None = None  # why the log was cut ("" for the attempt's cap)
     while True:
         try:
             chunk = os.read(src, 1 << 16)
@@ -181,21 +239,40 @@ def _copy(src: int, cap: int, why: dict) -> None:
             break
         if not chunk:
             break
-        if written < cap:
-            part = chunk[: cap - written]
-            written += _write_out(part)
-            dropped += len(chunk) - len(part)
-            if written >= cap:
-                note = (
-                    f"\n[gpuyard: log cut here after {_size(cap)} of this attempt (--job-log-mb); "
-                    "the rest is discarded]\n"
-                )
-                _write_out(note.encode())
-        else:
+        if cut is not None:
             dropped += len(chunk)
+            continue
+        room, reason = bounds.room(written, len(chunk))
+        part = chunk[:room]
+        done = _write_out(part) if part else 0
+        written += done
+        bounds.size += done
+        dropped += len(chunk) - done
+        if done < len(chunk):
+            cut = reason if done == len(part) else "no space left on the log's disk"
+            if cut:
+                note = f"\n[gpuyard: log cut here after {_size(written)} of this attempt: {cut}; "
+            else:
+                note = f"\n[gpuyard: log cut here after {_size(bounds.cap)} of this attempt (--job-log-mb); "
+            _write_out((note + "the rest is discarded]\n").encode())
+            if cut and exit_file:
+                _mark_cut(exit_file + ".cut", {"kept": written, "why": cut})
     if dropped:
         why["log_cut"] = {"kept": written, "dropped": dropped}
-        _write_out(f"[gpuyard: log cut at {_size(cap)}: {dropped} more bytes of output discarded]\n".encode())
+        shown = _size(bounds.cap) if not cut else _size(written)
+        if cut:
+            why["log_cut"]["why"] = cut
+        _write_out(f"[gpuyard: log cut at {shown}: {dropped} more bytes of output discarded]\n".encode())
+
+
+def _mark_cut(path: str, doc: dict) -> None:
+    try:
+        with open(path + ".tmp", "w") as fh:
+            json.dump(doc, fh)
+        os.replace(path + ".tmp", path)
+    except OSError:  # the reserve leaves room for this; if not, the attempt's end says it
+        with contextlib.suppress(OSError):
+            os.unlink(path + ".tmp")
 
 
 def _write_out(data: bytes) -> int:

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -174,9 +173,7 @@ def test_served_predictions_of_raw_records_equal_the_offline_pipeline(
 def _feature_names_reach_the_drift_report(server: Server, name: str, case: dict[str, Any]) -> None:
     info = kget(f"{server.url}/v1/models/{name}").json()
     names = info["signature"]["inputs"]["names"]
-    doc = wait_for(
-        lambda: (d := kget(f"{server.url}/v1/models/{name}/drift").json()).get("report") and d
-    )
+    doc = wait_for(lambda: (d := kget(f"{server.url}/v1/models/{name}/drift").json()).get("report") and d)
     shown = [f["feature"] for f in doc["report"]["features"]]
     assert shown == names[: len(shown)]
     expect = {
@@ -209,9 +206,7 @@ def test_malformed_records_get_a_4xx_with_one_line_never_a_5xx(
         url = f"{server.url}/v1/models/shop/predict"
         assert kpost(url, json={"records": [good]}).status_code == 200
         for doc, words in bad:
-            r = kpost(
-                url, content=json.dumps(doc).encode(), headers={"content-type": "application/json"}
-            )
+            r = kpost(url, content=json.dumps(doc).encode(), headers={"content-type": "application/json"})
             detail = r.json()["detail"]
             assert r.status_code == 422 and words in detail and "\n" not in detail, (
                 doc,

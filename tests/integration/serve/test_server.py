@@ -41,9 +41,7 @@ def test_json_predictions_match_the_registered_model(mlp_server: Server) -> None
 
 def test_safetensors_in_and_out(mlp_server: Server) -> None:
     x = RNG.normal(size=(3, 8)).astype(np.float32)
-    r = kpost(
-        predict_url(mlp_server), content=save({"inputs": x}), headers={"content-type": TENSOR_MEDIA}
-    )
+    r = kpost(predict_url(mlp_server), content=save({"inputs": x}), headers={"content-type": TENSOR_MEDIA})
     assert r.status_code == 200 and r.headers["content-type"] == TENSOR_MEDIA
     out = load(r.content)
     assert out["probabilities"].shape == (3, 3) and np.allclose(out["probabilities"].sum(1), 1, atol=1e-5)

@@ -256,15 +256,14 @@ def draining_server(config: Any, inflight: Callable[[], str] | None = None) -> A
                 flush=True,
             )
             t0 = time.monotonic()
-            tasks = len(self.server_state.tasks)
+            self.cut: int | None = None
             await super().shutdown(sockets)
             waited = time.monotonic() - t0
-            left = inflight() if inflight else ""
-            if waited >= limit and (tasks or left):
+            cut = self.cut
+            if cut is not None:
                 print(
                     f"gpuyard serve: stopped after {waited:.1f} s: the drain limit of {limit:g} s cut "
-                    f"{len(self.server_state.tasks)} request(s) still answering"
-                    + (f" ({left})" if left else ""),
+                    f"{cut} request(s) still answering" + (f" ({busy} when it began)" if busy else ""),
                     file=sys.stderr,
                     flush=True,
                 )
@@ -274,5 +273,12 @@ def draining_server(config: Any, inflight: Callable[[], str] | None = None) -> A
                     file=sys.stderr,
                     flush=True,
                 )
+
+        async def _wait_tasks_to_complete(self) -> None:
+            try:
+                await super()._wait_tasks_to_complete()
+            except asyncio.CancelledError:  # the drain limit: these requests are about to be cut
+                self.cut = len(self.server_state.tasks)
+                raise
 
     return DrainingServer(config)

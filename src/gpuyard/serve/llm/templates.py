@@ -140,31 +140,33 @@ def _limit_memory() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
 
 
-def _render(template: Any, eos: str, max_chars: int, req: dict[str, Any]) -> dict[str, Any]:
+def _guarded(fn: Any, max_chars: int) -> dict[str, Any]:
+    """Run ``fn`` (compile or render), turning every way a template fails into a one-line error."""
     import jinja2
 
-    parts: list[str] = []
-    size = 0
     try:
-        for piece in template.generate(
-            messages=req["messages"],
-            add_generation_prompt=bool(req.get("add_generation_prompt")),
-            eos_token=eos,
-            bos_token="",
-        ):
-            size += len(piece)
-            if size > max_chars:
-                return {"error": f"the rendered prompt passed {max_chars} characters and was stopped"}
-            parts.append(piece)
+        return {"text": fn()}
+    except _TooLong:
+        return {"error": f"the rendered prompt passed {max_chars} characters and was stopped"}
     except MemoryError:
         return {"error": f"rendering needed more than {WORKER_MEMORY_BYTES >> 20} MiB and was stopped"}
     except RecursionError:
         return {"error": "rendering recursed too deeply and was stopped"}
+    except jinja2.TemplateSyntaxError as exc:
+        return {"error": f"does not compile: {_first_line(exc)}"}
     except jinja2.TemplateError as exc:
-        return {"error": str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}
+        return {"error": _first_line(exc)}
     except Exception as exc:  # a template's own failure (a filter on the wrong type, ...)
-        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
-    return {"text": "".join(parts)}
+        return {"error": f"{type(exc).__name__}: {_first_line(exc)}"}
+
+
+class _TooLong(Exception):
+    pass
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def main() -> None:
@@ -174,20 +176,31 @@ def main() -> None:
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     head = json.loads(stdin.readline())
-    try:
-        # The environment gpuyard.data.tokens.render_chat renders chat datasets with.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        template: Any = env.from_string(head["template"])
-        failed = None
-    except Exception as exc:
-        template, failed = None, f"does not compile: {str(exc).splitlines()[0][:300] if str(exc) else exc}"
+    max_chars = int(head["max_chars"])
+    # The environment gpuyard.data.tokens.render_chat renders chat datasets with. Compiling may fail
+    # like rendering does (jinja folds constant expressions such as 'x' * 10**10 while compiling).
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    compiled = _guarded(lambda: env.from_string(head["template"]), max_chars)
+    template: Any = compiled.get("text")
+
+    def render(req: dict[str, Any]) -> str:
+        parts: list[str] = []
+        size = 0
+        for piece in template.generate(
+            messages=req["messages"],
+            add_generation_prompt=bool(req.get("add_generation_prompt")),
+            eos_token=head["eos_token"],
+            bos_token="",
+        ):
+            size += len(piece)
+            if size > max_chars:
+                raise _TooLong
+            parts.append(piece)
+        return "".join(parts)
+
     for raw in stdin:
         req = json.loads(raw)
-        out = (
-            {"error": failed}
-            if template is None
-            else _render(template, head["eos_token"], head["max_chars"], req)
-        )
+        out = compiled if template is None else _guarded(lambda req=req: render(req), max_chars)
         stdout.write(json.dumps(out, ensure_ascii=False).encode() + b"\n")
         stdout.flush()
 

@@ -463,6 +463,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _parse(request, ChatBody)
+        sampling(body, 1, vocab)  # its values are refused before any work is spent on the prompt
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         _chars_cap(sum(len(m["content"]) for m in messages), "the messages' content")
         ids = await on_tokenizer(chat_prompt.ids, messages)

@@ -51,6 +51,7 @@ import argparse
 import itertools
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -274,7 +275,13 @@ def wait_ready(url: str, body: bytes, proc: subprocess.Popen[bytes], timeout_s: 
         try:
             if (
                 httpx.post(
-                    url, content=body, headers={"content-type": "application/json"}, timeout=5
+                    url,
+                    content=body,
+                    headers={
+                        "content-type": "application/json",
+                        "authorization": f"Bearer {os.environ.get('GPUYARD_SERVE_KEY', '')}",
+                    },
+                    timeout=5,
                 ).status_code
                 == 200
             ):
@@ -427,6 +434,9 @@ def main() -> None:
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
         "PYTHONPATH": os.pathsep.join(sys.path),
+        # gpuyard's server needs a key; the load generator sends it to every server (the baselines
+        # ignore the header, so each request carries the same bytes everywhere).
+        "GPUYARD_SERVE_KEY": "gyk_" + secrets.token_urlsafe(32),
     }
     os.environ.update(env)
     from gpuyard.serve.examples import register_example

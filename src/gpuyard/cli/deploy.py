@@ -66,6 +66,9 @@ def deploy(
 ) -> None:
     """Start a model server in the background, record it, and wait until it is ready.
 
+    Prints the deployment's key once (the record keeps only its hash): callers send it, or a gpuyard
+    token of the model's team, as 'Authorization: Bearer'.
+
     With GPUs (--device cuda, or auto when the gpuyard server has GPUs): a scheduler job, one GPU a replica.
     Otherwise: processes on this machine. `gpuyard deployments show ID` prints the recorded options.
     """
@@ -88,6 +91,10 @@ def deploy(
     else:
         use = f"predict: POST {doc['url']}/v1/models/{doc['model']}/predict"
     typer.echo(f"  {use}  stop: gpuyard undeploy {doc['id']}")
+    typer.echo(
+        f"  key (shown once; send 'Authorization: Bearer <key>', or a gpuyard token of team "
+        f"{doc['team']!r}): {doc['api_key']}"
+    )
 
 
 def _where(doc: dict[str, Any]) -> str:

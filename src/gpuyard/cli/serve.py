@@ -11,6 +11,7 @@ from typing import Any
 import typer
 
 # Plain dataclasses (no numpy): cheap enough for every `gpuyard` run, and the one place defaults live.
+from gpuyard.serve.access import KEY_ENV
 from gpuyard.serve.options import BatchConfig, DriftConfig, ServeOptions
 
 _REF_HELP = "Model to serve: NAME (latest), NAME:VERSION or NAME@ALIAS (e.g. digits@production)."
@@ -34,6 +35,14 @@ _FLAGS = (
     ("no_drift", bool, "--no-drift", "Do not monitor input/prediction drift."),
     ("drift_window", int, "--drift-window", "Samples in the drift window."),
     ("drift_interval", float, "--drift-interval", "Seconds between drift checks."),
+    ("drain_s", float, "--drain-timeout", "On SIGTERM, longest wait (s) for requests in flight; then cut."),
+    ("max_prompt_tokens", int, "--max-prompt-tokens", "Language models: longest prompt (0: the context)."),
+    (
+        "special_tokens",
+        bool,
+        "--special-tokens-in-chat",
+        "Language models: special-token strings in chat messages act as control tokens (off: text).",
+    ),
 )
 
 
@@ -52,6 +61,9 @@ def _flags(port: int, port_help: str) -> dict[str, tuple[type, Any]]:
         "no_drift": not _SERVE.drift,
         "drift_window": _DRIFT.window,
         "drift_interval": _DRIFT.interval_s,
+        "drain_s": _SERVE.drain_s,
+        "max_prompt_tokens": _SERVE.max_prompt_tokens,
+        "special_tokens": _SERVE.special_tokens,
     }
     return {
         name: (kind, typer.Option(defaults[name], flag, help=port_help if name == "port" else text))
@@ -73,6 +85,9 @@ def serve_options(
     no_drift: bool,
     drift_window: int,
     drift_interval: float,
+    drain_s: float = _SERVE.drain_s,
+    max_prompt_tokens: int = _SERVE.max_prompt_tokens,
+    special_tokens: bool = _SERVE.special_tokens,
 ) -> ServeOptions:
     """The server's options from the shared flags (one place, so neither command can drop one)."""
     return ServeOptions(
@@ -86,6 +101,9 @@ def serve_options(
         drift_config=DriftConfig(
             window=drift_window, min_rows=min(_DRIFT_MIN_ROWS, drift_window), interval_s=drift_interval
         ),
+        drain_s=drain_s,
+        max_prompt_tokens=max_prompt_tokens,
+        special_tokens=special_tokens,
     )
 
 
@@ -127,6 +145,11 @@ def serve(
     opts: ServeOptions,
     model: str = typer.Argument(..., help=_REF_HELP),
     deployment_id: int = typer.Option(None, "--deployment-id", hidden=True),
+    api_key: str = typer.Option(
+        None,
+        "--api-key",
+        help=f"Key clients send (Authorization: Bearer). Default: ${KEY_ENV}, else a new one, printed once.",
+    ),
 ) -> None:
     """Serve MODEL over HTTP: POST /v1/models/NAME/predict, /health, /ready, /metrics, /docs.
 
@@ -136,16 +159,32 @@ def serve(
 
     A language model (a registered causal LM or adapter, or a Hugging Face folder) is served with
     the OpenAI API instead: /v1/completions, /v1/chat/completions, /v1/models. See docs/llm.md.
-    """
-    from gpuyard.serve.llm.run import language_model, serve_lm
 
-    folder = language_model(model) if deployment_id is None else None
-    if folder is not None:  # a language model: the OpenAI-compatible server (docs/llm.md)
-        serve_lm(model, folder, opts)
-        return
+    Every request but /health and /ready needs 'Authorization: Bearer KEY': the server's key, or a
+    gpuyard API token of the model's team (or an admin's).
+    """
     from gpuyard.serve.runner import serve_with_record
 
-    serve_with_record(model, replace(opts, deployment_id=deployment_id))
+    if deployment_id is not None:  # started by `gpuyard deploy`: options and key come from the record
+        serve_with_record(model, replace(opts, deployment_id=deployment_id))
+        return
+    from pathlib import Path
+
+    from gpuyard.models.registry import get_version
+    from gpuyard.serve.access import Access, announce_key, hand_key, key_hash
+    from gpuyard.serve.llm.run import language_model, serve_lm
+
+    folder = language_model(model)
+    # A registered model's team may call it with their tokens; a plain folder belongs to no team.
+    team = None if folder is not None and Path(model).expanduser().is_dir() else get_version(model).team
+    key, generated = hand_key(api_key)
+    if generated:
+        announce_key(key)
+    access = Access(key_hash(key), team)
+    if folder is not None:  # a language model: the OpenAI-compatible server (docs/llm.md)
+        serve_lm(model, folder, opts, access=access)
+        return
+    serve_with_record(model, opts, access)
 
 
 def register(app: typer.Typer) -> None:

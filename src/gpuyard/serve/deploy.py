@@ -26,9 +26,11 @@ from sqlalchemy import select
 
 from gpuyard.errors import ConfigError, ConflictError, NotFoundError
 from gpuyard.scheduler.spec import JobState
+from gpuyard.serve.access import key_hash, new_key
 from gpuyard.serve.options import ServeOptions
 from gpuyard.serve.records import (
     ACTIVE,
+    KEY_SHA256,
     deployment_doc,
     get_deployment,
     mark,
@@ -50,16 +52,19 @@ _ENDED: dict[str, str] = {
 def create_record(ref: str, opts: ServeOptions, scheduling: Scheduling | None = None) -> dict[str, Any]:
     """Resolve ``ref`` in the registry and write a ``starting`` deployment record.
 
-    ``config`` holds the serve options the replicas start with and, for a scheduled deployment, how
-    its job was asked for (``scheduling``: the server to cancel it on). The deployment belongs to its
-    model's team.
+    ``config`` holds the serve options the replicas start with, the SHA-256 of the deployment's key
+    and, for a scheduled deployment, how its job was asked for (``scheduling``: the server to cancel
+    it on). The deployment belongs to its model's team. The returned document carries the key itself
+    (``api_key``), which is stored nowhere: it is shown once.
     """
     from dataclasses import asdict
 
     from gpuyard.models.registry import get_version
 
     mv = get_version(ref)
-    config = opts.to_json() | ({"scheduling": asdict(scheduling)} if scheduling else {})
+    key = new_key()
+    config = opts.to_json() | {KEY_SHA256: key_hash(key)}
+    config |= {"scheduling": asdict(scheduling)} if scheduling else {}
     with get_store().session() as s:
         row = DeploymentRow(
             model_name=mv.name,
@@ -74,7 +79,7 @@ def create_record(ref: str, opts: ServeOptions, scheduling: Scheduling | None = 
         )
         s.add(row)
         s.flush()
-        return deployment_doc(row)
+        return deployment_doc(row) | {"api_key": key}
 
 
 def check_files(ref: str) -> None:
@@ -150,7 +155,8 @@ def list_deployments(all_: bool = False, team: str | None = None) -> list[dict[s
 def deploy(
     ref: str, opts: ServeOptions, timeout_s: float = 180.0, scheduling: Scheduling = Scheduling()
 ) -> dict[str, Any]:
-    """Start a server for ``ref`` in the background and wait until it is ready.
+    """Start a server for ``ref`` in the background and wait until it is ready; the document returned
+    carries the deployment's key (``api_key``), shown only now.
 
     GPU replicas are placed by the scheduler (see the module docstring); ``scheduling`` says on which
     server, for which team, at which priority.
@@ -170,7 +176,7 @@ def deploy(
     rt = scheduled.route(opts, scheduling)
     if not rt.scheduled:
         doc = create_record(ref, opts)
-        return _deploy_here(doc, timeout_s)
+        return _deploy_here(doc, timeout_s) | {"api_key": doc["api_key"]}
     server = Scheduling(rt.server, scheduling.team, scheduling.priority, scheduling.max_restarts)
     doc = create_record(ref, replace(opts, device=rt.serve_device), server)
     try:
@@ -179,7 +185,7 @@ def deploy(
         mark(doc["id"], DeploymentState.FAILED, error=str(exc)[:1000] or type(exc).__name__)
         raise
     mark(doc["id"], DeploymentState.STARTING, job_id=job_id, device=opts.device)
-    return _wait_for_job(doc["id"], job_id, server, timeout_s)
+    return _wait_for_job(doc["id"], job_id, server, timeout_s) | {"api_key": doc["api_key"]}
 
 
 def _wait_for_job(dep_id: int, job_id: int, scheduling: Scheduling, timeout_s: float) -> dict[str, Any]:

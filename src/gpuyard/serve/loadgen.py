@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ class LoadSpec:
         duration_s: measured time.
         warmup_s: time before measuring (connections open, caches warm).
         timeout_s: one request's limit; a late answer counts as an error.
+        api_key: sent as ``Authorization: Bearer`` (gpuyard's model servers need a key).
     """
 
     url: str
@@ -40,6 +42,7 @@ class LoadSpec:
     duration_s: float = 10.0
     warmup_s: float = 1.0
     timeout_s: float = 10.0
+    api_key: str | None = None
 
 
 def _requests(spec: LoadSpec) -> tuple[str, int, list[bytes]]:
@@ -47,6 +50,8 @@ def _requests(spec: LoadSpec) -> tuple[str, int, list[bytes]]:
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     path = parts.path + (f"?{parts.query}" if parts.query else "")
     head = f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: {spec.content_type}\r\n"
+    if spec.api_key:
+        head += f"Authorization: Bearer {spec.api_key}\r\n"
     return host, port, [f"{head}Content-Length: {len(b)}\r\n\r\n".encode() + b for b in spec.bodies]
 
 
@@ -160,10 +165,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument(
+        "--api-key-env",
+        default="GPUYARD_SERVE_KEY",
+        help="environment variable holding the key sent as 'Authorization: Bearer' (none when unset)",
+    )
     a = p.parse_args(argv)
     raw = Path(a.body_file).read_bytes()
     bodies = tuple(s.encode() for s in json.loads(raw)) if a.many else (raw,)
-    spec = LoadSpec(a.url, bodies, a.content_type, a.concurrency, a.duration, a.warmup)
+    key = os.environ.get(a.api_key_env) or None
+    spec = LoadSpec(a.url, bodies, a.content_type, a.concurrency, a.duration, a.warmup, api_key=key)
     print(json.dumps(run(spec)), flush=True)
 
 

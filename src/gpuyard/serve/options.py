@@ -90,6 +90,10 @@ class ServeOptions:
         drift: monitor drift when the model has a reference.
         drift_config: window and thresholds.
         deployment_id: the store record to keep up to date (set by ``gpuyard deploy``).
+        drain_s: on SIGTERM, the longest wait for requests in flight (then they are cut, and said so).
+        max_prompt_tokens: a language model's longest prompt (0: its context length less one).
+        special_tokens: a language model's chat messages may contain control tokens: special-token
+            strings typed in a message's content act as the tokens (off: they stay text).
     """
 
     host: str = "127.0.0.1"
@@ -102,6 +106,9 @@ class ServeOptions:
     drift: bool = True
     drift_config: DriftConfig = field(default_factory=DriftConfig)
     deployment_id: int | None = None
+    drain_s: float = 30.0
+    max_prompt_tokens: int = 0
+    special_tokens: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= 64:
@@ -112,6 +119,10 @@ class ServeOptions:
             raise ConfigError(f"--max-body-bytes {self.max_body_bytes}: must be at least 1024")
         if self.max_rows < 1:
             raise ConfigError(f"max_rows={self.max_rows}: must be at least 1")
+        if not 0 <= self.drain_s <= 3600:
+            raise ConfigError(f"--drain-timeout {self.drain_s:g}: must be between 0 and 3600 seconds")
+        if self.max_prompt_tokens < 0:
+            raise ConfigError(f"--max-prompt-tokens {self.max_prompt_tokens}: must be >= 0 (0: the context)")
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict (nested configs included)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpuyard.errors import NotFoundError
+from gpuyard.serve.access import Access
 from gpuyard.serve.options import ServeOptions
 from gpuyard.states import DeploymentState
 from gpuyard.store import get_store
@@ -19,6 +20,8 @@ ACTIVE = frozenset(s for s in DeploymentState if s.active)
 # Set in a deployment's config by `undeploy` before it stops the processes: a scheduled replica set
 # that gets SIGTERM reads it to tell the cancel from a preemption.
 UNDEPLOY = "undeploy_requested"
+# The SHA-256 of the deployment's key, in its config: never shown (deployment_doc leaves it out).
+KEY_SHA256 = "key_sha256"
 
 
 def deployment_doc(r: DeploymentRow) -> dict[str, Any]:
@@ -37,7 +40,7 @@ def deployment_doc(r: DeploymentRow) -> dict[str, Any]:
         "log": r.log_path,
         "error": r.error,
         "job": r.job_id,
-        "config": r.config,
+        "config": {k: v for k, v in (r.config or {}).items() if k != KEY_SHA256},
         "created_at": r.created_at.isoformat(),
         "stopped_at": r.stopped_at.isoformat() if r.stopped_at else None,
     }
@@ -48,7 +51,21 @@ def recorded_options(deployment_id: int) -> ServeOptions:
     config = dict(get_deployment(deployment_id)["config"])
     config.pop("scheduling", None)
     config.pop(UNDEPLOY, None)
+    config.pop(KEY_SHA256, None)
     return ServeOptions.from_json({**config, "deployment_id": deployment_id})
+
+
+def recorded_access(deployment_id: int) -> Access:
+    """What the deployment's server accepts: its key (the hash kept in the record) and its team's tokens.
+
+    Raises:
+        NotFoundError: no such deployment.
+    """
+    with get_store().read() as s:
+        row = s.get(DeploymentRow, deployment_id)
+        if row is None:
+            raise NotFoundError(f"deployment {deployment_id} not found (see `gpuyard deployments ls`)")
+        return Access((row.config or {}).get(KEY_SHA256), row.team)
 
 
 def mark(deployment_id: int, status: DeploymentState, **fields: Any) -> None:

@@ -24,6 +24,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from gpuyard.errors import ConfigError
+from gpuyard.serve.access import Access, KeyGate, draining_server
 from gpuyard.serve.options import BatchConfig, ServeOptions
 from gpuyard.states import DeploymentState
 
@@ -56,8 +57,9 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
-def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int = 0) -> None:
-    """Load ``ref`` and serve it on ``sock`` until SIGTERM/SIGINT (runs in the replica's process)."""
+def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int, access: Access) -> None:
+    """Load ``ref`` and serve it on ``sock`` until SIGTERM/SIGINT (runs in the replica's process), to
+    callers with a key ``access`` accepts (:mod:`gpuyard.serve.access`)."""
     import uvicorn
 
     from gpuyard.serve.alerts import reference_for
@@ -70,7 +72,8 @@ def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int 
 
     folder = language_model(ref)
     if folder is not None:  # a language model: the OpenAI-compatible server (docs/llm.md)
-        serve_lm(ref, folder, replace(opts, device=resolve_device(opts.device, index)), sock=sock)
+        opts = replace(opts, device=resolve_device(opts.device, index))
+        serve_lm(ref, folder, opts, sock=sock, access=access)
         return
     # Default: leave one core to the HTTP loops. Intra-op threads that outnumber the free cores stall
     # at their barriers whenever one is descheduled, which shows up as p99 spikes.
@@ -122,17 +125,20 @@ def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int 
     gc.collect()
     gc.freeze()  # everything loaded so far is never scanned again by the collector
     config = uvicorn.Config(
-        FastPredict(app, model.name, opts.max_body_bytes),
+        KeyGate(FastPredict(app, model.name, opts.max_body_bytes), access),
         loop="uvloop",
         http="httptools",
         access_log=False,
         log_level="warning",
         lifespan="off",
         timeout_keep_alive=30,
+        timeout_graceful_shutdown=opts.drain_s,  # type: ignore[arg-type]  # a float works (wait_for)
         backlog=2048,
     )
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        draining_server(config, lambda: f"{batcher.depth} queued" if batcher.depth else "").run(
+            sockets=[sock]
+        )
     finally:
         batcher.stop()
         for m in (monitor, skew):
@@ -156,12 +162,13 @@ def _publish(metrics: Any, report: dict[str, Any], prefix: str = "") -> None:
         metrics.set_drift("__predictions__", "psi", report["predictions"]["psi"])
 
 
-def serve(ref: str, opts: ServeOptions, on_ready: Any = None) -> None:
+def serve(ref: str, opts: ServeOptions, access: Access, on_ready: Any = None) -> None:
     """Serve ``ref`` with ``opts.replicas`` processes until SIGTERM/SIGINT.
 
     Args:
         ref: ``NAME``, ``NAME:V`` or ``NAME@ALIAS``.
         opts: server options.
+        access: the keys the server accepts.
         on_ready: called with (url, pids) once ``/ready`` answers 200.
     """
     from gpuyard.models.registry import get_version
@@ -175,16 +182,23 @@ def serve(ref: str, opts: ServeOptions, on_ready: Any = None) -> None:
     if opts.replicas == 1:
         _watch_ready(url, lambda: on_ready(url, pids) if on_ready else None)
         print(f"serving {ref} at {url} (1 replica)", flush=True)
-        serve_replica(ref, opts, sock, 0)
+        serve_replica(ref, opts, sock, 0, access)
         return
-    _serve_many(ref, opts, sock, url, devices, on_ready)
+    _serve_many(ref, opts, sock, url, devices, on_ready, access)
 
 
 def _serve_many(
-    ref: str, opts: ServeOptions, sock: socket.socket, url: str, devices: list[str], on_ready: Any
+    ref: str,
+    opts: ServeOptions,
+    sock: socket.socket,
+    url: str,
+    devices: list[str],
+    on_ready: Any,
+    access: Access,
 ) -> None:
     prom_dir = tempfile.mkdtemp(prefix="gpuyard-prom-")
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": prom_dir}
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": prom_dir, **access.replica_env()}
+    env.pop("GPUYARD_SERVE_KEY", None)  # the replicas get the key's hash, never the key
     payload = json.dumps(opts.to_json())
     procs = [
         subprocess.Popen(
@@ -248,17 +262,24 @@ def _raise_stopped(signum: int, _frame: Any) -> None:
     raise _Stopped(signum)
 
 
-def serve_with_record(ref: str, opts: ServeOptions) -> None:
-    """:func:`serve`, keeping the deployment record (when ``opts.deployment_id``) up to date."""
+def serve_with_record(ref: str, opts: ServeOptions, access: Access | None = None) -> None:
+    """:func:`serve`, keeping the deployment record (when ``opts.deployment_id``) up to date.
+
+    A deployment's server accepts the key recorded for it (its hash) and its team's tokens; without a
+    deployment, ``access`` says what it accepts.
+    """
     if opts.deployment_id is None:
-        serve(ref, opts)
+        if access is None:
+            raise ConfigError("a model server needs a key (gpuyard.serve.access.Access)")
+        serve(ref, opts, access)
         return
-    from gpuyard.serve.records import mark, recorded_options, undeploy_requested
+    from gpuyard.serve.records import mark, recorded_access, recorded_options, undeploy_requested
 
     # The record holds every option `gpuyard deploy` was given (drift thresholds, batching, limits):
     # the command line only names the deployment.
     dep_id = opts.deployment_id
     opts = recorded_options(dep_id)
+    access = recorded_access(dep_id)
 
     def ready(url: str, pids: dict[str, Any]) -> None:
         device = ",".join(sorted(set(pids["devices"])))
@@ -272,7 +293,7 @@ def serve_with_record(ref: str, opts: ServeOptions) -> None:
     # is updated; a handler of ours turns it into an exception instead (also while the model loads).
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        serve(ref, opts, on_ready=ready)
+        serve(ref, opts, access, on_ready=ready)
     except _Stopped:
         pass
     except BaseException as exc:

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from gpuyard.errors import GpuyardError
+from gpuyard.serve.access import read_body
 from gpuyard.serve.batching import AnyBatcher, BatchConfig
 from gpuyard.serve.codec import (
     JSON_MEDIA,
@@ -58,12 +59,6 @@ class NotServed(GpuyardError):
     """The URL names a model this server does not serve."""
 
     http_status = 404
-
-
-class TooLarge(GpuyardError):
-    """The body exceeds ``max_body_bytes``."""
-
-    http_status = 413
 
 
 def _request_schema(model: ServedModel) -> dict[str, Any]:
@@ -146,19 +141,6 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise TooLarge(f"body of {length} bytes exceeds the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise TooLarge(f"body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _error(exc: GpuyardError) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=exc.http_status)
 
@@ -203,7 +185,7 @@ def create_app(
         t0 = time.perf_counter()
         try:
             with batcher.arriving():
-                body = await _read_body(request, config.max_body_bytes)
+                body = await read_body(request, config.max_body_bytes)
         except GpuyardError as exc:
             metrics.observe_error(exc.http_status, _REASONS.get(exc.http_status, "error"))
             return _error(exc)

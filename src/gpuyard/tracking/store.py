@@ -11,6 +11,7 @@ run without a writer and calls :meth:`DbTracker.tick` from that thread instead.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -307,9 +308,13 @@ class DbTracker:
             "sys/process_rss_mb": proc.memory_info().rss / 2**20,
         }
         torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available():
-            for i in range(torch.cuda.device_count()):
-                points[f"sys/gpu{i}_memory_mb"] = torch.cuda.memory_allocated(i) / 2**20
+        # Another thread may be importing torch right now (a partial module without .cuda yet): then
+        # this sample has no GPU figures rather than failing the run's metrics.
+        cuda = getattr(torch, "cuda", None) if torch is not None else None
+        with contextlib.suppress(AttributeError):
+            if cuda is not None and cuda.is_available():
+                for i in range(cuda.device_count()):
+                    points[f"sys/gpu{i}_memory_mb"] = cuda.memory_allocated(i) / 2**20
         self._sys_step += 1
         with self._lock:
             now = utcnow()

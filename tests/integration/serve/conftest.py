@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +25,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# The key every test server is started with ($GPUYARD_SERVE_KEY); clients send it as a bearer.
+SERVE_KEY = "gyk_integration-tests-serve-key-0123456789"
+AUTH = {"Authorization": f"Bearer {SERVE_KEY}"}
+
+
+def kget(url: str, headers: dict[str, str] | None = None, **kwargs: Any) -> httpx.Response:
+    """``httpx.get`` with the test servers' key."""
+    return httpx.get(url, headers={**AUTH, **(headers or {})}, **kwargs)
+
+
+def kpost(url: str, headers: dict[str, str] | None = None, **kwargs: Any) -> httpx.Response:
+    """``httpx.post`` with the test servers' key."""
+    return httpx.post(url, headers={**AUTH, **(headers or {})}, **kwargs)
+
+
 @dataclass
 class Server:
     """A running `gpuyard serve` process."""
@@ -31,6 +47,11 @@ class Server:
     url: str
     proc: subprocess.Popen[str]
     log: Path
+
+    @property
+    def http(self) -> httpx.Client:
+        """A client that sends the server's key."""
+        return httpx.Client(headers=AUTH, timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +89,7 @@ def start_server(home: Path, *args: str) -> Server:
         stdout=subprocess.PIPE,
         stderr=fh,
         text=True,
-        env={**os.environ, "GPUYARD_HOME": str(home)},
+        env={**os.environ, "GPUYARD_HOME": str(home), "GPUYARD_SERVE_KEY": SERVE_KEY},
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()  # "serving REF at URL (...)", printed once the socket is bound

@@ -36,6 +36,11 @@ def _gone(pids: list[int], timeout_s: float = 20.0) -> bool:
     return False
 
 
+def auth(doc: dict) -> dict[str, str]:
+    """The header carrying the deployment's key (shown once, in what deploy returned)."""
+    return {"Authorization": f"Bearer {doc['api_key']}"}
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "gpuyard.cli.main", *args],
@@ -53,9 +58,14 @@ def test_deploy_two_replicas_serve_list_and_undeploy(serve_home: Path) -> None:
     replicas = doc["pids"]["replicas"]
     assert len(replicas) == 2 and all(psutil.pid_exists(p) for p in replicas)
     url = f"{doc['url']}/v1/models/mlp/predict"
-    with httpx.Client(timeout=10) as client:  # fresh connections: the kernel spreads them over replicas
+    # The key is shown once: the record keeps only its hash, and shows neither.
+    assert doc["api_key"].startswith("gyk_") and "key_sha256" not in get_deployment(doc["id"])["config"]
+    assert doc["api_key"] not in json.dumps(get_deployment(doc["id"]))
+    no_key = httpx.post(url, json={"inputs": [[0.1] * 8]}, timeout=10)
+    assert no_key.status_code == 401 and "needs a key" in no_key.json()["detail"]
+    with httpx.Client(timeout=10, headers=auth(doc)) as client:  # fresh connections: spread over replicas
         for _ in range(20):
-            assert httpx.post(url, json={"inputs": [[0.1] * 8]}).status_code == 200
+            assert httpx.post(url, json={"inputs": [[0.1] * 8]}, headers=auth(doc)).status_code == 200
         text = client.get(f"{doc['url']}/metrics").text
     # Metrics aggregate every replica (prometheus multiprocess mode): all 20 answers are counted.
     line = next(x for x in text.splitlines() if x.startswith('gpuyard_serve_requests_total{code="200"'))
@@ -113,12 +123,14 @@ def test_every_option_reaches_the_server(serve_home: Path) -> None:
     doc = deploy("mlp", opts)
     try:
         assert doc["config"]["batch"]["mode"] == "thread"
-        info = httpx.get(f"{doc['url']}/v1/models/mlp", timeout=10).json()
+        info = httpx.get(f"{doc['url']}/v1/models/mlp", timeout=10, headers=auth(doc)).json()
         assert (info["max_rows_per_request"], info["max_body_bytes"]) == (7, 5000)
         assert (info["max_batch"], info["max_wait_ms"], info["batching"]) == (5, 1.5, "thread")
-        drift = httpx.get(f"{doc['url']}/v1/models/mlp/drift", timeout=10).json()
+        drift = httpx.get(f"{doc['url']}/v1/models/mlp/drift", timeout=10, headers=auth(doc)).json()
         assert drift["enabled"] and drift["reason"].endswith("tests start at 20")
-        too_many = httpx.post(f"{doc['url']}/v1/models/mlp/predict", json={"inputs": [[0.0] * 8] * 8})
+        too_many = httpx.post(
+            f"{doc['url']}/v1/models/mlp/predict", json={"inputs": [[0.0] * 8] * 8}, headers=auth(doc)
+        )
         assert too_many.status_code == 422
     finally:
         undeploy(str(doc["id"]))
@@ -142,9 +154,11 @@ def test_deploy_command_passes_batching_and_body_limit_to_the_server(serve_home:
     doc = json.loads(out.stdout)
     try:
         assert doc["config"]["batch"]["mode"] == "thread" and doc["config"]["max_body_bytes"] == 4096
-        info = httpx.get(f"{doc['url']}/v1/models/mlp", timeout=10).json()
+        info = httpx.get(f"{doc['url']}/v1/models/mlp", timeout=10, headers=auth(doc)).json()
         assert (info["batching"], info["max_body_bytes"]) == ("thread", 4096)
-        big = httpx.post(f"{doc['url']}/v1/models/mlp/predict", json={"inputs": [[0.0] * 8] * 200})
+        big = httpx.post(
+            f"{doc['url']}/v1/models/mlp/predict", json={"inputs": [[0.0] * 8] * 200}, headers=auth(doc)
+        )
         assert big.status_code == 413
         # The table is read through a pipe (80 columns by default): the URL must come out whole.
         assert doc["url"] in cli("deployments", "ls").stdout
@@ -170,7 +184,11 @@ def test_a_language_model_deploys_as_an_openai_server_and_undeploys(serve_home: 
     doc = deploy("tinylm", ServeOptions(port=0, device="cpu", drift=False, batch=BatchConfig(max_batch=4)))
     assert doc["status"] == "running" and doc["model"] == "tinylm"
     assert httpx.get(f"{doc['url']}/ready", timeout=10).status_code == 200
-    client = OpenAI(base_url=f"{doc['url']}/v1", api_key="unused")
+    from openai import AuthenticationError
+
+    with pytest.raises(AuthenticationError, match="invalid key"):
+        OpenAI(base_url=f"{doc['url']}/v1", api_key="unused", max_retries=0).models.list()
+    client = OpenAI(base_url=f"{doc['url']}/v1", api_key=doc["api_key"])
     assert [m.id for m in client.models.list().data] == ["tinylm"]
     out = client.completions.create(model="tinylm", prompt="the cat", max_tokens=5, temperature=0)
     assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("length", "stop")

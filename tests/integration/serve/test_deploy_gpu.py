@@ -73,9 +73,11 @@ def _gpus(doc: dict[str, object]) -> set[int]:
     return {int(g) for g in str(doc["pids"]["gpus"]).split(",")}  # type: ignore[index]
 
 
-def _predict(doc: dict[str, object]) -> int:
+def _predict(doc: dict[str, object], key: object = None) -> int:
+    """A prediction with the deployment's key (``key``: the one deploy showed, for a re-read record)."""
     url = f"{doc['url']}/v1/models/mlp/predict"
-    return httpx.post(url, json={"inputs": [[0.2] * 8]}, timeout=10).status_code
+    auth = {"Authorization": f"Bearer {key or doc['api_key']}"}
+    return httpx.post(url, json={"inputs": [[0.2] * 8]}, timeout=10, headers=auth).status_code
 
 
 def test_replicas_get_disjoint_gpus_from_the_scheduler_and_give_them_back(scheduler: str) -> None:
@@ -134,11 +136,14 @@ def test_a_replica_set_comes_back_after_a_crash_and_after_a_preemption(scheduler
     )
     os.kill(doc["pids"]["server"], signal.SIGKILL)  # a crash: the job fails and is restarted
     back = _replaced(doc)
-    assert back["job"] == doc["job"] and _predict(back) == 200 and back["error"] is None
+    # The restarted replica set still takes the key deploy showed (its hash is in the record), and
+    # the admin's token.
+    assert back["job"] == doc["job"] and _predict(back, doc["api_key"]) == 200 and back["error"] is None
+    assert _predict(back, _token()) == 200
     # SIGTERM outside a cancel (what a preemption sends): exit 75, requeued, placed again.
     os.kill(back["pids"]["server"], signal.SIGTERM)
     again = _replaced(back)
-    assert again["job"] == doc["job"] and _predict(again) == 200
+    assert again["job"] == doc["job"] and _predict(again, doc["api_key"]) == 200
     events = httpx.get(
         f"{scheduler}/jobs/{doc['job']}/events", headers={"authorization": f"Bearer {_token()}"}
     ).json()

@@ -50,32 +50,54 @@ def tiny_model(tmp: Path) -> Path:
     return save_hf(CausalLM(model), None, tmp / "model", tok)
 
 
+KEY = "gyk_llm-server-tests-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 class Served:
-    def __init__(self, folder: Path, max_batch: int = 8, max_queue: int = 64, start: bool = True) -> None:
+    """The OpenAI app behind its key gate on a uvicorn thread (what `gpuyard serve` runs)."""
+
+    def __init__(
+        self,
+        folder: Path | None = None,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        start: bool = True,
+        engine: Any = None,
+        access: Any = None,
+        drain_s: float = 1.0,
+        **limits: Any,
+    ) -> None:
         import uvicorn
 
-        from gpuyard.serve.llm.app import Metrics, build_app
+        from gpuyard.serve.access import Access, KeyGate, draining_server, key_hash, openai_body
+        from gpuyard.serve.llm.app import Limits, Metrics, build_app
         from gpuyard.serve.llm.engine import load_engine
 
-        self.engine, _ = load_engine(folder, "cpu", max_batch, max_queue, Metrics())
-        if not start:
-            self.engine.close()  # no engine thread: requests stay queued
+        if engine is None:
+            assert folder is not None
+            engine, _ = load_engine(folder, "cpu", max_batch, max_queue, Metrics())
+            if not start:
+                engine.close()  # no engine thread: requests stay queued
+        self.engine = engine
         self.port = _free_port()
-        app = build_app(self.engine, "tiny")
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=1
-            )
+        self.app = build_app(self.engine, "tiny", limits=Limits(**limits))
+        gate = KeyGate(self.app, access or Access(key_hash(KEY), None, tokens=False), openai_body)
+        config = uvicorn.Config(
+            gate, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=drain_s
         )
+        self.server = draining_server(config, self.engine.inflight)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         wait_for(lambda: self.server.started, timeout=30)
         self.url = f"http://127.0.0.1:{self.port}/v1"
 
-    def close(self) -> None:
+    def close(self, engine: bool = True) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.engine.close()
+        self.thread.join(timeout=30)
+        self.app.state.close()
+        if engine:
+            self.engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +116,7 @@ def test_batched_greedy_equals_generate_and_the_api_shapes(served: Served, model
     from openai import AsyncOpenAI, OpenAI
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    client = OpenAI(base_url=served.url, api_key="unused")
+    client = OpenAI(base_url=served.url, api_key=KEY)
     [m] = client.models.list().data
     assert m.id == "tiny"
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -106,7 +128,7 @@ def test_batched_greedy_equals_generate_and_the_api_shapes(served: Served, model
     lengths = [12, 40, 25, 7, 33, 18, 29, 21]
 
     async def many() -> list[Any]:
-        aclient = AsyncOpenAI(base_url=served.url, api_key="unused")
+        aclient = AsyncOpenAI(base_url=served.url, api_key=KEY)
         return list(await asyncio.gather(*[
             aclient.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0)
             for p, n in zip(prompts, lengths, strict=True)
@@ -144,7 +166,7 @@ def test_batched_greedy_equals_generate_and_the_api_shapes(served: Served, model
 def test_hostile_requests_are_refused_in_one_line(served: Served) -> None:
     from openai import BadRequestError, NotFoundError, OpenAI
 
-    client = OpenAI(base_url=served.url, api_key="unused", max_retries=0)
+    client = OpenAI(base_url=served.url, api_key=KEY, max_retries=0)
     n = len(served.engine.tok.encode_batch(["the cat " * 10])[0])
     with pytest.raises(BadRequestError) as err:
         client.completions.create(model="tiny", prompt="the cat " * 10, max_tokens=10**9)
@@ -152,17 +174,31 @@ def test_hostile_requests_are_refused_in_one_line(served: Served) -> None:
     assert (
         f"prompt has {n} tokens and max_tokens is 1000000000" in msg and f"context length of {CONTEXT}" in msg
     )
-    with pytest.raises(BadRequestError, match=f"over the model's context length of {CONTEXT}"):
+    with pytest.raises(BadRequestError, match=f"this server takes prompts of at most {CONTEXT - 1} tokens"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "dog " * 400}])
+    # No max_tokens sent: the message says what was used instead of blaming the client for a value.
+    size = lambda text: len(served.engine.tok.encode_batch([text])[0])  # noqa: E731
+    long = "the cat"
+    while size(long + " cat") < CONTEXT - 1:
+        long += " cat"
+    n_long = size(long)
+    assert n_long + 16 > CONTEXT
+    with pytest.raises(BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=long)
+    msg = err.value.body["message"]  # type: ignore[index]
+    assert f"max_tokens was not given; the default is 16: {n_long + 16}" in msg
     with pytest.raises(NotFoundError, match="is not served here"):
         client.completions.create(model="other", prompt="x", max_tokens=2)
-    bad = httpx.post(served.url + "/completions", content=b"\x00\xff not json", timeout=10)
+    bad = httpx.post(served.url + "/completions", content=b"\x00\xff not json", timeout=10, headers=AUTH)
     assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]
-    bad = httpx.post(served.url + "/completions", json={"model": "tiny", "prompt": [10**9]}, timeout=10)
+    bad = httpx.post(
+        served.url + "/completions", json={"model": "tiny", "prompt": [10**9]}, timeout=10, headers=AUTH
+    )
     assert bad.status_code == 400 and "token ids must be in" in bad.json()["error"]["message"]
     bad = httpx.post(
         served.url + "/chat/completions",
         json={"model": "tiny", "messages": [{"role": "god", "content": "x"}]},
+        headers=AUTH,
     )
     assert bad.status_code == 400
 
@@ -170,7 +206,7 @@ def test_hostile_requests_are_refused_in_one_line(served: Served) -> None:
 def test_dropped_stream_frees_its_slot_and_short_requests_pass_long_ones(served: Served) -> None:
     engine = served.engine
     body = {"model": "tiny", "prompt": "the", "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.stream("POST", served.url + "/completions", json=body, timeout=30) as resp:
+    with httpx.stream("POST", served.url + "/completions", json=body, timeout=30, headers=AUTH) as resp:
         lines = resp.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["text"] is not None
@@ -180,13 +216,15 @@ def test_dropped_stream_frees_its_slot_and_short_requests_pass_long_ones(served:
             served.url + "/completions",
             json={"model": "tiny", "prompt": "a", "max_tokens": 3, "temperature": 0},
             timeout=30,
+            headers=AUTH,
         )
         assert short.status_code == 200
         assert long_req.finish_reason is None and len(long_req.generated) < 200
     # The client closed the stream: the request leaves the batch without running to 200 tokens.
     wait_for(lambda: not engine.running, timeout=30)
     assert long_req.cancelled and len(long_req.generated) < 200
-    metrics = httpx.get(f"http://127.0.0.1:{served.port}/metrics").text
+    assert httpx.get(f"http://127.0.0.1:{served.port}/metrics").status_code == 401  # a key, here too
+    metrics = httpx.get(f"http://127.0.0.1:{served.port}/metrics", headers=AUTH).text
     assert 'gpuyard_llm_requests_total{outcome="cancelled"}' in metrics
     count = next(
         line
@@ -220,3 +258,66 @@ def test_full_queue_answers_429(served: Served) -> None:
             return third.status_code
 
     assert asyncio.run(fire()) == 429
+
+
+def _raw_request(port: int, body: dict[str, Any]) -> socket.socket:
+    """A request sent on a socket of its own, left open (its answer is never read)."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def test_clients_that_hang_up_while_waiting_free_their_queue_places(served: Served) -> None:
+    """A queue of 2 on an engine that never runs: two waiting clients (one streaming) hang up, and their
+    places are free at once, so the next requests are queued rather than refused with 429."""
+    from gpuyard.serve.llm.app import Metrics
+    from gpuyard.serve.llm.engine import Engine
+
+    engine = Engine(served.engine.model, served.engine.tok, CONTEXT, 1, 2, metrics=Metrics())
+    engine.close()  # no engine thread: requests stay queued
+    other = Served(engine=engine)
+    try:
+        body = {"model": "tiny", "prompt": "the cat", "max_tokens": 4}
+        waiting = [_raw_request(other.port, body), _raw_request(other.port, {**body, "stream": True})]
+        wait_for(lambda: len(engine.waiting) == 2)
+        full = httpx.post(other.url + "/completions", json=body, headers=AUTH, timeout=30)
+        assert full.status_code == 429
+        for sock in waiting:
+            sock.close()
+        wait_for(lambda: not engine.waiting)  # both places freed, without any batch slot freeing
+        again = [_raw_request(other.port, body), _raw_request(other.port, body)]
+        wait_for(lambda: len(engine.waiting) == 2)
+        for sock in again:
+            sock.close()
+        wait_for(lambda: not engine.waiting)
+    finally:
+        other.close()
+
+
+def test_stopping_waits_a_bounded_time_and_says_what_it_cut(
+    served: Served, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM's path (should_exit) with a request that can never finish: the server stops after its
+    drain limit and says what it waited for and what it cut."""
+    from gpuyard.serve.llm.app import Metrics
+    from gpuyard.serve.llm.engine import Engine
+
+    engine = Engine(served.engine.model, served.engine.tok, CONTEXT, 1, 4, metrics=Metrics())
+    engine.close()
+    other = Served(engine=engine, drain_s=0.5)
+    sock = _raw_request(other.port, {"model": "tiny", "prompt": "the cat", "max_tokens": 4})
+    try:
+        wait_for(lambda: len(engine.waiting) == 1)
+        other.close()
+        assert not other.thread.is_alive()
+    finally:
+        sock.close()
+    err = capfd.readouterr().err
+    assert "stopping; waiting up to 0.5 s for 1 open connection(s)" in err
+    assert "(0 generating, 1 waiting)" in err
+    assert "the drain limit of 0.5 s cut 1 request(s) still answering" in err

@@ -14,7 +14,7 @@ import pytest
 from gpuyard.serve.codec import TENSOR_MEDIA
 from gpuyard.serve.loadgen import LoadSpec, run
 
-from .conftest import Server
+from .conftest import AUTH, SERVE_KEY, Server, kget
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +46,7 @@ def test_64_clients_get_no_errors_and_memory_stays_flat(mlp_server: Server) -> N
                 concurrency=64,
                 duration_s=LOAD_SECONDS,
                 warmup_s=2.0,
+                api_key=SERVE_KEY,
             )
         )
     finally:
@@ -57,7 +58,7 @@ def test_64_clients_get_no_errors_and_memory_stays_flat(mlp_server: Server) -> N
     quarter = max(len(rss) // 4, 1)
     growth = max(rss[-quarter:]) - max(rss[:quarter])
     assert growth < 32 << 20, f"server RSS grew by {growth / 2**20:.1f} MiB under load"
-    assert httpx.get(f"{mlp_server.url}/ready").status_code == 200
+    assert kget(f"{mlp_server.url}/ready").status_code == 200
 
 
 def _fuzz(op: object, mode: object, base_url: str, seen: set[int]) -> None:
@@ -67,7 +68,7 @@ def _fuzz(op: object, mode: object, base_url: str, seen: set[int]) -> None:
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(op.as_strategy(generation_mode=mode))  # type: ignore[attr-defined]
     def check(case: schemathesis.Case) -> None:
-        response = case.call(base_url=base_url)
+        response = case.call(base_url=base_url, headers=AUTH)
         seen.add(response.status_code)
         assert response.status_code < 500, f"{case.method} {case.path}: {response.status_code}"
 
@@ -78,7 +79,7 @@ def test_schemathesis_finds_no_server_error(mlp_server: Server) -> None:
     import schemathesis
     from schemathesis import GenerationMode
 
-    schema = schemathesis.openapi.from_url(f"{mlp_server.url}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{mlp_server.url}/openapi.json", headers=AUTH)
     seen: dict[str, set[int]] = {}
     for result in schema.get_all_operations():
         op = result.ok()
@@ -90,18 +91,18 @@ def test_schemathesis_finds_no_server_error(mlp_server: Server) -> None:
     assert seen[f"{predict} negative"] and seen[f"{predict} negative"] <= {400, 413, 422}
     assert seen[f"{predict} positive"] <= {200, 422}
     assert seen["GET /ready positive"] == {200}
-    assert httpx.get(f"{mlp_server.url}/ready").status_code == 200
+    assert kget(f"{mlp_server.url}/ready").status_code == 200
 
 
 @pytest.mark.parametrize("content_type", ["application/json", TENSOR_MEDIA, "text/plain", ""])
 def test_random_bytes_get_4xx_and_the_server_stays_up(mlp_server: Server, content_type: str) -> None:
     rng = np.random.default_rng(len(content_type))
     url = f"{mlp_server.url}/v1/models/mlp/predict"
-    with httpx.Client(timeout=10) as client:
+    with httpx.Client(timeout=10, headers=AUTH) as client:
         for i in range(150):
             raw = rng.bytes(int(rng.integers(0, 2048)))
             if i % 3 == 0 and len(raw) >= 8:  # a plausible safetensors header length, then garbage
                 raw = int(rng.integers(2, 4096)).to_bytes(8, "little") + raw[8:]
             r = client.post(url, content=raw, headers={"content-type": content_type} if content_type else {})
             assert 400 <= r.status_code < 500, (raw[:40], r.status_code, r.text)
-    assert httpx.get(f"{mlp_server.url}/ready").status_code == 200
+    assert kget(f"{mlp_server.url}/ready").status_code == 200

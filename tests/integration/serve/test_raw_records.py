@@ -15,14 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from tests.waiting import wait_for
 
-from .conftest import Server, free_port, start_server, stop_server
+from .conftest import AUTH, Server, free_port, kget, kpost, start_server, stop_server
 
 pytestmark = pytest.mark.integration
 
@@ -156,7 +155,7 @@ def test_served_predictions_of_raw_records_equal_the_offline_pipeline(
     server = start_server(home, case["ref"], "--drift-window", "20", "--drift-interval", "0.2")
     try:
         url = f"{server.url}/v1/models/{name}/predict"
-        r = httpx.post(url, json={"records": records}, timeout=60)
+        r = kpost(url, json={"records": records}, timeout=60)
         assert r.status_code == 200, r.text
         served = np.asarray(r.json()["predictions"])
         assert len(served) == len(offline) > 0
@@ -164,7 +163,7 @@ def test_served_predictions_of_raw_records_equal_the_offline_pipeline(
             np.testing.assert_allclose(served, offline, rtol=1e-5, atol=1e-5)
         else:
             assert served.tolist() == offline.tolist()
-        one = httpx.post(url, json={"records": records[0]}).json()  # one object, not a list
+        one = kpost(url, json={"records": records[0]}).json()  # one object, not a list
         np.testing.assert_allclose(one["predictions"], served[:1], rtol=1e-5)
         _feature_names_reach_the_drift_report(server, name, case)
     finally:
@@ -172,11 +171,9 @@ def test_served_predictions_of_raw_records_equal_the_offline_pipeline(
 
 
 def _feature_names_reach_the_drift_report(server: Server, name: str, case: dict[str, Any]) -> None:
-    info = httpx.get(f"{server.url}/v1/models/{name}").json()
+    info = kget(f"{server.url}/v1/models/{name}").json()
     names = info["signature"]["inputs"]["names"]
-    doc = wait_for(
-        lambda: (d := httpx.get(f"{server.url}/v1/models/{name}/drift").json()).get("report") and d
-    )
+    doc = wait_for(lambda: (d := kget(f"{server.url}/v1/models/{name}/drift").json()).get("report") and d)
     shown = [f["feature"] for f in doc["report"]["features"]]
     assert shown == names[: len(shown)]
     expect = {
@@ -207,18 +204,16 @@ def test_malformed_records_get_a_4xx_with_one_line_never_a_5xx(
     ]
     try:
         url = f"{server.url}/v1/models/shop/predict"
-        assert httpx.post(url, json={"records": [good]}).status_code == 200
+        assert kpost(url, json={"records": [good]}).status_code == 200
         for doc, words in bad:
-            r = httpx.post(
-                url, content=json.dumps(doc).encode(), headers={"content-type": "application/json"}
-            )
+            r = kpost(url, content=json.dumps(doc).encode(), headers={"content-type": "application/json"})
             detail = r.json()["detail"]
             assert r.status_code == 422 and words in detail and "\n" not in detail, (
                 doc,
                 r.status_code,
                 detail,
             )
-        text = httpx.get(f"{server.url}/metrics").text
+        text = kget(f"{server.url}/metrics").text
         assert 'gpuyard_serve_requests_total{code="500"' not in text
     finally:
         stop_server(server)
@@ -232,7 +227,7 @@ def test_the_curl_example_of_the_docs_runs(records_home: tuple[Path, dict[str, A
     example = doc.split("<!-- raw-record-example -->", 2)[1]
     body = example.split("-d '", 1)[1].split("'", 1)[0]
     try:
-        r = httpx.post(f"{server.url}/v1/models/shop/predict", content=body.encode())
+        r = kpost(f"{server.url}/v1/models/shop/predict", content=body.encode())
         assert r.status_code == 200, r.text
         assert len(r.json()["predictions"]) == len(json.loads(body)["records"])
     finally:
@@ -247,10 +242,10 @@ def test_raw_records_are_checked_for_skew_against_the_training_rows(
     server = start_server(home, cases["shop"]["ref"], "--drift-window", "200", "--drift-interval", "0.2")
     try:
         url = f"{server.url}/v1/models/shop/predict"
-        before = {a["id"] for a in httpx.get(f"{server.url}/v1/models/shop/alerts").json()}
+        before = {a["id"] for a in kget(f"{server.url}/v1/models/shop/alerts").json()}
         calm = shop_table(200, 1).drop_columns(["label"]).to_pylist()
-        assert httpx.post(url, json={"records": calm}).status_code == 200
-        doc = httpx.get(f"{server.url}/v1/models/shop/drift").json()
+        assert kpost(url, json={"records": calm}).status_code == 200
+        doc = kget(f"{server.url}/v1/models/shop/drift").json()
         assert [f["feature"] for f in doc["skew"]["features"]] == ["income", "age", "city", "member"]
         assert not any(f["drift_psi"] or f["drift_ks"] for f in doc["skew"]["features"])
         assert doc["skew_reference"] == f"dataset:{cases['shop']['raw'].ref}"
@@ -259,11 +254,11 @@ def test_raw_records_are_checked_for_skew_against_the_training_rows(
             rec["income"] += 30_000.0
             if i % 2:
                 rec["city"] = "oslo"
-        assert httpx.post(url, json={"records": shifted}).status_code == 200
+        assert kpost(url, json={"records": shifted}).status_code == 200
 
         def new(kind: str) -> set[tuple[str, str]]:
             # This server's alerts: earlier servers of this model (other tests) left theirs in the store.
-            alerts = httpx.get(f"{server.url}/v1/models/shop/alerts").json()
+            alerts = kget(f"{server.url}/v1/models/shop/alerts").json()
             mine = [a for a in alerts if a["kind"] == kind and a["id"] not in before]
             return {(a["feature"], a["metric"]) for a in mine}
 
@@ -271,7 +266,7 @@ def test_raw_records_are_checked_for_skew_against_the_training_rows(
         assert not {f for f, _ in new("input_skew")} & {"age", "member"}
         # The features the recipe made drift too, by their names (city=oslo is no category: all zeros).
         assert "income" in {f for f, _ in wait_for(lambda: new("input_drift"))}
-        text = httpx.get(f"{server.url}/metrics").text
+        text = kget(f"{server.url}/metrics").text
         assert 'gpuyard_serve_drift{feature="income",metric="skew_psi",model="shop",version="1"}' in text
     finally:
         stop_server(server)
@@ -286,7 +281,7 @@ def _fuzz(op: Any, mode: Any, base_url: str) -> set[int]:
     @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(op.as_strategy(generation_mode=mode))
     def check(case: schemathesis.Case) -> None:
-        response = case.call(base_url=base_url)
+        response = case.call(base_url=base_url, headers=AUTH)
         codes.add(response.status_code)
         assert response.status_code < 500, (case.body, response.text)
 
@@ -302,7 +297,7 @@ def test_schemathesis_finds_no_server_error_in_raw_records(records_home: tuple[P
     home, cases = records_home
     server = start_server(home, cases["shop"]["ref"], "--no-drift")
     try:
-        schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+        schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json", headers=AUTH)
         body = schema.raw_schema["paths"]["/v1/models/shop/predict"]["post"]["requestBody"]
         record = body["content"]["application/json"]["schema"]["properties"]["records"]["oneOf"][1]
         assert record["required"] == ["income", "age", "city", "member"]

@@ -13,7 +13,7 @@ from safetensors.numpy import load, save
 
 from gpuyard.serve.codec import TENSOR_MEDIA
 
-from .conftest import Server
+from .conftest import AUTH, Server, kget, kpost
 
 pytestmark = pytest.mark.integration
 
@@ -28,26 +28,24 @@ def test_json_predictions_match_the_registered_model(mlp_server: Server) -> None
     from gpuyard.serve.model import load_served
 
     x = RNG.normal(size=(5, 8)).astype(np.float32)
-    r = httpx.post(predict_url(mlp_server), json={"inputs": x.tolist()})
+    r = kpost(predict_url(mlp_server), json={"inputs": x.tolist()})
     assert r.status_code == 200, r.text
     doc = r.json()
     local = load_served("mlp").forward(x)
     assert doc["model"] == "mlp" and doc["version"] == 1
     assert doc["predictions"] == local["predictions"].tolist()
     assert np.allclose(doc["probabilities"], local["probabilities"], atol=1e-6)
-    single = httpx.post(predict_url(mlp_server), json={"inputs": x[0].tolist()}).json()
+    single = kpost(predict_url(mlp_server), json={"inputs": x[0].tolist()}).json()
     assert single["predictions"] == doc["predictions"][:1]
 
 
 def test_safetensors_in_and_out(mlp_server: Server) -> None:
     x = RNG.normal(size=(3, 8)).astype(np.float32)
-    r = httpx.post(
-        predict_url(mlp_server), content=save({"inputs": x}), headers={"content-type": TENSOR_MEDIA}
-    )
+    r = kpost(predict_url(mlp_server), content=save({"inputs": x}), headers={"content-type": TENSOR_MEDIA})
     assert r.status_code == 200 and r.headers["content-type"] == TENSOR_MEDIA
     out = load(r.content)
     assert out["probabilities"].shape == (3, 3) and np.allclose(out["probabilities"].sum(1), 1, atol=1e-5)
-    as_json = httpx.post(predict_url(mlp_server), json={"inputs": x.tolist()}).json()
+    as_json = kpost(predict_url(mlp_server), json={"inputs": x.tolist()}).json()
     assert out["predictions"].tolist() == as_json["predictions"]
 
 
@@ -65,29 +63,29 @@ def test_safetensors_in_and_out(mlp_server: Server) -> None:
 def test_bad_requests_get_4xx_with_a_message(
     mlp_server: Server, kwargs: dict, status: int, words: str
 ) -> None:
-    r = httpx.post(predict_url(mlp_server), **kwargs)
+    r = kpost(predict_url(mlp_server), **kwargs)
     assert r.status_code == status and words in r.json()["detail"]
 
 
 def test_unknown_model_and_route_are_404(mlp_server: Server) -> None:
-    r = httpx.post(predict_url(mlp_server, "other"), json={"inputs": [[0.0] * 8]})
+    r = kpost(predict_url(mlp_server, "other"), json={"inputs": [[0.0] * 8]})
     assert r.status_code == 404 and "'other' is not served here" in r.json()["detail"]
-    assert httpx.get(f"{mlp_server.url}/v1/models/mlp/nope").status_code == 404
+    assert kget(f"{mlp_server.url}/v1/models/mlp/nope").status_code == 404
 
 
 def test_health_ready_info_and_openapi(mlp_server: Server) -> None:
-    assert httpx.get(f"{mlp_server.url}/health").json() == {"status": "ok"}
-    assert httpx.get(f"{mlp_server.url}/ready").json()["status"] == "ready"
-    info = httpx.get(f"{mlp_server.url}/v1/models/mlp").json()
+    assert kget(f"{mlp_server.url}/health").json() == {"status": "ok"}
+    assert kget(f"{mlp_server.url}/ready").json()["status"] == "ready"
+    info = kget(f"{mlp_server.url}/v1/models/mlp").json()
     assert info["max_batch"] == 16 and info["signature"]["inputs"]["shape"] == [-1, 8]
-    spec = httpx.get(f"{mlp_server.url}/openapi.json").json()
+    spec = kget(f"{mlp_server.url}/openapi.json").json()
     body = spec["paths"]["/v1/models/mlp/predict"]["post"]["requestBody"]["content"]
     assert set(body) == {"application/json", TENSOR_MEDIA}
 
 
 async def _burst(url: str, n: int) -> list[int]:
     limits = httpx.Limits(max_connections=n)
-    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=30, headers=AUTH) as client:
         x = RNG.normal(size=(n, 8)).astype(np.float32).tolist()
         rs = await asyncio.gather(*(client.post(url, json={"inputs": [row]}) for row in x))
     return [r.status_code for r in rs]
@@ -96,11 +94,11 @@ async def _burst(url: str, n: int) -> list[int]:
 def test_concurrent_requests_are_batched_and_counted_in_metrics(mlp_server: Server) -> None:
     codes = asyncio.run(_burst(predict_url(mlp_server), 64))
     assert codes == [200] * 64
-    stats = httpx.get(f"{mlp_server.url}/v1/models/mlp/stats").json()
+    stats = kget(f"{mlp_server.url}/v1/models/mlp/stats").json()
     assert stats["max_batch_seen"] > 1 and stats["max_batch_seen"] <= 16
     assert stats["replica_pid"] == mlp_server.proc.pid  # one replica: it runs in the server process
     assert stats["p50_ms"] is not None and stats["p99_ms"] >= stats["p50_ms"]
-    text = httpx.get(f"{mlp_server.url}/metrics").text
+    text = kget(f"{mlp_server.url}/metrics").text
     samples = {
         line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"
     }
@@ -129,8 +127,8 @@ def test_shifted_inputs_raise_drift_alerts_in_the_store_and_the_api(mlp_server: 
 
     # In-distribution traffic first: the window fills, the report is computed and nothing alerts.
     calm = RNG.normal(size=(300, 8)).astype(np.float32)
-    assert httpx.post(predict_url(mlp_server), json={"inputs": calm.tolist()}).status_code == 200
-    report = httpx.get(f"{mlp_server.url}/v1/models/mlp/drift").json()
+    assert kpost(predict_url(mlp_server), json={"inputs": calm.tolist()}).status_code == 200
+    report = kget(f"{mlp_server.url}/v1/models/mlp/drift").json()
     assert report["enabled"] and "example:N(0,1)" in report["reference"]
     assert report["replica_pid"] == mlp_server.proc.pid
     assert not any(f["drift_psi"] for f in report["report"]["features"])
@@ -138,8 +136,8 @@ def test_shifted_inputs_raise_drift_alerts_in_the_store_and_the_api(mlp_server: 
     # Feature 2 moves by 2.5 standard deviations (still inside the accepted range).
     shifted = RNG.normal(size=(300, 8)).astype(np.float32)
     shifted[:, 2] += 2.5
-    assert httpx.post(predict_url(mlp_server), json={"inputs": shifted.tolist()}).status_code == 200
-    alerts = _poll(lambda: httpx.get(f"{mlp_server.url}/v1/models/mlp/alerts").json())
+    assert kpost(predict_url(mlp_server), json={"inputs": shifted.tolist()}).status_code == 200
+    alerts = _poll(lambda: kget(f"{mlp_server.url}/v1/models/mlp/alerts").json())
     flagged = {(a["kind"], a["feature"], a["metric"]) for a in alerts}
     assert ("input_drift", "f2", "psi") in flagged and ("input_drift", "f2", "ks") in flagged
     assert not any(a["feature"] in ("f0", "f5") for a in alerts)
@@ -151,6 +149,6 @@ def test_shifted_inputs_raise_drift_alerts_in_the_store_and_the_api(mlp_server: 
     from gpuyard.models.registry import model_events
 
     assert any(e["action"] == "drift_alert" for e in model_events("mlp"))
-    text = httpx.get(f"{mlp_server.url}/metrics").text
+    text = kget(f"{mlp_server.url}/metrics").text
     assert 'gpuyard_serve_drift{feature="f2",metric="psi",model="mlp",version="1"}' in text
     assert json.loads(json.dumps(alerts))  # JSON all the way (no NaN)

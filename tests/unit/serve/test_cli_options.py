@@ -13,7 +13,7 @@ pytestmark = pytest.mark.unit
 
 # Options of `serve` that a deployment sets itself (the record names the deployment; deploy picks a free
 # port by default because it runs in the background).
-_DEPLOY_OWN = {"deployment_id"}
+_DEPLOY_OWN = {"deployment_id", "api_key"}
 _DEFAULTS_DIFFER = {"port"}
 
 
@@ -76,6 +76,9 @@ def test_the_flags_defaults_are_the_config_classes() -> None:
         "no_drift": not serve_opts.drift,
         "drift_window": drift.window,
         "drift_interval": drift.interval_s,
+        "drain_s": serve_opts.drain_s,
+        "max_prompt_tokens": serve_opts.max_prompt_tokens,
+        "special_tokens": serve_opts.special_tokens,
     }
     serve = _params("serve")
     assert {name: serve[name].default for name in expected} == expected

@@ -72,11 +72,14 @@ def deployment(deployment_id: DeploymentId, principal: Principal = Depends(authe
 
 
 @router.get("/{deployment_id}/live")
-def live(deployment_id: DeploymentId, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
+def live(
+    request: Request, deployment_id: DeploymentId, principal: Principal = Depends(authenticated)
+) -> dict[str, Any]:
     """The running server's own ``/stats`` (latency percentiles, throughput) and ``/drift`` report.
 
-    Only the URL recorded for the deployment is asked (never one from the request); a server that
-    does not answer gives ``{"reachable": false, "error": ...}`` rather than an error status.
+    Only the URL recorded for the deployment is asked (never one from the request), with the caller's
+    own token (the model server accepts its team's tokens and admins'); a server that does not answer
+    gives ``{"reachable": false, "error": ...}`` rather than an error status.
     """
     dep = _own_deployment(principal, deployment_id)
     out: dict[str, Any] = {"id": dep["id"], "status": dep["status"], "reachable": False}
@@ -84,7 +87,8 @@ def live(deployment_id: DeploymentId, principal: Principal = Depends(authenticat
         return out | {"error": f"deployment is {dep['status']}"}
     base = f"{dep['url'].rstrip('/')}/v1/models/{dep['model']}"
     try:
-        with httpx.Client(timeout=3.0) as http:
+        bearer = {"Authorization": request.headers.get("authorization", "")}
+        with httpx.Client(timeout=3.0, headers=bearer) as http:
             out["stats"] = http.get(f"{base}/stats").raise_for_status().json()
             out["drift"] = http.get(f"{base}/drift").raise_for_status().json()
     except (httpx.HTTPError, ValueError) as exc:

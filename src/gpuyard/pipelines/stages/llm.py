@@ -404,7 +404,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float) -> None:
+def _wait_ready(
+    proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float, headers: dict[str, str]
+) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -413,7 +415,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: f
             tail = log.read_text(errors="replace").splitlines()[-6:]
             raise ConfigError(f"gpuyard serve exited with code {proc.returncode}:\n  " + "\n  ".join(tail))
         try:
-            if httpx.get(f"{url}/models", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/models", timeout=2, headers=headers).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -425,9 +427,12 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: f
 MAX_REPLY_CHARS = 1 << 20
 
 
-def stream_chat(url: str, model: str, body: dict[str, Any], transport: Any = None) -> dict[str, Any]:
+def stream_chat(
+    url: str, model: str, body: dict[str, Any], transport: Any = None, api_key: str | None = None
+) -> dict[str, Any]:
     """One streamed chat completion over the OpenAI API at ``url`` (server-sent events up to ``[DONE]``):
-    the reply, the time to its first token, the chunks and the finish reason.
+    the reply, the time to its first token, the chunks and the finish reason. ``api_key`` is sent as
+    ``Authorization: Bearer`` (gpuyard's model servers need one).
 
     Raises:
         ConfigError: an error answer (its status and message), an event that is not a JSON object of
@@ -440,7 +445,11 @@ def stream_chat(url: str, model: str, body: dict[str, Any], transport: Any = Non
     first: float | None = None
     finish, done, chunks, size = None, False, 0, 0
     with (
-        httpx.Client(timeout=60, transport=transport) as client,
+        httpx.Client(
+            timeout=60,
+            transport=transport,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+        ) as client,
         client.stream("POST", f"{url}/chat/completions", json={**body, "model": model, "stream": True}) as r,
     ):
         if r.status_code != 200:
@@ -481,18 +490,22 @@ def stream_chat(url: str, model: str, body: dict[str, Any], transport: Any = Non
 
 def llm_serve_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     """Start ``gpuyard serve MODEL`` (OpenAI API), stream one chat completion, stop the server."""
+    from gpuyard.serve.access import KEY_ENV, new_key
+
     i = parse_inputs(LlmServeInputs, inputs, ctx["stage"])
     port = _free_port()
     url = f"http://127.0.0.1:{port}/v1"
     log = Path(ctx["workdir"]) / "serve.log"
     argv = [sys.executable, "-m", "gpuyard.cli.main", "serve", i.model, "--port", str(port)]
     argv += ["--max-batch", str(i.max_batch)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(i.threads)}
+    # The server's key goes to it in its environment (never on its command line, never in its log).
+    key = new_key()
+    env = {**os.environ, "OMP_NUM_THREADS": str(i.threads), KEY_ENV: key}
     t0 = time.perf_counter()
     with log.open("wb") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
     try:
-        _wait_ready(proc, url, log, i.start_timeout_s)
+        _wait_ready(proc, url, log, i.start_timeout_s, {"Authorization": f"Bearer {key}"})
         started = time.perf_counter() - t0
         body: dict[str, Any] = {
             "messages": [{"role": "user", "content": i.message}],
@@ -501,7 +514,7 @@ def llm_serve_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, An
         }
         if i.stop:
             body["stop"] = i.stop
-        got = stream_chat(url, i.model, body)
+        got = stream_chat(url, i.model, body, api_key=key)
     finally:
         proc.terminate()
         try:

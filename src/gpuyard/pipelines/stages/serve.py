@@ -69,7 +69,7 @@ def serve_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     try:
         name = ModelRef.parse(ref).name
         base = f"{dep['url']}/v1/models/{name}"
-        with httpx.Client(timeout=30) as client:
+        with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {dep['api_key']}"}) as client:
             preds = _send(client, f"{base}/predict", X, 1)
             served_acc = float(np.mean(preds == y))
             before = _drift(client, base)

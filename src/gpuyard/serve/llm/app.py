@@ -3,25 +3,36 @@
 Streaming answers are server-sent events (``data: {chunk}`` lines, then ``data: [DONE]``), as the
 OpenAI clients expect. A stream the client closes frees its batch slot before the next decoding step.
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "code"}}`` with 400 (a prompt plus
-max_tokens over the context, bad parameters), 404 (another model name), 429 (queue full).
+max_tokens over the context, a value out of range or a field this server does not implement, named),
+404 (another model name), 413 (a body over the server's limit), 429 (queue full).
+
+A request is bounded before it reaches the engine: its body (``Limits.max_body_bytes``, refused
+while it is read), parsed in a worker thread, tokenized on the tokenizer thread (never on the event
+loop, so /health answers while a large body is parsed), its prompt (``max_prompt_tokens``; a text
+longer than that many of the longest token is refused untokenized), and its chat template's render
+(:mod:`gpuyard.serve.llm.templates`). Special-token strings typed in chat messages stay text.
 Prometheus metrics at /metrics: time to first token, inter-token latency, generated tokens (and a
 tokens/s gauge over the last seconds), queue depth, running batch size.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gpuyard.errors import ConfigError
+from gpuyard.errors import ConfigError, GpuyardError
+from gpuyard.serve.access import read_body
 from gpuyard.serve.llm.engine import Engine, QueueFull, SamplingParams, collect
 from gpuyard.serve.llm.engine import Request as GenRequest
 
@@ -90,18 +101,71 @@ class Metrics:
         self.batch.set(n)
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server.
 
-    model: str
+    Attributes:
+        max_body_bytes: larger bodies get 413 (a declared length before anything is read).
+        max_prompt_tokens: the longest prompt (0: the context length less one).
+        special_tokens: special-token strings in chat messages act as control tokens (off: text).
+        template_timeout_s: the longest chat-template render (then the request fails, alone).
+    """
+
+    max_body_bytes: int = 4 << 20
+    max_prompt_tokens: int = 0
+    special_tokens: bool = False
+    template_timeout_s: float = 2.0
+
+
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+# Accepted for compatibility but without effect on the answer, so never "silently ignored".
+_NOOP_VALUES: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(max_length=300)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(-1, ge=-1, le=10_000_000)
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool = False
+    stream_options: dict[str, bool] | None = None
     n: int = Field(1, ge=1, le=1)
+    user: str | None = Field(None, max_length=256)
+    parallel_tool_calls: bool | None = None
+    # Not implemented: refused unless absent or at their no-op value (_NOOP_VALUES).
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
 
 
 class CompletionBody(_Body):
@@ -109,10 +173,11 @@ class CompletionBody(_Body):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str
+    name: str | None = Field(None, max_length=256)
 
 
 class ChatBody(_Body):
@@ -127,46 +192,159 @@ def _error(
     )
 
 
-def build_app(engine: Engine, model_name: str, info: dict[str, Any] | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` as model ``model_name``."""
+def _parse_body(raw: bytes, cls: type[_Body]) -> Any:
+    """Parse and validate a body (runs in a worker thread: a large body never stalls the loop)."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ConfigError(f"body is not JSON: {reason}") from None
+    try:
+        return cls.model_validate(doc)
+    except ValidationError as exc:
+        errs = exc.errors()[:5]
+        raise ConfigError(
+            "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errs)
+        ) from None
+
+
+def sampling(body: _Body, default_max: int, vocab: int) -> SamplingParams:
+    """The request's sampling values, each range-checked (ConfigError naming the field)."""
+    for name, allowed in _NOOP_VALUES.items():
+        value = getattr(body, name)
+        if value not in allowed:
+            raise ConfigError(f"{name}: not supported by this server (leave it out)")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise ConfigError(
+            f"stop: at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters"
+        )
+    bias: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise ConfigError(f"logit_bias: {key[:20]!r} is not a token id in [0, {vocab})")
+        if not -100 <= value <= 100:
+            raise ConfigError(f"logit_bias: the bias of token {key} must be between -100 and 100")
+        bias[int(key)] = float(value)
+    given = body.max_completion_tokens or body.max_tokens
+    return SamplingParams(
+        max_tokens=given or default_max,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        stop=stops,
+        seed=body.seed,
+        top_k=max(body.top_k, 0),
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=bias,
+        max_tokens_given=given is not None,
+    )
+
+
+class ChatPrompt:
+    """Chat messages to prompt tokens: the template rendered in its worker (deadline and size limit),
+    and special-token strings a message contains kept as text unless the server allows them."""
+
+    def __init__(self, engine: Engine, renderer: Any, special_tokens: bool) -> None:
+        self.tok, self.renderer, self.allow = engine.tok, renderer, special_tokens
+        added = engine.tok.tokenizer.get_added_tokens_decoder().values()
+        self.specials = sorted({t.content for t in added if getattr(t, "special", False) and t.content})
+
+    def ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt's token ids (runs on the tokenizer thread).
+
+        Raises:
+            ConfigError: the template failed, or changed a message holding a special-token string
+                so that it cannot be found to keep as text.
+        """
+        hostile = [
+            i for i, m in enumerate(messages)
+            if not self.allow and any(sp in m["content"] for sp in self.specials)
+        ]  # fmt: skip
+        if not hostile:
+            return self.tok.encode_batch([self.renderer.render(messages)], specials=True)[0]
+        # Those messages go through the template as markers; their text is tokenized on its own,
+        # with special-token strings as plain text, and put back where each marker was.
+        marks = {f"\ue000{i}\ue001": messages[i]["content"] for i in hostile}
+        shown = [dict(m, content=f"\ue000{i}\ue001") if i in hostile else m for i, m in enumerate(messages)]
+        text = self.renderer.render(shown)
+        if any(text.count(mark) != 1 for mark in marks):
+            named = next(sp for sp in self.specials if any(sp in c for c in marks.values()))
+            raise ConfigError(
+                f"messages: a message contains the special token {named!r}, which this server keeps as "
+                "text, and the model's chat template transforms message content, so it cannot be kept "
+                "apart: leave the token out"
+            )
+        ids: list[int] = []
+        rest = text
+        while rest:
+            at, mark = min(((rest.find(m), m) for m in marks if m in rest), default=(-1, ""))
+            head = rest if at < 0 else rest[:at]
+            if head:
+                ids += self.tok.encode_batch([head], specials=True)[0]
+            if at < 0:
+                break
+            ids += self.tok.encode_batch([marks[mark]], specials=False)[0]
+            rest = rest[at + len(mark) :]
+        return ids
+
+
+def build_app(
+    engine: Engine,
+    model_name: str,
+    info: dict[str, Any] | None = None,
+    limits: Limits = Limits(),
+    renderer: Any = None,
+) -> FastAPI:
+    """The FastAPI app serving ``engine`` as model ``model_name`` within ``limits``.
+
+    ``renderer`` renders chat templates (:class:`~gpuyard.serve.llm.templates.TemplateRenderer`; one
+    is made for the engine's tokenizer when None, and closed by ``app.state.close()``).
+    """
+    from gpuyard.serve.llm.templates import TemplateRenderer
+
     app = FastAPI(title="gpuyard LLM server")
     created = int(time.time())
     metrics: Metrics = engine.metrics
+    tok = engine.tok
+    vocab = tok.vocab_size
+    max_prompt = min(limits.max_prompt_tokens or engine.context_length - 1, engine.context_length - 1)
+    # No token is longer than this, so a text of more than max_prompt * longest characters cannot fit:
+    # it is refused before it is tokenized.
+    longest = max((len(t) for t in tok.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    max_chars = max_prompt * max(longest, 1)
+    if renderer is None:
+        renderer = TemplateRenderer(tok.chat_template, tok.eos_token, max_chars, limits.template_timeout_s)
+    chat_prompt = ChatPrompt(engine, renderer, limits.special_tokens)
+    # One tokenizer thread: tokenizing (and rendering) never runs on the event loop, and the tokenizer's
+    # special-token switch (LoadedTokenizer.encode_batch) is never flipped by two requests at once.
+    tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuyard-llm-tokenize")
 
-    def _params(body: _Body, default_max: int) -> SamplingParams:
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ConfigError("stop: at most 4 non-empty strings")
-        mt = body.max_completion_tokens or body.max_tokens or default_max
-        return SamplingParams(
-            max_tokens=mt, temperature=body.temperature, top_p=body.top_p, stop=stops, seed=body.seed
-        )
+    async def on_tokenizer(fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(tok_pool, fn, *args)
 
     async def _parse(request: Request, cls: type[_Body]) -> Any:
-        try:
-            return cls.model_validate(json.loads(await request.body()))
-        except (ValueError, ValidationError) as exc:
-            errs = exc.errors() if isinstance(exc, ValidationError) else None
-            msg = (
-                "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errs)
-                if errs
-                else f"body is not JSON: {exc}"
-            )
-            raise ConfigError(msg) from None
-
-    async def _run(kind: str, body: _Body, prompt_ids: list[int]) -> Response:
+        raw = await read_body(request, limits.max_body_bytes)
+        body = await asyncio.to_thread(_parse_body, raw, cls)
         if body.model != model_name:
-            return _error(
-                404,
-                f"model {body.model!r} is not served here (serving {model_name!r})",
-                code="model_not_found",
+            raise NotServed(f"model {body.model!r} is not served here (serving {model_name!r})")
+        return body
+
+    def _prompt_cap(n: int) -> None:
+        if n > max_prompt:
+            raise ConfigError(
+                f"the prompt has {n} tokens; this server takes prompts of at most {max_prompt} tokens"
             )
-        default_max = (
-            DEFAULT_COMPLETION_TOKENS
-            if kind == "text_completion"
-            else engine.context_length - len(prompt_ids)
-        )
-        params = _params(body, max(1, default_max))
+
+    def _chars_cap(n: int, what: str) -> None:
+        if n > max_chars:
+            raise ConfigError(
+                f"{what} has {n} characters: more than a prompt of at most {max_prompt} tokens can hold"
+            )
+
+    async def _run(
+        kind: str, body: _Body, params: SamplingParams, prompt_ids: list[int], request: Request
+    ) -> Response:
         rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         try:
             req, queue = await collect(engine, lambda emit: GenRequest(prompt_ids, params, emit))
@@ -214,7 +392,7 @@ def build_app(engine: Engine, model_name: str, info: dict[str, Any] | None = Non
                             metrics.requests.labels("ok").inc()
                             break
                 finally:
-                    if not done:  # the client went away: free the slot
+                    if not done:  # the client went away: free the slot (or its queue place)
                         engine.cancel(req)
                         metrics.requests.labels("cancelled").inc()
 
@@ -223,9 +401,18 @@ def build_app(engine: Engine, model_name: str, info: dict[str, Any] | None = Non
             )
 
         parts: list[str] = []
+        # A client that hangs up while its request waits or runs frees its place at once: its
+        # disconnect is watched alongside the engine's events.
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
-                ev = await queue.get()
+                got = asyncio.ensure_future(queue.get())
+                await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    metrics.requests.labels("cancelled").inc()
+                    return Response(status_code=499)  # nobody reads it: the client is gone
+                ev = got.result()
                 if "error" in ev:
                     return _error(500, ev["error"], "server_error")
                 if "text" in ev:
@@ -233,6 +420,7 @@ def build_app(engine: Engine, model_name: str, info: dict[str, Any] | None = Non
                 if "done" in ev:
                     break
         finally:
+            gone.cancel()
             if req.finish_reason is None:
                 engine.cancel(req)
         metrics.requests.labels("ok").inc()
@@ -241,10 +429,12 @@ def build_app(engine: Engine, model_name: str, info: dict[str, Any] | None = Non
              "choices": [choice("".join(parts), ev["done"], False)], "usage": _usage(ev)}
         )  # fmt: skip
 
-    @app.exception_handler(ConfigError)
-    async def _bad(request: Request, exc: ConfigError) -> JSONResponse:
-        metrics.requests.labels("bad_request").inc()
-        return _error(400, str(exc))
+    @app.exception_handler(GpuyardError)
+    async def _bad(request: Request, exc: GpuyardError) -> JSONResponse:
+        status = 400 if isinstance(exc, ConfigError) else exc.http_status  # OpenAI: 400 for bad values
+        metrics.requests.labels({413: "too_large", 404: "unknown_model"}.get(status, "bad_request")).inc()
+        code = "model_not_found" if status == 404 else None
+        return _error(status, str(exc), code=code)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -257,26 +447,30 @@ def build_app(engine: Engine, model_name: str, info: dict[str, Any] | None = Non
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionBody)
+        params = sampling(body, DEFAULT_COMPLETION_TOKENS, vocab)
         if isinstance(body.prompt, str):
-            ids = engine.tok.encode_batch([body.prompt])[0]
+            _chars_cap(len(body.prompt), "prompt")
+            ids = (await on_tokenizer(tok.encode_batch, [body.prompt]))[0]
         else:
-            vocab = engine.tok.vocab_size
+            _prompt_cap(len(body.prompt))
             if any(t < 0 or t >= vocab for t in body.prompt):
                 raise ConfigError(f"prompt: token ids must be in [0, {vocab})")
             ids = list(body.prompt)
-        engine.check(len(ids), _params(body, DEFAULT_COMPLETION_TOKENS).max_tokens)
-        return await _run("text_completion", body, ids)
+        _prompt_cap(len(ids))
+        engine.check(len(ids), params.max_tokens, params.max_tokens_given)
+        return await _run("text_completion", body, params, ids, request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _parse(request, ChatBody)
-        text = engine.tok.render_chat([m.model_dump() for m in body.messages], add_generation_prompt=True)
-        ids = engine.tok.encode_batch([text], specials=True)[0]
-        if body.max_tokens or body.max_completion_tokens:
-            engine.check(len(ids), _params(body, 1).max_tokens)
-        elif len(ids) >= engine.context_length:
-            engine.check(len(ids), 1)
-        return await _run("chat", body, ids)
+        sampling(body, 1, vocab)  # its values are refused before any work is spent on the prompt
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        _chars_cap(sum(len(m["content"]) for m in messages), "the messages' content")
+        ids = await on_tokenizer(chat_prompt.ids, messages)
+        _prompt_cap(len(ids))
+        params = sampling(body, engine.context_length - len(ids), vocab)
+        engine.check(len(ids), params.max_tokens, params.max_tokens_given)
+        return await _run("chat", body, params, ids, request)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -299,8 +493,28 @@ def build_app(engine: Engine, model_name: str, info: dict[str, Any] | None = Non
 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def close() -> None:
+        renderer.close()
+        tok_pool.shutdown(wait=False, cancel_futures=True)
+
     app.state.info = info or {}
+    app.state.close = close
+    app.state.limits = {"max_prompt_tokens": max_prompt, "max_prompt_chars": max_chars}
     return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (its body was read: the next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class NotServed(GpuyardError):
+    """The body names another model than the one served."""
+
+    http_status = 404
 
 
 def _usage(ev: dict[str, Any]) -> dict[str, int]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import inspect
 import threading
 import time
@@ -69,6 +70,16 @@ class SamplingParams:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    top_k: int = 0  # 0: every token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    max_tokens_given: bool = True  # False: max_tokens is the server's default (errors say so)
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are changed before sampling (bias, penalties)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 @dataclass
@@ -239,6 +250,7 @@ class Engine:
         self._stop = False
         self._slots = _Slots()
         self._cache: Any = None  # the transformers Cache over the slots, made at the first join
+        self._joined: tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]] = ([], [])
         # transformers renames past_key_values to cache (5.x deprecation): use what forward takes.
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -247,8 +259,12 @@ class Engine:
         self._thread.start()
 
     # ----- requests -----------------------------------------------------------------------------
-    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+    def check(self, prompt_tokens: int, max_tokens: int, given: bool = True) -> None:
         """Refuse a request that cannot fit the context.
+
+        Args:
+            given: whether the client chose ``max_tokens`` (else it is the server's default, and the
+                message says so rather than blaming a value the client never sent).
 
         Raises:
             ConfigError: prompt + max_tokens over the context length (both numbers named).
@@ -257,9 +273,15 @@ class Engine:
             raise ConfigError(f"max_tokens must be at least 1, got {max_tokens}")
         if prompt_tokens < 1:
             raise ConfigError("the prompt is empty (0 tokens)")
-        if prompt_tokens + max_tokens > self.context_length:
+        if prompt_tokens >= self.context_length:
             raise ConfigError(
-                f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}: "
+                f"the prompt has {prompt_tokens} tokens: the model's context length of "
+                f"{self.context_length} leaves no room for a generated token"
+            )
+        if prompt_tokens + max_tokens > self.context_length:
+            said = "max_tokens is" if given else "max_tokens was not given; the default is"
+            raise ConfigError(
+                f"the prompt has {prompt_tokens} tokens and {said} {max_tokens}: "
                 f"{prompt_tokens + max_tokens} is over the model's context length of {self.context_length}"
             )
 
@@ -269,9 +291,12 @@ class Engine:
         Raises:
             ConfigError: it does not fit the context. QueueFull: the waiting queue is full.
         """
-        self.check(len(req.prompt_ids), req.params.max_tokens)
+        self.check(len(req.prompt_ids), req.params.max_tokens, req.params.max_tokens_given)
         if req.params.seed is not None:
-            req.generator = torch.Generator(device="cpu").manual_seed(req.params.seed)
+            try:
+                req.generator = torch.Generator(device="cpu").manual_seed(req.params.seed)
+            except (RuntimeError, OverflowError, ValueError) as exc:
+                raise ConfigError(f"seed: {exc}") from None
         with self._cond:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(
@@ -283,10 +308,25 @@ class Engine:
             self._cond.notify()
 
     def cancel(self, req: Request) -> None:
-        """Drop a request (a closed stream): it leaves the batch before the next step."""
+        """Drop a request (a closed stream, a client gone): a waiting one frees its queue place now, a
+        running one leaves the batch before the next step."""
         req.cancelled = True
         with self._cond:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass  # not waiting (any more): running, prefilling or done
+            else:
+                if self.metrics is not None:
+                    self.metrics.set_queue(len(self.waiting))
             self._cond.notify()
+
+    def inflight(self) -> str:
+        """The requests in flight, in words ("" when none): for the shutdown's log lines."""
+        running, waiting = len(self.running) + len(self.partial), len(self.waiting)
+        if not running and not waiting:
+            return ""
+        return f"{running} generating, {waiting} waiting"
 
     def alive(self) -> bool:
         """True while the decoding thread runs (it stops only on :meth:`close`)."""
@@ -320,31 +360,87 @@ class Engine:
                     short = [r for r in joining if len(r.prompt_ids) <= PREFILL_CHUNK]
                     self.partial.extend(_Partial(r, self._new_cache()) for r in joining if r not in short)
                     for group in _prefill_groups(short):
-                        self._join(group)
+                        try:
+                            self._prefill(group)
+                        except Exception as exc:  # this group's forward pass: fails this group only
+                            for req in group:
+                                _fail(req, exc)
+                            continue
+                        self._admit(group, *self._joined)
                     self._advance()
                     self._leave()
                     if self.running:
                         self._step()
                         self._leave()
-            except Exception as exc:  # a failed step fails its requests, not the server
+            except Exception as exc:  # a failed batch step (or cache copy) fails the batch, not the server
                 for req in [*self.running, *joining, *(p.req for p in self.partial)]:
-                    if req.finish_reason is None:
-                        req.finish_reason = "error"
-                        req.emit({"error": f"{type(exc).__name__}: {exc}"})
+                    _fail(req, exc)
                 self.running = []
                 self.partial.clear()
                 self._slots.reset()
             if self.metrics is not None:
                 self.metrics.set_batch(len(self.running))
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        """The next token of each request from its row of ``logits`` (rows, vocab)."""
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int | None]:
+        """The next token of each request from its row of ``logits`` (rows, vocab); None for a request
+        whose own sampling failed (it has been failed: the others go on).
+
+        Sampling is batched; when the batch fails (one row's values), each row is sampled alone so the
+        failure stays with its own request.
+        """
+        logits = self._adjusted(reqs, logits)
+        try:
+            return list(self._sample_batch(reqs, logits))
+        except Exception:
+            if len(reqs) == 1:
+                raise
+        out: list[int | None] = []
+        for i, req in enumerate(reqs):
+            try:
+                out.append(self._sample_batch([req], logits[i : i + 1])[0])
+            except Exception as exc:
+                _fail(req, exc)
+                out.append(None)
+        return out
+
+    def _adjusted(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with each request's logit bias and presence/frequency penalties applied."""
+        rows = [i for i, r in enumerate(reqs) if r.params.adjusts]
+        if not rows:
+            return logits
+        logits = logits.float().clone()
+        vocab = logits.shape[-1]
+        for i in rows:
+            p = reqs[i].params
+            if p.logit_bias:
+                ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long)
+                vals = torch.tensor([v for t, v in p.logit_bias.items() if t < vocab])
+                logits[i].index_add_(0, ids.to(logits.device), vals.to(logits.device))
+            if (p.presence_penalty or p.frequency_penalty) and reqs[i].generated:
+                seen = torch.tensor(reqs[i].generated, dtype=torch.long).clamp(max=vocab - 1)
+                counts = torch.bincount(seen, minlength=vocab).to(logits.device, logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
+    def _sample_batch(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
+        bad = ~torch.isfinite(logits).all(dim=-1)
+        if bool(bad.any()):
+            raise FloatingPointError("the model produced non-finite logits")
         tokens = torch.argmax(logits, dim=-1)
         rows = [i for i, r in enumerate(reqs) if r.params.temperature > 0]
         if rows:
             idx = torch.tensor(rows, device=logits.device)
             temp = torch.tensor([reqs[i].params.temperature for i in rows], device=logits.device)
-            probs = torch.softmax(logits.index_select(0, idx).float() / temp[:, None], dim=-1)
+            sel_logits = logits.index_select(0, idx).float()
+            # Shifted so the largest is 0: a tiny temperature sends the others to -inf, never to NaN.
+            sel_logits = (sel_logits - sel_logits.amax(dim=-1, keepdim=True)) / temp[:, None]
+            top_k = [reqs[i].params.top_k for i in rows]
+            if any(0 < k < sel_logits.shape[-1] for k in top_k):
+                for j, k in enumerate(top_k):
+                    if 0 < k < sel_logits.shape[-1]:
+                        kth = torch.topk(sel_logits[j], k).values[-1]
+                        sel_logits[j] = sel_logits[j].masked_fill(sel_logits[j] < kth, float("-inf"))
+            probs = torch.softmax(sel_logits, dim=-1)
             top_p = [reqs[i].params.top_p for i in rows]
             if min(top_p) < 1.0:
                 sorted_p, order = torch.sort(probs, dim=-1, descending=True)
@@ -429,18 +525,23 @@ class Engine:
         if complete:
             req.prefix, req.read, req.tail = req.read, len(ids), 0
 
-    def _accept_all(self, reqs: list[Request], tokens: list[int]) -> None:
+    def _accept_all(self, reqs: list[Request], tokens: list[int | None]) -> None:
         now = time.perf_counter()
         accepted = 0
         for req, token in zip(reqs, tokens, strict=True):
-            if not req.cancelled:
-                self._accept(req, token, now)
+            if not req.cancelled and token is not None and req.finish_reason is None:
+                try:
+                    self._accept(req, token, now)
+                except Exception as exc:  # this request's text or stop handling: fails it alone
+                    _fail(req, exc)
+                    continue
                 accepted += 1
         if self.metrics is not None:
             self.metrics.tokens(accepted)
 
-    def _join(self, group: list[Request]) -> None:
-        """Prefill ``group`` in one left-padded forward and add each unfinished request to the batch."""
+    def _prefill(self, group: list[Request]) -> None:
+        """Prefill ``group`` in one left-padded forward and sample each one's first token; the prompt
+        KV waits in ``self._joined`` for :meth:`_admit`."""
         lengths = [len(r.prompt_ids) for r in group]
         width = max(lengths)
         ids = torch.tensor(
@@ -455,7 +556,7 @@ class Engine:
             kwargs["position_ids"] = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(**kwargs)
         self._accept_all(group, self._sample(group, out.logits[:, -1]))
-        self._admit(group, [(layer.keys, layer.values) for layer in _cache_of(out).layers], lengths)
+        self._joined = ([(layer.keys, layer.values) for layer in _cache_of(out).layers], lengths)
 
     @staticmethod
     def _new_cache() -> Any:
@@ -474,18 +575,24 @@ class Engine:
         part = self.partial[0]
         ids = part.req.prompt_ids
         end = min(part.done + PREFILL_CHUNK, len(ids))
-        out = self.model(
-            input_ids=torch.tensor([ids[part.done : end]], device=self.device),
-            position_ids=torch.arange(part.done, end, device=self.device)[None, :],
-            use_cache=True,
-            **{self._cache_arg: part.cache},
-            **self._last_only,
-        )
-        part.done = end
-        if end < len(ids):
+        try:
+            out = self.model(
+                input_ids=torch.tensor([ids[part.done : end]], device=self.device),
+                position_ids=torch.arange(part.done, end, device=self.device)[None, :],
+                use_cache=True,
+                **{self._cache_arg: part.cache},
+                **self._last_only,
+            )
+            part.done = end
+            if end < len(ids):
+                return
+            self.partial.popleft()
+            self._accept_all([part.req], self._sample([part.req], out.logits[:, -1]))
+        except Exception as exc:  # this prompt's own prefill: fails this request only
+            if self.partial and self.partial[0] is part:
+                self.partial.popleft()
+            _fail(part.req, exc)
             return
-        self.partial.popleft()
-        self._accept_all([part.req], self._sample([part.req], out.logits[:, -1]))
         self._admit([part.req], [(layer.keys, layer.values) for layer in part.cache.layers], [len(ids)])
 
     def _admit(
@@ -536,6 +643,14 @@ class Engine:
         slots.hi += 1
         slots.lens = [n + 1 for n in slots.lens]
         self._accept_all(self.running, self._sample(self.running, out.logits[:, -1]))
+
+
+def _fail(req: Request, exc: BaseException) -> None:
+    """End ``req`` with an error event naming what failed (once)."""
+    if req.finish_reason is None:
+        req.finish_reason = "error"
+        with contextlib.suppress(Exception):  # the client's loop is gone: nobody to tell
+            req.emit({"error": f"{type(exc).__name__}: {exc}"})
 
 
 def _prefill_groups(joining: list[Request]) -> list[list[Request]]:

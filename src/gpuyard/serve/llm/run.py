@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuyard.errors import NotFoundError
+from gpuyard.serve.access import Access
 
 
 def language_model(ref: str) -> Path | None:
@@ -28,24 +29,43 @@ def language_model(ref: str) -> Path | None:
     return fetch_lm(ref)
 
 
-def serve_lm(ref: str, folder: Path, opts: Any, max_queue: int | None = None, sock: Any = None) -> None:
+def serve_lm(
+    ref: str,
+    folder: Path,
+    opts: Any,
+    max_queue: int | None = None,
+    sock: Any = None,
+    *,
+    access: Access,
+) -> None:
     """Serve the language model in ``folder`` as ``ref`` until stopped: on opts.host:opts.port, or on
-    the listening socket ``sock`` (a replica of a deployment, which bound it)."""
+    the listening socket ``sock`` (a replica of a deployment, which bound it), to callers with a key
+    ``access`` accepts. On SIGTERM it waits at most ``opts.drain_s`` for requests in flight."""
     import uvicorn
 
-    from gpuyard.serve.llm.app import Metrics, build_app
+    from gpuyard.serve.access import KeyGate, draining_server, openai_body
+    from gpuyard.serve.llm.app import Limits, Metrics, build_app
     from gpuyard.serve.llm.engine import load_engine
 
     metrics = Metrics()
     max_batch = opts.batch.max_batch
     engine, info = load_engine(folder, opts.device, max_batch, max_queue or 8 * max_batch, metrics)
-    app = build_app(engine, ref, info)
-    config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
+    limits = Limits(opts.max_body_bytes, opts.max_prompt_tokens, opts.special_tokens)
+    app = build_app(engine, ref, info, limits)
+    config = uvicorn.Config(
+        KeyGate(app, access, openai_body),
+        host=opts.host,
+        port=opts.port,
+        log_level="warning",
+        lifespan="off",
+        timeout_graceful_shutdown=opts.drain_s,  # type: ignore[arg-type]  # a float works (wait_for)
+    )
+    server = draining_server(config, engine.inflight)
     if sock is None:
         print(f"gpuyard serve: {ref} (language model, context {engine.context_length}) at "
               f"http://{opts.host}:{opts.port}/v1 (OpenAI API)", file=sys.stderr, flush=True)  # fmt: skip
     try:
         server.run(sockets=[sock] if sock is not None else None)
     finally:
+        app.state.close()
         engine.close()

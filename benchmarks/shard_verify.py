@@ -38,11 +38,12 @@ from pathlib import Path
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="100,000 rows, 2 rounds (a few seconds)")
+    parser.add_argument("--smoke", action="store_true", help="CI: 20,000 rows, 1 round (no figure)")
     parser.add_argument("--rows", type=int, default=None, help="rows (default 2,000,000)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 5)")
     args = parser.parse_args()
-    args.rows = args.rows or (100_000 if args.quick else 2_000_000)
-    args.rounds = args.rounds or (2 if args.quick else 5)
+    args.rows = args.rows or (20_000 if args.smoke else 100_000 if args.quick else 2_000_000)
+    args.rounds = args.rounds or (1 if args.smoke else 2 if args.quick else 5)
     root = Path(tempfile.mkdtemp(prefix="gpuyard-verify-bench-"))
     os.environ["GPUYARD_HOME"] = str(root / "home")
 

@@ -140,13 +140,16 @@ def main() -> None:
         os.environ.pop("GPUYARD_DATABASE_URL", None)
         baseline(1024, 1)  # warm-up (allocator, kernels) for both
         gpuyard_run(1024, 1, Path(tmp) / "warm")
-        for i in range(repeats):
-            t, c, base_loss = baseline(n, epochs)
-            base_t.append(t)
-            base_cpu.append(c)
-            t, c, our_loss = gpuyard_run(n, epochs, Path(tmp) / f"run{i}")
-            ours_t.append(t)
-            ours_cpu.append(c)
+        for i in range(repeats):  # the side that goes first alternates from pair to pair
+            for side in ("baseline", "gpuyard") if i % 2 == 0 else ("gpuyard", "baseline"):
+                if side == "baseline":
+                    t, c, base_loss = baseline(n, epochs)
+                    base_t.append(t)
+                    base_cpu.append(c)
+                else:
+                    t, c, our_loss = gpuyard_run(n, epochs, Path(tmp) / f"run{i}")
+                    ours_t.append(t)
+                    ours_cpu.append(c)
     steps = n // BATCH * epochs
     b, o = statistics.median(base_t), statistics.median(ours_t)
     print(

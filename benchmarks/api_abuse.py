@@ -192,6 +192,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 s per phase instead of 20 s")
     ap.add_argument(
+        "--smoke", action="store_true", help="CI: 0.5 s phases, 1+1 abusers, 500 idle (no figure)"
+    )
+    ap.add_argument(
         "--abusers", type=int, default=4, help="abusive client processes (one more sends slow bodies)"
     )
     ap.add_argument(
@@ -199,6 +202,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     seconds = 3.0 if args.quick else 20.0
+    if args.smoke:
+        seconds, args.abusers, args.flood = 0.5, 1, 500
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp) / "home"
         os.environ["GPUYARD_HOME"] = str(home)

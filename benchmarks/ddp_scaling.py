@@ -127,6 +127,7 @@ def run(impl: str, nproc: int, steps: int, warmup: int, tmp: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="about a minute")
+    parser.add_argument("--smoke", action="store_true", help="CI: 6 steps per run, every path (no figure)")
     parser.add_argument("--worker", choices=["gpuyard", "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -141,6 +142,8 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(stamps))
         return
     steps, warmup, repeats = (150, 20, 1) if args.quick else (300, 40, 3)
+    if args.smoke:
+        steps, warmup, repeats = 6, 2, 1
     thr: dict[tuple[str, int], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         # Tracked runs go to a store of the benchmark's own, not the user's ~/.gpuyard.

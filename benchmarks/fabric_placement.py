@@ -105,9 +105,13 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--max-wait", type=float, default=600.0, help="fabric placement's cap on waiting (s)")
     ap.add_argument("--seeds", type=int, default=None, help="workload seeds per configuration (3)")
+    ap.add_argument("--smoke", action="store_true", help="CI: --quick, one seed, the first 300 jobs")
     args = ap.parse_args()
-    seeds = list(range(args.seeds or 3))
+    args.quick = args.quick or args.smoke
+    seeds = list(range(1 if args.smoke else args.seeds or 3))
     trace = load_trace(args.trace)
+    if args.smoke:
+        trace = trace[:300]
     print(
         f"trace: {len(trace)} jobs; cluster: {NODES} x {PRESET} nodes, {LEAF} per leaf "
         f"({NODES // LEAF} leaves); max wait {args.max_wait:.0f} s; workload seeds {seeds}"
@@ -139,7 +143,7 @@ def main() -> None:
                 {
                     "jct_ratio": fab.avg_jct_s / topo.avg_jct_s,
                     "makespan_ratio": fab.makespan_s / topo.makespan_s,
-                    "queue_ratio": fab.avg_queue_s / topo.avg_queue_s,
+                    "queue_ratio": fab.avg_queue_s / topo.avg_queue_s if topo.avg_queue_s else math.nan,
                     "multi_leaf_share_topology": topo.multi_leaf_jobs / topo.jobs,
                     "multi_leaf_share_fabric": fab.multi_leaf_jobs / fab.jobs,
                     "slowed_topology": topo.slowed_jobs,

@@ -117,8 +117,11 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=3072)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="CI: a 768-token prompt, 2 streams (no figure)")
     args = parser.parse_args()
     prompt, streams, rounds = (1536, 4, 1) if args.quick else (args.prompt, args.streams, args.rounds)
+    if args.smoke:
+        prompt, streams, rounds = 768, 2, 1  # over PREFILL_CHUNK: two chunks
     if not 1 <= prompt <= 4000 or streams < 1 or rounds < 1:
         parser.error("--prompt must be 1-4000 tokens (4K context), --streams and --rounds at least 1")
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,5 +1,5 @@
-"""Language-model serving: gpuyard's continuous-batching engine vs transformers generate() served one
-request at a time and vs a static-batch generate() server.
+"""Language-model serving: gpuyard's continuous-batching engine vs transformers' own continuous batching,
+a static-batch generate() server with a gather window, and generate() served one request at a time.
 
 Usage: ``python benchmarks/llm_serve.py [--quick] [--clients 1,8,32] [--requests-per-client 3] [--rounds 1]``
 
@@ -10,10 +10,21 @@ clients: each sends its next request when the previous one is answered; requests
 no end-of-sequence stop, so every server generates exactly the same number of tokens.
 
 - ``sequential``: one worker thread, ``model.generate()`` per request, in arrival order;
-- ``static``: one worker thread takes every waiting request (up to the batch size), left-pads the
-  prompts and runs one ``generate()`` for the longest ``max_tokens`` of the batch; each request is
-  answered when its batch is done (its extra tokens are discarded and not counted);
+- ``static``: one worker thread takes the first waiting request, then gathers more for up to
+  ``--gather-ms`` (20 ms; until 2026-11-29 it took only those already waiting), up to the batch size,
+  left-pads the prompts and runs one ``generate()`` for the longest ``max_tokens`` of the batch; each
+  request is answered when its batch is done (its extra tokens are discarded and not counted);
+- ``hf_continuous`` (the competent baseline, transformers' own continuous batching):
+  ``model.init_continuous_batching()``'s ``ContinuousBatchingManager`` (paged KV cache, requests join
+  and leave between steps), one manager kept running, requests added as they arrive; its cache is
+  sized for the work (pages of 64 tokens, 4 per request slot: its default sizes the cache from free
+  memory, which on this CPU made every step 7x slower), at most 512 tokens per step (gpuyard's
+  prefill chunk) and the batch size as the requests per step; TTFT from its per-token timestamps;
 - ``gpuyard``: :class:`gpuyard.serve.llm.engine.Engine` (continuous batching, module docstring there).
+
+What is equal: the same model object, tokens, requests, greedy decoding, batch size and torch thread;
+every server generates exactly the tokens asked for; the servers take turns level by level, the order
+rotated each round.
 
 Measured in-process (no HTTP, the same for all three): output tokens/s (tokens asked for, over the
 wall time of the level) and p99 time to first token. The baselines return whole answers, so their
@@ -129,15 +140,65 @@ class Sequential:
                 g[2]()
 
 
-class Static(Sequential):
+class StaticWindow(Sequential):
+    """Static batching with a gather window: after the first request, wait up to ``window`` seconds
+    for more (up to the batch size) before running the batch."""
+
+    def __init__(self, model: Any, batch: int, window: float) -> None:
+        self.window = window
+        super().__init__(model, batch)
+
     def take(self) -> list[Any]:
         group = [self.q.get()]
+        deadline = time.monotonic() + self.window
         while len(group) < self.batch:
+            left = deadline - time.monotonic()
             try:
-                group.append(self.q.get_nowait())
+                group.append(self.q.get(timeout=left) if left > 0 else self.q.get_nowait())
             except queue.Empty:
                 break
         return group
+
+
+class HFContinuous:
+    """transformers' continuous batching (``ContinuousBatchingManager``), fed requests as they arrive;
+    one thread routes finished results to their clients."""
+
+    def __init__(self, model: Any, batch: int) -> None:
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=128)
+        cfg = ContinuousBatchingConfig(
+            page_size=64, num_blocks=4 * batch + 16, max_batch_tokens=512, max_requests_per_batch=batch
+        )
+        self.mgr = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cfg)
+        self.mgr.start()
+        self.waiting: dict[str, tuple[Any, Any]] = {}
+        self.lock = threading.Lock()
+        self.count = 0
+        threading.Thread(target=self.route, daemon=True).start()
+
+    def submit(self, ids: list[int], n: int, done: Any, first: Any) -> None:
+        with self.lock:
+            self.count += 1
+            rid = f"r{self.count}"
+            self.waiting[rid] = (done, first)
+        self.mgr.add_request(ids, request_id=rid, max_new_tokens=n, record_timestamps=True)
+
+    def close(self) -> None:
+        """Stop the manager's generation thread (not a daemon: the process would not exit)."""
+        self.mgr.stop(block=True, timeout=30)
+
+    def route(self) -> None:
+        while True:
+            result = self.mgr.get_result(timeout=0.5)
+            if result is None or not result.is_finished():
+                continue
+            assert len(result.generated_tokens) > 0
+            with self.lock:
+                done, first = self.waiting.pop(result.request_id)
+            first(result.timestamps[0] - result.created_time)
+            done()
 
 
 class Gpuyard:
@@ -208,7 +269,11 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=1, help="runs of each level; the best of each server counts"
     )
+    ap.add_argument("--gather-ms", type=float, default=20.0, help="the static batcher's gather window")
+    ap.add_argument("--smoke", action="store_true", help="CI: 1 and 2 clients, one request each (no figure)")
     args = ap.parse_args()
+    if args.smoke:
+        args.quick, args.clients = True, "1,2"
     levels = [int(x) for x in args.clients.split(",")]
     rpc = 1 if args.quick else args.requests_per_client
     load = os.getloadavg()[0]
@@ -217,20 +282,25 @@ def main() -> None:
         batch = max(levels)
         servers = {
             "sequential": Sequential(model, 1),
-            "static": Static(model, batch),
+            "static": StaticWindow(model, batch, args.gather_ms / 1000),
+            "hf_continuous": HFContinuous(model, batch),
             "gpuyard": Gpuyard(model, tok, batch),
         }
+        names = list(servers)
         results: dict[str, dict[int, dict[str, float]]] = {k: {} for k in servers}
         rounds: dict[int, list[dict[str, float]]] = {}  # per level, each round's ratios (same load)
         for clients in levels:
             work = workload(tok, clients * rpc, seed=clients)
-            for _ in range(args.rounds):
+            for rnd in range(args.rounds):
                 this: dict[str, float] = {}
                 cpu_this: dict[str, float] = {}
-                for name, server in servers.items():  # in turn, level by level: the load hits all alike
+                # In turn, level by level, the order rotated each round: the load hits all alike.
+                turn = (len(levels) * rnd + levels.index(clients)) % len(names)
+                for name in names[turn:] + names[:turn]:
+                    server = servers[name]
                     if name == "sequential" and clients > 8 and args.quick:
                         continue
-                    r = run_level(server, work, clients, name == "gpuyard")
+                    r = run_level(server, work, clients, name in ("gpuyard", "hf_continuous"))
                     this[name], cpu_this[name] = r["tok_s"], r["cpu_tok_s"]
                     best = results[name].get(clients)
                     if best is None or r["tok_s"] > best["tok_s"]:
@@ -249,21 +319,28 @@ def main() -> None:
                 print(
                     "     round: " + " ".join(f"gpuyard/{k}={v:.2f}" for k, v in ratios.items()), flush=True
                 )
+        servers["hf_continuous"].close()
     top = max(levels)
     g, s, st = results["gpuyard"][top], results["sequential"].get(top), results["static"][top]
+    hf, hf_one = results["hf_continuous"][top], results["hf_continuous"].get(1)
     vs_seq = g["tok_s"] / s["tok_s"] if s else float("nan")
     one = results["sequential"].get(1)
     single = results["gpuyard"][1]["tok_s"] / one["tok_s"] if one else float("nan")
     single_cpu = statistics.median(r.get("sequential_cpu", math.nan) for r in rounds.get(1, [{}]))
+    single_hf = results["gpuyard"][1]["tok_s"] / hf_one["tok_s"] if hf_one else float("nan")
     print(
-        f"llm_serve: vs_sequential={vs_seq:.2f} vs_static_batch={g['tok_s'] / st['tok_s']:.2f} "
+        f"llm_serve: vs_hf_continuous={g['tok_s'] / hf['tok_s']:.2f} "
+        f"vs_hf_continuous_round_median={statistics.median(r['hf_continuous'] for r in rounds[top]):.2f} "
+        f"single_vs_hf_continuous={single_hf:.2f} hf_continuous_tok_s={hf['tok_s']:.1f} "
+        f"hf_continuous_ttft_p99_ms={hf['ttft_p99_ms']:.0f} "
+        f"vs_sequential={vs_seq:.2f} vs_static_batch={g['tok_s'] / st['tok_s']:.2f} "
         f"ttft_p99_ms={g['ttft_p99_ms']:.0f} clients={top} gpuyard_tok_s={g['tok_s']:.1f} "
         f"static_tok_s={st['tok_s']:.1f} sequential_tok_s={s['tok_s'] if s else float('nan'):.1f} "
         f"static_ttft_p99_ms={st['ttft_p99_ms']:.0f} single_vs_generate={single:.2f} "
         f"vs_static_batch_round_median={statistics.median(r['static'] for r in rounds[top]):.2f} "
         f"vs_static_batch_cpu={statistics.median(r['static_cpu'] for r in rounds[top]):.2f} "
         f"single_vs_generate_cpu={single_cpu:.2f} "
-        f"load1_at_start={load:.2f} load1_at_end={os.getloadavg()[0]:.2f}"
+        f"gather_ms={args.gather_ms:g} load1_at_start={load:.2f} load1_at_end={os.getloadavg()[0]:.2f}"
     )
 
 

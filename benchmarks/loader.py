@@ -1,32 +1,45 @@
-"""Loader throughput: gpuyard's shard loader vs NumPy in memory, WebDataset, Ray Data and files.
+"""Loader throughput: gpuyard's shard loader vs the pyarrow loop, NumPy, WebDataset, Ray Data, files.
 
-All read the same N samples (28x28 uint8 image + int64 label), shuffled, in batches of 256, with
-the same number of workers, for full epochs; each batch is touched (a sum) so nothing is left
-lazy. Baselines, each in its best configuration that we know of, doing the same work:
+What is equal: all read the same N samples (28x28 uint8 image + int64 label), shuffled, in batches
+of 256 tensors into this process, with the same number of workers, for full epochs, alternated
+(order rotated per round); each batch is touched (a sum) so nothing is left lazy. The pyarrow loop
+reads the very shard files gpuyard reads; the others read the same samples in their own format.
+Baselines, each in its best configuration that we know of, doing the same work:
+
+- pyarrow (the headline for streaming, ``vs_pyarrow``): the loop a competent user writes for
+  Parquet records, over gpuyard's own shard files (:class:`PyarrowEpochs`): row groups shuffled
+  per epoch, read with ``read_row_group``, rows permuted in blocks of 16,384 (gpuyard's shuffle
+  buffer), batches as tensor views; run in the main process and in 2 DataLoader worker processes,
+  the faster of the two in each round counts.
 
 - numpy (against gpuyard's whole mode, ``whole_vs_numpy``): the same decoded arrays in memory, a
   permutation per epoch, one ``ndarray.take`` per column per batch, wrapped as tensors without a
   copy, one thread: the least a loader over in-memory data can do. Whole mode
   (``LoaderConfig(whole=True)``) decodes the version into memory once, then gathers batches.
 - webdataset (streaming): tar shards of about 128 MB (WebDataset's documentation and published
-  datasets use 100 MB to 1 GB; at least one shard per worker), raw image bytes (no image
-  decoding), ``shardshuffle``, a ``.shuffle(1000)`` buffer, ``.batched(256)`` inside the workers,
+  datasets use 100 MB to 1 GB; at least one shard per worker), records of 64 samples (50 KB: raw
+  image bytes and int64 labels, one tar member each; until 2026-11-29 one 784-byte sample per
+  record, which measured ``tarfile``'s header parsing), ``shardshuffle``, a ``.shuffle`` buffer of
+  16,384 samples' records, 4 records per batch with the batch's rows permuted, inside the workers,
   ``WebLoader`` with ``batch_size=None`` and persistent workers.
-- ray_data (streaming, when Ray installs): Parquet files read by ``read_parquet`` with the block
-  order randomised, the raw bytes decoded by ``map_batches`` over Arrow batches, a local shuffle
-  buffer of 1,000 and ``iter_torch_batches``, Ray started with the same number of CPUs as workers.
+- ray_data (streaming, when Ray installs, on epochs of 100,000 samples or more: Ray starts its
+  executor every epoch, which dominates a shorter one): Parquet files read by ``read_parquet``
+  with the block order randomised, the raw bytes decoded by ``map_batches`` over Arrow batches, a
+  local shuffle buffer of 1,000 and ``iter_torch_batches``, Ray started with the same number of
+  CPUs as workers.
 - files (context, ``vs_files``): one raw 785-byte file per sample (``np.frombuffer``), a map-style
   Dataset with ``shuffle=True``, the default collate, persistent workers.
 - MosaicML ``streaming`` is not run: its release (0.13) pins numpy<2.2 and imports torchvision,
   whose wheels for this torch need CUDA libraries; it does not install beside the CPU torch here.
 
 gpuyard streams with thread workers (``worker_mode="thread"``, its best configuration for small
-samples; ``vs_files``, ``vs_best_streaming`` = against the faster of WebDataset and Ray Data in
-each round) and with DataLoader worker processes (``proc_vs_files``); both yield the very same
-batches. Every contender is built and its first ("cold") epoch run; then each round runs one epoch
-of each in turn, the order rotated each round, and ratios are per round (median and spread).
-Peak memory (PSS of the process and its workers, sampled every 20 ms) is taken afterwards for
-gpuyard's three modes, each alone.
+samples; ``vs_pyarrow``; ``vs_best_streaming`` = against the fastest of the pyarrow loops,
+WebDataset and Ray Data in each round) and with DataLoader worker processes (``proc_vs_files``,
+``proc_vs_pyarrow``); both yield the very same batches. Every contender is built and its first
+("cold") epoch run; then each round runs one epoch of each in turn, the order rotated each round,
+and ratios are per round (median and spread).
+Peak memory (PSS of the process and its workers, sampled at the start, every 20 ms and at the end)
+is taken afterwards for gpuyard's three modes, each alone.
 
 Usage: python benchmarks/loader.py [--quick] [--samples N] [--workers W] [--rounds R]
 
@@ -71,26 +84,32 @@ class PeakRSS:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
+    def sample(self) -> None:
         me = psutil.Process()
-        while not self._stop.is_set():
-            total = 0
-            for proc in [me, *me.children(recursive=True)]:
-                try:
-                    info = proc.memory_full_info()
-                    total += getattr(info, "pss", info.rss)
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    pass
-            self.peak = max(self.peak, total)
-            self._stop.wait(0.02)
+        total = 0
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                info = proc.memory_full_info()
+                total += getattr(info, "pss", info.rss)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        self.peak = max(self.peak, total)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.sample()
 
     def __enter__(self) -> PeakRSS:
+        # One sample here and one at the end: an epoch shorter than the thread's first wakeup (whole
+        # mode's 12,000 samples take a few ms) was never sampled and printed 0 MiB.
+        self.sample()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.sample()
 
 
 def timed_epoch(
@@ -129,8 +148,23 @@ class FileDataset(Dataset[tuple[torch.Tensor, int]]):
         return img, raw[784]
 
 
-def _wds_sample(sample: dict[str, bytes]) -> tuple[np.ndarray, int]:
-    return np.frombuffer(sample["img"], dtype=np.uint8).reshape(SHAPE), int(sample["cls"])
+# Samples per WebDataset record: 64 images (50 KB) and their labels in one tar member each, so tar
+# headers and the per-record Python are paid once per 64 samples (a 784-byte sample per record spent
+# most of its time in ``tarfile``'s header parsing).
+WDS_RECORD = 64
+
+
+def _wds_record(sample: dict[str, bytes]) -> tuple[np.ndarray, np.ndarray]:
+    images = np.frombuffer(sample["img"], dtype=np.uint8).reshape(-1, *SHAPE)
+    return images, np.frombuffer(sample["cls"], dtype=np.int64)
+
+
+def _wds_collate(records: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """BATCH // WDS_RECORD shuffled records into one batch, its rows permuted."""
+    images = np.concatenate([r[0] for r in records])
+    labels = np.concatenate([r[1] for r in records])
+    perm = np.random.permutation(len(labels))
+    return torch.from_numpy(images[perm]), torch.from_numpy(labels[perm])
 
 
 def make_data(root: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -167,13 +201,21 @@ def setup_wds(root: Path, images: np.ndarray, labels: np.ndarray, workers: int) 
 
     folder = root / "wds"
     folder.mkdir()
-    # 2,560 bytes a sample in the tar (two members, each a 512-byte header and its data padded to
-    # 512): shards of WDS_SHARD_BYTES, and at least one per worker so that no worker idles.
-    per_shard = min(WDS_SHARD_BYTES // 2560, -(-len(labels) // max(1, workers)))
+    # Records of WDS_RECORD samples (rows in a random order, so a record is a random draw), shards of
+    # WDS_SHARD_BYTES and at least one per worker so that no worker idles.
+    order = np.random.default_rng(1).permutation(len(labels))
+    records = -(-len(labels) // WDS_RECORD)
+    record_bytes = WDS_RECORD * (784 + 8) + 1024
+    per_shard = min(WDS_SHARD_BYTES // record_bytes, -(-records // max(1, workers)))
     with wds.ShardWriter(str(folder / "shard-%05d.tar"), maxcount=per_shard, verbose=0) as sink:
-        for i in range(len(labels)):
+        for r in range(records):
+            idx = order[r * WDS_RECORD : (r + 1) * WDS_RECORD]
             sink.write(
-                {"__key__": f"{i:07d}", "img": images[i].tobytes(), "cls": str(int(labels[i])).encode()}
+                {
+                    "__key__": f"{r:07d}",
+                    "img": np.ascontiguousarray(images[idx]).tobytes(),
+                    "cls": labels[idx].astype(np.int64).tobytes(),
+                }
             )
     return sorted(str(p) for p in folder.glob("*.tar"))
 
@@ -208,6 +250,66 @@ def _ray_decode(batch: Any) -> dict[str, np.ndarray]:
     return {"image": flat.reshape(-1, *SHAPE), "label": batch.column("label").to_numpy()}
 
 
+def _arrow_image_batch(table: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A table of raw rows (``image`` as 784-byte fixed-size binary, ``label``) as two NumPy arrays,
+    zero-copy: one view of the image column's data buffer."""
+    images = table.column("image").combine_chunks()
+    flat = np.frombuffer(images.buffers()[1], np.uint8, count=len(images) * 784, offset=images.offset * 784)
+    return flat.reshape(-1, *SHAPE), table.column("label").to_numpy()
+
+
+class PyarrowEpochs(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """The loop a competent user writes for Parquet records, over the very shard files gpuyard reads:
+    every epoch the (file, row group) pairs are shuffled (seeded by seed and epoch), each DataLoader
+    worker takes every ``num_workers``-th pair, reads it with ``ParquetFile.read_row_group``
+    (pyarrow's defaults: no page-checksum verification, which gpuyard's reads do), and the rows are
+    permuted in blocks of ``buffer`` rows (gpuyard's default shuffle buffer) and cut into batches of
+    256 as tensors (no copy). Run in the main process (``PyarrowEpochs`` iterated directly) and in
+    DataLoader worker processes (``batch_size=None``, persistent workers: each worker counts its own
+    epochs)."""
+
+    def __init__(self, paths: list[str], seed: int = 0, buffer: int = 16384) -> None:
+        import pyarrow.parquet as pq
+
+        self.paths, self.seed, self.buffer, self.epoch = paths, seed, buffer, 0
+        self.pieces = [(i, g) for i, p in enumerate(paths) for g in range(pq.ParquetFile(p).num_row_groups)]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        import pyarrow.parquet as pq
+
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        if info is not None:  # persistent workers keep this copy: count epochs here
+            self.epoch += 1
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = [self.pieces[i] for i in rng.permutation(len(self.pieces))][worker::workers]
+        files = {i: pq.ParquetFile(self.paths[i]) for i in {i for i, _ in order}}
+        images: list[np.ndarray] = []
+        labels: list[np.ndarray] = []
+        held = 0
+        for n, (i, g) in enumerate(order):
+            img, lab = _arrow_image_batch(files[i].read_row_group(g, use_threads=False))
+            images.append(img)
+            labels.append(lab)
+            held += len(lab)
+            if held < self.buffer and n + 1 < len(order):
+                continue
+            block_img, block_lab = np.concatenate(images), np.concatenate(labels)
+            perm = rng.permutation(len(block_lab))
+            block_img, block_lab = block_img[perm], block_lab[perm]
+            cut = len(block_lab) if n + 1 == len(order) else len(block_lab) // BATCH * BATCH
+            for lo in range(0, cut, BATCH):
+                yield (
+                    torch.from_numpy(block_img[lo : lo + BATCH]),
+                    torch.from_numpy(block_lab[lo : lo + BATCH]),
+                )
+            images, labels = [block_img[cut:]], [block_lab[cut:]]
+            held = len(block_lab) - cut
+
+
 class NumpyEpochs:
     """The in-memory baseline of whole mode: the decoded arrays, a permutation per epoch, a ``take``
     per column per batch, wrapped as tensors (no copy), in one thread."""
@@ -232,7 +334,10 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=None)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="timed epochs per contender, interleaved")
+    ap.add_argument("--smoke", action="store_true", help="CI: 2,000 samples, one round (no figure)")
     args = ap.parse_args()
+    if args.smoke:
+        args.samples, args.rounds = args.samples or 2000, 1
     n = args.samples or (12_000 if args.quick else 100_000)
     w = args.workers
     root = Path(tempfile.mkdtemp(prefix="gpuyard-bench-loader-"))
@@ -251,7 +356,9 @@ def main() -> None:
     print(f"ingest {n} samples: {time.perf_counter() - t0:.2f} s, {len(version.shards)} shard(s)")
     files = setup_files(root, images, labels)
     tars = setup_wds(root, images, labels, w)
-    ray_path = setup_ray(root, images, labels) if ray_available() else None
+    # Ray Data starts its executor every epoch (25-45 s here under load): below 100,000 samples an
+    # epoch measures that start, not reading, so Ray runs only on epochs of 100,000 samples or more.
+    ray_path = setup_ray(root, images, labels) if ray_available() and n >= 100_000 else None
     decoded = (images.copy(), labels.astype(np.int64))  # the NumPy baseline's data, decoded in memory
     del images
 
@@ -269,11 +376,22 @@ def main() -> None:
 
     def make_wds() -> Any:
         pipeline = wds.WebDataset(tars, shardshuffle=len(tars), nodesplitter=None, empty_check=False)
-        pipeline = pipeline.shuffle(1000).map(_wds_sample).batched(BATCH)
+        # A buffer of 16,384 samples' records (gpuyard's shuffle buffer), BATCH // WDS_RECORD
+        # records per batch, the batch's rows permuted.
+        pipeline = pipeline.shuffle(16384 // WDS_RECORD).map(_wds_record)
+        pipeline = pipeline.batched(BATCH // WDS_RECORD, collation_fn=_wds_collate)
         return wds.WebLoader(pipeline, batch_size=None, num_workers=w, persistent_workers=True)
 
     def make_numpy() -> Any:
         return NumpyEpochs(*decoded)
+
+    shard_paths = version.shard_paths()  # the files gpuyard reads (checked here, outside any timing)
+
+    def make_pyarrow() -> Any:
+        return PyarrowEpochs(shard_paths)
+
+    def make_pyarrow_workers() -> Any:
+        return DataLoader(PyarrowEpochs(shard_paths), batch_size=None, num_workers=w, persistent_workers=True)
 
     class RayEpochs:
         """Ray Data over the Parquet files, its documented training idiom: block order randomised,
@@ -300,7 +418,9 @@ def main() -> None:
         ("gpuyard_whole", make_gpuyard("thread", whole=True), lambda b: (b["image"], b["label"])),
         ("numpy", make_numpy, lambda b: (b[0], b[1])),
         ("files", make_files, lambda b: (b[0], b[1])),
-        ("webdataset", make_wds, lambda b: (torch.as_tensor(b[0]), torch.as_tensor(b[1]))),
+        ("webdataset", make_wds, lambda b: (b[0], b[1])),
+        ("pyarrow", make_pyarrow, lambda b: (b[0], b[1])),
+        ("pyarrow_workers", make_pyarrow_workers, lambda b: (b[0], b[1])),
     ]
     if ray_path is not None:
         contenders.append(("ray_data", RayEpochs, lambda b: (b["image"], b["label"])))
@@ -312,6 +432,10 @@ def main() -> None:
     loaders: dict[str, Any] = {}
     gets = {name: get for name, _, get in contenders}
     not_run = [f"MosaicML streaming ({MOSAIC_NOTE})"]
+    if ray_path is None:
+        not_run.append(
+            f"Ray Data ({'epochs under 100,000 samples' if ray_available() else 'Ray is not installed'})"
+        )
     for name, make, get in contenders:
         try:
             loaders[name] = make()
@@ -351,7 +475,7 @@ def main() -> None:
 
     cold_rate = {k: c / dt for k, (dt, c) in cold.items()}
     rate = {k: statistics.median(rd[k] for rd in rounds) for k in names}
-    streaming = [k for k in ("webdataset", "ray_data") if k in names]
+    streaming = [k for k in ("webdataset", "ray_data", "pyarrow", "pyarrow_workers") if k in names]
     for k in names:
         all_rates = ", ".join(f"{rd[k]:,.0f}" for rd in rounds)
         print(
@@ -367,6 +491,8 @@ def main() -> None:
         return [rd[a] / (max(rd[x] for x in b) if isinstance(b, list) else rd[b]) for rd in rounds]
 
     figures = {
+        "vs_pyarrow": ratio("gpuyard", ["pyarrow", "pyarrow_workers"]),
+        "proc_vs_pyarrow": ratio("gpuyard_proc", ["pyarrow", "pyarrow_workers"]),
         "vs_files": ratio("gpuyard", "files"),
         "vs_best_streaming": ratio("gpuyard", streaming),
         "whole_vs_numpy": ratio("gpuyard_whole", "numpy"),
@@ -385,6 +511,7 @@ def main() -> None:
         + " ".join(f"{key}={statistics.median(v):.2f}x" for key, v in figures.items())
         + f" whole_vs_numpy_min={min(figures['whole_vs_numpy']):.2f}x "
         f"vs_best_streaming_min={min(figures['vs_best_streaming']):.2f}x "
+        f"vs_pyarrow_min={min(figures['vs_pyarrow']):.2f}x vs_pyarrow_max={max(figures['vs_pyarrow']):.2f}x "
         f"cold_vs_files={cold_rate['gpuyard'] / cold_rate['files']:.1f}x "
         + " ".join(f"{k}_samples_s={rate[k]:.0f}" for k in names)
         + " "

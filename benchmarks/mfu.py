@@ -65,7 +65,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="Fewer steps (and a tiny shape on a CPU).")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--no-compile", action="store_true", help="Eager only.")
+    parser.add_argument("--smoke", action="store_true", help="CI: --quick with 2 steps after the warm-up")
     args = parser.parse_args()
+    if args.smoke:
+        args.quick, args.steps = True, args.steps or WARMUP_STEPS + 2
 
     cuda = torch.cuda.is_available()
     if cuda:

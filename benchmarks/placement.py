@@ -104,8 +104,9 @@ def main() -> None:
     """Run both placements side by side; print the summary line last."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one repetition")
+    ap.add_argument("--smoke", action="store_true", help="CI: the same as --quick (a few seconds)")
     args = ap.parse_args()
-    reps = 1 if args.quick else 3
+    reps = 1 if args.quick or args.smoke else 3
     ours, naive = [], []
     for rep in range(reps):
         occupancy, jobs = _workload(rep)

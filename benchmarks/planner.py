@@ -67,11 +67,12 @@ def main() -> None:
     """Run both and print the comparison."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats; baseline on a sample, scaled")
+    parser.add_argument("--smoke", action="store_true", help="CI: one search, baseline on 300 layouts")
     args = parser.parse_args()
-    search_cpu, search_wall, result = timed_search(3 if args.quick else 5)
+    search_cpu, search_wall, result = timed_search(1 if args.smoke else 3 if args.quick else 5)
     total = result.considered
     top = result.plans[0]
-    sample = 3000 if args.quick else None
+    sample = 300 if args.smoke else 3000 if args.quick else None
     base_s, done, best = timed_baseline(sample)
     if sample is not None and done < total:
         base_s = base_s * total / done  # extrapolated: per-layout cost is flat across the space

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -217,7 +217,9 @@ def measure(cfg: Config, workdir: Path, attempt: int = 0) -> float:
     return statistics.median(times)
 
 
-def calibrate(configs: list[Config], probe: RateProbe, attempts: int) -> tuple[Calibration, float, str, bool]:
+def calibrate(
+    configs: list[Config], probe: RateProbe, attempts: int, quick: bool = False
+) -> tuple[Calibration, float, str, bool]:
     """Calibrate with the compute rate probed before and after; retake it when the rate moved.
 
     Returns the calibration, the reference rate (after it), a note, and whether it was steady.
@@ -225,7 +227,7 @@ def calibrate(configs: list[Config], probe: RateProbe, attempts: int) -> tuple[C
     note = ""
     for attempt in range(1, attempts + 1):
         before = probe.rate()
-        cal = run_calibration(CalibrateConfig(nproc=max(c.nproc for c in configs)))
+        cal = run_calibration(CalibrateConfig(nproc=max(c.nproc for c in configs), quick=quick))
         after = probe.rate()
         if not changed(before, after):
             note = f"steady (rate {before / 1e9:.1f} -> {after / 1e9:.1f} GFLOP/s, {_load()})"
@@ -249,6 +251,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", type=Path, help="Use this calibration instead of measuring now.")
     parser.add_argument("--quick", action="store_true", help="Fewer configurations and steps.")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI: calibrate's quick mode, one configuration, 5 steps (no figure)",
+    )
     parser.add_argument("--keep", type=Path, help="Keep run folders and the calibration here.")
     parser.add_argument(
         "--retries", type=int, default=1, help="Runs again a configuration the machine changed under."
@@ -258,7 +265,11 @@ def main() -> int:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    configs = cuda_configs(args.quick) if device == "cuda" else cpu_configs(args.quick)
+    configs = (
+        cuda_configs(args.quick or args.smoke) if device == "cuda" else cpu_configs(args.quick or args.smoke)
+    )
+    if args.smoke:
+        configs = [replace(configs[0], steps=WARMUP_STEPS + 2)]
     precision = "bf16" if device == "cuda" else "fp32"
     workdir = Path(tempfile.mkdtemp(prefix="gpuyard-pm-")) if args.keep is None else args.keep
     workdir.mkdir(parents=True, exist_ok=True)
@@ -276,7 +287,9 @@ def main() -> int:
                 f"against the rate now ({reference / 1e9:.1f} GFLOP/s, {_load()})"
             )
         else:
-            cal, reference, note, steady = calibrate(configs, probe, attempts=2)
+            cal, reference, note, steady = calibrate(
+                configs, probe, attempts=1 if args.smoke else 2, quick=args.smoke
+            )
             how = "steady" if steady else "unsteady"
             (workdir / "calibration.json").write_text(cal.model_dump_json(indent=2))
         print(

@@ -407,6 +407,7 @@ def main() -> None:
         help="64 clients on gpuyard's MLP for this long (default: 60 s, 0 with --quick)",
     )
     ap.add_argument("--skip-ray", action="store_true", help="leave Ray Serve out")
+    ap.add_argument("--smoke", action="store_true", help="CI: 1 and 4 clients x 1 s, no Ray (no figure)")
     ap.add_argument(
         "--also-batching",
         default="",
@@ -427,6 +428,8 @@ def main() -> None:
         return
     levels, duration = ([1, 4, 16], 4.0) if args.quick else ([1, 2, 4, 8, 16, 32, 64], 10.0)
     soak_s = args.soak if args.soak is not None else (0.0 if args.quick else 60.0)
+    if args.smoke:
+        levels, duration, soak_s, args.skip_ray = [1, 4], 1.0, 0.0, True
     tmp = Path(tempfile.mkdtemp(prefix="gpuyard-bench-serve-"))
     env = {
         **os.environ,

@@ -46,13 +46,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one seed, fgd/fgd-exact/best-fit, no JCT replay")
     ap.add_argument("--seeds", type=int, default=5, help="arrival orders per trace (default 5)")
     ap.add_argument("--traces", type=Path, default=None, help="folder of the openb files")
+    ap.add_argument("--smoke", action="store_true", help="CI: --quick on every 10th node (no figure)")
     args = ap.parse_args()
+    args.quick = args.quick or args.smoke
     folder = args.traces or traces_dir()
     if not (folder / NODE_LIST).is_file():
         raise SystemExit(f"sharing: no {NODE_LIST} in {folder} (set GPUYARD_TRACES or --traces)")
     seeds = list(range(FIRST_SEED, FIRST_SEED + (1 if args.quick else args.seeds)))
     policies = ("fgd", "fgd-exact", "bestfit") if args.quick else POLICIES
     nodes = load_openb_nodes(folder / NODE_LIST)
+    if args.smoke:
+        nodes = nodes[::10]
     capacity = sum(n.gpus for n in nodes)
     print(f"cluster: {len(nodes)} nodes, {capacity} GPUs; seeds {seeds}; arrivals to 130% of the GPUs")
 

@@ -33,9 +33,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer policies (about a minute)")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--smoke", action="store_true", help="CI: --quick on the trace's first 500 jobs")
     args = ap.parse_args()
+    args.quick = args.quick or args.smoke
     t0 = time.perf_counter()
     trace = load_trace(args.trace)
+    if args.smoke:
+        trace = trace[:500]
     load_s = time.perf_counter() - t0
     print(f"trace: {len(trace)} jobs, loaded in {load_s:.2f} s")
 

@@ -56,8 +56,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="6 rounds")
+    parser.add_argument("--smoke", action="store_true", help="CI: 2 rounds (no figure)")
     args = parser.parse_args()
-    rounds = 6 if args.quick else args.rounds
+    rounds = 2 if args.smoke else 6 if args.quick else args.rounds
     if os.geteuid() != 0:
         print("slurm_latency: needs root (a private Slurm cluster is started here)", file=sys.stderr)
         sys.exit(2)

@@ -11,6 +11,7 @@ floor that no scheduler can beat.
 from __future__ import annotations
 
 import argparse
+import getpass
 import os
 import socket
 import statistics
@@ -48,12 +49,13 @@ def bench_server(n: int, tmp: Path) -> list[float]:
     port = _port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "GPUYARD_HOME": str(tmp / "home")}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    log = tmp / "server.log"
+    # The jobs run as this user (no dedicated job user on a benchmark machine), as in api_abuse.py.
+    cmd = [sys.executable, "-m", "gpuyard.cli.main", "server", "--port", str(port)]
+    with log.open("wb") as sink:
+        server = subprocess.Popen(
+            [*cmd, "--job-user", getpass.getuser()], env=env, stdout=sink, stderr=subprocess.STDOUT
+        )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -61,8 +63,9 @@ def bench_server(n: int, tmp: Path) -> list[float]:
                 httpx.get(f"{url}/health", timeout=1)
                 break
             except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise
+                if time.monotonic() > deadline or server.poll() is not None:
+                    tail = log.read_text(errors="replace").strip().splitlines()[-1:]
+                    raise SystemExit(f"submit_latency: the server did not start: {' '.join(tail)}") from None
                 time.sleep(0.1)
         from gpuyard.auth import bearer_headers, read_token
         from gpuyard.settings import load_settings
@@ -98,8 +101,9 @@ def main() -> None:
     """Measure both; print percentiles and the summary line."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="10 jobs instead of 40")
+    ap.add_argument("--smoke", action="store_true", help="CI: 3 jobs (no figure)")
     args = ap.parse_args()
-    n = 10 if args.quick else 40
+    n = 3 if args.smoke else 10 if args.quick else 40
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         ours = bench_server(n, tmp)

@@ -64,8 +64,11 @@ def per_call_us(tracker: Any, calls: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (about a minute)")
+    parser.add_argument("--smoke", action="store_true", help="CI: 50 steps, one repeat (no figure)")
     args = parser.parse_args()
     steps, repeats, calls = (1500, 3, 5000) if args.quick else (5000, 5, 20000)
+    if args.smoke:
+        steps, repeats, calls = 50, 1, 200
     home = Path(tempfile.mkdtemp(prefix="gpuyard-bench-tracking-"))
     os.environ["GPUYARD_HOME"] = str(home)
     import torch

@@ -3,13 +3,18 @@
 Every side starts from the same rows in Parquet and ends with the transformed rows in Parquet, doing
 the same work:
 
+- input: the same files. The source is ingested once; every side then reads the version's shard
+  files (hard links to gpuyard's blobs, named in shard order, in one folder), the bytes gpuyard's
+  transform reads. (Until 2026-11-29 the others read the original source file, which Polars reads
+  about a fifth slower than gpuyard's shards: unequal input.)
+
 - statistics: precomputed for every side and read inside the timed section: gpuyard reads them
   from the version's manifest (computed by ``ingest``), the others from a JSON file of the same
   figures (z-score mean/std, min-max min/max, the sorted categories). Computing them is timed on
   no side (ingest's cost is ingest's);
-- output: the four scaled columns as float32, ``id`` as it was, and the one-hot as ONE vector
-  column of 20 uint8 per row on every side (gpuyard's representation; 20 flag columns would be a
-  different, larger output).
+- output, written to the same folder: the four scaled columns as float32, ``id`` as it was, and
+  the one-hot as ONE vector column of 20 uint8 per row on every side (gpuyard's representation;
+  20 flag columns would be a different, larger output).
 
 Contenders, each in its best idiom, in a fresh process (imports excluded from the timing):
 
@@ -123,7 +128,7 @@ def run_pandas(src: Path, dest: Path, stats: Path) -> float:
 
     t0 = time.perf_counter()
     shifts, cats = _read_fitted(stats)
-    df = pd.read_parquet(src, engine="pyarrow", read_dictionary=["cat"])
+    df = pd.read_parquet(src, engine="pyarrow", read_dictionary=["cat"])  # the folder of shards
     for col, (shift, scale) in shifts.items():
         df[col] = ((df[col] - shift) * (1.0 / (scale or 1.0))).astype(np.float32)
     codes = df["cat"].cat.set_categories(cats).cat.codes.to_numpy()
@@ -142,7 +147,7 @@ def run_polars(src: Path, dest: Path, stats: Path, idiom: str) -> float:
 
     t0 = time.perf_counter()
     shifts, cats = _read_fitted(stats)
-    frame = pl.read_parquet(src)
+    frame = pl.read_parquet(src / "*.parquet")
     scaled = [
         ((pl.col(c) - s) * (1.0 / (k or 1.0))).cast(pl.Float32).alias(c) for c, (s, k) in shifts.items()
     ]
@@ -170,7 +175,7 @@ def run_duckdb(src: Path, dest: Path, stats: Path) -> float:
         f'CAST(("{c}" - {s!r}) * {1.0 / (k or 1.0)!r} AS FLOAT) AS "{c}"' for c, (s, k) in shifts.items()
     )
     flags = ", ".join(f"CAST(coalesce(cat = '{v}', false) AS UTINYINT)" for v in cats)
-    query = f"SELECT id, {exprs}, array_value({flags}) AS cat FROM read_parquet('{src}')"
+    query = f"SELECT id, {exprs}, array_value({flags}) AS cat FROM read_parquet('{src}/*.parquet')"
     con.sql(f"COPY ({query}) TO '{dest}' (FORMAT parquet, COMPRESSION snappy)")
     return time.perf_counter() - t0
 
@@ -405,12 +410,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=None)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="runs per contender (median and spread)")
+    ap.add_argument("--smoke", action="store_true", help="CI: 20,000 rows, one round (no figure)")
     ap.add_argument(
         "--engines",
         action="store_true",
         help="compare NumPy/Arrow, pyarrow.compute, Polars and DuckDB instead",
     )
     args = ap.parse_args()
+    if args.smoke:
+        args.rows, args.rounds = args.rows or 20_000, 1
     rows = args.rows or (3_000_000 if args.quick else 10_000_000)
     if args.engines:
         compare_engines(rows, max(args.rounds, 3))
@@ -428,6 +436,18 @@ def main() -> None:
         src, "bench", IngestOptions(shard_bytes=64 << 20, checks=ValidationSpec(duplicates="keep"))
     )
     print(f"ingest {rows:,} rows: {time.perf_counter() - t0:.2f} s, {len(version.shards)} shards")
+    # Every side reads the version's shard files: hard links to the blobs gpuyard reads, in shard order.
+    from gpuyard.store import get_artifacts
+
+    shard_dir = root / "shards"
+    shard_dir.mkdir()
+    for i, shard in enumerate(version.shards):
+        blob = get_artifacts()._path(shard.key)
+        try:
+            os.link(blob, shard_dir / f"shard-{i:05d}.parquet")
+        except OSError:
+            os.symlink(blob, shard_dir / f"shard-{i:05d}.parquet")
+    src.unlink()  # nothing reads the original from here on
 
     # The statistics every side uses, precomputed: gpuyard reads them from the version's manifest
     # (computed at ingest), the others from this JSON file of the same figures; both reads are timed.
@@ -448,13 +468,14 @@ def main() -> None:
     # baselines of the same round), reported as the median and the spread over the rounds.
     pandas_out = root / "pandas.parquet"
     gpuyard_args = (str(args.workers), version.ref, str(pandas_out))
+    inp = str(shard_dir)
     contenders: dict[str, tuple[str, ...]] = {
-        "pandas": ("pandas", str(src), str(pandas_out), str(stats)),
+        "pandas": ("pandas", inp, str(pandas_out), str(stats)),
         "gpuyard": ("gpuyard-thread", *gpuyard_args),
-        "polars_array": ("polars-array", str(src), str(root / "polars.parquet"), str(stats)),
-        "duckdb": ("duckdb", str(src), str(root / "duckdb.parquet"), str(stats)),
+        "polars_array": ("polars-array", inp, str(root / "polars.parquet"), str(stats)),
+        "duckdb": ("duckdb", inp, str(root / "duckdb.parquet"), str(stats)),
         "gpuyard_pool": ("gpuyard-pool", *gpuyard_args),
-        "polars_binary": ("polars-binary", str(src), str(root / "polars.parquet"), str(stats)),
+        "polars_binary": ("polars-binary", inp, str(root / "polars.parquet"), str(stats)),
     }
     names = list(contenders)
     # pandas first in the first round: gpuyard's check reads its output.

@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # `make test` runs test files on this many pytest-xdist workers (0: one process, no xdist).
 TEST_WORKERS ?= 3
 
-.PHONY: install demo test test-unit lint format bench clean gpu-wheels gpu-check
+.PHONY: install demo test test-unit lint format bench bench-smoke clean gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,11 @@ demo: $(STAMP)
 	$(BIN)/gpuyard demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not bench" $(PYTEST_ARGS)
+
+# Every benchmark script once in its --smoke mode, its last line checked (CI runs it after make test).
+bench-smoke: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist load -m bench tests/integration/test_benchmarks_smoke.py $(PYTEST_ARGS)
 
 # The unit tier alone (no processes, no servers): under a minute on 2 cores.
 test-unit: $(STAMP)

@@ -23,7 +23,7 @@ import pytest
 
 from gpuyard.scheduler.openb import NODE_LIST, traces_dir
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.bench]
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 

@@ -82,9 +82,10 @@ def _pg_bin(name: str) -> str | None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on now (tests.waiting.free_port)."""
+    from tests.waiting import free_port as pick
+
+    return pick()
 
 
 def _as_postgres(cmd: list[str]) -> list[str]:

@@ -42,3 +42,31 @@ def ensure_user(name: str) -> str:
 
     wait_for(created, timeout=30, every=0.1)
     return name
+
+
+# Ports the kernel never hands out as the source port of an outgoing connection (Linux's default
+# ip_local_port_range starts at 32768): a flood test's thousands of client connections on another
+# worker can then not take the port a server is about to bind, as they could take one from bind(0).
+_PORTS = (20000, 32767)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, below the ephemeral range."""
+    import random
+    import socket
+
+    low, high = _PORTS
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            high = min(high, int(fh.read().split()[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(200):
+        port = random.randint(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{high} after 200 tries")

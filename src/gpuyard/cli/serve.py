@@ -178,6 +178,10 @@ def serve(
     # A registered model's team may call it with their tokens; a plain folder belongs to no team.
     team = None if folder is not None and Path(model).expanduser().is_dir() else get_version(model).team
     key, generated = hand_key(api_key)
+    if folder is None:  # a registered model's files are checked as data first: a refusal is one line
+        from gpuyard.serve.deploy import check_files
+
+        check_files(model)
     if generated:
         announce_key(key)
     access = Access(key_hash(key), team)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import getpass
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.waiting import free_port
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 CHROMIUM = "/usr/bin/chromium"
@@ -45,9 +45,7 @@ class Server:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # below the ephemeral range (tests.waiting)
 
 
 def seed(home: Path) -> None:

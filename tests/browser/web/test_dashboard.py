@@ -144,7 +144,8 @@ def test_deployment_page_charts_live_latency_and_drift(
 ) -> None:
     X = deployment["inputs"]
     predict = f"{deployment['url']}/v1/models/tiny-mlp/predict"
-    with httpx.Client(timeout=10) as http:
+    key = {"Authorization": f"Bearer {deployment['api_key']}"}  # shown once by deploy
+    with httpx.Client(timeout=10, headers=key) as http:
         for i in range(0, 256, 4):  # 256 rows: past the drift window's 200-row minimum
             assert http.post(predict, json={"inputs": X[i : i + 4].tolist()}).status_code == 200
     page = signed_in.page
@@ -154,7 +155,7 @@ def test_deployment_page_charts_live_latency_and_drift(
     page.wait_for_selector("#tput-chart .uplot")
     page.wait_for_selector("#drift td:has-text('f3')", timeout=15000)  # one row per input feature
     assert page.locator("#drift tr").count() == 1 + 4
-    with httpx.Client(timeout=10) as http:  # a second poll adds a point to the live series
+    with httpx.Client(timeout=10, headers=key) as http:  # a second poll adds a point to the live series
         for i in range(0, 64, 4):
             http.post(predict, json={"inputs": X[i : i + 4].tolist()})
     page.wait_for_function(

@@ -71,7 +71,8 @@ def test_drift_and_skew_tables_name_the_columns(
 ) -> None:
     records = _customers(256, 1).drop_columns(["churned"]).to_pylist()
     predict = f"{churn_deployment['url']}/v1/models/churn/predict"
-    with httpx.Client(timeout=10) as http:
+    key = {"Authorization": f"Bearer {churn_deployment['api_key']}"}  # shown once by deploy
+    with httpx.Client(timeout=10, headers=key) as http:
         for i in range(0, 256, 8):  # past the windows' 200-row minimum
             assert http.post(predict, json={"records": records[i : i + 8]}).status_code == 200
     context = browser.new_context(viewport={"width": 1360, "height": 900})

@@ -6,7 +6,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.waiting import free_port
 
 
 @dataclass
@@ -69,9 +69,7 @@ def live_api(gpuyard_home: Path, request: pytest.FixtureRequest) -> Iterator[Liv
     root.setLevel(logging.DEBUG)
     service = build_service(teams={"research": 1.0, "vision": 1.0}, fake_gpus=1, cpus=2, grace_s=1.0)
     app = create_app(jobs=service, **getattr(request, "param", {}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range (tests.waiting)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="debug", log_config=None)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)

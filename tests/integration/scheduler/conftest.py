@@ -6,7 +6,6 @@ import contextlib
 import getpass
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -103,10 +102,10 @@ def make_service(gpuyard_home: Path) -> Iterator[Callable[..., object]]:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on now (tests.waiting.free_port)."""
+    from tests.waiting import free_port as pick
+
+    return pick()
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.waiting import free_port
 
 from gpuyard.scheduler.spec import parse_spec
 
@@ -121,7 +122,6 @@ def test_placement_group_follows_the_placement_and_cancel_stops_it(ray_service: 
 
 def test_gpuyard_server_ray_as_a_command(ray_cluster: str, gpuyard_home: Path, tmp_path: Path) -> None:
     """`gpuyard server --ray ADDRESS`: the CLI's scheduler runs jobs on the Ray cluster's GPUs."""
-    import socket
     import subprocess
     import sys
 
@@ -129,9 +129,7 @@ def test_gpuyard_server_ray_as_a_command(ray_cluster: str, gpuyard_home: Path, t
 
     from gpuyard.scheduler.client import JobClient
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range (tests.waiting)
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
     with open(log, "wb") as fh:

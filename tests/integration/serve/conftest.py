@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,10 +18,10 @@ READY_TIMEOUT_S = 90
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on now (tests.waiting.free_port)."""
+    from tests.waiting import free_port as pick
+
+    return pick()
 
 
 # The key every test server is started with ($GPUYARD_SERVE_KEY); clients send it as a bearer.

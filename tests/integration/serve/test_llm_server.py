@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 from tests.llm_fixtures import tokenizer_folder
-from tests.waiting import wait_for
+from tests.waiting import free_port, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -24,9 +24,7 @@ CONTEXT = 256
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # below the ephemeral range (tests.waiting)
 
 
 def tiny_model(tmp: Path) -> Path:

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.waiting import ensure_user, wait_for
+from tests.waiting import ensure_user, free_port, wait_for
 
 from gpuyard.scheduler.executors.slurm_local import LocalSlurm
 from gpuyard.scheduler.spec import parse_spec
@@ -312,11 +312,8 @@ def test_gpuyard_server_slurm_runs_a_job_through_the_api(
     slurm_cluster: LocalSlurm, time_limited: dict[str, Any], gpuyard_home: Path, tmp_path: Path
 ) -> None:
     """`gpuyard server --slurm` as a command: the API's job becomes a Slurm job; a bad option is one line."""
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range (tests.waiting)
     bad = subprocess.run(
         [sys.executable, "-m", "gpuyard.cli.main", "server", "--slurm", "--ray", "127.0.0.1:1"],
         capture_output=True,

@@ -156,7 +156,9 @@ def test_two_ranks_fsdp_and_tensor_parallel_train_and_export(
     assert len(got) == 3 and got == pytest.approx(want, rel=1e-5) and got[-1] < got[0]
     a = load_file(tmp_path / "tp1" / "run" / "hf" / "model.safetensors")
     b = load_file(tp_run / "hf" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    # Tensor parallel sums each row's products in two halves, the one-process run in one: after three
+    # Adam steps the weights differ by float32 rounding (up to 1.1e-5 seen on this CPU), never more.
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=5e-5) for k in a)
     prompt = hf_tok("the cat sat on", return_tensors="pt")
     outs = [
         AutoModelForCausalLM.from_pretrained(folder).generate(**prompt, max_new_tokens=12, do_sample=False)

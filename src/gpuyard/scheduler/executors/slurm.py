@@ -338,7 +338,10 @@ class SlurmExecutor(Executor):
         self._drained_by_us: set[str] = set()
         for tool in ("sbatch", "squeue", "scancel", "scontrol", "sinfo"):
             if shutil.which(tool, path=self._env().get("PATH")) is None:
-                raise ConfigError(f"--slurm: {tool} is not on PATH (install the Slurm client tools)")
+                raise ConfigError(
+                    f"--slurm: {tool} is not on {self._env().get('PATH')} (install the Slurm client tools, "
+                    "or give their folder as PATH under env: in --slurm-config; not the server's PATH)"
+                )
         self._call(["sinfo", "-h", "-o", "%P"])  # the controller answers, or one line saying why not
         # An unequal gang runs as one step over a heterogeneous job's components, which a cluster's
         # admin may disable (srun then fails the job after Slurm allocated it).

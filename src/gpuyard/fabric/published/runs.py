@@ -108,6 +108,13 @@ class PublishedRun(BaseModel):
         description="Memory bandwidth the source states for its GPUs where they differ from the catalog "
         "device (e.g. torchtitan's 96 GB HBM2e H100 at 2.4 TB/s); None: the catalog's.",
     )
+    power_limit_w: float | None = Field(
+        default=None,
+        gt=0,
+        description="Power limit the source states its GPUs ran at where it is below the device's rated "
+        "power (torchtitan's Grand Teton H100s: 500 W of 700 W); such rows get their own fitted GEMM "
+        "efficiency (gpuyard.fabric.accuracy.efficiency_class). None: the device's rated power.",
+    )
     regression_guard_pct: float | None = Field(
         default=None,
         gt=0,

@@ -107,6 +107,11 @@ class Stack:
     selective: str = "megatron"
     dropout: float = 0.1  # hidden and attention dropout of the models it trains (memory: masks kept)
     grad_bytes: int = 4  # gradient bytes per parameter (buffer and reduction): fp32 (4) or bf16 (2)
+    # The compiler rematerialises saved activations when the step's buffers exceed device memory (XLA's
+    # HloRematerialization pass runs with the device's memory limit: openxla.org/xla, "HLO passes";
+    # xla/service/hlo_rematerialization.h): a layout a little over the memory still compiles, and pays
+    # for what it recomputes (gpuyard.fabric.step, _StepModel.remat_share).
+    compiler_remat: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FAMILIES:
@@ -197,6 +202,7 @@ STACKS: dict[str, Stack] = {
             # MaxText's "selective" is remat_policy save_dot_except_mlpwi (layers/decoders.py,
             # get_remat_policy: query/key/value/out projections and mlpwo saved, mlpwi recomputed).
             selective="dots-except-mlpwi",
+            compiler_remat=True,
         ),
         Stack("other", 30.0, 1.0, "fa3", "a stack the corpus does not profile: fused optimizer and kernels"),
         Stack(

@@ -28,11 +28,14 @@ import contextlib
 import datetime as _dt
 import os
 import random
+import signal
 import socket
 import statistics
+import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -264,6 +267,26 @@ class BenchConfig:
             )
 
 
+@contextlib.contextmanager
+def _terminate_cleanly() -> Iterator[None]:
+    """While measuring, SIGTERM ends the run through its cleanup (SystemExit 143) instead of killing it
+    with its files left behind; Ctrl-C (KeyboardInterrupt) already does. Main thread only (a signal
+    handler cannot be set elsewhere); the previous handler is restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        sys.stderr.write("storage-bench stopped by SIGTERM: its folder is removed, nothing was measured\n")
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _drop_cache(fd: int) -> bool:
     advise = getattr(os, "posix_fadvise", None)
     if advise is None:
@@ -303,6 +326,11 @@ def run_storage_bench(
             f"{(cfg.size_bytes + FREE_MARGIN) / 2**20:.0f} MiB (the file plus a 64 MiB margin)"
         )
     fstype = filesystem_of(folder)
+    with _terminate_cleanly():
+        return _measure(folder, cfg, now, fstype)
+
+
+def _measure(folder: Path, cfg: BenchConfig, now: Callable[[], float], fstype: str) -> StorageMeasurement:
     started = now()
     budget = {phase: share * cfg.max_seconds for phase, share in PHASE_SHARE.items()}
     truncated: list[str] = []

@@ -258,3 +258,24 @@ def test_the_command_refuses_in_one_line_before_measuring(
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1
     assert _entries(tmp_path) == []
+
+
+def test_sigterm_mid_run_ends_through_the_cleanup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import signal
+
+    real_fsync = os.fsync
+    before = signal.getsignal(signal.SIGTERM)
+
+    def fsync_then_terminated(fd: int) -> None:
+        real_fsync(fd)
+        os.kill(os.getpid(), signal.SIGTERM)  # as `kill` would, while the file is on disk
+
+    monkeypatch.setattr(sb.os, "fsync", fsync_then_terminated)
+    with pytest.raises(SystemExit) as info:
+        run_storage_bench(tmp_path, SMALL)
+    assert info.value.code == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM: its folder is removed" in capsys.readouterr().err
+    assert _entries(tmp_path) == []  # the private folder and its 2 MiB file are gone
+    assert signal.getsignal(signal.SIGTERM) == before  # the previous handler is back

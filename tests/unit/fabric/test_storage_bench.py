@@ -14,7 +14,7 @@ from gpuyard.cli.main import main
 from gpuyard.errors import ConfigError, NotFoundError
 from gpuyard.fabric import storage_bench as sb
 from gpuyard.fabric.calibrate import Calibration, add_storage, load_calibration
-from gpuyard.fabric.storage import load_tier
+from gpuyard.fabric.storage import MAX_TIER_FILE_BYTES, load_tier
 from gpuyard.fabric.storage_bench import (
     BenchConfig,
     StorageMeasurement,
@@ -279,3 +279,18 @@ def test_sigterm_mid_run_ends_through_the_cleanup(
     assert "stopped by SIGTERM: its folder is removed" in capsys.readouterr().err
     assert _entries(tmp_path) == []  # the private folder and its 2 MiB file are gone
     assert signal.getsignal(signal.SIGTERM) == before  # the previous handler is back
+
+
+def test_a_full_size_calibration_file_is_read_past_the_tier_file_limit(tmp_path: Path) -> None:
+    from tests.unit.fabric.test_calibration import _calibration
+
+    points = [{"dtype": "float32", "m": i, "n": i, "k": i, "tflops": 0.05} for i in range(1, 2000)]
+    cal_path = tmp_path / "cal.json"
+    cal_path.write_text(_calibration(gemm=points).model_dump_json(indent=2))
+    add_storage(cal_path, "nvme", "local-nvme", _measurement())
+    assert cal_path.stat().st_size > MAX_TIER_FILE_BYTES  # GEMM points and collectives make it large
+    assert load_tier(str(cal_path)).name == "nvme"
+    big_tier = tmp_path / "big.json"  # a tier file that large is still refused
+    big_tier.write_text('{"kind": "local-nvme", "source": "' + "x" * MAX_TIER_FILE_BYTES + '"}')
+    with pytest.raises(ConfigError, match="at most"):
+        load_tier(str(big_tier))

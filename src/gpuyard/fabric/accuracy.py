@@ -125,6 +125,8 @@ def predict_at(run: PublishedRun, stack: Stack, efficiency: float | None) -> flo
     """Predicted step seconds with the generation's GEMM efficiency set to ``efficiency`` (None: preset's)."""
     if run.attention is not None and run.attention != stack.attention:
         stack = replace(stack, attention=run.attention)  # the kernel family the source documents
+    if run.fp8_recipe is not None and run.fp8_recipe != stack.fp8_recipe:
+        stack = replace(stack, fp8_recipe=run.fp8_recipe)  # the float8 recipe the source names
     cfg = replace(run.parallel_config(), stack=stack.name)
     cluster = _cluster_with(run.cluster, run.device, efficiency, run.memory_bw_GBps)
     return estimate_step(

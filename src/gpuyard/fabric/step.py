@@ -41,6 +41,14 @@ KERNELS_PER_LAYER_FWD = 30
 # FP8 linear layers cast their input (bf16 read, fp8 written) in the forward and the output gradient in
 # each of the two backward GEMMs: 3 bytes per element, three passes.
 FP8_CAST_BYTES = 9
+# float8 with rowwise scales runs its GEMMs at this share of the tensorwise recipe's efficiency. From
+# torchao's float8 README (H100, torchtitan Llama 3 8B on 8 GPUs, FSDP2, torch.compile, per-op SAC, batch 1
+# x 8192): tensorwise 7,689.5 tokens/s, rowwise 6,768 (+25.03% and +10.05% over bf16's 6,150). 0.75 is
+# the factor with which this model reproduces that 1.136 ratio on that layout (a figure from outside the
+# corpus; tests/unit/fabric/test_step_properties.py checks it). Rowwise runs a CUTLASS kernel with a scale
+# per row where tensorwise calls cuBLAS (pytorch/pytorch#147971: most shapes at 90-100% of tensorwise with
+# fast accumulation, a long tail down to 50%), and its small linears lose most (ao PR #2410).
+FP8_ROWWISE_GEMM = 0.75
 # Bytes each token moves through memory-bound kernels per layer in the forward pass, per unit of
 # hidden width: two norms (read+write, 4h), two residual adds (6h), two dropouts with masks (5h each).
 ELEMENTWISE_BYTES_PER_H = 30.0
@@ -427,12 +435,13 @@ def _layer_times_cached(
     attention_peak = cluster.peak_for("bf16" if precision == "fp8" else precision) * 1e12
     half_m, half_n, half_k = cluster.gemm_halves
     base = cluster.compute.efficiency(precision)
+    rowwise = FP8_ROWWISE_GEMM if precision == "fp8" and stack.fp8_recipe == "rowwise" else 1.0
 
     def gemm_s(m: float, n: float, k: float) -> tuple[float, float]:
         """(forward, backward) seconds of an (m x k) @ (k x n) layer: backward is dgrad + wgrad."""
 
         def one(m: float, n: float, k: float) -> float:
-            eff = base * _sat(m, half_m) * _sat(n, half_n) * _sat(k, half_k)
+            eff = rowwise * base * _sat(m, half_m) * _sat(n, half_n) * _sat(k, half_k)
             return 2 * m * n * k / (peak * eff)
 
         return one(m, n, k), one(m, k, n) + one(k, n, m)

@@ -26,7 +26,8 @@ in_sample_median_pct=<z> runs=<n> sources=<k> source_median_pct=<s> source_worst
 source_worst=<name> fitted_constants=<f>``: loso_* over every row; own_gen_* over the rows whose
 generation other sources measure; borrowed_* over the rows predicted with another generation's fit;
 source_* the per-source figures above; goal_met judges those (issue 40's goal); fitted_constants counts
-the constants fitted from rows (one GEMM efficiency per generation the corpus measures).
+the constants fitted from rows (one GEMM efficiency per generation, and per stated power limit,
+the corpus measures: torchtitan's 500 W H100s are hopper@500W).
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ from gpuyard.fabric.accuracy import (
     Corpus,
     HeldOut,
     RunError,
+    efficiency_class,
     errors_with,
     fit_efficiencies,
     fitted_constants,
-    generation,
     leave_one_source_out,
     per_source,
 )
@@ -173,7 +174,7 @@ def main() -> int:
         print(f"  {label} rows: {len(rows)}, median {k_med:.1f}% worst {k_max:.1f}% bias {k_bias:+.1f}%")
     for h in held.values():
         for gen, near in sorted(h.borrowed.items()):
-            rows = [e for e in h.rows(borrowed=True) if generation(e.run.device) == gen]
+            rows = [e for e in h.rows(borrowed=True) if efficiency_class(e.run) == gen]
             g_med, g_max, g_bias = _pct(rows)
             print(
                 f"  {h.source}: its {len(rows)} {gen} rows are measured by no other source; predicted "

@@ -319,6 +319,72 @@ def topology(
     typer.echo(topology_for(model, names).to_conf(), nl=False)
 
 
+@fabric_app.command("storage-bench")
+def storage_bench(
+    target: str = typer.Argument(..., help="A folder on the tier to measure (a path or a file:// URL)."),
+    size: str = typer.Option("512MiB", "--size", help="File written and read back (1 MiB to 64 GiB)."),
+    block: str = typer.Option("4MiB", "--block", help="Sequential write and read size (4 KiB to 64 MiB)."),
+    max_seconds: float = typer.Option(
+        60.0, "--max-seconds", help="Time budget; a phase past its share is cut short and said so (1-600)."
+    ),
+    name: str = typer.Option(None, "--name", help="Name of the tier (default: the folder's name)."),
+    kind: str = typer.Option(
+        None, "--kind", help="local-nvme, parallel-fs or object-store (default: from the file system type)."
+    ),
+    out: Path = typer.Option(None, "--out", help="Write the tier as a file for gpuyard plan --storage."),
+    calibration: Path = typer.Option(
+        None, "--calibration", help="Add the tier to this calibration file (from gpuyard fabric calibrate)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the measurement as JSON."),
+) -> None:
+    """Measure a storage tier: sequential write (fsync included) and read, random 4 KiB reads, fsync.
+
+    It writes only inside a private folder it creates in TARGET and removes it again, even when stopped.
+    `gpuyard plan --storage` takes the result from --out FILE or from --calibration FILE.
+    """
+    from gpuyard.errors import ConfigError
+    from gpuyard.fabric.calibrate import add_storage, check_writable
+    from gpuyard.fabric.storage_bench import (
+        BenchConfig,
+        Kind,
+        guess_kind,
+        resolve_target,
+        run_storage_bench,
+    )
+    from gpuyard.fabric.units import parse_size
+
+    cfg = BenchConfig(parse_size(size), parse_size(block), max_seconds)
+    cfg.check()
+    if kind is not None and kind not in ("local-nvme", "parallel-fs", "object-store"):
+        raise ConfigError(f"--kind {kind!r}: use local-nvme, parallel-fs or object-store")
+    folder = resolve_target(target)
+    tier_name = name or folder.name or "root"
+    if not (1 <= len(tier_name) <= 64) or not tier_name.isprintable() or any(c in tier_name for c in "#/"):
+        raise ConfigError(f"--name {tier_name[:80]!r}: 1 to 64 printable characters, without # or /")
+    for path in (out, calibration):
+        if path is not None:
+            check_writable(path)  # before the measuring, not after
+    result = run_storage_bench(folder, cfg)
+    tier_kind: Kind = kind or guess_kind(result.filesystem)  # type: ignore[assignment]  # checked above
+    tier = result.tier(tier_name, tier_kind)
+    notes = []
+    if out is not None:
+        out.write_text(json.dumps(tier.model_dump(), indent=2) + "\n")
+        notes.append(f"tier file written to {out}; use it with gpuyard plan --storage {out}")
+    if calibration is not None:
+        add_storage(calibration, tier_name, tier_kind, result)
+        notes.append(
+            f"tier {tier_name} added to {calibration}; use it with gpuyard plan --storage {calibration}"
+        )
+    if as_json:
+        typer.echo(json.dumps({"name": tier_name, "kind": tier_kind, **result.model_dump()}))
+        return
+    lines = result.lines()
+    guessed = "" if kind else f" (from the file system type {result.filesystem}; give --kind if it is not)"
+    lines.insert(1, f"tier {tier_name}: {tier_kind}{guessed}")
+    typer.echo("\n".join(lines + notes))
+
+
 def register(app: typer.Typer) -> None:
     """Add `gpuyard fabric` to the root command."""
     app.add_typer(fabric_app, name="fabric")

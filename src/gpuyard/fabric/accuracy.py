@@ -91,6 +91,21 @@ def generation(device: str) -> str:
     return {3: "ampere", 4: "hopper", 5: "blackwell"}.get(gen or 0, device)
 
 
+def efficiency_class(run: PublishedRun) -> str:
+    """The group of rows that share one fitted GEMM efficiency: the generation, and the power limit.
+
+    A GPU held below its rated power sustains lower clocks under dense GEMMs than the same GPU at its
+    TDP, so its efficiency is its own constant: torchtitan's Grand Teton H100s run at "the default 500W
+    power limit, although tuning it up to 700W TDP can potentially provide further speedups"
+    (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md and
+    asyncTP_llama3_h100_2025-06_torchtitan.md, Hardware sections). ``hopper@500W`` is fitted like a
+    generation, without the source being judged; held out with no other source at that limit, it
+    borrows its generation's fit (:func:`borrowed_generation`).
+    """
+    gen = generation(run.device)
+    return gen if run.power_limit_w is None else f"{gen}@{run.power_limit_w:g}W"
+
+
 @lru_cache(maxsize=4096)
 def _cluster_with(
     preset: str, device: str, efficiency: float | None, memory_bw_GBps: float | None = None
@@ -110,6 +125,8 @@ def predict_at(run: PublishedRun, stack: Stack, efficiency: float | None) -> flo
     """Predicted step seconds with the generation's GEMM efficiency set to ``efficiency`` (None: preset's)."""
     if run.attention is not None and run.attention != stack.attention:
         stack = replace(stack, attention=run.attention)  # the kernel family the source documents
+    if run.fp8_recipe is not None and run.fp8_recipe != stack.fp8_recipe:
+        stack = replace(stack, fp8_recipe=run.fp8_recipe)  # the float8 recipe the source names
     cfg = replace(run.parallel_config(), stack=stack.name)
     cluster = _cluster_with(run.cluster, run.device, efficiency, run.memory_bw_GBps)
     return estimate_step(
@@ -155,8 +172,8 @@ def fit_efficiencies(corpus: Corpus, sources: set[str]) -> dict[str, float]:
     """
     fitted = {}
     rows = [r for r in corpus.runs if r.source in sources]
-    for gen in sorted({generation(r.device) for r in rows}):
-        mine = [r for r in rows if generation(r.device) == gen]
+    for gen in sorted({efficiency_class(r) for r in rows}):
+        mine = [r for r in rows if efficiency_class(r) == gen]
         by_source: dict[str, list[PublishedRun]] = {}
         for r in mine:
             by_source.setdefault(r.source, []).append(r)
@@ -184,6 +201,8 @@ def borrowed_generation(gen: str, fitted: dict[str, float]) -> str | None:
     """
     if gen in fitted:
         return gen
+    if "@" in gen:  # a power-limited class no other source measures: its generation's fit first
+        return borrowed_generation(gen.split("@", 1)[0], fitted)
     if gen not in GENERATION_ORDER:
         return None
     here = GENERATION_ORDER.index(gen)
@@ -195,7 +214,7 @@ def borrowed_generation(gen: str, fitted: dict[str, float]) -> str | None:
 
 def _fitted_generations(corpus: Corpus) -> set[str]:
     """Generations whose preset GEMM efficiency is fitted to the whole corpus (never used held out)."""
-    return {generation(r.device) for r in corpus.runs} & set(GENERATION_ORDER)
+    return {efficiency_class(r) for r in corpus.runs if generation(r.device) in GENERATION_ORDER}
 
 
 def errors_with(corpus: Corpus, runs: list[PublishedRun], fitted: dict[str, float]) -> list[RunError]:
@@ -208,7 +227,7 @@ def errors_with(corpus: Corpus, runs: list[PublishedRun], fitted: dict[str, floa
     out = []
     corpus_gens = _fitted_generations(corpus)
     for r in runs:
-        gen = generation(r.device)
+        gen = efficiency_class(r)
         if gen in fitted:
             eff: float | None = fitted[gen]
         elif gen in corpus_gens:
@@ -216,7 +235,7 @@ def errors_with(corpus: Corpus, runs: list[PublishedRun], fitted: dict[str, floa
             if near is None:
                 raise ConfigError(f"{r.id}: no fitted GPU generation to predict a {gen} run with")
             eff = fitted[near]
-        elif any(generation(x.device) == gen for x in corpus.runs):
+        elif any(efficiency_class(x) == gen for x in corpus.runs):
             # A TPU (no GPU generation to borrow from) whose preset is fitted to the corpus, its own
             # source included: held out, it takes the unfitted default instead, never its own fit.
             eff = UNFITTED_EFFICIENCY
@@ -237,7 +256,7 @@ class HeldOut:
 
     def rows(self, borrowed: bool) -> list[RunError]:
         """Its rows whose generation was fitted without it (False) or borrowed from another (True)."""
-        return [e for e in self.errors if (generation(e.run.device) in self.borrowed) == borrowed]
+        return [e for e in self.errors if (efficiency_class(e.run) in self.borrowed) == borrowed]
 
 
 def leave_one_source_out(corpus: Corpus, only: str | None = None) -> dict[str, HeldOut]:
@@ -252,7 +271,7 @@ def leave_one_source_out(corpus: Corpus, only: str | None = None) -> dict[str, H
         fit = fit_efficiencies(corpus, set(names) - {held})
         mine = [r for r in corpus.runs if r.source == held]
         borrowed = {}
-        for gen in sorted({generation(r.device) for r in mine} & _fitted_generations(corpus)):
+        for gen in sorted({efficiency_class(r) for r in mine} & _fitted_generations(corpus)):
             near = borrowed_generation(gen, fit)
             if near is not None and near != gen:
                 borrowed[gen] = near
@@ -319,7 +338,7 @@ def fitted_constants(corpus: Corpus) -> list[str]:
     figure or a measurement, not from these rows. The list is what :func:`fit_efficiencies` returns
     keys for on the whole corpus; a held-out source is always predicted with a refit without it.
     """
-    return sorted({generation(r.device) for r in corpus.runs})
+    return sorted({efficiency_class(r) for r in corpus.runs})
 
 
 # ----- MFU ceilings ----------------------------------------------------------------------------------

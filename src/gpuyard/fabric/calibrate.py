@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuyard.errors import ConfigError
 from gpuyard.fabric.cluster import Cluster, Compute, Device, IntraNode, MeasuredLink
+from gpuyard.fabric.storage_bench import CalibratedTier, Kind, StorageMeasurement
 
 FORMAT = "gpuyard-calibration/1"
 # Each timed measurement stops adding iterations after about this long: enough for a stable median on a
@@ -116,6 +117,10 @@ class Calibration(_Doc):
         allow_inf_nan=False,
         description="Caching allocator's peak reserved / peak allocated over a short training loop "
         "(CUDA only).",
+    )
+    storage: dict[str, CalibratedTier] = Field(
+        default_factory=dict,
+        description="Storage tiers measured from this host by `gpuyard fabric storage-bench`, by name.",
     )
 
 
@@ -689,6 +694,36 @@ def check_writable(path: Path) -> None:
 def save_calibration(cal: Calibration, path: Path) -> None:
     """Write the calibration as JSON."""
     path.write_text(cal.model_dump_json(indent=2))
+
+
+def add_storage(path: Path, name: str, kind: Kind, measurement: StorageMeasurement) -> Calibration:
+    """Put a measured storage tier into the calibration file at ``path`` (replacing one of that name).
+
+    The file is rewritten whole through a temporary file in its folder, so a crash leaves the old one.
+
+    Raises:
+        ConfigError: no calibration file there, or one that does not read (the message names it).
+    """
+    if not Path(path).is_file():
+        raise ConfigError(
+            f"no calibration file at {path}: run gpuyard fabric calibrate first, "
+            "or write a tier file with --out"
+        )
+    cal = load_calibration(path)
+    entry = CalibratedTier(kind=kind, measurement=measurement)
+    updated = cal.model_copy(update={"storage": {**cal.storage, name: entry}})
+    folder = Path(path).resolve().parent
+    fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(updated.model_dump_json(indent=2))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise ConfigError(f"cannot write calibration file {path}: {exc.strerror or exc}") from None
+    return updated
 
 
 def load_calibration(path: Path) -> Calibration:

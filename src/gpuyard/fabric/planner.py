@@ -294,6 +294,7 @@ def plan(
     # One step model for the whole search: the terms layouts share are computed once and looked up.
     steps = step_model(model, cluster, gpus, global_batch, seq, knobs.precision, get_stack(knobs.stack))
     memory, step_terms = steps.memory.parts, steps.terms
+    remat = steps.profile.compiler_remat
     tokens = global_batch * seq
     # (rank, layout, micro-batches, memory by kind) of each layout that fits; estimates are built for the
     # top ones only, from the same step model (so equal to what estimate_step gives each layout).
@@ -306,10 +307,20 @@ def plan(
         need = steps.needed(weights + grads + optim + acts)
         if need < smallest:
             smallest = need
+        cfg = None
         if need <= limit:  # memory first: only the layouts that fit have their time modelled
             cfg = ParallelConfig(tp, pp, dp, cp, mb, v, rc, zero, sp, ep, knobs.precision, knobs.stack)
+            step_s = step_terms(cfg, m).step
+        elif remat:  # a compiler that rematerialises to fit (XLA) still runs it, slower
+            cfg = ParallelConfig(tp, pp, dp, cp, mb, v, rc, zero, sp, ep, knobs.precision, knobs.stack)
+            share = steps.remat_share(cfg, m, need, acts)
+            if share is None:
+                cfg = None
+            else:
+                step_s, need = steps.step_after_remat(cfg, m, share).step, float(limit)
+        if cfg is not None:
             validate(model, gpus, global_batch, seq, cfg)
-            rank = _rank(tokens / step_terms(cfg, m).step, need / GIB, cfg)
+            rank = _rank(tokens / step_s, need / GIB, cfg)
             mem = {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts}
             fitting.append((rank, cfg, m, mem))
     if not considered:

@@ -107,12 +107,22 @@ class Stack:
     selective: str = "megatron"
     dropout: float = 0.1  # hidden and attention dropout of the models it trains (memory: masks kept)
     grad_bytes: int = 4  # gradient bytes per parameter (buffer and reduction): fp32 (4) or bf16 (2)
+    # The compiler rematerialises saved activations when the step's buffers exceed device memory (XLA's
+    # HloRematerialization pass runs with the device's memory limit: openxla.org/xla, "HLO passes";
+    # xla/service/hlo_rematerialization.h): a layout a little over the memory still compiles, and pays
+    # for what it recomputes (gpuyard.fabric.step, _StepModel.remat_share).
+    compiler_remat: bool = False
+    # float8 scaling recipe of fp8 runs (torchao.float8): "tensorwise" (cuBLAS, one scale per tensor) or
+    # "rowwise" (a CUTLASS kernel with a scale per row; gpuyard.fabric.step, FP8_ROWWISE_GEMM).
+    fp8_recipe: str = "tensorwise"
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FAMILIES:
             raise ValueError(f"stack {self.name}: attention {self.attention!r} not in {ATTENTION_FAMILIES}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"stack {self.name}: dropout {self.dropout} is not in [0, 1)")
+        if self.fp8_recipe not in ("tensorwise", "rowwise"):
+            raise ValueError(f"stack {self.name}: fp8_recipe {self.fp8_recipe!r} is not tensorwise/rowwise")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"stack {self.name}: grad_bytes {self.grad_bytes} is not 2 or 4")
         if self.tp_overlap_scope not in ("all", "micro-pipeline") or self.selective not in (
@@ -197,6 +207,7 @@ STACKS: dict[str, Stack] = {
             # MaxText's "selective" is remat_policy save_dot_except_mlpwi (layers/decoders.py,
             # get_remat_policy: query/key/value/out projections and mlpwo saved, mlpwi recomputed).
             selective="dots-except-mlpwi",
+            compiler_remat=True,
         ),
         Stack("other", 30.0, 1.0, "fa3", "a stack the corpus does not profile: fused optimizer and kernels"),
         Stack(

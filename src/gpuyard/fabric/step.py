@@ -16,7 +16,7 @@ Models", section 4) generalised to grouped-query attention and gated FFNs.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from statistics import NormalDist
 from typing import NamedTuple
@@ -41,6 +41,14 @@ KERNELS_PER_LAYER_FWD = 30
 # FP8 linear layers cast their input (bf16 read, fp8 written) in the forward and the output gradient in
 # each of the two backward GEMMs: 3 bytes per element, three passes.
 FP8_CAST_BYTES = 9
+# float8 with rowwise scales runs its GEMMs at this share of the tensorwise recipe's efficiency. From
+# torchao's float8 README (H100, torchtitan Llama 3 8B on 8 GPUs, FSDP2, torch.compile, per-op SAC, batch 1
+# x 8192): tensorwise 7,689.5 tokens/s, rowwise 6,768 (+25.03% and +10.05% over bf16's 6,150). 0.75 is
+# the factor with which this model reproduces that 1.136 ratio on that layout (a figure from outside the
+# corpus; tests/unit/fabric/test_step_properties.py checks it). Rowwise runs a CUTLASS kernel with a scale
+# per row where tensorwise calls cuBLAS (pytorch/pytorch#147971: most shapes at 90-100% of tensorwise with
+# fast accumulation, a long tail down to 50%), and its small linears lose most (ao PR #2410).
+FP8_ROWWISE_GEMM = 0.75
 # Bytes each token moves through memory-bound kernels per layer in the forward pass, per unit of
 # hidden width: two norms (read+write, 4h), two residual adds (6h), two dropouts with masks (5h each).
 ELEMENTWISE_BYTES_PER_H = 30.0
@@ -132,6 +140,8 @@ class StepEstimate:
     breakdown: Breakdown
     memory_gib: dict[str, float] = field(default_factory=dict)  # tensors by kind (logits in activations)
     memory_reserved_gib: float = 0.0  # held outside the caching allocator (Compute.reserved_bytes)
+    # Share of the way to full recomputation the compiler took to fit the device (XLA; 0: fits as planned).
+    remat_to_fit: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         """The issue's plan shape: the layout's knobs, then figures, then the breakdown."""
@@ -147,6 +157,7 @@ class StepEstimate:
                     "mfu",
                     "memory_gib_per_gpu",
                     "fits",
+                    "remat_to_fit",
                 )
             }
         )
@@ -424,12 +435,13 @@ def _layer_times_cached(
     attention_peak = cluster.peak_for("bf16" if precision == "fp8" else precision) * 1e12
     half_m, half_n, half_k = cluster.gemm_halves
     base = cluster.compute.efficiency(precision)
+    rowwise = FP8_ROWWISE_GEMM if precision == "fp8" and stack.fp8_recipe == "rowwise" else 1.0
 
     def gemm_s(m: float, n: float, k: float) -> tuple[float, float]:
         """(forward, backward) seconds of an (m x k) @ (k x n) layer: backward is dgrad + wgrad."""
 
         def one(m: float, n: float, k: float) -> float:
-            eff = base * _sat(m, half_m) * _sat(n, half_n) * _sat(k, half_k)
+            eff = rowwise * base * _sat(m, half_m) * _sat(n, half_n) * _sat(k, half_k)
             return 2 * m * n * k / (peak * eff)
 
         return one(m, n, k), one(m, k, n) + one(k, n, m)
@@ -999,6 +1011,35 @@ class _StepModel:
         """:func:`memory_per_gpu` of a layout of this setting."""
         return self.memory.of(cfg, m)
 
+    def remat_share(self, cfg: ParallelConfig, m: int, need: float, activations: float) -> float | None:
+        """Share of the way from ``cfg``'s recomputation to full recomputation a compiler takes to fit.
+
+        0 when the layout fits as planned; None when it does not and the stack's compiler does not
+        rematerialise (``Stack.compiler_remat``), or when even full recomputation (only each layer's
+        input kept) would not bring it under the device memory. XLA's rematerialisation recomputes
+        saved values until the step fits; the time it costs is modelled as that share of the
+        difference between this layout's step and the same layout with full recomputation.
+        """
+        over = need - self.device_memory
+        if over <= 0:
+            return 0.0
+        if not self.profile.compiler_remat or cfg.recompute == "full":
+            return None
+        floor = self.memory.parts(
+            cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.micro_batch, cfg.virtual_stages, "full", cfg.zero,
+            cfg.sequence_parallel, cfg.ep, m,
+        )[3]  # fmt: skip
+        spare = (activations - floor) * self.fragmentation
+        return over / spare if 0 < over <= spare else None
+
+    def step_after_remat(self, cfg: ParallelConfig, m: int, share: float) -> _Terms:
+        """The step's terms with ``share`` of the way to full recomputation taken (see remat_share)."""
+        t = self.terms(cfg, m)
+        if share <= 0:
+            return t
+        full = self.terms(replace(cfg, recompute="full"), m)
+        return _Terms(*(a + share * (b - a) for a, b in zip(t, full, strict=True)))
+
     def terms(self, cfg: ParallelConfig, m: int) -> _Terms:
         """The step time and its parts for a layout already validated, with ``m`` micro-batches per step."""
         model = self.model
@@ -1061,13 +1102,19 @@ class _StepModel:
 
     def estimate(self, cfg: ParallelConfig, m: int, memory: dict[str, float] | None = None) -> StepEstimate:
         """The modelled step of a layout already validated, with ``m`` micro-batches per step."""
-        t = self.terms(cfg, m)
-        step, gpus = t.step, self.gpus
-        model, seq_len, global_batch = self.model, self.seq, self.global_batch
         mem = memory or self.memory_of(cfg, m)
         needed = self.needed(sum(mem.values()))
+        share = self.remat_share(cfg, m, needed, mem["activations"])
+        t = self.step_after_remat(cfg, m, share or 0.0)
+        if share:  # the compiler recomputed saved activations until the step fit
+            cut = needed - self.device_memory
+            mem = {**mem, "activations": mem["activations"] - cut / self.fragmentation}
+            needed = self.device_memory
+        step, gpus = t.step, self.gpus
+        model, seq_len, global_batch = self.model, self.seq, self.global_batch
         model_flops = self.model_flops
         recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[cfg.recompute]
+        recompute_extra += (1 / 3 - recompute_extra) * (share or 0.0)
         recomputed = recompute_extra * 6 * model.layers * model.active_layer_params * global_batch * seq_len
         hw_flops = model_flops + recomputed
         return StepEstimate(
@@ -1078,7 +1125,7 @@ class _StepModel:
             hardware_tflops_per_gpu=hw_flops / step / gpus / 1e12,
             mfu=model_flops / step / gpus / self.peak,
             memory_gib_per_gpu=needed / GIB,
-            fits=needed <= self.device_memory,
+            fits=share is not None,
             breakdown=Breakdown(
                 t.compute,
                 t.tp_total,
@@ -1095,6 +1142,7 @@ class _StepModel:
             ),
             memory_gib={k: v / GIB for k, v in mem.items()},
             memory_reserved_gib=self.reserved / GIB,
+            remat_to_fit=share or 0.0,
         )
 
 

@@ -35,6 +35,7 @@ from gpuyard.textfiles import parse_yaml, read_text
 
 GB = 1e9
 MAX_TIER_FILE_BYTES = 64 * 1024
+MAX_CALIBRATION_FILE_BYTES = 16 * 1024 * 1024
 
 
 class StorageTier(BaseModel):
@@ -96,21 +97,52 @@ def load_tier(name_or_path: str) -> StorageTier:
     if name_or_path in TIERS:
         return TIERS[name_or_path]
     path = Path(name_or_path).expanduser()
+    wanted = None
+    if not path.is_file() and "#" in name_or_path:  # CALIBRATION.json#TIER: one tier of a calibration file
+        head, _, wanted = name_or_path.rpartition("#")
+        path = Path(head).expanduser()
     if not (path.suffix in (".yaml", ".yml", ".json") and path.is_file()):
         raise NotFoundError(
             f"storage tier {name_or_path!r} is neither a preset ({', '.join(TIERS)}) nor a YAML/JSON file"
         )
     if path.stat().st_size > MAX_TIER_FILE_BYTES:
+        with path.open("rb") as f:  # a calibration file (GEMM points, collectives) is larger: its head says
+            calibration = b'"gpuyard-calibration/1"' in f.read(4096)
+        if calibration and path.stat().st_size <= MAX_CALIBRATION_FILE_BYTES:
+            return _calibrated_tier(path, wanted)
         raise ConfigError(f"{path}: a storage tier file is at most {MAX_TIER_FILE_BYTES} bytes")
     doc = parse_yaml(read_text(path, "storage tier"), path)
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a mapping of storage tier fields")
+    if doc.get("format") == "gpuyard-calibration/1":
+        return _calibrated_tier(path, wanted)
+    if wanted is not None:
+        raise ConfigError(f"{path} is a tier file, not a calibration file: give it without #{wanted}")
     try:
         return StorageTier.model_validate({"name": path.stem[:64] or "tier", **doc})
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "tier"
         raise ConfigError(f"{path}: {where}: {first['msg']}") from None
+
+
+def _calibrated_tier(path: Path, wanted: str | None) -> StorageTier:
+    """Tier ``wanted`` (or the only one) that ``gpuyard fabric storage-bench`` put in a calibration file."""
+    from gpuyard.fabric.calibrate import load_calibration
+
+    tiers = load_calibration(path).storage
+    if not tiers:
+        raise ConfigError(
+            f"{path} holds no measured storage tier: run gpuyard fabric storage-bench --calibration"
+        )
+    if wanted is None:
+        if len(tiers) > 1:
+            raise ConfigError(f"{path} holds tiers {', '.join(sorted(tiers))}: give one as {path}#NAME")
+        wanted = next(iter(tiers))
+    if wanted not in tiers:
+        raise NotFoundError(f"{path} holds no tier {wanted!r} (it holds {', '.join(sorted(tiers))})")
+    entry = tiers[wanted]
+    return entry.measurement.tier(wanted, entry.kind)
 
 
 def bytes_per_token(model: ModelSpec) -> int:

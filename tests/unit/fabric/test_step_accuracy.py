@@ -84,6 +84,8 @@ def test_every_source_weighs_the_same_in_a_fit(corpus: Corpus) -> None:
 def test_the_shipped_presets_hold_the_whole_corpus_fit(corpus: Corpus) -> None:
     fitted = fit_efficiencies(corpus, set(SOURCES))
     for run in RUNS:
+        if run.power_limit_w is not None:  # a power-limited class has its own fit and no preset
+            continue
         preset = accuracy.run_cluster(run.cluster, run.device).compute.gemm_efficiency
         assert preset == pytest.approx(fitted[generation(run.device)]), run.id
 
@@ -117,6 +119,26 @@ def test_a_missing_generation_borrows_the_nearest_fitted_one() -> None:
     assert borrowed_generation("hopper", {"hopper": 0.7}) == "hopper"
     assert borrowed_generation("ada", {"hopper": 0.7}) is None  # not a fitted generation: preset holds
     assert borrowed_generation("hopper", {}) is None
+    # A power-limited class no other source measures takes its generation's fit, else the nearest one.
+    assert borrowed_generation("hopper@500W", {"hopper": 0.6, "ampere": 0.7}) == "hopper"
+    assert borrowed_generation("hopper@500W", {"ampere": 0.7}) == "ampere"
+    assert borrowed_generation("hopper@500W", {"hopper@500W": 0.5, "hopper": 0.6}) == "hopper@500W"
+
+
+def test_power_limited_rows_have_their_own_constant_fitted_without_their_source(corpus: Corpus) -> None:
+    # torchtitan's Grand Teton H100s run at 500 W: their rows form the class hopper@500W, fitted apart
+    # from the 700 W Hopper rows, and a held-out 500 W source is predicted from the other one's fit.
+    limited = {r.source for r in RUNS if r.power_limit_w == 500}
+    assert limited == {"torchtitan-2024-12", "torchtitan-asynctp-2025-06"}
+    assert accuracy.efficiency_class(next(r for r in RUNS if r.power_limit_w)) == "hopper@500W"
+    assert "hopper@500W" in accuracy.fitted_constants(corpus)
+    for held in sorted(limited):
+        out = leave_one_source_out(corpus, only=held)[held]
+        assert "hopper@500W" in out.fit and "hopper@500W" not in out.borrowed
+        (other,) = limited - {held}
+        assert out.fit["hopper@500W"] == fit_efficiencies(corpus, {other})["hopper@500W"]
+        # Fitted below the 700 W parts: a lower clock under dense GEMMs, not a fit that follows noise.
+        assert out.fit["hopper@500W"] < out.fit["hopper"]
 
 
 def test_per_source_figures_weigh_every_source_the_same() -> None:

@@ -108,6 +108,18 @@ class PublishedRun(BaseModel):
         description="Memory bandwidth the source states for its GPUs where they differ from the catalog "
         "device (e.g. torchtitan's 96 GB HBM2e H100 at 2.4 TB/s); None: the catalog's.",
     )
+    fp8_recipe: Literal["tensorwise", "rowwise"] | None = Field(
+        default=None,
+        description="float8 scaling recipe of an fp8 row where the source names it (torchao's tensorwise or "
+        "rowwise); None: tensorwise, the stacks' default (gpuyard.fabric.stacks.Stack.fp8_recipe).",
+    )
+    power_limit_w: float | None = Field(
+        default=None,
+        gt=0,
+        description="Power limit the source states its GPUs ran at where it is below the device's rated "
+        "power (torchtitan's Grand Teton H100s: 500 W of 700 W); such rows get their own fitted GEMM "
+        "efficiency (gpuyard.fabric.accuracy.efficiency_class). None: the device's rated power.",
+    )
     regression_guard_pct: float | None = Field(
         default=None,
         gt=0,

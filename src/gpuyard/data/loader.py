@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
 
 from gpuyard.data.augment import augment, batch_generator
 from gpuyard.data.cache import ShardCache
@@ -357,7 +357,8 @@ class ShardDataset(IterableDataset[Batch]):
     ) -> Iterator[tuple[dict[str, np.ndarray], int]]:
         """Rows of one consumer from ``start``, cut where the position is a multiple of ``span``.
 
-        Yields (column arrays, position after them). Blocks are read one ahead in a thread.
+        Yields (column arrays, position after them). Blocks after the first are read one ahead in a
+        thread.
         """
         if self.config.global_batch_size is not None:
             yield from self._global_chunks(rank, world, worker, workers, start, span)
@@ -377,7 +378,9 @@ class ShardDataset(IterableDataset[Batch]):
             return
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuyard-prefetch")
         try:
-            ahead: Future[dict[str, np.ndarray]] | None = pool.submit(self._block, pieces, k, key)
+            # The first block is read here: nothing could overlap it, and a hand-over to the thread
+            # (started on the first submit) cost more than a one-block epoch's reading on a busy machine.
+            ahead: Future[dict[str, np.ndarray]] | None = _done(self._block(pieces, k, key))
             carry: dict[str, np.ndarray] | None = None
             skip = start - k * size
             while ahead is not None:
@@ -445,7 +448,8 @@ class ShardDataset(IterableDataset[Batch]):
 
         def gather(lo: int, hi: int) -> dict[str, np.ndarray]:
             """This rank's rows at positions [lo, hi), from the (at most 2) blocks kept decoded.
-            Runs in the read-ahead thread only: the blocks, open files and row groups are its own."""
+            Runs in one thread at a time (the first window in the caller's, the rest in the read-ahead
+            thread, each after the last): the blocks, open files and row groups are never shared."""
             q = permuted(np.arange(lo, hi))
             ks = q // size
             parts = []
@@ -476,8 +480,8 @@ class ShardDataset(IterableDataset[Batch]):
         )
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuyard-prefetch")
         try:
-            current = next(windows, None)
-            ahead = pool.submit(gather, *current) if current is not None else None
+            current = next(windows, None)  # the first window is gathered here, as in _chunks
+            ahead = _done(gather(*current)) if current is not None else None
             while current is not None and ahead is not None:
                 rows = ahead.result()
                 lo, hi = current
@@ -615,6 +619,13 @@ class ShardDataset(IterableDataset[Batch]):
         return {k: v for k, v in self.__dict__.items() if k not in ("_files", "_groups", "_whole")}
 
 
+def _done(value: Any) -> Future[Any]:
+    """A future already holding ``value``."""
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
+
+
 def _unpack(shipment: Batch) -> Iterator[tuple[Batch, int, int]]:
     """(batch, worker, position after it) for each batch of a shipment."""
     worker, end, _ = shipment.pop(POSITION_KEY).tolist()  # iterating the tensor costs ~20 us
@@ -631,7 +642,16 @@ def _unpack(shipment: Batch) -> Iterator[tuple[Batch, int, int]]:
 
 
 def _pinned(value: Any) -> Any:
+    if isinstance(value, list):  # an object column converted by DataLoader's rules may hold tensors
+        return [_pinned(v) for v in value]
     return value.pin_memory() if isinstance(value, torch.Tensor) else value
+
+
+def _converted(batches: Iterator[Batch]) -> Iterator[Batch]:
+    """``batches`` as DataLoader without workers hands them over (its ``default_convert``: NumPy
+    arrays inside object columns become tensors), converting only the values that are not tensors."""
+    for batch in batches:
+        yield {k: v if isinstance(v, torch.Tensor) else default_convert(v) for k, v in batch.items()}
 
 
 class ShardLoader:
@@ -764,6 +784,12 @@ class ShardLoader:
             )
             yield from self._batches(shipments, span, workers, pin=self.pin_memory)
             return
+        if not self.num_workers:
+            # No workers: the dataset's generator itself. A DataLoader without workers would only add
+            # its per-batch fetch, profiler hooks and conversion (a third of a small-sample epoch
+            # here); its conversion is kept for what is not already a tensor, so batches are the same.
+            yield from self._batches(_converted(iter(ds)), span, workers, pin=self.pin_memory)
+            return
         if self.persistent_workers and ds._shared is None:
             ds._shared = torch.zeros(2 + workers, dtype=torch.int64).share_memory_()
         if ds._shared is not None:
@@ -810,10 +836,8 @@ class ShardLoader:
                     self._done = pos // per
                 # The next batch comes from this worker until its shipment is done, then from the next.
                 self._next_worker = worker if pos % span else (worker + 1) % workers
-                if pin:  # DataLoader pins in a thread of its own; thread workers' batches are pinned here
-                    batch = {
-                        k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-                    }
+                if pin:  # DataLoader pins in a thread of its own; batches without it are pinned here
+                    batch = {k: _pinned(v) for k, v in batch.items()}
                 yield batch
         self._positions, self._next_worker, self._done = {}, 0, 0
         self.dataset.start_positions, self.dataset.worker_offset = {}, 0

@@ -224,3 +224,52 @@ def test_memory_while_streaming_does_not_grow_with_the_dataset(
         sizes.append(n * (64 + 8))
     assert peaks[1] < 2 * peaks[0]  # 4x the rows, not 4x the memory
     assert peaks[1] < sizes[1] / 4  # and far less than the dataset
+
+
+def test_without_workers_batches_are_those_a_dataloader_hands_over(
+    gpuyard_home: Path, tmp_path: Path
+) -> None:
+    """``num_workers=0`` iterates the dataset itself (no DataLoader), converting as DataLoader does:
+    a text column stays a list of str, a list column's rows become tensors; a one-block epoch reads
+    in the consumer's thread and starts no prefetch thread."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from torch.utils.data import DataLoader
+
+    rows = 300
+    table = pa.table(
+        {
+            "id": np.arange(rows),
+            "text": [f"row {i}" for i in range(rows)],
+            "tags": [list(range(i % 4)) for i in range(rows)],
+        }
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    version = ingest(tmp_path / "t.parquet", "texts", IngestOptions(shard_bytes=3000))
+    for cfg in (LoaderConfig(batch_size=32, shuffle_buffer=70, seed=2), LoaderConfig(batch_size=32, seed=2)):
+        ours = list(ShardLoader(version, cfg))
+        ds = ShardDataset(version, cfg)
+        ds.rank, ds.world_size = 0, 1
+        theirs = list(DataLoader(ds, batch_size=None))
+        assert len(ours) == len(theirs) == -(-rows // 32)
+        for a, b in zip(ours, theirs, strict=True):
+            b.pop(POSITION_KEY)
+            assert set(a) == set(b) == {"id", "text", "tags"}
+            assert torch.equal(a["id"], b["id"]) and a["text"] == b["text"]
+            assert all(isinstance(t, str) for t in a["text"])
+            assert all(isinstance(t, torch.Tensor) for t in a["tags"])
+            assert [t.tolist() for t in a["tags"]] == [t.tolist() for t in b["tags"]]
+    import threading
+
+    def prefetch_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("gpuyard-prefetch")}
+
+    before = prefetch_threads()  # earlier loaders' idle threads may still be exiting: only new ones count
+    it = iter(ShardLoader(version, LoaderConfig(batch_size=32, seed=2)))  # 300 rows: one block
+    next(it)
+    assert prefetch_threads() - before == set()
+    it.close()
+    it = iter(ShardLoader(version, LoaderConfig(batch_size=32, shuffle_buffer=70, seed=2)))
+    next(it)  # five blocks: the next one is read ahead in a thread
+    assert len(prefetch_threads() - before) == 1
+    it.close()

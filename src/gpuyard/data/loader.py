@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -53,6 +54,8 @@ SIZES_KEY = "_sizes"
 SHIPMENT_ROWS = 8192
 # Shards a reader keeps open at once (least recently used beyond that are closed).
 OPEN_SHARDS = 4
+# Decoded row groups a reader keeps (blocks often straddle one); thread workers share this many each.
+OPEN_GROUPS = 4
 # "process": DataLoader worker processes; "thread": threads in this process (see loader_threads).
 WORKER_MODES = ("process", "thread")
 Batch = dict[str, Any]
@@ -127,6 +130,41 @@ def topology(rank: int | None = None, world_size: int | None = None) -> tuple[in
     if not 0 <= found[0] < found[1]:
         raise ConfigError(f"rank {found[0]} is outside world size {found[1]}")
     return found
+
+
+class RowGroups:
+    """Decoded row groups by (shard, row group), the least recently used beyond ``capacity`` dropped.
+
+    The thread workers of an epoch share one: a row group that two workers' ranges straddle is
+    decoded once, by the first to ask (with its own open file), while the others wait for it.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._items: OrderedDict[tuple[int, int], Future[pa.Table]] = OrderedDict()
+
+    def get(self, key: tuple[int, int], decode: Callable[[int], pa.Table], group: int) -> pa.Table:
+        """The row group ``key``, decoded by ``decode(group)`` unless another reader has it or is at it."""
+        with self._lock:
+            found = self._items.get(key)
+            mine = found is None
+            if found is None:
+                found = self._items[key] = Future()
+                while len(self._items) > self.capacity:
+                    self._items.popitem(last=False)
+            else:
+                self._items.move_to_end(key)
+        if mine:
+            try:
+                found.set_result(decode(group))
+            except BaseException as exc:  # every reader waiting for it raises the same error
+                found.set_exception(exc)
+                with self._lock:
+                    if self._items.get(key) is found:
+                        del self._items[key]
+                raise
+        return found.result()
 
 
 class ShardDataset(IterableDataset[Batch]):
@@ -269,22 +307,27 @@ class ShardDataset(IterableDataset[Batch]):
                 files.popitem(last=False)[1][0].close()
         return files[shard][0]
 
+    def _new_epoch_readers(self) -> None:
+        """Reopen shards each epoch (remote ones then go through the cache again and refresh its LRU)
+        and start with no decoded row groups, or with the store the epoch's thread workers share."""
+        self.__dict__.pop("_files", None)
+        shared = self.__dict__.get("shared_groups")
+        self.__dict__["_groups"] = shared if shared is not None else RowGroups(OPEN_GROUPS)
+
     def _read(self, shard: int, rows: np.ndarray) -> dict[str, np.ndarray]:
         self._file(shard)
         pf, bounds, path = self.__dict__["_files"][shard]
-        groups: OrderedDict[tuple[int, int], pa.Table] = self.__dict__.setdefault("_groups", OrderedDict())
+        groups: RowGroups = self.__dict__.setdefault("_groups", RowGroups(OPEN_GROUPS))
         starts = np.array([s for s, _ in bounds])
         first, last = (int(np.searchsorted(starts, x, side="right") - 1) for x in (rows[0], rows[-1]))
-        parts = []
-        for g in range(first, last + 1):
-            if (shard, g) not in groups:
-                try:
-                    groups[(shard, g)] = pf.read_row_group(g, columns=self._columns, use_threads=False)
-                except (pa.ArrowException, OSError) as exc:
-                    raise IntegrityError(f"shard {path} is truncated or corrupt: {exc}") from exc
-                while len(groups) > 4:  # a few decoded row groups: blocks often straddle one
-                    groups.popitem(last=False)
-            parts.append(groups[(shard, g)])
+
+        def decode(g: int) -> pa.Table:
+            try:
+                return pf.read_row_group(g, columns=self._columns, use_threads=False)
+            except (pa.ArrowException, OSError) as exc:
+                raise IntegrityError(f"shard {path} is truncated or corrupt: {exc}") from exc
+
+        parts = [groups.get((shard, g), decode, g) for g in range(first, last + 1)]
         table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
         local = rows - bounds[first][0]
         if local[-1] - local[0] + 1 == len(local):  # a contiguous run: slice, no copy
@@ -363,9 +406,7 @@ class ShardDataset(IterableDataset[Batch]):
         if self.config.global_batch_size is not None:
             yield from self._global_chunks(rank, world, worker, workers, start, span)
             return
-        # Reopen shards each epoch: remote ones then go through the cache again (and refresh its LRU).
-        self.__dict__.pop("_files", None)
-        self.__dict__.pop("_groups", None)
+        self._new_epoch_readers()
         pieces = self.consumer_range(rank, world, worker, workers)
         total = sum(len(r) for _, r in pieces)
         if self.config.drop_last:
@@ -421,8 +462,7 @@ class ShardDataset(IterableDataset[Batch]):
         (all of them: its rows are spread over each block); the next window of rows is read and
         gathered ahead in a thread.
         """
-        self.__dict__.pop("_files", None)
-        self.__dict__.pop("_groups", None)
+        self._new_epoch_readers()
         g = self.config.global_batch_size
         assert g is not None  # _chunks checks
         per = rank_share(g, world)
@@ -616,7 +656,8 @@ class ShardDataset(IterableDataset[Batch]):
 
     def __getstate__(self) -> dict[str, Any]:
         # Open files and decoded row groups stay in the process that opened them.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_files", "_groups", "_whole")}
+        skip = ("_files", "_groups", "_whole", "shared_groups")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
 
 
 def _done(value: Any) -> Future[Any]:

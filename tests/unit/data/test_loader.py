@@ -273,3 +273,35 @@ def test_without_workers_batches_are_those_a_dataloader_hands_over(
     next(it)  # five blocks: the next one is read ahead in a thread
     assert len(prefetch_threads() - before) == 1
     it.close()
+
+
+def test_thread_workers_decode_a_row_group_their_ranges_share_once(
+    ids_version: DatasetVersion, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import collections
+    import threading
+
+    import pyarrow.parquet as pq
+
+    cfg = LoaderConfig(batch_size=16, shuffle_buffer=120, seed=6)
+    ds = ShardDataset(ids_version, cfg)
+    ds.set_epoch(1)
+    shards = [{s for s, _ in ds.consumer_range(0, 1, k, 3)} for k in range(3)]
+    assert shards[0] & shards[1] and shards[1] & shards[2]  # two ranges end inside one shard each
+    decoded: collections.Counter[int] = collections.Counter()  # by the first id of the row group
+    lock = threading.Lock()
+    read = pq.ParquetFile.read_row_group
+
+    def counted(self: pq.ParquetFile, i: int, *args: object, **kwargs: object) -> object:
+        table = read(self, i, *args, **kwargs)
+        with lock:
+            decoded[int(table.column("id")[0].as_py())] += 1
+        return table
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counted)
+    loader = ShardLoader(ids_version, cfg, num_workers=3, worker_mode="thread")
+    loader.set_epoch(1)
+    ids = [int(x) for b in loader for x in b["id"]]
+    assert sorted(ids) == list(range(N))
+    groups = sum(ds._file(i).num_row_groups for i in range(len(ids_version.shards)))
+    assert sum(decoded.values()) == groups and set(decoded.values()) == {1}

@@ -32,12 +32,15 @@ Baselines, each in its best configuration that we know of, doing the same work:
 - MosaicML ``streaming`` is not run: its release (0.13) pins numpy<2.2 and imports torchvision,
   whose wheels for this torch need CUDA libraries; it does not install beside the CPU torch here.
 
-gpuyard streams with thread workers (``worker_mode="thread"``, its best configuration for small
-samples; ``vs_pyarrow``; ``vs_best_streaming`` = against the fastest of the pyarrow loops,
-WebDataset and Ray Data in each round) and with DataLoader worker processes (``proc_vs_files``,
-``proc_vs_pyarrow``); both yield the very same batches. Every contender is built and its first
-("cold") epoch run; then each round runs one epoch of each in turn, the order rotated each round,
-and ratios are per round (median and spread).
+gpuyard streams with thread workers (``worker_mode="thread"``, its best configuration with workers
+for small samples; ``vs_best_streaming`` = against the fastest of the pyarrow loops, WebDataset and
+Ray Data in each round), in the main process (``num_workers=0``, ``main_vs_pyarrow``) and with
+DataLoader worker processes (``proc_vs_files``, ``proc_vs_pyarrow``); all yield the very same
+batches. ``vs_pyarrow`` takes the faster of gpuyard's thread workers and main process against the
+faster of the pyarrow loop's main process and workers in each round, as each side would be run
+(``threads_vs_pyarrow`` and ``main_vs_pyarrow`` give gpuyard's two apart). Every contender is built
+and its first ("cold") epoch run; then each round runs one epoch of each in turn, the order rotated
+each round, and ratios are per round (median and spread).
 Peak memory (PSS of the process and its workers, sampled at the start, every 20 ms and at the end)
 is taken afterwards for gpuyard's three modes, each alone.
 
@@ -362,10 +365,10 @@ def main() -> None:
     decoded = (images.copy(), labels.astype(np.int64))  # the NumPy baseline's data, decoded in memory
     del images
 
-    def make_gpuyard(mode: str, whole: bool = False) -> Callable[[], Any]:
+    def make_gpuyard(mode: str, whole: bool = False, workers: int = w) -> Callable[[], Any]:
         def make() -> Any:
             cfg = LoaderConfig(batch_size=BATCH, columns=("image", "label"), whole=whole)
-            return ShardLoader(version, cfg, num_workers=w, persistent_workers=True, worker_mode=mode)
+            return ShardLoader(version, cfg, num_workers=workers, persistent_workers=True, worker_mode=mode)
 
         return make
 
@@ -416,6 +419,7 @@ def main() -> None:
         ("gpuyard", make_gpuyard("thread"), lambda b: (b["image"], b["label"])),
         ("gpuyard_proc", make_gpuyard("process"), lambda b: (b["image"], b["label"])),
         ("gpuyard_whole", make_gpuyard("thread", whole=True), lambda b: (b["image"], b["label"])),
+        ("gpuyard_main", make_gpuyard("thread", workers=0), lambda b: (b["image"], b["label"])),
         ("numpy", make_numpy, lambda b: (b[0], b[1])),
         ("files", make_files, lambda b: (b[0], b[1])),
         ("webdataset", make_wds, lambda b: (b[0], b[1])),
@@ -487,11 +491,16 @@ def main() -> None:
     print(f"dataset in memory would be {n * (784 + 8) / 2**20:.0f} MiB; workers={w}, batch={BATCH}")
     print(f"WebDataset: {len(tars)} shard(s); not run: " + "; ".join(not_run))
 
-    def ratio(a: str, b: str | list[str]) -> list[float]:
-        return [rd[a] / (max(rd[x] for x in b) if isinstance(b, list) else rd[b]) for rd in rounds]
+    def ratio(a: str | list[str], b: str | list[str]) -> list[float]:
+        def best(rd: dict[str, float], x: str | list[str]) -> float:
+            return max(rd[k] for k in x) if isinstance(x, list) else rd[x]
+
+        return [best(rd, a) / best(rd, b) for rd in rounds]
 
     figures = {
-        "vs_pyarrow": ratio("gpuyard", ["pyarrow", "pyarrow_workers"]),
+        "vs_pyarrow": ratio(["gpuyard", "gpuyard_main"], ["pyarrow", "pyarrow_workers"]),
+        "threads_vs_pyarrow": ratio("gpuyard", ["pyarrow", "pyarrow_workers"]),
+        "main_vs_pyarrow": ratio("gpuyard_main", ["pyarrow", "pyarrow_workers"]),
         "proc_vs_pyarrow": ratio("gpuyard_proc", ["pyarrow", "pyarrow_workers"]),
         "vs_files": ratio("gpuyard", "files"),
         "vs_best_streaming": ratio("gpuyard", streaming),

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -34,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
 
 from gpuyard.data.augment import augment, batch_generator
 from gpuyard.data.cache import ShardCache
@@ -53,6 +54,8 @@ SIZES_KEY = "_sizes"
 SHIPMENT_ROWS = 8192
 # Shards a reader keeps open at once (least recently used beyond that are closed).
 OPEN_SHARDS = 4
+# Decoded row groups a reader keeps (blocks often straddle one); thread workers share this many each.
+OPEN_GROUPS = 4
 # "process": DataLoader worker processes; "thread": threads in this process (see loader_threads).
 WORKER_MODES = ("process", "thread")
 Batch = dict[str, Any]
@@ -127,6 +130,41 @@ def topology(rank: int | None = None, world_size: int | None = None) -> tuple[in
     if not 0 <= found[0] < found[1]:
         raise ConfigError(f"rank {found[0]} is outside world size {found[1]}")
     return found
+
+
+class RowGroups:
+    """Decoded row groups by (shard, row group), the least recently used beyond ``capacity`` dropped.
+
+    The thread workers of an epoch share one: a row group that two workers' ranges straddle is
+    decoded once, by the first to ask (with its own open file), while the others wait for it.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._items: OrderedDict[tuple[int, int], Future[pa.Table]] = OrderedDict()
+
+    def get(self, key: tuple[int, int], decode: Callable[[int], pa.Table], group: int) -> pa.Table:
+        """The row group ``key``, decoded by ``decode(group)`` unless another reader has it or is at it."""
+        with self._lock:
+            found = self._items.get(key)
+            mine = found is None
+            if found is None:
+                found = self._items[key] = Future()
+                while len(self._items) > self.capacity:
+                    self._items.popitem(last=False)
+            else:
+                self._items.move_to_end(key)
+        if mine:
+            try:
+                found.set_result(decode(group))
+            except BaseException as exc:  # every reader waiting for it raises the same error
+                found.set_exception(exc)
+                with self._lock:
+                    if self._items.get(key) is found:
+                        del self._items[key]
+                raise
+        return found.result()
 
 
 class ShardDataset(IterableDataset[Batch]):
@@ -269,22 +307,27 @@ class ShardDataset(IterableDataset[Batch]):
                 files.popitem(last=False)[1][0].close()
         return files[shard][0]
 
+    def _new_epoch_readers(self) -> None:
+        """Reopen shards each epoch (remote ones then go through the cache again and refresh its LRU)
+        and start with no decoded row groups, or with the store the epoch's thread workers share."""
+        self.__dict__.pop("_files", None)
+        shared = self.__dict__.get("shared_groups")
+        self.__dict__["_groups"] = shared if shared is not None else RowGroups(OPEN_GROUPS)
+
     def _read(self, shard: int, rows: np.ndarray) -> dict[str, np.ndarray]:
         self._file(shard)
         pf, bounds, path = self.__dict__["_files"][shard]
-        groups: OrderedDict[tuple[int, int], pa.Table] = self.__dict__.setdefault("_groups", OrderedDict())
+        groups: RowGroups = self.__dict__.setdefault("_groups", RowGroups(OPEN_GROUPS))
         starts = np.array([s for s, _ in bounds])
         first, last = (int(np.searchsorted(starts, x, side="right") - 1) for x in (rows[0], rows[-1]))
-        parts = []
-        for g in range(first, last + 1):
-            if (shard, g) not in groups:
-                try:
-                    groups[(shard, g)] = pf.read_row_group(g, columns=self._columns, use_threads=False)
-                except (pa.ArrowException, OSError) as exc:
-                    raise IntegrityError(f"shard {path} is truncated or corrupt: {exc}") from exc
-                while len(groups) > 4:  # a few decoded row groups: blocks often straddle one
-                    groups.popitem(last=False)
-            parts.append(groups[(shard, g)])
+
+        def decode(g: int) -> pa.Table:
+            try:
+                return pf.read_row_group(g, columns=self._columns, use_threads=False)
+            except (pa.ArrowException, OSError) as exc:
+                raise IntegrityError(f"shard {path} is truncated or corrupt: {exc}") from exc
+
+        parts = [groups.get((shard, g), decode, g) for g in range(first, last + 1)]
         table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
         local = rows - bounds[first][0]
         if local[-1] - local[0] + 1 == len(local):  # a contiguous run: slice, no copy
@@ -357,14 +400,13 @@ class ShardDataset(IterableDataset[Batch]):
     ) -> Iterator[tuple[dict[str, np.ndarray], int]]:
         """Rows of one consumer from ``start``, cut where the position is a multiple of ``span``.
 
-        Yields (column arrays, position after them). Blocks are read one ahead in a thread.
+        Yields (column arrays, position after them). Blocks after the first are read one ahead in a
+        thread.
         """
         if self.config.global_batch_size is not None:
             yield from self._global_chunks(rank, world, worker, workers, start, span)
             return
-        # Reopen shards each epoch: remote ones then go through the cache again (and refresh its LRU).
-        self.__dict__.pop("_files", None)
-        self.__dict__.pop("_groups", None)
+        self._new_epoch_readers()
         pieces = self.consumer_range(rank, world, worker, workers)
         total = sum(len(r) for _, r in pieces)
         if self.config.drop_last:
@@ -377,7 +419,9 @@ class ShardDataset(IterableDataset[Batch]):
             return
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuyard-prefetch")
         try:
-            ahead: Future[dict[str, np.ndarray]] | None = pool.submit(self._block, pieces, k, key)
+            # The first block is read here: nothing could overlap it, and a hand-over to the thread
+            # (started on the first submit) cost more than a one-block epoch's reading on a busy machine.
+            ahead: Future[dict[str, np.ndarray]] | None = _done(self._block(pieces, k, key))
             carry: dict[str, np.ndarray] | None = None
             skip = start - k * size
             while ahead is not None:
@@ -418,8 +462,7 @@ class ShardDataset(IterableDataset[Batch]):
         (all of them: its rows are spread over each block); the next window of rows is read and
         gathered ahead in a thread.
         """
-        self.__dict__.pop("_files", None)
-        self.__dict__.pop("_groups", None)
+        self._new_epoch_readers()
         g = self.config.global_batch_size
         assert g is not None  # _chunks checks
         per = rank_share(g, world)
@@ -445,7 +488,8 @@ class ShardDataset(IterableDataset[Batch]):
 
         def gather(lo: int, hi: int) -> dict[str, np.ndarray]:
             """This rank's rows at positions [lo, hi), from the (at most 2) blocks kept decoded.
-            Runs in the read-ahead thread only: the blocks, open files and row groups are its own."""
+            Runs in one thread at a time (the first window in the caller's, the rest in the read-ahead
+            thread, each after the last): the blocks, open files and row groups are never shared."""
             q = permuted(np.arange(lo, hi))
             ks = q // size
             parts = []
@@ -476,8 +520,8 @@ class ShardDataset(IterableDataset[Batch]):
         )
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuyard-prefetch")
         try:
-            current = next(windows, None)
-            ahead = pool.submit(gather, *current) if current is not None else None
+            current = next(windows, None)  # the first window is gathered here, as in _chunks
+            ahead = _done(gather(*current)) if current is not None else None
             while current is not None and ahead is not None:
                 rows = ahead.result()
                 lo, hi = current
@@ -612,7 +656,15 @@ class ShardDataset(IterableDataset[Batch]):
 
     def __getstate__(self) -> dict[str, Any]:
         # Open files and decoded row groups stay in the process that opened them.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_files", "_groups", "_whole")}
+        skip = ("_files", "_groups", "_whole", "shared_groups")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
+
+
+def _done(value: Any) -> Future[Any]:
+    """A future already holding ``value``."""
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
 
 
 def _unpack(shipment: Batch) -> Iterator[tuple[Batch, int, int]]:
@@ -631,7 +683,16 @@ def _unpack(shipment: Batch) -> Iterator[tuple[Batch, int, int]]:
 
 
 def _pinned(value: Any) -> Any:
+    if isinstance(value, list):  # an object column converted by DataLoader's rules may hold tensors
+        return [_pinned(v) for v in value]
     return value.pin_memory() if isinstance(value, torch.Tensor) else value
+
+
+def _converted(batches: Iterator[Batch]) -> Iterator[Batch]:
+    """``batches`` as DataLoader without workers hands them over (its ``default_convert``: NumPy
+    arrays inside object columns become tensors), converting only the values that are not tensors."""
+    for batch in batches:
+        yield {k: v if isinstance(v, torch.Tensor) else default_convert(v) for k, v in batch.items()}
 
 
 class ShardLoader:
@@ -764,6 +825,12 @@ class ShardLoader:
             )
             yield from self._batches(shipments, span, workers, pin=self.pin_memory)
             return
+        if not self.num_workers:
+            # No workers: the dataset's generator itself. A DataLoader without workers would only add
+            # its per-batch fetch, profiler hooks and conversion (a third of a small-sample epoch
+            # here); its conversion is kept for what is not already a tensor, so batches are the same.
+            yield from self._batches(_converted(iter(ds)), span, workers, pin=self.pin_memory)
+            return
         if self.persistent_workers and ds._shared is None:
             ds._shared = torch.zeros(2 + workers, dtype=torch.int64).share_memory_()
         if ds._shared is not None:
@@ -810,10 +877,8 @@ class ShardLoader:
                     self._done = pos // per
                 # The next batch comes from this worker until its shipment is done, then from the next.
                 self._next_worker = worker if pos % span else (worker + 1) % workers
-                if pin:  # DataLoader pins in a thread of its own; thread workers' batches are pinned here
-                    batch = {
-                        k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-                    }
+                if pin:  # DataLoader pins in a thread of its own; batches without it are pinned here
+                    batch = {k: _pinned(v) for k, v in batch.items()}
                 yield batch
         self._positions, self._next_worker, self._done = {}, 0, 0
         self.dataset.start_positions, self.dataset.worker_offset = {}, 0

@@ -27,9 +27,12 @@ _DONE = object()
 class _Worker:
     """One logical worker: a thread filling a bounded queue with its shipments."""
 
-    def __init__(self, ds: Any, args: tuple[int, int, int, int, int, int], depth: int) -> None:
-        # A private shallow copy: open files and cached row groups are per reader, never shared.
+    def __init__(self, ds: Any, args: tuple[int, int, int, int, int, int], depth: int, groups: Any) -> None:
+        # A private shallow copy: open files are per reader, never shared; decoded row groups are
+        # shared between the epoch's workers (``groups``), so a row group two ranges straddle is
+        # decoded once.
         self.ds = copy.copy(ds)
+        self.ds.shared_groups = groups
         self.args = args
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self.stop = threading.Event()
@@ -76,8 +79,13 @@ def iter_shipments(
         first: the logical worker due first.
         depth: shipments each thread may prepare ahead (DataLoader's ``prefetch_factor``).
     """
+    from gpuyard.data.loader import OPEN_GROUPS, RowGroups
+
     span = ds.ship_batches * ds.batch_rows
-    pool = [_Worker(ds, (rank, world, k, workers, starts.get(k, 0), span), depth) for k in range(workers)]
+    groups = RowGroups(OPEN_GROUPS * workers)
+    pool = [
+        _Worker(ds, (rank, world, k, workers, starts.get(k, 0), span), depth, groups) for k in range(workers)
+    ]
     try:
         active = [(first + i) % workers for i in range(workers)]
         while active:

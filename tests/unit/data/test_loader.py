@@ -224,3 +224,110 @@ def test_memory_while_streaming_does_not_grow_with_the_dataset(
         sizes.append(n * (64 + 8))
     assert peaks[1] < 2 * peaks[0]  # 4x the rows, not 4x the memory
     assert peaks[1] < sizes[1] / 4  # and far less than the dataset
+
+
+def test_without_workers_batches_are_those_a_dataloader_hands_over(
+    gpuyard_home: Path, tmp_path: Path
+) -> None:
+    """``num_workers=0`` iterates the dataset itself (no DataLoader), converting as DataLoader does:
+    a text column stays a list of str, a list column's rows become tensors; a one-block epoch reads
+    in the consumer's thread and starts no prefetch thread."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from torch.utils.data import DataLoader
+
+    rows = 300
+    table = pa.table(
+        {
+            "id": np.arange(rows),
+            "text": [f"row {i}" for i in range(rows)],
+            "tags": [list(range(i % 4)) for i in range(rows)],
+        }
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    version = ingest(tmp_path / "t.parquet", "texts", IngestOptions(shard_bytes=3000))
+    for cfg in (LoaderConfig(batch_size=32, shuffle_buffer=70, seed=2), LoaderConfig(batch_size=32, seed=2)):
+        ours = list(ShardLoader(version, cfg))
+        ds = ShardDataset(version, cfg)
+        ds.rank, ds.world_size = 0, 1
+        theirs = list(DataLoader(ds, batch_size=None))
+        assert len(ours) == len(theirs) == -(-rows // 32)
+        for a, b in zip(ours, theirs, strict=True):
+            b.pop(POSITION_KEY)
+            assert set(a) == set(b) == {"id", "text", "tags"}
+            assert torch.equal(a["id"], b["id"]) and a["text"] == b["text"]
+            assert all(isinstance(t, str) for t in a["text"])
+            assert all(isinstance(t, torch.Tensor) for t in a["tags"])
+            assert [t.tolist() for t in a["tags"]] == [t.tolist() for t in b["tags"]]
+    import threading
+
+    def prefetch_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("gpuyard-prefetch")}
+
+    before = prefetch_threads()  # earlier loaders' idle threads may still be exiting: only new ones count
+    it = iter(ShardLoader(version, LoaderConfig(batch_size=32, seed=2)))  # 300 rows: one block
+    next(it)
+    assert prefetch_threads() - before == set()
+    it.close()
+    it = iter(ShardLoader(version, LoaderConfig(batch_size=32, shuffle_buffer=70, seed=2)))
+    next(it)  # five blocks: the next one is read ahead in a thread
+    assert len(prefetch_threads() - before) == 1
+    it.close()
+
+
+def test_thread_workers_decode_a_row_group_their_ranges_share_once(
+    ids_version: DatasetVersion, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import collections
+    import threading
+
+    import pyarrow.parquet as pq
+
+    cfg = LoaderConfig(batch_size=16, shuffle_buffer=120, seed=6)
+    ds = ShardDataset(ids_version, cfg)
+    ds.set_epoch(1)
+    shards = [{s for s, _ in ds.consumer_range(0, 1, k, 3)} for k in range(3)]
+    assert shards[0] & shards[1] and shards[1] & shards[2]  # two ranges end inside one shard each
+    decoded: collections.Counter[int] = collections.Counter()  # by the first id of the row group
+    lock = threading.Lock()
+    read = pq.ParquetFile.read_row_group
+
+    def counted(self: pq.ParquetFile, i: int, *args: object, **kwargs: object) -> object:
+        table = read(self, i, *args, **kwargs)
+        with lock:
+            decoded[int(table.column("id")[0].as_py())] += 1
+        return table
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counted)
+    loader = ShardLoader(ids_version, cfg, num_workers=3, worker_mode="thread")
+    loader.set_epoch(1)
+    ids = [int(x) for b in loader for x in b["id"]]
+    assert sorted(ids) == list(range(N))
+    groups = sum(ds._file(i).num_row_groups for i in range(len(ids_version.shards)))
+    assert sum(decoded.values()) == groups and set(decoded.values()) == {1}
+
+
+def test_a_page_corrupted_after_the_hash_check_stops_thread_workers_sharing_row_groups(
+    ids_version: DatasetVersion,
+) -> None:
+    """The SHA-256 is checked once per process while size and mtime hold; a page changed later under
+    the same size and mtime is caught by its checksum, in whichever worker decodes the shared row
+    group, and the workers waiting for it raise too (no hang, no thread left)."""
+    import os
+
+    from gpuyard.errors import IntegrityError
+
+    cfg = LoaderConfig(batch_size=16, shuffle_buffer=120, seed=6)
+    loader = ShardLoader(ids_version, cfg, num_workers=3, worker_mode="thread")
+    assert sorted(int(x) for b in loader for x in b["id"]) == list(range(N))  # hashes every shard
+    for path in ids_version.shard_paths():
+        st = os.stat(path)
+        data = bytearray(Path(path).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        with open(path, "r+b") as fh:
+            fh.write(bytes(data))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    loader.set_epoch(1)
+    with pytest.raises(IntegrityError, match="is truncated or corrupt"):
+        list(loader)
+    assert _gpuyard_threads() == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,36 @@ def _hw(text: str | None) -> tuple[int, int] | None:
 
 
 @contextlib.contextmanager
-def _progress(enabled: bool) -> Iterator[Callable[[str, int, int], None] | None]:
+def progress_reporter(
+    enabled: bool,
+    every_s: float = 5.0,
+    clock: Callable[[], float] = time.monotonic,
+    console: Console | None = None,
+) -> Iterator[Callable[[str, int, int], None] | None]:
+    """A ``progress(stage, done, total)`` callback for a long command (None when not ``enabled``, e.g.
+    under --json): bars on stderr when it is a terminal, else one line per stage at most every
+    ``every_s`` seconds and one when a stage completes ("tokenize: 12000/50000 (24%), 10 s")."""
     if not enabled:
         yield None
+        return
+    err = console or Console(stderr=True)
+    if not err.is_terminal:
+        start = clock()
+        last: dict[str, float] = {}
+        finished: set[str] = set()
+
+        def line(stage: str, done: int, total: int) -> None:
+            now = clock()
+            complete = total > 0 and done >= total
+            if stage in finished or (not complete and now - last.get(stage, start) < every_s):
+                return
+            last[stage] = now
+            if complete:
+                finished.add(stage)
+            share = f"/{total} ({done / total:.0%})" if total > 0 else ""
+            err.print(f"{stage}: {done}{share}, {now - start:.0f} s", soft_wrap=True, highlight=False)
+
+        yield line
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -60,7 +88,7 @@ def _progress(enabled: bool) -> Iterator[Callable[[str, int, int], None] | None]
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        console=Console(stderr=True),
+        console=err,
         transient=False,
     ) as prog:
 
@@ -186,7 +214,7 @@ def ingest_cmd(
         shard_bytes=_size(shard_size),
         image_size=_hw(image_size),
     )
-    with _progress(not as_json) as report:
+    with progress_reporter(not as_json) as report:
         version = ingest(src, name, opts, progress=report, team=team)
     from gpuyard.data.ingest import header_warning
 
@@ -248,7 +276,7 @@ def transform_cmd(
     from gpuyard.data import load_recipe, transform
 
     rec = load_recipe(recipe)
-    with _progress(not as_json) as report:
+    with progress_reporter(not as_json) as report:
         version = transform(
             ref,
             rec,
@@ -304,6 +332,10 @@ def show_cmd(
         typer.echo(json.dumps(version.manifest))
         return
     _print_summary(_summary(version.manifest))
+    if version.manifest.get("kind") == "tokens" and isinstance(version.manifest.get("tokens"), dict):
+        from gpuyard.cli.text import print_tokens
+
+        print_tokens(version.manifest["tokens"], version.ref)
     console = Console()
     lineage = [f"{version.ref} ({version.manifest['kind']} of {version.manifest['source'].get('uri')})"]
     parent = version.manifest.get("parent")

@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 
 def is_text_source(src: Path, fmt: str | None, text_field: str | None, messages_field: str | None) -> bool:
@@ -84,23 +85,55 @@ def register_text(app: typer.Typer) -> None:
             None, "--eos-token", help="The end-of-sequence token (default: the tokenizer's)."
         ),
         team: str | None = typer.Option(None, "--team", help="The team of a new token dataset."),
+        over_length: str | None = typer.Option(
+            None,
+            "--over-length",
+            help="A record over --seq-len tokens: split (into several sequences), truncate or drop "
+            "(default: split for documents, truncate for chat records).",
+        ),
+        loss_on: str | None = typer.Option(
+            None,
+            "--loss-on",
+            help="Chat records: assistant (the default: loss on assistant turns only) or all (every token).",
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
-        """Tokenize a text version and pack it into fixed-length sequences (document boundaries kept)."""
+        """Tokenize a text version and pack it into fixed-length sequences (document boundaries kept).
+
+        Prints how many records were over --seq-len tokens and what became of them (--over-length).
+        """
+        from gpuyard.cli.data import progress_reporter
         from gpuyard.data.tokens import tokenize
 
-        version = tokenize(
-            ref, tokenizer, seq_len, output=output, val_fraction=val_fraction, seed=seed,
-            eos_token=eos_token, team=team,
-        )  # fmt: skip
+        with progress_reporter(not as_json) as report:
+            version = tokenize(
+                ref, tokenizer, seq_len, output=output, val_fraction=val_fraction, seed=seed,
+                eos_token=eos_token, team=team, over_length=over_length, loss_on=loss_on, progress=report,
+            )  # fmt: skip
         t = dict(version.manifest["tokens"])
         doc = {"ref": version.ref, "parent": version.manifest["parent"], **t}
         doc["tokenizer"] = {k: v for k, v in t["tokenizer"].items() if k != "chat_template"}
+        err = Console(stderr=True)
+        for note in t.get("warnings") or []:
+            err.print(f"[yellow]warning:[/yellow] {escape(note)}", soft_wrap=True)
         if as_json:
             typer.echo(json.dumps(doc))
             return
-        Console().print(
-            f"[bold]{version.ref}[/bold]  {t['sequences']} sequences of {t['seq_len']} tokens from "
-            f"{t['documents']} documents: {t['tokens']} tokens, {t['padding']} padding "
-            f"(waste {t['waste']:.2%}), tokenizer sha256 {t['tokenizer']['sha256'][:12]}"
-        )
+        print_tokens(t, version.ref)
+
+
+def print_tokens(t: dict[str, Any], ref: str) -> None:
+    """The summary lines of a token dataset (``data tokenize``, ``data show``)."""
+    from gpuyard.data.tokens import long_records_line
+
+    con = Console()
+    con.print(
+        f"[bold]{ref}[/bold]  {t['sequences']} sequences of {t['seq_len']} tokens from "
+        f"{t['documents']} documents: {t['tokens']} tokens, {t['padding']} padding "
+        f"(waste {t['waste']:.2%}), {t['label_tokens']} in the loss"
+        f"{' (assistant turns only)' if t.get('loss_on') == 'assistant' else ''}, "
+        f"tokenizer sha256 {t['tokenizer']['sha256'][:12]}"
+    )
+    line = long_records_line(t)
+    if line:
+        con.print(line, markup=False, highlight=False)

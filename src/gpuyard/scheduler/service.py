@@ -481,10 +481,9 @@ class JobService:
         if report["cause"] == "link":  # a collective wait measured, not a rank's own work
             from gpuyard.train.straggler import measured
 
-            what = (
-                f"straggler: rank {report['rank']} on node {node}: {measured('link', float(report['slowdown']))} "
-                f"(cause: link) at step {report['step']}"
-            )
+            waits = measured("link", float(report["slowdown"]))
+            what = f"straggler: rank {report['rank']} on node {node}: {waits} (cause: link)"
+            what += f" at step {report['step']}"
         else:
             what = (
                 f"straggler: rank {report['rank']} on node {node} is {float(report['slowdown']):.2f}x slower "

@@ -197,9 +197,10 @@ def _merge_into(mv: ModelVersion, out: Path) -> None:
     merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
-        from gpuyard.train.hf import write_tokenizer
+        from gpuyard.train.hf import write_generation_config, write_tokenizer
 
         write_tokenizer(base, Path(tmp))
+        write_generation_config(Path(tmp))
         (Path(tmp) / "gpuyard.json").write_text(json.dumps({"merged_from": [str(mv.config["base"]), mv.ref]}))
         out.parent.mkdir(parents=True, exist_ok=True)
         Path(tmp).rename(out)

@@ -608,6 +608,7 @@ def save_hf(
     hf.config.use_cache = True
     hf.save_pretrained(out, safe_serialization=True)
     write_tokenizer(tokenizer, out, (extra or {}).get("tokenizer"))
+    write_generation_config(out)
     info = {"format": "gpuyard.lm/1", **(extra or {})}
     (out / GPUYARD_FILE).write_text(json.dumps(info, indent=1, sort_keys=True))
     return out
@@ -650,6 +651,30 @@ def write_tokenizer(tokenizer: Path | bytes | None, out: Path, meta: dict[str, A
     cfg.setdefault("pad_token", pad)
     cfg.setdefault("chat_template", DEFAULT_CHAT_TEMPLATE)
     cfg_path.write_text(json.dumps(cfg, indent=1))
+
+
+def write_generation_config(folder: Path) -> dict[str, Any]:
+    """Make ``folder``'s generation_config.json one that generates fast and stops where a reply ends:
+    ``use_cache`` true (training turns the cache off), ``eos_token_id`` the list of the tokenizer's
+    end-of-sequence token, then the chat template's turn markers that are special tokens (role
+    markers, end of turn), then any other the file named, and ``pad_token_id`` the tokenizer's pad.
+    ``generate()`` and serving engines read these. Returns what was written.
+    """
+    from gpuyard.data.tokens import load_tokenizer
+
+    path = folder / "generation_config.json"
+    doc = read_json(path, "generation config") if path.is_file() else {}
+    doc["use_cache"] = True
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file():
+        tok = load_tokenizer(folder)
+        had = doc.get("eos_token_id")
+        had_ids = had if isinstance(had, list) else [had] if isinstance(had, int) else []
+        stops = tok.stop_ids()
+        doc["eos_token_id"] = [*stops, *(i for i in had_ids if isinstance(i, int) and i not in stops)]
+        doc["pad_token_id"] = tok.pad_id
+    doc.pop("_from_model_config", None)  # else transformers regenerates it from config.json
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True))
+    return doc
 
 
 def _dataset_of(spec: Any) -> str | None:

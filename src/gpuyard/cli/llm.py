@@ -19,18 +19,32 @@ def register_cmd(
     folder: Path = typer.Argument(..., help="An exported Hugging Face folder (a run's <run_dir>/hf)."),
     base: str | None = typer.Option(None, "--base", help="Register the folder's LoRA adapter of this model."),
     team: str | None = typer.Option(None, "--team", help="The team of a new model."),
+    run: str | None = typer.Option(
+        None, "--run", help="The training run it came from (default: the one its gpuyard.json names)."
+    ),
+    dataset: str | None = typer.Option(
+        None, "--dataset", help="The dataset it was trained on (default: its gpuyard.json's, else the run's)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Register a causal LM (with its tokenizer and context length), or with --base a LoRA adapter."""
-    from gpuyard.models.llm import register_lm
+    """Register a causal LM (with its tokenizer and context length), or with --base a LoRA adapter.
 
-    mv = register_lm(name, folder, base=base, team=team)
-    doc = {"ref": mv.ref, "flavor": mv.flavor, **mv.config, "metrics": mv.metrics}
+    Prints its lineage (run and dataset), "unknown" for what neither the options nor the export say.
+    """
+    from gpuyard.models.llm import lineage_line, register_lm
+
+    mv = register_lm(name, folder, base=base, team=team, run_id=run, dataset=dataset)
+    doc = {
+        "ref": mv.ref, "flavor": mv.flavor, **mv.config, "metrics": mv.metrics, "run_id": mv.run_id,
+        "dataset_version": mv.dataset_version,
+    }  # fmt: skip
     if as_json:
         typer.echo(json.dumps(doc))
         return
     extra = f", adapter of {mv.config['base']}" if base else ""
-    Console().print(f"[bold]{mv.ref}[/bold] {mv.flavor}, context {mv.config.get('context_length')}{extra}")
+    con = Console()
+    con.print(f"[bold]{mv.ref}[/bold] {mv.flavor}, context {mv.config.get('context_length')}{extra}")
+    con.print(lineage_line(mv), markup=False, highlight=False)
 
 
 @llm_app.command("eval")
@@ -83,10 +97,12 @@ def merge_cmd(
     ),
 ) -> None:
     """Merge a LoRA adapter into its base and register the result as a full model version."""
-    from gpuyard.models.llm import merge_adapter
+    from gpuyard.models.llm import lineage_line, merge_adapter
 
     mv = merge_adapter(adapter, name)
-    Console().print(f"[bold]{mv.ref}[/bold] = {adapter} merged into {mv.description.split(' into ')[-1]}")
+    con = Console()
+    con.print(f"[bold]{mv.ref}[/bold] = {adapter} merged into {mv.description.split(' into ')[-1]}")
+    con.print(lineage_line(mv), markup=False, highlight=False)
 
 
 @llm_app.command("promote")

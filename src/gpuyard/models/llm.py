@@ -65,8 +65,13 @@ def register_lm(
     run_id: str | None = None,
     description: str = "",
     team: str | None = None,
+    dataset: str | None = None,
 ) -> ModelVersion:
     """Register an exported causal LM (or, with ``base``, a LoRA adapter of that registered model).
+
+    Lineage, the same whichever way a model is registered: the run is ``run_id``, else the one the
+    export's gpuyard.json names (when this store knows it); the dataset is ``dataset``, else the
+    export's, else the run's. What cannot be known stays None (`gpuyard llm register` says "unknown").
 
     Raises:
         ConfigError: not a Hugging Face folder with safetensors weights and a tokenizer; an adapter
@@ -122,13 +127,14 @@ def register_lm(
             put = artifacts.put_blob(path)
             stored[path.name] = {"key": put.key, "sha256": put.sha256, "size": put.size}
     # By split, as the registry keeps every flavor's metrics (`gpuyard models show` prints them so).
+    run_id, dataset_version = _lineage(run_id, dataset, info)
     measured = {"perplexity": info["val_perplexity"]} if isinstance(info.get("val_perplexity"), float) else {}
     metrics = {**({"validation": measured} if measured else {}), **(metrics or {})}
     fields = dict(
         flavor=config["flavor"],
         stage=ModelStage.NONE,
         run_id=run_id,
-        dataset_version=info.get("dataset"),
+        dataset_version=dataset_version,
         code_version=None,
         metrics=metrics,
         signature={"task": "text-generation"},
@@ -138,6 +144,41 @@ def register_lm(
         description=description,
     )
     return _insert_version(get_store(), name, fields, team)
+
+
+def _lineage(run: str | None, dataset: str | None, info: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(run id, dataset version) of a model being registered (:func:`register_lm`).
+
+    Raises:
+        NotFoundError: a run given that this store does not know. ConfigError: a short or ambiguous id.
+    """
+    from gpuyard.models.runs import resolve_run_id
+    from gpuyard.store.tables.models import RunRow
+
+    store = get_store()
+    run_id = resolve_run_id(run, store) if run else None
+    if run_id is None and isinstance(info.get("run_id"), str):
+        try:
+            run_id = resolve_run_id(info["run_id"], store)
+        except (NotFoundError, ConfigError):  # an export from elsewhere: its run is not ours
+            run_id = None
+    if dataset is None and isinstance(info.get("dataset"), str):
+        dataset = info["dataset"]
+    if dataset is None and run_id is not None:
+        with store.read() as s:
+            row = s.get(RunRow, run_id)
+            dataset = row.dataset_version if row is not None else None
+    return run_id, dataset
+
+
+def lineage_line(mv: ModelVersion) -> str:
+    """One line on where a registered model came from; "unknown" for what could not be known."""
+    run = mv.run_id[:8] if mv.run_id else "unknown"
+    data = mv.dataset_version or "unknown"
+    line = f"lineage: run {run}, dataset {data}"
+    if not (mv.run_id and mv.dataset_version):
+        line += " (give --run RUN and --dataset NAME@VERSION when registering to record them)"
+    return line
 
 
 def hf_config_fields(folder: Path) -> dict[str, Any]:
@@ -217,7 +258,10 @@ def merge_adapter(ref: str, name: str | None = None) -> ModelVersion:
         raise ConfigError(f"{mv.ref} is not a LoRA adapter (flavor {mv.flavor})")
     folder = fetch_lm(mv.ref)
     target = name or ModelRef.parse(str(mv.config["base"])).name
-    return register_lm(target, folder, description=f"{mv.ref} merged into {mv.config['base']}")
+    return register_lm(
+        target, folder, description=f"{mv.ref} merged into {mv.config['base']}", run_id=mv.run_id,
+        dataset=mv.dataset_version,
+    )  # fmt: skip
 
 
 def evaluate_lm(

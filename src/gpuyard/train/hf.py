@@ -727,6 +727,9 @@ def export_at_end(trainer: Any, event: str) -> None:
         return
     tokenizer: bytes | None = None
     info: dict[str, Any] = {"source": getattr(wrapped, "_gpuyard_source", {}), "step": trainer.step}
+    run_id = getattr(trainer.tracker, "run_id", None)
+    if run_id:  # lineage for `gpuyard llm register` of this folder by hand
+        info["run_id"] = str(run_id)
     dataset = _dataset_of(trainer.spec)
     if dataset:
         from gpuyard.data.dataset import open_dataset

@@ -140,11 +140,16 @@ def _print_summary(doc: dict[str, Any]) -> None:
 @data_app.command("ingest")
 def ingest_cmd(
     src: Path = typer.Argument(
-        ..., help="CSV, Parquet, JSONL, .npy/.npz file, or an image folder (one folder per class)."
+        ...,
+        help="CSV, Parquet, JSONL, .npy/.npz file, an image folder (one folder per class), or a text "
+        "corpus: a .txt/.md file or a folder of them (subfolders included).",
     ),
     name: str = typer.Option(..., "--name", help="Dataset name."),
     fmt: str | None = typer.Option(
-        None, "--format", help="csv, parquet, jsonl, npy, npz or images (default: guessed)."
+        None,
+        "--format",
+        help="csv, parquet, jsonl, npy, npz, images or text (default: guessed; a folder holding "
+        ".txt/.md files and no images is text).",
     ),
     label_column: str | None = typer.Option(None, "--label-column", help="Column holding the labels."),
     labels: str | None = typer.Option(None, "--labels", help="Declared label set, comma-separated."),
@@ -169,7 +174,8 @@ def ingest_cmd(
 ) -> None:
     """Ingest a source into a new immutable version (bad rows go to the quarantine, with reasons).
 
-    A .txt/.md file or folder, or --text-field/--messages-field, ingests a text corpus (docs/llm.md).
+    A .txt/.md file, a folder of them (subfolders included), --format text or
+    --text-field/--messages-field ingests a text corpus (docs/llm.md).
 
     Prints a schema summary (column, type, nulls, warnings); a text column that is numbers but for a
     few values becomes numeric, those rows quarantined with the value as the file held it. An empty
@@ -400,9 +406,10 @@ def quarantine_cmd(
         f"[bold]{version.ref}[/bold]: {q['rows_in']} in = {q['rows_kept']} kept"
         f" + {q['rows_quarantined']} quarantined"
     )
-    out = Table("row", "reason", "values")
+    where = "source" in table.column_names  # text corpora: the file and line of each record
+    out = Table("row", *(["source"] if where else []), "reason", "values")
     for r in rows:
-        out.add_row(str(r["row"]), r["reason"], r["values"][:100])
+        out.add_row(str(r["row"]), *([r["source"]] if where else []), r["reason"], r["values"][:100])
     console.print(out)
 
 

@@ -14,6 +14,7 @@ from rich.markup import escape
 def is_text_source(src: Path, fmt: str | None, text_field: str | None, messages_field: str | None) -> bool:
     """True when ``gpuyard data ingest`` should read ``src`` as a text corpus."""
     # Imported here: gpuyard.data loads pyarrow and the catalog, which every other command would pay for.
+    from gpuyard.data.sources import IMAGE_SUFFIXES
     from gpuyard.data.text import TEXT_SUFFIXES
 
     if text_field or messages_field or fmt in ("text", "txt"):
@@ -21,9 +22,9 @@ def is_text_source(src: Path, fmt: str | None, text_field: str | None, messages_
     if fmt is not None:
         return False
     if src.is_dir():
-        return not any(p.is_dir() for p in src.iterdir()) and any(
-            p.suffix.lower() in TEXT_SUFFIXES for p in src.iterdir()
-        )
+        # Text files anywhere below it and no image: a text corpus (subfolders are read too).
+        suffixes = {p.suffix.lower() for p in src.rglob("*") if p.is_file()}
+        return bool(suffixes & TEXT_SUFFIXES) and not suffixes & IMAGE_SUFFIXES
     return src.suffix.lower() in TEXT_SUFFIXES
 
 

@@ -281,3 +281,39 @@ def test_a_tokenizer_without_chat_template_is_named_in_one_warning(
     [note] = tokenize(text.ref, bare, seq_len=64).manifest["tokens"]["warnings"]
     assert "has no chat template: chat records are rendered with gpuyard's own" in note and "\n" not in note
     assert tokenize(text.ref, folder, seq_len=64, output="c2").manifest["tokens"]["warnings"] == []
+
+
+def test_a_text_folder_with_subfolders_is_ingested_and_the_quarantine_names_file_and_line(
+    gpuyard_home: Path, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from gpuyard.cli.main import app
+
+    root = tmp_path / "man"
+    (root / "man1" / "deep").mkdir(parents=True)
+    (root / "man1" / "ls.txt").write_text("ls lists files.\n")
+    (root / "man1" / "deep" / "cp.md").write_text("cp copies files.\n")
+    (root / "man1" / "deep" / "blob.txt").write_bytes(b"\x00\x01 binary")
+    (root / "top.txt").write_text("top level page.\n")
+    runner = CliRunner()
+    out = runner.invoke(app, ["data", "ingest", str(root), "--name", "man", "--json"])
+    assert out.exit_code == 0, (out.output, out.exception)
+    v = open_dataset("man")
+    assert sorted(v.to_arrow().column("text").to_pylist()) == [
+        "cp copies files.\n", "ls lists files.\n", "top level page.\n"
+    ]  # fmt: skip
+    [bad] = v.quarantine().to_pylist()
+    assert (bad["source"], bad["reason"]) == ("man1/deep/blob.txt:1", "text:binary")
+    shown = runner.invoke(app, ["data", "quarantine", "man", "--json"])
+    assert json.loads(shown.output)["rows"][0]["source"] == "man1/deep/blob.txt:1"
+    # A JSONL line and a paragraph of a text file are named by their line.
+    lines = [json.dumps({"text": "fine"}).encode(), b"", b"{broken", json.dumps({"text": "also"}).encode()]
+    j = ingest_text(_jsonl(tmp_path / "c.jsonl", lines), "j")
+    assert [(r["source"], r["reason"]) for r in j.quarantine().to_pylist()] == [("c.jsonl:3", "json:invalid")]
+    book = tmp_path / "book.txt"
+    book.write_bytes(b"one.\n\ntwo\nstill two.\n\n\n\nthree \x00.\n")
+    b = ingest_text(book, "book")
+    assert [r["source"] for r in b.quarantine().to_pylist()] == ["book.txt:8"]
+    # An image folder is still read as images; the help names text.
+    assert "text" in runner.invoke(app, ["data", "ingest", "--help"]).output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -127,6 +128,74 @@ def promote_cmd(
         Console().print(f"{model}: {verdict} (perplexity {decision['perplexity']:.4f}): {decision['reason']}")
     if not decision["promoted"]:
         raise typer.Exit(USAGE)
+
+
+tokenizer_app = typer.Typer(help="Tokenizers: train one from your own text.")
+llm_app.add_typer(tokenizer_app, name="tokenizer")
+
+
+@tokenizer_app.command("train")
+def tokenizer_train_cmd(
+    out: Path = typer.Option(
+        ..., "--out", help="The folder to write (tokenizer.json, tokenizer_config.json)."
+    ),
+    data: list[str] = typer.Option(
+        [],
+        "--data",
+        help="A text dataset NAME[@VERSION] (repeat; chat records rendered with gpuyard's template).",
+    ),
+    files: list[Path] = typer.Option(
+        [], "--files", help="A text file, or a folder of .txt/.md files with its subfolders (repeat)."
+    ),
+    vocab_size: int = typer.Option(
+        8000, "--vocab-size", help="Tokens in the vocabulary, special ones included."
+    ),
+    special: list[str] = typer.Option([], "--special", help="Another special token (repeat)."),
+    chat_markers: bool = typer.Option(
+        True,
+        "--chat-markers/--no-chat-markers",
+        help="Make the chat template's role markers (<|user|>, <|assistant|>, ...) special tokens.",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Train a byte-level BPE tokenizer (the tokenizers library, offline) on datasets and text files.
+
+    The folder is what `gpuyard data tokenize --tokenizer` and transformers' AutoTokenizer read:
+    <|endoftext|> ends a sequence, <pad> pads, and the chat template is gpuyard's.
+    """
+    from gpuyard.data.tokens import CHAT_MARKERS, corpus_texts, load_tokenizer, train_tokenizer
+    from gpuyard.errors import ConfigError
+
+    if not data and not files:
+        raise ConfigError("give the text to train on: --data NAME[@VERSION] and/or --files PATH")
+    if (out / "tokenizer.json").exists():
+        raise ConfigError(f"{out} already holds a tokenizer.json; choose another --out")
+    extra = tuple(dict.fromkeys([*(CHAT_MARKERS if chat_markers else ()), *special]))
+    counts: dict[str, int] = {}
+    texts = corpus_texts(data, files, counts)
+    first = next(texts, None)
+    if first is None:  # nothing written
+        raise ConfigError(f"no text to train on ({counts.get('skipped', 0)} files skipped as not UTF-8 text)")
+    folder = train_tokenizer(itertools.chain([first], texts), out, vocab_size, extra)
+    tok = load_tokenizer(folder)
+    specials = ["<|endoftext|>", "<pad>", *extra]
+    doc = {
+        "folder": str(folder),
+        "vocab_size": tok.vocab_size,
+        "special_tokens": specials,
+        "sha256": tok.sha256,
+    }
+    doc.update(counts)
+    if as_json:
+        typer.echo(json.dumps(doc))
+        return
+    Console().print(
+        f"{folder}: {tok.vocab_size} tokens from {counts['documents']} texts ({counts['bytes']} bytes"
+        f"{', ' + str(counts['skipped']) + ' files skipped as not text' if counts['skipped'] else ''}); "
+        f"special {', '.join(specials)}",
+        markup=False,
+        highlight=False,
+    )
 
 
 def register(app: typer.Typer) -> None:

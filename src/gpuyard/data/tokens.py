@@ -31,7 +31,7 @@ import functools
 import hashlib
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -804,15 +804,30 @@ def packed_batches(
     return PackedBatches(ShardLoader(version, cfg, rank=dp_rank, world_size=dp_size))
 
 
+# The role markers gpuyard's default chat template writes: special tokens of a tokenizer trained for chat.
+CHAT_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
+MAX_VOCAB = 1 << 20
+
+
 def train_tokenizer(
-    texts: list[str], out: str | Path, vocab_size: int = 512, extra_tokens: tuple[str, ...] = ()
+    texts: Iterable[str], out: str | Path, vocab_size: int = 512, extra_tokens: tuple[str, ...] = ()
 ) -> Path:
     """Train a byte-level BPE tokenizer on ``texts`` with ``tokenizers`` and write it as a Hugging Face
     tokenizer folder (tokenizer.json, tokenizer_config.json with gpuyard's chat template); returns it.
 
     Special tokens: ``<|endoftext|>`` (end of sequence), ``<pad>``, then ``extra_tokens``.
+
+    Raises:
+        ConfigError: a vocabulary too small for the 256 bytes and the special tokens, or too large.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials_n = 2 + len(extra_tokens)
+    if not 256 + specials_n < vocab_size <= MAX_VOCAB:
+        raise ConfigError(
+            f"vocab size {vocab_size}: must be over {256 + specials_n} (256 bytes and {specials_n} special "
+            f"tokens) and at most {MAX_VOCAB}"
+        )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -838,6 +853,43 @@ def train_tokenizer(
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return folder
+
+
+def corpus_texts(
+    datasets: list[str], files: list[Path], counts: dict[str, int] | None = None
+) -> Iterator[str]:
+    """The texts of text dataset versions (chat records rendered with gpuyard's chat template) and of
+    text files (a folder: its .txt/.md/.text/.rst files, subfolders included; each file one text),
+    to train a tokenizer on. Files that are not UTF-8 text are skipped, counted in ``counts``.
+
+    Raises:
+        ConfigError: a dataset that is not text, a path that does not exist.
+    """
+    from gpuyard.data.text import decode_text, text_files
+
+    counts = counts if counts is not None else {}
+    for key in ("documents", "bytes", "skipped"):
+        counts.setdefault(key, 0)
+    for ref in datasets:
+        version = open_dataset(ref)
+        column = _column(version)
+        for table in version.iter_tables(columns=[column]):
+            for value in table.column(column).to_pylist():
+                text = value if column == "text" else render_chat(DEFAULT_CHAT_TEMPLATE, value, False, "")
+                counts["documents"] += 1
+                counts["bytes"] += len(text.encode("utf-8", "surrogatepass"))
+                yield text
+    for path in files:
+        if not path.exists():
+            raise ConfigError(f"{path}: no such file or folder")
+        for f in text_files(path) if path.is_dir() else [path]:
+            text, why = decode_text(f.read_bytes())
+            if text is None or why is not None:
+                counts["skipped"] += 1
+                continue
+            counts["documents"] += 1
+            counts["bytes"] += len(text.encode("utf-8"))
+            yield text
 
 
 def exact_batches(

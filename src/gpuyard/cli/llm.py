@@ -163,7 +163,13 @@ def tokenizer_train_cmd(
     The folder is what `gpuyard data tokenize --tokenizer` and transformers' AutoTokenizer read:
     <|endoftext|> ends a sequence, <pad> pads, and the chat template is gpuyard's.
     """
-    from gpuyard.data.tokens import CHAT_MARKERS, corpus_texts, load_tokenizer, train_tokenizer
+    from gpuyard.data.tokens import (
+        CHAT_MARKERS,
+        check_vocab_size,
+        corpus_texts,
+        load_tokenizer,
+        train_tokenizer,
+    )
     from gpuyard.errors import ConfigError
 
     if not data and not files:
@@ -171,6 +177,7 @@ def tokenizer_train_cmd(
     if (out / "tokenizer.json").exists():
         raise ConfigError(f"{out} already holds a tokenizer.json; choose another --out")
     extra = tuple(dict.fromkeys([*(CHAT_MARKERS if chat_markers else ()), *special]))
+    check_vocab_size(vocab_size, 2 + len(extra))
     counts: dict[str, int] = {}
     texts = corpus_texts(data, files, counts)
     first = next(texts, None)

@@ -809,6 +809,19 @@ CHAT_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
 MAX_VOCAB = 1 << 20
 
 
+def check_vocab_size(vocab_size: int, specials: int) -> None:
+    """Refuse a vocabulary size a byte-level BPE tokenizer cannot have.
+
+    Raises:
+        ConfigError: not over the 256 bytes plus ``specials`` special tokens, or over ``MAX_VOCAB``.
+    """
+    if not 256 + specials < vocab_size <= MAX_VOCAB:
+        raise ConfigError(
+            f"vocab size {vocab_size}: must be over {256 + specials} (256 bytes and {specials} special "
+            f"tokens) and at most {MAX_VOCAB}"
+        )
+
+
 def train_tokenizer(
     texts: Iterable[str], out: str | Path, vocab_size: int = 512, extra_tokens: tuple[str, ...] = ()
 ) -> Path:
@@ -817,17 +830,10 @@ def train_tokenizer(
 
     Special tokens: ``<|endoftext|>`` (end of sequence), ``<pad>``, then ``extra_tokens``.
 
-    Raises:
-        ConfigError: a vocabulary too small for the 256 bytes and the special tokens, or too large.
+    The vocabulary always holds the 256 bytes and the special tokens (more than ``vocab_size`` when
+    it is smaller: :func:`check_vocab_size` refuses that for a user's request).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    specials_n = 2 + len(extra_tokens)
-    if not 256 + specials_n < vocab_size <= MAX_VOCAB:
-        raise ConfigError(
-            f"vocab size {vocab_size}: must be over {256 + specials_n} (256 bytes and {specials_n} special "
-            f"tokens) and at most {MAX_VOCAB}"
-        )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -74,10 +74,16 @@ def eval_cmd(
 ) -> None:
     """Perplexity over every sequence of a token dataset (loss and tokens counted exactly), and greedy
     generations of a fixed set of prompts; both are stored with a registered model (`gpuyard runs show`)."""
+    from gpuyard.cli.data import progress_reporter
     from gpuyard.models.llm import evaluate_lm
 
     settings = {"prompts": prompt or None, "count": samples, "max_new_tokens": sample_tokens}
-    out = evaluate_lm(model, data, split, batch_size, samples=settings, record=record)
+    if as_json:  # quiet: transformers' own bars (loading weights) too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    with progress_reporter(not as_json) as report:
+        out = evaluate_lm(model, data, split, batch_size, samples=settings, record=record, progress=report)
     if as_json:
         typer.echo(json.dumps(out))
         return

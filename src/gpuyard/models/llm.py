@@ -271,11 +271,13 @@ def evaluate_lm(
     batch_size: int = 8,
     samples: dict[str, Any] | None = None,
     record: bool = False,
+    progress: Any = None,
 ) -> dict[str, Any]:
     """Perplexity of language model ``ref`` (or a local folder) on token dataset ``dataset`` (exact counts),
     and greedy generations of a fixed set of prompts (``samples``: :func:`gpuyard.train.hf.sample_settings`;
     default: the start of the split's first 3 documents; ``{"count": 0}``: none).
 
+    ``progress(stage, done, total)`` hears of each batch (``perplexity``) and generation (``generate``).
     With ``record`` and a registered model, the evaluation (perplexity and generations) is stored
     against the model version and its training run (``gpuyard runs show``).
 
@@ -309,16 +311,22 @@ def evaluate_lm(
     use = split if split in splits else None
     batches = packed_batches(version.ref, batch_size=batch_size, split=use, shuffle=False)
     batches.set_epoch(0)
-    out: dict[str, Any] = dict(perplexity(model, batches, torch.device("cpu")))
+    sequences = int(splits[use]) if use else version.num_rows
+    total = -(-sequences // batch_size)
+    out: dict[str, Any] = dict(perplexity(model, batches, torch.device("cpu"), None, progress, total))
     out.update(
-        dataset=version.ref, split=use or "all", samples=lm_samples(model, tok, version, use, settings)
+        dataset=version.ref,
+        split=use or "all",
+        samples=lm_samples(model, tok, version, use, settings, progress),
     )
     if record and not local:
         record_lm_evaluation(ref, out)
     return out
 
 
-def lm_samples(model: Any, tok: Any, version: Any, split: str | None, settings: dict[str, Any]) -> list[Any]:
+def lm_samples(
+    model: Any, tok: Any, version: Any, split: str | None, settings: dict[str, Any], progress: Any = None
+) -> list[Any]:
     """Greedy generations of ``settings``' prompts (given texts, else the start of ``split``'s documents)."""
     from gpuyard.train.hf import default_prompts, generate_samples
 
@@ -332,7 +340,9 @@ def lm_samples(model: Any, tok: Any, version: Any, split: str | None, settings: 
         )
     else:
         return []
-    return generate_samples(model, tok.tokenizer, prompts, settings["max_new_tokens"], tok.eos_id)
+    return generate_samples(
+        model, tok.tokenizer, prompts, settings["max_new_tokens"], tok.stop_ids(), progress
+    )
 
 
 def record_lm_evaluation(ref: str, result: dict[str, Any]) -> int:

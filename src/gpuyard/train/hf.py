@@ -361,16 +361,23 @@ lm_loss = LmLoss()
 
 @torch.no_grad()
 def perplexity(
-    model: nn.Module, batches: Any, device: torch.device | None = None, group: Any = None
+    model: nn.Module,
+    batches: Any,
+    device: torch.device | None = None,
+    group: Any = None,
+    progress: Any = None,
+    total_batches: int = 0,
 ) -> dict[str, float]:
     """Validation loss and perplexity counted exactly: summed token losses over counted tokens.
 
     With a process group, the sums of every data-parallel rank are added (each reads its own shard).
+    ``progress("perplexity", done, total_batches)`` is called after each batch.
     """
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
     total = torch.zeros(2, dtype=torch.float64, device=device)
+    done = 0
     for batch in batches:
         inputs = {k: v.to(device) for k, v in batch["inputs"].items()}
         labels = batch["targets"].to(device)
@@ -382,6 +389,9 @@ def perplexity(
             reduction="sum",
         )
         total += torch.stack([loss.double(), (labels != IGNORE).sum().double()])
+        if progress is not None:
+            done += 1
+            progress("perplexity", done, total_batches)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(total, group=group)
     if was_training:
@@ -446,10 +456,18 @@ def default_prompts(input_ids: Any, position_ids: Any, count: int, prompt_tokens
 
 @torch.no_grad()
 def generate_samples(
-    model: nn.Module, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int | list[int] | None,
+    progress: Any = None,
 ) -> list[dict[str, str]]:
     """Greedy continuations of token-id ``prompts`` by a causal LM (a CausalLM, or one wrapped by DDP),
-    as ``[{prompt, completion}]`` texts (``tokenizer``: a ``tokenizers.Tokenizer``)."""
+    as ``[{prompt, completion}]`` texts (``tokenizer``: a ``tokenizers.Tokenizer``). ``eos_id``: the
+    id, or the ids (end of sequence, turn markers), generation stops at; the completion leaves it out.
+    ``progress("generate", done, len(prompts))`` is called after each prompt."""
+    stops = [eos_id] if isinstance(eos_id, int) else list(eos_id or [])
     wrapped = _unwrap(model)
     hf: Any = wrapped.hf
     was_training = wrapped.training
@@ -465,16 +483,19 @@ def generate_samples(
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 use_cache=True,
-                eos_token_id=eos_id,
-                pad_token_id=eos_id,
+                eos_token_id=stops or None,
+                pad_token_id=stops[0] if stops else None,
             )
-            new = [int(t) for t in gen[0, len(ids) :] if int(t) != eos_id]
+            new = [int(t) for t in gen[0, len(ids) :]]
+            new = new[: next((i for i, t in enumerate(new) if t in stops), len(new))]
             out.append(
                 {
                     "prompt": tokenizer.decode(ids, skip_special_tokens=False),
                     "completion": tokenizer.decode(new, skip_special_tokens=False),
                 }
             )
+            if progress is not None:
+                progress("generate", len(out), len(prompts))
     finally:
         if was_training:
             wrapped.train()

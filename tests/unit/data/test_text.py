@@ -317,3 +317,26 @@ def test_a_text_folder_with_subfolders_is_ingested_and_the_quarantine_names_file
     assert [r["source"] for r in b.quarantine().to_pylist()] == ["book.txt:8"]
     # An image folder is still read as images; the help names text.
     assert "text" in runner.invoke(app, ["data", "ingest", "--help"]).output
+
+
+def test_progress_is_a_line_every_few_seconds_off_a_terminal_and_nothing_under_json() -> None:
+    import io
+
+    from rich.console import Console
+
+    from gpuyard.cli.data import progress_reporter
+
+    now = [100.0]
+    buf = io.StringIO()
+    con = Console(file=buf, force_terminal=False, width=200)
+    with progress_reporter(True, every_s=5.0, clock=lambda: now[0], console=con) as report:
+        assert report is not None
+        for done in range(1, 11):
+            now[0] += 1.5  # a batch every 1.5 s: a line at 6 s, 12 s, and when the stage completes
+            report("tokenize", done, 10)
+        report("tokenize", 10, 10)  # completion is said once
+    assert buf.getvalue().splitlines() == [
+        "tokenize: 4/10 (40%), 6 s", "tokenize: 8/10 (80%), 12 s", "tokenize: 10/10 (100%), 15 s"
+    ]  # fmt: skip
+    with progress_reporter(False) as quiet:
+        assert quiet is None

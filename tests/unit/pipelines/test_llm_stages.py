@@ -4,6 +4,7 @@ lines; and sample generations stored with the run (training's validation) and th
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -217,6 +218,17 @@ def test_llm_eval_records_perplexity_and_generations_with_the_model(lm: SimpleNa
         assert rows[0].dataset_version == f"{dataset}#split=val"
     none = evaluate_lm(mv.ref, dataset, "val", samples={"count": 0})
     assert none["samples"] == [] and none["val_perplexity"] == pytest.approx(out["val_perplexity"])
+    # The command says how far it is (off a terminal: a line per stage, at least when it completes);
+    # --json prints the result alone.
+    said = CliRunner().invoke(
+        app, ["llm", "eval", mv.ref, "--data", dataset, "--no-record", "--samples", "2"]
+    )
+    assert said.exit_code == 0, said.output
+    assert re.search(r"perplexity: (\d+)/\1 \(100%\)", said.output) and "generate: 2/2 (100%)" in said.output
+    quiet = CliRunner().invoke(app, ["llm", "eval", mv.ref, "--data", dataset, "--no-record", "--json"])
+    assert quiet.exit_code == 0, quiet.output
+    assert json.loads(quiet.stdout)["val_perplexity"] == pytest.approx(out["val_perplexity"])
+    assert "perplexity:" not in quiet.stderr and "Loading weights" not in quiet.stderr
 
 
 def test_lineage_is_the_same_whichever_way_a_model_is_registered(lm: SimpleNamespace) -> None:

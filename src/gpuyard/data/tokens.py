@@ -165,14 +165,18 @@ class LoadedTokenizer:
     def turn_markers(self) -> list[int]:
         """Ids of the special tokens the chat template writes between turns (role markers, end of turn):
         a reply that reaches one is over. Found by rendering a probe conversation."""
-        probe = [
-            {"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-            {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"},
-        ]  # fmt: skip
-        try:
-            text = self.render_chat(probe, add_generation_prompt=True)
-        except ConfigError:
-            return []
+        turns = [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "v"},
+        ]
+        text = ""
+        for probe in ([{"role": "system", "content": "s"}, *turns], turns):  # some templates refuse system
+            try:
+                text = self.render_chat(probe, add_generation_prompt=True)
+                break
+            except ConfigError:
+                continue
         specials = {
             int(i)
             for i, t in self.tokenizer.get_added_tokens_decoder().items()

@@ -8,7 +8,7 @@ import os
 import sys
 
 from gpuyard import exitcodes
-from gpuyard.errors import GpuyardError
+from gpuyard.errors import ConfigError, GpuyardError, NotFoundError
 from gpuyard.exitcodes import exit_now
 from gpuyard.train.names import LAUNCHED_ENV
 
@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         result = trainer.fit()
     except GpuyardError as exc:
         print(f"gpuyard train (rank {rank}): error: {exc}", file=sys.stderr, flush=True)
-        if os.environ.get(LAUNCHED_ENV) == "1" and _report_config_error(str(exc), rank):
+        configuration = isinstance(exc, (ConfigError, NotFoundError))  # not a store or capacity error
+        if configuration and os.environ.get(LAUNCHED_ENV) == "1" and _report_config_error(str(exc), rank):
             # A configuration error is the same on every start: exit 0 so that torchrun does not
             # restart into it; the launcher reads the status and exits with the usage code.
             return exitcodes.SUCCESS

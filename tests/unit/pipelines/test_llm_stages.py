@@ -101,6 +101,7 @@ def lm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
              "output": name}, ctx,
         )  # fmt: skip
         assert out["dataset"].startswith(f"{name}@") and out["tokens"] > 0
+        assert any(line.endswith(" over 32 tokens: split (--over-length)") for line in out["report"])
         made[name] = str(out["dataset"])
     yield SimpleNamespace(tmp=tmp, ctx=ctx, tok=tok, dataset=made["stories-tokens"], flat=made["flat-tokens"])
     mp.undo()

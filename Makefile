@@ -14,7 +14,8 @@ TEST_WORKERS ?= 3
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[dev,ray]'
+	@echo "make install: gpuyard and its dependencies into $(VENV) (minutes on a fresh machine; pip names each package)"
+	$(BIN)/python -m pip install --progress-bar on $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[dev,ray]'
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,36 @@ def _hw(text: str | None) -> tuple[int, int] | None:
 
 
 @contextlib.contextmanager
-def _progress(enabled: bool) -> Iterator[Callable[[str, int, int], None] | None]:
+def progress_reporter(
+    enabled: bool,
+    every_s: float = 5.0,
+    clock: Callable[[], float] = time.monotonic,
+    console: Console | None = None,
+) -> Iterator[Callable[[str, int, int], None] | None]:
+    """A ``progress(stage, done, total)`` callback for a long command (None when not ``enabled``, e.g.
+    under --json): bars on stderr when it is a terminal, else one line per stage at most every
+    ``every_s`` seconds and one when a stage completes ("tokenize: 12000/50000 (24%), 10 s")."""
     if not enabled:
         yield None
+        return
+    err = console or Console(stderr=True)
+    if not err.is_terminal:
+        start = clock()
+        last: dict[str, float] = {}
+        finished: set[str] = set()
+
+        def line(stage: str, done: int, total: int) -> None:
+            now = clock()
+            complete = total > 0 and done >= total
+            if stage in finished or (not complete and now - last.get(stage, start) < every_s):
+                return
+            last[stage] = now
+            if complete:
+                finished.add(stage)
+            share = f"/{total} ({done / total:.0%})" if total > 0 else ""
+            err.print(f"{stage}: {done}{share}, {now - start:.0f} s", soft_wrap=True, highlight=False)
+
+        yield line
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -60,7 +88,7 @@ def _progress(enabled: bool) -> Iterator[Callable[[str, int, int], None] | None]
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        console=Console(stderr=True),
+        console=err,
         transient=False,
     ) as prog:
 
@@ -112,11 +140,16 @@ def _print_summary(doc: dict[str, Any]) -> None:
 @data_app.command("ingest")
 def ingest_cmd(
     src: Path = typer.Argument(
-        ..., help="CSV, Parquet, JSONL, .npy/.npz file, or an image folder (one folder per class)."
+        ...,
+        help="CSV, Parquet, JSONL, .npy/.npz file, an image folder (one folder per class), or a text "
+        "corpus: a .txt/.md file or a folder of them (subfolders included).",
     ),
     name: str = typer.Option(..., "--name", help="Dataset name."),
     fmt: str | None = typer.Option(
-        None, "--format", help="csv, parquet, jsonl, npy, npz or images (default: guessed)."
+        None,
+        "--format",
+        help="csv, parquet, jsonl, npy, npz, images or text (default: guessed; a folder holding "
+        ".txt/.md files and no images is text).",
     ),
     label_column: str | None = typer.Option(None, "--label-column", help="Column holding the labels."),
     labels: str | None = typer.Option(None, "--labels", help="Declared label set, comma-separated."),
@@ -141,7 +174,8 @@ def ingest_cmd(
 ) -> None:
     """Ingest a source into a new immutable version (bad rows go to the quarantine, with reasons).
 
-    A .txt/.md file or folder, or --text-field/--messages-field, ingests a text corpus (docs/llm.md).
+    A .txt/.md file, a folder of them (subfolders included), --format text or
+    --text-field/--messages-field ingests a text corpus (docs/llm.md).
 
     Prints a schema summary (column, type, nulls, warnings); a text column that is numbers but for a
     few values becomes numeric, those rows quarantined with the value as the file held it. An empty
@@ -186,7 +220,7 @@ def ingest_cmd(
         shard_bytes=_size(shard_size),
         image_size=_hw(image_size),
     )
-    with _progress(not as_json) as report:
+    with progress_reporter(not as_json) as report:
         version = ingest(src, name, opts, progress=report, team=team)
     from gpuyard.data.ingest import header_warning
 
@@ -248,7 +282,7 @@ def transform_cmd(
     from gpuyard.data import load_recipe, transform
 
     rec = load_recipe(recipe)
-    with _progress(not as_json) as report:
+    with progress_reporter(not as_json) as report:
         version = transform(
             ref,
             rec,
@@ -304,6 +338,10 @@ def show_cmd(
         typer.echo(json.dumps(version.manifest))
         return
     _print_summary(_summary(version.manifest))
+    if version.manifest.get("kind") == "tokens" and isinstance(version.manifest.get("tokens"), dict):
+        from gpuyard.cli.text import print_tokens
+
+        print_tokens(version.manifest["tokens"], version.ref)
     console = Console()
     lineage = [f"{version.ref} ({version.manifest['kind']} of {version.manifest['source'].get('uri')})"]
     parent = version.manifest.get("parent")
@@ -368,9 +406,10 @@ def quarantine_cmd(
         f"[bold]{version.ref}[/bold]: {q['rows_in']} in = {q['rows_kept']} kept"
         f" + {q['rows_quarantined']} quarantined"
     )
-    out = Table("row", "reason", "values")
+    where = "source" in table.column_names  # text corpora: the file and line of each record
+    out = Table("row", *(["source"] if where else []), "reason", "values")
     for r in rows:
-        out.add_row(str(r["row"]), r["reason"], r["values"][:100])
+        out.add_row(str(r["row"]), *([r["source"]] if where else []), r["reason"], r["values"][:100])
     console.print(out)
 
 

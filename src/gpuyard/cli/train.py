@@ -33,18 +33,24 @@ def train(
     fresh: bool = typer.Option(
         False, "--fresh", help="Start a new run; the folder's earlier run is kept as <name>.prev-<time>."
     ),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Check the spec and print the torchrun command."),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Check the spec as the ranks would (build the model and data once, no training) and print "
+        "the torchrun command.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the outcome as JSON."),
 ) -> None:
     """Train: exit 0 done, 75 preempted (SIGTERM, checkpoint written), 76 diverged (NaN/inf loss)."""
     from gpuyard.cli.main import fast_exit
-    from gpuyard.train.launch import LaunchConfig, launch, prepare, torchrun_command
+    from gpuyard.train.launch import LaunchConfig, check_components, launch, prepare, torchrun_command
 
     cfg = LaunchConfig(
         spec, nproc, nnodes, rdzv, max_restarts, run_dir, plan, tracking, experiment, fresh, world_size
     )
     if dry_run:
         parsed, overrides = prepare(cfg)
+        check_components(cfg, parsed)
         cmd = torchrun_command(cfg, parsed, overrides)
         typer.echo(json.dumps({"command": cmd}) if as_json else " ".join(cmd))
         return

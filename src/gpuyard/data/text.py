@@ -19,7 +19,9 @@ chat:invalid        has messages that are not a list of {role, content} with a k
 
 Plain-text files hold one document per paragraph (documents separated by a blank line); a folder
 of ``.txt``/``.md`` files holds one document per file. A kept version has the columns ``text``
-(or ``messages``: a list of {role, content}) and ``row`` (the record's index in the source).
+(or ``messages``: a list of {role, content}) and ``row`` (the record's index in the source). A
+folder is read with all its subfolders. The quarantine's ``source`` column names the file and line
+of each record (``sub/page.txt:1``, ``chat.jsonl:17``; for Parquet, the row).
 """
 
 from __future__ import annotations
@@ -133,51 +135,67 @@ def text_problem(text: str) -> str | None:
     return None
 
 
-def _paragraphs(raw: bytes) -> Iterator[bytes]:
-    for part in re.split(rb"\r?\n[ \t]*\r?\n", raw):
+def _paragraphs(raw: bytes) -> Iterator[tuple[int, bytes]]:
+    """(line it starts at, 1-based; text) of each paragraph (separated by blank lines)."""
+    at = 0
+    for sep in [*re.finditer(rb"\r?\n[ \t]*\r?\n", raw), None]:
+        end = sep.start() if sep is not None else len(raw)
+        part = raw[at:end]
         if part.strip():
-            yield part.strip(b"\r\n")
+            lead = len(part) - len(part.lstrip(b"\r\n"))  # blank lines before it (after 3+ newlines)
+            yield raw.count(b"\n", 0, at + lead) + 1, part.strip(b"\r\n")
+        if sep is not None:
+            at = sep.end()
 
 
-def _read_records(path: Path, fmt: str, opts: TextOptions) -> Iterator[tuple[Any, str | None]]:
-    """(value, None) or (what to keep, reason) for every record of the source, in order.
+def text_files(root: Path) -> list[Path]:
+    """The .txt/.md/.text/.rst files under ``root``, every subfolder included, sorted."""
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+
+
+def _read_records(path: Path, fmt: str, opts: TextOptions) -> Iterator[tuple[Any, str | None, str]]:
+    """(value, None, where) or (what to keep, reason, where) for every record of the source, in order;
+    ``where`` names the file and line it came from (``sub/a.txt:12``; a Parquet file's row).
 
     The value is a document (str) or, for chat, a list of messages.
     """
     field = opts.messages_field or opts.text_field
     if fmt == "text":
-        files = (
-            sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
-            if path.is_dir()
-            else [path]
-        )
+        files = text_files(path) if path.is_dir() else [path]
         if path.is_dir() and not files:
-            raise ConfigError(f"{path}: no .txt/.md files found")
+            raise ConfigError(f"{path}: no .txt/.md/.text/.rst files found in it or its subfolders")
         for f in files:
             raw = f.read_bytes()
-            for piece in [raw] if path.is_dir() else _paragraphs(raw):
+            name = f.relative_to(path).as_posix() if path.is_dir() else f.name
+            for start, piece in [(1, raw)] if path.is_dir() else _paragraphs(raw):
                 text, why = decode_text(piece)
-                yield (text, None) if why is None else (_preview(piece) if text is None else text, why)
+                where = f"{name}:{start}"
+                yield (
+                    (text, None, where)
+                    if why is None
+                    else (_preview(piece) if text is None else text, why, where)
+                )
         return
     if fmt == "jsonl":
         with path.open("rb") as fh:
-            for line in fh:
+            for number, line in enumerate(fh, 1):
+                where = f"{path.name}:{number}"
                 stripped = line.strip()
                 if not stripped:
                     continue
                 text, why = decode_text(stripped)
                 if text is None:
-                    yield _preview(stripped), why
+                    yield _preview(stripped), why, where
                     continue
                 try:
                     doc = json.loads(text)
                 except ValueError:
-                    yield text[:QUARANTINE_KEEP], "json:invalid"
+                    yield text[:QUARANTINE_KEEP], "json:invalid", where
                     continue
                 if not isinstance(doc, dict):
-                    yield text[:QUARANTINE_KEEP], "json:invalid"
+                    yield text[:QUARANTINE_KEEP], "json:invalid", where
                     continue
-                yield _field(doc, field, opts)
+                yield (*_field(doc, field, opts), where)
         return
     import pyarrow.parquet as pq
 
@@ -187,12 +205,17 @@ def _read_records(path: Path, fmt: str, opts: TextOptions) -> Iterator[tuple[Any
         raise ConfigError(f"{path} is not valid parquet: {str(exc).splitlines()[0][:200]}") from exc
     if field not in table.column_names:
         raise ConfigError(f"{path} has no column {field!r} (has {', '.join(table.column_names)})")
-    for value in table.column(field).to_pylist():
+    for number, value in enumerate(table.column(field).to_pylist()):
+        where = f"{path.name} row {number}"
         if isinstance(value, bytes):
             text, why = decode_text(value)
-            yield (text, None) if why is None else (_preview(value) if text is None else text, why)
+            yield (
+                (text, None, where)
+                if why is None
+                else (_preview(value) if text is None else text, why, where)
+            )
         else:
-            yield _field({field: value}, field, opts)
+            yield (*_field({field: value}, field, opts), where)
 
 
 def _field(doc: dict[str, Any], field: str, opts: TextOptions) -> tuple[Any, str | None]:
@@ -275,9 +298,10 @@ def ingest_text(
     bad_rows: list[int] = []
     bad_reasons: list[str] = []
     bad_values: list[str] = []
+    bad_where: list[str] = []
     total_bytes = 0
     rows_in = 0
-    for i, (value, why) in enumerate(_read_records(path, fmt, opts)):
+    for i, (value, why, where) in enumerate(_read_records(path, fmt, opts)):
         rows_in += 1
         if why is None:
             why = _check(value, chat, opts.max_bytes)
@@ -297,6 +321,7 @@ def ingest_text(
             bad_rows.append(i)
             bad_reasons.append(why)
             bad_values.append(json.dumps(value, ensure_ascii=False, default=str))
+            bad_where.append(where)
             continue
         kept_values.append(value)
         kept_rows.append(i)
@@ -323,8 +348,9 @@ def ingest_text(
             "row": pa.array(bad_rows, pa.int64()),
             "reason": pa.array(bad_reasons, pa.string()),
             "values": pa.array(bad_values, pa.string()),
+            "source": pa.array(bad_where, pa.string()),
         },
-        schema=QUARANTINE_SCHEMA,
+        schema=QUARANTINE_SCHEMA.append(pa.field("source", pa.string())),
     )
     artifacts = get_artifacts()
     shards, parts = [], []

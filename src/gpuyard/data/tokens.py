@@ -3,15 +3,22 @@
 Each document (a chat record is first rendered with the chat template) becomes its tokens plus the
 end-of-sequence token. Documents are packed in order into sequences of ``seq_len`` tokens: a document
 that does not fit in what is left of the current sequence starts the next one (the rest is padding),
-and one longer than ``seq_len`` is cut into pieces of ``seq_len`` tokens. Each sequence stores three
-``(seq_len,)`` int32 tensor columns:
+and one longer than ``seq_len`` (its end-of-sequence token counted) is handled as ``over_length``
+says: ``split`` into pieces of ``seq_len`` tokens (the default for documents), ``truncate``d to its
+first ``seq_len`` tokens (the default for chat records, as TRL's ``max_length``; no end-of-sequence
+token is added, the record did not end there) or ``drop``ped; the manifest counts them
+(``long_records``). Each sequence stores three ``(seq_len,)`` int32 tensor columns:
 
 * ``input_ids``: the tokens (padding is the pad token, or end-of-sequence when the tokenizer has none);
 * ``position_ids``: positions that restart at 0 at every document (piece) and at every padding token,
   so attention never crosses a document boundary (transformers reads restarting positions as
   separate sequences and masks between them, when no attention mask is given);
 * ``labels``: the next token of the same document, ``-100`` (ignored) at a document's last position
-  and on padding, so the loss and the perplexity count exactly the predictable tokens.
+  and on padding, so the loss and the perplexity count exactly the predictable tokens. A chat record
+  tokenized with ``loss="assistant"`` (the default for chat, as TRL's assistant-only loss) has labels
+  only where the next token belongs to an assistant message (as the chat template renders it,
+  found by rendering each conversation prefix) or is the end-of-sequence token after a final
+  assistant message; ``loss="all"`` trains on every token.
 
 The manifest's ``tokens`` records the tokenizer (SHA-256, artifact key, special tokens, chat
 template), the sequence length, token counts (documents, real tokens, padding, counted labels) and
@@ -24,7 +31,7 @@ import functools
 import hashlib
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +65,10 @@ SPM_PROBES = (
 ENCODE_BATCH = 1024
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
 PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]")
+# What becomes of a document longer than the sequence length; the defaults per kind of dataset.
+OVER_LENGTH = ("split", "truncate", "drop")
+OVER_LENGTH_DONE = {"split": "split", "truncate": "truncated", "drop": "dropped"}
+LOSS_ON = ("assistant", "all")
 # The chat template used when the tokenizer folder has none (ChatML-like), as a Jinja template.
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -76,6 +87,7 @@ class LoadedTokenizer:
         sha256: their hash.
         eos_id / pad_id: the end-of-sequence and padding token ids.
         chat_template: a Jinja chat template (the folder's tokenizer_config.json's, else gpuyard's).
+        default_template: True when the folder has no chat template and gpuyard's is used.
         folder: the folder it came from, when one was given (other tokenizer files are exported too).
         source: for a converted SentencePiece model, its format, file name and SHA-256.
         reference: for a SentencePiece model, the ``sentencepiece`` processor it was converted from.
@@ -91,6 +103,7 @@ class LoadedTokenizer:
     folder: Path | None = None
     source: dict[str, Any] | None = None
     reference: Any = None
+    default_template: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -112,9 +125,69 @@ class LoadedTokenizer:
         finally:
             self.tokenizer.encode_special_tokens = True
 
+    def encode_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Token ids of each chat-rendered text (special-token strings are the special tokens) with each
+        token's character span in the text."""
+        self.tokenizer.encode_special_tokens = False
+        try:
+            return [(e.ids, e.offsets) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        finally:
+            self.tokenizer.encode_special_tokens = True
+
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         """``messages`` through the chat template (sandboxed Jinja)."""
         return render_chat(self.chat_template, messages, add_generation_prompt, self.eos_token)
+
+    def assistant_spans(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character spans of its assistant turns: from the end of the
+        prefix rendered with the generation prompt to the end of the prefix holding that turn.
+
+        Raises:
+            ConfigError: the template renders a conversation's prefix as something other than its
+                start (then the turns cannot be told apart: tokenize with loss "all").
+        """
+        text = self.render_chat(messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self.render_chat(messages[:i], add_generation_prompt=True) if i else ""
+            through = self.render_chat(messages[: i + 1])
+            if not (text.startswith(through) and through.startswith(before)):
+                raise ConfigError(
+                    "the chat template does not render a conversation's first turns as the start of the "
+                    "whole conversation, so assistant turns cannot be found; tokenize with --loss-on all"
+                )
+            if len(through) > len(before):
+                spans.append((len(before), len(through)))
+        return text, spans
+
+    def turn_markers(self) -> list[int]:
+        """Ids of the special tokens the chat template writes between turns (role markers, end of turn):
+        a reply that reaches one is over. Found by rendering a probe conversation."""
+        turns = [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "v"},
+        ]
+        text = ""
+        for probe in ([{"role": "system", "content": "s"}, *turns], turns):  # some templates refuse system
+            try:
+                text = self.render_chat(probe, add_generation_prompt=True)
+                break
+            except ConfigError:
+                continue
+        specials = {
+            int(i)
+            for i, t in self.tokenizer.get_added_tokens_decoder().items()
+            if getattr(t, "special", False)
+        }
+        [ids] = self.encode_batch([text], specials=True)
+        return sorted({i for i in ids if i in specials} - {self.eos_id})
+
+    def stop_ids(self) -> list[int]:
+        """The end-of-sequence id then the chat template's turn markers: where generation ends."""
+        return [self.eos_id, *self.turn_markers()]
 
     def doc(self) -> dict[str, Any]:
         """What manifests and the registry record of the tokenizer."""
@@ -220,18 +293,18 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None) -> LoadedToke
             raise ConfigError(f"tokenizer {file} is not a valid tokenizer.json: {first}") from exc
         except Exception as exc:  # tokenizers raises its own Exception subclass for a bad model
             raise ConfigError(f"tokenizer {file} is not a valid tokenizer.json: {str(exc)[:200]}") from exc
-    template, config_eos = DEFAULT_CHAT_TEMPLATE, None
+    template, config_eos, default_template = DEFAULT_CHAT_TEMPLATE, None, True
     if folder is not None and (folder / "tokenizer_config.json").is_file():
         try:
             cfg = json.loads((folder / "tokenizer_config.json").read_text())
         except (ValueError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{folder / 'tokenizer_config.json'} is not JSON: {exc}") from exc
         if isinstance(cfg.get("chat_template"), str):
-            template = cfg["chat_template"]
+            template, default_template = cfg["chat_template"], False
         eos = cfg.get("eos_token")
         config_eos = eos.get("content") if isinstance(eos, dict) else eos
     if folder is not None and (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text()
+        template, default_template = (folder / "chat_template.jinja").read_text(), False
     found = _special(tok, eos_token or config_eos or spm_eos, EOS_CANDIDATES, "eos_token")
     if found is None:
         raise ConfigError(
@@ -251,6 +324,7 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None) -> LoadedToke
         folder=folder,
         source=source,
         reference=reference,
+        default_template=default_template,
     )
     differ = loaded.verify(list(SPM_PROBES))
     if differ:
@@ -333,6 +407,8 @@ class Packed:
     tokens: int = 0
     padding: int = 0
     split_documents: int = 0
+    truncated_documents: int = 0
+    dropped_documents: int = 0
 
     @property
     def sequences(self) -> int:
@@ -349,21 +425,45 @@ class Packed:
             "padding": self.padding,
             "label_tokens": int((self.labels != IGNORE).sum()),
             "split_documents": self.split_documents,
+            "truncated_documents": self.truncated_documents,
+            "dropped_documents": self.dropped_documents,
             "waste": round(self.padding / slots, 6) if slots else 0.0,
         }
 
 
-def pack(docs: list[list[int]], seq_len: int, eos_id: int, pad_id: int) -> Packed:
-    """Pack token lists (each gets ``eos_id`` appended) into sequences of ``seq_len`` (module docstring)."""
+def pack(
+    docs: list[list[int]],
+    seq_len: int,
+    eos_id: int,
+    pad_id: int,
+    masks: list[list[bool]] | None = None,
+    over_length: str = "split",
+) -> Packed:
+    """Pack token lists (each gets ``eos_id`` appended) into sequences of ``seq_len`` (module docstring).
+
+    ``masks``: per document, per token (its end-of-sequence token included), whether predicting that
+    token counts in the loss (default: every token). ``over_length``: split, truncate or drop a
+    document longer than ``seq_len``.
+    """
     if seq_len < 2:
         raise ConfigError(f"seq_len must be at least 2, got {seq_len}")
-    pieces: list[list[list[int]]] = []  # per sequence, its document pieces
-    current: list[list[int]] = []
+    if over_length not in OVER_LENGTH:
+        raise ConfigError(f"over_length {over_length!r} unknown; use one of {', '.join(OVER_LENGTH)}")
+    pieces: list[list[tuple[list[int], list[bool]]]] = []  # per sequence, its document pieces
+    current: list[tuple[list[int], list[bool]]] = []
     used = 0
-    split = 0
+    split = truncated = dropped = 0
     total = 0
-    for ids in docs:
+    for n_doc, ids in enumerate(docs):
         doc = [*ids, eos_id]
+        mask = masks[n_doc] if masks is not None else [True] * len(doc)
+        if len(doc) > seq_len:
+            if over_length == "drop":
+                dropped += 1
+                continue
+            if over_length == "truncate":
+                truncated += 1
+                doc, mask = doc[:seq_len], mask[:seq_len]
         total += len(doc)
         if len(doc) > seq_len:
             split += 1
@@ -371,16 +471,16 @@ def pack(docs: list[list[int]], seq_len: int, eos_id: int, pad_id: int) -> Packe
                 pieces.append(current)
                 current, used = [], 0
             for start in range(0, len(doc), seq_len):
-                chunk = doc[start : start + seq_len]
-                if len(chunk) == seq_len:
+                chunk = (doc[start : start + seq_len], mask[start : start + seq_len])
+                if len(chunk[0]) == seq_len:
                     pieces.append([chunk])
                 else:
-                    current, used = [chunk], len(chunk)
+                    current, used = [chunk], len(chunk[0])
             continue
         if used + len(doc) > seq_len:
             pieces.append(current)
             current, used = [], 0
-        current.append(doc)
+        current.append((doc, mask))
         used += len(doc)
     if current:
         pieces.append(current)
@@ -390,28 +490,52 @@ def pack(docs: list[list[int]], seq_len: int, eos_id: int, pad_id: int) -> Packe
     labels = np.full((n, seq_len), IGNORE, dtype=np.int32)
     for s, seq in enumerate(pieces):
         at = 0
-        for piece in seq:
+        for piece, keep in seq:
             k = len(piece)
             input_ids[s, at : at + k] = piece
             position_ids[s, at : at + k] = np.arange(k, dtype=np.int32)
-            labels[s, at : at + k - 1] = piece[1:]
+            labels[s, at : at + k - 1] = np.where(keep[1:], piece[1:], IGNORE)
             at += k
     return Packed(
-        input_ids, position_ids, labels, documents=len(docs), tokens=total, padding=n * seq_len - total,
-        split_documents=split,
+        input_ids, position_ids, labels, documents=len(docs) - dropped, tokens=total,
+        padding=n * seq_len - total, split_documents=split, truncated_documents=truncated,
+        dropped_documents=dropped,
     )  # fmt: skip
 
 
-def _documents(version: DatasetVersion, tok: LoadedTokenizer) -> Iterator[str]:
+def token_mask(
+    offsets: list[tuple[int, int]], spans: list[tuple[int, int]], last_assistant: bool
+) -> list[bool]:
+    """Per token (then the appended end-of-sequence token): whether it overlaps one of ``spans``
+    (character spans of assistant turns); the end-of-sequence token counts after a final assistant turn."""
+    out = [any(a < e and b > s for s, e in spans) for a, b in offsets]
+    return [*out, last_assistant]
+
+
+def _column(version: DatasetVersion) -> str:
     column = (version.manifest.get("text") or {}).get("column")
     if column not in ("text", "messages"):
         raise ConfigError(
             f"{version.ref} is not a text dataset (kind {version.manifest['kind']!r}); ingest a corpus "
             "with `gpuyard data ingest CORPUS --name N` (a .txt/.jsonl/.parquet with a text field)"
         )
+    return str(column)
+
+
+def _documents(
+    version: DatasetVersion, tok: LoadedTokenizer, assistant_only: bool
+) -> Iterator[tuple[str, list[tuple[int, int]] | None, bool]]:
+    """(text, assistant spans or None, whether the last message is the assistant's) of every record."""
+    column = _column(version)
     for table in version.iter_tables(columns=[column]):
         for value in table.column(column).to_pylist():
-            yield value if column == "text" else tok.render_chat(value)
+            if column == "text":
+                yield value, None, False
+            elif assistant_only:
+                text, spans = tok.assistant_spans(value)
+                yield text, spans, value[-1]["role"] == "assistant"
+            else:
+                yield tok.render_chat(value), None, False
 
 
 def _is_val(text: str, fraction: float, seed: int) -> bool:
@@ -429,31 +553,56 @@ def tokenize(
     seed: int = 0,
     eos_token: str | None = None,
     team: str | None = None,
+    over_length: str | None = None,
+    loss_on: str | None = None,
+    progress: Any = None,
 ) -> DatasetVersion:
     """Tokenize and pack text version ``ref`` into a token dataset (``output``, default ``NAME-tokens``).
 
     With ``val_fraction`` each document goes (by a seeded hash of its text) to the ``val`` split
     with that probability, else to ``train``; the splits are packed apart, so no sequence mixes them.
+    ``over_length``: split, truncate or drop a document over ``seq_len`` tokens (default: split for
+    documents, truncate for chat records). ``loss_on``: for chat records, ``assistant`` (the default:
+    labels only on assistant turns) or ``all``. ``progress(stage, done, total)`` is called per batch.
 
     Raises:
-        ConfigError: a bad tokenizer, sequence length or fraction, a dataset that is not text, or a
-            corpus that yields no sequence in a split asked for.
+        ConfigError: a bad tokenizer, sequence length, fraction or option, a dataset that is not text,
+            or a corpus that yields no sequence in a split asked for.
     """
     if not 2 <= seq_len <= MAX_SEQ_LEN:
         raise ConfigError(f"--seq-len must be between 2 and {MAX_SEQ_LEN}, got {seq_len}")
     if not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if over_length is not None and over_length not in OVER_LENGTH:
+        raise ConfigError(f"--over-length {over_length!r} unknown; use one of {', '.join(OVER_LENGTH)}")
+    if loss_on is not None and loss_on not in LOSS_ON:
+        raise ConfigError(f"--loss-on {loss_on!r} unknown; use one of {', '.join(LOSS_ON)}")
     tok = load_tokenizer(tokenizer, eos_token)
     version = open_dataset(ref)
     name = output or f"{version.name}-tokens"
     check_dataset_name(name)
     check_new_version_team(name, team)
+    chat = _column(version) == "messages"
+    if loss_on == "assistant" and not chat:
+        raise ConfigError(
+            f"{version.ref} holds documents, not chat records: --loss-on assistant needs a chat dataset"
+        )
+    loss = loss_on or ("assistant" if chat else "all")
+    over = over_length or ("truncate" if chat else "split")
+    notes: list[str] = []
+    if chat and tok.default_template:
+        notes.append(
+            f"tokenizer {tokenizer} has no chat template: chat records are rendered with gpuyard's own "
+            "(<|role|>, the content, a new line per message); put the model's in tokenizer_config.json's "
+            "chat_template or chat_template.jinja"
+        )
     splits: dict[str, list[list[int]]] = {"train": [], "val": []}
+    split_masks: dict[str, list[list[bool]]] = {"train": [], "val": []}
     conversion: dict[str, int] = {}
     batch: list[str] = []
     which: list[str] = []
-
-    chat = (version.manifest.get("text") or {}).get("column") == "messages"
+    spans: list[tuple[list[tuple[int, int]], bool]] = []
+    done = 0
 
     def flush() -> None:
         if not chat and not any(splits.values()) and tok.reference is not None:
@@ -468,14 +617,26 @@ def tokenize(
                     "(text spelling control or byte pieces such as </s>)",
                     stacklevel=2,
                 )
-        for ids, split in zip(tok.encode_batch(batch, specials=chat), which, strict=True):
-            splits[split].append(ids)
+        if loss == "assistant":
+            for (ids, offsets), split, (turns, last) in zip(
+                tok.encode_offsets(batch), which, spans, strict=True
+            ):
+                splits[split].append(ids)
+                split_masks[split].append(token_mask(offsets, turns, last))
+        else:
+            for ids, split in zip(tok.encode_batch(batch, specials=chat), which, strict=True):
+                splits[split].append(ids)
+        if progress is not None:
+            progress("tokenize", done, version.num_rows)
         batch.clear()
         which.clear()
+        spans.clear()
 
-    for text in _documents(version, tok):
+    for text, turns, last in _documents(version, tok, loss == "assistant"):
         batch.append(text)
+        spans.append((turns or [], last))
         which.append("val" if val_fraction and _is_val(text, val_fraction, seed) else "train")
+        done += 1
         if len(batch) >= ENCODE_BATCH:
             flush()
     flush()
@@ -489,7 +650,13 @@ def tokenize(
             )
     else:
         splits["train"].extend(splits.pop("val"))
-    packed = {s: pack(splits[s], seq_len, tok.eos_id, tok.pad_id) for s in names}
+        split_masks["train"].extend(split_masks.pop("val"))
+    packed = {
+        s: pack(
+            splits[s], seq_len, tok.eos_id, tok.pad_id, split_masks[s] if loss == "assistant" else None, over
+        )
+        for s in names
+    }
     artifacts = get_artifacts()
     tok_info = artifacts.put_blob(tok.raw)
     fields = [tensor_field(c, tensor_array(np.zeros((1, seq_len), np.int32))[1]) for c in COLUMNS]
@@ -510,8 +677,18 @@ def tokenize(
     total = {k: sum(c[k] for c in counts.values()) for k in counts["train"] if k != "waste"}
     slots = total["sequences"] * seq_len
     total["waste"] = round(total["padding"] / slots, 6) if slots else 0.0
+    if total["sequences"] == 0:
+        raise ConfigError(
+            f"{version.ref}: every one of its {version.num_rows} records is over {seq_len} tokens and "
+            "--over-length drop left none; raise --seq-len or truncate"
+        )
+    long_count = {"split": "split_documents", "truncate": "truncated_documents", "drop": "dropped_documents"}
+    long_records = {"limit": seq_len, "action": over, "count": total[long_count[over]]}
     tokens_doc = {
         "seq_len": seq_len,
+        "loss_on": loss,
+        "long_records": long_records,
+        "warnings": notes,
         "tokenizer": {**tok.doc(), "key": tok_info.key, **({"conversion": conversion} if conversion else {})},
         **total,
         "splits": counts if val_fraction else {},
@@ -531,6 +708,8 @@ def tokenize(
                 "seed": seed,
                 "eos_id": tok.eos_id,
                 "pad_id": tok.pad_id,
+                "over_length": over,
+                "loss_on": loss,
             }
         },
         quarantine={
@@ -551,6 +730,17 @@ def tokenize(
 
 
 COLUMNS = ("input_ids", "position_ids", "labels")
+
+
+def long_records_line(info: dict[str, Any]) -> str | None:
+    """The one line on records over the sequence length of a token dataset's ``tokens`` record
+    ("3 records over 512 tokens: truncated"), None for datasets made before it was counted."""
+    long = info.get("long_records")
+    if not isinstance(long, dict):
+        return None
+    n = int(long["count"])
+    what = OVER_LENGTH_DONE.get(str(long["action"]), str(long["action"]))
+    return f"{n} record{'' if n == 1 else 's'} over {long['limit']} tokens: {what} (--over-length)"
 
 
 def token_info(version: DatasetVersion) -> dict[str, Any]:
@@ -618,13 +808,34 @@ def packed_batches(
     return PackedBatches(ShardLoader(version, cfg, rank=dp_rank, world_size=dp_size))
 
 
+# The role markers gpuyard's default chat template writes: special tokens of a tokenizer trained for chat.
+CHAT_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
+MAX_VOCAB = 1 << 20
+
+
+def check_vocab_size(vocab_size: int, specials: int) -> None:
+    """Refuse a vocabulary size a byte-level BPE tokenizer cannot have.
+
+    Raises:
+        ConfigError: not over the 256 bytes plus ``specials`` special tokens, or over ``MAX_VOCAB``.
+    """
+    if not 256 + specials < vocab_size <= MAX_VOCAB:
+        raise ConfigError(
+            f"vocab size {vocab_size}: must be over {256 + specials} (256 bytes and {specials} special "
+            f"tokens) and at most {MAX_VOCAB}"
+        )
+
+
 def train_tokenizer(
-    texts: list[str], out: str | Path, vocab_size: int = 512, extra_tokens: tuple[str, ...] = ()
+    texts: Iterable[str], out: str | Path, vocab_size: int = 512, extra_tokens: tuple[str, ...] = ()
 ) -> Path:
     """Train a byte-level BPE tokenizer on ``texts`` with ``tokenizers`` and write it as a Hugging Face
     tokenizer folder (tokenizer.json, tokenizer_config.json with gpuyard's chat template); returns it.
 
     Special tokens: ``<|endoftext|>`` (end of sequence), ``<pad>``, then ``extra_tokens``.
+
+    The vocabulary always holds the 256 bytes and the special tokens (more than ``vocab_size`` when
+    it is smaller: :func:`check_vocab_size` refuses that for a user's request).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -652,6 +863,43 @@ def train_tokenizer(
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return folder
+
+
+def corpus_texts(
+    datasets: list[str], files: list[Path], counts: dict[str, int] | None = None
+) -> Iterator[str]:
+    """The texts of text dataset versions (chat records rendered with gpuyard's chat template) and of
+    text files (a folder: its .txt/.md/.text/.rst files, subfolders included; each file one text),
+    to train a tokenizer on. Files that are not UTF-8 text are skipped, counted in ``counts``.
+
+    Raises:
+        ConfigError: a dataset that is not text, a path that does not exist.
+    """
+    from gpuyard.data.text import decode_text, text_files
+
+    counts = counts if counts is not None else {}
+    for key in ("documents", "bytes", "skipped"):
+        counts.setdefault(key, 0)
+    for ref in datasets:
+        version = open_dataset(ref)
+        column = _column(version)
+        for table in version.iter_tables(columns=[column]):
+            for value in table.column(column).to_pylist():
+                text = value if column == "text" else render_chat(DEFAULT_CHAT_TEMPLATE, value, False, "")
+                counts["documents"] += 1
+                counts["bytes"] += len(text.encode("utf-8", "surrogatepass"))
+                yield text
+    for path in files:
+        if not path.exists():
+            raise ConfigError(f"{path}: no such file or folder")
+        for f in text_files(path) if path.is_dir() else [path]:
+            text, why = decode_text(f.read_bytes())
+            if text is None or why is not None:
+                counts["skipped"] += 1
+                continue
+            counts["documents"] += 1
+            counts["bytes"] += len(text.encode("utf-8"))
+            yield text
 
 
 def exact_batches(

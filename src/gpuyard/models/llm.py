@@ -65,8 +65,13 @@ def register_lm(
     run_id: str | None = None,
     description: str = "",
     team: str | None = None,
+    dataset: str | None = None,
 ) -> ModelVersion:
     """Register an exported causal LM (or, with ``base``, a LoRA adapter of that registered model).
+
+    Lineage, the same whichever way a model is registered: the run is ``run_id``, else the one the
+    export's gpuyard.json names (when this store knows it); the dataset is ``dataset``, else the
+    export's, else the run's. What cannot be known stays None (`gpuyard llm register` says "unknown").
 
     Raises:
         ConfigError: not a Hugging Face folder with safetensors weights and a tokenizer; an adapter
@@ -122,13 +127,14 @@ def register_lm(
             put = artifacts.put_blob(path)
             stored[path.name] = {"key": put.key, "sha256": put.sha256, "size": put.size}
     # By split, as the registry keeps every flavor's metrics (`gpuyard models show` prints them so).
+    run_id, dataset_version = _lineage(run_id, dataset, info)
     measured = {"perplexity": info["val_perplexity"]} if isinstance(info.get("val_perplexity"), float) else {}
     metrics = {**({"validation": measured} if measured else {}), **(metrics or {})}
     fields = dict(
         flavor=config["flavor"],
         stage=ModelStage.NONE,
         run_id=run_id,
-        dataset_version=info.get("dataset"),
+        dataset_version=dataset_version,
         code_version=None,
         metrics=metrics,
         signature={"task": "text-generation"},
@@ -138,6 +144,41 @@ def register_lm(
         description=description,
     )
     return _insert_version(get_store(), name, fields, team)
+
+
+def _lineage(run: str | None, dataset: str | None, info: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(run id, dataset version) of a model being registered (:func:`register_lm`).
+
+    Raises:
+        NotFoundError: a run given that this store does not know. ConfigError: a short or ambiguous id.
+    """
+    from gpuyard.models.runs import resolve_run_id
+    from gpuyard.store.tables.models import RunRow
+
+    store = get_store()
+    run_id = resolve_run_id(run, store) if run else None
+    if run_id is None and isinstance(info.get("run_id"), str):
+        try:
+            run_id = resolve_run_id(info["run_id"], store)
+        except (NotFoundError, ConfigError):  # an export from elsewhere: its run is not ours
+            run_id = None
+    if dataset is None and isinstance(info.get("dataset"), str):
+        dataset = info["dataset"]
+    if dataset is None and run_id is not None:
+        with store.read() as s:
+            row = s.get(RunRow, run_id)
+            dataset = row.dataset_version if row is not None else None
+    return run_id, dataset
+
+
+def lineage_line(mv: ModelVersion) -> str:
+    """One line on where a registered model came from; "unknown" for what could not be known."""
+    run = mv.run_id[:8] if mv.run_id else "unknown"
+    data = mv.dataset_version or "unknown"
+    line = f"lineage: run {run}, dataset {data}"
+    if not (mv.run_id and mv.dataset_version):
+        line += " (give --run RUN and --dataset NAME@VERSION when registering to record them)"
+    return line
 
 
 def hf_config_fields(folder: Path) -> dict[str, Any]:
@@ -197,9 +238,10 @@ def _merge_into(mv: ModelVersion, out: Path) -> None:
     merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
-        from gpuyard.train.hf import write_tokenizer
+        from gpuyard.train.hf import write_generation_config, write_tokenizer
 
         write_tokenizer(base, Path(tmp))
+        write_generation_config(Path(tmp))
         (Path(tmp) / "gpuyard.json").write_text(json.dumps({"merged_from": [str(mv.config["base"]), mv.ref]}))
         out.parent.mkdir(parents=True, exist_ok=True)
         Path(tmp).rename(out)
@@ -216,7 +258,10 @@ def merge_adapter(ref: str, name: str | None = None) -> ModelVersion:
         raise ConfigError(f"{mv.ref} is not a LoRA adapter (flavor {mv.flavor})")
     folder = fetch_lm(mv.ref)
     target = name or ModelRef.parse(str(mv.config["base"])).name
-    return register_lm(target, folder, description=f"{mv.ref} merged into {mv.config['base']}")
+    return register_lm(
+        target, folder, description=f"{mv.ref} merged into {mv.config['base']}", run_id=mv.run_id,
+        dataset=mv.dataset_version,
+    )  # fmt: skip
 
 
 def evaluate_lm(
@@ -226,11 +271,13 @@ def evaluate_lm(
     batch_size: int = 8,
     samples: dict[str, Any] | None = None,
     record: bool = False,
+    progress: Any = None,
 ) -> dict[str, Any]:
     """Perplexity of language model ``ref`` (or a local folder) on token dataset ``dataset`` (exact counts),
     and greedy generations of a fixed set of prompts (``samples``: :func:`gpuyard.train.hf.sample_settings`;
     default: the start of the split's first 3 documents; ``{"count": 0}``: none).
 
+    ``progress(stage, done, total)`` hears of each batch (``perplexity``) and generation (``generate``).
     With ``record`` and a registered model, the evaluation (perplexity and generations) is stored
     against the model version and its training run (``gpuyard runs show``).
 
@@ -264,16 +311,22 @@ def evaluate_lm(
     use = split if split in splits else None
     batches = packed_batches(version.ref, batch_size=batch_size, split=use, shuffle=False)
     batches.set_epoch(0)
-    out: dict[str, Any] = dict(perplexity(model, batches, torch.device("cpu")))
+    sequences = int(splits[use]) if use else version.num_rows
+    total = -(-sequences // batch_size)
+    out: dict[str, Any] = dict(perplexity(model, batches, torch.device("cpu"), None, progress, total))
     out.update(
-        dataset=version.ref, split=use or "all", samples=lm_samples(model, tok, version, use, settings)
+        dataset=version.ref,
+        split=use or "all",
+        samples=lm_samples(model, tok, version, use, settings, progress),
     )
     if record and not local:
         record_lm_evaluation(ref, out)
     return out
 
 
-def lm_samples(model: Any, tok: Any, version: Any, split: str | None, settings: dict[str, Any]) -> list[Any]:
+def lm_samples(
+    model: Any, tok: Any, version: Any, split: str | None, settings: dict[str, Any], progress: Any = None
+) -> list[Any]:
     """Greedy generations of ``settings``' prompts (given texts, else the start of ``split``'s documents)."""
     from gpuyard.train.hf import default_prompts, generate_samples
 
@@ -287,7 +340,9 @@ def lm_samples(model: Any, tok: Any, version: Any, split: str | None, settings: 
         )
     else:
         return []
-    return generate_samples(model, tok.tokenizer, prompts, settings["max_new_tokens"], tok.eos_id)
+    return generate_samples(
+        model, tok.tokenizer, prompts, settings["max_new_tokens"], tok.stop_ids(), progress
+    )
 
 
 def record_lm_evaluation(ref: str, result: dict[str, Any]) -> int:

@@ -148,6 +148,12 @@ class TokenizeInputs(StageInputs):
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="documents sent to the val split")
     seed: int = 0
     output: str | None = Field(None, description="the token dataset's name (default NAME-tokens)")
+    over_length: Literal["split", "truncate", "drop"] | None = Field(
+        None, description="a record over seq_len tokens (default: split documents, truncate chat records)"
+    )
+    loss_on: Literal["assistant", "all"] | None = Field(
+        None, description="chat records: loss on assistant turns (the default) or on all tokens"
+    )
 
 
 class Samples(StageInputs):

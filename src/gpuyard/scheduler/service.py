@@ -478,10 +478,17 @@ class JobService:
             ``{"restarting": bool, "reason": str}``.
         """
         node = str(report["node"])
-        what = (
-            f"straggler: rank {report['rank']} on node {node} is {float(report['slowdown']):.2f}x slower "
-            f"than the median rank (cause: {report['cause']}) at step {report['step']}"
-        )
+        if report["cause"] == "link":  # a collective wait measured, not a rank's own work
+            from gpuyard.train.straggler import measured
+
+            waits = measured("link", float(report["slowdown"]))
+            what = f"straggler: rank {report['rank']} on node {node}: {waits} (cause: link)"
+            what += f" at step {report['step']}"
+        else:
+            what = (
+                f"straggler: rank {report['rank']} on node {node} is {float(report['slowdown']):.2f}x slower "
+                f"than the median rank (cause: {report['cause']}) at step {report['step']}"
+            )
         with self._lock, self._stop_after() as s:
             row = self._row(s, job_id)
             restart, why = self._straggler_restart(s, row, node)

@@ -353,7 +353,25 @@ def call_factory(
                 " or data.global_batch_size): set one of them, or make them agree"
             )
         extra["batch_size"] = batch_size
-    return factory(**{**extra, **kwargs})
+    return factory(**check_kwargs(factory, {**extra, **kwargs}, field))
+
+
+def check_kwargs(factory: Callable[..., Any], kwargs: dict[str, Any], field: str) -> dict[str, Any]:
+    """``kwargs`` when ``factory`` accepts them, before it runs (a mistyped or missing argument is a
+    configuration error, not a crash to restart into).
+
+    Raises:
+        ConfigError: naming ``field`` and what Python says of the call.
+    """
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(
+            f"{field}.kwargs: {exc} (the factory {getattr(factory, '__qualname__', factory)})"
+        ) from None
+    except ValueError:
+        pass  # no signature to check (a builtin): the call itself will say
+    return kwargs
 
 
 def make_source(

@@ -361,16 +361,23 @@ lm_loss = LmLoss()
 
 @torch.no_grad()
 def perplexity(
-    model: nn.Module, batches: Any, device: torch.device | None = None, group: Any = None
+    model: nn.Module,
+    batches: Any,
+    device: torch.device | None = None,
+    group: Any = None,
+    progress: Any = None,
+    total_batches: int = 0,
 ) -> dict[str, float]:
     """Validation loss and perplexity counted exactly: summed token losses over counted tokens.
 
     With a process group, the sums of every data-parallel rank are added (each reads its own shard).
+    ``progress("perplexity", done, total_batches)`` is called after each batch.
     """
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
     total = torch.zeros(2, dtype=torch.float64, device=device)
+    done = 0
     for batch in batches:
         inputs = {k: v.to(device) for k, v in batch["inputs"].items()}
         labels = batch["targets"].to(device)
@@ -382,6 +389,9 @@ def perplexity(
             reduction="sum",
         )
         total += torch.stack([loss.double(), (labels != IGNORE).sum().double()])
+        if progress is not None:
+            done += 1
+            progress("perplexity", done, total_batches)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(total, group=group)
     if was_training:
@@ -446,10 +456,18 @@ def default_prompts(input_ids: Any, position_ids: Any, count: int, prompt_tokens
 
 @torch.no_grad()
 def generate_samples(
-    model: nn.Module, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int | list[int] | None,
+    progress: Any = None,
 ) -> list[dict[str, str]]:
     """Greedy continuations of token-id ``prompts`` by a causal LM (a CausalLM, or one wrapped by DDP),
-    as ``[{prompt, completion}]`` texts (``tokenizer``: a ``tokenizers.Tokenizer``)."""
+    as ``[{prompt, completion}]`` texts (``tokenizer``: a ``tokenizers.Tokenizer``). ``eos_id``: the
+    id, or the ids (end of sequence, turn markers), generation stops at; the completion leaves it out.
+    ``progress("generate", done, len(prompts))`` is called after each prompt."""
+    stops = [eos_id] if isinstance(eos_id, int) else list(eos_id or [])
     wrapped = _unwrap(model)
     hf: Any = wrapped.hf
     was_training = wrapped.training
@@ -465,16 +483,19 @@ def generate_samples(
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 use_cache=True,
-                eos_token_id=eos_id,
-                pad_token_id=eos_id,
+                eos_token_id=stops or None,
+                pad_token_id=stops[0] if stops else None,
             )
-            new = [int(t) for t in gen[0, len(ids) :] if int(t) != eos_id]
+            new = [int(t) for t in gen[0, len(ids) :]]
+            new = new[: next((i for i, t in enumerate(new) if t in stops), len(new))]
             out.append(
                 {
                     "prompt": tokenizer.decode(ids, skip_special_tokens=False),
                     "completion": tokenizer.decode(new, skip_special_tokens=False),
                 }
             )
+            if progress is not None:
+                progress("generate", len(out), len(prompts))
     finally:
         if was_training:
             wrapped.train()
@@ -608,6 +629,7 @@ def save_hf(
     hf.config.use_cache = True
     hf.save_pretrained(out, safe_serialization=True)
     write_tokenizer(tokenizer, out, (extra or {}).get("tokenizer"))
+    write_generation_config(out)
     info = {"format": "gpuyard.lm/1", **(extra or {})}
     (out / GPUYARD_FILE).write_text(json.dumps(info, indent=1, sort_keys=True))
     return out
@@ -650,6 +672,30 @@ def write_tokenizer(tokenizer: Path | bytes | None, out: Path, meta: dict[str, A
     cfg.setdefault("pad_token", pad)
     cfg.setdefault("chat_template", DEFAULT_CHAT_TEMPLATE)
     cfg_path.write_text(json.dumps(cfg, indent=1))
+
+
+def write_generation_config(folder: Path) -> dict[str, Any]:
+    """Make ``folder``'s generation_config.json one that generates fast and stops where a reply ends:
+    ``use_cache`` true (training turns the cache off), ``eos_token_id`` the list of the tokenizer's
+    end-of-sequence token, then the chat template's turn markers that are special tokens (role
+    markers, end of turn), then any other the file named, and ``pad_token_id`` the tokenizer's pad.
+    ``generate()`` and serving engines read these. Returns what was written.
+    """
+    from gpuyard.data.tokens import load_tokenizer
+
+    path = folder / "generation_config.json"
+    doc = read_json(path, "generation config") if path.is_file() else {}
+    doc["use_cache"] = True
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file():
+        tok = load_tokenizer(folder)
+        had = doc.get("eos_token_id")
+        had_ids = had if isinstance(had, list) else [had] if isinstance(had, int) else []
+        stops = tok.stop_ids()
+        doc["eos_token_id"] = [*stops, *(i for i in had_ids if isinstance(i, int) and i not in stops)]
+        doc["pad_token_id"] = tok.pad_id
+    doc.pop("_from_model_config", None)  # else transformers regenerates it from config.json
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True))
+    return doc
 
 
 def _dataset_of(spec: Any) -> str | None:
@@ -702,6 +748,9 @@ def export_at_end(trainer: Any, event: str) -> None:
         return
     tokenizer: bytes | None = None
     info: dict[str, Any] = {"source": getattr(wrapped, "_gpuyard_source", {}), "step": trainer.step}
+    run_id = getattr(trainer.tracker, "run_id", None)
+    if run_id:  # lineage for `gpuyard llm register` of this folder by hand
+        info["run_id"] = str(run_id)
     dataset = _dataset_of(trainer.spec)
     if dataset:
         from gpuyard.data.dataset import open_dataset

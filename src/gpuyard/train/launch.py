@@ -147,6 +147,27 @@ def prepare(cfg: LaunchConfig) -> tuple[TrainSpec, dict[str, Any]]:
     return spec, overrides
 
 
+def check_components(cfg: LaunchConfig, spec: TrainSpec) -> None:
+    """What a rank builds before its first step, built here as rank 0 would, without a process group:
+    the model (its factory and kwargs) and the train and val data (factories, kwargs, datasets and
+    splits). `gpuyard train --dry-run` runs it, so a spec error is caught before any process starts
+    (for a model loaded from weights, this loads them once).
+
+    Raises:
+        ConfigError: what the ranks would stop on, in the same words.
+    """
+    from types import SimpleNamespace
+
+    from gpuyard.train.parallel import resolve_layout
+    from gpuyard.train.trainer import Trainer
+
+    trainer = Trainer(spec)
+    trainer.ctx = SimpleNamespace(layout=resolve_layout(spec.parallel, cfg.world), dp_rank=0)  # type: ignore[assignment]
+    trainer._build_model()
+    trainer._build_source("train")
+    trainer._build_source("val")
+
+
 def check_world_size(cfg: LaunchConfig) -> None:
     """Refuse a --world-size this node's part cannot belong to: on one node it is --nproc; over
     several, at least --nproc here plus one rank on each other node (more is possible: other nodes
@@ -475,7 +496,7 @@ def _launch(
             signal.signal(sig, handler)
         if log is not None:
             log.close()
-        status = fatal or read_status(run_dir) or read_status(private)
+        status = fatal or _unrecoverable(run_dir, private) or read_status(run_dir) or read_status(private)
         shutil.rmtree(private, ignore_errors=True)
     notes = _launch_notes(run_dir, log)
     if notes:
@@ -485,9 +506,11 @@ def _launch(
     if status.get("status") in set(TrainOutcome):
         return LaunchResult(TrainOutcome(status["status"]).exit_code, status, run_dir)
     if status.get("status") == "failed" and status.get("unrecoverable"):
-        # The ranks stopped on a failure a restart would repeat (a full disk) and said so.
+        # The ranks stopped on a failure a restart would repeat (a full disk, a configuration error)
+        # and said so.
         _close_tracked_run(spec, run_dir, RunStatus.FAILED, str(status.get("error")))
-        return LaunchResult(exitcodes.UNRECOVERABLE, status, run_dir)
+        code = exitcodes.USAGE if status.get("config_error") is True else exitcodes.UNRECOVERABLE
+        return LaunchResult(code, status, run_dir)
     if signalled:
         # Stopped before the workers could report (e.g. during start-up): resumable from the last
         # checkpoint, or from the start.

@@ -43,6 +43,7 @@ from gpuyard.train.checkpoint import (
 from gpuyard.train.data import (
     DataSource,
     call_factory,
+    check_kwargs,
     count_batch,
     make_source,
     rank_batch_size,
@@ -228,7 +229,7 @@ class Trainer:
             if self.spec.model is None:
                 raise ConfigError("model: required (an entrypoint in the spec, or model= in the Python API)")
             arg = import_ref(self.spec.model.entrypoint, "model.entrypoint")
-            built = arg(**self.spec.model.kwargs)
+            built = arg(**check_kwargs(arg, self.spec.model.kwargs, "model"))
         else:
             built = arg if isinstance(arg, nn.Module) else arg()
         if not isinstance(built, nn.Module):

@@ -8,7 +8,7 @@ import os
 import sys
 
 from gpuyard import exitcodes
-from gpuyard.errors import GpuyardError
+from gpuyard.errors import ConfigError, GpuyardError, NotFoundError
 from gpuyard.exitcodes import exit_now
 from gpuyard.train.names import LAUNCHED_ENV
 
@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         result = trainer.fit()
     except GpuyardError as exc:
         print(f"gpuyard train (rank {rank}): error: {exc}", file=sys.stderr, flush=True)
+        configuration = isinstance(exc, (ConfigError, NotFoundError))  # not a store or capacity error
+        if configuration and os.environ.get(LAUNCHED_ENV) == "1" and _report_config_error(str(exc), rank):
+            # A configuration error is the same on every start: exit 0 so that torchrun does not
+            # restart into it; the launcher reads the status and exits with the usage code.
+            return exitcodes.SUCCESS
         return exitcodes.USAGE
     except (CheckpointSaveError, DiskFullError) as exc:
         if not exc.disk_full:
@@ -53,6 +58,25 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(LAUNCHED_ENV) == "1" and code in (exitcodes.PREEMPTED, exitcodes.DIVERGED):
         return exitcodes.SUCCESS
     return code
+
+
+def _report_config_error(error: str, rank: str) -> bool:
+    """Tell the launcher (its private status folder) that this rank stopped on a configuration error,
+    which a restart would repeat; False when there is no such folder or it cannot be written."""
+    from gpuyard.train.names import STATUS_FALLBACK_ENV, STATUS_FILE
+
+    folder = os.environ.get(STATUS_FALLBACK_ENV)
+    if not folder:
+        return False
+    doc = {"status": "failed", "unrecoverable": True, "config_error": True, "error": error, "rank": int(rank)}
+    tmp = os.path.join(folder, f".{STATUS_FILE}.{rank}.tmp")
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(doc, fh)
+        os.replace(tmp, os.path.join(folder, STATUS_FILE))
+    except OSError:
+        return False
+    return True
 
 
 def _spec_folder_on_path(spec: str) -> None:

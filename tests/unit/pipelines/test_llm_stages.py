@@ -4,6 +4,7 @@ lines; and sample generations stored with the run (training's validation) and th
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -100,6 +101,7 @@ def lm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
              "output": name}, ctx,
         )  # fmt: skip
         assert out["dataset"].startswith(f"{name}@") and out["tokens"] > 0
+        assert any(line.endswith(" over 32 tokens: split (--over-length)") for line in out["report"])
         made[name] = str(out["dataset"])
     yield SimpleNamespace(tmp=tmp, ctx=ctx, tok=tok, dataset=made["stories-tokens"], flat=made["flat-tokens"])
     mp.undo()
@@ -217,6 +219,52 @@ def test_llm_eval_records_perplexity_and_generations_with_the_model(lm: SimpleNa
         assert rows[0].dataset_version == f"{dataset}#split=val"
     none = evaluate_lm(mv.ref, dataset, "val", samples={"count": 0})
     assert none["samples"] == [] and none["val_perplexity"] == pytest.approx(out["val_perplexity"])
+    # The command says how far it is (off a terminal: a line per stage, at least when it completes);
+    # --json prints the result alone.
+    said = CliRunner().invoke(
+        app, ["llm", "eval", mv.ref, "--data", dataset, "--no-record", "--samples", "2"]
+    )
+    assert said.exit_code == 0, said.output
+    assert re.search(r"perplexity: (\d+)/\1 \(100%\)", said.output) and "generate: 2/2 (100%)" in said.output
+    quiet = CliRunner().invoke(app, ["llm", "eval", mv.ref, "--data", dataset, "--no-record", "--json"])
+    assert quiet.exit_code == 0, quiet.output
+    assert json.loads(quiet.stdout)["val_perplexity"] == pytest.approx(out["val_perplexity"])
+    assert "perplexity:" not in quiet.stderr and "Loading weights" not in quiet.stderr
+
+
+def test_lineage_is_the_same_whichever_way_a_model_is_registered(lm: SimpleNamespace) -> None:
+    import torch
+
+    from gpuyard.models.llm import merge_adapter
+    from gpuyard.tracking.store import start_run
+    from gpuyard.train.hf import causal_lm, save_hf
+
+    torch.manual_seed(0)
+    run = start_run("lm", kind="train", writer=False, dataset_version=lm.dataset)
+    runner = CliRunner()
+    # An export names its run and dataset (as export_at_end writes them): registered by hand, it keeps them.
+    folder = save_hf(causal_lm(config=str(lm.tmp / "config.json")), None, lm.tmp / "hf", lm.tok,
+                     {"run_id": run.run_id, "dataset": lm.dataset})  # fmt: skip
+    out = runner.invoke(app, ["llm", "register", "tiny", str(folder), "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output)
+    assert (doc["run_id"], doc["dataset_version"]) == (run.run_id, lm.dataset)
+    # A folder that says nothing: "unknown" in one line, and --run fills in the run and its dataset.
+    bare = save_hf(causal_lm(config=str(lm.tmp / "config.json")), None, lm.tmp / "bare", lm.tok)
+    out = runner.invoke(app, ["llm", "register", "bare", str(bare)])
+    assert out.exit_code == 0 and "lineage: run unknown, dataset unknown (give --run" in out.output
+    out = runner.invoke(app, ["llm", "register", "bare", str(bare), "--run", run.run_id[:8]])
+    assert f"lineage: run {run.run_id[:8]}, dataset {lm.dataset}" in out.output
+    out = runner.invoke(app, ["llm", "register", "bare", str(bare), "--run", "ffffffff"])
+    assert out.exit_code != 0 and "run 'ffffffff' not found" in str(out.exception)
+    # A LoRA adapter merged by the registry: the merged version has the adapter's lineage.
+    lora = causal_lm(config=str(lm.tmp / "config.json"), lora={"r": 2, "target_modules": ["q_proj"]})
+    save_hf(lora, None, lm.tmp / "lora", lm.tok)
+    out = runner.invoke(app, ["llm", "register", "tiny", str(lm.tmp / "lora"), "--base", "tiny:1",
+                              "--run", run.run_id, "--json"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    merged = merge_adapter(json.loads(out.output)["ref"])
+    assert (merged.run_id, merged.dataset_version) == (run.run_id, lm.dataset)
 
 
 def test_the_registry_reads_a_config_json_without_transformers(tmp_path: Path) -> None:

@@ -143,6 +143,25 @@ def test_cli_reports_bad_spec_in_one_line(tmp_path: Path, capsys: pytest.Capture
     assert "model.entrypoint" in err and "missing_model" in err and "Traceback" not in err
 
 
+def test_cli_dry_run_builds_model_and_data_as_the_ranks_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpuyard.cli.main import main
+
+    model = {"entrypoint": "gpuyard.train.examples:mlp", "kwargs": {"hiden": 3}}
+    with pytest.raises(SystemExit) as code:
+        main(["train", str(_write(tmp_path, {**GOOD, "model": model})), "--dry-run"])
+    assert code.value.code == 2
+    err = capsys.readouterr().err
+    assert "model.kwargs: got an unexpected keyword argument 'hiden'" in err and "Traceback" not in err
+    data = {"train": {"entrypoint": "gpuyard.train.examples:classification_data", "kwargs": {"rows": 9}}}
+    with pytest.raises(SystemExit) as code:
+        main(["train", str(_write(tmp_path, {**GOOD, "data": data})), "--dry-run"])
+    assert code.value.code == 2 and "data.train.kwargs: got an unexpected keyword argument 'rows'" in (
+        capsys.readouterr().err
+    )
+
+
 def test_cli_dry_run_prints_the_torchrun_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from gpuyard.cli.main import main
 

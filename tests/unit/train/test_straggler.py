@@ -86,6 +86,18 @@ def test_collective_wait_without_a_slower_rank_is_a_link() -> None:
     assert slower_at_step([NORMAL], 1.2, 0.005) == {}
 
 
+def test_a_link_straggler_says_it_waits_rather_than_that_it_is_slower() -> None:
+    waits = StepTimes(0.010, 0.100, 0.095)  # its own work as the others', 4.75x their collective wait
+    detector = StragglerDetector(4, window=10)
+    [s] = _run(detector, 12, lambda step: [NORMAL, NORMAL, waits, NORMAL])
+    assert (s.rank, s.cause) == (2, "link") and s.slowdown == pytest.approx(4.75)
+    line = s.message()
+    assert "it waits 4.75x as long in collectives as the other ranks' median" in line
+    assert "no rank is slower at its own work" in line and "4.75x the other ranks at" not in line
+    compute = Straggler(1, "compute", 20, 2.5, 20, 20, 0.0, 0.2, 0.0).message()
+    assert "its own work (compute the larger excess) takes 2.50x the other ranks' median" in compute
+
+
 def test_spec_thresholds_are_checked() -> None:
     assert parse_spec({}).straggler.window == 20
     with pytest.raises(ConfigError, match=r"straggler\.slowdown"):

@@ -87,7 +87,7 @@ def text_ingest_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, 
 
 def tokenize_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     """Tokenize and pack a text version (``gpuyard data tokenize``); outputs the token dataset."""
-    from gpuyard.data.tokens import token_info, tokenize
+    from gpuyard.data.tokens import long_records_line, token_info, tokenize
 
     i = parse_inputs(TokenizeInputs, inputs, ctx["stage"])
     v = tokenize(
@@ -97,8 +97,11 @@ def tokenize_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any
         output=i.output,
         val_fraction=i.val_fraction,
         seed=i.seed,
+        over_length=i.over_length,
+        loss_on=i.loss_on,
     )
     info = token_info(v)
+    long = long_records_line(info)
     splits = v.manifest.get("splits") or {}
     return {
         "dataset": v.ref,
@@ -111,7 +114,9 @@ def tokenize_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any
             f"{v.ref}: {info['documents']} documents, {info['tokens']} tokens in {info['sequences']}"
             f" sequences of {i.seq_len} (splits {splits}), padding {info['waste']:.1%};"
             f" tokenizer {info['tokenizer']['sha256'][:12]} ({info['tokenizer']['vocab_size']} tokens)"
-        ],
+        ]
+        + ([long] if long else [])
+        + list(info.get("warnings") or []),
     }
 
 

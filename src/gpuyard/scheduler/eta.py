@@ -22,6 +22,7 @@ starts and preempts each job (:class:`_Recorder`); nothing of the simulator's in
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -40,6 +41,8 @@ from gpuyard.scheduler.queue import Decision, JobQueue, QueuedJob, RunningJob
 from gpuyard.scheduler.simulator import SimConfig, simulate
 from gpuyard.scheduler.spec import JobState
 from gpuyard.scheduler.trace import TraceJob
+
+log = logging.getLogger(__name__)
 
 # The step model's largest leave-one-source-out error on the published corpus (BENCHMARKS.md,
 # benchmarks/fabric_accuracy.py: loso_max_pct=49.5): a step-model run time spans /1.5 .. x1.5.
@@ -324,6 +327,7 @@ def forecast(
     now: float,
     config: SimConfig | None = None,
     shown: dict[int, float] | None = None,
+    ranges: bool = True,
 ) -> dict[int, Prediction]:
     """Predictions for ``jobs``: running ones first (any order), then queued ones in queue order.
 
@@ -336,11 +340,10 @@ def forecast(
     config = config or SimConfig()
     total = sum(n.gpus - len(n.excluded) for n in nodes)
     sized = [j for j in jobs if 0 < j.gpus <= total]
-    runs = {
-        "point": _forward(sized, nodes, make, lambda r: r.point, HORIZON_S, now, config, shown),
-        "low": _forward(sized, nodes, make, lambda r: r.low, 1.0, now, config, shown),
-        "high": _forward(sized, nodes, make, lambda r: r.high, HORIZON_S, now, config, shown),
-    }
+    runs = {"point": _forward(sized, nodes, make, lambda r: r.point, HORIZON_S, now, config, shown)}
+    if ranges:
+        runs["low"] = _forward(sized, nodes, make, lambda r: r.low, 1.0, now, config, shown)
+        runs["high"] = _forward(sized, nodes, make, lambda r: r.high, HORIZON_S, now, config, shown)
     out: dict[int, Prediction] = {}
     for job in jobs:
         if not 0 < job.gpus <= total:
@@ -350,7 +353,8 @@ def forecast(
             start = job.started_at
             out[job.id] = Prediction(start, None, (start, start), (None, None), job.run.basis, why)
             continue
-        out[job.id] = _combine(job, {k: v.get(job.id) for k, v in runs.items()}, now)
+        got = {k: v.get(job.id) for k, v in runs.items()}
+        out[job.id] = _combine(job, {"low": got["point"], "high": got["point"], **got}, now)
     return out
 
 
@@ -556,3 +560,29 @@ class Forecaster:
         state = ClusterState(self.service.nodes)
         ideal = placer.ideal(state, gpus, gpu_type)
         return placer.step(wl, shape_of(state, ideal)) if ideal is not None else None
+
+
+def whatif_counts(asked: int, largest: int, most: int | None = None) -> list[int]:
+    """The GPU counts `jobs whatif` compares: as asked, half and twice that (an elastic job: its
+    minimum and maximum), within 1..``largest``."""
+    counts = [asked, most] if most else [asked // 2, asked, asked * 2]
+    return sorted({c for c in counts if c and 1 <= c <= largest})
+
+
+def add_predictions(forecaster: Forecaster, docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Give each job document its ``prediction`` (null for finished jobs); returns ``docs``.
+
+    A forecast that fails leaves every prediction null and is logged: a listing never fails for it.
+    """
+    if any(d.get("state") in (*PENDING, *HOLDING) for d in docs):
+        try:
+            found = forecaster.predictions()
+        except Exception:
+            log.exception("predicting starts and ends failed; jobs are listed without predictions")
+            found = {}
+    else:
+        found = {}
+    for d in docs:
+        p = found.get(int(d["id"])) if d.get("state") in (*PENDING, *HOLDING) else None
+        d["prediction"] = p.to_dict() if p is not None else None
+    return docs

@@ -258,7 +258,7 @@ class WorkloadSpec(BaseModel):
     )
     layout: LayoutSpec | None = Field(None, description="knobs held; the rest chosen by the planner")
     steps: int | None = Field(
-        None, ge=1, le=10**12, description="training steps it runs: its predicted run time (docs/scheduler.md)"
+        None, ge=1, le=10**12, description="training steps it runs, for its predicted run time"
     )
 
     @field_validator("model")

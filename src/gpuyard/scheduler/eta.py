@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -217,6 +217,7 @@ class _Recorder(Policy):
         self.name, self.summary = inner.name, inner.summary
         self.needs_oracle, self.preemptive, self.placer = inner.needs_oracle, inner.preemptive, inner.placer
         self.attempts: dict[int, list[list[float]]] = {}  # job -> [[start, stop or nan], ...]
+        self._shown: dict[int, QueuedJob] = {}  # job -> its queue entry whose estimate was set
 
     def key(self, job: QueuedJob) -> Any:
         return self.inner.key(job)
@@ -231,27 +232,18 @@ class _Recorder(Policy):
         preempt: bool = True,
     ) -> Decision:
         if self.views is not None:
-            views = self.views
+            # A job's estimate, set before it starts, is also what its RunningJob's expected end is
+            # computed from (less what it ran before): running jobs need nothing more.
             for job in queue.ordered():
-                job.estimate = views.get(job.id, job.estimate)
-            running = [
-                replace(r, expected_end=r.started_at + max(views[r.id] - r.attained, 1.0))
-                if r.id in views
-                else r
-                for r in running
-            ]
+                if self._shown.get(job.id) is not job:
+                    job.estimate = self.views.get(job.id, job.estimate)
+                    self._shown[job.id] = job
         decision = self.inner.decide(state, queue, running, now, multi_node=multi_node, preempt=preempt)
         for jid in decision.preempt:
             self.attempts[jid][-1][1] = now
         for job, _ in decision.starts:
             self.attempts.setdefault(job.id, []).append([now, math.nan])
         return decision
-
-
-def _seen(job: RunningJob, views: dict[int, float]) -> RunningJob:
-    if job.id not in views:
-        return job
-    return replace(job, expected_end=job.started_at + max(views[job.id] - job.attained, 1.0))
 
 
 def replay_starts(

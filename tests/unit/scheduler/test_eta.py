@@ -150,3 +150,51 @@ def test_replay_records_each_start() -> None:
     attempts = replay_starts(trace, uniform_cluster(1, 8), make_policy("fifo"))
     assert {k: v[0][0] for k, v in attempts.items()} == {0: 0.0, 1: 100.0, 2: 150.0}
     assert HORIZON_S > 1e8
+
+
+class _FakeService:
+    """What a Forecaster reads of a job service, without a store: nodes, config, fabric placer."""
+
+    def __init__(self, nodes: list, placer: object) -> None:  # type: ignore[type-arg]
+        from gpuyard.scheduler.service import ServiceConfig
+
+        self.nodes, self.placer, self.config = nodes, placer, ServiceConfig()
+
+
+def test_whatif_compares_shapes_by_the_step_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuyard.fabric.presets import load_cluster
+    from gpuyard.scheduler.eta import Forecaster, whatif_counts
+    from gpuyard.scheduler.fabric_placement import FabricPlacer
+    from gpuyard.scheduler.nodes import nodes_from_fabric
+    from gpuyard.scheduler.spec import parse_spec
+
+    fabric = load_cluster("dgx-a100")
+    nodes = nodes_from_fabric(fabric, 2)
+    service = _FakeService(nodes, FabricPlacer(fabric))
+    forecaster = Forecaster(service)
+    # 4 GPUs of node 0 are busy for another hour: 8 GPUs fit node 1 now, 16 wait for that hour.
+    busy = LiveJob(1, 4, _known(3600.0), started_at=NOW)
+    monkeypatch.setattr(forecaster, "_live", lambda now: ([busy], History()))
+    workload = {"model": "llama3-8b", "global_batch": 64, "seq_len": 2048, "steps": 500}
+    spec = parse_spec({"name": "w", "command": ["true"], "resources": {"gpus": 8}, "workload": workload})
+    assert whatif_counts(8, 16) == [4, 8, 16]
+    shapes = {s["gpus"]: s for s in forecaster.whatif(spec, [8, 16], now=NOW)}
+    one, two = shapes[8], shapes[16]
+    assert one["basis"] == two["basis"] == "step_model"
+    assert one["shape"] == "one node" and two["shape"].startswith("2 nodes")
+    assert one["start"] == "1970-01-12T13:46:40+00:00"  # NOW: starts at once
+    assert two["start"] == "1970-01-12T14:46:40+00:00"  # NOW + 1 h: after the busy job
+    assert one["end"] != two["end"] and one["end_range"][0] < one["end"] < one["end_range"][1]
+
+
+def test_whatif_without_a_step_model_gives_other_counts_no_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuyard.scheduler.eta import Forecaster
+    from gpuyard.scheduler.spec import parse_spec
+
+    forecaster = Forecaster(_FakeService(uniform_cluster(2, 8), None))
+    like = History({("ann", "w"): LikeRuns((600.0, 900.0))})
+    monkeypatch.setattr(forecaster, "_live", lambda now: ([], like))
+    spec = parse_spec({"name": "w", "user": "ann", "command": ["true"], "resources": {"gpus": 8}})
+    shapes = {s["gpus"]: s for s in forecaster.whatif(spec, [4, 8], now=NOW)}
+    assert shapes[8]["basis"] == "history" and shapes[8]["end"] is not None
+    assert shapes[4]["basis"] == "unknown" and shapes[4]["end"] is None and shapes[4]["start"] is not None

@@ -14,7 +14,7 @@ from gpuyard.api.auth import authenticated, team_listing
 from gpuyard.api.limits import NAME_LEN
 from gpuyard.api.params import JobId, Offset
 from gpuyard.auth import Principal, check_team, visible_team
-from gpuyard.errors import StoreError
+from gpuyard.errors import ConfigError, StoreError
 from gpuyard.scheduler.eta import Forecaster, add_predictions, whatif_counts
 from gpuyard.scheduler.goodput import add_goodput
 from gpuyard.scheduler.spec import JobSpec, JobState
@@ -146,6 +146,10 @@ def whatif(
     spec = _as_caller(parse_spec_body(body), principal)
     service = _service(request)
     service.check(spec)
+    if spec.resources.gpus < 1 or spec.resources.shared:
+        raise ConfigError(
+            "whatif forecasts jobs on whole GPUs; this one asks for none (CPU-only or a GPU share)"
+        )
     largest = max(1, sum(n.gpus - len(n.excluded) for n in service.nodes))
     counts = whatif_counts(spec.resources.gpus, largest, spec.resources.gpus_max)
     return {"shapes": _forecaster(request, service).whatif(spec, counts)}

@@ -175,7 +175,8 @@ def test_whatif_compares_shapes_by_the_step_model(monkeypatch: pytest.MonkeyPatc
     # 4 GPUs of node 0 are busy for another hour: 8 GPUs fit node 1 now, 16 wait for that hour.
     busy = LiveJob(1, 4, _known(3600.0), started_at=NOW)
     monkeypatch.setattr(forecaster, "_live", lambda now: ([busy], History()))
-    workload = {"model": "llama3-8b", "global_batch": 64, "seq_len": 2048, "steps": 500}
+    small = {"layers": 8, "hidden": 2048, "heads": 16, "ffn_hidden": 8192, "vocab": 32000, "seq_len": 2048}
+    workload = {"model": small, "global_batch": 64, "steps": 500}
     spec = parse_spec({"name": "w", "command": ["true"], "resources": {"gpus": 8}, "workload": workload})
     assert whatif_counts(8, 16) == [4, 8, 16]
     shapes = {s["gpus"]: s for s in forecaster.whatif(spec, [8, 16], now=NOW)}

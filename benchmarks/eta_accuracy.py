@@ -8,8 +8,9 @@ have finished; never the run time of a job still running or queued) and the queu
 (:func:`gpuyard.scheduler.eta.forecast`) twice:
 
 - gpuyard: each job's run time from finished like jobs (``estimate_run_time``: the median of their run
-  times, capped by its time limit; with none finished, its time limit), the policy shown the history
-  estimates the replay's policy itself used;
+  times, capped by its time limit; with none finished, its time limit), the policy in the forward run
+  shown those same run times (showing it the replay's own history estimates instead changed nothing
+  where history exists and starved jobs where it does not: 2026-11-29, a Philly slice and --smoke);
 - baseline: a backfill estimate from requested time limits (every job runs to its limit, the policy
   sees limits): what Slurm's ``squeue --start`` computes.
 
@@ -46,7 +47,6 @@ from functools import partial
 
 import numpy as np
 
-from gpuyard.scheduler.estimator import RuntimeEstimator
 from gpuyard.scheduler.eta import LikeRuns, LiveJob, RunTime, estimate_run_time, forecast, replay_starts
 from gpuyard.scheduler.openb import load_openb_tasks, traces_dir
 from gpuyard.scheduler.placement import NodeSpec, uniform_cluster
@@ -109,20 +109,19 @@ def evaluate(trace: list[TraceJob], nodes: list[NodeSpec], samples: int, label: 
     picks = sorted({int(i) for i in np.linspace(0, len(by_submit) - 1, samples)})
     make = partial(make_policy, POLICY)
     errs = Errors([], [], [])
-    estimator, like, done = RuntimeEstimator(), dict[tuple[str, int], list[float]](), 0
+    like, done = dict[tuple[str, int], list[float]](), 0
     t1 = time.perf_counter()
     for k in picks:
         job = by_submit[k]
         now = job.submit
         while done < len(by_end) and end[by_end[done].id] <= now:
             f = by_end[done]
-            estimator.observe(f.team, f.user, f.gpus, f.duration)  # as the replay's policy learned it
             like.setdefault((f.team, f.gpus), []).append(f.duration)
             done += 1
         known = [j for j in by_submit[: k + 1] if end[j.id] > now or start[j.id] >= now]
         running = [j for j in known if start[j.id] < now]
         queued = [j for j in known if start[j.id] >= now]  # in submission order: FIFO's
-        ours, base, shown = [], [], {}
+        ours, base = [], []
         runs: dict[tuple[str, int], RunTime] = {}
         for j in [*running, *queued]:
             began = start[j.id] if start[j.id] < now else None
@@ -140,8 +139,7 @@ def evaluate(trace: list[TraceJob], nodes: list[NodeSpec], samples: int, label: 
             base.append(
                 LiveJob(j.id, j.gpus, RunTime(limit, limit, limit, "time_limit"), j.team, started_at=began)
             )
-            shown[j.id] = estimator.estimate(j.team, j.user, j.gpus)
-        p_ours = forecast(ours, nodes, make, now, shown=shown, ranges=False)[job.id].start
+        p_ours = forecast(ours, nodes, make, now, ranges=False)[job.id].start
         p_base = forecast(base, nodes, make, now, ranges=False)[job.id].start
         truth = start[job.id]
         errs.waited += truth > now

@@ -400,7 +400,7 @@ class Forecaster:
     cache_s: float = CACHE_S
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _cached: tuple[Any, dict[int, Prediction]] | None = None
-    _steps: dict[int, float | None] = field(default_factory=dict)  # job -> its step seconds
+    _steps: dict[int, float | None] = field(default_factory=dict)  # job -> its step seconds (memo)
 
     def _policy(self) -> Policy:
         from gpuyard.scheduler.policies import make_policy
@@ -416,16 +416,28 @@ class Forecaster:
         return (row[0], row[1], int(now // self.cache_s))
 
     def predictions(self, now: float | None = None) -> dict[int, Prediction]:
-        """Job id -> prediction for every queued and running job."""
+        """Job id -> prediction for every queued and running job.
+
+        One request computes a new forecast at a time; the others meanwhile get the last one (a
+        forecast over a thousand queued jobs takes seconds), never a wait on it.
+        """
         now = time.time() if now is None else now
-        with self._lock:
-            version = self._version(now)
+        version = self._version(now)
+        cached = self._cached
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        if not self._lock.acquire(blocking=cached is None):
+            assert cached is not None  # a blocking acquire always succeeds
+            return cached[1]
+        try:
             if self._cached is not None and self._cached[0] == version:
                 return self._cached[1]
             jobs, _ = self._live(now)
-            result = forecast(jobs, self.service.nodes, self._policy, now, SimConfig(), self._shown(jobs))
+            result = forecast(jobs, self.service.nodes, self._policy, now, SimConfig())
             self._cached = (version, result)
             return result
+        finally:
+            self._lock.release()
 
     def whatif(self, spec: Any, gpu_counts: Sequence[int], now: float | None = None) -> list[dict[str, Any]]:
         """For each GPU count, when ``spec`` would start and end if submitted now (nothing submitted).
@@ -434,8 +446,7 @@ class Forecaster:
         end (scaling a run time by GPU count would be a guess).
         """
         now = time.time() if now is None else now
-        with self._lock:
-            jobs, history = self._live(now)
+        jobs, history = self._live(now)
         asked, out = spec.resources.gpus, []
         base = max((j.id for j in jobs), default=0) + 1
         doc = spec.model_dump()
@@ -446,16 +457,9 @@ class Forecaster:
                 run = RunTime.unknown(f"{run.basis} gives the run time on {asked} GPUs only")
             job = LiveJob(base, gpus, run, spec.team, spec.user, spec.priority, now)
             both = [*jobs, job]
-            pred = forecast(both, self.service.nodes, self._policy, now, SimConfig(), self._shown(both))[base]
+            pred = forecast(both, self.service.nodes, self._policy, now, SimConfig())[base]
             out.append({"gpus": gpus, "shape": self._shape(gpus), **pred.to_dict()})
         return out
-
-    def _shown(self, jobs: list[LiveJob]) -> dict[int, float] | None:
-        """What the server's policy assumes each job runs (its history estimator), as it decides."""
-        estimator = getattr(self.service, "estimator", None)
-        if estimator is None:
-            return None
-        return {j.id: float(estimator.estimate(j.team, j.user, j.gpus)) for j in jobs}
 
     def _shape(self, gpus: int) -> str:
         """How ``gpus`` GPUs sit on the cluster when consolidated (one node, N nodes, ...)."""

@@ -199,3 +199,24 @@ def test_whatif_without_a_step_model_gives_other_counts_no_end(monkeypatch: pyte
     shapes = {s["gpus"]: s for s in forecaster.whatif(spec, [4, 8], now=NOW)}
     assert shapes[8]["basis"] == "history" and shapes[8]["end"] is not None
     assert shapes[4]["basis"] == "unknown" and shapes[4]["end"] is None and shapes[4]["start"] is not None
+
+
+def test_a_forecast_under_way_serves_the_last_one_and_a_change_recomputes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpuyard.scheduler.eta import Forecaster
+
+    forecaster = Forecaster(_FakeService(uniform_cluster(1, 8), None))
+    version = ["v1"]
+    monkeypatch.setattr(forecaster, "_version", lambda now: version[0])
+    jobs = [LiveJob(1, 8, _known(600.0), started_at=NOW), LiveJob(2, 8, _known(60.0))]
+    monkeypatch.setattr(forecaster, "_live", lambda now: (jobs, History()))
+    first = forecaster.predictions(now=NOW)
+    assert first[2].start == pytest.approx(NOW + 600.0)
+    assert forecaster.predictions(now=NOW) is first  # same queue: the cache
+    version[0] = "v2"
+    jobs = [LiveJob(2, 8, _known(60.0))]  # the running job ended
+    with forecaster._lock:  # another request is computing the new forecast
+        assert forecaster.predictions(now=NOW) is first
+    fresh = forecaster.predictions(now=NOW)
+    assert fresh is not first and fresh[2].start == NOW

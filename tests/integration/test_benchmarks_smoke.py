@@ -64,6 +64,7 @@ SMOKE: dict[str, tuple[Callable[[], list[str]], Callable[[], str | None]]] = {
     "checkpoint": (list, lambda: None),
     "collective_accuracy": (list, lambda: None),
     "ddp_scaling": (list, lambda: None),
+    "eta_accuracy": (list, lambda: None),
     "fabric_accuracy": (list, lambda: None),
     "fabric_placement": (_trace_args("--trace", philly=True), _no_traces),
     "llm_long_prompt": (list, lambda: _missing_modules("transformers")),

@@ -1,4 +1,4 @@
-"""`gpuyard jobs`: submit, ls, show, logs, cancel against a gpuyard server."""
+"""`gpuyard jobs`: submit, ls, show, whatif, logs, cancel against a gpuyard server."""
 
 from __future__ import annotations
 
@@ -62,6 +62,36 @@ def placement_text(placement: dict[str, Any] | None) -> str:
     return "; ".join(out)
 
 
+def _when(iso: str | None) -> str:
+    return iso[:16].replace("T", " ") if iso else "unknown"
+
+
+def _span(pair: list[str | None]) -> str:
+    lo, hi = pair
+    if lo == hi:
+        return ""
+    return f" ({_when(lo)} .. {_when(hi) if hi else 'no bound'})"
+
+
+def eta_text(doc: dict[str, Any]) -> str:
+    """The ``ls`` column: a queued job's predicted start, a running one's predicted end (UTC)."""
+    p = doc.get("prediction")
+    if not p:
+        return ""
+    if doc["state"] in ("scheduled", "running"):
+        return f"ends {_when(p['end'])}"
+    return f"starts {_when(p['start'])}"
+
+
+def prediction_lines(p: dict[str, Any]) -> list[str]:
+    """``jobs show``'s lines of a prediction: start and end with their ranges, and its source."""
+    return [
+        f"{'start':>12}  {_when(p['start'])}{_span(p['start_range'])} UTC (predicted)",
+        f"{'end':>12}  {_when(p['end'])}{_span(p['end_range'])} UTC (predicted)",
+        f"{'basis':>12}  {p['basis']}{': ' + p['note'] if p.get('note') else ''}",
+    ]
+
+
 @jobs_app.command("submit")
 def submit(
     spec: Path = typer.Argument(..., help="Job spec YAML."),
@@ -96,7 +126,9 @@ def ls(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("id", "name", "team", "state", "gpus", "where", "attempts", "submitted", "reason")
+    table = Table(
+        "id", "name", "team", "state", "gpus", "where", "attempts", "submitted", "predicted", "reason"
+    )
     for d in docs:
         active = d["state"] in ("scheduled", "running")
         table.add_row(
@@ -108,6 +140,7 @@ def ls(
             placement_text(d["placement"]) if active else "",
             str(d["attempts"]),
             (d["submitted_at"] or "")[:19],
+            eta_text(d),
             d["reason"] or "",
         )
     Console().print(table)
@@ -156,12 +189,37 @@ def show(
             f"{predicted['consolidated_step_s']:.3g} s on {predicted['consolidated']} ({slower:+.0%}); "
             f"{predicted['choice']}"
         )
+    if doc.get("prediction"):
+        for line in prediction_lines(doc["prediction"]):
+            typer.echo(line)
     if doc.get("goodput"):
         from gpuyard.train.goodput import describe
 
         typer.echo(f"{'goodput':>12}  {describe(doc['goodput'])}")
     for e in doc["events"]:
         typer.echo(f"  {e['at'][:19]}  {e['from'] or '-':>9} -> {e['to']:<9}  {e['reason'] or ''}")
+
+
+@jobs_app.command("whatif")
+def whatif(
+    spec: Path = typer.Argument(..., help="Job spec YAML."),
+    server: str = _SERVER,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """When SPEC would start and end if submitted now, at several GPU counts side by side (as asked,
+    half and twice; an elastic job its minimum and maximum). Nothing is submitted."""
+    from gpuyard.scheduler.spec import load_spec
+
+    doc = _client(server).whatif(load_spec(spec))
+    if as_json:
+        _echo_json(doc)
+        return
+    for shape in doc["shapes"]:
+        typer.echo(
+            f"{shape['gpus']:>4} GPUs, {shape['shape']}: starts {_when(shape['start'])}"
+            f"{_span(shape['start_range'])}, ends {_when(shape['end'])}{_span(shape['end_range'])} UTC"
+            f" [{shape['basis']}{': ' + shape['note'] if shape.get('note') else ''}]"
+        )
 
 
 @jobs_app.command("logs")

@@ -73,6 +73,10 @@ class JobClient:
         """What the server would launch for ``spec`` now."""
         return dict(self._call("POST", "/jobs/dry-run", json=spec.model_dump(mode="json")))
 
+    def whatif(self, spec: JobSpec) -> dict[str, Any]:
+        """When ``spec`` would start and end if submitted now, per GPU count (nothing is submitted)."""
+        return dict(self._call("POST", "/jobs/whatif", json=spec.model_dump(mode="json")))
+
     def list_jobs(self, state: str | None = None, team: str | None = None) -> list[dict[str, Any]]:
         """Jobs, newest first."""
         params = {k: v for k, v in (("state", state), ("team", team)) if v}

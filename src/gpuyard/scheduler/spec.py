@@ -257,6 +257,9 @@ class WorkloadSpec(BaseModel):
         None, ge=1, le=MAX_TOKENS, description="tokens per sequence (default: the model's)"
     )
     layout: LayoutSpec | None = Field(None, description="knobs held; the rest chosen by the planner")
+    steps: int | None = Field(
+        None, ge=1, le=10**12, description="training steps it runs, for its predicted run time"
+    )
 
     @field_validator("model")
     @classmethod

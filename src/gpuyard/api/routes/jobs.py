@@ -14,7 +14,8 @@ from gpuyard.api.auth import authenticated, team_listing
 from gpuyard.api.limits import NAME_LEN
 from gpuyard.api.params import JobId, Offset
 from gpuyard.auth import Principal, check_team, visible_team
-from gpuyard.errors import StoreError
+from gpuyard.errors import ConfigError, StoreError
+from gpuyard.scheduler.eta import Forecaster, add_predictions, whatif_counts
 from gpuyard.scheduler.goodput import add_goodput
 from gpuyard.scheduler.spec import JobSpec, JobState
 
@@ -74,6 +75,18 @@ def _own_job(request: Request, principal: Principal, job_id: int) -> Any:
     return service
 
 
+def _forecaster(request: Request, service: Any) -> Forecaster:
+    # One per app and service: its cache serves every request until the queue changes.
+    forecaster = getattr(request.app.state, "eta", None)
+    if forecaster is None or forecaster.service is not service:
+        forecaster = request.app.state.eta = Forecaster(service)
+    return forecaster
+
+
+def _predicted(request: Request, service: Any, docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return add_predictions(_forecaster(request, service), docs)
+
+
 def _as_caller(spec: JobSpec, principal: Principal) -> JobSpec:
     # A non-admin submits as themselves, into their own team; an admin as themselves unless the spec
     # names a user (the spec's default would be the server's OS user).
@@ -122,6 +135,26 @@ def dry_run(
     return dict(_service(request).dry_run(_as_caller(parse_spec_body(body), principal)))
 
 
+@router.post("/whatif", openapi_extra=_SPEC_BODY)
+def whatif(
+    request: Request,
+    body: bytes = Depends(_raw_body),
+    principal: Principal = Depends(authenticated),
+) -> dict[str, Any]:
+    """When the job would start and end if submitted now, for several GPU counts side by side
+    (nothing is submitted): ``{"shapes": [{"gpus", "shape", "start", "end", ...}]}``."""
+    spec = _as_caller(parse_spec_body(body), principal)
+    service = _service(request)
+    service.check(spec)
+    if spec.resources.gpus < 1 or spec.resources.shared:
+        raise ConfigError(
+            "whatif forecasts jobs on whole GPUs; this one asks for none (CPU-only or a GPU share)"
+        )
+    largest = max(1, sum(n.gpus - len(n.excluded) for n in service.nodes))
+    counts = whatif_counts(spec.resources.gpus, largest, spec.resources.gpus_max)
+    return {"shapes": _forecaster(request, service).whatif(spec, counts)}
+
+
 @router.get("")
 def list_jobs(
     request: Request,
@@ -134,7 +167,7 @@ def list_jobs(
     team = visible_team(principal, team)
     service = _service(request)
     docs = add_goodput(service.store, list(service.list_jobs(state=state, team=team, limit=limit)))
-    return team_listing(request, team, docs)
+    return team_listing(request, team, _predicted(request, service, docs))
 
 
 @router.get("/metrics")
@@ -156,9 +189,10 @@ def metrics(
 
 @router.get("/{job_id}")
 def show(job_id: JobId, request: Request, principal: Principal = Depends(authenticated)) -> dict[str, Any]:
-    """One job, with its goodput (ETTR and the time lost by cause; docs/scheduler.md)."""
+    """One job, with its goodput (ETTR and the time lost by cause) and its predicted start and end
+    (docs/scheduler.md)."""
     service = _own_job(request, principal, job_id)
-    return add_goodput(service.store, [dict(service.get(job_id))])[0]
+    return _predicted(request, service, add_goodput(service.store, [dict(service.get(job_id))]))[0]
 
 
 @router.get("/{job_id}/events")

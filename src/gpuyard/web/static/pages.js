@@ -101,6 +101,17 @@ function asked(j) {
   return parts.length ? parts.join(", ") : `${j.gpus}`;
 }
 
+// A queued job's predicted start, a running one's predicted end; the range and the source on hover.
+function predicted(j) {
+  const p = j.prediction;
+  if (!p) return "";
+  const running = ["scheduled", "running"].includes(j.state);
+  const [at, range] = running ? [p.end, p.end_range] : [p.start, p.start_range];
+  const span = `${fmt.time(range[0])} .. ${range[1] ? fmt.time(range[1]) : "no bound"}`;
+  const tip = `${running ? "end" : "start"} ${span} UTC; from ${p.basis}${p.note ? ": " + p.note : ""}`;
+  return `<span title="${esc(tip)}">${running ? "ends" : "starts"} ${at ? fmt.time(at).slice(5, 16) : "unknown"}</span>`;
+}
+
 function goodputBar(gp) {
   if (!gp || !gp.wall_s) return '<span class="muted">-</span>';
   const parts = [["productive", gp.productive_s], ...Object.entries(gp.lost_s)].filter(([, s]) => s > 0);
@@ -162,10 +173,10 @@ GY.pages.jobs = {
     catch (e) { document.getElementById("jobs-table").innerHTML = `<p class="error">${esc(e.message)}</p>`; return; }
     const el = document.getElementById("jobs-table");
     if (!el) return;
-    el.innerHTML = jobs.length ? `<table id="jobs"><tr><th>id</th><th>name</th><th>team</th><th>user</th><th>state</th><th>GPUs</th><th>attempts</th><th>submitted</th><th>goodput</th><th>reason</th><th></th></tr>` +
+    el.innerHTML = jobs.length ? `<table id="jobs"><tr><th>id</th><th>name</th><th>team</th><th>user</th><th>state</th><th>GPUs</th><th>attempts</th><th>submitted</th><th>predicted</th><th>goodput</th><th>reason</th><th></th></tr>` +
       jobs.map((j) => `<tr data-id="${j.id}" class="${j.id === this.selected ? "sel" : ""}"><td>${j.id}</td><td>${esc(j.name)}</td><td>${esc(j.team)}</td><td>${esc(j.user)}</td>
         <td class="state">${fmt.badge(j.state)}${j.stop_requested ? ' <span class="muted">stopping</span>' : ""}</td><td>${asked(j)}</td><td>${j.attempts}</td>
-        <td>${fmt.time(j.submitted_at)}</td><td>${goodputBar(j.goodput)}</td><td class="muted">${esc(j.reason)}</td>
+        <td>${fmt.time(j.submitted_at)}</td><td>${predicted(j)}</td><td>${goodputBar(j.goodput)}</td><td class="muted">${esc(j.reason)}</td>
         <td><button class="secondary logs" type="button">Logs</button>
         ${["succeeded", "failed", "cancelled"].includes(j.state) || GY.me.role === "viewer" ? "" : '<button class="danger cancel" type="button">Cancel</button>'}</td></tr>`).join("") + "</table>"
       : '<p class="muted">No job matches.</p>';

@@ -1,0 +1,222 @@
+"""Predicted start and end: run times from their sources, and the queue run forward (no database)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+
+from gpuyard.scheduler.eta import (
+    HORIZON_S,
+    History,
+    LikeRuns,
+    LiveJob,
+    RunTime,
+    end_of,
+    estimate_run_time,
+    forecast,
+    replay_starts,
+)
+from gpuyard.scheduler.placement import uniform_cluster
+from gpuyard.scheduler.policies import make_policy
+from gpuyard.scheduler.simulator import SimConfig
+from gpuyard.scheduler.trace import TraceJob
+
+pytestmark = pytest.mark.unit
+
+NOW = 1_000_000.0
+FIFO = partial(make_policy, "fifo")
+
+
+def _known(seconds: float) -> RunTime:
+    return RunTime(seconds, seconds, seconds, "history")
+
+
+def test_step_model_comes_first_and_spans_its_error() -> None:
+    rt = estimate_run_time(7200.0, LikeRuns((100.0,)), steps=1000, step_s=2.0)
+    assert rt.basis == "step_model"
+    assert rt.point == 2000.0
+    assert rt.low is not None and rt.high is not None and rt.low < 2000.0 < rt.high
+
+
+def test_history_median_and_range_capped_by_the_limit() -> None:
+    like = LikeRuns((100.0, 200.0, 300.0, 400.0, 5000.0))
+    rt = estimate_run_time(None, like)
+    assert (rt.basis, rt.point) == ("history", 300.0)
+    assert rt.low is not None and rt.high is not None and rt.low < 300.0 < rt.high
+    capped = estimate_run_time(600.0, like)
+    assert capped.high == 600.0 and capped.point == 300.0
+
+
+def test_time_limit_is_an_upper_bound_and_nothing_is_unknown() -> None:
+    rt = estimate_run_time(3600.0, None)
+    assert (rt.basis, rt.point, rt.high) == ("time_limit", 3600.0, 3600.0)
+    assert rt.low == pytest.approx(360.0)
+    none = estimate_run_time(None, None)
+    assert none.basis == "unknown" and none.point is None and not none.known
+
+
+def test_expected_restarts_lengthen_the_run() -> None:
+    calm = estimate_run_time(3600.0, LikeRuns((), (0, 0)))
+    flaky = estimate_run_time(3600.0, LikeRuns((), (2, 2)))
+    cfg = SimConfig()
+    assert flaky.point == pytest.approx(
+        calm.point + 2 * (cfg.restart_overhead_s + cfg.checkpoint_interval_s / 2)
+    )
+
+
+def test_history_from_rows_groups_by_user_and_name() -> None:
+    class Row:
+        def __init__(self, user: str, name: str, s: float, failures: int = 0) -> None:
+            self.user, self.name, self.attained_s, self.failures, self.preemptions = (
+                user,
+                name,
+                s,
+                failures,
+                0,
+            )
+
+    h = History.from_rows(
+        [Row("ann", "a", 10.0), Row("ann", "a", 30.0, 1), Row("bob", "a", 99.0), Row("x", "y", 0)]
+    )
+    like = h.like("ann", "a")
+    assert like is not None and like.durations == (10.0, 30.0) and like.mean_restarts == 0.5
+    assert h.like("x", "y") is None and h.like("ann", "b") is None
+
+
+def test_queued_job_starts_when_the_running_one_ends() -> None:
+    nodes = uniform_cluster(1, 8)
+    jobs = [
+        LiveJob(1, 8, _known(3600.0), started_at=NOW - 600.0),
+        LiveJob(2, 8, _known(1800.0)),
+    ]
+    got = forecast(jobs, nodes, FIFO, NOW)
+    assert got[1].start == NOW - 600.0 and got[1].end == pytest.approx(NOW + 3000.0)
+    assert got[2].start == pytest.approx(NOW + 3000.0)
+    assert got[2].end == pytest.approx(NOW + 4800.0)
+    assert got[2].basis == "history"
+
+
+def test_a_free_cluster_starts_a_queued_job_now() -> None:
+    got = forecast([LiveJob(5, 2, _known(60.0))], uniform_cluster(1, 8), FIFO, NOW)
+    assert got[5].start == NOW and got[5].end == pytest.approx(NOW + 60.0)
+
+
+def test_ranges_follow_the_run_time_spread() -> None:
+    spread = RunTime(3600.0, 1800.0, 7200.0, "history")
+    jobs = [LiveJob(1, 8, spread, started_at=NOW), LiveJob(2, 8, _known(60.0))]
+    got = forecast(jobs, uniform_cluster(1, 8), FIFO, NOW)[2]
+    assert got.start_range == (pytest.approx(NOW + 1800.0), pytest.approx(NOW + 7200.0))
+    assert got.start == pytest.approx(NOW + 3600.0)
+
+
+def test_unknown_run_time_gives_no_made_up_point() -> None:
+    jobs = [
+        LiveJob(1, 8, RunTime.unknown("nothing known"), started_at=NOW - 10.0),
+        LiveJob(2, 8, _known(60.0)),
+        LiveJob(3, 0, _known(60.0)),
+    ]
+    got = forecast(jobs, uniform_cluster(1, 8), FIFO, NOW)
+    assert got[1].end is None and got[1].end_range == (None, None) and got[1].basis == "unknown"
+    # Behind it: no point start and no upper bound; it may start as soon as the other ends.
+    assert got[2].start is None and got[2].start_range[1] is None
+    assert got[2].start_range[0] is not None and got[2].start_range[0] < NOW + 60.0
+    assert "unknown run time" in got[2].note
+    assert got[3].start is None and "no whole GPU" in got[3].note
+
+
+def test_backfill_starts_a_short_job_ahead_of_a_blocked_one() -> None:
+    nodes = uniform_cluster(1, 8)
+    jobs = [
+        LiveJob(1, 6, _known(3600.0), started_at=NOW),
+        LiveJob(2, 8, _known(600.0)),  # blocked until job 1 ends
+        LiveJob(3, 2, _known(600.0)),  # fits beside job 1
+    ]
+    fifo = forecast(jobs, nodes, FIFO, NOW)
+    assert fifo[3].start == pytest.approx(NOW + 3600.0 + 600.0)  # FIFO: the head blocks it
+    easy = forecast(jobs, nodes, partial(make_policy, "fifo-backfill"), NOW)
+    assert easy[3].start == NOW and easy[2].start == pytest.approx(NOW + 3600.0)
+
+
+def test_end_of_charges_a_preempted_attempt_as_the_simulator_does() -> None:
+    cfg = SimConfig(checkpoint_interval_s=600.0, restart_overhead_s=60.0)
+    # Ran 1,000 s: keeps 600 s of work (its last checkpoint); then restart overhead and the rest.
+    assert end_of([[0.0, 1000.0], [2000.0, float("nan")]], 1500.0, cfg) == 2000.0 + 60.0 + 900.0
+    assert end_of([[5.0, float("nan")]], 100.0, cfg) == 105.0
+
+
+def test_replay_records_each_start() -> None:
+    trace = [TraceJob(0, 0.0, 100.0, 8), TraceJob(1, 0.0, 50.0, 8), TraceJob(2, 10.0, 5.0, 4)]
+    attempts = replay_starts(trace, uniform_cluster(1, 8), make_policy("fifo"))
+    assert {k: v[0][0] for k, v in attempts.items()} == {0: 0.0, 1: 100.0, 2: 150.0}
+    assert HORIZON_S > 1e8
+
+
+class _FakeService:
+    """What a Forecaster reads of a job service, without a store: nodes, config, fabric placer."""
+
+    def __init__(self, nodes: list, placer: object) -> None:  # type: ignore[type-arg]
+        from gpuyard.scheduler.service import ServiceConfig
+
+        self.nodes, self.placer, self.config = nodes, placer, ServiceConfig()
+
+
+def test_whatif_compares_shapes_by_the_step_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuyard.fabric.presets import load_cluster
+    from gpuyard.scheduler.eta import Forecaster, whatif_counts
+    from gpuyard.scheduler.fabric_placement import FabricPlacer
+    from gpuyard.scheduler.nodes import nodes_from_fabric
+    from gpuyard.scheduler.spec import parse_spec
+
+    fabric = load_cluster("dgx-a100")
+    nodes = nodes_from_fabric(fabric, 2)
+    service = _FakeService(nodes, FabricPlacer(fabric))
+    forecaster = Forecaster(service)
+    # 4 GPUs of node 0 are busy for another hour: 8 GPUs fit node 1 now, 16 wait for that hour.
+    busy = LiveJob(1, 4, _known(3600.0), started_at=NOW)
+    monkeypatch.setattr(forecaster, "_live", lambda now: ([busy], History()))
+    small = {"layers": 8, "hidden": 2048, "heads": 16, "ffn_hidden": 8192, "vocab": 32000, "seq_len": 2048}
+    workload = {"model": small, "global_batch": 64, "steps": 500}
+    spec = parse_spec({"name": "w", "command": ["true"], "resources": {"gpus": 8}, "workload": workload})
+    assert whatif_counts(8, 16) == [4, 8, 16]
+    shapes = {s["gpus"]: s for s in forecaster.whatif(spec, [8, 16], now=NOW)}
+    one, two = shapes[8], shapes[16]
+    assert one["basis"] == two["basis"] == "step_model"
+    assert one["shape"] == "one node" and two["shape"].startswith("2 nodes")
+    assert one["start"] == "1970-01-12T13:46:40+00:00"  # NOW: starts at once
+    assert two["start"] == "1970-01-12T14:46:40+00:00"  # NOW + 1 h: after the busy job
+    assert one["end"] != two["end"] and one["end_range"][0] < one["end"] < one["end_range"][1]
+
+
+def test_whatif_without_a_step_model_gives_other_counts_no_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuyard.scheduler.eta import Forecaster
+    from gpuyard.scheduler.spec import parse_spec
+
+    forecaster = Forecaster(_FakeService(uniform_cluster(2, 8), None))
+    like = History({("ann", "w"): LikeRuns((600.0, 900.0))})
+    monkeypatch.setattr(forecaster, "_live", lambda now: ([], like))
+    spec = parse_spec({"name": "w", "user": "ann", "command": ["true"], "resources": {"gpus": 8}})
+    shapes = {s["gpus"]: s for s in forecaster.whatif(spec, [4, 8], now=NOW)}
+    assert shapes[8]["basis"] == "history" and shapes[8]["end"] is not None
+    assert shapes[4]["basis"] == "unknown" and shapes[4]["end"] is None and shapes[4]["start"] is not None
+
+
+def test_a_forecast_under_way_serves_the_last_one_and_a_change_recomputes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpuyard.scheduler.eta import Forecaster
+
+    forecaster = Forecaster(_FakeService(uniform_cluster(1, 8), None))
+    version = ["v1"]
+    monkeypatch.setattr(forecaster, "_version", lambda now: version[0])
+    jobs = [LiveJob(1, 8, _known(600.0), started_at=NOW), LiveJob(2, 8, _known(60.0))]
+    monkeypatch.setattr(forecaster, "_live", lambda now: (jobs, History()))
+    first = forecaster.predictions(now=NOW)
+    assert first[2].start == pytest.approx(NOW + 600.0)
+    assert forecaster.predictions(now=NOW) is first  # same queue: the cache
+    version[0] = "v2"
+    jobs = [LiveJob(2, 8, _known(60.0))]  # the running job ended
+    with forecaster._lock:  # another request is computing the new forecast
+        assert forecaster.predictions(now=NOW) is first
+    fresh = forecaster.predictions(now=NOW)
+    assert fresh is not first and fresh[2].start == NOW

@@ -23,7 +23,7 @@ overlap) is the same for every stack; a profile says how a stack runs the parts 
   Megatron-DeepSpeed in 2021-22), "fa1" (FlashAttention 1 and its Triton port), "fa2" (FlashAttention 2:
   torchtitan's SDPA flash backend in 2024-25), "fa3" or "cudnn" (Hopper-native kernels: FlashAttention 3,
   Transformer Engine's cuDNN fused attention in Megatron-Core and NeMo). Each family's speed per device is
-  in ``gpuyard.fabric.step.attention_efficiency`` with its source.
+  in ``gpuyard.fabric.step_layer.attention_efficiency`` with its source.
 * ``fused_loss``: memory of the loss. ``F.cross_entropy`` (and Megatron's default vocab-parallel
   cross-entropy) keeps fp32 log-probabilities (or softmax) of the whole micro-batch for the backward:
   4 bytes per logit. A fused cross-entropy that writes the gradient into the bf16 logits in place
@@ -113,7 +113,7 @@ class Stack:
     # for what it recomputes (gpuyard.fabric.step, _StepModel.remat_share).
     compiler_remat: bool = False
     # float8 scaling recipe of fp8 runs (torchao.float8): "tensorwise" (cuBLAS, one scale per tensor) or
-    # "rowwise" (a CUTLASS kernel with a scale per row; gpuyard.fabric.step, FP8_ROWWISE_GEMM).
+    # "rowwise" (a CUTLASS kernel with a scale per row; gpuyard.fabric.step_layer, FP8_ROWWISE_GEMM).
     fp8_recipe: str = "tensorwise"
 
     def __post_init__(self) -> None:

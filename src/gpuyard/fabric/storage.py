@@ -128,7 +128,7 @@ def load_tier(name_or_path: str) -> StorageTier:
 
 def _calibrated_tier(path: Path, wanted: str | None) -> StorageTier:
     """Tier ``wanted`` (or the only one) that ``gpuyard fabric storage-bench`` put in a calibration file."""
-    from gpuyard.fabric.calibrate import load_calibration
+    from gpuyard.fabric.calibration import load_calibration
 
     tiers = load_calibration(path).storage
     if not tiers:

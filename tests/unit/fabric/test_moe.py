@@ -9,6 +9,7 @@ import pytest
 
 from gpuyard.errors import ConfigError
 from gpuyard.fabric import step as step_mod
+from gpuyard.fabric import step_layer
 from gpuyard.fabric.models import PRESETS, load_model
 from gpuyard.fabric.presets import load_cluster
 from gpuyard.fabric.step import ParallelConfig, estimate_step, memory_per_gpu
@@ -114,13 +115,14 @@ def test_token_permutation_is_memory_traffic_of_every_routed_copy() -> None:
     cluster = load_cluster("dgx-h100")
     cfg = ParallelConfig(tp=1, dp=8, ep=8, micro_batch=1, zero=1, recompute="none")
     with_it = estimate_step(m, cluster, 8, 64, 4096, cfg).step_time_s
-    orig = (step_mod.PERMUTE_BYTES_PER_COPY_H, step_mod.PERMUTE_BYTES_PER_TOKEN_H)
+    # The constants live with the layer model (gpuyard.fabric.step_layer), which reads them.
+    orig = (step_layer.PERMUTE_BYTES_PER_COPY_H, step_layer.PERMUTE_BYTES_PER_TOKEN_H)
     step_mod.clear_caches()
     try:
-        step_mod.PERMUTE_BYTES_PER_COPY_H, step_mod.PERMUTE_BYTES_PER_TOKEN_H = 0, 0
+        step_layer.PERMUTE_BYTES_PER_COPY_H, step_layer.PERMUTE_BYTES_PER_TOKEN_H = 0, 0
         without = estimate_step(m, cluster, 8, 64, 4096, cfg).step_time_s
     finally:
-        step_mod.PERMUTE_BYTES_PER_COPY_H, step_mod.PERMUTE_BYTES_PER_TOKEN_H = orig
+        step_layer.PERMUTE_BYTES_PER_COPY_H, step_layer.PERMUTE_BYTES_PER_TOKEN_H = orig
         step_mod.clear_caches()
     assert with_it > without * 1.005
 

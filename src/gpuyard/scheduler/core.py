@@ -455,9 +455,9 @@ class SchedulerCore:
         stops = [Stop(jid, StopReason.PREEMPT, why) for jid in decision.preempt]
         starts = self._elastic_starts(cluster, decision.starts, len(queue))
         waiting = self._why_waiting(cluster, queue, starts, decision.waits) if explain else {}
-        first = next(queue.ordered())
-        started = {j.id for j, _ in starts} | set(decision.waits)
-        if enabled and elastic and first.id not in started and not decision.preempt and first.share is None:
+        first = next(queue.ordered()) if enabled and elastic and not decision.preempt else None
+        started = {j.id for j, _ in starts} | set(decision.waits) if first is not None else set()
+        if first is not None and first.id not in started and first.share is None:
             after = cluster.copy()  # with this decision's starts taken
             for _, placement in starts:
                 after.take(placement)

@@ -247,6 +247,8 @@ class _Replay:
         """Let the core decide at ``now``, and carry out its plan; again at once after a resize (the
         resized job is queued and starts at its new size, as on the server's next tick)."""
         for _ in range(3):
+            if not self.queue and not self.elastic_running:
+                return  # nothing waits and nothing could grow
             check = self.policy.preemptive and now >= self.next_check
             free = self.state.free_gpus
             if self.queue:
@@ -284,6 +286,8 @@ class _Replay:
     def _may_shrink(self, now: float, free: int) -> bool:
         """Whether shrinking the running elastic jobs to their minimum could free enough GPUs for the
         first queued job (else the core's shrink pass would plan nothing: not asked)."""
+        if not self.elastic_running:
+            return False
         spare = sum(r.alloc - r.bounds[0] for r in self._due(now) if r.bounds is not None)
         return spare > 0 and free + spare >= next(self.queue.ordered()).gpus
 

@@ -46,6 +46,7 @@ from gpuyard.scheduler.queue import QueuedJob
 from gpuyard.scheduler.records import ACTIVE, job_doc, move
 from gpuyard.scheduler.recovery import Recovery
 from gpuyard.scheduler.spec import JobSpec, JobState, WorkloadSpec
+from gpuyard.scheduler.stragglers import Stragglers
 from gpuyard.settings import load_settings
 from gpuyard.store.db import Store
 from gpuyard.store.tables.jobs import JobEventRow, JobRow
@@ -100,11 +101,11 @@ class ServiceConfig:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
 
-class JobService(ExitHandling, Recovery, Launching):
+class JobService(ExitHandling, Recovery, Launching, Stragglers):
     """Jobs on one cluster view, one policy and one executor, recorded in ``store``: a driver of the
     scheduling core (:mod:`gpuyard.scheduler.core`), which decides; this reads the jobs, carries out
-    what it decides and records it. Reaping and exit handling, recovery and launching live in
-    :mod:`.exits`, :mod:`.recovery` and :mod:`.launching`.
+    what it decides and records it. Reaping and exit handling, recovery, launching and straggler
+    restarts live in :mod:`.exits`, :mod:`.recovery`, :mod:`.launching` and :mod:`.stragglers`.
 
     ``role`` (``server`` or ``in-process``) is recorded with the scheduler lease and shown to a
     service that is refused it.
@@ -446,64 +447,6 @@ class JobService(ExitHandling, Recovery, Launching):
                         raise ConflictError(f"job {doc['id']}'s log: {exc}") from None
                 return root, rel, {os.geteuid()}
         return os.path.dirname(path), os.path.basename(path), {os.geteuid()}
-
-    def report_straggler(self, job_id: int, report: dict[str, Any]) -> dict[str, Any]:
-        """A running job's launcher names a rank that stays slower (``gpuyard.train.straggler``).
-
-        The report becomes an event on the job. With ``on_straggler: restart`` the job is also stopped
-        (SIGTERM: it checkpoints) and requeued to run without that rank's node, when the node is one of
-        the job's, the job spans other GPUs it could use, and a placement of its size without that node
-        (and the nodes it already avoids) is free now counting its own GPUs elsewhere; else the event
-        says why it stays.
-
-        Args:
-            report: ``rank``, ``node`` (the scheduler's name of the rank's node), ``cause`` (data,
-                compute or link), ``slowdown`` (x the other ranks' median) and ``step``.
-
-        Returns:
-            ``{"restarting": bool, "reason": str}``.
-        """
-        node = str(report["node"])
-        what = (
-            f"straggler: rank {report['rank']} on node {node} is {float(report['slowdown']):.2f}x slower "
-            f"than the median rank (cause: {report['cause']}) at step {report['step']}"
-        )
-        with self._lock, self._stop_after() as s:
-            row = self._row(s, job_id)
-            restart, why = self._straggler_restart(s, row, node)
-            if restart:
-                row.avoid_nodes = sorted({*(row.avoid_nodes or []), node})
-                self._request_stop(row, StopReason.STRAGGLER)
-            note = f"{what}; {why}"
-            s.add(
-                JobEventRow(job_id=job_id, from_state=row.state, to_state=row.state, reason=note, data=report)
-            )
-        if restart:
-            self.wake.set()
-        return {"restarting": restart, "reason": note}
-
-    def _straggler_restart(self, s: Session, row: JobRow, node: str) -> tuple[bool, str]:
-        """Whether to restart ``row`` without ``node`` now, and why (not)."""
-        if row.spec.get("on_straggler", "report") != "restart":
-            return False, "reported (on_straggler: report)"
-        if row.state != JobState.RUNNING.value or row.stop_requested:
-            return (
-                False,
-                f"not restarted: the job is {row.state}{' and stopping' if row.stop_requested else ''}",
-            )
-        job = self._view(row)
-        if node not in job.on_nodes() or node not in self._node_index:
-            return False, f"not restarted: node {node} is not one of the job's"
-        self.core.hold(self.state, self._views(s))
-        work = self.state.copy()
-        work.release(self.core.running(job, time.time()).placement)
-        avoid = {self._node_index[n] for n in job.avoid_nodes if n in self._node_index}
-        work.drain_more(avoid | {self._node_index[node]})
-        res = job.spec.resources
-        need = job.sizes[0]  # an elastic job: its smallest size
-        if place(work, need, res.gpu_type, res.cpus, self.executor.multi_node) is None:
-            return False, f"not restarted: no placement of {need} GPUs without node {node} is free now"
-        return True, f"restarting without node {node} (checkpoint, requeue)"
 
     def dry_run(self, spec: JobSpec) -> dict[str, Any]:
         """What launching ``spec`` would do now: checks, placement on the current free GPUs, launch plan."""

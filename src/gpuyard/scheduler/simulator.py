@@ -220,6 +220,7 @@ class _Replay:
         self.next_check = 0.0
         self.elastic_running: set[int] = set()  # running jobs with a size range
         self.estimates: dict[tuple[str, str, int], float] = {}  # history's estimates, until a job ends
+        self.elastic_seen: dict[int, tuple[int, ElasticJob]] = {}  # job -> (its run's version, record)
 
     def run(self, arrivals: list[_Run]) -> None:
         nxt, ends, queue = 0, self.ends, self.queue
@@ -302,20 +303,24 @@ class _Replay:
 
     def _resizable(self, now: float) -> list[ElasticJob]:
         """The running elastic jobs the resize rules may touch now, as they see them (their work left
-        from history)."""
-        out = []
+        from history). Only a grow reads the work left: while jobs wait (a shrink pass), each job's
+        record from its last grow pass or start is taken again rather than built anew."""
+        out, grow = [], not self.queue
         for run in self._due(now):
+            cached = self.elastic_seen.get(run.job.id)
+            if not grow and cached is not None and cached[0] == run.version:
+                out.append(cached[1])
+                continue
             held, j = self.running[run.job.id], run.job
             key = (j.team, j.user, run.alloc)
             estimate = self.estimates.get(key)
             if estimate is None:
                 estimate = self.estimates[key] = self.core.estimator.estimate(*key)
             ran = run.attained + now - held.started_at
-            out.append(
-                ElasticJob(
-                    j.id, run.alloc, run.sizes, held.placement, held.started_at, work_left(estimate, ran)
-                )
-            )
+            left = work_left(estimate, ran)
+            job = ElasticJob(j.id, run.alloc, run.sizes, held.placement, held.started_at, left)
+            self.elastic_seen[j.id] = (run.version, job)
+            out.append(job)
         return out
 
     def _start(self, run: _Run, placement: Placement, now: float) -> None:
@@ -360,6 +365,7 @@ class _Replay:
     def _finish(self, run: _Run, now: float) -> None:
         self.state.release(self.running.pop(run.job.id).placement)
         self.elastic_running.discard(run.job.id)
+        self.elastic_seen.pop(run.job.id, None)
         _account(run, now - run.started_at, run.remaining, self.config)
         run.finish = now
         self.core.estimator.observe(run.job.team, run.job.user, run.job.gpus, run.job.duration)

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -27,13 +27,19 @@ from gpuyard.store.base import utcnow
 from gpuyard.store.db import Store
 from gpuyard.store.tables.jobs import JobEventRow, JobRow
 
-if TYPE_CHECKING:
-    from gpuyard.scheduler.service import ServiceConfig
-
 log = logging.getLogger("gpuyard.scheduler.service")
 
 # Below this many free bytes a filesystem counts as full (a few pages: SQLite and small files fail).
 FULL_BELOW_BYTES = 1 << 20
+
+
+class GraceConfig(Protocol):
+    """What reaping reads of the service's configuration."""
+
+    @property
+    def grace_s(self) -> float:
+        """Seconds from SIGTERM to SIGKILL."""
+        ...
 
 
 class ExitHandling:
@@ -42,7 +48,7 @@ class ExitHandling:
 
     store: Store
     executor: Executor
-    config: ServiceConfig
+    config: GraceConfig
     estimator: RuntimeEstimator
     _ended_seen: dict[int, tuple[datetime, str | None]]
     _stops: list[tuple[int, dict[str, Any]]]

@@ -111,6 +111,8 @@ class JobService(ExitHandling, Recovery, Launching, Stragglers):
     service that is refused it.
     """
 
+    config: ServiceConfig
+
     def __init__(
         self,
         store: Store,
@@ -624,7 +626,10 @@ class JobService(ExitHandling, Recovery, Launching, Stragglers):
     def _views(self, s: Session) -> list[JobView]:
         """Every job not over yet (queued, scheduled, running), in one query."""
         live = (JobState.QUEUED.value, *ACTIVE)
-        return [self._view(r) for r in s.scalars(select(JobRow).where(JobRow.state.in_(live)))]
+        views = [self._view(r) for r in s.scalars(select(JobRow).where(JobRow.state.in_(live)))]
+        for gone in self._specs.keys() - {v.id for v in views}:  # over (or cancelled) since: dropped
+            self._forget(gone)
+        return views
 
     def _view(self, row: JobRow) -> JobView:
         """The core's view of ``row``; its spec is parsed and its sizes are read once per job."""

@@ -27,7 +27,7 @@ else:  # pragma: no cover - Python 3.10 has no StrEnum
             return str(self.value).__format__(spec)
 
 
-__all__ = ["DeploymentState", "ModelStage", "RunStatus", "StrEnum", "TrainOutcome"]
+__all__ = ["DeploymentState", "ModelStage", "RunStatus", "StrEnum", "TrainOutcome", "straggler_measured"]
 
 
 class RunStatus(StrEnum):
@@ -108,3 +108,15 @@ class ModelStage(StrEnum):
     STAGING = "staging"
     PRODUCTION = "production"
     ARCHIVED = "archived"
+
+
+def straggler_measured(cause: str, slowdown: float) -> str:
+    """What a straggler's ``slowdown`` measured, in words: its own work's time against the other ranks'
+    median (cause data or compute), or, for cause ``link``, its wait in collectives against theirs
+    (no rank was slower at its own work: the rank is not slower, it waits longer)."""
+    if cause == "link":
+        return (
+            f"it waits {slowdown:.2f}x as long in collectives as the other ranks' median while no rank "
+            "is slower at its own work (its link or transfers are suspect)"
+        )
+    return f"its own work ({cause} the larger excess) takes {slowdown:.2f}x the other ranks' median"

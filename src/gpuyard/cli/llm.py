@@ -74,7 +74,7 @@ def eval_cmd(
 ) -> None:
     """Perplexity over every sequence of a token dataset (loss and tokens counted exactly), and greedy
     generations of a fixed set of prompts; both are stored with a registered model (`gpuyard runs show`)."""
-    from gpuyard.cli.data import progress_reporter
+    from gpuyard.cli.progress import progress_reporter
     from gpuyard.models.llm import evaluate_lm
 
     settings = {"prompts": prompt or None, "count": samples, "max_new_tokens": sample_tokens}

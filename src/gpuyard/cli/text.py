@@ -103,7 +103,7 @@ def register_text(app: typer.Typer) -> None:
 
         Prints how many records were over --seq-len tokens and what became of them (--over-length).
         """
-        from gpuyard.cli.data import progress_reporter
+        from gpuyard.cli.progress import progress_reporter
         from gpuyard.data.tokens import tokenize
 
         with progress_reporter(not as_json) as report:

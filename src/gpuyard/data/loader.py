@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,7 +40,7 @@ from gpuyard.data.augment import augment, batch_generator
 from gpuyard.data.cache import ShardCache
 from gpuyard.data.columns import tensor_to_numpy
 from gpuyard.data.dataset import DatasetVersion, open_dataset, shard_location
-from gpuyard.data.loader_threads import iter_shipments
+from gpuyard.data.loader_threads import OPEN_GROUPS, RowGroups, iter_shipments
 from gpuyard.data.recipe import Augment
 from gpuyard.data.shards import open_parquet, row_group_bounds
 from gpuyard.errors import ConfigError, IntegrityError
@@ -54,8 +53,6 @@ SIZES_KEY = "_sizes"
 SHIPMENT_ROWS = 8192
 # Shards a reader keeps open at once (least recently used beyond that are closed).
 OPEN_SHARDS = 4
-# Decoded row groups a reader keeps (blocks often straddle one); thread workers share this many each.
-OPEN_GROUPS = 4
 # "process": DataLoader worker processes; "thread": threads in this process (see loader_threads).
 WORKER_MODES = ("process", "thread")
 Batch = dict[str, Any]
@@ -130,41 +127,6 @@ def topology(rank: int | None = None, world_size: int | None = None) -> tuple[in
     if not 0 <= found[0] < found[1]:
         raise ConfigError(f"rank {found[0]} is outside world size {found[1]}")
     return found
-
-
-class RowGroups:
-    """Decoded row groups by (shard, row group), the least recently used beyond ``capacity`` dropped.
-
-    The thread workers of an epoch share one: a row group that two workers' ranges straddle is
-    decoded once, by the first to ask (with its own open file), while the others wait for it.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._lock = threading.Lock()
-        self._items: OrderedDict[tuple[int, int], Future[pa.Table]] = OrderedDict()
-
-    def get(self, key: tuple[int, int], decode: Callable[[int], pa.Table], group: int) -> pa.Table:
-        """The row group ``key``, decoded by ``decode(group)`` unless another reader has it or is at it."""
-        with self._lock:
-            found = self._items.get(key)
-            mine = found is None
-            if found is None:
-                found = self._items[key] = Future()
-                while len(self._items) > self.capacity:
-                    self._items.popitem(last=False)
-            else:
-                self._items.move_to_end(key)
-        if mine:
-            try:
-                found.set_result(decode(group))
-            except BaseException as exc:  # every reader waiting for it raises the same error
-                found.set_exception(exc)
-                with self._lock:
-                    if self._items.get(key) is found:
-                        del self._items[key]
-                raise
-        return found.result()
 
 
 class ShardDataset(IterableDataset[Batch]):

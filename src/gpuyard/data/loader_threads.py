@@ -18,10 +18,51 @@ from __future__ import annotations
 import copy
 import queue
 import threading
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
+import pyarrow as pa
+
 _DONE = object()
+# Decoded row groups a reader keeps (blocks often straddle one); thread workers share this many each.
+OPEN_GROUPS = 4
+
+
+class RowGroups:
+    """Decoded row groups by (shard, row group), the least recently used beyond ``capacity`` dropped.
+
+    The thread workers of an epoch share one: a row group that two workers' ranges straddle is
+    decoded once, by the first to ask (with its own open file), while the others wait for it.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._items: OrderedDict[tuple[int, int], Future[pa.Table]] = OrderedDict()
+
+    def get(self, key: tuple[int, int], decode: Callable[[int], pa.Table], group: int) -> pa.Table:
+        """The row group ``key``, decoded by ``decode(group)`` unless another reader has it or is at it."""
+        with self._lock:
+            found = self._items.get(key)
+            mine = found is None
+            if found is None:
+                found = self._items[key] = Future()
+                while len(self._items) > self.capacity:
+                    self._items.popitem(last=False)
+            else:
+                self._items.move_to_end(key)
+        if mine:
+            try:
+                found.set_result(decode(group))
+            except BaseException as exc:  # every reader waiting for it raises the same error
+                found.set_exception(exc)
+                with self._lock:
+                    if self._items.get(key) is found:
+                        del self._items[key]
+                raise
+        return found.result()
 
 
 class _Worker:
@@ -79,8 +120,6 @@ def iter_shipments(
         first: the logical worker due first.
         depth: shipments each thread may prepare ahead (DataLoader's ``prefetch_factor``).
     """
-    from gpuyard.data.loader import OPEN_GROUPS, RowGroups
-
     span = ds.ship_batches * ds.batch_rows
     groups = RowGroups(OPEN_GROUPS * workers)
     pool = [

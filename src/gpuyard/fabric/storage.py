@@ -25,33 +25,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from gpuyard.errors import ConfigError, NotFoundError
 from gpuyard.fabric.models import ModelSpec
+from gpuyard.fabric.storage_tier import StorageTier
 from gpuyard.textfiles import parse_yaml, read_text
 
 GB = 1e9
 MAX_TIER_FILE_BYTES = 64 * 1024
 MAX_CALIBRATION_FILE_BYTES = 16 * 1024 * 1024
-
-
-class StorageTier(BaseModel):
-    """One storage tier as its source describes it (GB/s are 1e9 bytes per second)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(min_length=1, max_length=64)
-    kind: Literal["local-nvme", "parallel-fs", "object-store"]
-    read_GBps_per_node: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    write_GBps_per_node: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    read_GBps_aggregate: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    write_GBps_aggregate: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    latency_ms: float = Field(default=0.0, ge=0, le=60_000, allow_inf_nan=False)
-    gpudirect: bool = False  # GPUDirect Storage: reads DMA into GPU memory without a host bounce
-    source: str = Field(min_length=1, max_length=2000)
 
 
 # Tiers with published figures. Each states only what its source states.

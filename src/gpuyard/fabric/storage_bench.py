@@ -44,7 +44,7 @@ from urllib.parse import unquote, urlparse
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuyard.errors import ConfigError
-from gpuyard.fabric.storage import StorageTier
+from gpuyard.fabric.storage_tier import StorageTier
 
 MIN_SIZE = 1 << 20  # 1 MiB: below this a rate is a measurement of system-call overhead
 MAX_SIZE = 64 << 30  # 64 GiB: bounded, whatever a member asks

@@ -126,7 +126,8 @@ def largest_fit(
     multi_node: bool,
 ) -> Placement | None:
     """A placement for the largest of ``sizes`` that fits ``state`` now, or None."""
-    for size in sorted(sizes, reverse=True):
+    free = state.free_gpus  # more than that never fits: not tried
+    for size in sorted((s for s in sizes if s <= free), reverse=True):
         p = place(state, size, gpu_type, multi_node=multi_node)
         if p is not None:
             return p
@@ -147,7 +148,10 @@ def plan_grows(
     """
     work, out = state.copy(), []
     for job in sorted(jobs, key=lambda j: (-j.remaining_s, j.id)):
-        bigger = [s for s in job.sizes if s > job.gpus]
+        idle = work.free_gpus
+        if idle <= 0:
+            break  # no idle GPU left to grow into
+        bigger = [s for s in job.sizes if job.gpus < s <= job.gpus + idle]
         if not bigger or now - job.started_at < config.interval_s:
             continue
         trial = work.copy()
@@ -186,6 +190,8 @@ def plan_shrinks(
         (j for j in jobs if j.sizes[0] < j.gpus and now - j.started_at >= config.interval_s),
         key=lambda j: (-j.gpus, j.id),
     )
+    if state.free_gpus + sum(j.gpus - j.sizes[0] for j in eligible) < need:
+        return []  # even shrinking every one of them to its minimum would not be enough
     chosen: dict[int, int] = {}
     by_id = {j.id: j for j in eligible}
     for job in eligible:

@@ -32,6 +32,8 @@ class QueuedJob:
         workload: a ``gpuyard.fabric.placement_cost.Workload`` for fabric-aware placement, or None.
         share: part of one GPU or MIG slices (then ``gpus`` is 0), or None for whole GPUs.
         avoid: indices of nodes it must not be placed on (where a straggler of it ran).
+        sizes: an elastic job's allowed sizes, ascending (``gpus`` is the smallest); () when rigid.
+        resize_to: the size an elastic job was resized to (it restarts at that size when it fits).
     """
 
     id: int
@@ -49,6 +51,8 @@ class QueuedJob:
     workload: Any = None
     share: GpuShare | None = None
     avoid: frozenset[int] = frozenset()
+    sizes: tuple[int, ...] = ()
+    resize_to: int | None = None
 
 
 @dataclass(frozen=True)

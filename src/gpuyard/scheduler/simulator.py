@@ -20,9 +20,11 @@ from typing import Any
 import numpy as np
 
 from gpuyard.errors import CapacityError, ConfigError
+from gpuyard.scheduler.core import SchedulerCore, StopReason, work_left
+from gpuyard.scheduler.elastic import ElasticConfig, ElasticJob
 from gpuyard.scheduler.estimator import RuntimeEstimator
 from gpuyard.scheduler.fabric_placement import FabricPlacer, shape_of
-from gpuyard.scheduler.placement import ClusterState, NodeSpec, Placement, place
+from gpuyard.scheduler.placement import ClusterState, NodeSpec, Placement
 from gpuyard.scheduler.policies import Policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
 from gpuyard.scheduler.trace import TraceJob
@@ -75,7 +77,8 @@ class _Run:
     alloc: int = 0  # GPUs it holds now (an elastic job's change)
     bounds: tuple[int, int] | None = None  # an elastic job's (min, max) GPUs
     resizes: int = 0
-    resized_at: float = -math.inf
+    resize_to: int | None = None  # the size a resize restarts it at
+    sizes: tuple[int, ...] = ()  # an elastic job's sizes: every one of its range
     productive: float = 0.0  # wall seconds whose progress was kept (at its speed, on its placement)
     lost_gpu_s: float = 0.0  # GPU-seconds held without kept progress: restarts, lost work, stalls
     first_start: float = math.nan
@@ -135,7 +138,9 @@ def simulate(
     fabric: Any = None,
     elastic: dict[int, tuple[int, int]] | None = None,
 ) -> SimResult:
-    """Replay ``trace`` on ``nodes`` under ``policy``.
+    """Replay ``trace`` on ``nodes`` under ``policy``: the scheduling core the server runs
+    (:class:`gpuyard.scheduler.core.SchedulerCore`) decides on a virtual clock, and a fake executor
+    carries out its plans (a start holds GPUs until the job's end or failure event; a stop is at once).
 
     Jobs larger than the whole cluster are counted as rejected (the server refuses them at submit).
 
@@ -147,11 +152,11 @@ def simulate(
         workloads: job id -> ``gpuyard.fabric.placement_cost.Workload``; jobs of this map run slower
             on placements the fabric model predicts slower than their consolidated one.
         fabric: the fabric cluster of ``nodes`` (needed with ``workloads``).
-        elastic: job id -> (min, max) GPUs of the jobs that may grow and shrink. Such a job is queued
-            at its minimum; when nothing waits it grows into idle GPUs (the job with the most work
-            left first), and it shrinks toward its minimum so that the first queued job can start.
-            A resize is a checkpoint on demand (no work lost) and a restart at the new size; a job
-            is resized at most once per ``preempt_check_s``.
+        elastic: job id -> (min, max) GPUs of the jobs that may grow and shrink, by the server's rules
+            (:mod:`gpuyard.scheduler.elastic`, every size of the range allowed; ``preempt_check_s`` is
+            the least time between a job's start and its resize, ``restart_overhead_s`` a restart's
+            cost). A resize is a checkpoint on demand (no work lost), a requeue and a restart at the
+            new size.
 
     Raises:
         CapacityError: no job of the trace fits on the cluster.
@@ -161,7 +166,6 @@ def simulate(
     workloads = workloads or {}
     if workloads and fabric is None:
         raise ConfigError("simulating workloads needs the fabric cluster of the nodes")
-    costs = FabricPlacer(fabric) if workloads else None
     state = ClusterState(nodes)
     total = state.total_gpus
     runs = {j.id: _Run(j, j.duration) for j in trace if 0 < j.gpus <= total}
@@ -170,102 +174,202 @@ def simulate(
             if not 1 <= low <= high:
                 raise ConfigError(f"elastic job {jid}: bounds {low}..{high} are not 1 <= min <= max")
             runs[jid].bounds = (low, min(high, total))
+            runs[jid].sizes = tuple(range(low, min(high, total) + 1))
     if not runs:
         raise CapacityError(f"no job of the trace fits on {total} GPUs")
-    arrivals = sorted(runs.values(), key=lambda r: (r.job.submit, r.job.id))
-    queue = JobQueue(policy.key)
-    estimator = RuntimeEstimator()
-    running: dict[int, RunningJob] = {}
-    # (time, job id, version, failed): lazy deletion on preemption; failed: a failure, not the end
-    ends: list[tuple[float, int, int, bool]] = []
-    rng = np.random.default_rng(config.failure_seed)
-    preemptions, failures, nxt, next_check = 0, 0, 0, 0.0
-    waited: set[int] = set()
-    now = 0.0
+    resizing = ElasticConfig(
+        enabled=bool(elastic),
+        interval_s=config.preempt_check_s,
+        restart_cost_s=config.restart_overhead_s,
+        alpha=config.elastic_alpha,
+    )
+    core = SchedulerCore(nodes, policy, RuntimeEstimator(), resizing)
+    replay = _Replay(core, state, runs, config, workloads, FabricPlacer(fabric) if workloads else None)
+    replay.run(sorted(runs.values(), key=lambda r: (r.job.submit, r.job.id)))
+    result = _result(policy.name, list(runs.values()), len(trace) - len(runs), total, replay.preemptions)
+    result.fabric_waits, result.failures = len(replay.waited), replay.failures
+    result.elastic_jobs = sum(r.bounds is not None for r in runs.values())
+    result.resizes = sum(r.resizes for r in runs.values())
+    return result
 
-    def start(run: _Run, placement: Placement, at: float, estimate: float) -> None:
-        """Run ``run`` on ``placement`` from ``at``: its end (or failure) event goes on the heap."""
-        state.take(placement)
-        run.alloc = placement.gpus
-        run.started_at, run.version = at, run.version + 1
+
+class _Replay:
+    """The simulator's driver of the core: a virtual clock (the next submission, end, failure or
+    resize check) and a fake executor (GPUs held in ``state``, ends on a heap)."""
+
+    def __init__(
+        self,
+        core: SchedulerCore,
+        state: ClusterState,
+        runs: dict[int, _Run],
+        config: SimConfig,
+        workloads: dict[int, Any],
+        costs: FabricPlacer | None,
+    ) -> None:
+        self.core, self.state, self.runs, self.config = core, state, runs, config
+        self.workloads, self.costs = workloads, costs
+        self.policy = core.policy
+        self.queue = JobQueue(core.policy.key)
+        self.running: dict[int, RunningJob] = {}
+        # (time, job id, version, failed): lazy deletion on a stop; failed: a failure, not the end;
+        # job id -1: a resize check (an elastic job's interval since its start is over).
+        self.ends: list[tuple[float, int, int, bool]] = []
+        self.rng = np.random.default_rng(config.failure_seed)
+        self.preemptions = self.failures = 0
+        self.waited: set[int] = set()
+        self.next_check = 0.0
+        self.elastic_running: set[int] = set()  # running jobs with a size range
+        self.estimates: dict[tuple[str, str, int], float] = {}  # history's estimates, until a job ends
+        self.elastic_seen: dict[int, tuple[int, ElasticJob]] = {}  # job -> (its run's version, record)
+
+    def run(self, arrivals: list[_Run]) -> None:
+        nxt, ends, queue = 0, self.ends, self.queue
+        while nxt < len(arrivals) or ends:
+            now = min(
+                arrivals[nxt].job.submit if nxt < len(arrivals) else math.inf,
+                ends[0][0] if ends else math.inf,
+            )
+            while ends and ends[0][0] <= now:
+                _, jid, version, failed = heapq.heappop(ends)
+                if jid < 0 or version != self.runs[jid].version:
+                    continue
+                if failed:
+                    self.failures += 1
+                    self._stop(self.runs[jid], now, keep_all=False)
+                    self.runs[jid].failures += 1
+                    continue
+                self._finish(self.runs[jid], now)
+            while nxt < len(arrivals) and arrivals[nxt].job.submit <= now:
+                queue.add(_queued(arrivals[nxt], self.core.estimator, now, self.workloads))
+                nxt += 1
+            self._tick(now)
+
+    def _tick(self, now: float) -> None:
+        """Let the core decide at ``now``, and carry out its plan; again at once after a resize (the
+        resized job is queued and starts at its new size, as on the server's next tick)."""
+        for _ in range(3):
+            if not self.queue and not self.elastic_running:
+                return  # nothing waits and nothing could grow
+            check = self.policy.preemptive and now >= self.next_check
+            free = self.state.free_gpus
+            if self.queue:
+                if not (free >= self.queue.min_gpus() or check or self._may_shrink(now, free)):
+                    return
+            elif free <= 0 or not self._due(now):
+                return
+            elastic = self._resizable(now) if self.elastic_running else []
+            if check and self.queue:
+                self.next_check = now + self.config.preempt_check_s
+            plan = self.core.decide(
+                self.state,
+                self.queue,
+                list(self.running.values()),
+                elastic,
+                now,
+                preempt=check,
+                explain=False,
+            )
+            self.waited.update(plan.waits)
+            for stop in plan.stops:
+                run = self.runs[stop.job]
+                if stop.reason is StopReason.RESIZE:
+                    run.resizes += 1
+                    self._stop(run, now, keep_all=True, resize_to=stop.gpus)
+                else:
+                    self.preemptions += 1
+                    run.preemptions += 1
+                    self._stop(run, now, keep_all=False)
+            for start in plan.starts:
+                self._start(self.runs[start.job], start.placement, now)
+            if not plan.resizes:
+                return
+
+    def _may_shrink(self, now: float, free: int) -> bool:
+        """Whether shrinking the running elastic jobs to their minimum could free enough GPUs for the
+        first queued job (else the core's shrink pass would plan nothing: not asked)."""
+        if not self.elastic_running:
+            return False
+        spare = sum(r.alloc - r.bounds[0] for r in self._due(now) if r.bounds is not None)
+        return spare > 0 and free + spare >= next(self.queue.ordered()).gpus
+
+    def _due(self, now: float) -> list[_Run]:
+        """The running elastic jobs past their interval since their start (the others are not resized)."""
+        interval = self.core.elastic.interval_s
+        return [
+            self.runs[jid]
+            for jid in sorted(self.elastic_running)
+            if now - self.running[jid].started_at >= interval
+        ]
+
+    def _resizable(self, now: float) -> list[ElasticJob]:
+        """The running elastic jobs the resize rules may touch now, as they see them (their work left
+        from history). Only a grow reads the work left: while jobs wait (a shrink pass), each job's
+        record from its last grow pass or start is taken again rather than built anew."""
+        out, grow = [], not self.queue
+        for run in self._due(now):
+            cached = self.elastic_seen.get(run.job.id)
+            if not grow and cached is not None and cached[0] == run.version:
+                out.append(cached[1])
+                continue
+            held, j = self.running[run.job.id], run.job
+            key = (j.team, j.user, run.alloc)
+            estimate = self.estimates.get(key)
+            if estimate is None:
+                estimate = self.estimates[key] = self.core.estimator.estimate(*key)
+            ran = run.attained + now - held.started_at
+            left = work_left(estimate, ran)
+            job = ElasticJob(j.id, run.alloc, run.sizes, held.placement, held.started_at, left)
+            self.elastic_seen[j.id] = (run.version, job)
+            out.append(job)
+        return out
+
+    def _start(self, run: _Run, placement: Placement, now: float) -> None:
+        """Run ``run`` on ``placement`` from ``now``: its end (or failure) event goes on the heap."""
+        qjob = self.queue.remove(run.job.id)
+        _slowdown(run, placement, self.state, self.costs, self.workloads.get(run.job.id))
+        if math.isnan(run.first_start):
+            run.first_start = now
+        # An oracle policy knows the true remaining time of what runs (srtf-oracle preempts by it);
+        # every other policy sees the history estimate.
+        estimate = run.remaining if self.policy.needs_oracle else qjob.estimate - qjob.attained
+        config = self.config
+        self.state.take(placement)
+        run.alloc, run.resize_to = placement.gpus, None
+        run.started_at, run.version = now, run.version + 1
         speed = _speed(run, config)
-        running[run.job.id] = RunningJob(
+        self.running[run.job.id] = RunningJob(
             run.job.id,
             run.alloc,
             run.job.team,
             run.job.priority,
-            at,
-            at + max(estimate, 1.0) * run.ratio / speed,
+            now,
+            now + max(estimate, 1.0) * run.ratio / speed,
             placement,
             attained=run.attained,
         )
-        end = at + run.overhead + run.remaining * run.ratio * config.stall_factor / speed
-        fail = _failure_time(config, run.alloc, at, rng)
-        heapq.heappush(ends, (min(end, fail), run.job.id, run.version, fail < end))
+        end = now + run.overhead + run.remaining * run.ratio * config.stall_factor / speed
+        fail = _failure_time(config, run.alloc, now, self.rng)
+        heapq.heappush(self.ends, (min(end, fail), run.job.id, run.version, fail < end))
+        if run.bounds is not None and run.bounds[0] < run.bounds[1]:
+            self.elastic_running.add(run.job.id)
+            heapq.heappush(self.ends, (now + config.preempt_check_s, -1, 0, False))  # resize check
 
-    def resize(run: _Run, gpus: int, at: float) -> bool:
-        """Checkpoint ``run`` on demand and restart it on ``gpus`` GPUs (False: no room, nothing done)."""
-        held = running[run.job.id]
-        state.release(held.placement)
-        placement = place(state, gpus, held.gpu_type)
-        if placement is None:
-            state.take(held.placement)
-            return False
-        del running[run.job.id]
-        _stop(run, at, config, keep_all=True)
-        run.resizes, run.resized_at = run.resizes + 1, at
-        start(run, placement, at, run.remaining)
-        return True
+    def _stop(self, run: _Run, now: float, keep_all: bool, resize_to: int | None = None) -> None:
+        """Stop a running job (preempted, failed, or resized with ``keep_all``): queued again."""
+        self.state.release(self.running.pop(run.job.id).placement)
+        self.elastic_running.discard(run.job.id)
+        _stop(run, now, self.config, keep_all=keep_all)
+        run.resize_to = resize_to
+        self.queue.add(_queued(run, self.core.estimator, now, self.workloads))
 
-    while nxt < len(arrivals) or ends:
-        now = min(
-            arrivals[nxt].job.submit if nxt < len(arrivals) else math.inf, ends[0][0] if ends else math.inf
-        )
-        while ends and ends[0][0] <= now:
-            _, jid, version, failed = heapq.heappop(ends)
-            run = runs[jid]
-            if version != run.version:
-                continue
-            if failed:
-                failures += 1
-                _preempt(run, running.pop(jid), state, queue, estimator, now, config, workloads, failed=True)
-                continue
-            state.release(running.pop(jid).placement)
-            _account(run, now - run.started_at, run.remaining, config)
-            run.finish = now
-            estimator.observe(run.job.team, run.job.user, run.job.gpus, run.job.duration)
-        while nxt < len(arrivals) and arrivals[nxt].job.submit <= now:
-            queue.add(_queued(arrivals[nxt], estimator, now, workloads))
-            nxt += 1
-        if queue and elastic:
-            _shrink_for_first(queue, _resizable(runs, running, now, config), state.free_gpus, now, resize)
-        if queue:
-            check = policy.preemptive and now >= next_check
-            if state.free_gpus >= queue.min_gpus() or check:
-                if check:
-                    next_check = now + config.preempt_check_s
-                decision = policy.decide(state, queue, list(running.values()), now, preempt=check)
-                waited.update(decision.waits)
-                for jid in decision.preempt:
-                    preemptions += 1
-                    _preempt(runs[jid], running.pop(jid), state, queue, estimator, now, config, workloads)
-                for qjob, placement in decision.starts:
-                    queue.remove(qjob.id)
-                    run = runs[qjob.id]
-                    _slowdown(run, placement, state, costs, workloads.get(qjob.id))
-                    if math.isnan(run.first_start):
-                        run.first_start = now
-                    # An oracle policy knows the true remaining time of what runs (srtf-oracle
-                    # preempts by it); every other policy sees the history estimate.
-                    expect = run.remaining if policy.needs_oracle else qjob.estimate - qjob.attained
-                    start(run, placement, now, expect)
-        if elastic and not queue and state.free_gpus:
-            _grow(_resizable(runs, running, now, config), state, now, config, resize)
-    result = _result(policy.name, list(runs.values()), len(trace) - len(runs), total, preemptions)
-    result.fabric_waits, result.failures = len(waited), failures
-    result.elastic_jobs = sum(r.bounds is not None for r in runs.values())
-    result.resizes = sum(r.resizes for r in runs.values())
-    return result
+    def _finish(self, run: _Run, now: float) -> None:
+        self.state.release(self.running.pop(run.job.id).placement)
+        self.elastic_running.discard(run.job.id)
+        self.elastic_seen.pop(run.job.id, None)
+        _account(run, now - run.started_at, run.remaining, self.config)
+        run.finish = now
+        self.core.estimator.observe(run.job.team, run.job.user, run.job.gpus, run.job.duration)
+        self.estimates.clear()
 
 
 def _speed(run: _Run, config: SimConfig) -> float:
@@ -292,51 +396,6 @@ def _stop(run: _Run, now: float, config: SimConfig, keep_all: bool) -> float:
     run.overhead = config.restart_overhead_s
     run.version += 1  # its pending end event no longer counts
     return saved
-
-
-def _resizable(
-    runs: dict[int, _Run], running: dict[int, RunningJob], now: float, config: SimConfig
-) -> list[tuple[_Run, int, int]]:
-    """The running elastic jobs a resize may touch now (none twice within ``preempt_check_s``),
-    each with its (min, max) GPUs."""
-    out = []
-    for jid in running:
-        run = runs[jid]
-        if run.bounds is not None and now - run.resized_at >= config.preempt_check_s:
-            out.append((run, *run.bounds))
-    return out
-
-
-def _shrink_for_first(
-    queue: JobQueue, elastic: list[tuple[_Run, int, int]], free: int, now: float, resize: Any
-) -> None:
-    """Shrink elastic jobs toward their minimum (largest first) when that lets the first queued job start."""
-    need = next(queue.ordered()).gpus - free
-    spare = [(run, run.alloc - low) for run, low, _ in elastic if run.alloc > low]
-    if need <= 0 or sum(give for _, give in spare) < need:
-        return  # it fits already, or shrinking all of them would not be enough: keep them as they are
-    for run, give in sorted(spare, key=lambda rg: (-rg[0].alloc, rg[0].job.id)):
-        if need <= 0:
-            break
-        give = min(give, need)
-        if resize(run, run.alloc - give, now):
-            need -= give
-
-
-def _grow(
-    elastic: list[tuple[_Run, int, int]], state: ClusterState, now: float, config: SimConfig, resize: Any
-) -> None:
-    """Nothing waits: give idle GPUs to elastic jobs below their maximum, most work left first.
-
-    A job grows only when its work left is worth the restart: more than ten restarts' time.
-    """
-    worth = [(run, high) for run, _, high in elastic if run.remaining > 10 * config.restart_overhead_s]
-    for run, high in sorted(worth, key=lambda rh: (-rh[0].remaining, rh[0].job.id)):
-        more = min(high - run.alloc, state.free_gpus)
-        if state.free_gpus <= 0:
-            break
-        if more > 0:
-            resize(run, run.alloc + more, now)
 
 
 def _failure_time(config: SimConfig, gpus: int, now: float, rng: np.random.Generator) -> float:
@@ -381,28 +440,9 @@ def _queued(run: _Run, estimator: RuntimeEstimator, now: float, workloads: dict[
         attained=run.attained,
         enqueued_at=now,
         workload=workloads.get(j.id),
+        sizes=run.sizes,
+        resize_to=run.resize_to,
     )
-
-
-def _preempt(
-    run: _Run,
-    held: RunningJob,
-    state: ClusterState,
-    queue: JobQueue,
-    estimator: RuntimeEstimator,
-    now: float,
-    config: SimConfig,
-    workloads: dict[int, Any],
-    failed: bool = False,
-) -> None:
-    """Stop a running job (preempted, or ``failed``): it keeps the work of its last checkpoint."""
-    state.release(held.placement)
-    _stop(run, now, config, keep_all=False)
-    if failed:
-        run.failures += 1
-    else:
-        run.preemptions += 1
-    queue.add(_queued(run, estimator, now, workloads))
 
 
 def _result(name: str, runs: list[_Run], rejected: int, total_gpus: int, preemptions: int) -> SimResult:

@@ -41,6 +41,8 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gpuyard.states import straggler_measured as measured
+
 
 @dataclass(frozen=True)
 class StepTimes:
@@ -80,18 +82,6 @@ class Straggler:
             f"data {self.data_s * 1e3:.1f} ms, compute {self.compute_s * 1e3:.1f} ms, "
             f"collective wait {self.collective_s * 1e3:.1f} ms)"
         )
-
-
-def measured(cause: str, slowdown: float) -> str:
-    """What a straggler's ``slowdown`` measured, in words: its own work's time against the other ranks'
-    median (cause data or compute), or, for cause ``link``, its wait in collectives against theirs
-    (no rank was slower at its own work: the rank is not slower, it waits longer)."""
-    if cause == "link":
-        return (
-            f"it waits {slowdown:.2f}x as long in collectives as the other ranks' median while no rank "
-            "is slower at its own work (its link or transfers are suspect)"
-        )
-    return f"its own work ({cause} the larger excess) takes {slowdown:.2f}x the other ranks' median"
 
 
 def others_medians(values: list[float]) -> list[float]:

@@ -324,7 +324,7 @@ def test_progress_is_a_line_every_few_seconds_off_a_terminal_and_nothing_under_j
 
     from rich.console import Console
 
-    from gpuyard.cli.data import progress_reporter
+    from gpuyard.cli.progress import progress_reporter
 
     now = [100.0]
     buf = io.StringIO()

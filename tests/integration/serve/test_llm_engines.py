@@ -159,17 +159,22 @@ def test_greedy_equals_generate_and_streams_the_same_text(server: Running, model
     tok = load_tokenizer(folder)
     for text in corpus(3, seed=7):
         prompt = tok.encode_batch([text])[0][:20]
-        want = tok.tokenizer.decode(_generate(folder, prompt, 24))
+        gen = _generate(folder, prompt, 24)
+        want = tok.tokenizer.decode(gen)
         r = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0})
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == want
+        got = r.json()["choices"][0]["text"]
+        # The same tokens; an incomplete UTF-8 character at the very end is U+FFFD from gpuyard's
+        # engine and left out by vLLM.
+        assert got.rstrip("\ufffd") == want.rstrip("\ufffd")
+        assert r.json()["usage"]["completion_tokens"] == len(gen) + (len(gen) < 24)
         with httpx.stream("POST", f"{server.url}/v1/completions", headers=AUTH, timeout=120,
                           json={"model": server.name, "prompt": prompt, "max_tokens": 24, "temperature": 0,
                                 "stream": True}) as s:  # fmt: skip
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
         chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
-        assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == want
+        assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == got
 
 
 def test_stop_strings_eos_list_and_role_markers_end_the_reply(

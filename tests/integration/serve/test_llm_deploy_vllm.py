@@ -62,12 +62,12 @@ def test_two_vllm_replicas_one_killed_and_replaced_then_undeployed(serve_home: P
 
     def replaced() -> bool:
         rec = get_deployment(dep)
-        return rec["pids"]["replicas"][0] not in (None, first[0]) and "now pid" in (rec["error"] or "")
+        return rec["pids"]["replicas"][0] not in (None, first[0]) and "replaced by pid" in (rec["error"] or "")
 
     wait_for(replaced, timeout=VLLM_START_S, every=1.0)
     rec = get_deployment(dep)
     assert rec["status"] == "running"
-    assert rec["error"].startswith(f"replica 0 (pid {first[0]}) exited with code -9; now pid")
+    assert rec["error"].startswith(f"replica 0 (pid {first[0]}) exited with code -9; replaced by pid")
     wait_for(lambda: health()[0]["ready"], timeout=60)
     assert complete().json()["choices"][0]["text"] == want
     second = list(rec["pids"]["replicas"])

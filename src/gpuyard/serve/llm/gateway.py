@@ -208,6 +208,8 @@ class Gateway:
             flush=True,
         )
         try:
+            # What is left of it (its engine-core and worker processes outlive a killed server) goes first.
+            await asyncio.to_thread(replica.stop, 5.0)
             # Started from this (the event loop's) thread: the replica's parent-death signal is tied to it.
             vllm_engine.start(self.cfg, replica)
             await asyncio.to_thread(vllm_engine.wait_ready, replica, self.cfg.name, REPLACE_TIMEOUT_S)

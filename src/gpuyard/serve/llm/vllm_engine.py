@@ -198,16 +198,18 @@ class Replica:
         return " | ".join(kept)[-1500:]
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM its process group, SIGKILL after ``grace_s``."""
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM its process group, SIGKILL after ``grace_s``. The whole group: a vLLM server killed
+        by itself leaves its engine-core and worker processes running, orphaned, in its group."""
+        if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
+        group = self.proc.pid  # its own session: the group's id is the server's pid, dead or alive
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
 
 

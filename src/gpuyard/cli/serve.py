@@ -38,6 +38,12 @@ _FLAGS = (
     ("drain_s", float, "--drain-timeout", "On SIGTERM, longest wait (s) for requests in flight; then cut."),
     ("max_prompt_tokens", int, "--max-prompt-tokens", "Language models: longest prompt (0: the context)."),
     (
+        "engine",
+        str,
+        "--engine",
+        "Language models: vllm, gpuyard (its own engine) or auto (vLLM when `make vllm` installed it).",
+    ),
+    (
         "special_tokens",
         bool,
         "--special-tokens-in-chat",
@@ -64,6 +70,7 @@ def _flags(port: int, port_help: str) -> dict[str, tuple[type, Any]]:
         "drain_s": _SERVE.drain_s,
         "max_prompt_tokens": _SERVE.max_prompt_tokens,
         "special_tokens": _SERVE.special_tokens,
+        "engine": _SERVE.engine,
     }
     return {
         name: (kind, typer.Option(defaults[name], flag, help=port_help if name == "port" else text))
@@ -88,6 +95,7 @@ def serve_options(
     drain_s: float = _SERVE.drain_s,
     max_prompt_tokens: int = _SERVE.max_prompt_tokens,
     special_tokens: bool = _SERVE.special_tokens,
+    engine: str = _SERVE.engine,
 ) -> ServeOptions:
     """The server's options from the shared flags (one place, so neither command can drop one)."""
     return ServeOptions(
@@ -104,6 +112,7 @@ def serve_options(
         drain_s=drain_s,
         max_prompt_tokens=max_prompt_tokens,
         special_tokens=special_tokens,
+        engine=engine,
     )
 
 
@@ -172,7 +181,7 @@ def serve(
 
     from gpuyard.models.registry import get_version
     from gpuyard.serve.access import Access, announce_key, hand_key, key_hash
-    from gpuyard.serve.llm.run import language_model, serve_lm
+    from gpuyard.serve.llm.run import language_model, serve_language_model
 
     folder = language_model(model)
     # A registered model's team may call it with their tokens; a plain folder belongs to no team.
@@ -186,7 +195,7 @@ def serve(
         announce_key(key)
     access = Access(key_hash(key), team)
     if folder is not None:  # a language model: the OpenAI-compatible server (docs/llm.md)
-        serve_lm(model, folder, opts, access=access)
+        serve_language_model(model, folder, opts, access)
         return
     serve_with_record(model, opts, access)
 

@@ -231,6 +231,11 @@ class LlmServeInputs(StageInputs):
     max_batch: int = Field(8, ge=1, le=1024)
     threads: int = Field(1, ge=1, le=256, description="the server's intra-op threads (OMP_NUM_THREADS)")
     start_timeout_s: float = Field(120.0, gt=0, le=3600, description="how long the server may take to start")
+    engine: Literal["gpuyard", "vllm", "auto"] = Field(
+        "gpuyard",
+        description="the serving engine (docs/llm.md): gpuyard's own starts in seconds; vLLM takes "
+        "minutes on a busy CPU (raise start_timeout_s)",
+    )
 
 
 INPUTS: dict[str, type[StageInputs]] = {

@@ -12,6 +12,7 @@ from typing import Any
 from gpuyard.errors import ConfigError
 
 MODES = ("inline", "thread")
+ENGINES = ("auto", "vllm", "gpuyard")  # a language model's engine (docs/llm.md)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ class ServeOptions:
         max_prompt_tokens: a language model's longest prompt (0: its context length less one).
         special_tokens: a language model's chat messages may contain control tokens: special-token
             strings typed in a message's content act as the tokens (off: they stay text).
+        engine: a language model's engine: ``vllm``, ``gpuyard`` (its own) or ``auto`` (vLLM when
+            installed, see :mod:`gpuyard.serve.llm.vllm_engine`).
     """
 
     host: str = "127.0.0.1"
@@ -109,6 +112,7 @@ class ServeOptions:
     drain_s: float = 30.0
     max_prompt_tokens: int = 0
     special_tokens: bool = False
+    engine: str = "auto"
 
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= 64:
@@ -121,6 +125,8 @@ class ServeOptions:
             raise ConfigError(f"max_rows={self.max_rows}: must be at least 1")
         if not 0 <= self.drain_s <= 3600:
             raise ConfigError(f"--drain-timeout {self.drain_s:g}: must be between 0 and 3600 seconds")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"--engine {self.engine!r}: use one of {', '.join(ENGINES)}")
         if self.max_prompt_tokens < 0:
             raise ConfigError(f"--max-prompt-tokens {self.max_prompt_tokens}: must be >= 0 (0: the context)")
 

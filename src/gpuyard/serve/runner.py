@@ -162,19 +162,35 @@ def _publish(metrics: Any, report: dict[str, Any], prefix: str = "") -> None:
         metrics.set_drift("__predictions__", "psi", report["predictions"]["psi"])
 
 
-def serve(ref: str, opts: ServeOptions, access: Access, on_ready: Any = None) -> None:
+def serve(
+    ref: str, opts: ServeOptions, access: Access, on_ready: Any = None, on_replaced: Any = None
+) -> None:
     """Serve ``ref`` with ``opts.replicas`` processes until SIGTERM/SIGINT.
+
+    A language model whose engine is vLLM (``opts.engine``) is served by the gateway in front of
+    ``opts.replicas`` vLLM processes (:func:`gpuyard.serve.llm.gateway.serve_vllm`).
 
     Args:
         ref: ``NAME``, ``NAME:V`` or ``NAME@ALIAS``.
         opts: server options.
         access: the keys the server accepts.
         on_ready: called with (url, pids) once ``/ready`` answers 200.
+        on_replaced: called with (replica pids, a one-line note) when a vLLM replica was replaced.
     """
     from gpuyard.models.registry import get_version
+    from gpuyard.serve.llm.run import language_model
     from gpuyard.serve.model import resolve_device
 
     get_version(ref)  # an unknown model or version is said before anything is bound or printed
+    folder = language_model(ref)
+    if folder is not None:
+        from gpuyard.serve.llm.vllm_engine import choose_engine, placement
+
+        if choose_engine(opts.engine, folder, placement(opts.device)[0]) == "vllm":
+            from gpuyard.serve.llm.gateway import serve_vllm
+
+            serve_vllm(ref, folder, opts, access, on_ready, on_replaced)
+            return
     devices = [resolve_device(opts.device, i) for i in range(opts.replicas)]  # fail before binding
     sock = bind(opts.host, opts.port)
     url = url_of(sock)
@@ -288,12 +304,20 @@ def serve_with_record(ref: str, opts: ServeOptions, access: Access | None = None
         if os.environ.get("GPUYARD_JOB_ID"):
             placed["job"] = os.environ["GPUYARD_JOB_ID"]
         mark(dep_id, DeploymentState.RUNNING, url=url, pids={**pids, **placed}, device=device, error=None)
+        started.update(pids | placed)
+
+    started: dict[str, Any] = {}
+
+    def replaced(replicas: list[int | None], note: str) -> None:
+        # A vLLM replica exited and the gateway started another: the record says so (error keeps the note).
+        started["replicas"] = replicas
+        mark(dep_id, DeploymentState.RUNNING, pids=dict(started), error=note)
 
     # uvicorn re-raises the SIGTERM it shut down on, which would kill this process before the record
     # is updated; a handler of ours turns it into an exception instead (also while the model loads).
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        serve(ref, opts, access, on_ready=ready)
+        serve(ref, opts, access, on_ready=ready, on_replaced=replaced)
     except _Stopped:
         pass
     except BaseException as exc:

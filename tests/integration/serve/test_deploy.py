@@ -181,7 +181,8 @@ def test_a_language_model_deploys_as_an_openai_server_and_undeploys(serve_home: 
     from gpuyard.models.llm import register_lm
 
     register_lm("tinylm", tiny_model(tmp_path))
-    doc = deploy("tinylm", ServeOptions(port=0, device="cpu", drift=False, batch=BatchConfig(max_batch=4)))
+    opts = ServeOptions(port=0, device="cpu", drift=False, batch=BatchConfig(max_batch=4), engine="gpuyard")
+    doc = deploy("tinylm", opts)
     assert doc["status"] == "running" and doc["model"] == "tinylm"
     assert httpx.get(f"{doc['url']}/ready", timeout=10).status_code == 200
     from openai import AuthenticationError

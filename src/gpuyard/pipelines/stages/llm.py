@@ -502,7 +502,7 @@ def llm_serve_stage(inputs: dict[str, Any], ctx: dict[str, Any]) -> dict[str, An
     url = f"http://127.0.0.1:{port}/v1"
     log = Path(ctx["workdir"]) / "serve.log"
     argv = [sys.executable, "-m", "gpuyard.cli.main", "serve", i.model, "--port", str(port)]
-    argv += ["--max-batch", str(i.max_batch)]
+    argv += ["--max-batch", str(i.max_batch), "--engine", i.engine]
     # The server's key goes to it in its environment (never on its command line, never in its log).
     key = new_key()
     env = {**os.environ, "OMP_NUM_THREADS": str(i.threads), KEY_ENV: key}

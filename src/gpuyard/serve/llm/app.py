@@ -121,7 +121,16 @@ class Limits:
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
-# Accepted for compatibility but without effect on the answer, so never "silently ignored".
+MAX_N = 16  # choices per request
+MAX_STOP_IDS = 64
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat; completions: 5)
+# The optional fields each engine implements; the others are refused by name unless at their no-op
+# value. One decision for both: gpuyard's own server and the gateway in front of vLLM call it.
+ENGINE_FIELDS: dict[str, frozenset[str]] = {
+    "gpuyard": frozenset({"stop_token_ids"}),
+    "vllm": frozenset({"stop_token_ids", "n", "logprobs", "top_logprobs", "echo"}),
+}
+# Absent, or at the value that changes nothing: accepted whatever the engine.
 _NOOP_VALUES: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
@@ -152,7 +161,8 @@ class _Body(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool = False
     stream_options: dict[str, bool] | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_IDS)
     user: str | None = Field(None, max_length=256)
     parallel_tool_calls: bool | None = None
     # Not implemented: refused unless absent or at their no-op value (_NOOP_VALUES).
@@ -208,12 +218,47 @@ def _parse_body(raw: bytes, cls: type[_Body]) -> Any:
         ) from None
 
 
-def sampling(body: _Body, default_max: int, vocab: int) -> SamplingParams:
-    """The request's sampling values, each range-checked (ConfigError naming the field)."""
-    for name, allowed in _NOOP_VALUES.items():
-        value = getattr(body, name)
-        if value not in allowed:
-            raise ConfigError(f"{name}: not supported by this server (leave it out)")
+def refuse_unsupported(body: _Body, engine: str) -> None:
+    """Refuse, naming every one, the fields of ``body`` that ``engine`` does not implement (one 400
+    rather than a 200 that ignored them), and range-check the optional ones it does.
+
+    Raises:
+        ConfigError: the fields named, and whether another engine implements them.
+    """
+    supported = ENGINE_FIELDS[engine]
+    named = ["n"] if body.n != 1 and "n" not in supported else []
+    named += ["stop_token_ids"] if body.stop_token_ids and "stop_token_ids" not in supported else []
+    named += [k for k, noop in _NOOP_VALUES.items() if k not in supported and getattr(body, k) not in noop]
+    if named:
+        if all(k in ENGINE_FIELDS["vllm"] for k in named):
+            why = "gpuyard's own engine does not implement them; vLLM does: serve with --engine vllm"
+        else:
+            why = "this server does not implement them: leave them out"
+        raise ConfigError(f"{', '.join(named)}: not supported ({why})")
+    chat = isinstance(body, ChatBody)
+    lp, top = body.logprobs, body.top_logprobs
+    if chat and lp is not None and not isinstance(lp, bool):
+        raise ConfigError("logprobs: true or false (the number of alternatives is top_logprobs)")
+    if not chat and lp is not None and not _int_in(lp, 5):
+        raise ConfigError("logprobs: an integer from 0 to 5 (alternatives per token)")
+    if top is not None and not _int_in(top, MAX_TOP_LOGPROBS):
+        raise ConfigError(f"top_logprobs: an integer from 0 to {MAX_TOP_LOGPROBS}")
+    if chat and top and lp is not True:
+        raise ConfigError("top_logprobs: needs logprobs: true")
+    if body.echo is not None and not isinstance(body.echo, bool):
+        raise ConfigError("echo: true or false")
+
+
+def _int_in(value: Any, most: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most
+
+
+def sampling(body: _Body, default_max: int, vocab: int, engine: str = "gpuyard") -> SamplingParams:
+    """The request's sampling values, each range-checked (ConfigError naming the field); fields
+    ``engine`` does not implement are refused by name (:func:`refuse_unsupported`)."""
+    refuse_unsupported(body, engine)
+    if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
+        raise ConfigError(f"stop_token_ids: token ids must be in [0, {vocab})")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise ConfigError(
@@ -237,6 +282,7 @@ def sampling(body: _Body, default_max: int, vocab: int) -> SamplingParams:
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         logit_bias=bias,
+        stop_token_ids=frozenset(body.stop_token_ids or ()),
         max_tokens_given=given is not None,
     )
 
@@ -431,18 +477,17 @@ def build_app(
 
     @app.exception_handler(GpuyardError)
     async def _bad(request: Request, exc: GpuyardError) -> JSONResponse:
-        status = 400 if isinstance(exc, ConfigError) else exc.http_status  # OpenAI: 400 for bad values
-        metrics.requests.labels({413: "too_large", 404: "unknown_model"}.get(status, "bad_request")).inc()
-        code = "model_not_found" if status == 404 else None
-        return _error(status, str(exc), code=code)
+        return error_response(exc, metrics.requests)
+
+    card = model_card(model_name, created, engine.context_length)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "gpuyard",
-                      "context_length": engine.context_length}],
-        }  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> dict[str, Any]:
+        return model_lookup(card, model_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -501,6 +546,29 @@ def build_app(
     app.state.close = close
     app.state.limits = {"max_prompt_tokens": max_prompt, "max_prompt_chars": max_chars}
     return app
+
+
+def error_response(exc: GpuyardError, requests: Any = None) -> JSONResponse:
+    """A gpuyard error as the OpenAI API's error body: 400 for a bad value, else the error's status
+    (404 another model, 413 too large, 429 full); ``requests`` (a labelled counter) counts it."""
+    status = 400 if isinstance(exc, ConfigError) else exc.http_status  # OpenAI: 400 for bad values
+    if requests is not None:
+        requests.labels({413: "too_large", 404: "unknown_model"}.get(status, "bad_request")).inc()
+    code = "model_not_found" if status == 404 else None
+    return _error(status, str(exc), code=code)
+
+
+def model_card(name: str, created: int, context: int, engine: str = "gpuyard") -> dict[str, Any]:
+    """The model's entry in /v1/models (the same from both engines)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "gpuyard",
+            "context_length": context, "engine": engine}  # fmt: skip
+
+
+def model_lookup(card: dict[str, Any], model_id: str) -> dict[str, Any]:
+    """``GET /v1/models/{model_id}``: the card, or NotServed (404) naming the model served."""
+    if model_id != card["id"]:
+        raise NotServed(f"model {model_id[:300]!r} is not served here (serving {card['id']!r})")
+    return card
 
 
 async def _disconnected(request: Request) -> None:

@@ -24,8 +24,9 @@ sampling rows, one multinomial for unseeded rows and the request's own seeded ge
 ones (the same seed gives the same text whatever else runs in the batch, up to float rounding of
 batched matmuls), and one device-to-host copy of the step's tokens. Text is decoded incrementally (a
 window of the last few tokens, not the whole generation, per token), holding back an incomplete UTF-8
-character until a later token completes it. Stops: ``max_tokens``, the end-of-sequence token, or a
-stop string.
+character until a later token completes it. Stops: ``max_tokens``, a token of the model's stop list
+(:func:`stop_token_ids`: every end-of-sequence id of the tokenizer and generation_config, and every
+special token, role markers included), a request's ``stop_token_ids``, or a stop string.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    stop_token_ids: frozenset[int] = frozenset()
     max_tokens_given: bool = True  # False: max_tokens is the server's default (errors say so)
 
     @property
@@ -223,6 +225,8 @@ class Engine:
         max_batch: most requests decoding at once.
         max_queue: most requests waiting to join; more are refused (:class:`QueueFull`).
         metrics: an object with ``observe_ttft``, ``observe_itl``, ``tokens``, ``set_queue``, ``set_batch``.
+        stop_ids: token ids besides the tokenizer's end-of-sequence that end every request
+            (:func:`stop_token_ids`).
     """
 
     def __init__(
@@ -234,6 +238,7 @@ class Engine:
         max_queue: int = 256,
         device: torch.device | None = None,
         metrics: Any = None,
+        stop_ids: Any = (),
     ) -> None:
         self.model = model
         self.tok = tokenizer
@@ -243,6 +248,7 @@ class Engine:
         self.device = device or torch.device("cpu")
         self.metrics = metrics
         self.eos_id = tokenizer.eos_id
+        self.stop_ids = frozenset(int(i) for i in stop_ids) - {self.eos_id}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # row r of the cache is running[r]
         self.partial: collections.deque[_Partial] = collections.deque()  # long prompts, oldest first
@@ -471,7 +477,8 @@ class Engine:
             self.metrics.observe_itl(now - req.last_token_at)
         req.last_token_at = now
         req.pending = token
-        if token == self.eos_id:
+        ends = token == self.eos_id or token in self.stop_ids or token in req.params.stop_token_ids
+        if ends:
             req.finish_reason = "stop"
         else:
             req.generated.append(token)
@@ -503,8 +510,7 @@ class Engine:
                 {
                     "done": req.finish_reason,
                     "prompt_tokens": len(req.prompt_ids),
-                    "completion_tokens": len(req.generated)
-                    + (req.finish_reason == "stop" and token == self.eos_id),
+                    "completion_tokens": len(req.generated) + (req.finish_reason == "stop" and ends),
                 }
             )
 
@@ -681,7 +687,8 @@ def _cache_of(out: Any) -> Any:
 def load_engine(
     folder: str | Path, device: str = "cpu", max_batch: int = 32, max_queue: int = 256, metrics: Any = None
 ) -> tuple[Engine, dict[str, Any]]:
-    """An engine over the Hugging Face folder ``folder`` (config, safetensors, tokenizer.json)."""
+    """An engine over the Hugging Face folder ``folder`` (config, safetensors, tokenizer.json), stopping
+    at every id of :func:`stop_token_ids`."""
     from gpuyard.models.llm import load_for_serving
 
     model, tok, info, dev = load_for_serving(folder, device)
@@ -689,7 +696,30 @@ def load_engine(
         model.config, "n_positions", None
     )
     context = int(limit or info.get("context_length") or 2048)
-    return Engine(model, tok, context, max_batch, max_queue, dev, metrics), info
+    stops = stop_token_ids(Path(folder))
+    return Engine(model, tok, context, max_batch, max_queue, dev, metrics, stops), info
+
+
+def stop_token_ids(folder: Path) -> list[int]:
+    """Every token id that ends a reply of the model in ``folder``: the tokenizer's end-of-sequence
+    token, the ``eos_token_id`` (one or a list) of its generation_config.json and config.json, and every
+    special token the tokenizer declares (role markers such as ``<|user|>`` made special tokens: a
+    reply that reaches one has run into another turn). Both engines stop there (docs/llm.md)."""
+    import json
+
+    from gpuyard.data.tokens import load_tokenizer
+
+    tok = load_tokenizer(folder)
+    ids = {tok.eos_id}
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        if path.is_file():
+            with contextlib.suppress(ValueError, UnicodeDecodeError, AttributeError):
+                eos = json.loads(path.read_text()).get("eos_token_id")
+                ids |= {i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)}
+    added = tok.tokenizer.get_added_tokens_decoder().items()
+    ids |= {int(i) for i, t in added if getattr(t, "special", False)}
+    return sorted(i for i in ids if 0 <= i < tok.vocab_size)
 
 
 async def collect(

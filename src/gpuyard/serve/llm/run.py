@@ -29,6 +29,19 @@ def language_model(ref: str) -> Path | None:
     return fetch_lm(ref)
 
 
+def serve_language_model(ref: str, folder: Path, opts: Any, access: Access) -> None:
+    """``gpuyard serve`` of a language model by hand: vLLM behind the gateway, or gpuyard's own engine
+    (``opts.engine``; :func:`~gpuyard.serve.llm.vllm_engine.choose_engine`)."""
+    from gpuyard.serve.llm.vllm_engine import choose_engine, placement
+
+    if choose_engine(opts.engine, folder, placement(opts.device)[0]) == "vllm":
+        from gpuyard.serve.llm.gateway import serve_vllm
+
+        serve_vllm(ref, folder, opts, access)
+        return
+    serve_lm(ref, folder, opts, access=access)
+
+
 def serve_lm(
     ref: str,
     folder: Path,

@@ -1,0 +1,477 @@
+"""The gateway: gpuyard's process in front of a language model's vLLM replicas.
+
+It is what ``gpuyard serve --engine vllm`` and a deployment of a language model listen with; the
+replicas (:mod:`gpuyard.serve.llm.vllm_engine`) listen on loopback ports behind it, each with a key only
+the gateway holds. For every request it:
+
+- authenticates the caller exactly as every gpuyard model server does (:class:`~gpuyard.serve.access.KeyGate`:
+  the deployment's key, or a gpuyard token of the model's team or an admin's; 401/403 before any body
+  is read);
+- bounds the body (``--max-body-bytes``, 413 while it is read) and checks the request with the same
+  validation as gpuyard's own engine (:func:`gpuyard.serve.llm.app.sampling`): a field vLLM does not
+  implement here (``tools``, ``response_format``, ...) or an unknown one is refused with 400 naming it,
+  ``max_tokens`` may not exceed the context;
+- sends it to the ready replica with the fewest requests outstanding and streams the answer back as it
+  comes (server-sent events pass through chunk by chunk; a client that hangs up closes the upstream
+  request, which vLLM aborts).
+
+A replica whose process exits is reported in one line, its requests in flight answered 503 (or, in a
+stream already begun, one error event), and a replacement is started; ``on_replaced`` records it (a
+deployment's record). ``/metrics`` serves the gateway's own series and every replica's (vLLM's, with a
+``replica`` label). ``/health`` and ``/ready`` stay open, as on every gpuyard model server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gpuyard.errors import ConfigError, GpuyardError
+from gpuyard.serve.access import read_body
+from gpuyard.serve.llm import vllm_engine
+from gpuyard.serve.llm.vllm_engine import Replica, VllmConfig
+
+log = logging.getLogger("gpuyard.serve")
+
+# A replica that is being replaced gets this long to become ready again.
+REPLACE_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class GatewayLimits:
+    """What one request may carry.
+
+    Attributes:
+        max_body_bytes: larger bodies get 413.
+        vocab: the tokenizer's size (token ids in a request are checked against it).
+        specials: the tokenizer's special-token strings.
+        special_tokens: chat messages may contain them (``--special-tokens-in-chat``); else a message
+            holding one is refused (vLLM would read it as the control token, not as text).
+    """
+
+    max_body_bytes: int
+    vocab: int
+    specials: tuple[str, ...] = ()
+    special_tokens: bool = False
+
+
+class Gateway:
+    """The replicas and the routing over them (module docstring).
+
+    Args:
+        cfg: how replicas start.
+        replicas: the replicas, already ready.
+        limits: body and parameter limits.
+        on_replaced: called with (replica pids, one-line note) after a replica was replaced.
+    """
+
+    def __init__(
+        self,
+        cfg: VllmConfig,
+        replicas: list[Replica],
+        limits: GatewayLimits,
+        on_replaced: Callable[[list[int | None], str], None] | None = None,
+    ) -> None:
+        import httpx
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.cfg, self.replicas, self.limits, self.on_replaced = cfg, replicas, limits, on_replaced
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "gpuyard_gateway_requests", "Requests by outcome", ["outcome"], registry=self.registry
+        )
+        self.outstanding = Gauge(
+            "gpuyard_gateway_outstanding",
+            "Requests in flight per replica",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.restarts = Counter(
+            "gpuyard_gateway_replica_restarts", "Replicas replaced", registry=self.registry
+        )
+        self.stopping = False
+        self._replacing: set[int] = set()
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    # ----- routing ---------------------------------------------------------------------------------
+    def pick(self) -> Replica:
+        """The ready replica with the fewest requests outstanding.
+
+        Raises:
+            Unavailable: none is ready.
+        """
+        ready = [r for r in self.replicas if r.ready and r.exited() is None]
+        if not ready:
+            starting = sum(1 for r in self.replicas if not r.ready)
+            raise Unavailable(f"no replica of this model is ready ({starting} starting again); retry shortly")
+        return min(ready, key=lambda r: r.outstanding)
+
+    def _gone(self, replica: Replica) -> str:
+        code = replica.exited()
+        if code is not None:
+            return (
+                f"vLLM replica {replica.index} (pid {replica.pid}) exited with code {code} while answering; "
+                "it is being replaced: retry"
+            )
+        return f"vLLM replica {replica.index} (pid {replica.pid}) did not answer; retry"
+
+    async def forward(self, path: str, raw: bytes, stream: bool) -> Response:
+        """Send ``raw`` to a replica's ``path`` and relay the answer (streamed when ``stream``)."""
+        import httpx
+
+        replica = self.pick()
+        replica.outstanding += 1
+        self.outstanding.labels(str(replica.index)).set(replica.outstanding)
+        headers = {"Authorization": f"Bearer {replica.key}", "Content-Type": "application/json"}
+        req = self.client.build_request("POST", f"{replica.url}{path}", content=raw, headers=headers)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                replica.outstanding -= 1
+                self.outstanding.labels(str(replica.index)).set(replica.outstanding)
+
+        try:
+            resp = await self.client.send(req, stream=True)
+        except httpx.TransportError:
+            release()
+            self.requests.labels("replica_failed").inc()
+            raise Unavailable(self._gone(replica)) from None
+        if not stream or resp.status_code != 200:
+            try:
+                body = await resp.aread()
+            except httpx.TransportError:
+                self.requests.labels("replica_failed").inc()
+                raise Unavailable(self._gone(replica)) from None
+            finally:
+                await resp.aclose()
+                release()
+            self.requests.labels("ok" if resp.status_code == 200 else f"status_{resp.status_code}").inc()
+            kind = resp.headers.get("content-type", "application/json")
+            return Response(body, status_code=resp.status_code, media_type=kind)
+
+        async def relay() -> AsyncIterator[bytes]:
+            outcome = "cancelled"
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+                outcome = "ok"
+            except httpx.TransportError:
+                outcome = "replica_failed"
+                err = {"error": {"message": self._gone(replica), "type": "server_error", "code": 503}}
+                yield f"data: {json.dumps(err)}\n\n".encode()
+            finally:
+                self.requests.labels(outcome).inc()
+                await resp.aclose()
+                release()
+
+        return StreamingResponse(
+            relay(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    # ----- replicas --------------------------------------------------------------------------------
+    async def watch(self) -> None:
+        """Replace each replica whose process exits, until the gateway stops."""
+        while not self.stopping:
+            for replica in self.replicas:
+                code = replica.exited()
+                if code is not None and replica.index not in self._replacing and not self.stopping:
+                    self._replacing.add(replica.index)
+                    task = asyncio.ensure_future(self._replace(replica, code))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+            await asyncio.sleep(0.5)  # a child's exit has no event on this loop: poll, as init would
+
+    async def _replace(self, replica: Replica, code: int) -> None:
+        old = replica.pid
+        replica.ready = False
+        tail = replica.log_tail(3)
+        print(
+            f"gpuyard serve: vLLM replica {replica.index} (pid {old}) exited with code {code}; starting a "
+            f"replacement{': ' + tail if tail else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            # What is left of it (its engine-core and worker processes outlive a killed server) goes first.
+            await asyncio.to_thread(replica.stop, 5.0)
+            # Started from this (the event loop's) thread: the replica's parent-death signal is tied to it.
+            vllm_engine.start(self.cfg, replica)
+            await asyncio.to_thread(vllm_engine.wait_ready, replica, self.cfg.name, REPLACE_TIMEOUT_S)
+        except ConfigError as exc:
+            print(f"gpuyard serve: could not replace vLLM replica {replica.index}: {exc}", file=sys.stderr)
+            note = f"replica {replica.index} (pid {old}) exited with code {code}; its replacement failed"
+        else:
+            self.restarts.inc()
+            note = (
+                f"replica {replica.index} (pid {old}) exited with code {code}; replaced by pid {replica.pid}"
+            )
+            print(f"gpuyard serve: {note}", file=sys.stderr, flush=True)
+        finally:
+            self._replacing.discard(replica.index)
+        if self.on_replaced is not None:
+            try:
+                self.on_replaced([r.pid for r in self.replicas], note)
+            except Exception as exc:  # a store hiccup must not stop the gateway
+                log.warning("could not record the replacement: %s", exc)
+
+    async def metrics_text(self) -> bytes:
+        """The gateway's series and each replica's (a ``replica`` label added), one exposition."""
+        from prometheus_client import generate_latest
+        from prometheus_client.parser import text_string_to_metric_families
+        from prometheus_client.samples import Sample
+
+        async def scrape(r: Replica) -> str:
+            try:
+                resp = await self.client.get(f"{r.url}/metrics", timeout=5.0)
+                return resp.text if resp.status_code == 200 else ""
+            except Exception:  # a replica being replaced has no metrics for now
+                return ""
+
+        texts = await asyncio.gather(*(scrape(r) for r in self.replicas))
+        merged: dict[str, Any] = {}
+        for r, text in zip(self.replicas, texts, strict=True):
+            try:
+                families = list(text_string_to_metric_families(text))
+            except ValueError:
+                continue
+            for fam in families:
+                into = merged.setdefault(fam.name, fam)
+                if into is not fam:
+                    into.samples.extend(fam.samples)
+                    fam.samples = []
+                into.samples[:] = [
+                    s if "replica" in s.labels else Sample(s.name, {**s.labels, "replica": str(r.index)},
+                                                           s.value, s.timestamp, s.exemplar)
+                    for s in into.samples
+                ]  # fmt: skip
+
+        class _Replicas:
+            def collect(self) -> Any:
+                return list(merged.values())
+
+        from prometheus_client import CollectorRegistry
+
+        theirs = CollectorRegistry(auto_describe=False)
+        theirs.register(_Replicas())  # type: ignore[arg-type]
+        return generate_latest(self.registry) + generate_latest(theirs)
+
+    async def close(self) -> None:
+        self.stopping = True
+        await self.client.aclose()
+
+
+class Unavailable(GpuyardError):
+    """No replica can answer now (503)."""
+
+    http_status = 503
+
+
+def build_gateway_app(gw: Gateway, created: int | None = None) -> FastAPI:
+    """The gateway's HTTP API (module docstring); the key check wraps it (KeyGate)."""
+    from gpuyard.serve.llm.app import (
+        ChatBody,
+        CompletionBody,
+        NotServed,
+        _Body,
+        _parse_body,
+        error_response,
+        model_card,
+        model_lookup,
+        sampling,
+    )
+
+    app = FastAPI(title="gpuyard LLM gateway")
+    card = model_card(gw.cfg.name, created or int(time.time()), gw.cfg.context, "vllm")
+
+    @app.exception_handler(GpuyardError)
+    async def _bad(request: Request, exc: GpuyardError) -> JSONResponse:
+        return error_response(exc, gw.requests)
+
+    async def _checked(request: Request, cls: type[_Body]) -> tuple[bytes, Any]:
+        raw = await read_body(request, gw.limits.max_body_bytes)
+        body = await asyncio.to_thread(_parse_body, raw, cls)
+        if body.model != gw.cfg.name:
+            raise NotServed(f"model {body.model!r} is not served here (serving {gw.cfg.name!r})")
+        sampling(body, 1, gw.limits.vocab, engine="vllm")
+        if isinstance(body, ChatBody) and not gw.limits.special_tokens:
+            for i, m in enumerate(body.messages):
+                named = next((sp for sp in gw.limits.specials if sp in m.content), None)
+                if named is not None:
+                    raise ConfigError(
+                        f"messages[{i}]: contains the special token {named!r}, which this server does not "
+                        "take in chat text: leave it out"
+                    )
+        given = body.max_completion_tokens or body.max_tokens
+        if given is not None and given >= gw.cfg.context:
+            raise ConfigError(
+                f"max_tokens: {given} does not fit the model's context of {gw.cfg.context} tokens "
+                "with a prompt"
+            )
+        return raw, body
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        raw, body = await _checked(request, CompletionBody)
+        return await gw.forward("/v1/completions", raw, body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        raw, body = await _checked(request, ChatBody)
+        return await gw.forward("/v1/chat/completions", raw, body.stream)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> dict[str, Any]:
+        return model_lookup(card, model_id)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": gw.cfg.name,
+            "engine": "vllm",
+            "replicas": [
+                {"index": r.index, "ready": r.ready, "outstanding": r.outstanding} for r in gw.replicas
+            ],
+        }
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        up = any(r.ready and r.exited() is None for r in gw.replicas)
+        return JSONResponse({"ready": up}, status_code=200 if up else 503)
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(await gw.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _loopback_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_vllm(
+    ref: str,
+    folder: Any,
+    opts: Any,
+    access: Any,
+    on_ready: Callable[[str, dict[str, Any]], None] | None = None,
+    on_replaced: Callable[[list[int | None], str], None] | None = None,
+    startup_timeout_s: float = 900.0,
+) -> None:
+    """Serve language model ``folder`` as ``ref`` with ``opts.replicas`` vLLM replicas behind the
+    gateway on opts.host:opts.port, until SIGTERM/SIGINT; the replicas stop with it.
+
+    Raises:
+        ConfigError: a replica exited before it was ready, or was not ready in time (one line with
+            the tail of its log).
+    """
+    import contextlib
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import uvicorn
+
+    from gpuyard.data.tokens import load_tokenizer
+    from gpuyard.serve.access import KeyGate, draining_server, openai_body
+    from gpuyard.serve.runner import _watch_ready, bind, url_of
+    from gpuyard.settings import load_settings
+
+    folder = Path(folder)
+    tok = load_tokenizer(folder)
+    device, gpus = vllm_engine.placement(opts.device)
+    work = Path(tempfile.mkdtemp(prefix="gpuyard-vllm-"))
+    cfg = VllmConfig(
+        folder=vllm_engine.served_folder(folder, work / "model"),
+        name=ref,
+        context=vllm_engine.context_length(folder),
+        max_batch=opts.batch.max_batch,
+        device=device,
+        gpus=gpus,
+        logs=load_settings().ensure_home() / "logs",
+    )
+    replicas = [Replica(i, _loopback_port()) for i in range(opts.replicas)]
+    gw: Gateway | None = None
+    sock = None
+    try:
+        sock = bind(opts.host, opts.port)  # before the replicas: a port in use fails at once
+        for r in replicas:
+            vllm_engine.start(cfg, r)
+        print(
+            f"gpuyard serve: starting {len(replicas)} vLLM replica(s) of {ref} ({device}; logs in "
+            f"{cfg.logs}); vLLM takes minutes to start on a busy CPU",
+            file=sys.stderr,
+            flush=True,
+        )
+        for r in replicas:
+            vllm_engine.wait_ready(r, ref, startup_timeout_s)
+        added = tok.tokenizer.get_added_tokens_decoder().values()
+        specials = tuple(sorted({t.content for t in added if getattr(t, "special", False) and t.content}))
+        limits = GatewayLimits(opts.max_body_bytes, tok.vocab_size, specials, opts.special_tokens)
+        gw = Gateway(cfg, replicas, limits, on_replaced)
+        app = build_gateway_app(gw)
+        watcher: list[asyncio.Task[None]] = []
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: Any) -> AsyncIterator[None]:
+            watcher.append(asyncio.ensure_future(gw.watch()))  # type: ignore[union-attr]
+            yield
+            await gw.close()  # type: ignore[union-attr]
+
+        app.router.lifespan_context = lifespan
+        config = uvicorn.Config(
+            KeyGate(app, access, openai_body),
+            log_level="warning",
+            lifespan="on",
+            access_log=False,
+            timeout_graceful_shutdown=opts.drain_s,  # type: ignore[arg-type]  # a float works (wait_for)
+            backlog=2048,
+        )
+        url = url_of(sock)
+        pids: dict[str, Any] = {"server": os.getpid(), "replicas": [r.pid for r in replicas]}
+        pids |= {"devices": [device] * len(replicas), "engine": "vllm"}
+        if on_ready is not None:
+            _watch_ready(url, lambda: on_ready(url, pids))
+        print(f"gpuyard serve: {ref} (language model, vLLM, {len(replicas)} replica(s), context "
+              f"{cfg.context}) at {url}/v1 (OpenAI API)", file=sys.stderr, flush=True)  # fmt: skip
+
+        def inflight() -> str:
+            return ", ".join(f"{r.outstanding} on replica {r.index}" for r in replicas if r.outstanding)
+
+        draining_server(config, inflight).run(sockets=[sock])
+    finally:
+        if gw is not None:
+            gw.stopping = True
+        for r in replicas:
+            r.stop()
+        if sock is not None:
+            sock.close()
+        shutil.rmtree(work, ignore_errors=True)

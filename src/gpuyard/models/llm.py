@@ -436,3 +436,11 @@ def load_for_serving(folder: str | Path, device: str = "auto") -> tuple[Any, Any
     model.to(dev).eval()  # type: ignore[arg-type]
     info = json.loads((folder / "gpuyard.json").read_text()) if (folder / "gpuyard.json").is_file() else {}
     return model, tok, info, dev
+
+
+def serving_tokenizer(folder: Path) -> Any:
+    """The tokenizer of the language model folder a server serves (gpuyard.data's LoadedTokenizer),
+    for the serving package, which reaches the data package only through models."""
+    from gpuyard.data.tokens import load_tokenizer
+
+    return load_tokenizer(folder)

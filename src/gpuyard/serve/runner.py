@@ -19,42 +19,16 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import asdict, replace
 from typing import Any
 
 from gpuyard.errors import ConfigError
 from gpuyard.serve.access import Access, KeyGate, draining_server
+from gpuyard.serve.listen import bind, url_of, watch_ready
 from gpuyard.serve.options import BatchConfig, ServeOptions
 from gpuyard.states import DeploymentState
 
 log = logging.getLogger("gpuyard.serve")
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (inheritable, so replica processes can accept on it)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def url_of(sock: socket.socket) -> str:
-    """``http://host:port`` of a bound socket (this machine's name when it listens on every interface).
-
-    A deployment placed on another node by the scheduler records this URL: ``0.0.0.0`` would send
-    its clients to their own machine.
-    """
-    host, port = sock.getsockname()[:2]
-    if host in ("0.0.0.0", "::"):
-        host = socket.gethostname()  # getfqdn() answers 'localhost' on many hosts
-    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
 def serve_replica(ref: str, opts: ServeOptions, sock: socket.socket, index: int, access: Access) -> None:
@@ -196,7 +170,7 @@ def serve(
     url = url_of(sock)
     pids: dict[str, Any] = {"server": os.getpid(), "replicas": [os.getpid()], "devices": devices}
     if opts.replicas == 1:
-        _watch_ready(url, lambda: on_ready(url, pids) if on_ready else None)
+        watch_ready(url, lambda: on_ready(url, pids) if on_ready else None)
         print(f"serving {ref} at {url} (1 replica)", flush=True)
         serve_replica(ref, opts, sock, 0, access)
         return
@@ -228,7 +202,7 @@ def _serve_many(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    _watch_ready(url, lambda: on_ready(url, pids) if on_ready else None, expect=opts.replicas)
+    watch_ready(url, lambda: on_ready(url, pids) if on_ready else None, expect=opts.replicas)
     print(f"serving {ref} at {url} ({opts.replicas} replicas: pids {pids['replicas']})", flush=True)
     try:
         while not stop.wait(0.5):
@@ -245,29 +219,6 @@ def _serve_many(
             except subprocess.TimeoutExpired:
                 p.kill()
         sock.close()
-
-
-def _watch_ready(url: str, callback: Any, expect: int = 1, timeout_s: float = 300.0) -> None:
-    """In a daemon thread: poll ``/ready`` until it answers 200 ``expect`` times in a row, then call back."""
-
-    def poll() -> None:
-        import httpx
-
-        deadline, streak = time.monotonic() + timeout_s, 0
-        while time.monotonic() < deadline and streak < expect * 2:
-            try:  # a fresh connection each time: the kernel may hand it to any replica
-                streak = streak + 1 if httpx.get(f"{url}/ready", timeout=2.0).status_code == 200 else 0
-            except httpx.HTTPError:
-                streak = 0
-            if streak < expect * 2:
-                time.sleep(0.1)
-        if streak >= expect * 2:
-            try:
-                callback()
-            except Exception as exc:  # a store hiccup must not stop the server from serving
-                log.warning("could not record readiness: %s", exc)
-
-    threading.Thread(target=poll, name="gpuyard-ready", daemon=True).start()
 
 
 class _Stopped(BaseException):

@@ -707,7 +707,7 @@ def stop_token_ids(folder: Path) -> list[int]:
     reply that reaches one has run into another turn). Both engines stop there (docs/llm.md)."""
     import json
 
-    from gpuyard.data.tokens import load_tokenizer
+    from gpuyard.models.llm import serving_tokenizer as load_tokenizer
 
     tok = load_tokenizer(folder)
     ids = {tok.eos_id}

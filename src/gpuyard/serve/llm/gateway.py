@@ -400,9 +400,9 @@ def serve_vllm(
 
     import uvicorn
 
-    from gpuyard.data.tokens import load_tokenizer
+    from gpuyard.models.llm import serving_tokenizer as load_tokenizer
     from gpuyard.serve.access import KeyGate, draining_server, openai_body
-    from gpuyard.serve.runner import _watch_ready, bind, url_of
+    from gpuyard.serve.listen import bind, url_of, watch_ready
     from gpuyard.settings import load_settings
 
     folder = Path(folder)
@@ -459,7 +459,7 @@ def serve_vllm(
         pids: dict[str, Any] = {"server": os.getpid(), "replicas": [r.pid for r in replicas]}
         pids |= {"devices": [device] * len(replicas), "engine": "vllm"}
         if on_ready is not None:
-            _watch_ready(url, lambda: on_ready(url, pids))
+            watch_ready(url, lambda: on_ready(url, pids))
         print(f"gpuyard serve: {ref} (language model, vLLM, {len(replicas)} replica(s), context "
               f"{cfg.context}) at {url}/v1 (OpenAI API)", file=sys.stderr, flush=True)  # fmt: skip
 

@@ -107,6 +107,28 @@ def comm_time(
     return collective_time(cluster, op, size, gpus, per_domain, remote_share)
 
 
+# Host cost of one kernel launch where the cluster carries no measurement (``Compute.op_overhead_us``
+# 0): 7.6-10.9 us per eager PyTorch kernel, issue to completion, measured on an H100 SXM with torch 2.11
+# by ``gpuyard fabric calibrate`` (BENCHMARKS.md, "Fabric: calibration on an H100"); the midpoint. It
+# applies to CUDA devices only: XLA runs a TPU step as one compiled program, and a CPU rank's dispatch
+# is whatever its calibration measured.
+GPU_DISPATCH_US = 9.25
+# Transformer Engine's GroupedLinear (transformer_engine/pytorch/module/grouped_linear.py, the expert
+# GEMMs of Megatron-Core's TEGroupedMLP) runs ``general_grouped_gemm`` over a Python list of per-expert
+# row counts (``m_splits``): one cuBLAS GEMM per local expert for the forward product, and one each for
+# the data gradient and the weight gradient. Two linears per expert (FFN up, with the gate fused into
+# it, and FFN down): 2 GEMM launches per local expert forward, 4 backward.
+EXPERT_GEMMS_FWD, EXPERT_GEMMS_BWD = 2, 4
+
+
+def dispatch_us(cluster: Cluster) -> float:
+    """Host microseconds per kernel launch: the calibration's, else GPU_DISPATCH_US on a CUDA device."""
+    measured = cluster.compute.op_overhead_us
+    if measured > 0 or not cluster.compute.async_dispatch or cluster.is_tpu:
+        return measured
+    return GPU_DISPATCH_US
+
+
 # Megatron-Core's dropless token dispatcher (megatron/core/transformer/moe/token_dispatcher.py,
 # MoEAlltoAllTokenDispatcher, with moe_utils.permute / sort_chunks_by_idxs / unpermute) moves each routed
 # copy of a token (2h bytes in bf16) through four memory-bound passes forward: permute into expert order
@@ -268,9 +290,11 @@ def _layer_times_cached(
     for m, n, k in shapes:
         f, b = gemm_s(m, n, k)
         gemm_fwd, gemm_bwd = gemm_fwd + f, gemm_bwd + b
+    expert_gemm_fwd = 0.0  # the routed experts' forward GEMMs (what a host sync leaves the device)
     for m, n, k in ((ffn_rows, up / tp, h), (ffn_rows, h, model.ffn_hidden / tp)):
         f, b = gemm_s(m, n, k)
         gemm_fwd, gemm_bwd = gemm_fwd + ffn_count * f, gemm_bwd + ffn_count * b
+        expert_gemm_fwd += ffn_count * f
 
     def sat(x: float) -> float:
         return _sat(x, half_m)
@@ -303,13 +327,27 @@ def _layer_times_cached(
     if model.is_moe:  # tokens gathered into expert order and back: memory-bound, twice over backward
         permute = tokens / sp * permutation_bytes_per_token(model, imbalance) / (cluster.memory_bw_GBps * 1e9)
         fwd, bwd = fwd + permute, bwd + 2 * permute
-    # Kernel dispatch (zero unless calibrated): a GPU runs queued kernels while the host issues the next,
-    # so dispatch shows only where it is the slower; a CPU rank dispatches and computes on one thread.
-    launches = KERNELS_PER_LAYER_FWD * cluster.compute.op_overhead_us * 1e-6
+    # Kernel dispatch: a GPU runs queued kernels while the host issues the next, so dispatch shows only
+    # where it is the slower; a CPU rank dispatches and computes on one thread. A MoE layer's expert
+    # GEMMs are launched one per local expert (EXPERT_GEMMS_FWD / _BWD).
+    launch_s = dispatch_us(cluster) * 1e-6
+    launches = KERNELS_PER_LAYER_FWD * launch_s
+    expert_fwd = expert_bwd = 0.0
+    if model.is_moe:
+        expert_fwd = EXPERT_GEMMS_FWD * ffn_count * launch_s
+        expert_bwd = EXPERT_GEMMS_BWD * ffn_count * launch_s
     if cluster.compute.async_dispatch:
-        fwd, bwd = max(fwd, launches), max(bwd, 2 * launches)
+        if model.is_moe and stack.moe_host_sync and model.capacity_factor is None:
+            # The dropless dispatcher copies each layer's per-expert token counts to the host before the
+            # expert GEMMs (their row counts are a host list): the device queue drains there, so the
+            # host's launch of the expert GEMMs runs while the device waits, and shows wherever it is
+            # longer than those GEMMs. The backward keeps the counts from the forward: no sync there.
+            fwd = max(fwd, launches) + max(0.0, expert_fwd - expert_gemm_fwd)
+        else:
+            fwd = max(fwd, launches + expert_fwd)
+        bwd = max(bwd, 2 * launches + expert_bwd)
     else:
-        fwd, bwd = fwd + launches, bwd + 2 * launches
+        fwd, bwd = fwd + launches + expert_fwd, bwd + 2 * launches + expert_bwd
     op_sac = recompute == "selective" and stack.selective == "op"
     dots_sac = (
         recompute == "selective"

@@ -28,13 +28,20 @@ KERNELS_PER_LAYER_FWD = 30
 # FP8 linear layers cast their input (bf16 read, fp8 written) in the forward and the output gradient in
 # each of the two backward GEMMs: 3 bytes per element, three passes.
 FP8_CAST_BYTES = 9
-# float8 with rowwise scales runs its GEMMs at this share of the tensorwise recipe's efficiency. From
-# torchao's float8 README (H100, torchtitan Llama 3 8B on 8 GPUs, FSDP2, torch.compile, per-op SAC, batch 1
-# x 8192): tensorwise 7,689.5 tokens/s, rowwise 6,768 (+25.03% and +10.05% over bf16's 6,150). 0.75 is
-# the factor with which this model reproduces that 1.136 ratio on that layout (a figure from outside the
-# corpus; tests/unit/fabric/test_step_properties.py checks it). Rowwise runs a CUTLASS kernel with a scale
-# per row where tensorwise calls cuBLAS (pytorch/pytorch#147971: most shapes at 90-100% of tensorwise with
-# fast accumulation, a long tail down to 50%), and its small linears lose most (ao PR #2410).
+# float8 GEMMs reach a lower share of their doubled peak than bf16 GEMMs reach of theirs, and rowwise scales
+# lower still. Both factors come from torchao's float8 README (H100, torchtitan Llama 3 8B on 8 GPUs, FSDP2,
+# torch.compile, per-op SAC, batch 1 x 8192): bf16 6,150 tokens/s, float8 tensorwise 7,689.5 (+25.03%),
+# rowwise 6,768 (+10.05%). Each is the factor with which this model reproduces the README's ratio on that
+# layout (tensorwise / bf16 1.250, tensorwise / rowwise 1.136), on an H100 at the bf16 GEMM efficiency
+# measured here (0.72: 710-721 TFLOP/s of 989.5 with cuBLAS, BENCHMARKS.md "Fabric: calibration on an
+# H100"): figures from outside the corpus, not fitted to its rows (tests/unit/fabric/test_step_properties.py
+# checks both ratios). At bf16's efficiency against the fp8 peak the model gives +30.9% where torchao
+# measured +25.0%. FP8_GEMM applies to every fp8 recipe (Transformer Engine's GEMMs run on cuBLAS fp8 as
+# torchao's tensorwise does); a calibration that measures fp8 GEMMs (``Compute.dtype_efficiency["fp8"]``)
+# replaces it. Rowwise runs a CUTLASS kernel with a scale per row where tensorwise calls cuBLAS
+# (pytorch/pytorch#147971: most shapes at 90-100% of tensorwise with fast accumulation, a long tail down to
+# 50%), and its small linears lose most (ao PR #2410).
+FP8_GEMM = 0.89
 FP8_ROWWISE_GEMM = 0.75
 # Bytes each token moves through memory-bound kernels per layer in the forward pass, per unit of
 # hidden width: two norms (read+write, 4h), two residual adds (6h), two dropouts with masks (5h each).
@@ -261,13 +268,17 @@ def _layer_times_cached(
     attention_peak = cluster.peak_for("bf16" if precision == "fp8" else precision) * 1e12
     half_m, half_n, half_k = cluster.gemm_halves
     base = cluster.compute.efficiency(precision)
-    rowwise = FP8_ROWWISE_GEMM if precision == "fp8" and stack.fp8_recipe == "rowwise" else 1.0
+    recipe = 1.0  # fp8 GEMMs against bf16's share of peak, and rowwise scales against tensorwise
+    if precision == "fp8":
+        recipe = 1.0 if "fp8" in cluster.compute.dtype_efficiency else FP8_GEMM
+        if stack.fp8_recipe == "rowwise":
+            recipe *= FP8_ROWWISE_GEMM
 
     def gemm_s(m: float, n: float, k: float) -> tuple[float, float]:
         """(forward, backward) seconds of an (m x k) @ (k x n) layer: backward is dgrad + wgrad."""
 
         def one(m: float, n: float, k: float) -> float:
-            eff = rowwise * base * _sat(m, half_m) * _sat(n, half_n) * _sat(k, half_k)
+            eff = recipe * base * _sat(m, half_m) * _sat(n, half_n) * _sat(k, half_k)
             return 2 * m * n * k / (peak * eff)
 
         return one(m, n, k), one(m, k, n) + one(k, n, m)

@@ -115,6 +115,11 @@ class Stack:
     # float8 scaling recipe of fp8 runs (torchao.float8): "tensorwise" (cuBLAS, one scale per tensor) or
     # "rowwise" (a CUTLASS kernel with a scale per row; gpuyard.fabric.step_layer, FP8_ROWWISE_GEMM).
     fp8_recipe: str = "tensorwise"
+    # Dropless MoE layers synchronise the host with the device once per layer and micro-batch forward
+    # (Megatron-Core's all-to-all token dispatcher hands Transformer Engine's GroupedLinear its per-expert
+    # row counts as a host list, ``m_splits``), so the expert GEMMs' launches are not queued ahead
+    # (gpuyard.fabric.step_layer). Megatron-Core and the stacks built on it (NeMo, Megatron-Bridge).
+    moe_host_sync: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FAMILIES:
@@ -143,6 +148,7 @@ STACKS: dict[str, Stack] = {
             "cudnn",
             "Megatron-LM / Megatron-Core with Transformer Engine (cuDNN fused attention)",
             loss_bytes_per_logit=12.0,
+            moe_host_sync=True,
         ),
         # Megatron-LM v2 (2021) and Megatron-DeepSpeed (MT-NLG, BLOOM, 2021-22): no FlashAttention; QK^T and
         # softmax x V as batched GEMMs over the whole s x s square, the fused scale-mask-softmax kernel
@@ -166,6 +172,7 @@ STACKS: dict[str, Stack] = {
             loss_bytes_per_logit=12.0,
             tp_comm_overlap=True,
             grad_bytes=2,
+            moe_host_sync=True,
         ),
         Stack(
             "torchtitan",

@@ -28,13 +28,20 @@ KERNELS_PER_LAYER_FWD = 30
 # FP8 linear layers cast their input (bf16 read, fp8 written) in the forward and the output gradient in
 # each of the two backward GEMMs: 3 bytes per element, three passes.
 FP8_CAST_BYTES = 9
-# float8 with rowwise scales runs its GEMMs at this share of the tensorwise recipe's efficiency. From
-# torchao's float8 README (H100, torchtitan Llama 3 8B on 8 GPUs, FSDP2, torch.compile, per-op SAC, batch 1
-# x 8192): tensorwise 7,689.5 tokens/s, rowwise 6,768 (+25.03% and +10.05% over bf16's 6,150). 0.75 is
-# the factor with which this model reproduces that 1.136 ratio on that layout (a figure from outside the
-# corpus; tests/unit/fabric/test_step_properties.py checks it). Rowwise runs a CUTLASS kernel with a scale
-# per row where tensorwise calls cuBLAS (pytorch/pytorch#147971: most shapes at 90-100% of tensorwise with
-# fast accumulation, a long tail down to 50%), and its small linears lose most (ao PR #2410).
+# float8 GEMMs reach a lower share of their doubled peak than bf16 GEMMs reach of theirs, and rowwise scales
+# lower still. Both factors come from torchao's float8 README (H100, torchtitan Llama 3 8B on 8 GPUs, FSDP2,
+# torch.compile, per-op SAC, batch 1 x 8192): bf16 6,150 tokens/s, float8 tensorwise 7,689.5 (+25.03%),
+# rowwise 6,768 (+10.05%). Each is the factor with which this model reproduces the README's ratio on that
+# layout (tensorwise / bf16 1.250, tensorwise / rowwise 1.136), on an H100 at the bf16 GEMM efficiency
+# measured here (0.72: 710-721 TFLOP/s of 989.5 with cuBLAS, BENCHMARKS.md "Fabric: calibration on an
+# H100"): figures from outside the corpus, not fitted to its rows (tests/unit/fabric/test_step_properties.py
+# checks both ratios). At bf16's efficiency against the fp8 peak the model gives +30.9% where torchao
+# measured +25.0%. FP8_GEMM applies to every fp8 recipe (Transformer Engine's GEMMs run on cuBLAS fp8 as
+# torchao's tensorwise does); a calibration that measures fp8 GEMMs (``Compute.dtype_efficiency["fp8"]``)
+# replaces it. Rowwise runs a CUTLASS kernel with a scale per row where tensorwise calls cuBLAS
+# (pytorch/pytorch#147971: most shapes at 90-100% of tensorwise with fast accumulation, a long tail down to
+# 50%), and its small linears lose most (ao PR #2410).
+FP8_GEMM = 0.89
 FP8_ROWWISE_GEMM = 0.75
 # Bytes each token moves through memory-bound kernels per layer in the forward pass, per unit of
 # hidden width: two norms (read+write, 4h), two residual adds (6h), two dropouts with masks (5h each).
@@ -105,6 +112,28 @@ def comm_time(
         wire = size * bus_factor(op, gpus)
         return steps * link.hop_us * 1e-6 + wire / (link.bw_GBps * 1e9)
     return collective_time(cluster, op, size, gpus, per_domain, remote_share)
+
+
+# Host cost of one kernel launch where the cluster carries no measurement (``Compute.op_overhead_us``
+# 0): 7.6-10.9 us per eager PyTorch kernel, issue to completion, measured on an H100 SXM with torch 2.11
+# by ``gpuyard fabric calibrate`` (BENCHMARKS.md, "Fabric: calibration on an H100"); the midpoint. It
+# applies to CUDA devices only: XLA runs a TPU step as one compiled program, and a CPU rank's dispatch
+# is whatever its calibration measured.
+GPU_DISPATCH_US = 9.25
+# Transformer Engine's GroupedLinear (transformer_engine/pytorch/module/grouped_linear.py, the expert
+# GEMMs of Megatron-Core's TEGroupedMLP) runs ``general_grouped_gemm`` over a Python list of per-expert
+# row counts (``m_splits``): one cuBLAS GEMM per local expert for the forward product, and one each for
+# the data gradient and the weight gradient. Two linears per expert (FFN up, with the gate fused into
+# it, and FFN down): 2 GEMM launches per local expert forward, 4 backward.
+EXPERT_GEMMS_FWD, EXPERT_GEMMS_BWD = 2, 4
+
+
+def dispatch_us(cluster: Cluster) -> float:
+    """Host microseconds per kernel launch: the calibration's, else GPU_DISPATCH_US on a CUDA device."""
+    measured = cluster.compute.op_overhead_us
+    if measured > 0 or not cluster.compute.async_dispatch or cluster.is_tpu:
+        return measured
+    return GPU_DISPATCH_US
 
 
 # Megatron-Core's dropless token dispatcher (megatron/core/transformer/moe/token_dispatcher.py,
@@ -239,13 +268,17 @@ def _layer_times_cached(
     attention_peak = cluster.peak_for("bf16" if precision == "fp8" else precision) * 1e12
     half_m, half_n, half_k = cluster.gemm_halves
     base = cluster.compute.efficiency(precision)
-    rowwise = FP8_ROWWISE_GEMM if precision == "fp8" and stack.fp8_recipe == "rowwise" else 1.0
+    recipe = 1.0  # fp8 GEMMs against bf16's share of peak, and rowwise scales against tensorwise
+    if precision == "fp8":
+        recipe = 1.0 if "fp8" in cluster.compute.dtype_efficiency else FP8_GEMM
+        if stack.fp8_recipe == "rowwise":
+            recipe *= FP8_ROWWISE_GEMM
 
     def gemm_s(m: float, n: float, k: float) -> tuple[float, float]:
         """(forward, backward) seconds of an (m x k) @ (k x n) layer: backward is dgrad + wgrad."""
 
         def one(m: float, n: float, k: float) -> float:
-            eff = rowwise * base * _sat(m, half_m) * _sat(n, half_n) * _sat(k, half_k)
+            eff = recipe * base * _sat(m, half_m) * _sat(n, half_n) * _sat(k, half_k)
             return 2 * m * n * k / (peak * eff)
 
         return one(m, n, k), one(m, k, n) + one(k, n, m)
@@ -268,9 +301,11 @@ def _layer_times_cached(
     for m, n, k in shapes:
         f, b = gemm_s(m, n, k)
         gemm_fwd, gemm_bwd = gemm_fwd + f, gemm_bwd + b
+    expert_gemm_fwd = 0.0  # the routed experts' forward GEMMs (what a host sync leaves the device)
     for m, n, k in ((ffn_rows, up / tp, h), (ffn_rows, h, model.ffn_hidden / tp)):
         f, b = gemm_s(m, n, k)
         gemm_fwd, gemm_bwd = gemm_fwd + ffn_count * f, gemm_bwd + ffn_count * b
+        expert_gemm_fwd += ffn_count * f
 
     def sat(x: float) -> float:
         return _sat(x, half_m)
@@ -303,13 +338,27 @@ def _layer_times_cached(
     if model.is_moe:  # tokens gathered into expert order and back: memory-bound, twice over backward
         permute = tokens / sp * permutation_bytes_per_token(model, imbalance) / (cluster.memory_bw_GBps * 1e9)
         fwd, bwd = fwd + permute, bwd + 2 * permute
-    # Kernel dispatch (zero unless calibrated): a GPU runs queued kernels while the host issues the next,
-    # so dispatch shows only where it is the slower; a CPU rank dispatches and computes on one thread.
-    launches = KERNELS_PER_LAYER_FWD * cluster.compute.op_overhead_us * 1e-6
+    # Kernel dispatch: a GPU runs queued kernels while the host issues the next, so dispatch shows only
+    # where it is the slower; a CPU rank dispatches and computes on one thread. A MoE layer's expert
+    # GEMMs are launched one per local expert (EXPERT_GEMMS_FWD / _BWD).
+    launch_s = dispatch_us(cluster) * 1e-6
+    launches = KERNELS_PER_LAYER_FWD * launch_s
+    expert_fwd = expert_bwd = 0.0
+    if model.is_moe:
+        expert_fwd = EXPERT_GEMMS_FWD * ffn_count * launch_s
+        expert_bwd = EXPERT_GEMMS_BWD * ffn_count * launch_s
     if cluster.compute.async_dispatch:
-        fwd, bwd = max(fwd, launches), max(bwd, 2 * launches)
+        if model.is_moe and stack.moe_host_sync and model.capacity_factor is None:
+            # The dropless dispatcher copies each layer's per-expert token counts to the host before the
+            # expert GEMMs (their row counts are a host list): the device queue drains there, so the
+            # host's launch of the expert GEMMs runs while the device waits, and shows wherever it is
+            # longer than those GEMMs. The backward keeps the counts from the forward: no sync there.
+            fwd = max(fwd, launches) + max(0.0, expert_fwd - expert_gemm_fwd)
+        else:
+            fwd = max(fwd, launches + expert_fwd)
+        bwd = max(bwd, 2 * launches + expert_bwd)
     else:
-        fwd, bwd = fwd + launches, bwd + 2 * launches
+        fwd, bwd = fwd + launches + expert_fwd, bwd + 2 * launches + expert_bwd
     op_sac = recompute == "selective" and stack.selective == "op"
     dots_sac = (
         recompute == "selective"

@@ -134,3 +134,56 @@ def test_route_nodes_needs_a_mixture_of_experts_model(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="route_nodes"):
         load_model(str(bad))
+
+
+def _layer(model: object, stack: object, ep: int, cluster: object = None) -> step_layer._Layer:
+    return step_layer._layer_times_cached(
+        model,  # type: ignore[arg-type]
+        cluster or load_cluster("dgx-h100"),  # type: ignore[arg-type]
+        4096,
+        1,
+        1,
+        1,
+        "none",
+        False,
+        ep,
+        "bf16",
+        stack,  # type: ignore[arg-type]
+    )
+
+
+def test_a_dropless_megatron_moe_layer_waits_on_the_host_to_launch_its_expert_gemms() -> None:
+    from gpuyard.fabric.stacks import STACKS
+
+    synced = STACKS["megatron-lm"]
+    assert synced.moe_host_sync and STACKS["nemo"].moe_host_sync and not STACKS["torchtitan"].moe_host_sync
+    free = replace(synced, moe_host_sync=False)
+    m = PRESETS["qwen3-30b-a3b"]  # 128 experts of 768: at ep 1 every expert's GEMMs are launched here
+    gap = {ep: _layer(m, synced, ep).fwd - _layer(m, free, ep).fwd for ep in (1, 8)}
+    launch = step_layer.GPU_DISPATCH_US * 1e-6
+    # At most the launches of 2 GEMMs per local expert, and something where they outlast the GEMMs.
+    assert 0 < gap[1] <= step_layer.EXPERT_GEMMS_FWD * 128 * launch
+    assert 0 <= gap[8] < gap[1]  # 16 local experts: fewer launches, and larger GEMMs to hide them
+    # The backward keeps the forward's counts: no sync, so the same time either way.
+    assert _layer(m, synced, 1).bwd == _layer(m, free, 1).bwd
+    # A token-dropping router has static shapes (no counts to copy), and a dense model no experts.
+    padded = replace(m, capacity_factor=1.25)
+    assert _layer(padded, synced, 1).fwd == _layer(padded, free, 1).fwd
+    dense = PRESETS["llama3-8b"]
+    assert _layer(dense, synced, 1) == _layer(dense, free, 1)
+
+
+def test_kernel_dispatch_is_the_calibrations_else_the_measured_gpu_figure() -> None:
+    h100 = load_cluster("dgx-h100")
+    assert step_layer.dispatch_us(h100) == step_layer.GPU_DISPATCH_US
+    measured = h100.model_validate(
+        {**h100.model_dump(), "compute": {**h100.model_dump()["compute"], "op_overhead_us": 1000.0}}
+    )
+    assert step_layer.dispatch_us(measured) == 1000.0
+    assert step_layer.dispatch_us(load_cluster("tpu-v5p-512")) == 0.0  # one compiled XLA program
+    # At 1 ms per launch the host sets the pace: the backward is its launches, expert GEMMs included.
+    from gpuyard.fabric.stacks import STACKS
+
+    layer = _layer(PRESETS["qwen3-30b-a3b"], STACKS["torchtitan"], 8, measured)
+    kernels = 2 * step_layer.KERNELS_PER_LAYER_FWD + step_layer.EXPERT_GEMMS_BWD * 128 / 8
+    assert layer.bwd == pytest.approx(kernels * 1e-3)

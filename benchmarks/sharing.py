@@ -27,7 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from gpuyard.scheduler.openb import NODE_LIST, POD_LISTS, load_openb_nodes, load_openb_tasks, traces_dir
-from gpuyard.scheduler.packing import SharedCluster, TaskMix, fill, inflate, make_packing, replay
+from gpuyard.scheduler.fragmentation import TaskMix
+from gpuyard.scheduler.gpushares import SharedCluster
+from gpuyard.scheduler.packing import make_packing
+from gpuyard.scheduler.packing_replay import fill, inflate, replay
 
 POLICIES = ("fgd", "fgd-exact", "fgd-bf", "fgd-online", "bestfit", "firstfit", "randomfit", "dotprod")
 FIRST_SEED = 100  # fgd-bf's weight was chosen on seeds 42-44: these are other arrival orders

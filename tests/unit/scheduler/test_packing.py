@@ -8,21 +8,10 @@ import pytest
 
 from gpuyard.errors import CapacityError, ConfigError
 from gpuyard.scheduler.openb import GpuNode, GpuTask
-from gpuyard.scheduler.packing import (
-    FGD,
-    BestFit,
-    FirstFit,
-    Fragmentation,
-    RandomFit,
-    SharedCluster,
-    TaskMix,
-    fgd_node_score,
-    fill,
-    fragmentation_rate,
-    inflate,
-    make_packing,
-    replay,
-)
+from gpuyard.scheduler.fragmentation import Fragmentation, TaskMix, fragmentation_rate
+from gpuyard.scheduler.gpushares import SharedCluster
+from gpuyard.scheduler.packing import FGD, BestFit, FirstFit, RandomFit, fgd_node_score, make_packing
+from gpuyard.scheduler.packing_replay import fill, inflate, replay
 
 pytestmark = pytest.mark.unit
 

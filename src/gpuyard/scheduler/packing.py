@@ -377,10 +377,11 @@ _NEEDS_MIX = ("fgd", "fgd-exact", "fgd-bf", "fgd-online")
 class LivePacking:
     """A packing policy by name for a scheduler that learns its workload as it runs (the server).
 
-    FGD's task mix is the shapes of the jobs it knows now (:meth:`observe`, from the jobs queued and
-    running), re-made when they change; ``fgd-online`` is fgd-exact on that mix (what the benchmark's
-    fgd-online learns from the arrivals so far). Until a GPU job is known, FGD places as best-fit, as
-    fgd-online does before its first GPU task. The other policies need no mix.
+    FGD's task mix is the shapes of the jobs it knows (:meth:`observe`: on the server the jobs queued
+    and running), estimated again when their number has doubled or halved since the last estimate (as
+    fgd-online re-estimates when its arrivals double: each estimate drops FGD's kept rises, so not at
+    every job); ``fgd-online`` is fgd-exact on that mix. Until a GPU job is known, FGD places as
+    best-fit, as fgd-online does before its first GPU task. The other policies need no mix.
 
     Raises:
         ConfigError: an unknown name.
@@ -390,18 +391,21 @@ class LivePacking:
         if name not in PACKING_POLICIES:
             raise ConfigError(f"packing {name!r}: choose one of {', '.join(PACKING_POLICIES)}")
         self.name, self.seed = name, seed
-        self._counts: Counter[tuple[Any, ...]] = Counter()
+        self._known = 0  # GPU jobs known at the last estimate (0: none yet)
         self.policy: PackingPolicy = BestFit() if name in _NEEDS_MIX else make_packing(name, seed=seed)
 
     def observe(self, counts: Counter[tuple[Any, ...]]) -> None:
         """The task shapes (``GpuTask.shape``, MIG ones left out) of the jobs known now, with counts."""
-        if self.name not in _NEEDS_MIX or counts == self._counts:
+        if self.name not in _NEEDS_MIX:
             return
-        self._counts = Counter(counts)
-        if not any(shape[2] and n > 0 for shape, n in counts.items()):
+        known = sum(n for shape, n in counts.items() if shape[2] and n > 0)
+        if known == self._known or (self._known and self._known / 2 < known < 2 * self._known):
+            return
+        self._known = known
+        if not known:
             self.policy = BestFit()
             return
-        mix = TaskMix.of_counts(self._counts)
+        mix = TaskMix.of_counts(Counter(counts))
         self.policy = make_packing("fgd-exact" if self.name == "fgd-online" else self.name, mix, self.seed)
 
     def choose(self, cluster: SharedCluster, task: GpuTask) -> Placement | None:

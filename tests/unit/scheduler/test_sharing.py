@@ -322,3 +322,15 @@ def test_a_copy_changes_its_own_share_model_only() -> None:
     again.release(p)
     assert again.gpu_use() == {} and work.gpu_use() == {(0, 0): (0.75, 60.0)}
     assert again.free_gpus == 2 and work.free_gpus == 1
+
+
+def test_an_unknown_packing_is_refused_before_the_service_touches_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuyard.scheduler.setup import build_service
+
+    monkeypatch.setenv("GPUYARD_HOME", str(tmp_path / "home"))
+    with pytest.raises(ConfigError) as err:
+        build_service(packing="worstfit")
+    assert str(err.value).startswith("packing 'worstfit': choose one of fgd, fgd-exact, fgd-bf, fgd-online")
+    assert not (tmp_path / "home").exists()  # no store was opened

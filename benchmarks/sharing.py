@@ -15,21 +15,47 @@ Last line: ``sharing: unallocated_reduction_vs_bestfit=<fraction> ...``: 1 - (FG
 GPUs / best-fit's) at 100% arrivals, both traces together, FGD as the paper's artifact scores it
 (``fgd``); ``fgd_exact_reduction_vs_bestfit`` the same for FGD taking the least rise itself
 (``fgd-exact``), ``fgd_bf_reduction_vs_bestfit`` for fgd-exact blended with best-fit (``fgd-bf``, its
-weight chosen on seeds 42-44; the benchmark's seeds start at 100).
+weight chosen on seeds 42-44; the benchmark's seeds start at 100); ``server_reduction_vs_bestfit``
+for the server's own share placement (``server``: the packing object `gpuyard server` places shares
+with, :class:`gpuyard.scheduler.packing.LivePacking` under its default policy, its task mix the jobs
+it knows: here the arrivals so far, as none leaves in a fill).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from gpuyard.scheduler.openb import NODE_LIST, POD_LISTS, load_openb_nodes, load_openb_tasks, traces_dir
-from gpuyard.scheduler.packing import SharedCluster, TaskMix, fill, inflate, make_packing, replay
+from gpuyard.scheduler.fragmentation import TaskMix
+from gpuyard.scheduler.gpushares import SharedCluster
+from gpuyard.scheduler.openb import (
+    NODE_LIST,
+    POD_LISTS,
+    GpuTask,
+    load_openb_nodes,
+    load_openb_tasks,
+    traces_dir,
+)
+from gpuyard.scheduler.packing import LivePacking, PackingPolicy, make_packing
+from gpuyard.scheduler.packing_replay import fill, inflate, replay
+from gpuyard.scheduler.placement import DEFAULT_PACKING
 
-POLICIES = ("fgd", "fgd-exact", "fgd-bf", "fgd-online", "bestfit", "firstfit", "randomfit", "dotprod")
+POLICIES = (
+    "fgd",
+    "fgd-exact",
+    "fgd-bf",
+    "fgd-online",
+    "server",
+    "bestfit",
+    "firstfit",
+    "randomfit",
+    "dotprod",
+)
 FIRST_SEED = 100  # fgd-bf's weight was chosen on seeds 42-44: these are other arrival orders
 POINTS = [round(0.05 * i, 2) for i in range(10, 27)]  # 50% .. 130% of the cluster's GPUs
 # The FGD artifact's expected results (hkust-adsl/kubernetes-scheduler-simulator,
@@ -40,10 +66,34 @@ JCT_NODE_STRIDE = 8
 JCT_TIME_SCALE = 1 / 256
 
 
+class ServerPacking:
+    """The server's share placement: its :class:`LivePacking` (default policy), told the jobs it knows
+    before each choice (the arrivals so far, MIG ones left out, as ``core.task_shapes`` counts them)."""
+
+    name = "server"
+
+    def __init__(self) -> None:
+        self.live = LivePacking(DEFAULT_PACKING)
+        self.known: Counter[tuple[Any, ...]] = Counter()
+
+    def choose(self, cluster: SharedCluster, task: GpuTask) -> Any:
+        if not task.mig:
+            self.known[task.shape[:5]] += 1
+        self.live.observe(self.known)
+        return self.live.choose(cluster, task)
+
+
+def packing(name: str, mix: TaskMix, seed: int) -> PackingPolicy:
+    """A policy of the benchmark by name (``server``: the server's own)."""
+    return ServerPacking() if name == "server" else make_packing(name, mix, seed)
+
+
 def main() -> None:
     """Run the fills and the replay; print the curves, the table at 100%, then the summary line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one seed, fgd/fgd-exact/best-fit, no JCT replay")
+    ap.add_argument(
+        "--quick", action="store_true", help="one seed, fgd/fgd-exact/server/best-fit, no JCT replay"
+    )
     ap.add_argument("--seeds", type=int, default=5, help="arrival orders per trace (default 5)")
     ap.add_argument("--traces", type=Path, default=None, help="folder of the openb files")
     ap.add_argument("--smoke", action="store_true", help="CI: --quick on every 10th node (no figure)")
@@ -53,7 +103,7 @@ def main() -> None:
     if not (folder / NODE_LIST).is_file():
         raise SystemExit(f"sharing: no {NODE_LIST} in {folder} (set GPUYARD_TRACES or --traces)")
     seeds = list(range(FIRST_SEED, FIRST_SEED + (1 if args.quick else args.seeds)))
-    policies = ("fgd", "fgd-exact", "bestfit") if args.quick else POLICIES
+    policies = ("fgd", "fgd-exact", "server", "bestfit") if args.quick else POLICIES
     nodes = load_openb_nodes(folder / NODE_LIST)
     if args.smoke:
         nodes = nodes[::10]
@@ -72,7 +122,7 @@ def main() -> None:
             arrivals = inflate(tasks, capacity, 1.3, seed)
             for name in policies:
                 t0 = time.perf_counter()
-                r = fill(SharedCluster(nodes), arrivals, make_packing(name, mix, seed), POINTS)
+                r = fill(SharedCluster(nodes), arrivals, packing(name, mix, seed), POINTS)
                 secs[name] += time.perf_counter() - t0
                 curves[name].append(r.unallocated)
         mean = {p: np.mean(np.array(c), axis=0) * 100 for p, c in curves.items()}
@@ -96,6 +146,12 @@ def main() -> None:
         print(
             f"         fgd-exact {exact:.2f}% (sd {spread['fgd-exact']:.2f}), reduction {1 - exact / bf:.3f}"
         )
+        server = at100[trace]["server"]
+        print(
+            f"         server ({DEFAULT_PACKING}, as the server places) {server:.2f}%,"
+            f" reduction {1 - server / bf:.3f}"
+        )
+        summary.append(f"{trace}_server_pct={server:.2f}")
         if "fgd-bf" in at100[trace]:
             blend = at100[trace]["fgd-bf"]
             print(f"         fgd-bf {blend:.2f}% (sd {spread['fgd-bf']:.2f}), reduction {1 - blend / bf:.3f}")
@@ -115,6 +171,8 @@ def main() -> None:
     fgd_total = sum(v["fgd"] for v in at100.values())
     exact_total = sum(v["fgd-exact"] for v in at100.values())
     bf_total = sum(v["bestfit"] for v in at100.values())
+    server_total = sum(v["server"] for v in at100.values())
+    summary.insert(0, f"server_reduction_vs_bestfit={1 - server_total / bf_total:.3f}")
     if all("fgd-bf" in v for v in at100.values()):
         blend_total = sum(v["fgd-bf"] for v in at100.values())
         summary.insert(0, f"fgd_bf_reduction_vs_bestfit={1 - blend_total / bf_total:.3f}")
@@ -137,7 +195,7 @@ def main() -> None:
         )
         jct = {}
         for name in POLICIES:
-            rr = replay(SharedCluster(sub), tasks, make_packing(name, mix, 0), JCT_TIME_SCALE)
+            rr = replay(SharedCluster(sub), tasks, packing(name, mix, 0), JCT_TIME_SCALE)
             jct[name] = rr
             print(
                 f"{name:>10} {rr.avg_jct_s:10.0f} {rr.median_jct_s:9.0f} {rr.avg_wait_s:10.0f} {rr.waited:7d}"

@@ -75,6 +75,12 @@ def server(
         "--placement",
         help="topology, or fabric: jobs with a workload are placed by predicted step time (needs --cluster).",
     ),
+    packing: str = typer.Option(
+        "fgd-online",
+        "--packing",
+        help="How GPU shares and MIG slices are placed: fgd-online (FGD, its task mix the jobs known now), "
+        "fgd, fgd-exact, fgd-bf, bestfit, firstfit, randomfit or dotprod (docs/scheduler.md, sharing).",
+    ),
     cluster: str = typer.Option(
         None,
         "--cluster",
@@ -235,6 +241,7 @@ def server(
         slurm_account=slurm_account,
         role="server",
         placement=placement,
+        packing=packing,
         cluster=cluster,
         max_wait_s=max_wait,
         calibration=calibration,

@@ -313,7 +313,10 @@ def _sim_shares(
 ) -> None:
     """`gpuyard sim` with GPU shares: the fill experiment or the JCT replay, per packing policy."""
     from gpuyard.errors import ConfigError
-    from gpuyard.scheduler.packing import SharedCluster, TaskMix, fill, inflate, make_packing, replay
+    from gpuyard.scheduler.fragmentation import TaskMix
+    from gpuyard.scheduler.gpushares import SharedCluster
+    from gpuyard.scheduler.packing import make_packing
+    from gpuyard.scheduler.packing_replay import fill, inflate, replay
 
     if mode not in ("fill", "replay"):
         raise ConfigError(f"--mode {mode!r}: choose fill or replay")

@@ -14,6 +14,7 @@ So the policies, placement and elastic rules the simulator measures are the ones
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -24,6 +25,7 @@ from gpuyard import exitcodes
 from gpuyard.scheduler.elastic import ElasticConfig, ElasticJob, largest_fit, plan_grows, plan_shrinks
 from gpuyard.scheduler.estimator import RuntimeEstimator
 from gpuyard.scheduler.executors.base import ExitStatus
+from gpuyard.scheduler.openb import MILLI
 from gpuyard.scheduler.placement import ClusterState, GpuShare, NodeSpec, Placement, why_waiting
 from gpuyard.scheduler.policies import Policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
@@ -415,6 +417,7 @@ class SchedulerCore:
         for v in views:
             if v.waiting:
                 queue.add(self.queued(v))
+        cluster.observe(task_shapes(views, cluster))
         # Share and MIG jobs hold no whole GPU: policies neither count nor preempt them.
         running = [
             self.running(replace_stop(v, v.id in stopping), now)
@@ -517,6 +520,28 @@ class SchedulerCore:
             for j in queue.ordered()
             if j.id not in started
         }
+
+
+def task_shapes(views: Iterable[JobView], cluster: ClusterState) -> Counter[tuple[Any, ...]]:
+    """The jobs known now (queued and holding) as the share policy's task shapes, counted: (CPU, memory,
+    GPUs, thousandths per GPU, GPU models) as :attr:`gpuyard.scheduler.openb.GpuTask.shape`; whole-GPU
+    and CPU-only jobs count too, MIG jobs do not (FGD's mix measures the room for shares and whole
+    GPUs). A share by memory alone is its part of the largest GPU memory known here."""
+    largest = float(cluster.gpu_memory.max()) if len(cluster.gpu_memory) else 0.0
+    shapes: Counter[tuple[Any, ...]] = Counter()
+    for v in views:
+        if not (v.waiting or v.holds):
+            continue
+        spec = (v.spec.resources.gpu_type,) if v.spec.resources.gpu_type else ()
+        if v.share is None:
+            shapes[(0, 0, v.gpus, MILLI if v.gpus else 0, spec)] += 1
+        elif not v.share.mig:
+            fraction = v.share.fraction
+            if fraction is None and v.share.memory_gb is not None and largest > 0:
+                fraction = min(1.0, v.share.memory_gb / largest)
+            if fraction is not None:
+                shapes[(0, 0, 1, max(1, round(fraction * MILLI)), spec)] += 1
+    return shapes
 
 
 def replace_stop(job: JobView, stopping: bool) -> JobView:

@@ -3,7 +3,6 @@ launch and, once it answers, a running job (or a queued one again when its contr
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from gpuyard.auth import TOKEN_ENV, create_job_token
@@ -81,37 +80,28 @@ class Launching:
             row.handle, row.started_at = handle, utcnow()
             move(s, row, JobState.RUNNING, f"attempt {plan.attempt}", data={"handle": handle})
 
-    def _slots(
-        self, placement: Placement, used: dict[str, set[int]], fresh: dict[tuple[int, int], int] | None = None
-    ) -> list[NodeSlots]:
+    def _slots(self, placement: Placement, used: dict[str, set[int]]) -> list[NodeSlots]:
+        """The GPUs of a placement: a share's or MIG job's as placed; whole GPUs the first of the node's
+        (healthy, not in MIG mode) that nothing in ``used`` holds, as the share model counts them."""
         if placement.parts:
-            return self._share_slots(placement, used, {} if fresh is None else fresh)
+            return self._share_slots(placement)
         slots = []
         for idx, count in placement.nodes:
             node = self.nodes[idx]
             taken = used.get(node.name, set())
-            free = [g for g in node.healthy_gpus if g not in taken][:count]
+            free = [g for g in node.whole_gpus if g not in taken][:count]
             slots.append(NodeSlots(node.name, tuple(free), placement.cpus if count == 0 else 0))
         return slots
 
-    def _share_slots(
-        self, placement: Placement, used: dict[str, set[int]], fresh: dict[tuple[int, int], int]
-    ) -> list[NodeSlots]:
-        """The slots of a share or MIG placement; a share on a fresh GPU (negative index) gets the first
-        whole free GPU of its node, the same one for every share placed on it in this decision."""
+    def _share_slots(self, placement: Placement) -> list[NodeSlots]:
+        """The slots of a share or MIG placement: its GPU (or slices) as the share model placed it."""
         p = placement.parts[0]
         node = self.nodes[p.node]
         if p.mig_uuid:
             gpus = tuple(sorted({q.gpu for q in placement.parts}))
             return [NodeSlots(node.name, gpus, 0, mig=tuple(q.mig_uuid for q in placement.parts))]
-        gpu = p.gpu
-        if gpu < 0:
-            if (p.node, gpu) not in fresh:
-                taken = used.get(node.name, set())
-                fresh[(p.node, gpu)] = next(g for g in node.whole_gpus if g not in taken)
-            gpu = fresh[(p.node, gpu)]
-        uuid = node.gpu_uuids[gpu] if gpu < len(node.gpu_uuids) else ""
-        return [NodeSlots(node.name, (gpu,), 0, share=p.fraction, memory_gb=p.memory_gb, uuid=uuid)]
+        uuid = node.gpu_uuids[p.gpu] if p.gpu < len(node.gpu_uuids) else ""
+        return [NodeSlots(node.name, (p.gpu,), 0, share=p.fraction, memory_gb=p.memory_gb, uuid=uuid)]
 
 
 def _row(row: JobRow | None, job_id: int) -> JobRow:
@@ -121,9 +111,7 @@ def _row(row: JobRow | None, job_id: int) -> JobRow:
 
 
 def _parts_on(placement: Placement, slot: NodeSlots) -> list[Any]:
-    """The share/MIG parts of a placement that a slot carries (with the slot's real GPU index)."""
+    """The share/MIG parts of a placement that a slot carries."""
     if slot.mig:
         return [p for p in placement.parts if p.mig_uuid in slot.mig]
-    if slot.share is not None and placement.parts:
-        return [replace(placement.parts[0], gpu=slot.gpus[0])]
-    return []
+    return list(placement.parts[:1]) if slot.share is not None else []

@@ -41,6 +41,7 @@ class GpuNode:
 
     ``mig``: empty, or one entry per GPU: the MIG instances of that GPU as ``(profile, start)``
     (empty: the GPU is not in MIG mode). A GPU in MIG mode serves only its instances.
+    ``gpu_memory_mib``: memory of each GPU (0: not known, never checked; the openb lists have none).
     """
 
     name: str
@@ -49,6 +50,7 @@ class GpuNode:
     gpus: int
     model: str
     mig: MigLayout = ()
+    gpu_memory_mib: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class GpuTask:
     ``gpu_spec`` is the allowed GPU models (empty: any). ``creation`` and ``duration`` are seconds,
     None when the file has no times. ``mig``: a MIG profile (``3g.40gb``): the task asks for
     ``num_gpu`` instances of it on one node (``gpu_milli`` 0), nothing else of a GPU.
+    ``gpu_memory_mib``: GPU memory it holds on each of its GPUs (0: none asked; the server's shares).
     """
 
     name: str
@@ -69,6 +72,7 @@ class GpuTask:
     creation: float | None = None
     duration: float | None = None
     mig: str = ""
+    gpu_memory_mib: int = 0
 
     @property
     def gpu(self) -> float:
@@ -81,9 +85,11 @@ class GpuTask:
     @property
     def shape(self) -> tuple[Any, ...]:
         """What placement looks at: (cpu_milli, memory_mib, num_gpu, gpu_milli, gpu_spec), and the
-        MIG profile after them for a MIG task."""
+        MIG profile after them for a MIG task, or ``""`` and its GPU memory for a task that asks some."""
         base = (self.cpu_milli, self.memory_mib, self.num_gpu, self.gpu_milli, self.gpu_spec)
-        return (*base, self.mig) if self.mig else base
+        if self.mig:
+            return (*base, self.mig)
+        return (*base, "", self.gpu_memory_mib) if self.gpu_memory_mib else base
 
 
 def mig_compute(profile: str) -> int:

@@ -1,19 +1,8 @@
-"""GPU-sharing placement in the simulator: shares of GPUs, fragmentation, FGD and packing baselines.
+"""GPU-sharing placement policies on the share model: FGD and the packing baselines.
 
-A task asks for CPU, memory and either a share of one GPU (``gpu_milli`` < 1000) or whole GPUs,
-possibly of given models (the openb traces, :mod:`gpuyard.scheduler.openb`). A node's GPUs are
-tracked one by one in thousandths, so shares from several tasks can sit on one GPU.
-
-Fragmentation, after FGD (Weng et al., "Beware of Fragmentation: Scheduling GPU-Sharing Workloads
-with Fragmentation Gradient Descent", USENIX ATC'23), measured against the workload's mix of task
-shapes M, each with popularity p_m:
-
-* for one task shape m, the fragment of node n is the GPU capacity left on n that m cannot use:
-  all of it when m cannot run on n at all (CPU, memory, GPU model, or too few GPUs with room),
-  else the capacity left on the GPUs with less room than m's per-GPU demand;
-* the node's fragmentation is the expected fragment F_n = sum_m p_m frag_n(m);
-* FGD places a task where F rises least (F after minus F before), choosing the GPU(s) on the node
-  the same way: the direction of steepest descent of the cluster's expected fragmentation.
+FGD places a task where the expected fragmentation F (:mod:`gpuyard.scheduler.fragmentation`) rises
+least (F after minus F before), choosing the GPU(s) on the node the same way: the direction of
+steepest descent of the cluster's expected fragmentation.
 
 ``fgd`` is FGD as the paper's artifact (hkust-adsl/kubernetes-scheduler-simulator) runs it, whose
 runs give the paper's figures: the mix is its "typical pods" (every task counts, CPU-only ones too,
@@ -26,409 +15,40 @@ the nodes. ``fgd-exact`` takes the least rise itself, on every GPU shape of the 
 Baselines: first-fit, best-fit (least CPU and GPU left after placement, equal weights, as in the
 paper's baseline), random-fit, and dot-product (smallest product of normalised free and asked
 resources). Within a node the baselines take the tightest GPU with room (first-fit the first,
-random-fit any). ``fill`` runs the paper's experiment (tasks arrive until the cluster is full,
-measuring unallocated GPU capacity), ``replay`` a trace with durations (JCT).
+random-fit any).
 
-MIG (gpuyard's addition; not in the paper): a node's GPUs may be in MIG mode with a fixed layout of
-instances (:attr:`GpuNode.mig <gpuyard.scheduler.openb.GpuNode>`, placed where the hardware allows,
-:func:`gpuyard.hardware.mig.arrange`). Such a GPU has no room for shares or whole-GPU tasks; a MIG
-task (:attr:`GpuTask.mig <gpuyard.scheduler.openb.GpuTask>`) takes ``num_gpu`` free instances of its
-profile on one node, nothing else. Every policy chooses the node for it as for any task (first-fit
-the first, best-fit and dot-product by CPU and free MIG compute, FGD by the rise of F its CPU and
-memory cause); the instances are the node's first free ones of the profile (random-fit: any). MIG
-tasks are left out of FGD's mix: F measures the room for shares and whole GPUs, which they never use.
+MIG tasks (:mod:`gpuyard.scheduler.gpushares`): every policy chooses the node for them as for any
+task (first-fit the first, best-fit and dot-product by CPU and free MIG compute, FGD by the rise of F
+its CPU and memory cause); the instances are the node's first free ones of the profile (random-fit:
+any).
+
+The same policies place the server's shares (:func:`gpuyard.scheduler.placement.place_share`) and the
+simulator's (:mod:`gpuyard.scheduler.packing_replay`).
 """
 
 from __future__ import annotations
 
-import heapq
-import math
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-import numpy.typing as npt
 
-from gpuyard.errors import CapacityError, ConfigError
+from gpuyard.errors import ConfigError
 from gpuyard.hardware.mig import COMPUTE_SLICES
-from gpuyard.scheduler.openb import MILLI, GpuNode, GpuTask, mig_compute
-
-IntArray = npt.NDArray[np.int64]
-FloatArray = npt.NDArray[np.float64]
-BoolArray = npt.NDArray[np.bool_]
-Placement = tuple[int, tuple[int, ...]]  # node index, GPU indexes on that node (empty: CPU only)
-TYPICAL_POPULARITY = 0.95  # the FGD artifact's experiments: shapes covering 95% of the tasks
-
-
-class SharedCluster:
-    """Free CPU, memory and per-GPU thousandths of every node; ``version`` counts each node's changes.
-
-    MIG instances are slices, numbered node by node (``slice_*`` arrays; a node's are
-    ``slice_offset[n]:slice_offset[n + 1]``); a GPU in MIG mode has no thousandths free.
-    """
-
-    def __init__(self, nodes: Sequence[GpuNode]) -> None:
-        if not nodes:
-            raise ConfigError("a cluster needs at least one node")
-        self.nodes = list(nodes)
-        self.gpus = np.array([n.gpus for n in nodes], dtype=np.int64)
-        width = max(1, int(self.gpus.max()))
-        self.cpu_cap = np.array([n.cpu_milli for n in nodes], dtype=np.int64)
-        self.mem_cap = np.array([n.memory_mib for n in nodes], dtype=np.int64)
-        self.cpu = self.cpu_cap.copy()
-        self.mem = self.mem_cap.copy()
-        # Missing GPUs of a smaller node are columns with 0 left: they never fit and add no fragment.
-        self.left = np.zeros((len(nodes), width), dtype=np.int64)
-        for i, n in enumerate(nodes):
-            self.left[i, : n.gpus] = MILLI
-        self.models = sorted({n.model for n in nodes})
-        self.model = np.array([self.models.index(n.model) for n in nodes], dtype=np.int64)
-        self._init_mig(nodes)
-        self.free = self.left.sum(axis=1)  # GPU thousandths free per node
-        self.version = np.zeros(len(nodes), dtype=np.int64)
-        self.capacity_milli = int(self.gpus.sum()) * MILLI
-        self.allocated_milli = 0
-        self._spec_ok: dict[tuple[str, ...], BoolArray] = {}
-
-    def _init_mig(self, nodes: Sequence[GpuNode]) -> None:
-        """The MIG slices of ``nodes``; their GPUs lose their thousandths."""
-        self.mig_profiles = sorted({name for n in nodes for gpu in n.mig for name, _ in gpu})
-        self._mig_index = {name: k for k, name in enumerate(self.mig_profiles)}
-        self.mig_gpus = np.zeros(len(nodes), dtype=np.int64)  # GPUs in MIG mode per node
-        where: list[tuple[int, int, int, int]] = []  # node, GPU, profile index, first memory slice
-        offset = [0]
-        for i, n in enumerate(nodes):
-            if n.mig and len(n.mig) != n.gpus:
-                raise ConfigError(f"node {n.name}: a MIG layout of {len(n.mig)} GPUs for {n.gpus} GPUs")
-            for g, instances in enumerate(n.mig):
-                if instances:
-                    self.left[i, g] = 0
-                    self.mig_gpus[i] += 1
-                    where += [(i, g, self._mig_index[name], start) for name, start in instances]
-            offset.append(len(where))
-        table = np.array(where, dtype=np.int64).reshape(-1, 4)
-        self.slice_offset = np.array(offset, dtype=np.int64)
-        self.slice_node, self.slice_gpu, self.slice_profile, self.slice_start = table.T.copy()
-        self.slice_compute = np.array(
-            [mig_compute(self.mig_profiles[k]) for k in self.slice_profile], dtype=np.int64
-        )
-        self.slice_busy = np.zeros(len(table), dtype=np.bool_)
-        self.mig_total = np.zeros((len(nodes), max(1, len(self.mig_profiles))), dtype=np.int64)
-        np.add.at(self.mig_total, (self.slice_node, self.slice_profile), 1)
-        self.mig_free = self.mig_total.copy()  # free slices per node and profile
-        self.mig_free_compute = np.bincount(self.slice_node, self.slice_compute, len(nodes)).astype(np.int64)
-        self.mig_capacity = int(self.mig_gpus.sum()) * COMPUTE_SLICES  # compute slices of MIG GPUs
-        self.mig_allocated = 0  # compute slices held by MIG tasks
-        self.whole_gpus = self.gpus - self.mig_gpus  # GPUs that shares and whole-GPU tasks can use
-
-    @property
-    def has_mig(self) -> bool:
-        """Some GPU is in MIG mode."""
-        return bool(self.slice_node.size)
-
-    @property
-    def unallocated(self) -> float:
-        """Fraction of the cluster's GPU capacity not allocated to any task (a MIG instance held
-        counts its compute slices over 7; MIG compute no instance covers is never allocated)."""
-        if not self.capacity_milli:
-            return 0.0
-        if not self.mig_allocated:
-            return 1.0 - self.allocated_milli / self.capacity_milli
-        return (
-            1.0 - (self.allocated_milli + self.mig_allocated * MILLI / COMPUTE_SLICES) / self.capacity_milli
-        )
-
-    @property
-    def mig_unallocated(self) -> float:
-        """Fraction of the compute slices of the GPUs in MIG mode not held by a task (nan: none)."""
-        return 1.0 - self.mig_allocated / self.mig_capacity if self.mig_capacity else math.nan
-
-    @property
-    def free_slices(self) -> int:
-        """MIG slices no task holds."""
-        return int((~self.slice_busy).sum())
-
-    def slices_on(self, node: int, task: GpuTask, rng: np.random.Generator | None = None) -> tuple[int, ...]:
-        """``task.num_gpu`` free slices of ``task.mig`` on ``node``: the first ones (GPU order, then
-        memory slice), or drawn with ``rng``; fewer when there are not as many."""
-        lo, hi = int(self.slice_offset[node]), int(self.slice_offset[node + 1])
-        k = self._mig_index.get(task.mig, -1)
-        ids = lo + np.flatnonzero((self.slice_profile[lo:hi] == k) & ~self.slice_busy[lo:hi])
-        if rng is not None:
-            ids = rng.permutation(ids)
-        return tuple(int(i) for i in ids[: task.num_gpu])
-
-    def never_fits(self, task: GpuTask) -> str | None:
-        """Why ``task`` could not start even on the empty cluster (one line), or None when it could."""
-        if self.fits_empty(task):
-            return None
-        if task.mig:
-            k = self._mig_index.get(task.mig)
-            have = ", ".join(
-                f"{p} x{int(self.mig_total[:, j].sum())}" for j, p in enumerate(self.mig_profiles)
-            )
-            if k is None:
-                return (
-                    f"mig {task.mig}: no GPU here has a {task.mig} slice; MIG slices here: {have or 'none'}"
-                )
-            most = int(self.mig_total[:, k].max())
-            if most < task.num_gpu:
-                return f"mig {task.mig}: {task.num_gpu} slices asked, a node here has at most {most}"
-        elif task.num_gpu and int(self.whole_gpus.max()) < task.num_gpu:
-            if not self.whole_gpus.any():
-                return "no GPU here can be shared or given whole: each is in MIG mode"
-            most = int(self.whole_gpus.max())
-            return f"{task.num_gpu} GPUs asked, a node here has at most {most} not in MIG mode"
-        spec = f", GPU model in {'|'.join(task.gpu_spec)}" if task.gpu_spec else ""
-        return f"no node has {task.cpu_milli} CPU millicores, {task.memory_mib} MiB{spec} and the GPUs asked"
-
-    def model_ok(self, spec: tuple[str, ...]) -> BoolArray:
-        """Per model index: may a task of GPU models ``spec`` (empty: any) run there."""
-        ok = self._spec_ok.get(spec)
-        if ok is None:
-            ok = np.array([not spec or m in spec for m in self.models], dtype=np.bool_)
-            self._spec_ok[spec] = ok
-        return ok
-
-    def feasible(self, task: GpuTask) -> BoolArray:
-        """Per node: can ``task`` start there now."""
-        ok: BoolArray = (self.cpu >= task.cpu_milli) & (self.mem >= task.memory_mib)
-        ok &= self.model_ok(task.gpu_spec)[self.model]
-        if task.mig:
-            k = self._mig_index.get(task.mig)
-            if k is None:
-                return np.zeros(len(self.nodes), dtype=np.bool_)
-            ok &= self.mig_free[:, k] >= task.num_gpu
-            return ok
-        if task.num_gpu:
-            ok &= (self.left >= task.gpu_milli).sum(axis=1) >= task.num_gpu
-        return ok
-
-    def fits_empty(self, task: GpuTask) -> bool:
-        """Could ``task`` run on some node of the empty cluster."""
-        ok = (self.cpu_cap >= task.cpu_milli) & (self.mem_cap >= task.memory_mib)
-        ok &= self.model_ok(task.gpu_spec)[self.model]
-        if task.mig:
-            k = self._mig_index.get(task.mig)
-            return k is not None and bool((ok & (self.mig_total[:, k] >= task.num_gpu)).any())
-        ok &= self.whole_gpus >= task.num_gpu
-        return bool(ok.any())
-
-    def place(self, task: GpuTask, placement: Placement) -> None:
-        """Take ``task``'s resources on ``placement``.
-
-        Raises:
-            CapacityError: they are not free there.
-        """
-        node, gpus = placement
-        if len(gpus) != task.num_gpu or len(set(gpus)) != len(gpus):
-            raise CapacityError(f"{task.name}: {len(gpus)} GPUs given for num_gpu {task.num_gpu}")
-        if self.cpu[node] < task.cpu_milli or self.mem[node] < task.memory_mib:
-            raise CapacityError(f"{task.name}: not enough CPU or memory on {self.nodes[node].name}")
-        if not self.model_ok(task.gpu_spec)[self.model[node]]:
-            raise CapacityError(f"{task.name}: GPU model {self.nodes[node].model} not in {task.gpu_spec}")
-        if task.mig:
-            self._take_slices(task, node, gpus)
-            return
-        for g in gpus:
-            if g >= self.gpus[node] or self.left[node, g] < task.gpu_milli:
-                raise CapacityError(f"{task.name}: GPU {g} of {self.nodes[node].name} has no room")
-        self.cpu[node] -= task.cpu_milli
-        self.mem[node] -= task.memory_mib
-        for g in gpus:
-            self.left[node, g] -= task.gpu_milli
-        self.free[node] -= task.num_gpu * task.gpu_milli
-        self.allocated_milli += task.num_gpu * task.gpu_milli
-        self.version[node] += 1
-
-    def _take_slices(self, task: GpuTask, node: int, slices: tuple[int, ...]) -> None:
-        k = self._mig_index.get(task.mig, -1)
-        for s in slices:
-            if not (
-                0 <= s < len(self.slice_node)
-                and self.slice_node[s] == node
-                and self.slice_profile[s] == k
-                and not self.slice_busy[s]
-            ):
-                raise CapacityError(
-                    f"{task.name}: slice {s} is no free {task.mig} slice of {self.nodes[node].name}"
-                )
-        self.cpu[node] -= task.cpu_milli
-        self.mem[node] -= task.memory_mib
-        self._mark_slices(node, k, slices, busy=True)
-
-    def _mark_slices(self, node: int, k: int, slices: tuple[int, ...], busy: bool) -> None:
-        ids = np.array(slices, dtype=np.int64)
-        self.slice_busy[ids] = busy
-        compute = int(self.slice_compute[ids].sum())
-        sign = 1 if busy else -1
-        self.mig_free[node, k] -= sign * len(ids)
-        self.mig_free_compute[node] -= sign * compute
-        self.mig_allocated += sign * compute
-        self.version[node] += 1
-
-    def release(self, task: GpuTask, placement: Placement) -> None:
-        """Give back what :meth:`place` took."""
-        node, gpus = placement
-        self.cpu[node] += task.cpu_milli
-        self.mem[node] += task.memory_mib
-        if task.mig:
-            self._mark_slices(node, self._mig_index[task.mig], gpus, busy=False)
-            return
-        for g in gpus:
-            self.left[node, g] += task.gpu_milli
-        self.free[node] += task.num_gpu * task.gpu_milli
-        self.allocated_milli -= task.num_gpu * task.gpu_milli
-        self.version[node] += 1
-
-
-@dataclass(frozen=True)
-class TaskMix:
-    """The workload's task shapes and their popularity (fractions of the tasks counted, summing to 1).
-
-    ``counts`` keeps every shape of the tasks the mix was made from, CPU-only ones included, with
-    its number of tasks (what :meth:`typical` derives the FGD artifact's mix from).
-    """
-
-    cpu: IntArray
-    mem: IntArray
-    num_gpu: IntArray
-    milli: IntArray
-    spec: tuple[tuple[str, ...], ...]
-    p: FloatArray
-    counts: tuple[tuple[tuple[Any, ...], int], ...] = field(default=(), compare=False, repr=False)
-
-    @classmethod
-    def of(cls, tasks: Sequence[GpuTask]) -> TaskMix:
-        """The mix of ``tasks``' GPU shapes, popularity by count (CPU-only shapes are left out, and
-        MIG tasks: they never use the room F measures).
-
-        Raises:
-            ConfigError: no task asks for a GPU.
-        """
-        return cls.of_counts(Counter(t.shape for t in tasks if not t.mig))
-
-    @classmethod
-    def of_counts(cls, counts: Counter[tuple[Any, ...]]) -> TaskMix:
-        """The mix of GPU shapes counted in ``counts`` (shape -> tasks; CPU-only shapes are dropped
-        from the mix, kept in ``counts``).
-
-        Raises:
-            ConfigError: no GPU shape.
-        """
-        gpu = Counter({shape: n for shape, n in counts.items() if shape[2] and n > 0})
-        if not gpu:
-            raise ConfigError("no task asks for a GPU: the fragmentation measure needs GPU tasks")
-        return cls._make(gpu, counts)
-
-    @classmethod
-    def _make(cls, kept: Counter[tuple[Any, ...]], every: Counter[tuple[Any, ...]]) -> TaskMix:
-        shapes = sorted(kept)
-        total = sum(kept.values())
-        return cls(
-            cpu=np.array([s[0] for s in shapes], dtype=np.int64),
-            mem=np.array([s[1] for s in shapes], dtype=np.int64),
-            num_gpu=np.array([s[2] for s in shapes], dtype=np.int64),
-            milli=np.array([s[3] for s in shapes], dtype=np.int64),
-            spec=tuple(s[4] for s in shapes),
-            p=np.array([kept[s] / total for s in shapes], dtype=np.float64),
-            counts=tuple(sorted((s, n) for s, n in every.items() if n > 0)),
-        )
-
-    def typical(self, popularity: float = TYPICAL_POPULARITY) -> TaskMix:
-        """The FGD artifact's "typical pods" (``GetTypicalPods`` in its ``pkg/utils/frag.go``, with
-        the settings of its experiments): every task counts, CPU-only ones too; a shape is (CPU,
-        GPUs, thousandths per GPU, models), memory left out; the most popular shapes are kept until
-        they cover ``popularity`` of the tasks, and their popularity renormalised over them.
-
-        Raises:
-            ConfigError: the mix keeps no task counts (made by hand), or they have no GPU shape.
-        """
-        every: Counter[tuple[Any, ...]] = Counter()
-        for (cpu, _mem, num_gpu, milli, spec), n in self.counts:
-            every[(cpu, 0, num_gpu, milli, spec)] += n
-        if not any(s[2] for s in every):
-            raise ConfigError("no task counts with a GPU: the typical mix needs the tasks' shapes")
-        # Most tasks first; among equal counts the artifact's order (larger CPU, thousandths, GPUs).
-        order = sorted(every, key=lambda s: (-every[s], -s[0], -s[3], -s[2], "|".join(s[4])))
-        total = sum(every.values())
-        kept: Counter[tuple[Any, ...]] = Counter()
-        for shape in order:
-            if sum(kept.values()) >= popularity * total:
-                break
-            kept[shape] = every[shape]
-        return TaskMix._make(kept, every)
-
-    def __len__(self) -> int:
-        return len(self.p)
-
-
-class Fragmentation:
-    """Expected fragmentation F of node states against a :class:`TaskMix`, on one cluster's models."""
-
-    def __init__(self, mix: TaskMix, cluster: SharedCluster) -> None:
-        self.mix = mix
-        self.demands = np.unique(mix.milli)
-        self.didx = np.searchsorted(self.demands, mix.milli)
-        self.allowed = np.stack([cluster.model_ok(s) for s in mix.spec], axis=1)  # (models, shapes)
-
-    def of_states(self, cpu: IntArray, mem: IntArray, model: IntArray, left: IntArray) -> FloatArray:
-        """F (GPU thousandths) of each state: free CPU, memory, model index and per-GPU room (rows)."""
-        if left.shape[0] == 0:
-            return np.zeros(0, dtype=np.float64)
-        if left.shape[0] > 64:  # many nodes are alike (same model, both empty): evaluate each state once
-            rows = np.column_stack([cpu, mem, model, left])
-            mix_in = np.arange(1, rows.shape[1] + 1, dtype=np.int64) * np.int64(0x9E3779B97F4A7C15 >> 2)
-            _, first, inverse = np.unique(rows @ mix_in, return_index=True, return_inverse=True)
-            uniq = rows[first]
-            # A hash of each row finds the alike ones; the check keeps it exact (else no shortcut).
-            if len(uniq) < 0.8 * len(rows) and np.array_equal(uniq[inverse.ravel()], rows):
-                once = self._of_distinct(uniq[:, 0], uniq[:, 1], uniq[:, 2], uniq[:, 3:])
-                out: FloatArray = once[inverse.ravel()]
-                return out
-        return self._of_distinct(cpu, mem, model, left)
-
-    def _of_distinct(self, cpu: IntArray, mem: IntArray, model: IntArray, left: IntArray) -> FloatArray:
-        states, width = left.shape
-        total = left.sum(axis=1)
-        # A GPU's bucket b is how many demands it has room for: it fits demand j exactly when j < b.
-        nb = len(self.demands) + 1
-        bucket = np.searchsorted(self.demands, left, side="right")
-        flat = (np.arange(states)[:, None] * nb + bucket).ravel()
-        per_bucket = np.bincount(flat, minlength=states * nb).reshape(states, nb)
-        room_in = np.bincount(flat, weights=left.ravel(), minlength=states * nb).reshape(states, nb)
-        count = width - np.cumsum(per_bucket, axis=1)[:, :-1]  # GPUs with room for each demand
-        small = np.cumsum(room_in, axis=1)[:, :-1]  # room on the GPUs too small for each demand
-        m = self.mix
-        fits = (cpu[:, None] >= m.cpu[None, :]) & (mem[:, None] >= m.mem[None, :])
-        fits &= self.allowed[model]
-        fits &= count[:, self.didx] >= m.num_gpu[None, :]
-        fits &= (m.num_gpu > 0)[None, :]  # a CPU-only shape uses no GPU: all free GPU is lost to it
-        frag = np.where(fits, small[:, self.didx], total[:, None].astype(np.float64))
-        # Rounded so that equal states tie exactly, however many rows the product was computed with.
-        out: FloatArray = np.round(frag @ m.p, 6)
-        return out
-
-    def of_nodes(self, cluster: SharedCluster, nodes: IntArray | None = None) -> FloatArray:
-        """F of the cluster's nodes as they are now (all, or those indexed by ``nodes``)."""
-        idx = np.arange(len(cluster.nodes)) if nodes is None else nodes
-        return self.of_states(cluster.cpu[idx], cluster.mem[idx], cluster.model[idx], cluster.left[idx])
-
-
-def fragmentation_rate(cluster: SharedCluster, mix: TaskMix) -> float:
-    """The cluster's expected fragment as a fraction of its GPU capacity."""
-    return float(Fragmentation(mix, cluster).of_nodes(cluster).sum()) / cluster.capacity_milli
+from gpuyard.scheduler.fragmentation import Fragmentation, TaskMix
+from gpuyard.scheduler.gpushares import FloatArray, IntArray, Placement, SharedCluster
+from gpuyard.scheduler.openb import MILLI, GpuTask, mig_compute
 
 
 def _gpus_on(
-    left: IntArray, task: GpuTask, how: str, rng: np.random.Generator | None = None
+    cluster: SharedCluster, node: int, task: GpuTask, how: str, rng: np.random.Generator | None = None
 ) -> tuple[int, ...]:
-    """GPUs of one node (its row of room) for ``task``: first, tightest or random among those with room."""
+    """GPUs of ``node`` for ``task``: first, tightest or random among those with room."""
     if not task.num_gpu:
         return ()
-    fit = np.flatnonzero(left >= task.gpu_milli)
+    left = cluster.left[node]
+    fit = np.flatnonzero(cluster.room(task, np.array([node]))[0])
     if how == "tightest":
         fit = fit[np.argsort(left[fit], kind="stable")]
     elif how == "random" and rng is not None:
@@ -442,7 +62,7 @@ def _pick(
     """The GPUs (a MIG task: slices) of ``node`` for ``task``, as :func:`_gpus_on` chooses them."""
     if task.mig:
         return cluster.slices_on(node, task, rng if how == "random" else None)
-    return _gpus_on(cluster.left[node], task, how, rng)
+    return _gpus_on(cluster, node, task, how, rng)
 
 
 def _mig_free_asked(cluster: SharedCluster, task: GpuTask, idx: IntArray) -> tuple[FloatArray, float]:
@@ -683,7 +303,7 @@ class FGD:
             cand = np.repeat(left[:, None, :], width, axis=1)  # (nodes, candidate GPU, GPUs)
             diag = np.arange(width)
             cand[:, diag, diag] -= task.gpu_milli
-            ok = left >= task.gpu_milli
+            ok = cluster.room(task, nodes)
             rows, cols = np.nonzero(ok)
             after = np.full(left.shape, np.inf)
             after[rows, cols] = frag.of_states(cpu[rows], mem[rows], model[rows], cand[rows, cols])
@@ -694,7 +314,7 @@ class FGD:
             rise = after[np.arange(len(nodes)), best] - before
             return rise, best[:, None].astype(np.int64)
         # Whole GPUs: those with full room are alike; take the first ones.
-        full = left >= task.gpu_milli
+        full = cluster.room(task, nodes)
         order = np.argsort(~full, axis=1, kind="stable")[:, : task.num_gpu]
         new = left.copy()
         np.put_along_axis(new, order, np.take_along_axis(left, order, axis=1) - task.gpu_milli, axis=1)
@@ -751,230 +371,43 @@ def make_packing(name: str, mix: TaskMix | None = None, seed: int = 0) -> Packin
     raise ConfigError(f"packing {name!r}: choose one of {', '.join(PACKING_POLICIES)}")
 
 
-def inflate(tasks: Sequence[GpuTask], capacity_gpus: float, ratio: float, seed: int) -> list[GpuTask]:
-    """The paper's arrivals: the trace's tasks, topped up by random copies (or thinned at random)
-    until their GPU requests come to ``ratio`` x the cluster's GPUs, in a random order.
-    """
-    rng = np.random.default_rng(seed)
-    target = ratio * capacity_gpus
-    out = list(tasks)
-    asked = sum(t.gpu for t in out)
-    if not any(t.gpu for t in tasks):
-        raise ConfigError("no task asks for a GPU: nothing fills the cluster")
-    while asked > target:
-        asked -= out.pop(int(rng.integers(len(out)))).gpu
-    while True:
-        t = tasks[int(rng.integers(len(tasks)))]
-        if asked + t.gpu > target:
-            break
-        out.append(t)
-        asked += t.gpu
-    return [out[i] for i in rng.permutation(len(out))]
+_NEEDS_MIX = ("fgd", "fgd-exact", "fgd-bf", "fgd-online")
 
 
-@dataclass
-class FillResult:
-    """Unallocated GPU capacity (fraction) as arrived GPU requests reach each of ``points`` (fractions
-    of the cluster's GPUs), the expected fragmentation rate there, and the tasks placed and refused.
+class LivePacking:
+    """A packing policy by name for a scheduler that learns its workload as it runs (the server).
 
-    With GPUs in MIG mode, also the unallocated share of their compute slices at each point, and the
-    MIG tasks placed and refused (absent from :meth:`to_dict` otherwise).
-    """
-
-    policy: str
-    capacity_gpus: float
-    points: list[float]
-    unallocated: list[float]
-    fragmentation: list[float]
-    placed: int = 0
-    failed: int = 0
-    failed_gpu: float = 0.0
-    mig_unallocated: list[float] = field(default_factory=list)
-    mig_placed: int = 0
-    mig_failed: int = 0
-
-    def at(self, point: float) -> float:
-        """Unallocated fraction when arrivals reached ``point`` (the nearest recorded point)."""
-        i = int(np.argmin(np.abs(np.array(self.points) - point)))
-        return self.unallocated[i]
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict."""
-        doc = dict(self.__dict__)
-        if not self.mig_unallocated:
-            for key in ("mig_unallocated", "mig_placed", "mig_failed"):
-                del doc[key]
-        return doc
-
-
-def fill(
-    cluster: SharedCluster,
-    arrivals: Sequence[GpuTask],
-    policy: PackingPolicy,
-    points: Sequence[float] | None = None,
-    mix: TaskMix | None = None,
-) -> FillResult:
-    """Place ``arrivals`` one after the other (none leaves; one that fits nowhere is dropped).
-
-    Records, as the arrived GPU requests pass each of ``points`` (default 0 to 1.3 by 0.05, as
-    fractions of the cluster's GPUs), the unallocated fraction of GPU capacity and, with ``mix``,
-    the expected fragmentation rate.
-    """
-    pts = sorted(points) if points is not None else [round(0.05 * i, 2) for i in range(27)]
-    capacity = cluster.capacity_milli / MILLI
-    frag = Fragmentation(mix, cluster) if mix is not None else None
-    result = FillResult(policy.name, capacity, [], [], [])
-
-    def record(point: float) -> None:
-        result.points.append(point)
-        result.unallocated.append(cluster.unallocated)
-        rate = float(frag.of_nodes(cluster).sum()) / cluster.capacity_milli if frag is not None else math.nan
-        result.fragmentation.append(rate)
-        if cluster.has_mig:
-            result.mig_unallocated.append(cluster.mig_unallocated)
-
-    arrived, k = 0.0, 0
-    for task in arrivals:
-        while k < len(pts) and arrived + task.gpu > pts[k] * capacity + 1e-9:
-            record(pts[k])
-            k += 1
-        arrived += task.gpu
-        choice = policy.choose(cluster, task)
-        if choice is None:
-            result.failed += 1
-            result.failed_gpu += task.gpu
-            result.mig_failed += bool(task.mig)
-            continue
-        cluster.place(task, choice)
-        result.placed += 1
-        result.mig_placed += bool(task.mig)
-    while k < len(pts):
-        record(pts[k])
-        k += 1
-    return result
-
-
-@dataclass
-class ReplayResult:
-    """JCT and queueing of a replay with durations (seconds), under one packing policy."""
-
-    policy: str
-    tasks: int
-    rejected: int  # fit no node of the empty cluster
-    avg_jct_s: float
-    median_jct_s: float
-    p99_jct_s: float
-    avg_wait_s: float
-    waited: int  # tasks that could not start at once
-    avg_unallocated: float  # time-average unallocated fraction of GPU capacity while some task waits
-    makespan_s: float
-    extra: dict[str, float] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict."""
-        return dict(self.__dict__)
-
-
-def time_scale_for(tasks: Sequence[GpuTask], capacity_gpus: float, load: float) -> float:
-    """The factor on creation times that makes the offered load (GPU-seconds asked per second of the
-    arrival span, over the cluster's GPUs) ``load``.
+    FGD's task mix is the shapes of the jobs it knows (:meth:`observe`: on the server the jobs queued
+    and running), estimated again when their number has doubled or halved since the last estimate (as
+    fgd-online re-estimates when its arrivals double: each estimate drops FGD's kept rises, so not at
+    every job); ``fgd-online`` is fgd-exact on that mix. Until a GPU job is known, FGD places as
+    best-fit, as fgd-online does before its first GPU task. The other policies need no mix.
 
     Raises:
-        ConfigError: no times, or nothing asked.
+        ConfigError: an unknown name.
     """
-    times = [t.creation for t in tasks if t.creation is not None]
-    work = sum(t.gpu * (t.duration or 0.0) for t in tasks)
-    if len(times) < 2 or max(times) == min(times) or work <= 0 or load <= 0:
-        raise ConfigError("an offered load needs tasks with creation times, durations and GPUs")
-    return work / ((max(times) - min(times)) * capacity_gpus * load)
 
+    def __init__(self, name: str, seed: int = 0) -> None:
+        if name not in PACKING_POLICIES:
+            raise ConfigError(f"packing {name!r}: choose one of {', '.join(PACKING_POLICIES)}")
+        self.name, self.seed = name, seed
+        self._known = 0  # GPU jobs known at the last estimate (0: none yet)
+        self.policy: PackingPolicy = BestFit() if name in _NEEDS_MIX else make_packing(name, seed=seed)
 
-def replay(
-    cluster: SharedCluster, tasks: Sequence[GpuTask], policy: PackingPolicy, time_scale: float = 1.0
-) -> ReplayResult:
-    """Replay ``tasks`` (with creation and duration) on ``cluster``: arrivals at ``creation`` x
-    ``time_scale``, each runs ``duration`` s once started; waiting tasks start in arrival order
-    whenever one fits (a task that fits nowhere now does not hold back later ones).
+    def observe(self, counts: Counter[tuple[Any, ...]]) -> None:
+        """The task shapes (``GpuTask.shape``, MIG ones left out) of the jobs known now, with counts."""
+        if self.name not in _NEEDS_MIX:
+            return
+        known = sum(n for shape, n in counts.items() if shape[2] and n > 0)
+        if known == self._known or (self._known and self._known / 2 < known < 2 * self._known):
+            return
+        self._known = known
+        if not known:
+            self.policy = BestFit()
+            return
+        mix = TaskMix.of_counts(Counter(counts))
+        self.policy = make_packing("fgd-exact" if self.name == "fgd-online" else self.name, mix, self.seed)
 
-    With MIG tasks, ``extra`` has their number (``mig_tasks``, ``mig_rejected``), average JCT and
-    wait, and the time-average unallocated share of the MIG GPUs' compute while some task waited
-    (``mig_avg_unallocated``).
-
-    Raises:
-        ConfigError: a task has no creation time or duration.
-        CapacityError: no task fits on the empty cluster.
-    """
-    if any(t.creation is None or t.duration is None for t in tasks):
-        raise ConfigError("replaying for JCT needs creation and deletion times (this pod list has none)")
-    runnable = [t for t in tasks if cluster.fits_empty(t)]
-    if not runnable:
-        raise CapacityError("no task of the trace fits on any node")
-    order = sorted(range(len(runnable)), key=lambda i: (runnable[i].creation or 0.0, i))
-    t0 = min(t.creation or 0.0 for t in runnable)
-    arrive = {i: ((runnable[i].creation or 0.0) - t0) * time_scale for i in order}
-    start: dict[int, float] = {}
-    ends: list[tuple[float, int]] = []
-    running: dict[int, Placement] = {}
-    waiting: list[int] = []
-    nxt, now = 0, 0.0
-    wait_area, wait_time, last, mig_area = 0.0, 0.0, 0.0, 0.0
-    while nxt < len(order) or ends or waiting:
-        t_arr = arrive[order[nxt]] if nxt < len(order) else math.inf
-        t_end = ends[0][0] if ends else math.inf
-        if math.isinf(t_arr) and math.isinf(t_end):
-            break  # tasks still waiting but nothing will change: cannot happen when all fit empty
-        now = min(t_arr, t_end)
-        if waiting:
-            wait_area += (now - last) * cluster.unallocated
-            wait_time += now - last
-            if cluster.has_mig:
-                mig_area += (now - last) * cluster.mig_unallocated
-        last = now
-        freed = bool(ends) and ends[0][0] <= now
-        while ends and ends[0][0] <= now:
-            _, i = heapq.heappop(ends)
-            cluster.release(runnable[i], running.pop(i))
-        arrived = []
-        while nxt < len(order) and arrive[order[nxt]] <= now:
-            arrived.append(order[nxt])
-            nxt += 1
-        # Without a completion nothing was freed: who waited still cannot start; try the newcomers.
-        still, refused = ([], set()) if freed else (waiting, {runnable[i].shape for i in waiting})
-        for i in waiting + arrived if freed else arrived:
-            task = runnable[i]
-            choice = None if task.shape in refused else policy.choose(cluster, task)
-            if choice is None:
-                refused.add(task.shape)
-                still.append(i)
-                continue
-            cluster.place(task, choice)
-            running[i] = choice
-            start[i] = now
-            heapq.heappush(ends, (now + (task.duration or 0.0), i))
-        waiting = still
-    jct = np.array([start[i] + (runnable[i].duration or 0.0) - arrive[i] for i in order])
-    wait = np.array([start[i] - arrive[i] for i in order])
-    finish = max(start[i] + (runnable[i].duration or 0.0) for i in order)
-    extra: dict[str, float] = {}
-    mig = np.array([bool(runnable[i].mig) for i in order], dtype=np.bool_)
-    if mig.any() or any(t.mig for t in tasks):
-        extra = {
-            "mig_tasks": int(mig.sum()),
-            "mig_rejected": sum(bool(t.mig) for t in tasks) - int(mig.sum()),
-            "mig_avg_jct_s": float(jct[mig].mean()) if mig.any() else math.nan,
-            "mig_avg_wait_s": float(wait[mig].mean()) if mig.any() else math.nan,
-            "mig_avg_unallocated": mig_area / wait_time if wait_time > 0 and cluster.has_mig else math.nan,
-        }
-    return ReplayResult(
-        policy=policy.name,
-        tasks=len(runnable),
-        rejected=len(tasks) - len(runnable),
-        avg_jct_s=float(jct.mean()),
-        median_jct_s=float(np.median(jct)),
-        p99_jct_s=float(np.percentile(jct, 99)),
-        avg_wait_s=float(wait.mean()),
-        waited=int((wait > 0).sum()),
-        avg_unallocated=wait_area / wait_time if wait_time > 0 else math.nan,
-        makespan_s=finish,
-        extra=extra,
-    )
+    def choose(self, cluster: SharedCluster, task: GpuTask) -> Placement | None:
+        """The node and GPUs (MIG: slices) for ``task``, or None when none fits."""
+        return self.policy.choose(cluster, task)

@@ -15,24 +15,34 @@ Nodes can be drained (:meth:`ClusterState.set_drained`, node health): :func:`pla
 them and their free slots do not count as free.
 
 Sharing (:class:`GpuShare`): a job may ask for part of one GPU (a fraction and/or GPU memory) or for
-MIG slices of one profile. Shares pack onto the GPU already most used that still holds them (up to
-1.0 of its compute and all its memory); a GPU with any share is no longer free for whole-GPU jobs. GPUs
-in MIG mode are never handed out whole: only their slices, each to one job. See :func:`place_share`.
+MIG slices of one profile. The shares and slices are kept in the share model the simulator and the
+benchmarks use (:class:`gpuyard.scheduler.gpushares.SharedCluster`: per GPU, thousandths of its
+compute and MiB of its memory; per MIG slice, held or not), and placed by the same packing policy
+(:mod:`gpuyard.scheduler.packing`, FGD by default); a GPU with any share is no longer free for
+whole-GPU jobs. GPUs in MIG mode are never handed out whole: only their slices, each to one job. See
+:func:`place_share`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from gpuyard.hardware.mig import PROFILE_NAMES
+from gpuyard.scheduler.gpushares import SharedCluster
+from gpuyard.scheduler.openb import MILLI, GpuNode, GpuTask
+from gpuyard.scheduler.packing import LivePacking
 
 _BIG = np.iinfo(np.int64).max
 # Records keep fractions to 6 decimals and GiB to 3: sums of recorded shares may pass the exact
 # figure by that rounding, so comparisons allow it (1e-5 of a GPU, about 10 MiB).
 _EPS = 1e-5
 _MEM_EPS = 0.01
+DEFAULT_PACKING = "fgd-online"  # the server's share placement (ServiceConfig.packing, --packing)
 
 
 @dataclass(frozen=True)
@@ -171,7 +181,7 @@ class SharePart:
 
     Attributes:
         node: node index.
-        gpu: GPU index; negative: a whole free GPU of the node, chosen at launch (a fresh shared GPU).
+        gpu: GPU index.
         fraction: share of the GPU's compute held (1/7 per compute slice for MIG).
         memory_gb: GPU memory held (0 when unknown).
         mig_uuid: the MIG device's UUID ("" for a share).
@@ -229,9 +239,15 @@ def _codes(values: list[str]) -> tuple[np.ndarray, list[str]]:
 
 @dataclass
 class ClusterState:
-    """Free GPU and CPU slots of every node (mutable), plus the fixed topology as integer codes."""
+    """Free GPU and CPU slots of every node (mutable), plus the fixed topology as integer codes.
+
+    ``free`` counts each node's whole GPUs nothing holds (gang placement's view); the shares and MIG
+    slices live in the share model (:attr:`shares`, built on first use and copied on write), placed
+    by ``packing`` (a name of :data:`gpuyard.scheduler.packing.PACKING_POLICIES`).
+    """
 
     nodes: list[NodeSpec]
+    packing: str = DEFAULT_PACKING
     free: np.ndarray = field(init=False)
     free_cpus: np.ndarray = field(init=False)
 
@@ -239,10 +255,11 @@ class ClusterState:
         self.capacity = np.array([len(n.whole_gpus) for n in self.nodes], dtype=np.int64)
         self.gpu_memory = np.array([n.gpu_memory_gb for n in self.nodes], dtype=np.float64)
         self.slices = [n.healthy_slices for n in self.nodes]
-        # Shared GPUs: (node, gpu) -> [fraction, memory] held; MIG slices held, by UUID.
-        self.shared: dict[tuple[int, int], list[float]] = {}
-        self.mig_used: set[str] = set()
-        self._fresh = 0
+        self.share_policy = LivePacking(self.packing)
+        self._base: SharedCluster | None = None  # the share model with nothing held
+        self._shares: SharedCluster | None = None  # None: nothing held (the base)
+        self._owned = False  # whether _shares is this state's own (else copy it before a change)
+        self.slice_uuids: list[str] = []  # the share model's slices' UUIDs, by slice number
         self.cpu_capacity = np.array([n.cpus for n in self.nodes], dtype=np.int64)
         self.free = self.capacity.copy()
         self.free_cpus = self.cpu_capacity.copy()
@@ -277,56 +294,111 @@ class ClusterState:
         self.set_drained(set(np.flatnonzero(self.drained).tolist()) | set(indices))
 
     def copy(self) -> ClusterState:
-        """A copy whose free slots can be changed without touching this one (the topology is shared)."""
+        """A copy whose free slots can be changed without touching this one (the topology is shared;
+        the share model is copied when either changes it)."""
         other = object.__new__(ClusterState)
         other.__dict__.update(self.__dict__)
         other.free = self.free.copy()
         other.free_cpus = self.free_cpus.copy()
-        other.shared = {k: list(v) for k, v in self.shared.items()}
-        other.mig_used = set(self.mig_used)
+        self._owned = other._owned = False
         return other
 
     def reset(self) -> None:
         """Everything free again (before holding what the records say is in use)."""
         self.free = self.capacity.copy()
         self.free_cpus = self.cpu_capacity.copy()
-        self.shared, self.mig_used, self._fresh = {}, set(), 0
+        self._shares, self._owned = None, False
+
+    @property
+    def shares(self) -> SharedCluster:
+        """The share model as it is now (read only: :meth:`_model` to change it)."""
+        return self._model(write=False)
+
+    def _model(self, write: bool = True) -> SharedCluster:
+        if self._base is None:
+            self._base, self.slice_uuids = share_model(self.nodes)
+        if self._shares is None:
+            if not write:
+                return self._base
+            self._shares, self._owned = self._base.copy(), True
+        elif write and not self._owned:
+            self._shares, self._owned = self._shares.copy(), True
+        return self._shares
+
+    def observe(self, shapes: Counter[tuple[Any, ...]]) -> None:
+        """The jobs the scheduler knows now, as task shapes (``GpuTask.shape``: the share policy's
+        task mix; FGD measures fragmentation against it)."""
+        self.share_policy.observe(shapes)
 
     def hold_record(self, node: int, part: Mapping[str, Any]) -> None:
         """Hold one node's part of a job's placement record (``{"node", "gpus", "cpus"}``, with
         ``share`` or ``mig`` for a share or MIG job; see :func:`record_part`)."""
-        gpus = list(part.get("gpus") or [])
+        gpus = [int(g) for g in part.get("gpus") or []]
         if part.get("mig"):
-            self.mig_used.update(str(m["uuid"]) for m in part["mig"])
+            for m in part["mig"]:
+                self._hold_slice(node, str(m["uuid"]), str(m.get("profile") or ""), hold=True)
         elif part.get("share"):
             share = part["share"]
             for g in gpus:
-                self._hold_share(node, int(g), float(share["fraction"]), float(share.get("memory_gb") or 0.0))
+                self._hold_share(node, g, float(share["fraction"]), float(share.get("memory_gb") or 0.0))
         else:
             self.free[node] -= len(gpus)
             self.free_cpus[node] -= int(part.get("cpus") or 0) if not gpus else 0
+            model = self._model()
+            held = [g for g in gpus if 0 <= g < model.left.shape[1]]
+            if held:  # what runs is held as recorded, even on a GPU retired since (force)
+                model.place(GpuTask("held", 0, 0, len(held), MILLI), (node, tuple(held)), force=True)
+
+    def _share_task(self, node: int, fraction: float, memory: float) -> GpuTask:
+        """A share as the share model holds it on ``node``: thousandths of the GPU (at least one) and,
+        where the node knows its GPUs' memory, MiB of it."""
+        mib = round(memory * 1024) if self.gpu_memory[node] > 0 else 0
+        return GpuTask("share", 0, 0, 1, max(1, round(fraction * MILLI)), gpu_memory_mib=mib)
 
     def _hold_share(self, node: int, gpu: int, fraction: float, memory: float) -> None:
-        used = self.shared.get((node, gpu))
-        if used is None:
+        model = self._model()
+        if not 0 <= gpu < model.left.shape[1]:
+            return  # a record of a GPU this node no longer has: nothing here to hold
+        if model.left[node, gpu] == MILLI:
             self.free[node] -= 1  # a whole free GPU becomes a shared one
-            used = self.shared[(node, gpu)] = [0.0, 0.0]
-        used[0] += fraction
-        used[1] += memory
+        model.place(self._share_task(node, fraction, memory), (node, (gpu,)), force=True)
 
     def _release_share(self, node: int, gpu: int, fraction: float, memory: float) -> None:
-        used = self.shared.get((node, gpu))
-        if used is None:
+        model = self._model()
+        model.release(self._share_task(node, fraction, memory), (node, (gpu,)))
+        if model.left[node, gpu] == MILLI and not model.shares_on[node, gpu]:
+            self.free[node] += 1  # its last share ended: whole again
+
+    def _hold_slice(self, node: int, uuid: str, profile: str, hold: bool) -> None:
+        model = self._model()
+        try:
+            sid = self.slice_uuids.index(uuid)
+        except ValueError:
+            return  # a slice not in the inventory (gone, or on a failed GPU): nothing to hold
+        if bool(model.slice_busy[sid]) == hold or int(model.slice_node[sid]) != node:
             return
-        used[0] -= fraction
-        used[1] -= memory
-        if used[0] <= _EPS and used[1] <= _MEM_EPS:
-            del self.shared[(node, gpu)]
-            self.free[node] += 1
+        task = GpuTask("slice", 0, 0, 1, 0, mig=model.mig_profiles[int(model.slice_profile[sid])])
+        if hold:
+            model.place(task, (node, (sid,)))
+        else:
+            model.release(task, (node, (sid,)))
+
+    @property
+    def mig_used(self) -> set[str]:
+        """The UUIDs of the MIG slices held."""
+        busy = np.flatnonzero(self.shares.slice_busy) if self.slice_uuids else ()
+        return {self.slice_uuids[int(s)] for s in busy}
 
     def gpu_use(self) -> dict[tuple[int, int], tuple[float, float]]:
         """Shared GPUs: (node, gpu) -> (fraction, memory GiB) held by share jobs."""
-        return {k: (v[0], v[1]) for k, v in self.shared.items()}
+        if not self.nodes:
+            return {}
+        m = self.shares
+        out = {}
+        for n, g in zip(*np.nonzero(m.shares_on > 0), strict=True):
+            memory = float(m.gmem_cap[n] - m.gmem_left[n, g]) / 1024 if m.gmem_cap[n] else 0.0
+            out[(int(n), int(g))] = ((MILLI - int(m.left[n, g])) / MILLI, memory)
+        return out
 
     def type_mask(self, gpu_type: str | None) -> np.ndarray | None:
         """Boolean mask of the nodes with that GPU type (None: any type)."""
@@ -349,7 +421,7 @@ class ClusterState:
             self.free_cpus[node] -= placement.cpus if n == 0 else 0
         for p in placement.parts:
             if p.mig_uuid:
-                self.mig_used.add(p.mig_uuid)
+                self._hold_slice(p.node, p.mig_uuid, p.profile, hold=True)
             else:
                 self._hold_share(p.node, p.gpu, p.fraction, p.memory_gb)
 
@@ -360,7 +432,7 @@ class ClusterState:
             self.free_cpus[node] += placement.cpus if n == 0 else 0
         for p in placement.parts:
             if p.mig_uuid:
-                self.mig_used.discard(p.mig_uuid)
+                self._hold_slice(p.node, p.mig_uuid, p.profile, hold=False)
             else:
                 self._release_share(p.node, p.gpu, p.fraction, p.memory_gb)
 
@@ -478,56 +550,105 @@ def _candidates(state: ClusterState, gpu_type: str | None) -> list[int]:
     return [int(i) for i in np.flatnonzero(ok)]
 
 
+def share_model(nodes: Iterable[NodeSpec]) -> tuple[SharedCluster, list[str]]:
+    """The share model of ``nodes`` with nothing held, and its MIG slices' UUIDs by slice number.
+
+    GPUs that failed their health check and GPUs in MIG mode without a placeable slice are retired
+    (never placed on); MIG compute instances below a GPU instance (``1c.3g.20gb``) are not placed.
+    """
+    specs, uuids, retire = [], [], []
+    for i, n in enumerate(nodes):
+        on: dict[int, list[MigSlice]] = {}
+        for s in n.healthy_slices:
+            if 0 <= s.gpu < n.gpus and s.profile in PROFILE_NAMES:
+                on.setdefault(s.gpu, []).append(s)
+        layout = tuple(tuple((s.profile, k) for k, s in enumerate(on.get(g, []))) for g in range(n.gpus))
+        uuids += [s.uuid for g in range(n.gpus) for s in on.get(g, [])]
+        mig = set(n.mig_mode) | {s.gpu for s in n.mig}
+        retire += [(i, g) for g in range(n.gpus) if (g in n.excluded or g in mig) and g not in on]
+        memory = int(n.gpu_memory_gb * 1024 + _MEM_EPS * 1024) if n.gpu_memory_gb > 0 else 0
+        mig_layout = layout if on else ()
+        specs.append(GpuNode(n.name, max(n.cpus, 1) * 1000, 0, n.gpus, n.gpu_type, mig_layout, memory))
+    model = SharedCluster(specs)
+    for node, gpu in retire:
+        model.retire(node, gpu)
+    return model, uuids
+
+
 def place_share(state: ClusterState, share: GpuShare, gpu_type: str | None = None) -> Placement | None:
     """Place part of one GPU, or MIG slices; ``None`` when it cannot start now.
 
-    A share goes to the shared GPU with the most already held that still has room for it (its
-    fraction within 1.0 and its memory within the GPU's), else to a whole free GPU of the node with the
-    fewest free GPUs (best fit, as whole-GPU jobs). MIG slices: ``slices`` free slices of the profile on
-    one node, the node with the fewest such free slices first.
+    The state's packing policy (:class:`gpuyard.scheduler.packing.LivePacking`, FGD by default)
+    chooses on the share model, among the nodes of ``gpu_type`` that are not drained: a share goes to
+    a GPU with room for its compute (thousandths, at least one) and memory (where the node knows its
+    GPUs' memory), a shared one or a whole free one; MIG slices: ``slices`` free slices of the
+    profile on one node. The whole GPUs that this decision's whole-GPU starts took (counted in
+    ``free``, not yet in the model) are kept out: the first free ones, as the launch gives them.
     """
-    nodes = _candidates(state, gpu_type)
-    if share.mig:
-        best: tuple[int, list[MigSlice]] | None = None
-        for n in nodes:
-            free = [s for s in state.slices[n] if s.profile == share.mig and s.uuid not in state.mig_used]
-            if len(free) >= share.slices and (best is None or len(free) < len(best[1])):
-                best = (n, free)
-        if best is None:
-            return None
-        n, free = best
-        size = int(share.mig.split("g.")[0]) / 7
-        memory = float(share.mig.split(".")[1].removesuffix("gb"))
-        parts = tuple(SharePart(n, s.gpu, size, memory, s.uuid, s.profile) for s in free[: share.slices])
-        where = ", ".join(f"GPU {g}" for g in sorted({p.gpu for p in parts}))
-        return Placement((), f"{share.describe()} on {where}", parts=parts)
-    choice: tuple[tuple[float, int], SharePart] | None = None
-    for n in nodes:
-        sized = _share_size(share, float(state.gpu_memory[n]))
-        if sized is None:
-            continue
-        fraction, memory = sized
-        limit = float(state.gpu_memory[n])
-        for (node, gpu), (f_used, m_used) in state.shared.items():
-            if (
-                node != n
-                or f_used + fraction > 1 + _EPS
-                or (limit > 0 and m_used + memory > limit + _MEM_EPS)
-            ):
-                continue
-            key = (f_used, -int(state.free[n]))
-            if choice is None or key > choice[0]:
-                choice = (key, SharePart(n, gpu, fraction, memory))
-        if state.free[n] >= 1 and fraction <= 1 + _EPS and (limit <= 0 or memory <= limit + _MEM_EPS):
-            key = (-1.0, -int(state.free[n]))
-            if choice is None or key > choice[0]:
-                state._fresh -= 1
-                choice = (key, SharePart(n, state._fresh, fraction, memory))
-    if choice is None:
+    if not state.nodes:
         return None
-    part = choice[1]
-    how = f"shares GPU {part.gpu}" if part.gpu >= 0 else "a free GPU, shared"
-    return Placement((), f"{share.describe()}: {how}", parts=(part,))
+    mask = state.type_mask(gpu_type)
+    allowed = ~state.drained if mask is None else (mask & ~state.drained)
+    model = state._model()
+    hidden = _hide_taken(state, model)
+    try:
+        if share.mig:
+            task = GpuTask(share.describe(), 0, 0, share.slices, 0, mig=share.mig)
+            choice = _choose(state, model, task, allowed)
+            if choice is None:
+                return None
+            node, ids = choice
+            size = int(share.mig.split("g.")[0]) / 7
+            memory = float(share.mig.split(".")[1].removesuffix("gb"))
+            parts = tuple(
+                SharePart(node, int(model.slice_gpu[s]), size, memory, state.slice_uuids[s], share.mig)
+                for s in ids
+            )
+            where = ", ".join(f"GPU {g}" for g in sorted({p.gpu for p in parts}))
+            return Placement((), f"{share.describe()} on {where}", parts=parts)
+        # Nodes alike in GPU memory size a share alike: one choice per size, the largest first.
+        for size in sorted({float(state.gpu_memory[n]) for n in np.flatnonzero(allowed)}, reverse=True):
+            sized = _share_size(share, size)
+            if sized is None or sized[0] > 1 + _EPS or (size > 0 and sized[1] > size + _MEM_EPS):
+                continue
+            fraction, memory = sized
+            group = allowed & (state.gpu_memory == size)
+            task = state._share_task(int(np.flatnonzero(group)[0]), fraction, memory)
+            choice = _choose(state, model, task, group)
+            if choice is not None:
+                node, (gpu,) = choice
+                how = f"shares GPU {gpu}" if model.shares_on[node, gpu] else f"a free GPU ({gpu}), shared"
+                return Placement(
+                    (), f"{share.describe()}: {how}", parts=(SharePart(node, gpu, fraction, memory),)
+                )
+        return None
+    finally:
+        for node, gpus in hidden:
+            model.release(GpuTask("taken", 0, 0, len(gpus), MILLI), (node, gpus))
+
+
+def _choose(
+    state: ClusterState, model: SharedCluster, task: GpuTask, allowed: np.ndarray
+) -> tuple[int, tuple[int, ...]] | None:
+    """The packing policy's choice for ``task`` among the ``allowed`` nodes."""
+    model.blocked = ~allowed
+    try:
+        return state.share_policy.choose(model, task)
+    finally:
+        model.blocked = np.zeros(len(state.nodes), dtype=np.bool_)
+
+
+def _hide_taken(state: ClusterState, model: SharedCluster) -> list[tuple[int, tuple[int, ...]]]:
+    """Hold in the model the whole GPUs that ``state.free`` counts as taken but the model does not
+    (whole-GPU starts of this decision): each node's first whole free ones. Returns what it held."""
+    whole = (model.left == MILLI) & (model.shares_on == 0)
+    taken = whole.sum(axis=1) - state.free
+    hidden = []
+    for node in np.flatnonzero(taken > 0):
+        gpus = tuple(int(g) for g in np.flatnonzero(whole[node])[: int(taken[node])])
+        model.place(GpuTask("taken", 0, 0, len(gpus), MILLI), (int(node), gpus))
+        hidden.append((int(node), gpus))
+    return hidden
 
 
 def share_never_fits(state: ClusterState, share: GpuShare, gpu_type: str | None = None) -> str | None:
@@ -599,15 +720,15 @@ def why_waiting(
         return f"waiting for {share.describe()}: {free} of {len(slices)} such slices free{drained}"
     free = sum(int(state.free[n]) for n in nodes)
     if share is not None:
-        busy = sorted((v[0], n, g) for (n, g), v in state.shared.items() if n in nodes)
-        used = ", ".join(f"{state.nodes[n].name}:{max(g, 0)} {f:.2g}/1.0 held" for f, n, g in busy[-4:])
+        busy = sorted((f, n, g) for (n, g), (f, _) in state.gpu_use().items() if n in nodes)
+        used = ", ".join(f"{state.nodes[n].name}:{g} {f:.2g}/1.0 held" for f, n, g in busy[-4:])
         return (
             f"waiting for {share.describe()}: no shared GPU has room ({used or 'none shared'}) and "
             f"{free} whole{of} GPUs free{drained}"
         )
     if gpus == 0:
         return f"waiting for {cpus} CPU slot(s): none free on one node{drained}"
-    shared = len({k for k in state.shared if k[0] in nodes})
+    shared = len({k for k in state.gpu_use() if k[0] in nodes})
     mig = sum(len(set(state.nodes[n].mig_mode) | {s.gpu for s in state.nodes[n].mig}) for n in nodes)
     notes = [f"{shared} shared"] if shared else []
     notes += [f"{mig} in MIG mode"] if mig else []

@@ -40,7 +40,14 @@ from gpuyard.scheduler.fabric_placement import (
 from gpuyard.scheduler.launching import Launching
 from gpuyard.scheduler.lease import DEFAULT_TTL_S, SchedulerLease, lease_conflict
 from gpuyard.scheduler.nodes import NodeHealthMonitor, NodeStates
-from gpuyard.scheduler.placement import ClusterState, NodeSpec, place, share_never_fits, share_of
+from gpuyard.scheduler.placement import (
+    DEFAULT_PACKING,
+    ClusterState,
+    NodeSpec,
+    place,
+    share_never_fits,
+    share_of,
+)
 from gpuyard.scheduler.policies import make_policy
 from gpuyard.scheduler.queue import QueuedJob
 from gpuyard.scheduler.records import ACTIVE, job_doc, move
@@ -88,6 +95,8 @@ class ServiceConfig:
             step time: spread now or wait for a consolidated placement; needs the fabric cluster).
         max_wait_s: under fabric placement, the longest a job waits for a consolidated placement.
         elastic: how elastic jobs (``gpus: {min, max}``) grow and shrink (:mod:`.elastic`).
+        packing: how GPU shares and MIG slices are placed (``gpuyard.scheduler.packing.PACKING_POLICIES``;
+            FGD's task mix is the jobs known now).
     """
 
     policy: str = "fifo"
@@ -99,6 +108,7 @@ class ServiceConfig:
     placement: str = "topology"
     max_wait_s: float = DEFAULT_MAX_WAIT_S
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    packing: str = DEFAULT_PACKING
 
 
 class JobService(ExitHandling, Recovery, Launching, Stragglers):
@@ -153,7 +163,7 @@ class JobService(ExitHandling, Recovery, Launching, Stragglers):
             min_run_s=config.min_run_s,
             placer=self.placer,
         )
-        self.state = ClusterState(nodes)
+        self.state = ClusterState(nodes, self.config.packing)
         self._node_index = {n.name: i for i, n in enumerate(nodes)}
         self.estimator = RuntimeEstimator()
         self._lock = threading.RLock()
@@ -572,9 +582,9 @@ class JobService(ExitHandling, Recovery, Launching, Stragglers):
         if plan.waits:
             self._note_waits(plan.waits)
         self._note_waiting(plan.waiting, views)
-        used, fresh = _used(views), dict[tuple[int, int], int]()
+        used = _used(views)
         for start in plan.starts:
-            slots = self._slots(start.placement, used, fresh)
+            slots = self._slots(start.placement, used)
             for sl in slots:
                 used.setdefault(sl.node, set()).update(sl.gpus)
             self._start(start.job, start.placement, slots)

@@ -12,6 +12,8 @@ from gpuyard.scheduler.executors.limits import LimitDefaults, setup_confinement
 from gpuyard.scheduler.fabric_placement import DEFAULT_MAX_WAIT_S
 from gpuyard.scheduler.lease import SchedulerLease, lease_conflict
 from gpuyard.scheduler.nodes import check_fabric_nodes
+from gpuyard.scheduler.packing import LivePacking
+from gpuyard.scheduler.placement import DEFAULT_PACKING
 from gpuyard.scheduler.service import JobService, ServiceConfig
 from gpuyard.settings import load_settings
 from gpuyard.store.db import get_store
@@ -42,6 +44,7 @@ def build_service(
     slurm_account: str | None = None,
     limits: LimitDefaults | None = None,
     job_python: str | None = None,
+    packing: str = DEFAULT_PACKING,
 ) -> JobService:
     """The job service of `gpuyard server`.
 
@@ -58,6 +61,7 @@ def build_service(
         cluster: fabric preset or file describing the nodes' fabric (needed by ``fabric`` placement).
         calibration: a ``gpuyard fabric calibrate`` file applied to ``cluster`` (fabric placement).
         max_wait_s: under fabric placement, the longest a job waits for a consolidated placement.
+        packing: how GPU shares and MIG slices are placed (``gpuyard.scheduler.packing.PACKING_POLICIES``).
         job_user: ``server`` role on this machine: the Unix user jobs run as (None: ``gpuyard-job`` when
             root, else the server's own); see :mod:`gpuyard.scheduler.executors.isolation`.
         job_dir: ``server`` role on this machine: the folder of the jobs' working directories.
@@ -92,6 +96,7 @@ def build_service(
     """
     # Options are checked before the store, the lease, Ray or the hardware probe are touched.
     fabric = _fabric_cluster(placement, cluster, max_wait_s, calibration)
+    LivePacking(packing)  # an unknown name is refused before anything is touched
     settings = load_settings()
     store = get_store(settings)
     config = ServiceConfig(
@@ -101,6 +106,7 @@ def build_service(
         min_run_s=min_run_s,
         placement=placement,
         max_wait_s=max_wait_s,
+        packing=packing,
         elastic=ElasticConfig(
             enabled=resize_interval_s is not None,
             interval_s=resize_interval_s or 0.0,

@@ -19,14 +19,17 @@ from typing import Any
 
 import numpy as np
 
+from gpuyard import exitcodes
 from gpuyard.errors import CapacityError, ConfigError
-from gpuyard.scheduler.core import SchedulerCore, StopReason, work_left
+from gpuyard.scheduler.core import JobView, SchedulerCore, StopReason, on_exit, work_left
 from gpuyard.scheduler.elastic import ElasticConfig, ElasticJob
 from gpuyard.scheduler.estimator import RuntimeEstimator
+from gpuyard.scheduler.executors.base import ExitStatus
 from gpuyard.scheduler.fabric_placement import FabricPlacer, shape_of
 from gpuyard.scheduler.placement import ClusterState, NodeSpec, Placement
 from gpuyard.scheduler.policies import Policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
+from gpuyard.scheduler.spec import JobSpec, JobState, parse_spec
 from gpuyard.scheduler.trace import TraceJob
 
 BOUNDED_SLOWDOWN_S = 10.0  # floor on run time in the slowdown (Feitelson's bounded slowdown)
@@ -47,6 +50,10 @@ class SimConfig:
         checkpoint_stall_s: training time each checkpoint stops the job for (0: free checkpoints,
             as before failures were modelled).
         elastic_alpha: how an elastic job's speed scales with its GPUs (``(g / g0) ** alpha``).
+        max_restarts: every job's ``max_restarts`` (its spec's): after a failure it runs again while
+            its failures do not pass it, else it ends failed, as the server's exit rules say
+            (:func:`gpuyard.scheduler.core.on_exit`). None: no limit (a long training run at scale
+            fails hundreds of times and is restarted each time; a spec allows at most 100).
     """
 
     checkpoint_interval_s: float = 600.0
@@ -62,6 +69,7 @@ class SimConfig:
     # Elastic jobs (``simulate(elastic=...)``): a job on g GPUs instead of the g0 it asked for runs at
     # (g / g0) ** elastic_alpha of its speed (sublinear scaling: an assumption, not a measurement).
     elastic_alpha: float = 0.8
+    max_restarts: int | None = None
 
     @property
     def stall_factor(self) -> float:
@@ -83,6 +91,7 @@ class _Run:
     lost_gpu_s: float = 0.0  # GPU-seconds held without kept progress: restarts, lost work, stalls
     first_start: float = math.nan
     finish: float = math.nan
+    failed: bool = False  # ended failed: a failure past its max_restarts
     busy: float = 0.0  # GPU-holding seconds, for utilization
     preemptions: int = 0
     failures: int = 0
@@ -116,6 +125,7 @@ class SimResult:
     slowed_jobs: int = 0  # jobs that ran slower than on their consolidated placement (fabric model)
     fabric_waits: int = 0  # jobs that fabric-aware placement kept waiting for consolidation at least once
     failures: int = 0  # injected failures (SimConfig.failures)
+    failed_jobs: int = 0  # jobs that ended failed: a failure past SimConfig.max_restarts
     # GPU-weighted effective training time ratio: the work of the trace over the time from each job's
     # first start to its end (restarts, requeue waits after failures, lost work and slowdowns count
     # against it; the first queueing does not).
@@ -188,6 +198,7 @@ def simulate(
     replay.run(sorted(runs.values(), key=lambda r: (r.job.submit, r.job.id)))
     result = _result(policy.name, list(runs.values()), len(trace) - len(runs), total, replay.preemptions)
     result.fabric_waits, result.failures = len(replay.waited), replay.failures
+    result.failed_jobs = sum(r.failed for r in runs.values())
     result.elastic_jobs = sum(r.bounds is not None for r in runs.values())
     result.resizes = sum(r.resizes for r in runs.values())
     return result
@@ -221,6 +232,7 @@ class _Replay:
         self.elastic_running: set[int] = set()  # running jobs with a size range
         self.estimates: dict[tuple[str, str, int], float] = {}  # history's estimates, until a job ends
         self.elastic_seen: dict[int, tuple[int, ElasticJob]] = {}  # job -> (its run's version, record)
+        self.specs: dict[bool, JobSpec] = {}  # the exit rules' spec of rigid and elastic jobs
 
     def run(self, arrivals: list[_Run]) -> None:
         nxt, ends, queue = 0, self.ends, self.queue
@@ -235,10 +247,7 @@ class _Replay:
                     continue
                 if failed:
                     self.failures += 1
-                    self._stop(self.runs[jid], now, keep_all=False)
-                    self.runs[jid].failures += 1
-                    continue
-                self._finish(self.runs[jid], now)
+                self._exit(self.runs[jid], now, ExitStatus(code=1 if failed else 0))
             while nxt < len(arrivals) and arrivals[nxt].job.submit <= now:
                 queue.add(_queued(arrivals[nxt], self.core.estimator, now, self.workloads))
                 nxt += 1
@@ -274,11 +283,10 @@ class _Replay:
                 run = self.runs[stop.job]
                 if stop.reason is StopReason.RESIZE:
                     run.resizes += 1
-                    self._stop(run, now, keep_all=True, resize_to=stop.gpus)
                 else:
                     self.preemptions += 1
-                    run.preemptions += 1
-                    self._stop(run, now, keep_all=False)
+                # The job checkpoints on SIGTERM and asks to be resumed (the trainer's exit code).
+                self._exit(run, now, ExitStatus(code=exitcodes.PREEMPTED), stop.reason, stop.gpus)
             for start in plan.starts:
                 self._start(self.runs[start.job], start.placement, now)
             if not plan.resizes:
@@ -353,6 +361,67 @@ class _Replay:
         if run.bounds is not None and run.bounds[0] < run.bounds[1]:
             self.elastic_running.add(run.job.id)
             heapq.heappush(self.ends, (now + config.preempt_check_s, -1, 0, False))  # resize check
+
+    def _exit(
+        self,
+        run: _Run,
+        now: float,
+        status: ExitStatus,
+        stop: StopReason | None = None,
+        resize_to: int | None = None,
+    ) -> None:
+        """An attempt ended (``status``; stopped for ``stop``): what happens next is what the server's
+        exit rules say (:func:`gpuyard.scheduler.core.on_exit`): it succeeded, is queued again (a
+        resize keeps all its work, a preemption or failure what its last checkpoint kept), or ended
+        failed."""
+        out = on_exit(self._view(run, stop, resize_to), status)
+        run.failures, run.preemptions = out.failures, out.preemptions
+        if out.state is JobState.SUCCEEDED:
+            self._finish(run, now)
+        elif out.state is JobState.QUEUED:
+            resized = stop is StopReason.RESIZE
+            self._stop(run, now, keep_all=resized, resize_to=resize_to if out.keep_resize else None)
+        else:
+            self._end(run, now)
+
+    def _view(self, run: _Run, stop: StopReason | None, resize_to: int | None) -> JobView:
+        """A running job as the exit rules see it."""
+        j = run.job
+        elastic = run.bounds is not None
+        spec = self.specs.get(elastic)
+        if spec is None:  # what the exit rules read of a spec: max_restarts, and whether it is elastic
+            gpus: Any = {"min": 1, "max": 2} if elastic else 1
+            most = self.config.max_restarts
+            spec = parse_spec({"name": "trace", "command": ["true"], "resources": {"gpus": gpus}})
+            # No limit: past the spec's bound (a simulated job only), so not validated again.
+            limit = most if most is not None else 2**62
+            spec = self.specs[elastic] = spec.model_copy(update={"max_restarts": limit})
+        return JobView(
+            id=j.id,
+            state=JobState.RUNNING,
+            name=spec.name,
+            team=j.team,
+            user=j.user,
+            priority=j.priority,
+            gpus=run.alloc,
+            spec=spec,
+            sizes=run.sizes or (j.gpus,),
+            submitted_at=j.submit,
+            queued_at=j.submit,
+            failures=run.failures,
+            preemptions=run.preemptions,
+            started_at=run.started_at,
+            stop=stop,
+            resize_to=resize_to,
+        )
+
+    def _end(self, run: _Run, now: float) -> None:
+        """A job that ended failed: its GPUs are free, its work since the last checkpoint lost."""
+        self.state.release(self.running.pop(run.job.id).placement)
+        self.elastic_running.discard(run.job.id)
+        self.elastic_seen.pop(run.job.id, None)
+        _stop(run, now, self.config, keep_all=False)
+        run.finish, run.failed = now, True
 
     def _stop(self, run: _Run, now: float, keep_all: bool, resize_to: int | None = None) -> None:
         """Stop a running job (preempted, failed, or resized with ``keep_all``): queued again."""

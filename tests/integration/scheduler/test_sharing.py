@@ -63,6 +63,58 @@ def mig_service(gpuyard_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
             service.executor.stop(handle, kill=True)
 
 
+def _whole_service(gpuyard_home: Path, tmp_path: Path, packing: str) -> Any:
+    """A job service on one fake node of two whole H100s, placing shares with ``packing``."""
+    from gpuyard.scheduler.executors.local import LocalExecutor
+    from gpuyard.scheduler.nodes import node_from_inventory
+    from gpuyard.scheduler.service import JobService, ServiceConfig
+    from gpuyard.store import get_store
+
+    desc = copy.deepcopy(load_description(H100))
+    desc["nvml"]["gpus"] = desc["nvml"]["gpus"][:2]
+    roots = HostRoots.under(write_host_tree(desc, tmp_path / "host"))
+    inventory = probe_node(FakeNvml(desc), roots=roots, frameworks=False, hostname="local")
+    node = node_from_inventory(inventory.to_dict(), cpus=2)
+    config = ServiceConfig(tick_s=0.05, grace_s=2.0, min_run_s=0.0, packing=packing)
+    return JobService(get_store(), [node], LocalExecutor(gpuyard_home / "jobs"), config)
+
+
+@pytest.mark.parametrize(("packing", "second_gpu"), [("fgd-online", 1), ("bestfit", 0)])
+def test_the_server_places_shares_with_its_packing_policy(
+    gpuyard_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, packing: str, second_gpu: int
+) -> None:
+    # A 0.5 share runs on GPU 0; then a 0.25 comes. FGD, its task mix the jobs known (0.5 and 0.25),
+    # opens GPU 1: beside the half it would leave 0.25 that no 0.5 can use. Best-fit packs it onto
+    # GPU 0, the tightest. Both land where the policy's launch puts them: the record and the job's env.
+    monkeypatch.delenv("GPUYARD_MPS_PIPE_DIRECTORY", raising=False)
+    service = _whole_service(gpuyard_home, tmp_path, packing)
+    hold = HOLD.format(dir=tmp_path)
+    try:
+        half = _submit(service, "half", {"gpus": 0.5}, hold)
+        _tick_until(service, lambda: (tmp_path / f"started-{half}").exists())
+        quarter = _submit(service, "quarter", {"gpus": 0.25}, hold)
+        _tick_until(service, lambda: (tmp_path / f"started-{quarter}").exists())
+        placed = {j: service.get(j)["placement"]["nodes"][0] for j in (half, quarter)}
+        assert placed[half]["gpus"] == [0] and placed[quarter]["gpus"] == [second_gpu]
+        assert placed[quarter]["share"]["fraction"] == 0.25
+        assert f"visible={second_gpu} share=0.25" in service.read_log(quarter)["text"]
+        how = service.get(quarter)["placement"]["how"]
+        assert how == ("0.25 GPU: a free GPU (1), shared" if second_gpu else "0.25 GPU: shares GPU 0")
+        # A whole-GPU job now waits (FGD left no whole GPU) or runs on GPU 1 (best-fit kept it whole).
+        whole = _submit(service, "whole", {"gpus": 1}, "true")
+        service.tick()
+        if second_gpu:
+            assert service.get(whole)["state"] == "queued"
+            assert service.get(whole)["reason"].endswith("0 whole free (2 shared)")
+        else:
+            _tick_until(service, lambda: service.get(whole)["state"] == "succeeded")
+            assert service.get(whole)["placement"]["nodes"][0]["gpus"] == [1]
+    finally:
+        (tmp_path / "release").touch()
+        for jid in (doc["id"] for doc in service.list_jobs()):
+            _tick_until(service, lambda jid=jid: service.get(jid)["state"] in ("succeeded", "failed"))
+
+
 def _submit(service: Any, name: str, resources: dict[str, Any], command: str) -> int:
     spec = parse_spec({"name": name, "command": ["sh", "-c", command], "resources": resources})
     return int(service.submit(spec)["id"])

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from gpuyard import exitcodes
+from gpuyard.errors import ConfigError
 from gpuyard.scheduler.core import (
     JobView,
     PlacedPart,
@@ -210,13 +211,54 @@ def test_an_elastic_job_shrinks_as_little_as_lets_the_first_queued_job_start() -
     assert plan.starts == []
 
 
-def test_a_share_is_placed_on_the_gpu_already_shared() -> None:
+def _shared(job_id: int, gpu: int, fraction: float) -> JobView:
+    view = _view(job_id, R, 0, resources={"gpu_fraction": fraction})
+    return JobView(
+        **{**view.__dict__, "placement": (PlacedPart("n0", (gpu,), share=(fraction, 80.0 * fraction)),)}
+    )
+
+
+def test_fgd_keeps_a_shared_gpu_room_for_the_shapes_the_jobs_ask() -> None:
+    # GPU 1 holds a 0.5 share; the jobs known ask 0.5 and 0.25. A 0.25 beside it would leave 0.25 that
+    # no 0.5 can use (the fragment rises by 0.125 GPU); on the free GPU 0.75 stays, room for a 0.5.
+    core = _core([NodeSpec("n0", 2, gpu_memory_gb=80.0)])
+    views = [_shared(1, 1, 0.5), _view(2, Q, 0, resources={"gpu_fraction": 0.25})]
+    state = _held(core, views)
+    assert state.share_policy.name == "fgd-online"
+    (start,) = core.tick(views, state, NOW).starts
+    assert [(p.node, p.gpu, p.fraction) for p in start.placement.parts] == [(0, 0, 0.25)]
+    assert start.placement.how == "0.25 GPU: a free GPU (0), shared"
+
+
+def test_fgd_packs_a_share_beside_another_when_whole_gpu_jobs_need_the_free_one() -> None:
+    # Now a whole-GPU job is in the mix too: opening GPU 0 would leave no GPU for it (its fragment is
+    # all the free room), packing onto GPU 1 costs nothing.
+    core = _core([NodeSpec("n0", 3, gpu_memory_gb=80.0)])
+    whole = _view(1, R, 1, on=[("n0", (2,))])
+    views = [whole, _shared(2, 1, 0.5), _view(3, Q, 0, resources={"gpu_fraction": 0.25})]
+    (start,) = core.tick(views, _held(core, views), NOW).starts
+    assert [(p.node, p.gpu, p.fraction) for p in start.placement.parts] == [(0, 1, 0.25)]
+    assert start.placement.how == "0.25 GPU: shares GPU 1"
+
+
+def test_best_fit_packing_is_the_old_rule_and_the_policy_is_a_knob() -> None:
     nodes = [NodeSpec("n0", 2, gpu_memory_gb=80.0)]
     core = _core(nodes)
-    on = PlacedPart("n0", (1,), share=(0.5, 40.0))
-    running = _view(1, R, 0, resources={"gpu_fraction": 0.5})
-    running = JobView(**{**running.__dict__, "placement": (on,)})
-    views = [running, _view(2, Q, 0, resources={"gpu_fraction": 0.25})]
+    views = [_shared(1, 1, 0.5), _view(2, Q, 0, resources={"gpu_fraction": 0.25})]
+    state = ClusterState(nodes, packing="bestfit")
+    core.hold(state, views)
+    (start,) = core.tick(views, state, NOW).starts
+    assert [(p.node, p.gpu) for p in start.placement.parts] == [(0, 1)]  # the tightest GPU
+    with pytest.raises(ConfigError, match="packing 'worstfit': choose one of fgd, "):
+        ClusterState(nodes, packing="worstfit")
+
+
+def test_a_whole_gpu_start_of_the_same_tick_keeps_a_share_off_its_gpu() -> None:
+    # fifo starts the whole-GPU job first (GPU 0 at launch: the first free one); the share then sees
+    # GPU 0 as taken and opens GPU 1, whatever its policy prefers.
+    core = _core([NodeSpec("n0", 2, gpu_memory_gb=80.0)])
+    views = [_view(1, Q, 1), _view(2, Q, 0, resources={"gpu_fraction": 0.5})]
     plan = core.tick(views, _held(core, views), NOW)
-    (start,) = plan.starts
-    assert [(p.node, p.gpu, p.fraction) for p in start.placement.parts] == [(0, 1, 0.25)]
+    assert [s.job for s in plan.starts] == [1, 2]
+    assert plan.starts[0].placement.nodes == ((0, 1),)
+    assert [p.gpu for p in plan.starts[1].placement.parts] == [1]

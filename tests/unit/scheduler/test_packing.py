@@ -7,22 +7,11 @@ import numpy as np
 import pytest
 
 from gpuyard.errors import CapacityError, ConfigError
+from gpuyard.scheduler.fragmentation import Fragmentation, TaskMix, fragmentation_rate
+from gpuyard.scheduler.gpushares import SharedCluster
 from gpuyard.scheduler.openb import GpuNode, GpuTask
-from gpuyard.scheduler.packing import (
-    FGD,
-    BestFit,
-    FirstFit,
-    Fragmentation,
-    RandomFit,
-    SharedCluster,
-    TaskMix,
-    fgd_node_score,
-    fill,
-    fragmentation_rate,
-    inflate,
-    make_packing,
-    replay,
-)
+from gpuyard.scheduler.packing import FGD, BestFit, FirstFit, RandomFit, fgd_node_score, make_packing
+from gpuyard.scheduler.packing_replay import fill, inflate, replay
 
 pytestmark = pytest.mark.unit
 
@@ -320,3 +309,27 @@ def test_online_fgd_learns_the_mix_from_arrivals() -> None:
     for _ in range(2):
         policy.choose(cluster, _task(1000))
     assert sorted(policy.mix.p.tolist()) == [0.25, 0.25, 0.5]
+
+
+def test_live_packing_estimates_its_mix_from_the_jobs_known_as_their_number_doubles_or_halves() -> None:
+    from collections import Counter
+
+    from gpuyard.scheduler.packing import LivePacking
+
+    half, quarter, whole = (0, 0, 1, 500, ()), (0, 0, 1, 250, ()), (0, 0, 1, 1000, ())
+    live = LivePacking("fgd-online")
+    assert isinstance(live.policy, BestFit)  # no GPU job known yet
+    live.observe(Counter({half: 1}))
+    first = live.policy
+    assert isinstance(first, FGD) and first.name == "fgd-exact" and first.mix is not None
+    live.observe(Counter({quarter: 1}))  # as many jobs: the estimate stays
+    assert live.policy is first
+    live.observe(Counter({half: 1, quarter: 1}))  # doubled: estimated again, on both shapes
+    assert live.policy is not first and len(live.policy.mix) == 2  # type: ignore[attr-defined]
+    live.observe(Counter({half: 2, quarter: 1, whole: 0}))  # 3 of 2: not yet
+    second = live.policy
+    live.observe(Counter({(0, 0, 0, 0, ()): 5}))  # only CPU jobs left: best-fit again
+    assert second is not live.policy and isinstance(live.policy, BestFit)
+    assert isinstance(LivePacking("bestfit").policy, BestFit)
+    with pytest.raises(ConfigError, match="packing 'tightest'"):
+        LivePacking("tightest")

@@ -289,3 +289,48 @@ def test_job_env_of_mig_mps_and_time_sliced_shares() -> None:
     assert whole["CUDA_VISIBLE_DEVICES"] == "0,1" and "GPUYARD_GPU_SHARE" not in whole
     assert MpsConfig.from_env({}) is None
     assert MpsConfig.from_env({"GPUYARD_MPS_PIPE_DIRECTORY": "/p"}) == MpsConfig("/p")
+
+
+def test_records_past_what_is_free_are_held_without_failing_the_tick() -> None:
+    from gpuyard.scheduler.placement import MigSlice
+
+    # GPU 1 failed its health check while a share ran on it; a record names GPU 7 of a 2-GPU node and
+    # a MIG slice the inventory no longer has. The tick holds what it can and places around it.
+    node = _node(gpus=3, excluded=frozenset({1}), mig_mode=(2,), mig=(MigSlice(2, "1g.10gb", "MIG-x"),))
+    state = ClusterState([node])
+    assert state.total_gpus == 1 and state.shares.whole_gpus.tolist() == [1]
+    state.hold_record(0, {"node": "n0", "gpus": [1], "cpus": 0, "share": {"fraction": 0.5, "memory_gb": 40}})
+    state.hold_record(0, {"node": "n0", "gpus": [7], "cpus": 0, "share": {"fraction": 0.5, "memory_gb": 40}})
+    state.hold_record(
+        0,
+        {"node": "n0", "gpus": [2], "cpus": 0, "mig": [{"gpu": 2, "profile": "1g.10gb", "uuid": "MIG-gone"}]},
+    )
+    assert state.mig_used == set() and state.free_gpus == 1
+    share = place(state, 0, share=GpuShare(fraction=0.5))
+    assert share is not None and share.parts[0].gpu == 0  # never the failed GPU 1
+    assert place(state, 0, share=GpuShare(mig="1g.10gb")) is not None
+
+
+def test_a_copy_changes_its_own_share_model_only() -> None:
+    state = ClusterState([_node(gpus=2)])
+    work = state.copy()
+    p = place(work, 0, share=GpuShare(fraction=0.75))
+    assert p is not None
+    work.take(p)
+    assert work.gpu_use() == {(0, 0): (0.75, 60.0)} and state.gpu_use() == {}
+    again = work.copy()
+    again.release(p)
+    assert again.gpu_use() == {} and work.gpu_use() == {(0, 0): (0.75, 60.0)}
+    assert again.free_gpus == 2 and work.free_gpus == 1
+
+
+def test_an_unknown_packing_is_refused_before_the_service_touches_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuyard.scheduler.setup import build_service
+
+    monkeypatch.setenv("GPUYARD_HOME", str(tmp_path / "home"))
+    with pytest.raises(ConfigError) as err:
+        build_service(packing="worstfit")
+    assert str(err.value).startswith("packing 'worstfit': choose one of fgd, fgd-exact, fgd-bf, fgd-online")
+    assert not (tmp_path / "home").exists()  # no store was opened

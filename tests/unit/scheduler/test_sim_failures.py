@@ -62,3 +62,35 @@ def test_the_best_interval_beats_checkpointing_far_more_or_far_less_often() -> N
     assert at_best > mean(best * 10) + 0.05  # the lost work dominates
     # Failures during a restart do not pile up restarts: the loss per failure stays bounded.
     assert mean(best) > ettr(best, stall, restart, mtbf) - 0.02
+
+
+def test_a_failure_is_requeued_or_ends_the_job_as_the_servers_exit_rules_say(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpuyard.scheduler import simulator
+    from gpuyard.scheduler.core import on_exit
+    from gpuyard.scheduler.spec import JobState
+
+    seen: list[tuple[int, int, JobState, str]] = []
+
+    def recording(job, status):  # type: ignore[no-untyped-def]
+        out = on_exit(job, status)
+        seen.append((job.failures, job.spec.max_restarts, out.state, out.transitions[-1].reason))
+        return out
+
+    monkeypatch.setattr(simulator, "on_exit", recording)
+    # A failure every few minutes on 8 GPUs: the 10-hour job never finishes.
+    flaky = FailureModel("test", gpu_per_hour=2.0, node_per_hour=0.0)
+    trace = [TraceJob(0, submit=0.0, duration=36000.0, gpus=8)]
+    config = SimConfig(failures=flaky, max_restarts=2, failure_seed=1)
+    result = simulate(trace, uniform_cluster(1, 8), make_policy("fifo"), config=config)
+    # Two failures with restarts left: queued again (and run again); the third ends it failed.
+    assert seen == [
+        (0, 2, JobState.QUEUED, "failed (exit code 1); restart 1 of 2"),
+        (1, 2, JobState.QUEUED, "failed (exit code 1); restart 2 of 2"),
+        (2, 2, JobState.FAILED, "failed (exit code 1)"),
+    ]
+    assert result.failures == 3 and result.failed_jobs == 1 and result.jobs == 1
+    # Without a limit (the default) the same job is restarted after every failure until it finishes.
+    unlimited = simulate(trace, uniform_cluster(1, 8), make_policy("fifo"), config=SimConfig(failures=flaky))
+    assert unlimited.failed_jobs == 0 and unlimited.failures > 3

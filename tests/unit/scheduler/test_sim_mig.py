@@ -12,6 +12,8 @@ import pytest
 
 from gpuyard.errors import CapacityError, ConfigError
 from gpuyard.hardware.mig import arrange, placements, profiles_of
+from gpuyard.scheduler.fragmentation import TaskMix
+from gpuyard.scheduler.gpushares import SharedCluster
 from gpuyard.scheduler.openb import (
     GpuNode,
     GpuTask,
@@ -19,14 +21,8 @@ from gpuyard.scheduler.openb import (
     load_openb_tasks,
     parse_mig_layout,
 )
-from gpuyard.scheduler.packing import (
-    PACKING_POLICIES,
-    SharedCluster,
-    TaskMix,
-    fill,
-    make_packing,
-    replay,
-)
+from gpuyard.scheduler.packing import PACKING_POLICIES, make_packing
+from gpuyard.scheduler.packing_replay import fill, replay
 from gpuyard.scheduler.trace import has_gpu_shares, load_share_trace, load_trace
 
 H100 = "H100-80GB"

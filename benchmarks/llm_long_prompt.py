@@ -67,14 +67,12 @@ class _Hooks:
 
 def one(model: Any, tok: Any, chunked: bool, prompt: int, streams: int) -> tuple[float, float]:
     """(longest gap of a running stream while the long prompt joins, the long request's TTFT) in seconds."""
-    import gpuyard.serve.llm.engine as engine_module
-    from gpuyard.serve.llm.engine import Engine, Request, SamplingParams
+    from gpuyard.serve.llm.engine import PREFILL_CHUNK, Engine, Request, SamplingParams
 
-    saved = engine_module.PREFILL_CHUNK
-    engine_module.PREFILL_CHUNK = saved if chunked else 1 << 30
     hooks = _Hooks()
-    engine = Engine(model, tok, 4096, max_batch=streams + 1, max_queue=64, metrics=hooks)
-    engine.eos_id = -1
+    chunk = PREFILL_CHUNK if chunked else 1 << 30
+    engine = Engine(model, tok, 4096, max_batch=streams + 1, max_queue=64, metrics=hooks, prefill_chunk=chunk)
+    engine.scheduler.eos_id = -1
     rng = random.Random(7)
     try:
         running = [
@@ -108,7 +106,6 @@ def one(model: Any, tok: Any, chunked: bool, prompt: int, streams: int) -> tuple
         for r in running:
             engine.cancel(r)
         engine.close()
-        engine_module.PREFILL_CHUNK = saved
 
 
 def main() -> None:

@@ -220,10 +220,10 @@ class Gpuyard:
         self.engine = Engine(model, tok, 512, max_batch=batch, max_queue=10_000)
 
     def submit(self, ids: list[int], n: int, done: Any, first: Any) -> None:
-        from gpuyard.serve.llm.engine import Request, SamplingParams
+        from gpuyard.serve.llm.scheduler import Event, Finished, Request, SamplingParams
 
-        def emit(ev: dict[str, Any]) -> None:
-            if "done" in ev:
+        def emit(ev: Event) -> None:
+            if isinstance(ev, Finished):
                 assert req.first_token_at is not None
                 first(req.first_token_at - req.created)
                 done()

@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -195,12 +194,13 @@ def test_hostile_sampling_values_fail_only_their_own_request(served: Served) -> 
 def test_the_engine_fails_one_sequence_not_its_batch(served: Served) -> None:
     """Values no HTTP request can send any more (a NaN logit bias, a NaN penalty) put straight into the
     engine beside good requests: that request ends with an error, the others finish with their text."""
-    from gpuyard.serve.llm.engine import Request, SamplingParams, collect
+    from gpuyard.serve.llm.engine import collect
+    from gpuyard.serve.llm.scheduler import Event, Failed, Finished, Request, SamplingParams, TextEmitted
 
     engine = served.engine
     ids = engine.tok.encode_batch(["the cat sat"])[0]
 
-    async def run() -> list[list[dict[str, Any]]]:
+    async def run() -> list[list[Event]]:
         params = [
             SamplingParams(max_tokens=12, temperature=0),
             SamplingParams(max_tokens=12, temperature=0.5, logit_bias={5: float("nan")}),
@@ -209,9 +209,9 @@ def test_the_engine_fails_one_sequence_not_its_batch(served: Served) -> None:
         ]
         queues = [(await collect(engine, lambda emit, p=p: Request(ids, p, emit)))[1] for p in params]
 
-        async def drain(q: asyncio.Queue[dict[str, Any]]) -> list[dict[str, Any]]:
-            out = []
-            while not out or not ({"done", "error"} & set(out[-1])):
+        async def drain(q: asyncio.Queue[Event]) -> list[Event]:
+            out: list[Event] = []
+            while not out or isinstance(out[-1], TextEmitted):
                 out.append(await q.get())
             return out
 
@@ -219,9 +219,9 @@ def test_the_engine_fails_one_sequence_not_its_batch(served: Served) -> None:
 
     events = asyncio.run(run())
     finals = [ev[-1] for ev in events]
-    assert "done" in finals[0] and "done" in finals[3], finals
-    assert "error" in finals[1] and "error" in finals[2], finals
-    text = lambda evs: "".join(e.get("text", "") for e in evs)  # noqa: E731
+    assert isinstance(finals[0], Finished) and isinstance(finals[3], Finished), finals
+    assert isinstance(finals[1], Failed) and isinstance(finals[2], Failed), finals
+    text = lambda evs: "".join(e.text for e in evs if isinstance(e, TextEmitted))  # noqa: E731
     assert text(events[0]) == text(events[3]) and text(events[0])
 
 

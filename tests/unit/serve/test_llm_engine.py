@@ -1,6 +1,8 @@
-"""The continuous-batching engine without a server: the slot cache's bookkeeping, greedy output equal
-to transformers' generate() while requests join and leave a small batch, seeds, cancellation, and
-streamed text (incremental decoding, stop strings, SentencePiece spaces and split UTF-8 characters)."""
+"""The continuous-batching engine without a server, on a small real model: the slot cache's bookkeeping,
+greedy output equal to transformers' generate() while requests join and leave a small batch (through
+the engine's thread), chunked prefill and cancellation with the executor stepped by the scheduler in
+the test's own thread, seeds, and streamed text (incremental decoding, stop strings, SentencePiece
+spaces and split UTF-8 characters). tests/unit/serve/test_llm_scheduler.py steps the scheduler alone."""
 
 from __future__ import annotations
 
@@ -13,10 +15,21 @@ from typing import Any
 import pytest
 import torch
 from tests.llm_fixtures import corpus
-from tests.waiting import wait_for
 
 from gpuyard.data.tokens import load_tokenizer
-from gpuyard.serve.llm.engine import DECODE_WINDOW, Engine, Request, SamplingParams, _Slots
+from gpuyard.serve.llm.engine import Engine
+from gpuyard.serve.llm.executor import TorchExecutor, _Slots
+from gpuyard.serve.llm.scheduler import (
+    DECODE_WINDOW,
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    Request,
+    SamplingParams,
+    Scheduler,
+    TextEmitted,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -60,13 +73,13 @@ class Collect:
 
     def __init__(self) -> None:
         self.chunks: list[str] = []
-        self.done: dict[str, Any] = {}
+        self.done: Any = {}  # the last event (Finished or Failed)
         self.finished = threading.Event()
 
-    def __call__(self, ev: dict[str, Any]) -> None:
-        if "text" in ev:
-            self.chunks.append(ev["text"])
-        if "done" in ev or "error" in ev:
+    def __call__(self, ev: Event) -> None:
+        if isinstance(ev, TextEmitted):
+            self.chunks.append(ev.text)
+        if isinstance(ev, Finished | Failed):
             self.done = ev
             self.finished.set()
 
@@ -126,7 +139,7 @@ def test_greedy_output_equals_generate_while_requests_join_and_leave(model: Any,
             )
             for _ in range(6)
         ]
-        engine.eos_id = -1  # every request runs to max_tokens (generate() has no eos either)
+        engine.scheduler.eos_id = -1  # every request runs to max_tokens (generate() has no eos either)
         reqs = [Request(ids, SamplingParams(max_tokens=n, temperature=0), Collect()) for ids, n in work]
         for r in reqs:  # 6 requests through 3 slots: they join as others leave, prompts of 2-60 tokens
             engine.submit(r)
@@ -138,7 +151,7 @@ def test_greedy_output_equals_generate_while_requests_join_and_leave(model: Any,
                     input_ids=torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0,
                 )  # fmt: skip
             assert r.generated == ref[0, len(ids) :].tolist(), r.emit.done
-            assert r.emit.done["done"] == "length" and r.emit.done["completion_tokens"] == n
+            assert r.emit.done == Finished(FinishReason.LENGTH, len(ids), n)
             whole = spm_tokenizer.tokenizer.decode(r.generated)
             if "\ufffd" not in whole:  # random prompts may end in byte pieces that are no UTF-8
                 assert "".join(r.emit.chunks) == whole
@@ -146,28 +159,41 @@ def test_greedy_output_equals_generate_while_requests_join_and_leave(model: Any,
         engine.close()
 
 
-def test_a_long_prompt_is_prefilled_in_chunks_between_the_batchs_decoding_steps(
-    model: Any, spm_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import gpuyard.serve.llm.engine as engine_module
+def drive(sched: Scheduler, ex: TorchExecutor, times: int) -> None:
+    """The engine's loop without its thread: admit, then one iteration, ``times`` times."""
+    with torch.inference_mode():
+        for _ in range(times):
+            sched.step(ex, sched.admit(), float)
 
-    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 8)
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_batchs_decoding_steps(
+    model: Any, spm_tokenizer: Any
+) -> None:
+    """The model's executor stepped by the scheduler in this thread: the trace of forward passes is
+    exact, and both outputs equal generate()."""
     widths: list[int] = []  # tokens per row of each forward pass, in order
     hook = model.register_forward_pre_hook(
         lambda _m, _a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True
     )
-    engine = Engine(model, spm_tokenizer, 256, max_batch=4, max_queue=16)
+    sched = Scheduler(4, 16, -1, spm_tokenizer.tokenizer.decode, chunk=8)  # no eos: as generate()
+    ex = TorchExecutor(model, torch.device("cpu"), 4)
     try:
-        engine.eos_id = -1
         rng = random.Random(5)
         short_ids = [rng.randrange(3, spm_tokenizer.vocab_size) for _ in range(5)]
         long_ids = [rng.randrange(3, spm_tokenizer.vocab_size) for _ in range(61)]  # 8 chunks, the last of 5
         short = Request(short_ids, SamplingParams(max_tokens=60, temperature=0), Collect())
-        engine.submit(short)
-        wait_for(lambda: len(short.generated) >= 2)
+        sched.submit(short)
+        drive(sched, ex, 2)
         long = Request(long_ids, SamplingParams(max_tokens=6, temperature=0), Collect())
-        engine.submit(long)
-        assert long.emit.finished.wait(60) and short.emit.finished.wait(60)
+        sched.submit(long)
+        widths.clear()
+        drive(sched, ex, 8)
+        # 7 chunks of 8 and one of 5, each followed by a decoding step (width 1) of the running batch:
+        # the long prompt never held the short one back by more than a chunk.
+        assert widths == [8, 1] * 7 + [5, 1]
+        assert ex.slots.rows == 2 and len(short.generated) == 3 + 8 and len(long.generated) == 2
+        while sched.busy:
+            drive(sched, ex, 1)
         for ids, req in ((short_ids, short), (long_ids, long)):
             with torch.inference_mode():
                 ref = model.generate(
@@ -175,18 +201,13 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_batchs_decoding_steps(
                     pad_token_id=0,
                 )  # fmt: skip
             assert req.generated == ref[0, len(ids) :].tolist()
-        # The long prompt went in as 7 chunks of 8 and one of 5, each followed by a decoding step of the
-        # running request (width 1): it never held the short one back by more than a chunk.
-        first = widths.index(8)
-        assert widths[first : first + 16] == [8, 1] * 7 + [5, 1], widths
+            assert req.emit.done == Finished(FinishReason.LENGTH, len(ids), req.params.max_tokens)
+        assert ex.slots.rows == 0 and not ex._partial
     finally:
         hook.remove()
-        engine.close()
 
 
-def test_seeds_repeat_in_a_batch_and_a_cancelled_request_frees_its_slot(
-    model: Any, spm_tokenizer: Any
-) -> None:
+def test_seeds_repeat_in_a_batch(model: Any, spm_tokenizer: Any) -> None:
     engine = Engine(model, spm_tokenizer, 256, max_batch=4, max_queue=16)
     try:
         prompt = spm_tokenizer.encode_batch(["the cat sat on"])[0]
@@ -203,41 +224,51 @@ def test_seeds_repeat_in_a_batch_and_a_cancelled_request_frees_its_slot(
             assert r.emit.finished.wait(60)
         a, b, c, greedy = (r.generated for r in reqs)
         assert a == b and a != c and len(greedy) == 30
-        long = Request(prompt, SamplingParams(max_tokens=200, temperature=0), Collect())
-        engine.submit(long)
-        wait_for(lambda: len(long.generated) >= 2)
-        engine.cancel(long)
-        wait_for(lambda: not engine.running)
-        assert len(long.generated) < 200 and engine._slots.rows == 0
     finally:
         engine.close()
 
 
-def test_streamed_text_holds_back_split_characters_and_stop_strings(model: Any, spm_tokenizer: Any) -> None:
-    engine = Engine(model, spm_tokenizer, 256)
-    engine.close()  # drive _accept by hand: the tokens of a known text, one at a time
+def test_a_cancelled_request_leaves_the_batchs_cache(model: Any, spm_tokenizer: Any) -> None:
+    sched = Scheduler(4, 16, -1, spm_tokenizer.tokenizer.decode, chunk=8)
+    ex = TorchExecutor(model, torch.device("cpu"), 4)
+    prompt = spm_tokenizer.encode_batch(["the cat sat on"])[0]
+    long, other = (Request(prompt, SamplingParams(max_tokens=200, temperature=0), Collect()) for _ in "ab")
+    chunked = Request(list(range(3, 40)), SamplingParams(max_tokens=5, temperature=0), Collect())
+    for r in (long, other, chunked):
+        sched.submit(r)
+    drive(sched, ex, 2)
+    assert ex.slots.rows == 2 and chunked in ex._partial
+    sched.cancel(long)
+    sched.cancel(chunked)
+    drive(sched, ex, 1)
+    assert ex.slots.rows == 1 and sched.running == [other] and not ex._partial
+    assert len(long.generated) == 3 and long.emit.done == {} and not sched.prefilling
+
+
+def test_streamed_text_holds_back_split_characters_and_stop_strings(spm_tokenizer: Any) -> None:
+    sched = Scheduler(1, 1, -1, spm_tokenizer.tokenizer.decode)  # accept_token by hand: a known text
     ids = spm_tokenizer.encode_batch([TEXT])[0]
     assert any(spm_tokenizer.tokenizer.id_to_token(i).startswith("<0x") for i in ids)  # byte pieces
 
-    def feed(stop: list[str]) -> tuple[Collect, Request]:
+    def feed(stop: list[str]) -> Collect:
         req = Request([1], SamplingParams(max_tokens=len(ids), stop=stop), Collect())
         for t in ids:
-            engine._accept(req, t, 0.0)
+            sched.accept_token(req, t, 0.0)
             assert all("\ufffd" not in c and "\u2581" not in c for c in req.emit.chunks)
             if req.finish_reason:
                 break
-        return req.emit, req
+        return req.emit
 
-    out, _ = feed([])
-    assert "".join(out.chunks) == TEXT and out.done["done"] == "length" and len(out.chunks) > 5
-    out, _ = feed(["on the m"])
-    assert "".join(out.chunks) == "the cat sat " and out.done["done"] == "stop"
-    out, _ = feed(["\U0001f642"])  # a stop string made of byte pieces
-    assert "".join(out.chunks) == TEXT[: TEXT.index("\U0001f642")] and out.done["done"] == "stop"
+    out = feed([])
+    assert "".join(out.chunks) == TEXT and out.done.reason is FinishReason.LENGTH and len(out.chunks) > 5
+    out = feed(["on the m"])
+    assert "".join(out.chunks) == "the cat sat " and out.done.reason is FinishReason.STOP
+    out = feed(["\U0001f642"])  # a stop string made of byte pieces
+    assert "".join(out.chunks) == TEXT[: TEXT.index("\U0001f642")] and out.done.reason is FinishReason.STOP
     # Stray bytes that never make a character are held back at most DECODE_WINDOW tokens.
     stray = Request([1], SamplingParams(max_tokens=40), Collect())
     for _ in range(40):
-        engine._accept(stray, spm_tokenizer.tokenizer.token_to_id("<0x80>"), 0.0)
+        sched.accept_token(stray, spm_tokenizer.tokenizer.token_to_id("<0x80>"), 0.0)
     assert "".join(stray.emit.chunks) == "\ufffd" * 40 and len(stray.emit.chunks) == 40 // DECODE_WINDOW + 1
 
 

@@ -33,8 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuyard.errors import ConfigError, GpuyardError
 from gpuyard.serve.access import read_body
-from gpuyard.serve.llm.engine import Engine, QueueFull, SamplingParams, collect
-from gpuyard.serve.llm.engine import Request as GenRequest
+from gpuyard.serve.llm.engine import Engine, collect
+from gpuyard.serve.llm.scheduler import Failed, Finished, QueueFull, SamplingParams, TextEmitted
+from gpuyard.serve.llm.scheduler import Request as GenRequest
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -414,8 +415,8 @@ def build_app(
                 try:
                     while True:
                         ev = await queue.get()
-                        if "error" in ev:
-                            err = {"error": {"message": ev["error"], "type": "server_error"}}
+                        if isinstance(ev, Failed):
+                            err = {"error": {"message": ev.message, "type": "server_error"}}
                             yield f"data: {json.dumps(err)}\n\n".encode()
                             break
                         chunk = {
@@ -424,14 +425,14 @@ def build_app(
                             "created": int(time.time()),
                             "model": model_name,
                         }
-                        if "text" in ev:
-                            chunk["choices"] = [choice(ev["text"], None, True)]
+                        if isinstance(ev, TextEmitted):
+                            chunk["choices"] = [choice(ev.text, None, True)]
                             yield f"data: {json.dumps(chunk)}\n\n".encode()
-                        if "done" in ev:
+                        if isinstance(ev, Finished):
                             chunk["choices"] = [
-                                choice(None if kind != "text_completion" else "", ev["done"], True)
+                                choice(None if kind != "text_completion" else "", ev.reason.value, True)
                             ]
-                            chunk["usage"] = _usage(ev)
+                            chunk["usage"] = ev.usage
                             yield f"data: {json.dumps(chunk)}\n\n".encode()
                             yield b"data: [DONE]\n\n"
                             done = True
@@ -459,11 +460,12 @@ def build_app(
                     metrics.requests.labels("cancelled").inc()
                     return Response(status_code=499)  # nobody reads it: the client is gone
                 ev = got.result()
-                if "error" in ev:
-                    return _error(500, ev["error"], "server_error")
-                if "text" in ev:
-                    parts.append(ev["text"])
-                if "done" in ev:
+                if isinstance(ev, Failed):
+                    return _error(500, ev.message, "server_error")
+                if isinstance(ev, TextEmitted):
+                    parts.append(ev.text)
+                if isinstance(ev, Finished):
+                    end = ev
                     break
         finally:
             gone.cancel()
@@ -472,7 +474,7 @@ def build_app(
         metrics.requests.labels("ok").inc()
         return JSONResponse(
             {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-             "choices": [choice("".join(parts), ev["done"], False)], "usage": _usage(ev)}
+             "choices": [choice("".join(parts), end.reason.value, False)], "usage": end.usage}
         )  # fmt: skip
 
     @app.exception_handler(GpuyardError)
@@ -583,8 +585,3 @@ class NotServed(GpuyardError):
     """The body names another model than the one served."""
 
     http_status = 404
-
-
-def _usage(ev: dict[str, Any]) -> dict[str, int]:
-    p, c = int(ev.get("prompt_tokens", 0)), int(ev.get("completion_tokens", 0))
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}

@@ -336,5 +336,4 @@ class DbRunTracker:
         return points
 
     def _finish_run(self, status: str, error: str | None) -> None:
-        self._db.set_tags({"train_status": status})
-        self._db.finish(RunStatus.ended_as(status), error=error)
+        self._db.finish(RunStatus.ended_as(status), error=error, tags={"train_status": status})

@@ -14,12 +14,18 @@ Runs alternate (baseline, Trainer, baseline, ...) so load on a shared machine hi
 the median wall time of each is compared and the spread of the per-pair ratios is printed, with
 ``cpu_slowdown`` (the median per-pair ratio of the process's CPU time, all threads: waiting for a
 core on a loaded machine does not count in it).
+Per step and per run apart: each side stamps its thread's CPU time (``time.thread_time``) at the
+end of every step (the loop after ``loss.item()``, the Trainer from its ``step`` callback);
+``step_cpu_slowdown`` is the median per-pair ratio of the median step's CPU time, and
+``fixed_cpu_s`` gpuyard's CPU time per run outside its steps less the loop's (set-up, the end of
+the run, the tracking thread), each the median over runs.
 Last line: `train_overhead: slowdown=<trainer/baseline - 1> ...`.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import tempfile
@@ -46,8 +52,10 @@ def make_data(n: int) -> TensorDataset:
     return ex.classification_data(n, in_features=IN, classes=CLASSES, seed=SEED)
 
 
-def baseline(n: int, epochs: int) -> tuple[float, float, float]:
-    """The hand-written loop; returns (seconds, CPU seconds, final loss)."""
+def baseline(n: int, epochs: int, stamps: list[float] | None = None) -> tuple[float, float, float]:
+    """The hand-written loop; returns (seconds, CPU seconds, final loss). ``stamps`` gets the thread's
+    CPU time at the end of each step."""
+    stamps = [] if stamps is None else stamps
     start, cpu = time.perf_counter(), time.process_time()
     torch.manual_seed(SEED)
     model = make_model()
@@ -68,11 +76,16 @@ def baseline(n: int, epochs: int) -> tuple[float, float, float]:
             sched.step()
             opt.zero_grad(set_to_none=True)
             loss_value = loss.item()
+            stamps.append(time.thread_time())
     return time.perf_counter() - start, time.process_time() - cpu, loss_value
 
 
-def gpuyard_run(n: int, epochs: int, run_dir: Path) -> tuple[float, float, float]:
-    """The same training through gpuyard's Trainer; returns (seconds, CPU seconds, final loss)."""
+def gpuyard_run(
+    n: int, epochs: int, run_dir: Path, stamps: list[float] | None = None
+) -> tuple[float, float, float]:
+    """The same training through gpuyard's Trainer; returns (seconds, CPU seconds, final loss).
+    ``stamps`` gets the thread's CPU time at the end of each step."""
+    stamps = [] if stamps is None else stamps
     start, cpu = time.perf_counter(), time.process_time()
     spec = TrainSpec.model_validate(
         {
@@ -84,7 +97,13 @@ def gpuyard_run(n: int, epochs: int, run_dir: Path) -> tuple[float, float, float
             "checkpoint": {"at_epoch_end": False, "final": False, "resume": False},
         }
     )
-    result = Trainer(spec, model=make_model, train_data=make_data(n)).fit()
+    stamp = stamps.append
+
+    def on_step(trainer: Trainer, event: str) -> None:
+        if event == "step":
+            stamp(time.thread_time())
+
+    result = Trainer(spec, model=make_model, train_data=make_data(n), callbacks=[on_step]).fit()
     return time.perf_counter() - start, time.process_time() - cpu, result.metrics["loss"]
 
 
@@ -133,6 +152,7 @@ def main() -> None:
     if args.smoke:
         n, epochs, repeats = 512, 1, 1
     base_t, ours_t, base_cpu, ours_cpu = [], [], [], []
+    base_step, ours_step, base_fixed, ours_fixed = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         # gpuyard's runs are tracked in the state store by default, as a user's would be: a store of
         # its own, not the user's ~/.gpuyard.
@@ -142,14 +162,20 @@ def main() -> None:
         gpuyard_run(1024, 1, Path(tmp) / "warm")
         for i in range(repeats):  # the side that goes first alternates from pair to pair
             for side in ("baseline", "gpuyard") if i % 2 == 0 else ("gpuyard", "baseline"):
+                stamps: list[float] = []
                 if side == "baseline":
-                    t, c, base_loss = baseline(n, epochs)
+                    t, c, base_loss = baseline(n, epochs, stamps)
                     base_t.append(t)
                     base_cpu.append(c)
+                    step, fixed = base_step, base_fixed
                 else:
-                    t, c, our_loss = gpuyard_run(n, epochs, Path(tmp) / f"run{i}")
+                    t, c, our_loss = gpuyard_run(n, epochs, Path(tmp) / f"run{i}", stamps)
                     ours_t.append(t)
                     ours_cpu.append(c)
+                    step, fixed = ours_step, ours_fixed
+                # The first step (allocations, the first batch) counts as per-run work.
+                step.append(statistics.median(y - x for x, y in itertools.pairwise(stamps)))
+                fixed.append(c - step[-1] * len(stamps))
     steps = n // BATCH * epochs
     b, o = statistics.median(base_t), statistics.median(ours_t)
     print(
@@ -164,10 +190,18 @@ def main() -> None:
     cpu = statistics.median(ours / base - 1 for ours, base in zip(ours_cpu, base_cpu, strict=True))
     bc, oc = statistics.median(base_cpu), statistics.median(ours_cpu)
     print(f"CPU time: baseline median {bc:.3f} s, gpuyard {oc:.3f} s")
+    per_step = statistics.median(o / b - 1 for o, b in zip(ours_step, base_step, strict=True))
+    fixed_s = statistics.median(ours_fixed) - statistics.median(base_fixed)
+    print(
+        f"per step (median step's CPU): baseline {statistics.median(base_step) * 1e3:.3f} ms, gpuyard "
+        f"{statistics.median(ours_step) * 1e3:.3f} ms; per run outside the steps: baseline "
+        f"{statistics.median(base_fixed):.3f} s, gpuyard {statistics.median(ours_fixed):.3f} s"
+    )
     print(
         f"train_overhead: slowdown={o / b - 1:.4f} gpuyard_s={o:.3f} baseline_s={b:.3f} steps={steps} "
         f"same_final_loss={abs(base_loss - our_loss) < 1e-5} "
         f"pair_min={pairs[0]:.4f} pair_max={pairs[-1]:.4f} cpu_slowdown={cpu:.4f} "
+        f"step_cpu_slowdown={per_step:.4f} fixed_cpu_s={fixed_s:.3f} "
         f"optimizer=adamw-fused load_avg={os.getloadavg()[0]:.1f}"
     )
 

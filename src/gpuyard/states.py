@@ -56,12 +56,29 @@ class RunStatus(StrEnum):
 
 
 class TrainOutcome(StrEnum):
-    """How a training run ended, as the trainer reports it to its launcher (``status.json``)."""
+    """How a training run ended, as its ranks report it to the launcher (``status.json``, read and
+    written only through :mod:`gpuyard.train.status`)."""
 
     COMPLETED = "completed"
     EARLY_STOPPED = "early_stopped"
     PREEMPTED = "preempted"
     DIVERGED = "diverged"
+    # A rank stopped on a failure a restart would repeat (a full disk, a configuration error): the
+    # trainer's fit() raises rather than return it; the ranks write it for the launcher.
+    FAILED = "failed"
+
+    @classmethod
+    def parse(cls, value: object) -> TrainOutcome:
+        """The outcome named ``value``.
+
+        Raises:
+            ValueError: one line naming the value and the known outcomes (a status.json from
+                another version, or not written by a rank).
+        """
+        if isinstance(value, str) and value in _OUTCOMES:
+            return cls(value)
+        known = ", ".join(o.value for o in cls)
+        raise ValueError(f"status {str(value)[:80]!r} is not a training outcome ({known})")
 
     @property
     def run_status(self) -> RunStatus:
@@ -72,7 +89,8 @@ class TrainOutcome(StrEnum):
 
     @property
     def exit_code(self) -> int:
-        """The process exit code a worker and the launcher end with (see :mod:`gpuyard.exitcodes`)."""
+        """The process exit code a worker and the launcher end with (see :mod:`gpuyard.exitcodes`; a
+        failure that was a configuration error ends with the usage code instead, as the launcher says)."""
         return _EXIT_CODES[self]
 
 
@@ -83,6 +101,7 @@ _EXIT_CODES = {
     TrainOutcome.EARLY_STOPPED: exitcodes.SUCCESS,
     TrainOutcome.PREEMPTED: exitcodes.PREEMPTED,
     TrainOutcome.DIVERGED: exitcodes.DIVERGED,
+    TrainOutcome.FAILED: exitcodes.UNRECOVERABLE,
 }
 
 

@@ -8,6 +8,9 @@ from typing import Any, Optional
 
 import typer
 
+from gpuyard.states import TrainOutcome
+from gpuyard.train.status import UNKNOWN
+
 
 def train(
     spec: Path = typer.Argument(..., help="The training spec (YAML)."),
@@ -80,15 +83,17 @@ def final_line(status: dict[str, Any], exit_code: int) -> str:
     notes = "".join(f"; {n}" for n in status.get("notes") or [])
     if status.get("previous_run_dir"):
         notes += f"; the earlier run is kept in {status['previous_run_dir']}"
-    if status.get("status") == "failed" and status.get("error"):
+    if status.get("status") == TrainOutcome.FAILED and status.get("error"):
         log = f"; log {status['log']}" if status.get("log") and not status.get("unrecoverable") else ""
         return f"failed at step {step}: {status['error']}{notes}{log}; exit {exit_code}{tracked}"
+    if status.get("status") == UNKNOWN:
+        return f"outcome unknown: {status.get('error')}{notes}; exit {exit_code}{tracked}"
     where = status.get("checkpoint") or "no checkpoint"
     metrics = status.get("metrics") or {}
     shown = [f"{k} {metrics[k]:.4g}" for k in ("loss", "val_loss", "val_accuracy") if k in metrics]
     scores = f"; {', '.join(shown)}" if shown else ""
     return (
-        f"{status.get('status', 'failed')} at step {step} ({where}){scores}{notes}; exit {exit_code}{tracked}"
+        f"{status.get('status', UNKNOWN)} at step {step} ({where}){scores}{notes}; exit {exit_code}{tracked}"
     )
 
 

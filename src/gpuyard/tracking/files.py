@@ -47,10 +47,16 @@ class JsonlTracker:
         self._lock = threading.Lock()
 
     def _write(self, doc: dict[str, Any]) -> None:
-        doc = {"time": round(time.time(), 3), **{k: _clean(v) for k, v in doc.items()}}
+        self._write_line({"time": round(time.time(), 3), **doc})
+
+    def _write_line(self, doc: dict[str, Any]) -> None:
+        try:  # every value finite: one pass (a step's line is written on the training thread)
+            line = json.dumps(doc, allow_nan=False)
+        except ValueError:
+            line = json.dumps({k: _clean(v) for k, v in doc.items()})
         with self._lock:
             if not self._fh.closed:
-                self._fh.write(json.dumps(doc) + "\n")
+                self._fh.write(line + "\n")
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Write a `params` event."""
@@ -58,7 +64,7 @@ class JsonlTracker:
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Write a `metrics` event for `step`."""
-        self._write({"event": "metrics", "step": step, **metrics})
+        self._write_line({"time": round(time.time(), 3), "event": "metrics", "step": step, **metrics})
 
     def log_event(self, event: str, **fields: Any) -> None:
         """Write a free-form event (resume, checkpoint, stop)."""

@@ -161,8 +161,8 @@ class DbRunTracker:
         """Write the step's metrics to metrics.jsonl and hand them to the database thread."""
         self.jsonl.log_metrics(step, metrics)
         if not self._failed and not self._closed and self._thread is not None:
-            with self._points_lock:
-                self._points.append((step, {db_metric_key(k): v for k, v in metrics.items()}))
+            with self._points_lock:  # the database's names are given on its thread
+                self._points.append((step, dict(metrics)))
 
     def log_event(self, event: str, **fields: Any) -> None:
         """Write an event to metrics.jsonl; those of :data:`RUN_EVENTS` also go to the run's events."""
@@ -267,7 +267,7 @@ class DbRunTracker:
                 continue
             try:
                 for step, metrics in points:
-                    self._db.log_metrics(step, metrics)
+                    self._db.log_metrics(step, {db_metric_key(k): v for k, v in metrics.items()})
                 if op == "finish":
                     self._finish_run(*args)
                     return
@@ -336,5 +336,4 @@ class DbRunTracker:
         return points
 
     def _finish_run(self, status: str, error: str | None) -> None:
-        self._db.set_tags({"train_status": status})
-        self._db.finish(RunStatus.ended_as(status), error=error)
+        self._db.finish(RunStatus.ended_as(status), error=error, tags={"train_status": status})

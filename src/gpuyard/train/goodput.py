@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuyard.states import TrainOutcome
+
 # A kept step whose time (less its waits) is over STALL_FACTOR x the run's median and at least
 # STALL_MIN_S more counts its excess as straggler wait (a stall inside a collective).
 STALL_FACTOR = 3.0
@@ -226,7 +228,9 @@ def compute(events: Iterable[dict[str, Any]], now: float | None = None) -> Goodp
             # After its last step: checkpoints, then shutdown (it finished) or the failure (it did not).
             last = max([_float(e.get("time")) for e in attempt.events if "time" in e] + [cursor])
             # An attempt that raised (a peer died) writes finish/failed: a failure like a kill.
-            finished = any(e.get("event") == "finish" and e.get("status") != "failed" for e in attempt.events)
+            finished = any(
+                e.get("event") == "finish" and e.get("status") != TrainOutcome.FAILED for e in attempt.events
+            )
             gap = last - cursor
             gp.lose("checkpoint", min(gap, ckpt))
             if live and k == len(launch.attempts) - 1:  # running: starting up, or between steps

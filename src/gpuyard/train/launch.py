@@ -31,6 +31,7 @@ from gpuyard.states import RunStatus, TrainOutcome
 from gpuyard.tracking.training import tracked_run_id
 from gpuyard.train.names import LAUNCHED_ENV, SNAPSHOT_DIR_ENV, STATUS_FALLBACK_ENV, STATUS_FILE
 from gpuyard.train.spec import TrainSpec, load_plan, load_spec
+from gpuyard.train.status import UNKNOWN, StatusFileError, TrainStatus, read_status
 
 _log = logging.getLogger("gpuyard.train")
 
@@ -271,15 +272,6 @@ def _term_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def read_status(run_dir: str | Path) -> dict[str, Any]:
-    """What the workers reported in status.json ({} when they did not get that far)."""
-    path = Path(run_dir) / STATUS_FILE
-    try:
-        return dict(json.loads(path.read_text()))
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
 LAUNCH_PREFIX = "gpuyard-launch-"
 _PID_FILE = "launcher.pid"
 
@@ -331,20 +323,24 @@ def already_complete(spec: TrainSpec, run_dir: Path) -> dict[str, Any] | None:
 
     if not spec.checkpoint.resume:
         return None
-    status = read_status(run_dir)
-    if status.get("status") not in (TrainOutcome.COMPLETED, TrainOutcome.EARLY_STOPPED):
+    try:
+        report = read_status(run_dir)
+    except StatusFileError as exc:  # not known to be complete: train (from the newest checkpoint)
+        print(f"gpuyard train: warning: the last launch's outcome is unknown: {exc}", file=sys.stderr)
+        return None
+    if report is None or report.status not in (TrainOutcome.COMPLETED, TrainOutcome.EARLY_STOPPED):
         return None
     last = latest_checkpoint(run_dir / "checkpoints")
-    step = status.get("step")
-    if last is None or not isinstance(step, int) or step_of(last) != step:
+    step = report.step
+    if last is None or step is None or step_of(last) != step:
         return None
-    if status["status"] == TrainOutcome.COMPLETED:
-        epoch = status.get("epoch")
+    if report.status is TrainOutcome.COMPLETED:
+        epoch = report.epoch
         done_steps = bool(spec.max_steps) and step >= (spec.max_steps or 0)
-        done_epochs = isinstance(epoch, int) and epoch >= spec.epochs
+        done_epochs = epoch is not None and epoch >= spec.epochs
         if not (done_steps or done_epochs):
             return None
-    return {**status, "checkpoint": str(last), "already_complete": True}
+    return {**report.to_doc(), "checkpoint": str(last), "already_complete": True}
 
 
 def _keep_aside(run_dir: Path) -> Path | None:
@@ -477,7 +473,7 @@ def _launch(
     # On a thread of its own: the main thread keeps forwarding signals at once.
     meter = threading.Thread(target=_goodput_loop, args=(spec, run_dir, stop), daemon=True)
     meter.start()
-    fatal: dict[str, Any] | None = None
+    fatal: TrainStatus | None = None
     try:
         while True:
             try:
@@ -485,7 +481,7 @@ def _launch(
                 break
             except subprocess.TimeoutExpired:
                 pass
-            if fatal is None and (fatal := _unrecoverable(run_dir, private)) is not None:
+            if fatal is None and (fatal := _unrecoverable(run_dir, private, strict=False)) is not None:
                 # A rank stopped on a failure a restart would repeat (a full disk); the others may
                 # only see their peer gone, and torchrun would restart them into it: stop it now.
                 proc.send_signal(signal.SIGTERM)
@@ -496,21 +492,31 @@ def _launch(
             signal.signal(sig, handler)
         if log is not None:
             log.close()
-        status = fatal or _unrecoverable(run_dir, private) or read_status(run_dir) or read_status(private)
+        unknown: str | None = None
+        try:
+            report = fatal or _unrecoverable(run_dir, private) or read_status(run_dir) or read_status(private)
+        except StatusFileError as exc:
+            report, unknown = None, str(exc)
         shutil.rmtree(private, ignore_errors=True)
+    status: dict[str, Any] = report.to_doc() if report is not None else {}
     notes = _launch_notes(run_dir, log)
     if notes:
         status["notes"] = notes
     if log is not None:
         status["log"] = str(log.path)
-    if status.get("status") in set(TrainOutcome):
-        return LaunchResult(TrainOutcome(status["status"]).exit_code, status, run_dir)
-    if status.get("status") == "failed" and status.get("unrecoverable"):
+    if report is not None and report.stopped_for_good:
         # The ranks stopped on a failure a restart would repeat (a full disk, a configuration error)
         # and said so.
-        _close_tracked_run(spec, run_dir, RunStatus.FAILED, str(status.get("error")))
-        code = exitcodes.USAGE if status.get("config_error") is True else exitcodes.UNRECOVERABLE
+        _close_tracked_run(spec, run_dir, RunStatus.FAILED, str(report.error))
+        code = exitcodes.USAGE if report.config_error else report.status.exit_code
         return LaunchResult(code, status, run_dir)
+    if report is not None and report.status is not TrainOutcome.FAILED:
+        return LaunchResult(report.status.exit_code, status, run_dir)
+    if unknown is not None:
+        # A status.json no rank of this version writes: how the run ended is not known (its database
+        # run is left as the ranks left it, not closed as failed).
+        status.update(status=UNKNOWN, error=unknown)
+        return LaunchResult(code if code > 0 else exitcodes.UNRECOVERABLE, status, run_dir)
     if signalled:
         # Stopped before the workers could report (e.g. during start-up): resumable from the last
         # checkpoint, or from the start.
@@ -520,6 +526,7 @@ def _launch(
         )
         return LaunchResult(exitcodes.PREEMPTED, status, run_dir)
     code = code if code > 0 else 1
+    status["status"] = TrainOutcome.FAILED.value
     if log is not None and log.last_error:
         status.setdefault("error", log.last_error)
     _close_tracked_run(
@@ -577,13 +584,22 @@ class _RankLog:
                 self._fh.close()
 
 
-def _unrecoverable(run_dir: Path, private: Path) -> dict[str, Any] | None:
-    """The status a rank wrote when it stopped on an unrecoverable failure, if one did."""
+def _unrecoverable(run_dir: Path, private: Path, strict: bool = True) -> TrainStatus | None:
+    """The status a rank wrote when it stopped on an unrecoverable failure, if one did.
+
+    Raises:
+        StatusFileError: a status.json that is not a rank's (unless not ``strict``: then it is
+            passed over, as while the run goes on, for the final read to report).
+    """
     for folder in (run_dir, private):
-        if (folder / STATUS_FILE).exists():
-            status = read_status(folder)
-            if status.get("status") == "failed" and status.get("unrecoverable"):
-                return status
+        try:
+            report = read_status(folder)
+        except StatusFileError:
+            if strict:
+                raise
+            continue
+        if report is not None and report.stopped_for_good:
+            return report
     return None
 
 

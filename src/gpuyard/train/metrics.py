@@ -101,6 +101,10 @@ class Progress:
             self._bar.start()
             self._task = self._bar.add_task("train", total=total, info="")
 
+    def due(self) -> bool:
+        """Whether :meth:`update` would show its ``info`` now (the caller may skip building it)."""
+        return self._bar is not None or (self._lines and self._clock() >= self._next_line)
+
     def update(self, step: int, info: str) -> None:
         """Move the bar to `step` and show `info` beside it (or print a line, when one is due)."""
         if self._bar is not None:

@@ -83,11 +83,13 @@ IGNORE_INDEX = -100  # F.cross_entropy's default: labels not predicted (padding,
 
 
 def accuracy_counts(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``[right predictions, counted labels]`` (float64, on the outputs' device) of class scores
-    ``[..., C]`` against integer labels ``[...]``; labels equal to ``IGNORE_INDEX`` are not counted."""
-    counted = targets != IGNORE_INDEX
-    right = (outputs.detach().argmax(-1) == targets) & counted
-    return torch.stack([right.sum(), counted.sum()]).double()
+    """``[right predictions, counted labels]`` (int64, on the outputs' device) of class scores
+    ``[..., C]`` against integer labels ``[...]``; labels equal to ``IGNORE_INDEX`` are not counted.
+
+    Six tensor operations (the trainer counts every step): a prediction is a class index, never
+    ``IGNORE_INDEX``, so an ignored label is never a right prediction without masking it."""
+    right = (outputs.detach().argmax(-1) == targets).sum()
+    return torch.stack([right, (targets != IGNORE_INDEX).sum()])
 
 
 def is_classification(outputs: Any, targets: Any) -> bool:

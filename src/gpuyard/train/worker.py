@@ -63,17 +63,24 @@ def main(argv: list[str] | None = None) -> int:
 def _report_config_error(error: str, rank: str) -> bool:
     """Tell the launcher (its private status folder) that this rank stopped on a configuration error,
     which a restart would repeat; False when there is no such folder or it cannot be written."""
+    from pathlib import Path
+
+    from gpuyard.states import TrainOutcome
     from gpuyard.train.names import STATUS_FALLBACK_ENV, STATUS_FILE
+    from gpuyard.train.status import TrainStatus, write_status
 
     folder = os.environ.get(STATUS_FALLBACK_ENV)
     if not folder:
         return False
-    doc = {"status": "failed", "unrecoverable": True, "config_error": True, "error": error, "rank": int(rank)}
-    tmp = os.path.join(folder, f".{STATUS_FILE}.{rank}.tmp")
-    try:
-        with open(tmp, "w") as fh:
-            json.dump(doc, fh)
-        os.replace(tmp, os.path.join(folder, STATUS_FILE))
+    report = TrainStatus(
+        TrainOutcome.FAILED,
+        unrecoverable=True,
+        config_error=True,
+        error=error,
+        rank=int(rank) if rank.isdigit() else None,
+    )
+    try:  # ranks may report at once: each through a temporary file of its own
+        write_status(report, [Path(folder)], f".{STATUS_FILE}.{rank if rank.isdigit() else 'x'}.tmp")
     except OSError:
         return False
     return True

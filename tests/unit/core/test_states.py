@@ -20,7 +20,9 @@ def test_values_are_the_stored_strings() -> None:
     assert [s.value for s in RunStatus] == runs
     assert [s.value for s in ModelStage] == ["none", "staging", "production", "archived"]
     assert [s.value for s in DeploymentState] == ["starting", "running", "stopped", "failed", "dead"]
-    assert [s.value for s in TrainOutcome] == ["completed", "early_stopped", "preempted", "diverged"]
+    assert [s.value for s in TrainOutcome] == [
+        "completed", "early_stopped", "preempted", "diverged", "failed"
+    ]  # fmt: skip
     assert [s.value for s in JobState] == [
         "queued", "scheduled", "running", "succeeded", "failed", "cancelled", "preempted"
     ]  # fmt: skip
@@ -40,7 +42,16 @@ def test_outcomes_map_to_run_statuses_and_exit_codes() -> None:
         TrainOutcome.EARLY_STOPPED: (RunStatus.FINISHED, exitcodes.SUCCESS),
         TrainOutcome.PREEMPTED: (RunStatus.PREEMPTED, exitcodes.PREEMPTED),
         TrainOutcome.DIVERGED: (RunStatus.DIVERGED, exitcodes.DIVERGED),
+        TrainOutcome.FAILED: (RunStatus.FAILED, exitcodes.UNRECOVERABLE),
     }
+
+
+@pytest.mark.parametrize("word", ["finished", "FAILED", "", None, 3, "completed "])
+def test_an_unknown_outcome_is_an_error_in_one_line(word: object) -> None:
+    with pytest.raises(ValueError, match="is not a training outcome") as info:
+        TrainOutcome.parse(word)
+    assert "\n" not in str(info.value)
+    assert TrainOutcome.parse("failed") is TrainOutcome.FAILED
 
 
 @pytest.mark.parametrize(

@@ -566,7 +566,9 @@ class MemoryCheckpointer:
 
     def before_update(self) -> float:
         """Wait until the deferred copies of the last snapshot are done (call before the optimizer
-        step that follows it); returns the seconds waited, also kept in ``copy_waits[step]``."""
+        step that follows it); returns the seconds waited, also kept in ``copy_waits[step]``. At
+        the second call, before any snapshot, the state given as ``state=`` is taken and the data
+        files are made ready for it (:meth:`prepare`)."""
         self._updates += 1
         if self._state is not None and self._updates >= 2:
             state, self._state = self._state, None

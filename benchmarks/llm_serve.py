@@ -20,11 +20,18 @@ no end-of-sequence stop, so every server generates exactly the same number of to
   sized for the work (pages of 64 tokens, 4 per request slot: its default sizes the cache from free
   memory, which on this CPU made every step 7x slower), at most 512 tokens per step (gpuyard's
   prefill chunk) and the batch size as the requests per step; TTFT from its per-token timestamps;
-- ``gpuyard``: :class:`gpuyard.serve.llm.engine.Engine` (continuous batching, module docstring there).
+- ``gpuyard``: :class:`gpuyard.serve.llm.engine.Engine` (continuous batching, module docstring there);
+- ``ct2_int8``, ``ct2_fp32`` (where ``ctranslate2`` is importable; else one line says they are
+  skipped): CTranslate2's ``Generator`` on the same model converted by its transformers converter,
+  int8 (its documented CPU configuration) and float32 (the others' precision), one intra-op and one
+  inter-op thread; a batch per ``generate_batch`` call, gathered for the same window as ``static``
+  (it has no continuous batching), each request ending at its own token count (:class:`CT2`).
+  Its float32 greedy tokens equal transformers' ``generate()`` on this model (checked by hand,
+  2026-11-29). The last line's ``single_vs_ct2`` / ``vs_ct2`` take the faster configuration.
 
-What is equal: the same model object, tokens, requests, greedy decoding, batch size and torch thread;
-every server generates exactly the tokens asked for; the servers take turns level by level, the order
-rotated each round.
+What is equal: the same model object (ct2: its conversion), tokens, requests, greedy decoding, batch
+size and one compute thread; every server generates exactly the tokens asked for; the servers take
+turns level by level, the order rotated each round.
 
 Measured in-process (no HTTP, the same for all three): output tokens/s (tokens asked for, over the
 wall time of the level) and p99 time to first token. The baselines return whole answers, so their
@@ -212,6 +219,9 @@ class HFContinuous:
             done()
 
 
+STREAMING = ("gpuyard", "hf_continuous", "ct2_int8", "ct2_fp32")  # report their first token's time
+
+
 class Gpuyard:
     def __init__(self, model: Any, tok: Any, batch: int) -> None:
         from gpuyard.serve.llm.engine import Engine
@@ -230,6 +240,79 @@ class Gpuyard:
 
         req = Request(ids, SamplingParams(max_tokens=n, temperature=0), emit)
         self.engine.submit(req)
+
+
+class CT2(StaticWindow):
+    """CTranslate2's ``Generator`` (its own C++ runtime) on the same model, converted offline by its
+    transformers converter (``compute_type`` int8, its documented CPU configuration, or float32, the
+    same precision as the others), one intra-op and one inter-op thread (as torch's one thread here).
+    CTranslate2 has no continuous batching: its way to serve many clients is a batch per
+    ``generate_batch`` call, so one worker thread gathers waiting requests for up to ``window``
+    seconds (up to the batch size) and runs them as one batch, the prompt forwarded at once
+    (``include_prompt_in_result=False``, its faster mode); each request stops at its own token count
+    (the per-token callback ends it; no end token stops it early) and is answered then; its first
+    token's time comes from that callback too."""
+
+    def __init__(self, folder: Path, batch: int, window: float, compute_type: str) -> None:
+        import json
+
+        import ctranslate2
+
+        self.gen = ctranslate2.Generator(
+            str(folder), device="cpu", compute_type=compute_type, inter_threads=1, intra_threads=1
+        )
+        self.itos = json.loads((folder / "vocabulary.json").read_text())
+        super().__init__(None, batch, window)  # the queue, the gather window, the worker thread
+
+    def submit(self, ids: list[int], n: int, done: Any, first: Any = None) -> None:
+        self.q.put(([self.itos[i] for i in ids], n, done, first, time.perf_counter()))
+
+    def loop(self) -> None:
+        while True:
+            group = self.take()
+            made = [0] * len(group)
+
+            def step(res: Any, group: list[Any] = group, made: list[int] = made) -> bool:
+                k = res.batch_id
+                made[k] += 1
+                if made[k] == 1:
+                    group[k][3](time.perf_counter() - group[k][4])
+                if made[k] == group[k][1]:
+                    group[k][2]()
+                    return True  # this request has its tokens: its decoding stops here
+                return False
+
+            longest = max(g[1] for g in group)
+            self.gen.generate_batch(
+                [g[0] for g in group], max_length=longest, min_length=longest, end_token=[],
+                include_prompt_in_result=False, sampling_topk=1, callback=step,
+            )  # fmt: skip
+            assert made == [g[1] for g in group], (made, [g[1] for g in group])
+
+
+def ct2_servers(model: Any, tok_folder: Path, tmp: Path, batch: int, window: float) -> dict[str, Any]:
+    """``ct2_int8`` and ``ct2_fp32`` on the benchmark's model (converted here), or none, said in one
+    line, when ctranslate2 is not importable (it is no dependency of gpuyard: ``pip install ctranslate2``)."""
+    import json
+
+    try:
+        from ctranslate2.converters import TransformersConverter
+    except ImportError as exc:
+        print(f"ct2: skipped (ctranslate2 not importable: {exc})", flush=True)
+        return {}
+    from gpuyard.train.hf import CausalLM, save_hf
+
+    folder = save_hf(CausalLM(model), None, tmp / "hf", tok_folder)
+    out = {}
+    for compute in ("int8", "float32"):
+        converted = tmp / f"ct2-{compute}"
+        TransformersConverter(str(folder)).convert(str(converted), quantization=compute)
+        config = json.loads((converted / "config.json").read_text())
+        if config.get("bos_token") is None:  # this tokenizer has none; the Generator refuses a null
+            config["bos_token"] = config["eos_token"]  # (never used: prompts are given whole)
+            (converted / "config.json").write_text(json.dumps(config))
+        out["ct2_int8" if compute == "int8" else "ct2_fp32"] = CT2(converted, batch, window, compute)
+    return out
 
 
 def run_level(
@@ -464,6 +547,27 @@ def http_main(args: Any) -> None:
     )
 
 
+def ct2_figures(results: dict[str, dict[int, dict[str, float]]], top: int) -> str:
+    """gpuyard against CTranslate2's faster configuration per level (and each apart): tok/s ratios at
+    one client and at the most clients, and their figures (nan where ct2 did not run)."""
+    g1, g = results["gpuyard"].get(1), results["gpuyard"][top]
+    out = []
+    for level, key in ((1, "single_vs_ct2"), (top, "vs_ct2")):
+        runs = {k: results.get(k, {}).get(level) for k in ("ct2_int8", "ct2_fp32")}
+        mine = g1 if level == 1 else g
+        best = max((r["tok_s"] for r in runs.values() if r), default=math.nan)
+        out.append(f"{key}={mine['tok_s'] / best if mine else math.nan:.2f}")
+        for k, r in runs.items():
+            suffix = "single" if level == 1 else "top"
+            out.append(f"{k}_{suffix}_tok_s={r['tok_s'] if r else math.nan:.1f}")
+            out.append(f"{k}_{suffix}_ttft_p50_ms={r['ttft_p50_ms'] if r else math.nan:.0f}")
+    if g1:
+        out.append(
+            f"gpuyard_single_tok_s={g1['tok_s']:.1f} gpuyard_single_ttft_p50_ms={g1['ttft_p50_ms']:.0f}"
+        )
+    return " ".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -498,6 +602,7 @@ def main() -> None:
             "static": StaticWindow(model, batch, args.gather_ms / 1000),
             "hf_continuous": HFContinuous(model, batch),
             "gpuyard": Gpuyard(model, tok, batch),
+            **ct2_servers(model, Path(tmp) / "tok", Path(tmp), batch, args.gather_ms / 1000),
         }
         names = list(servers)
         results: dict[str, dict[int, dict[str, float]]] = {k: {} for k in servers}
@@ -513,7 +618,7 @@ def main() -> None:
                     server = servers[name]
                     if name == "sequential" and clients > 8 and args.quick:
                         continue
-                    r = run_level(server, work, clients, name in ("gpuyard", "hf_continuous"))
+                    r = run_level(server, work, clients, name in STREAMING)
                     this[name], cpu_this[name] = r["tok_s"], r["cpu_tok_s"]
                     best = results[name].get(clients)
                     if best is None or r["tok_s"] > best["tok_s"]:
@@ -541,6 +646,7 @@ def main() -> None:
     single = results["gpuyard"][1]["tok_s"] / one["tok_s"] if one else float("nan")
     single_cpu = statistics.median(r.get("sequential_cpu", math.nan) for r in rounds.get(1, [{}]))
     single_hf = results["gpuyard"][1]["tok_s"] / hf_one["tok_s"] if hf_one else float("nan")
+    ct2 = ct2_figures(results, top)
     print(
         f"llm_serve: vs_hf_continuous={g['tok_s'] / hf['tok_s']:.2f} "
         f"vs_hf_continuous_round_median={statistics.median(r['hf_continuous'] for r in rounds[top]):.2f} "
@@ -552,7 +658,7 @@ def main() -> None:
         f"static_ttft_p99_ms={st['ttft_p99_ms']:.0f} single_vs_generate={single:.2f} "
         f"vs_static_batch_round_median={statistics.median(r['static'] for r in rounds[top]):.2f} "
         f"vs_static_batch_cpu={statistics.median(r['static_cpu'] for r in rounds[top]):.2f} "
-        f"single_vs_generate_cpu={single_cpu:.2f} "
+        f"single_vs_generate_cpu={single_cpu:.2f} {ct2} "
         f"gather_ms={args.gather_ms:g} load1_at_start={load:.2f} load1_at_end={os.getloadavg()[0]:.2f}"
     )
 

@@ -223,7 +223,11 @@ class Trainer(Stepping, Persistence, RunLog):
         )
         if spec.checkpoint.memory_every:
             self.memory = MemoryCheckpointer(
-                default_snapshot_dir(self.run_dir), ctx.rank, ctx.world_size, self.checkpointer
+                default_snapshot_dir(self.run_dir),
+                ctx.rank,
+                ctx.world_size,
+                self.checkpointer,
+                state=self._app_state,  # its data files are allocated ahead of the first snapshot
             )
         main = ctx.rank == 0
         if self._tracker_arg is not None:

@@ -364,11 +364,15 @@ class _Relayed(Response):
                 outcome = "cancelled"
             elif complete:
                 outcome = "ok"
-                if head.keep_alive and (dech is None or not dech.buf) and not (left or 0) < 0:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                # The watcher goes before the connection is pooled: a hang-up seen later must not
+                # abort a connection that another request may be using by then.
+                watcher.cancel()
+                clean = head.keep_alive and (dech is None or not dech.buf) and not (left or 0) < 0
+                if clean and not self.hung_up:
                     self.up.put_back(reader, writer)
                 else:
                     abort(writer)
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
             else:
                 outcome = "replica_failed"
                 abort(writer)
@@ -426,7 +430,11 @@ def build_gateway_app(gw: Gateway, created: int | None = None) -> FastAPI:
         watcher.cancel()
 
     app = FastAPI(title="gpuyard LLM gateway", lifespan=lifespan)
-    card = model_card(gw.cfg.name, created or int(time.time()), gw.cfg.context, "vllm")
+    made = created or int(time.time())
+    cards = {gw.cfg.name: model_card(gw.cfg.name, made, gw.cfg.context, "vllm")}
+    for a in gw.cfg.adapters:  # a LoRA adapter by name: its parent is the model it runs on
+        cards[a.name] = model_card(a.name, made, gw.cfg.context, "vllm") | {"parent": gw.cfg.name}
+    card = cards[gw.cfg.name]
 
     @app.exception_handler(GpuyardError)
     async def _bad(request: Request, exc: GpuyardError) -> JSONResponse:
@@ -435,8 +443,9 @@ def build_gateway_app(gw: Gateway, created: int | None = None) -> FastAPI:
     async def _checked(request: Request, cls: type[_Body]) -> tuple[bytes, Any]:
         raw = await read_body(request, gw.limits.max_body_bytes)
         body = await asyncio.to_thread(_parse_body, raw, cls)
-        if body.model != gw.cfg.name:
-            raise NotServed(f"model {body.model!r} is not served here (serving {gw.cfg.name!r})")
+        if body.model not in cards:
+            serving = ", ".join(map(repr, cards))
+            raise NotServed(f"model {body.model[:300]!r} is not served here (serving {serving})")
         sampling(body, 1, gw.limits.vocab, engine="vllm")
         if isinstance(body, ChatBody) and not gw.limits.special_tokens:
             for i, m in enumerate(body.messages):
@@ -466,11 +475,11 @@ def build_gateway_app(gw: Gateway, created: int | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": list(cards.values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str) -> dict[str, Any]:
-        return model_lookup(card, model_id)
+        return cards[model_id] if model_id in cards else model_lookup(card, model_id)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -534,6 +543,18 @@ def serve_vllm(
     from gpuyard.settings import load_settings
 
     folder = Path(folder)
+    adapters: tuple[vllm_engine.Adapter, ...] = ()
+    lora = vllm_engine.adapter_of(ref)
+    if lora is not None:  # a registered LoRA adapter: its base served, the adapter by name on it
+        base_ref, folder, adapter = lora
+        adapters = (adapter,)
+        print(
+            f"gpuyard serve: {ref} is a LoRA adapter of {base_ref}: vLLM serves {base_ref} with the adapter "
+            f"by name (model {ref!r}; {base_ref!r} answers without it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        ref = base_ref
     tok = load_tokenizer(folder)
     device, gpus = vllm_engine.placement(opts.device)
     work = Path(tempfile.mkdtemp(prefix="gpuyard-vllm-"))
@@ -545,6 +566,7 @@ def serve_vllm(
         device=device,
         gpus=gpus,
         logs=load_settings().ensure_home() / "logs",
+        adapters=adapters,
     )
     replicas = [Replica(i, _loopback_port()) for i in range(opts.replicas)]
     gw: Gateway | None = None

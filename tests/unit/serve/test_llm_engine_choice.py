@@ -102,8 +102,9 @@ def test_one_field_check_for_both_engines() -> None:
 
 
 def test_lora_adapters_on_vllms_command_line_with_a_rank_it_takes(tmp_path: Path) -> None:
-    from gpuyard.serve.llm.vllm_engine import Adapter, Replica, VllmConfig, lora_rank
+    from gpuyard.serve.llm.vllm_engine import Adapter, Replica, VllmConfig, adapter_of, lora_rank
 
+    assert adapter_of(str(tmp_path)) is None  # a local folder is served as it is, never looked up
     plain = VllmConfig(folder=tmp_path, name="base:1", context=128)
     assert "--enable-lora" not in plain.argv(Path("python"), Replica(0, 1234))
     assert plain.names == ("base:1",)

@@ -175,13 +175,15 @@ def adapter_of(ref: str) -> tuple[str, Path, Adapter] | None:
     Raises:
         ConfigError: its adapter_config.json is unreadable or names no rank.
     """
-    from gpuyard.errors import NotFoundError
+    from gpuyard.errors import GpuyardError
     from gpuyard.models.llm import ADAPTER_FLAVOR, fetch_lm
     from gpuyard.models.registry import fetch, get_version
 
+    if Path(ref).expanduser().is_dir():  # a local folder, not a reference
+        return None
     try:
         mv = get_version(ref)
-    except (NotFoundError, ValueError):
+    except (GpuyardError, ValueError):  # not a registered model: the caller serves it as it is
         return None
     if mv.flavor != ADAPTER_FLAVOR:
         return None

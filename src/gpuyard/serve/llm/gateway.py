@@ -382,7 +382,7 @@ class _Relayed(Response):
                 await send({"type": "http.response.body", "body": f"data: {json.dumps(err)}\n\n".encode()})
         except asyncio.CancelledError:
             abort(writer)
-            if not self.stalled:
+            if not self.stalled or self._task is None:
                 raise
             self._task.uncancel()  # the watchdog's cut: end here; the server closes the connection
             outcome = "client_stalled"

@@ -54,7 +54,9 @@ runs on each side in turn; closed-loop streaming clients (httpx), 64 greedy toke
 stop token biased away), output tokens from each answer's usage; time to first token and the p99 gap
 between streamed chunks per side; every level quiet, then again beside three busy processes per core.
 Last line: ``vs_vllm_direct`` (gateway / direct output tok/s at 32 clients, quiet) and
-``contended_vs_vllm`` (the same ratio beside the busy processes).
+``contended_vs_vllm`` (the same ratio beside the busy processes). Side ``gpuyard_base`` with
+``--baseline-src OTHER/src`` runs another checkout's gateway in the same run (a change's before and
+after, side by side): ``base_vs_vllm_direct`` and ``base_contended_vs_vllm`` on the last line.
 """
 
 from __future__ import annotations
@@ -360,9 +362,12 @@ HTTP_KEY = "gyk_llm-serve-benchmark-key-0123456789"
 HTTP_TOKENS = 64  # greedy tokens per request (every stop token biased away: each side makes all of them)
 
 
-def _serve_side(side: str, folder: Path, port: int, batch: int, log: Path) -> tuple[Any, str, str]:
+def _serve_side(
+    side: str, folder: Path, port: int, batch: int, log: Path, base_src: str = ""
+) -> tuple[Any, str, str]:
     """Start one side; (handle with .stop(), base URL, key). ``vllm``: vLLM's own server, started as the
-    gateway starts its replicas; ``gpuyard``/``own``: `gpuyard serve --engine vllm`/`gpuyard`."""
+    gateway starts its replicas; ``gpuyard``/``own``: `gpuyard serve --engine vllm`/`gpuyard`;
+    ``gpuyard_base``: `gpuyard serve --engine vllm` of the checkout at ``base_src`` (--baseline-src)."""
     import subprocess
 
     from gpuyard.serve.llm import vllm_engine
@@ -379,7 +384,10 @@ def _serve_side(side: str, folder: Path, port: int, batch: int, log: Path) -> tu
         vllm_engine.start(cfg, rep)
         vllm_engine.wait_ready(rep, "bench", 1800)
         return rep, rep.url, rep.key
-    engine = "vllm" if side == "gpuyard" else "gpuyard"
+    engine = "gpuyard" if side == "own" else "vllm"
+    env = {**os.environ, "GPUYARD_HOME": str(log.parent)}
+    if side == "gpuyard_base":
+        env["PYTHONPATH"] = base_src
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -400,7 +408,7 @@ def _serve_side(side: str, folder: Path, port: int, batch: int, log: Path) -> tu
         ],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
-        env={**os.environ, "GPUYARD_HOME": str(log.parent)},
+        env=env,
     )
     import httpx
 
@@ -505,9 +513,20 @@ def http_main(args: Any) -> None:
         # falls on all sides alike (it changes by the minute on a shared machine).
         up: dict[str, tuple[Any, str, str]] = {}
         try:
-            for side in sides:
+            # Started at once (vLLM takes minutes to start on a busy CPU); the direct vLLM side from this
+            # thread, which its parent-death signal is tied to.
+            from concurrent.futures import ThreadPoolExecutor
+
+            def start(side: str) -> tuple[Any, str, str]:
                 port = 20000 + random.randrange(20000)
-                up[side] = _serve_side(side, folder, port, max(levels), Path(tmp) / f"{side}.log")
+                log = Path(tmp) / f"{side}.log"
+                return _serve_side(side, folder, port, max(levels), log, args.baseline_src)
+
+            with ThreadPoolExecutor(len(sides)) as pool:
+                starting = {side: pool.submit(start, side) for side in sides if side != "vllm"}
+                if "vllm" in sides:
+                    up["vllm"] = start("vllm")
+                up |= {side: fut.result() for side, fut in starting.items()}
             for busy in (False, True):
                 hog = [sys.executable, "-c", "while True: pass"]
                 hogs = [subprocess.Popen(hog) for _ in range(busy_n if busy else 0)]
@@ -535,15 +554,20 @@ def http_main(args: Any) -> None:
                 handle.stop()
     at = 32 if 32 in levels else max(levels)
 
-    def ratio(cond: str) -> float:
-        g, v = res.get(("gpuyard", cond, at)), res.get(("vllm", cond, at))
+    def ratio(cond: str, side: str = "gpuyard") -> float:
+        g, v = res.get((side, cond, at)), res.get(("vllm", cond, at))
         return g["tok_s"] / v["tok_s"] if g and v else math.nan
+
+    base = ""
+    if "gpuyard_base" in sides:
+        base = f"base_vs_vllm_direct={ratio('quiet', 'gpuyard_base'):.2f} "
+        base += f"base_contended_vs_vllm={ratio('busy', 'gpuyard_base'):.2f} "
 
     figures = " ".join(f"{s}_{c}_tok_s={r['tok_s']:.1f}" for (s, c, n), r in res.items() if n == at)
     end = os.getloadavg()[0]
     print(
         f"llm_serve: vs_vllm_direct={ratio('quiet'):.2f} contended_vs_vllm={ratio('busy'):.2f} clients={at} "
-        f"{figures} busy_processes={busy_n} load1_at_start={load:.2f} load1_at_end={end:.2f}"
+        f"{base}{figures} busy_processes={busy_n} load1_at_start={load:.2f} load1_at_end={end:.2f}"
     )
 
 
@@ -581,7 +605,13 @@ def main() -> None:
     ap.add_argument(
         "--sides",
         default="",
-        help="over HTTP instead: any of gpuyard (deployment via the gateway), vllm (direct), own",
+        help="over HTTP instead: any of gpuyard (deployment via the gateway), vllm (direct), own, "
+        "gpuyard_base (the gateway of the checkout at --baseline-src)",
+    )
+    ap.add_argument(
+        "--baseline-src",
+        default="",
+        help="the src folder of another checkout: side gpuyard_base runs its gateway (before/after)",
     )
     args = ap.parse_args()
     if args.sides:

@@ -99,3 +99,26 @@ def test_one_field_check_for_both_engines() -> None:
         check(CompletionBody, "gpuyard", prompt="a", stop_token_ids=[100]) or ""
     )
     assert check(CompletionBody, "gpuyard", prompt="a", stop_token_ids=[5], logprobs=None, n=1) is None
+
+
+def test_lora_adapters_on_vllms_command_line_with_a_rank_it_takes(tmp_path: Path) -> None:
+    from gpuyard.serve.llm.vllm_engine import Adapter, Replica, VllmConfig, adapter_of, lora_rank
+
+    assert adapter_of(str(tmp_path)) is None  # a local folder is served as it is, never looked up
+    plain = VllmConfig(folder=tmp_path, name="base:1", context=128)
+    assert "--enable-lora" not in plain.argv(Path("python"), Replica(0, 1234))
+    assert plain.names == ("base:1",)
+    ads = (Adapter("ft:1", tmp_path / "a=b", 4), Adapter("ft:2", tmp_path / "c", 12))
+    cfg = VllmConfig(folder=tmp_path, name="base:1", context=128, adapters=ads)
+    argv = cfg.argv(Path("python"), Replica(0, 1234))
+    assert cfg.names == ("base:1", "ft:1", "ft:2")
+    at = argv.index("--lora-modules")
+    # JSON, not name=path: a path holding '=' stays whole.
+    assert [json.loads(a) for a in argv[at + 1 : at + 3]] == [
+        {"name": "ft:1", "path": str(tmp_path / "a=b"), "base_model_name": "base:1"},
+        {"name": "ft:2", "path": str(tmp_path / "c"), "base_model_name": "base:1"},
+    ]
+    assert argv[argv.index("--max-lora-rank") + 1] == "16" and argv[argv.index("--max-loras") + 1] == "2"
+    assert lora_rank((Adapter("x", tmp_path, 1),)) == 1 and lora_rank((Adapter("x", tmp_path, 64),)) == 64
+    with pytest.raises(ConfigError, match="LoRA rank 1024 is over the largest vLLM serves"):
+        lora_rank((Adapter("x", tmp_path, 1024),))

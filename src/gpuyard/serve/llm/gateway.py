@@ -24,6 +24,7 @@ deployment's record). ``/metrics`` serves the gateway's own series and every rep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -33,17 +34,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from gpuyard.errors import ConfigError, GpuyardError
 from gpuyard.serve.access import read_body
 from gpuyard.serve.llm import vllm_engine
+from gpuyard.serve.llm.relay import READ_CHUNK, Dechunker, Head, Upstream, UpstreamError, abort, request_bytes
 from gpuyard.serve.llm.vllm_engine import Replica, VllmConfig
 
 log = logging.getLogger("gpuyard.serve")
 
 # A replica that is being replaced gets this long to become ready again.
 REPLACE_TIMEOUT_S = 900.0
+# A streamed answer whose client takes no bytes for this long is cut (its slot and the replica's
+# request freed): a client that never reads holds nothing for longer.
+WRITE_STALL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,9 @@ class Gateway:
             "gpuyard_gateway_replica_restarts", "Replicas replaced", registry=self.registry
         )
         self.stopping = False
+        self.write_stall_s = WRITE_STALL_S
+        self._pools: dict[int, Upstream] = {}
+        self._relays: set[_Relayed] = set()
         self._replacing: set[int] = set()
         self._tasks: set[asyncio.Future[None]] = set()
 
@@ -128,15 +136,17 @@ class Gateway:
             )
         return f"vLLM replica {replica.index} (pid {replica.pid}) did not answer; retry"
 
+    def _upstream(self, replica: Replica) -> Upstream:
+        up = self._pools.get(replica.index)
+        if up is None or up.port != replica.port:
+            up = self._pools[replica.index] = Upstream("127.0.0.1", replica.port)
+        return up
+
     async def forward(self, path: str, raw: bytes, stream: bool) -> Response:
         """Send ``raw`` to a replica's ``path`` and relay the answer (streamed when ``stream``)."""
-        import httpx
-
         replica = self.pick()
         replica.outstanding += 1
         self.outstanding.labels(str(replica.index)).set(replica.outstanding)
-        headers = {"Authorization": f"Bearer {replica.key}", "Content-Type": "application/json"}
-        req = self.client.build_request("POST", f"{replica.url}{path}", content=raw, headers=headers)
         released = False
 
         def release() -> None:
@@ -146,48 +156,40 @@ class Gateway:
                 replica.outstanding -= 1
                 self.outstanding.labels(str(replica.index)).set(replica.outstanding)
 
+        up = self._upstream(replica)
         try:
-            resp = await self.client.send(req, stream=True)
-        except httpx.TransportError:
+            head, reader, writer = await up.open(request_bytes(path, replica.port, replica.key, raw))
+        except UpstreamError as exc:
             release()
             self.requests.labels("replica_failed").inc()
+            log.warning("vLLM replica %s: %s", replica.index, exc)
             raise Unavailable(self._gone(replica)) from None
-        if not stream or resp.status_code != 200:
+        except BaseException:
+            release()
+            raise
+        if not stream or head.status != 200:
             try:
-                body = await resp.aread()
-            except httpx.TransportError:
+                body = await up.read_body(head, reader, writer)
+            except UpstreamError as exc:
                 self.requests.labels("replica_failed").inc()
+                log.warning("vLLM replica %s: %s", replica.index, exc)
                 raise Unavailable(self._gone(replica)) from None
             finally:
-                await resp.aclose()
                 release()
-            self.requests.labels("ok" if resp.status_code == 200 else f"status_{resp.status_code}").inc()
-            kind = resp.headers.get("content-type", "application/json")
-            return Response(body, status_code=resp.status_code, media_type=kind)
-
-        async def relay() -> AsyncIterator[bytes]:
-            outcome = "cancelled"
-            try:
-                async for chunk in resp.aiter_raw():
-                    yield chunk
-                outcome = "ok"
-            except httpx.TransportError:
-                outcome = "replica_failed"
-                err = {"error": {"message": self._gone(replica), "type": "server_error", "code": 503}}
-                yield f"data: {json.dumps(err)}\n\n".encode()
-            finally:
-                self.requests.labels(outcome).inc()
-                await resp.aclose()
-                release()
-
-        return StreamingResponse(
-            relay(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+            self.requests.labels("ok" if head.status == 200 else f"status_{head.status}").inc()
+            return Response(body, status_code=head.status, media_type=head.content_type)
+        return _Relayed(self, replica, up, head, reader, writer, release)
 
     # ----- replicas --------------------------------------------------------------------------------
     async def watch(self) -> None:
-        """Replace each replica whose process exits, until the gateway stops."""
+        """Replace each replica whose process exits, and cut streams whose client stopped reading,
+        until the gateway stops."""
+        loop = asyncio.get_running_loop()
         while not self.stopping:
+            now = loop.time()
+            for relayed in list(self._relays):
+                if relayed.sending_since and now - relayed.sending_since > self.write_stall_s:
+                    relayed.cut()
             for replica in self.replicas:
                 code = replica.exited()
                 if code is not None and replica.index not in self._replacing and not self.stopping:
@@ -207,6 +209,9 @@ class Gateway:
             file=sys.stderr,
             flush=True,
         )
+        pool = self._pools.pop(replica.index, None)
+        if pool is not None:
+            pool.close()
         try:
             # What is left of it (its engine-core and worker processes outlive a killed server) goes first.
             await asyncio.to_thread(replica.stop, 5.0)
@@ -273,7 +278,127 @@ class Gateway:
 
     async def close(self) -> None:
         self.stopping = True
+        for pool in self._pools.values():
+            pool.close()
         await self.client.aclose()
+
+
+class _Relayed(Response):
+    """A streamed answer relayed from a replica's connection to the client (:mod:`.relay`).
+
+    Per read from the replica: undo its chunked framing, one ASGI message to the client. A client that
+    hangs up aborts the replica's connection (vLLM aborts the request); a client that takes nothing for
+    ``Gateway.write_stall_s`` is cut by :meth:`Gateway.watch`; a replica that fails mid-stream gets the
+    client one error event. The replica's slot is released however it ends.
+    """
+
+    def __init__(
+        self,
+        gw: Gateway,
+        replica: Replica,
+        up: Upstream,
+        head: Head,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        release: Callable[[], None],
+    ) -> None:
+        self.gw, self.replica, self.up, self.head = gw, replica, up, head
+        self.reader, self.writer, self.release = reader, writer, release
+        self.status_code = 200
+        self.background = None
+        self.sending_since = 0.0  # the loop's time when a send began that has not returned; 0: none
+        self.hung_up = False
+        self.stalled = False
+        self._task: asyncio.Task[Any] | None = None
+
+    def cut(self) -> None:
+        """The client stopped reading: end this relay (the watchdog's call)."""
+        if not self.stalled and self._task is not None:
+            self.stalled = True
+            self._task.cancel()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        gw, head, reader, writer = self.gw, self.head, self.reader, self.writer
+        loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+
+        async def until_hang_up() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.hung_up = True
+            abort(writer)
+
+        watcher = asyncio.ensure_future(until_hang_up())
+        gw._relays.add(self)
+        outcome, complete = "cancelled", False
+        dech = Dechunker() if head.chunked else None
+        left = head.length
+        try:
+            kind = head.content_type.encode("latin-1")
+            headers = [(b"content-type", kind), (b"cache-control", b"no-cache")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            failure = ""
+            while True:
+                try:
+                    data = await reader.read(READ_CHUNK)
+                except OSError as exc:
+                    data, failure = b"", str(exc)
+                if not data:
+                    complete = dech is None and left is None  # delimited by the connection's end
+                    break
+                try:
+                    payload = dech.feed(data) if dech is not None else data
+                except UpstreamError as exc:
+                    failure = str(exc)
+                    break
+                if left is not None:
+                    payload, left = payload[:left], left - len(payload)
+                if payload:
+                    self.sending_since = loop.time()
+                    await send({"type": "http.response.body", "body": payload, "more_body": True})
+                    self.sending_since = 0.0
+                if (dech is not None and dech.done) or (left is not None and left <= 0):
+                    complete = True
+                    break
+            if self.hung_up:
+                outcome = "cancelled"
+            elif complete:
+                outcome = "ok"
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                # The watcher goes before the connection is pooled: a hang-up seen later must not
+                # abort a connection that another request may be using by then.
+                watcher.cancel()
+                clean = head.keep_alive and (dech is None or not dech.buf) and not (left or 0) < 0
+                if clean and not self.hung_up:
+                    self.up.put_back(reader, writer)
+                else:
+                    abort(writer)
+            else:
+                outcome = "replica_failed"
+                abort(writer)
+                if failure:
+                    log.warning("vLLM replica %s: %s", self.replica.index, failure)
+                err = {"error": {"message": gw._gone(self.replica), "type": "server_error", "code": 503}}
+                await send({"type": "http.response.body", "body": f"data: {json.dumps(err)}\n\n".encode()})
+        except asyncio.CancelledError:
+            abort(writer)
+            if not self.stalled or self._task is None:
+                raise
+            self._task.uncancel()  # the watchdog's cut: end here; the server closes the connection
+            outcome = "client_stalled"
+            print(
+                f"gpuyard serve: cut a streamed answer whose client took nothing for {gw.write_stall_s:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        except BaseException:
+            abort(writer)
+            raise
+        finally:
+            watcher.cancel()
+            gw._relays.discard(self)
+            gw.requests.labels(outcome).inc()
+            self.release()
 
 
 class Unavailable(GpuyardError):
@@ -283,7 +408,8 @@ class Unavailable(GpuyardError):
 
 
 def build_gateway_app(gw: Gateway, created: int | None = None) -> FastAPI:
-    """The gateway's HTTP API (module docstring); the key check wraps it (KeyGate)."""
+    """The gateway's HTTP API (module docstring); the key check wraps it (KeyGate). Its lifespan runs
+    :meth:`Gateway.watch` (serve it with ``lifespan="on"``)."""
     from gpuyard.serve.llm.app import (
         ChatBody,
         CompletionBody,
@@ -296,8 +422,19 @@ def build_gateway_app(gw: Gateway, created: int | None = None) -> FastAPI:
         sampling,
     )
 
-    app = FastAPI(title="gpuyard LLM gateway")
-    card = model_card(gw.cfg.name, created or int(time.time()), gw.cfg.context, "vllm")
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        watcher = asyncio.ensure_future(gw.watch())
+        yield
+        await gw.close()
+        watcher.cancel()
+
+    app = FastAPI(title="gpuyard LLM gateway", lifespan=lifespan)
+    made = created or int(time.time())
+    cards = {gw.cfg.name: model_card(gw.cfg.name, made, gw.cfg.context, "vllm")}
+    for a in gw.cfg.adapters:  # a LoRA adapter by name: its parent is the model it runs on
+        cards[a.name] = model_card(a.name, made, gw.cfg.context, "vllm") | {"parent": gw.cfg.name}
+    card = cards[gw.cfg.name]
 
     @app.exception_handler(GpuyardError)
     async def _bad(request: Request, exc: GpuyardError) -> JSONResponse:
@@ -306,8 +443,9 @@ def build_gateway_app(gw: Gateway, created: int | None = None) -> FastAPI:
     async def _checked(request: Request, cls: type[_Body]) -> tuple[bytes, Any]:
         raw = await read_body(request, gw.limits.max_body_bytes)
         body = await asyncio.to_thread(_parse_body, raw, cls)
-        if body.model != gw.cfg.name:
-            raise NotServed(f"model {body.model!r} is not served here (serving {gw.cfg.name!r})")
+        if body.model not in cards:
+            serving = ", ".join(map(repr, cards))
+            raise NotServed(f"model {body.model[:300]!r} is not served here (serving {serving})")
         sampling(body, 1, gw.limits.vocab, engine="vllm")
         if isinstance(body, ChatBody) and not gw.limits.special_tokens:
             for i, m in enumerate(body.messages):
@@ -337,11 +475,11 @@ def build_gateway_app(gw: Gateway, created: int | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": list(cards.values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str) -> dict[str, Any]:
-        return model_lookup(card, model_id)
+        return cards[model_id] if model_id in cards else model_lookup(card, model_id)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -392,7 +530,6 @@ def serve_vllm(
         ConfigError: a replica exited before it was ready, or was not ready in time (one line with
             the tail of its log).
     """
-    import contextlib
     import os
     import shutil
     import tempfile
@@ -406,6 +543,18 @@ def serve_vllm(
     from gpuyard.settings import load_settings
 
     folder = Path(folder)
+    adapters: tuple[vllm_engine.Adapter, ...] = ()
+    lora = vllm_engine.adapter_of(ref)
+    if lora is not None:  # a registered LoRA adapter: its base served, the adapter by name on it
+        base_ref, folder, adapter = lora
+        adapters = (adapter,)
+        print(
+            f"gpuyard serve: {ref} is a LoRA adapter of {base_ref}: vLLM serves {base_ref} with the adapter "
+            f"by name (model {ref!r}; {base_ref!r} answers without it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        ref = base_ref
     tok = load_tokenizer(folder)
     device, gpus = vllm_engine.placement(opts.device)
     work = Path(tempfile.mkdtemp(prefix="gpuyard-vllm-"))
@@ -417,6 +566,7 @@ def serve_vllm(
         device=device,
         gpus=gpus,
         logs=load_settings().ensure_home() / "logs",
+        adapters=adapters,
     )
     replicas = [Replica(i, _loopback_port()) for i in range(opts.replicas)]
     gw: Gateway | None = None
@@ -438,15 +588,6 @@ def serve_vllm(
         limits = GatewayLimits(opts.max_body_bytes, tok.vocab_size, specials, opts.special_tokens)
         gw = Gateway(cfg, replicas, limits, on_replaced)
         app = build_gateway_app(gw)
-        watcher: list[asyncio.Task[None]] = []
-
-        @contextlib.asynccontextmanager
-        async def lifespan(_app: Any) -> AsyncIterator[None]:
-            watcher.append(asyncio.ensure_future(gw.watch()))  # type: ignore[union-attr]
-            yield
-            await gw.close()  # type: ignore[union-attr]
-
-        app.router.lifespan_context = lifespan
         config = uvicorn.Config(
             KeyGate(app, access, openai_body),
             log_level="warning",

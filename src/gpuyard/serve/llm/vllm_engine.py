@@ -149,6 +149,66 @@ def served_folder(folder: Path, into: Path) -> Path:
     return into
 
 
+# The ranks vLLM's --max-lora-rank takes (vllm/config/lora.py, 0.32).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter served by name on its base model (vLLM's ``--lora-modules``).
+
+    Attributes:
+        name: the model name requests carry for it (its registered reference).
+        folder: its adapter_config.json and adapter_model.safetensors.
+        rank: its LoRA rank (``r``).
+    """
+
+    name: str
+    folder: Path
+    rank: int
+
+
+def adapter_of(ref: str) -> tuple[str, Path, Adapter] | None:
+    """(the base's reference, the base's folder, the adapter) when ``ref`` is a registered LoRA adapter
+    (served by vLLM on its base, unmerged), else None.
+
+    Raises:
+        ConfigError: its adapter_config.json is unreadable or names no rank.
+    """
+    from gpuyard.errors import GpuyardError
+    from gpuyard.models.llm import ADAPTER_FLAVOR, fetch_lm
+    from gpuyard.models.registry import fetch, get_version
+
+    if Path(ref).expanduser().is_dir():  # a local folder, not a reference
+        return None
+    try:
+        mv = get_version(ref)
+    except (GpuyardError, ValueError):  # not a registered model: the caller serves it as it is
+        return None
+    if mv.flavor != ADAPTER_FLAVOR:
+        return None
+    folder = fetch(mv)
+    try:
+        rank = int(json.loads((folder / "adapter_config.json").read_text())["r"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(f"{mv.ref}: its adapter_config.json names no LoRA rank 'r'") from None
+    base = str(mv.config["base"])
+    return base, fetch_lm(base), Adapter(mv.ref, folder, rank)
+
+
+def lora_rank(adapters: tuple[Adapter, ...]) -> int:
+    """vLLM's ``--max-lora-rank`` for ``adapters``: the smallest rank it takes that fits them all.
+
+    Raises:
+        ConfigError: an adapter's rank is over the largest vLLM takes.
+    """
+    top = max(a.rank for a in adapters)
+    fit = next((r for r in LORA_RANKS if r >= top), None)
+    if fit is None:
+        raise ConfigError(f"LoRA rank {top} is over the largest vLLM serves ({LORA_RANKS[-1]})")
+    return fit
+
+
 def context_length(folder: Path) -> int:
     """The model's context (config.json's max_position_embeddings / n_positions; 2048 when absent)."""
     cfg = json.loads((folder / "config.json").read_text())
@@ -226,6 +286,7 @@ class VllmConfig:
         gpus: the GPUs placed for the deployment (replica i takes the i-th), empty on CPU.
         logs: where each replica's log goes.
         extra_env: VLLM_* settings given to every replica.
+        adapters: LoRA adapters served by name on the model (``--enable-lora``).
     """
 
     folder: Path
@@ -236,6 +297,12 @@ class VllmConfig:
     gpus: tuple[str, ...] = ()
     logs: Path = Path(tempfile.gettempdir())
     extra_env: tuple[tuple[str, str], ...] = ()
+    adapters: tuple[Adapter, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The model names requests may carry: the model's, then each adapter's."""
+        return (self.name, *(a.name for a in self.adapters))
 
     def argv(self, python: Path, replica: Replica) -> list[str]:
         """The replica's command line."""
@@ -246,6 +313,11 @@ class VllmConfig:
             "--max-model-len", str(self.context), "--max-num-seqs", str(self.max_batch),
             "--generation-config", "auto", "--disable-uvicorn-access-log",
         ]  # fmt: skip
+        if self.adapters:
+            argv += ["--enable-lora", "--max-loras", str(len(self.adapters))]
+            argv += ["--max-lora-rank", str(lora_rank(self.adapters)), "--lora-modules"]
+            argv += [json.dumps({"name": a.name, "path": str(a.folder), "base_model_name": self.name})
+                     for a in self.adapters]  # fmt: skip
         if self.device == "cpu":
             # fp32: the greedy tokens are transformers' generate()'s; host memory kept to a small share.
             argv += ["--dtype", "float32", "--gpu-memory-utilization", CPU_MEMORY_SHARE]

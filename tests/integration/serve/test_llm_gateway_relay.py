@@ -1,0 +1,271 @@
+"""The vLLM gateway's relay against a replica that is a real HTTP/1.1 server on 127.0.0.1 written
+here (it answers like vLLM: server-sent events in chunked framing, JSON with a Content-Length), so that
+its failures can be chosen: keep-alive on both sides with every request checked again, a client that
+hangs up (its slot freed, the replica's request aborted), a replica that dies mid-stream (one error
+event), a client that never reads (cut, others served), malformed answers, hostile clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from tests.waiting import free_port, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+KEY = "gyk_gateway-relay-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _event(i: int, pad: int = 0) -> bytes:
+    ev = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": f" t{i}" + "x" * pad}],
+    }
+    return b"data: " + json.dumps(ev).encode() + b"\n\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class FakeReplica:
+    """A replica on a loopback port: the prompt says how it answers (``stream``, ``die``, ``hold``,
+    ``flood``, ``badhead``, ``json``, ``refuse``); it records the key it was sent and its connections."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.key = "gyv_replica-key"
+        self.connections = 0
+        self.open = 0
+        self.keys: list[str] = []
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+        assert self.ready.wait(30)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def main() -> None:
+            await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+            self.ready.set()
+            await asyncio.Event().wait()
+
+        self.loop.run_until_complete(main())
+
+    async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.open += 1
+        try:
+            while True:
+                head = await r.readuntil(b"\r\n\r\n")
+                lines = head.decode().split("\r\n")
+                hdr = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+                self.keys.append(hdr.get("authorization", ""))
+                body = json.loads(await r.readexactly(int(hdr["content-length"])))
+                how = body["prompt"]
+                if how == "json" or how == "refuse":
+                    data = json.dumps({"choices": [{"text": "whole"}]} if how == "json" else {"error": "no"})
+                    status = b"200 OK" if how == "json" else b"400 Bad Request"
+                    w.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                            % (status, len(data), data.encode()))  # fmt: skip
+                    continue
+                if how == "badhead":
+                    w.write(b"SPDY/9 nonsense\r\n\r\n")
+                    await w.drain()
+                    return
+                w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                        b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+                if how == "stream":
+                    # Several events in one write and one event split over two: the relay's framing.
+                    w.write(_chunk(_event(0)) + _chunk(_event(1)))
+                    split = _chunk(_event(2))
+                    w.write(split[:7])
+                    await w.drain()
+                    w.write(split[7:] + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+                    await w.drain()
+                    continue
+                if how == "die":
+                    w.write(_chunk(_event(0)))
+                    await w.drain()
+                    return
+                if how == "hold":
+                    w.write(_chunk(_event(0)))
+                    await w.drain()
+                    await r.read()  # until the gateway closes the connection
+                    return
+                if how == "flood":
+                    for i in range(100_000):  # until the gateway stops reading or closes
+                        w.write(_chunk(_event(i, pad=2000)))
+                        await w.drain()
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.open -= 1
+            w.close()
+
+
+class Gatewayed:
+    """The gateway app (with its key gate and watcher) served by uvicorn on 127.0.0.1 in a thread."""
+
+    def __init__(self, replica: FakeReplica) -> None:
+        import uvicorn
+
+        from gpuyard.serve.access import Access, KeyGate, key_hash, openai_body
+        from gpuyard.serve.llm.gateway import Gateway, GatewayLimits, build_gateway_app
+        from gpuyard.serve.llm.vllm_engine import Replica, VllmConfig
+
+        rep = Replica(0, replica.port, key=replica.key)
+        rep.ready = True
+        cfg = VllmConfig(folder=Path("/nonexistent"), name="m", context=256)
+        self.gw = Gateway(cfg, [rep], GatewayLimits(max_body_bytes=4096, vocab=1000))
+        self.gw.write_stall_s = 1.0
+        app = KeyGate(build_gateway_app(self.gw), Access(key_hash(KEY), None, False), openai_body)
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started, timeout=30)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def outstanding(self) -> int:
+        return self.gw.replicas[0].outstanding
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Gatewayed, FakeReplica]]:
+    replica = FakeReplica()
+    g = Gatewayed(replica)
+    yield g, replica
+    g.stop()
+
+
+def _body(prompt: str, stream: bool = True) -> dict[str, Any]:
+    return {"model": "m", "prompt": prompt, "max_tokens": 8, "stream": stream}
+
+
+def test_streamed_and_whole_answers_over_kept_alive_connections_each_request_checked(
+    served: tuple[Gatewayed, FakeReplica],
+) -> None:
+    g, replica = served
+    with httpx.Client(base_url=g.url, timeout=30) as client:  # one connection to the gateway
+        for _ in range(3):
+            r = client.post("/v1/completions", json=_body("stream"), headers=AUTH)
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            assert r.content == _event(0) + _event(1) + _event(2) + b"data: [DONE]\n\n"
+            # The next request on the same connection is checked again: no key, 401.
+            r = client.post("/v1/completions", json=_body("stream"))
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = client.post("/v1/completions", json=_body("json", stream=False), headers=AUTH)
+        assert r.status_code == 200 and r.json() == {"choices": [{"text": "whole"}]}
+        r = client.post("/v1/completions", json=_body("refuse", stream=False), headers=AUTH)
+        assert r.status_code == 400 and r.json() == {"error": "no"}
+        r = client.post("/v1/completions", json=_body("x" * 5000), headers=AUTH)
+        assert r.status_code == 413
+    # The replica got its own key, never the caller's, and the gateway kept its connection alive.
+    assert set(replica.keys) == {f"Bearer {replica.key}"} and len(replica.keys) == 5
+    assert replica.connections == 1
+    assert g.outstanding() == 0
+
+
+def test_a_client_that_hangs_up_frees_its_slot_and_the_replicas_request(
+    served: tuple[Gatewayed, FakeReplica],
+) -> None:
+    g, replica = served
+    with (
+        httpx.Client(base_url=g.url, timeout=30) as client,
+        client.stream("POST", "/v1/completions", json=_body("hold"), headers=AUTH) as s,
+    ):
+        first = next(s.iter_raw())
+        assert first.startswith(b"data: ")
+        assert g.outstanding() == 1 and replica.open == 1
+    wait_for(lambda: g.outstanding() == 0 and replica.open == 0, timeout=30)
+    assert b'gpuyard_gateway_requests_total{outcome="cancelled"} 1.0' in _metrics(g)
+
+
+def test_a_replica_that_dies_mid_stream_gives_one_error_event_then_503(
+    served: tuple[Gatewayed, FakeReplica],
+) -> None:
+    g, _ = served
+    r = httpx.post(f"{g.url}/v1/completions", json=_body("die"), headers=AUTH, timeout=30)
+    assert r.status_code == 200
+    events = [ln for ln in r.text.split("\n\n") if ln]
+    assert events[0] == _event(0).decode().strip()
+    err = json.loads(events[1][len("data: ") :])["error"]
+    assert err["code"] == 503 and "did not answer" in err["message"] and len(events) == 2
+    r = httpx.post(f"{g.url}/v1/completions", json=_body("badhead"), headers=AUTH, timeout=30)
+    assert r.status_code == 503 and "did not answer" in r.json()["error"]["message"]
+    assert g.outstanding() == 0
+
+
+def test_a_client_that_never_reads_is_cut_and_others_are_served(
+    served: tuple[Gatewayed, FakeReplica],
+) -> None:
+    g, replica = served
+    body = json.dumps(_body("flood")).encode()
+    stuck = socket.create_connection(("127.0.0.1", g.port))
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    try:
+        wait_for(lambda: g.outstanding() == 1, timeout=30)
+        # While it sits there, another client is answered.
+        r = httpx.post(f"{g.url}/v1/completions", json=_body("stream"), headers=AUTH, timeout=30)
+        assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
+        # The watchdog cuts it (write_stall_s = 1 here): its slot and the replica's request are freed.
+        wait_for(lambda: g.outstanding() == 0, timeout=60)
+        wait_for(lambda: replica.open <= 1, timeout=30)  # the flood's connection closed
+        assert b'gpuyard_gateway_requests_total{outcome="client_stalled"} 1.0' in _metrics(g)
+    finally:
+        stuck.close()
+
+
+def test_hostile_clients_are_refused_or_bounded_without_wedging_others(
+    served: tuple[Gatewayed, FakeReplica],
+) -> None:
+    g, _ = served
+
+    def raw(data: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", g.port), timeout=30) as s:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+            return b"".join(iter(lambda: s.recv(65536), b""))
+
+    assert raw(b"NOT HTTP AT ALL\r\n\r\n").startswith(b"HTTP/1.1 400")
+    huge = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 2_000_000 + b"\r\n\r\n"
+    answer = raw(huge)
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 4")  # refused or closed, never served
+    # A slow client holding a half-sent request head does not hold up anyone else.
+    slow = socket.create_connection(("127.0.0.1", g.port))
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    try:
+        r = httpx.post(f"{g.url}/v1/completions", json=_body("stream"), headers=AUTH, timeout=30)
+        assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
+    finally:
+        slow.close()
+    # A declared body over the limit is refused before it is sent.
+    declared = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                   + b"\r\nContent-Length: 999999999\r\n\r\n{}")  # fmt: skip
+    assert declared.startswith(b"HTTP/1.1 413")
+    assert g.outstanding() == 0
+
+
+def _metrics(g: Gatewayed) -> bytes:
+    return httpx.get(f"{g.url}/metrics", headers=AUTH, timeout=30).content

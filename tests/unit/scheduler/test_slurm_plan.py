@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from gpuyard.errors import ConfigError
+from gpuyard.errors import ConfigError, StoreError
 from gpuyard.scheduler.executors.base import LaunchPlan, NodeSlots
 from gpuyard.scheduler.executors.slurm import RDZV_PLACEHOLDER, SlurmConfig, SlurmExecutor, exit_from_state
+from gpuyard.scheduler.executors.slurm_batch import SlurmBatch
 from gpuyard.scheduler.spec import parse_spec
 
 pytestmark = pytest.mark.unit
@@ -223,3 +224,51 @@ def test_the_rendezvous_port_is_picked_on_the_batch_host_when_the_job_starts(tmp
         capture_output=True, text=True, env=env, check=True,
     )  # fmt: skip
     assert out.stdout.strip() == "--rdzv 10.9.8.7:40123 a b"
+
+
+@pytest.mark.parametrize("gpus", [(4,), (8, 8), (8, 4), (5, 3, 3)])
+def test_the_batch_request_reads_back_as_it_was_planned(tmp_path: Path, gpus: tuple[int, ...]) -> None:
+    ex = _executor(tmp_path)
+    plan = ex.plan(7, _train(tmp_path, sum(gpus)), _slots(*gpus), 2)
+    batch = SlurmBatch.of(plan.extra)
+    assert batch.to_extra() == plan.extra  # the handle's keys, unchanged, and nothing lost
+    assert list(batch.sbatch) == plan.extra["sbatch"] and batch.script.endswith("attempt-2.sbatch")
+    assert len(batch.het_groups) == (len(set(gpus)) if len(set(gpus)) > 1 else 0)
+    assert [g.gpus_per_node for g in batch.het_groups] == (
+        [] if len(set(gpus)) == 1 else list(dict.fromkeys(gpus))
+    )
+    assert batch.addrs == {f"n{i}": f"10.0.0.{i}" for i in range(1, len(gpus) + 1)}
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        ({"sbatch": "--uid=0"}, "sbatch: expected a list"),
+        ({"sbatch": ["--mem=1G", 7]}, "sbatch: expected a string"),
+        ({"script": None}, "script: expected a string"),
+        ({"isolated": "yes"}, "isolated: expected true or false"),
+        ({"isolated": True}, "isolated, but no uid"),
+        ({"isolated": True, "uid": -1, "gid": 5, "user_name": "u"}, "uid: expected a non-negative integer"),
+        ({"isolated": True, "uid": True, "gid": 5, "user_name": "u"}, "uid: expected a non-negative integer"),
+        ({"het_groups": [{"nodes": ["n1"], "gpus_per_node": 8}]}, "1 heterogeneous groups but 0 commands"),
+        ({"addrs": ["n1"]}, "addrs: expected an object"),
+    ],
+)
+def test_a_damaged_batch_request_is_refused_in_one_line(
+    tmp_path: Path, damage: dict[str, Any], named: str
+) -> None:
+    # A handle read back from the database never becomes an sbatch option or a user to run as unchecked.
+    ex = _executor(tmp_path)
+    extra = {**ex.plan(7, _train(tmp_path, 4), _slots(4), 1).extra, **damage}
+    with pytest.raises(StoreError, match=r"^Slurm batch request: ") as err:
+        SlurmBatch.of(extra)
+    assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def test_launch_refuses_a_damaged_request_before_writing_or_submitting(tmp_path: Path) -> None:
+    ex = _executor(tmp_path)
+    plan = ex.plan(7, _train(tmp_path, 4), _slots(4), 1)
+    plan.extra["sbatch"] = "--uid=0"
+    with pytest.raises(StoreError, match="sbatch: expected a list"):
+        ex.launch(plan)
+    assert not Path(plan.extra["script"]).exists()

@@ -54,7 +54,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -75,6 +75,7 @@ from gpuyard.scheduler.executors.base import (
     job_env,
 )
 from gpuyard.scheduler.executors.isolation import PRIVATE_TMP_VARS, JobIsolation
+from gpuyard.scheduler.executors.slurm_batch import HetGroup, SlurmBatch
 from gpuyard.scheduler.nodes import DRAINED, HEALTHY, NodeHealthMonitor
 from gpuyard.scheduler.placement import NodeSpec
 from gpuyard.scheduler.spec import JobSpec
@@ -508,7 +509,9 @@ class SlurmExecutor(Executor):
         argv = argvs[0] if argvs else job_argv(spec, nnodes=nnodes, rdzv=rdzv)
         env.update({"MASTER_ADDR": master, "MASTER_PORT": str(port), "NNODES": str(nnodes)})
         user: str | None = None
-        ids: dict[str, Any] = {}
+        uid: int | None = None  # the job's user, when isolated
+        gid: int | None = None
+        user_name: str | None = None
         iso = self.isolation
         if iso is not None:
             iso = iso.for_job(spec.team, spec.user)
@@ -516,7 +519,7 @@ class SlurmExecutor(Executor):
             env = iso.environment(env, cwd)
             if iso.switch:
                 user = iso.user
-            ids = {"uid": iso.uid, "gid": iso.gid, "user_name": iso.user}
+            uid, gid, user_name = iso.uid, iso.gid, iso.user
             # slurmd opens the log as the job's user: in the job's own 0700 folder, which the server
             # (root) reads too.
             log_path = str(iso.workdir(job_id) / "output.log")
@@ -562,13 +565,20 @@ class SlurmExecutor(Executor):
             if gpus:
                 opts.append(f"--gpus-per-node={gpus}")
             opts += shared
-        het = (
-            {
-                "het_groups": [{"nodes": [n.node for n in m], "gpus_per_node": g} for g, m in parts],
-                "het_argv": argvs,
-            }
-            if len(parts) > 1
-            else {}
+        het = len(parts) > 1
+        batch = SlurmBatch(
+            slurm_name=name,
+            sbatch=tuple(opts),
+            script=str(folder / f"attempt-{attempt}.sbatch"),
+            rdzv=rdzv,
+            addrs={n.node: self._addr.get(n.node, n.node) for n in nodes},
+            user=user,
+            isolated=iso is not None,
+            uid=uid,
+            gid=gid,
+            user_name=user_name,
+            het_groups=tuple(HetGroup(tuple(n.node for n in m), g) for g, m in parts) if het else (),
+            het_argv=tuple(tuple(a) for a in argvs) if het else (),
         )
         return LaunchPlan(
             job_id=job_id,
@@ -579,17 +589,7 @@ class SlurmExecutor(Executor):
             log_path=log_path,
             nodes=nodes,
             executor=self.name,
-            extra={
-                "slurm_name": name,
-                "sbatch": opts,
-                "script": str(folder / f"attempt-{attempt}.sbatch"),
-                "rdzv": rdzv,
-                "addrs": {n.node: self._addr.get(n.node, n.node) for n in nodes},
-                "user": user,
-                "isolated": iso is not None,
-                **ids,
-                **het,
-            },
+            extra=batch.to_extra(),
         )
 
     def script(self, plan: LaunchPlan) -> str:
@@ -598,10 +598,11 @@ class SlurmExecutor(Executor):
         On one node the batch step runs the command itself (``exec``: no job step to set up, which
         costs a step launch, about a second); on several nodes it runs it once per node under srun.
         """
+        batch = SlurmBatch.of(plan.extra)
         lines = ["#!/bin/bash", f"# gpuyard job {plan.job_id}, attempt {plan.attempt}"]
         # The first line that is not a comment (an export: GPUYARD_JOB_ID at least) ends sbatch's
         # reading of #SBATCH lines, so no value of the job's (one may hold a newline) is an option.
-        for key, value in sorted(self._script_env(plan).items()):
+        for key, value in sorted(self._script_env(plan, batch).items()):
             lines.append(f"export {key}={shlex.quote(value)}")
         # Private temp space and compiler caches in the job's own folder (0700), a fresh one per
         # attempt, the earlier attempts' removed (as the job's user): a shared /tmp never holds them.
@@ -621,10 +622,9 @@ class SlurmExecutor(Executor):
         # host's address is its NodeAddr, as for every node (SLURMD_NODENAME names it); each task puts
         # ADDR:PORT where the command has the placeholder. If no Python can pick a port, the id-derived
         # one is used.
-        addrs = plan.extra.get("addrs") or {}
-        if addrs:
+        if batch.addrs:
             lines.append('case "$SLURMD_NODENAME" in')
-            for node, addr in sorted(addrs.items()):
+            for node, addr in sorted(batch.addrs.items()):
                 lines.append(f"  {shlex.quote(node)}) MASTER_ADDR={shlex.quote(addr)} ;;")
             lines.append("esac")
             lines.append("export MASTER_ADDR")
@@ -639,12 +639,12 @@ class SlurmExecutor(Executor):
             'exec "${a[@]}"'
         )
         task = ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "--export=ALL", "bash", "-c", inner, "gpuyard"]
-        rdzv = plan.extra.get("rdzv")
+        rdzv = batch.rdzv
 
-        def placed(argv: list[str]) -> list[str]:
+        def placed(argv: Sequence[str]) -> list[str]:
             return [RDZV_PLACEHOLDER if rdzv and x == rdzv else x for x in argv]
 
-        het_argv = plan.extra.get("het_argv")
+        het_argv = batch.het_argv
         if not het_argv:
             srun = ["srun", *task, *placed(plan.argv)]
         else:
@@ -658,10 +658,10 @@ class SlurmExecutor(Executor):
         return "\n".join(lines) + "\n"
 
     @staticmethod
-    def _script_env(plan: LaunchPlan) -> dict[str, str]:
+    def _script_env(plan: LaunchPlan, batch: SlurmBatch) -> dict[str, str]:
         """What the script exports: the job's environment (isolated: all of it, allow-listed), or in a
         user's own command the user's environment with the job's on top, as the local executor does."""
-        if plan.extra.get("isolated"):
+        if batch.isolated:
             return dict(plan.env)
         own = {
             k: v
@@ -678,24 +678,20 @@ class SlurmExecutor(Executor):
         Raises:
             ConfigError: an unequal gang on a cluster that disables steps over heterogeneous jobs.
         """
-        groups = plan.extra.get("het_groups")
-        if groups and not getattr(self, "het_steps", True):
-            split = ", ".join(f"{node}: {g['gpus_per_node']}" for g in groups for node in g["nodes"])
+        batch = SlurmBatch.of(plan.extra)
+        if batch.het_groups and not getattr(self, "het_steps", True):
+            split = ", ".join(f"{node}: {g.gpus_per_node}" for g in batch.het_groups for node in g.nodes)
             raise ConfigError(
                 "Slurm: this cluster disables job steps over heterogeneous jobs "
                 f"(SchedulerParameters=disable_hetjob_steps), so a gang placed unequally (GPUs per node "
                 f"{split}) cannot run as one step (Slurm's default, enable_hetjob_steps, allows it)"
             )
-        script = Path(plan.extra["script"])
+        script = Path(batch.script)
         script.parent.mkdir(parents=True, exist_ok=True)
         if self.isolation is not None:
-            iso = replace(
-                self.isolation,
-                user=plan.extra["user_name"],
-                uid=int(plan.extra["uid"]),
-                gid=int(plan.extra["gid"]),
-                template=None,
-            )
+            if batch.uid is None or batch.gid is None or batch.user_name is None:
+                raise StoreError(f"Slurm: job {plan.job_id}'s batch request names no user to run as")
+            iso = replace(self.isolation, user=batch.user_name, uid=batch.uid, gid=batch.gid, template=None)
             folder = iso.workdir(plan.job_id)
             iso.prepare(plan.job_id, str(folder))  # the job's own 0700 folder: its log goes there
         else:
@@ -708,7 +704,7 @@ class SlurmExecutor(Executor):
         self._check_reachable()
         before = time.time()
         try:
-            out = self._call(["sbatch", "--parsable", *plan.extra["sbatch"], str(script)])
+            out = self._call(["sbatch", "--parsable", *batch.sbatch, str(script)])
         except ExecutorUnreachable as exc:
             self._note_down(str(exc))
             raise
@@ -719,7 +715,7 @@ class SlurmExecutor(Executor):
         # Slurm's SubmitTime of this attempt lies in this window: a row outside it is another job.
         window = [round(before, 3), round(time.time(), 3)]
         return {
-            **plan.extra,
+            **batch.to_extra(),
             "slurm_id": slurm_id,
             "log": plan.log_path,
             "launched": True,

@@ -62,8 +62,10 @@ class TrainStatus:
         return self.status is TrainOutcome.FAILED and self.unrecoverable
 
     def to_doc(self) -> dict[str, Any]:
-        """The JSON document (fields left unset are left out; ``status`` is the outcome's string)."""
-        doc: dict[str, Any] = {"status": self.status.value}
+        """The JSON document: unset fields left out, except ``run_id``; ``status`` is the outcome's string."""
+        # run_id is always there, null for a run not tracked in the database (`gpuyard train --json`
+        # has always had the key).
+        doc: dict[str, Any] = {"status": self.status.value, "run_id": self.run_id}
         for name in _OPTIONAL:
             value = getattr(self, name)
             if value is not None:

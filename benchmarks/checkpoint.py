@@ -254,7 +254,7 @@ def measure(args: argparse.Namespace, run_dir: Path, shm_dir: Path) -> dict[str,
 
 def resume_child(args: argparse.Namespace) -> None:
     """In a fresh process: build the trainer and resume (setup), then print the resume event."""
-    from gpuyard.train import trainer as trainer_module
+    from gpuyard.train import persistence as trainer_module  # where the trainer's resume verifies
 
     spec = make_spec(Path(args.run_dir), args.hidden, args.layers, args.steps)
     trainer = make_trainer(spec, args.hidden, args.layers, [])

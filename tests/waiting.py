@@ -50,8 +50,27 @@ def ensure_user(name: str) -> str:
 _PORTS = (20000, 32767)
 
 
+def _worker_ports(low: int, high: int) -> tuple[int, int]:
+    """This pytest-xdist worker's own slice of [low, high]: two workers never pick the same port, so
+    one worker's server cannot answer another's health check in the window between the pick and the
+    bind (the whole range outside xdist)."""
+    import os
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    try:
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        index = int(worker.removeprefix("gw")) if worker.startswith("gw") else 0
+    except ValueError:
+        return low, high
+    if count <= 1 or not 0 <= index < count:
+        return low, high
+    width = (high - low + 1) // count
+    return low + index * width, low + (index + 1) * width - 1
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now, below the ephemeral range."""
+    """A TCP port on 127.0.0.1 that nothing listens on now, below the ephemeral range, from this
+    worker's own slice of it."""
     import random
     import socket
 
@@ -61,6 +80,7 @@ def free_port() -> int:
             high = min(high, int(fh.read().split()[0]) - 1)
     except (OSError, ValueError, IndexError):
         pass
+    low, high = _worker_ports(low, high)
     for _ in range(200):
         port = random.randint(low, high)
         with socket.socket() as s:

@@ -149,6 +149,8 @@ def server(gpuyard_home: Path, tmp_path: Path) -> Iterator[ServerStarter]:
                 return False
 
         wait_for(healthy, timeout=60, every=0.1)
+        # A server that lost the bind exits: the answer came from another process on the port.
+        assert proc.poll() is None, log_path.read_text()
         return proc, url
 
     yield start

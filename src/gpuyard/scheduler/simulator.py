@@ -26,7 +26,7 @@ from gpuyard.scheduler.elastic import ElasticConfig, ElasticJob
 from gpuyard.scheduler.estimator import RuntimeEstimator
 from gpuyard.scheduler.executors.base import ExitStatus
 from gpuyard.scheduler.fabric_placement import FabricPlacer, shape_of
-from gpuyard.scheduler.placement import ClusterState, NodeSpec, Placement
+from gpuyard.scheduler.placement import ClusterState, GpuShare, NodeSpec, Placement, share_never_fits
 from gpuyard.scheduler.policies import Policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
 from gpuyard.scheduler.spec import JobSpec, JobState, parse_spec
@@ -102,6 +102,8 @@ class _Run:
     multi_node: bool = False
     multi_leaf: bool = False
     slowed: bool = False
+    gpu_type: str | None = None  # the GPU type it must run on (None: any)
+    share: GpuShare | None = None  # part of one GPU or MIG slices (then its trace ``gpus`` is 0)
 
 
 @dataclass
@@ -147,6 +149,10 @@ def simulate(
     workloads: dict[int, Any] | None = None,
     fabric: Any = None,
     elastic: dict[int, tuple[int, int]] | None = None,
+    cluster: ClusterState | None = None,
+    gpu_types: dict[int, str] | None = None,
+    shares: dict[int, GpuShare] | None = None,
+    held: dict[int, Placement] | None = None,
 ) -> SimResult:
     """Replay ``trace`` on ``nodes`` under ``policy``: the scheduling core the server runs
     (:class:`gpuyard.scheduler.core.SchedulerCore`) decides on a virtual clock, and a fake executor
@@ -167,18 +173,34 @@ def simulate(
             the least time between a job's start and its resize, ``restart_overhead_s`` a restart's
             cost). A resize is a checkpoint on demand (no work lost), a requeue and a restart at the
             new size.
+        cluster: the virtual cluster to start from, built on ``nodes`` (its packing policy with the
+            task mix it observed, its drained nodes); changed by the replay, so a fresh one per call.
+            None: ``ClusterState(nodes)``.
+        gpu_types: job id -> the GPU type it must run on (the server's typed placement).
+        shares: job id -> its part of one GPU or MIG slices (its trace ``gpus`` is 0), placed by the
+            cluster's packing policy on the share model as the server places them; like the server's
+            tick, the policy neither counts nor preempts them once they run.
+        held: job id -> where it already runs: it holds that placement from time 0 (submit 0), not
+            placed by the policy (the forward run of a live cluster, :mod:`gpuyard.scheduler.eta`).
 
     Raises:
         CapacityError: no job of the trace fits on the cluster.
-        ConfigError: workloads without a fabric cluster.
+        ConfigError: workloads without a fabric cluster; a ``cluster`` of other nodes.
     """
     config = config or SimConfig()
     workloads = workloads or {}
     if workloads and fabric is None:
         raise ConfigError("simulating workloads needs the fabric cluster of the nodes")
-    state = ClusterState(nodes)
+    if cluster is not None and len(cluster.nodes) != len(nodes):
+        raise ConfigError(f"the cluster to start from has {len(cluster.nodes)} nodes, not {len(nodes)}")
+    state = cluster if cluster is not None else ClusterState(nodes)
     total = state.total_gpus
-    runs = {j.id: _Run(j, j.duration) for j in trace if 0 < j.gpus <= total}
+    gpu_types, shares, held = gpu_types or {}, shares or {}, held or {}
+    runs = {}
+    for j in trace:
+        kind, share = gpu_types.get(j.id), shares.get(j.id)
+        if j.id in held or _fits_empty(state, j.gpus, kind, share):
+            runs[j.id] = _Run(j, j.duration, gpu_type=kind, share=share)
     for jid, (low, high) in (elastic or {}).items():
         if jid in runs:
             if not 1 <= low <= high:
@@ -195,13 +217,24 @@ def simulate(
     )
     core = SchedulerCore(nodes, policy, RuntimeEstimator(), resizing)
     replay = _Replay(core, state, runs, config, workloads, FabricPlacer(fabric) if workloads else None)
-    replay.run(sorted(runs.values(), key=lambda r: (r.job.submit, r.job.id)))
+    for jid, placement in sorted(held.items()):
+        if jid in runs:
+            replay.hold(runs[jid], placement)
+    arrivals = [r for r in runs.values() if r.job.id not in held]
+    replay.run(sorted(arrivals, key=lambda r: (r.job.submit, r.job.id)))
     result = _result(policy.name, list(runs.values()), len(trace) - len(runs), total, replay.preemptions)
     result.fabric_waits, result.failures = len(replay.waited), replay.failures
     result.failed_jobs = sum(r.failed for r in runs.values())
     result.elastic_jobs = sum(r.bounds is not None for r in runs.values())
     result.resizes = sum(r.resizes for r in runs.values())
     return result
+
+
+def _fits_empty(state: ClusterState, gpus: int, gpu_type: str | None, share: GpuShare | None) -> bool:
+    """Whether a job could ever start on the cluster (the server refuses the others at submit)."""
+    if share is not None:
+        return share_never_fits(state, share, gpu_type) is None
+    return 0 < gpus <= state.max_gpus(gpu_type)
 
 
 class _Replay:
@@ -253,6 +286,11 @@ class _Replay:
                 nxt += 1
             self._tick(now)
 
+    def hold(self, run: _Run, placement: Placement) -> None:
+        """``run`` already holds ``placement`` at time 0 (a live job): it starts there, unplaced."""
+        self.queue.add(_queued(run, self.core.estimator, 0.0, self.workloads))
+        self._start(run, placement, 0.0)
+
     def _tick(self, now: float) -> None:
         """Let the core decide at ``now``, and carry out its plan; again at once after a resize (the
         resized job is queued and starts at its new size, as on the server's next tick)."""
@@ -269,10 +307,12 @@ class _Replay:
             elastic = self._resizable(now) if self.elastic_running else []
             if check and self.queue:
                 self.next_check = now + self.config.preempt_check_s
+            # As on the server (SchedulerCore.tick): share and MIG jobs are not counted nor preempted.
+            running = [r for jid, r in self.running.items() if self.runs[jid].share is None]
             plan = self.core.decide(
                 self.state,
                 self.queue,
-                list(self.running.values()),
+                running,
                 elastic,
                 now,
                 preempt=check,
@@ -353,6 +393,7 @@ class _Replay:
             now,
             now + max(estimate, 1.0) * run.ratio / speed,
             placement,
+            gpu_type=run.gpu_type,
             attained=run.attained,
         )
         end = now + run.overhead + run.remaining * run.ratio * config.stall_factor / speed
@@ -509,6 +550,8 @@ def _queued(run: _Run, estimator: RuntimeEstimator, now: float, workloads: dict[
         attained=run.attained,
         enqueued_at=now,
         workload=workloads.get(j.id),
+        gpu_type=run.gpu_type,
+        share=run.share,
         sizes=run.sizes,
         resize_to=run.resize_to,
     )

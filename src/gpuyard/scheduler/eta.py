@@ -555,12 +555,10 @@ class Forecaster:
             history = History.from_rows(finished)
             holding = list(s.scalars(select(JobRow).where(JobRow.state.in_(HOLDING))))
             pending = list(s.scalars(select(JobRow).where(JobRow.state.in_(PENDING))))
-        index = {n.name: i for i, n in enumerate(self.service.nodes)}
         running = [
-            self._live_job(r, history, r.started_at or datetime.fromtimestamp(now, UTC), index)
-            for r in holding
+            self._live_job(r, history, r.started_at or datetime.fromtimestamp(now, UTC)) for r in holding
         ]
-        queued = [self._live_job(r, history, None, index) for r in pending]
+        queued = [self._live_job(r, history, None) for r in pending]
         policy = self._policy()
         order = {
             j.id: policy.key(
@@ -591,9 +589,7 @@ class Forecaster:
         jobs = [*sorted(running, key=lambda j: (j.started_at or 0.0, j.id)), *queued]
         return jobs, history, shapes
 
-    def _live_job(
-        self, row: Any, history: History, started: datetime | None, index: dict[str, int]
-    ) -> LiveJob:
+    def _live_job(self, row: Any, history: History, started: datetime | None) -> LiveJob:
         spec = row.spec or {}
         resources = spec.get("resources") or {}
         run = self._run_time(spec, row.gpus, row.user, row.name, history, row.id)
@@ -610,7 +606,7 @@ class Forecaster:
             stopping=bool(row.stop_requested),
             gpu_type=resources.get("gpu_type") or None,
             share=share_of(resources),
-            placement=held_placement(row.placement, index) if started is not None else None,
+            placement=held_placement(row.placement, self.service.nodes) if started is not None else None,
         )
 
     def _run_time(
@@ -653,29 +649,35 @@ class Forecaster:
         return placer.step(wl, shape_of(state, ideal)) if ideal is not None else None
 
 
-def held_placement(record: Any, index: dict[str, int]) -> Placement | None:
+def held_placement(record: Any, nodes: Sequence[NodeSpec]) -> Placement | None:
     """Where a running job runs, from its placement record (``JobRow.placement``, read as the
     server's :class:`gpuyard.scheduler.core.PlacedPart` reads it): whole GPUs, CPU slots, shares and
-    MIG slices. None when there is none, or it names a node not in ``index`` (name -> position)."""
+    MIG slices on ``nodes``. None when there is none, when it is not a placement record, or when it
+    names a node this cluster does not have or a GPU that node does not have (then the forward run
+    places the job anew)."""
+    index = {n.name: i for i, n in enumerate(nodes)}
     try:
         parts = [PlacedPart.of_record(p) for p in (record or {}).get("nodes", [])]
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
     if not parts or any(p.node not in index for p in parts):
         return None
-    nodes: list[tuple[int, int]] = []
+    held: list[tuple[int, int]] = []
     shares: list[SharePart] = []
     cpus = 0
     for p in parts:
         i = index[p.node]
+        gpus = [g for g, _, _ in p.mig] if p.mig else list(p.gpus)
+        if any(not 0 <= g < nodes[i].gpus for g in gpus):
+            return None
         if p.mig:
             shares += [SharePart(i, gpu, 0.0, 0.0, uuid, profile) for gpu, profile, uuid in p.mig]
         elif p.share is not None:
             shares += [SharePart(i, g, p.share[0], p.share[1]) for g in p.gpus]
         else:
-            nodes.append((i, len(p.gpus)))
+            held.append((i, len(p.gpus)))
             cpus = max(cpus, p.cpus) if not p.gpus else cpus
-    return Placement(tuple(nodes), "running", cpus=cpus, parts=tuple(shares))
+    return Placement(tuple(held), "running", cpus=cpus, parts=tuple(shares))
 
 
 def job_view(job_id: int, state: JobState, gpus: int, spec: JobSpec) -> JobView:

@@ -240,8 +240,7 @@ def test_a_queued_share_is_forecast_and_takes_the_free_gpu_beside_a_whole_gpu_jo
     from gpuyard.scheduler.placement import GpuShare
 
     nodes = uniform_cluster(1, 2)
-    index = {"node0000": 0}
-    whole = held_placement({"nodes": [{"node": "node0000", "gpus": [0], "cpus": 0}]}, index)
+    whole = held_placement({"nodes": [{"node": "node0000", "gpus": [0], "cpus": 0}]}, nodes)
     jobs = [
         LiveJob(1, 1, _known(3600.0), started_at=NOW, placement=whole),
         LiveJob(2, 0, _known(600.0), share=GpuShare(fraction=0.5)),
@@ -259,10 +258,10 @@ def test_running_shares_hold_their_gpus_where_their_records_say() -> None:
     from gpuyard.scheduler.eta import held_placement
     from gpuyard.scheduler.placement import GpuShare
 
-    nodes, index = uniform_cluster(1, 2), {"node0000": 0}
+    nodes = uniform_cluster(1, 2)
     # Two quarter shares, one on each GPU (the packing policy would have put both on one GPU).
-    a = held_placement(_share_record("node0000", 0, 0.25), index)
-    b = held_placement(_share_record("node0000", 1, 0.25), index)
+    a = held_placement(_share_record("node0000", 0, 0.25), nodes)
+    b = held_placement(_share_record("node0000", 1, 0.25), nodes)
     assert a is not None and a.parts[0].gpu == 0 and b is not None and b.parts[0].gpu == 1
     quarter = GpuShare(fraction=0.25)
     jobs = [
@@ -288,7 +287,7 @@ def test_mig_slices_are_forecast_slice_by_slice_and_never_as_whole_gpus() -> Non
             {"node": "n0", "gpus": [], "cpus": 0, "mig": [{"gpu": 0, "profile": "3g.40gb", "uuid": "MIG-a"}]}
         ]
     }
-    held = held_placement(record, {"n0": 0})
+    held = held_placement(record, nodes)
     mig = GpuShare(mig="3g.40gb")
     jobs = [
         LiveJob(1, 0, _known(600.0), started_at=NOW, share=mig, placement=held),
@@ -315,9 +314,7 @@ def test_a_typed_job_waits_for_its_type_not_for_any_free_gpu() -> None:
     from gpuyard.scheduler.eta import held_placement
 
     nodes = _typed_nodes()
-    on_h100 = held_placement(
-        {"nodes": [{"node": "h0", "gpus": list(range(8)), "cpus": 0}]}, {"a0": 0, "h0": 1}
-    )
+    on_h100 = held_placement({"nodes": [{"node": "h0", "gpus": list(range(8)), "cpus": 0}]}, nodes)
     jobs = [
         LiveJob(1, 8, _known(3600.0), started_at=NOW, gpu_type="H100", placement=on_h100),
         LiveJob(2, 8, _known(600.0), gpu_type="H100"),  # the A100 node is free, and not its type
@@ -335,21 +332,25 @@ def test_a_typed_job_waits_for_its_type_not_for_any_free_gpu() -> None:
 def test_running_jobs_hold_their_recorded_nodes_and_an_unknown_node_is_placed_anew() -> None:
     from gpuyard.scheduler.eta import held_placement
 
-    index = {"a0": 0, "h0": 1}
+    nodes = _typed_nodes()
     record = {"nodes": [{"node": "a0", "gpus": [0, 1], "cpus": 0}, {"node": "h0", "gpus": [3], "cpus": 0}]}
-    held = held_placement(record, index)
+    held = held_placement(record, nodes)
     assert held is not None and held.nodes == ((0, 2), (1, 1)) and held.gpus == 3
-    assert held_placement({"nodes": [{"node": "gone", "gpus": [0]}]}, index) is None
-    assert held_placement({"nodes": [{"gpus": [0]}]}, index) is None  # no node: not a record
-    assert held_placement(None, index) is None
+    assert held_placement({"nodes": [{"node": "gone", "gpus": [0]}]}, nodes) is None
+    assert held_placement({"nodes": [{"gpus": [0]}]}, nodes) is None  # no node: not a record
+    assert held_placement({"nodes": "a0"}, nodes) is None
+    assert held_placement(None, nodes) is None
+    # A GPU the node no longer has (a stale record): placed anew, never an index out of range.
+    assert held_placement(_share_record("h0", 8, 0.5), nodes) is None
+    assert held_placement(_share_record("h0", -1, 0.5), nodes) is None
     # An untyped job held on the H100 node keeps the typed one waiting; placed anew it would have
     # gone to the A100 node (the first best fit), and the typed job would start at once.
-    whole_h = held_placement({"nodes": [{"node": "h0", "gpus": list(range(8)), "cpus": 0}]}, index)
+    whole_h = held_placement({"nodes": [{"node": "h0", "gpus": list(range(8)), "cpus": 0}]}, nodes)
     jobs = [
         LiveJob(1, 8, _known(900.0), started_at=NOW, placement=whole_h),
         LiveJob(2, 8, _known(60.0), gpu_type="H100"),
     ]
-    assert forecast(jobs, _typed_nodes(), FIFO, NOW)[2].start == pytest.approx(NOW + 900.0)
+    assert forecast(jobs, nodes, FIFO, NOW)[2].start == pytest.approx(NOW + 900.0)
 
 
 def test_whatif_of_a_typed_spec_waits_for_its_type(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -358,9 +359,7 @@ def test_whatif_of_a_typed_spec_waits_for_its_type(monkeypatch: pytest.MonkeyPat
 
     nodes = _typed_nodes()
     forecaster = Forecaster(_FakeService(nodes, None))
-    on_h100 = held_placement(
-        {"nodes": [{"node": "h0", "gpus": list(range(8)), "cpus": 0}]}, {"a0": 0, "h0": 1}
-    )
+    on_h100 = held_placement({"nodes": [{"node": "h0", "gpus": list(range(8)), "cpus": 0}]}, nodes)
     busy = LiveJob(1, 8, _known(3600.0), started_at=NOW, gpu_type="H100", placement=on_h100)
     like = History({("ann", "w"): LikeRuns((600.0,))})
     monkeypatch.setattr(forecaster, "_live", lambda now: ([busy], like, Counter()))

@@ -26,7 +26,15 @@ from gpuyard.scheduler.elastic import ElasticConfig, ElasticJob
 from gpuyard.scheduler.estimator import RuntimeEstimator
 from gpuyard.scheduler.executors.base import ExitStatus
 from gpuyard.scheduler.fabric_placement import FabricPlacer, shape_of
-from gpuyard.scheduler.placement import ClusterState, GpuShare, NodeSpec, Placement, share_never_fits
+from gpuyard.scheduler.openb import MILLI, GpuTask
+from gpuyard.scheduler.placement import (
+    ClusterState,
+    GpuShare,
+    NodeSpec,
+    Placement,
+    _hide_taken,
+    share_never_fits,
+)
 from gpuyard.scheduler.policies import Policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
 from gpuyard.scheduler.spec import JobSpec, JobState, parse_spec
@@ -266,6 +274,8 @@ class _Replay:
         self.estimates: dict[tuple[str, str, int], float] = {}  # history's estimates, until a job ends
         self.elastic_seen: dict[int, tuple[int, ElasticJob]] = {}  # job -> (its run's version, record)
         self.specs: dict[bool, JobSpec] = {}  # the exit rules' spec of rigid and elastic jobs
+        self.pin = any(r.share is not None for r in runs.values())  # shares: pin whole GPUs (_start)
+        self.pinned: dict[int, list[tuple[int, tuple[int, ...]]]] = {}  # job -> whole GPUs pinned
 
     def run(self, arrivals: list[_Run]) -> None:
         nxt, ends, queue = 0, self.ends, self.queue
@@ -290,6 +300,14 @@ class _Replay:
         """``run`` already holds ``placement`` at time 0 (a live job): it starts there, unplaced."""
         self.queue.add(_queued(run, self.core.estimator, 0.0, self.workloads))
         self._start(run, placement, 0.0)
+
+    def _release(self, jid: int) -> None:
+        """Give back what job ``jid`` holds: its placement, and the whole GPUs pinned for it."""
+        model = self.state._model() if self.pinned.get(jid) else None
+        for node, gpus in self.pinned.pop(jid, ()):
+            assert model is not None
+            model.release(GpuTask("taken", 0, 0, len(gpus), MILLI), (node, gpus))
+        self.state.release(self.running.pop(jid).placement)
 
     def _tick(self, now: float) -> None:
         """Let the core decide at ``now``, and carry out its plan; again at once after a resize (the
@@ -382,6 +400,11 @@ class _Replay:
         estimate = run.remaining if self.policy.needs_oracle else qjob.estimate - qjob.attained
         config = self.config
         self.state.take(placement)
+        if self.pin:
+            # A whole-GPU start's GPUs, held in the share model as the server's records hold them
+            # (each node's first whole free ones, as the launch gives them); else every share
+            # placement after it would hold and give them back again (placement._hide_taken).
+            self.pinned[run.job.id] = _hide_taken(self.state, self.state._model())
         run.alloc, run.resize_to = placement.gpus, None
         run.started_at, run.version = now, run.version + 1
         speed = _speed(run, config)
@@ -458,7 +481,7 @@ class _Replay:
 
     def _end(self, run: _Run, now: float) -> None:
         """A job that ended failed: its GPUs are free, its work since the last checkpoint lost."""
-        self.state.release(self.running.pop(run.job.id).placement)
+        self._release(run.job.id)
         self.elastic_running.discard(run.job.id)
         self.elastic_seen.pop(run.job.id, None)
         _stop(run, now, self.config, keep_all=False)
@@ -466,14 +489,14 @@ class _Replay:
 
     def _stop(self, run: _Run, now: float, keep_all: bool, resize_to: int | None = None) -> None:
         """Stop a running job (preempted, failed, or resized with ``keep_all``): queued again."""
-        self.state.release(self.running.pop(run.job.id).placement)
+        self._release(run.job.id)
         self.elastic_running.discard(run.job.id)
         _stop(run, now, self.config, keep_all=keep_all)
         run.resize_to = resize_to
         self.queue.add(_queued(run, self.core.estimator, now, self.workloads))
 
     def _finish(self, run: _Run, now: float) -> None:
-        self.state.release(self.running.pop(run.job.id).placement)
+        self._release(run.job.id)
         self.elastic_running.discard(run.job.id)
         self.elastic_seen.pop(run.job.id, None)
         _account(run, now - run.started_at, run.remaining, self.config)

@@ -306,6 +306,7 @@ def _forward(
     config: SimConfig,
     shown: dict[int, float] | None,
     cluster: Callable[[], ClusterState] | None = None,
+    multi_node: bool = True,
 ) -> dict[int, tuple[float, float]]:
     """One forward run: job id -> (start, end) in seconds after ``now``, for the jobs it started."""
     trace, left, views = [], {}, {}
@@ -333,7 +334,17 @@ def _forward(
     recorder = _Recorder(make(), views)
     recorder.attempts.update({i: [[0.0, math.nan]] for i in held})  # they start unplaced, at 0
     try:
-        simulate(trace, nodes, recorder, config, cluster=state, gpu_types=kinds, shares=shares, held=held)
+        simulate(
+            trace,
+            nodes,
+            recorder,
+            config,
+            cluster=state,
+            gpu_types=kinds,
+            shares=shares,
+            held=held,
+            multi_node=multi_node,
+        )
     except CapacityError:
         return {}
     attempts = recorder.attempts
@@ -345,17 +356,18 @@ def _forward(
     return out
 
 
-def never_starts(job: LiveJob, state: ClusterState) -> str | None:
+def never_starts(job: LiveJob, state: ClusterState, multi_node: bool = True) -> str | None:
     """Why ``job`` could never start on the empty cluster ``state`` (one line), None when it could:
-    the server's own checks (its share check, its GPU count by type)."""
+    the server's own checks (its share check, its GPU count by type and by the executor's reach)."""
     if job.share is not None:
         return share_never_fits(state, job.share, job.gpu_type)
     if job.gpus <= 0:
         return "CPU-only: holds no GPU, not forecast"
-    most = state.max_gpus(job.gpu_type)
+    most = state.max_gpus(job.gpu_type, multi_node)
     if job.gpus > most:
         of = f" {job.gpu_type}" if job.gpu_type else ""
-        return f"asks for {job.gpus}{of} GPUs, more than the cluster's {most}"
+        where = "" if multi_node else " on one node (this executor runs a job on one node)"
+        return f"asks for {job.gpus}{of} GPUs, more than the cluster's {most}{where}"
     return None
 
 
@@ -368,6 +380,7 @@ def forecast(
     shown: dict[int, float] | None = None,
     ranges: bool = True,
     cluster: Callable[[], ClusterState] | None = None,
+    multi_node: bool = True,
 ) -> dict[int, Prediction]:
     """Predictions for ``jobs``: running ones first (any order), then queued ones in queue order.
 
@@ -375,15 +388,16 @@ def forecast(
     run time the server's policy assumes for it (its history estimator's), which decides backfill
     and preemption as on the server; without it the policy sees the forecast's own run times.
     ``cluster`` builds the empty cluster each forward run starts from (the server's packing policy and
-    task mix, its drained nodes; default ``ClusterState(nodes)``). GPU shares, MIG slices and typed
+    task mix, its drained nodes; default ``ClusterState(nodes)``); ``multi_node`` whether the server's
+    executor may spread one job over several nodes. GPU shares, MIG slices and typed
     jobs are placed as the server places them; running jobs with a placement hold it. CPU-only jobs
     and jobs that could never start here get no start or end, with the reason in their note.
     """
     config = config or SimConfig()
     empty = cluster() if cluster is not None else ClusterState(nodes)
-    why = {j.id: never_starts(j, empty) for j in jobs}
+    why = {j.id: never_starts(j, empty, multi_node) for j in jobs}
     sized = [j for j in jobs if why[j.id] is None]
-    args = (now, config, shown, cluster)
+    args = (now, config, shown, cluster, multi_node)
     runs = {"point": _forward(sized, nodes, make, lambda r: r.point, HORIZON_S, *args)}
     if ranges:
         runs["low"] = _forward(sized, nodes, make, lambda r: r.low, 1.0, *args)
@@ -484,7 +498,13 @@ class Forecaster:
                 return self._cached[1]
             jobs, _, shapes = self._live(now)
             result = forecast(
-                jobs, self.service.nodes, self._policy, now, SimConfig(), cluster=self._cluster(shapes)
+                jobs,
+                self.service.nodes,
+                self._policy,
+                now,
+                SimConfig(),
+                cluster=self._cluster(shapes),
+                multi_node=self._multi_node,
             )
             self._cached = (version, result)
             return result
@@ -513,9 +533,22 @@ class Forecaster:
             both = [*jobs, job]
             mine = task_shapes([job_view(base, JobState.QUEUED, gpus, spec)], empty)
             build = self._cluster(shapes + mine)
-            pred = forecast(both, self.service.nodes, self._policy, now, SimConfig(), cluster=build)[base]
+            pred = forecast(
+                both,
+                self.service.nodes,
+                self._policy,
+                now,
+                SimConfig(),
+                cluster=build,
+                multi_node=self._multi_node,
+            )[base]
             out.append({"gpus": gpus, "shape": self._shape(gpus, kind), **pred.to_dict()})
         return out
+
+    @property
+    def _multi_node(self) -> bool:
+        """Whether the server's executor may spread one job over several nodes (as its tick places)."""
+        return bool(getattr(getattr(self.service, "executor", None), "multi_node", True))
 
     def _cluster(self, shapes: Counter[tuple[Any, ...]]) -> Callable[[], ClusterState]:
         """What each forward run starts from: the server's cluster with nothing held, its packing
@@ -540,7 +573,7 @@ class Forecaster:
         from gpuyard.scheduler.placement import place
 
         state = ClusterState(self.service.nodes)
-        p = place(state, gpus, gpu_type)
+        p = place(state, gpus, gpu_type, multi_node=self._multi_node)
         if p is None:
             return "does not fit"
         return str(shape_of(state, p).describe())

@@ -161,6 +161,7 @@ def simulate(
     gpu_types: dict[int, str] | None = None,
     shares: dict[int, GpuShare] | None = None,
     held: dict[int, Placement] | None = None,
+    multi_node: bool = True,
 ) -> SimResult:
     """Replay ``trace`` on ``nodes`` under ``policy``: the scheduling core the server runs
     (:class:`gpuyard.scheduler.core.SchedulerCore`) decides on a virtual clock, and a fake executor
@@ -190,6 +191,8 @@ def simulate(
             tick, the policy neither counts nor preempts them once they run.
         held: job id -> where it already runs: it holds that placement from time 0 (submit 0), not
             placed by the policy (the forward run of a live cluster, :mod:`gpuyard.scheduler.eta`).
+        multi_node: whether one job may span several nodes (the executor's reach: the local
+            executor's may not); jobs larger than one node are then rejected.
 
     Raises:
         CapacityError: no job of the trace fits on the cluster.
@@ -207,7 +210,7 @@ def simulate(
     runs = {}
     for j in trace:
         kind, share = gpu_types.get(j.id), shares.get(j.id)
-        if j.id in held or _fits_empty(state, j.gpus, kind, share):
+        if j.id in held or _fits_empty(state, j.gpus, kind, share, multi_node):
             runs[j.id] = _Run(j, j.duration, gpu_type=kind, share=share)
     for jid, (low, high) in (elastic or {}).items():
         if jid in runs:
@@ -223,7 +226,7 @@ def simulate(
         restart_cost_s=config.restart_overhead_s,
         alpha=config.elastic_alpha,
     )
-    core = SchedulerCore(nodes, policy, RuntimeEstimator(), resizing)
+    core = SchedulerCore(nodes, policy, RuntimeEstimator(), resizing, multi_node)
     replay = _Replay(core, state, runs, config, workloads, FabricPlacer(fabric) if workloads else None)
     for jid, placement in sorted(held.items()):
         if jid in runs:
@@ -238,11 +241,13 @@ def simulate(
     return result
 
 
-def _fits_empty(state: ClusterState, gpus: int, gpu_type: str | None, share: GpuShare | None) -> bool:
+def _fits_empty(
+    state: ClusterState, gpus: int, gpu_type: str | None, share: GpuShare | None, multi_node: bool
+) -> bool:
     """Whether a job could ever start on the cluster (the server refuses the others at submit)."""
     if share is not None:
         return share_never_fits(state, share, gpu_type) is None
-    return 0 < gpus <= state.max_gpus(gpu_type)
+    return 0 < gpus <= state.max_gpus(gpu_type, multi_node)
 
 
 class _Replay:

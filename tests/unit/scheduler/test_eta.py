@@ -398,3 +398,35 @@ def test_step_model_range_holds_the_corpus_worst_error_both_ways() -> None:
     # A prediction off by the worst error either way still has the true time inside its range.
     assert rt.low == pytest.approx(100.0 / (1 + STEP_MODEL_ERROR))
     assert rt.high == pytest.approx(100.0 / (1 - STEP_MODEL_ERROR))
+
+
+def test_an_executor_that_runs_a_job_on_one_node_is_forecast_so() -> None:
+    from gpuyard.scheduler.eta import Forecaster, held_placement
+
+    nodes = uniform_cluster(2, 8)
+    on = [
+        held_placement({"nodes": [{"node": n.name, "gpus": [0, 1, 2, 3], "cpus": 0}]}, nodes) for n in nodes
+    ]
+    jobs = [
+        LiveJob(1, 4, _known(600.0), started_at=NOW, placement=on[0]),
+        LiveJob(2, 4, _known(900.0), started_at=NOW, placement=on[1]),
+        LiveJob(3, 8, _known(60.0)),
+        LiveJob(4, 16, _known(60.0)),
+    ]
+    spread = forecast(jobs, nodes, FIFO, NOW)
+    assert spread[3].start == NOW and spread[4].start == pytest.approx(NOW + 900.0)
+    local = forecast(jobs, nodes, FIFO, NOW, multi_node=False)  # the local executor's reach
+    assert local[3].start == pytest.approx(NOW + 600.0)
+    assert local[4].start is None
+    assert (
+        local[4].note
+        == "asks for 16 GPUs, more than the cluster's 8 on one node (this executor runs a job on one node)"
+    )
+
+    class _Local:
+        multi_node = False
+
+    service = _FakeService(nodes, None)
+    assert Forecaster(service)._multi_node  # no executor known: as the simulator
+    service.executor = _Local()  # type: ignore[attr-defined]
+    assert not Forecaster(service)._multi_node

@@ -3,8 +3,8 @@
 Each job's run time comes from the best source it has, named in the prediction's ``basis``:
 
 - ``step_model``: its workload declares ``steps``; the fabric step model's step time on the job's
-  consolidated placement times its steps (range: the step model's largest error on the published
-  corpus, ``STEP_MODEL_ERROR``).
+  consolidated placement times its steps (range: what the step model's largest error on the
+  published corpus, ``STEP_MODEL_ERROR``, allows the true run time to be).
 - ``history``: finished runs of like jobs (same user and job name): their median, p10-p90 as the range
   (min-max under three runs), capped by its time limit when it has one.
 - ``time_limit``: its time limit, an upper bound (users over-estimate), the range down to a tenth of it.
@@ -26,27 +26,41 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 from sqlalchemy import func, select
 
 from gpuyard.errors import CapacityError
-from gpuyard.scheduler.placement import ClusterState, NodeSpec
+from gpuyard.scheduler.core import JobView, PlacedPart, task_shapes
+from gpuyard.scheduler.placement import (
+    ClusterState,
+    GpuShare,
+    NodeSpec,
+    Placement,
+    SharePart,
+    share_never_fits,
+    share_of,
+)
 from gpuyard.scheduler.policies import Policy
 from gpuyard.scheduler.queue import Decision, JobQueue, QueuedJob, RunningJob
 from gpuyard.scheduler.simulator import SimConfig, simulate
-from gpuyard.scheduler.spec import JobState
+from gpuyard.scheduler.spec import JobSpec, JobState
 from gpuyard.scheduler.trace import TraceJob
 
 log = logging.getLogger(__name__)
 
-# The step model's largest leave-one-source-out error on the published corpus (BENCHMARKS.md,
-# benchmarks/fabric_accuracy.py: loso_max_pct=49.5): a step-model run time spans /1.5 .. x1.5.
-STEP_MODEL_ERROR = 0.495
+# The step model's largest leave-one-source-out error on the published corpus, as predicted /
+# published - 1 (gpuyard.fabric.accuracy.RunError.error): loso_max_pct=68.6 in BENCHMARKS.md's
+# fabric_accuracy table, its latest row (2026-11-29, benchmarks/fabric_accuracy.py; the worst row is a
+# Megatron-Bridge 25.11 one). With |error| <= e the published time is within predicted / (1 + e) ..
+# predicted / (1 - e): a step-model run time spans /1.69 .. x3.18 (estimate_run_time).
+STEP_MODEL_ERROR = 0.686
 LIMIT_LOW = 0.1  # a job with only a time limit may end this early (a tenth of its limit)
 HORIZON_S = 10 * 365 * 86400.0  # "never ends" in the forward run; anything past half of it is unknown
 QUEUE_AT_S = 1e-3  # queued jobs enter the forward run just after the running ones have been placed
@@ -130,7 +144,7 @@ def estimate_run_time(
     if steps and step_s:
         point = steps * step_s
         note = f"{steps} steps of {step_s:.3g} s (fabric step model){restarts}"
-        low, high = point / (1 + STEP_MODEL_ERROR), point * (1 + STEP_MODEL_ERROR)
+        low, high = point / (1 + STEP_MODEL_ERROR), point / (1 - STEP_MODEL_ERROR)
         return RunTime(point + extra, low, high + extra, "step_model", note)
     if like is not None and like.durations:
         d = np.asarray(like.durations)
@@ -158,11 +172,15 @@ class LiveJob:
 
     Attributes:
         id: job id.
-        gpus: whole GPUs it holds or asks for (0: CPU-only or a GPU share, not forecast).
+        gpus: whole GPUs it holds or asks for (0: CPU-only, not forecast, or a share).
         run: its run time (the whole run, not what is left).
         started_at: epoch seconds it started (running jobs), None while queued.
         attained_s: seconds it ran before (earlier attempts).
         stopping: a stop was requested: it ends within the grace period.
+        gpu_type: the GPU type it must run on (None: any).
+        share: its part of one GPU or MIG slices (``resources``), None for whole GPUs.
+        placement: where it runs (running jobs, from its placement record); None: placed by the
+            policy at the forward run's start, as if it started then.
     """
 
     id: int
@@ -175,6 +193,9 @@ class LiveJob:
     started_at: float | None = None
     attained_s: float = 0.0
     stopping: bool = False
+    gpu_type: str | None = None
+    share: GpuShare | None = None
+    placement: Placement | None = None
 
 
 @dataclass(frozen=True)
@@ -284,9 +305,12 @@ def _forward(
     now: float,
     config: SimConfig,
     shown: dict[int, float] | None,
+    cluster: Callable[[], ClusterState] | None = None,
+    multi_node: bool = True,
 ) -> dict[int, tuple[float, float]]:
     """One forward run: job id -> (start, end) in seconds after ``now``, for the jobs it started."""
     trace, left, views = [], {}, {}
+    kinds, shares, held = {}, {}, {}
     for i, job in enumerate(jobs):
         total = pick(job.run)
         if job.stopping:
@@ -298,18 +322,53 @@ def _forward(
         views[i] = max((whole if seen is None else seen) - done, 1.0)
         submit = 0.0 if job.started_at is not None else QUEUE_AT_S
         trace.append(TraceJob(i, submit, left[i], job.gpus, job.team, job.priority, job.user))
+        if job.gpu_type:
+            kinds[i] = job.gpu_type
+        if job.share is not None:
+            shares[i] = job.share
+        if job.started_at is not None and job.placement is not None:
+            held[i] = job.placement
     if not trace:
         return {}
+    state = cluster() if cluster is not None else ClusterState(nodes)
+    recorder = _Recorder(make(), views)
+    recorder.attempts.update({i: [[0.0, math.nan]] for i in held})  # they start unplaced, at 0
     try:
-        attempts = replay_starts(trace, nodes, make(), config, views)
+        simulate(
+            trace,
+            nodes,
+            recorder,
+            config,
+            cluster=state,
+            gpu_types=kinds,
+            shares=shares,
+            held=held,
+            multi_node=multi_node,
+        )
     except CapacityError:
         return {}
+    attempts = recorder.attempts
     out = {}
     for i, job in enumerate(jobs):
         if i in attempts:
             start = attempts[i][0][0]
             out[job.id] = (0.0 if start <= QUEUE_AT_S else start, end_of(attempts[i], left[i], config))
     return out
+
+
+def never_starts(job: LiveJob, state: ClusterState, multi_node: bool = True) -> str | None:
+    """Why ``job`` could never start on the empty cluster ``state`` (one line), None when it could:
+    the server's own checks (its share check, its GPU count by type and by the executor's reach)."""
+    if job.share is not None:
+        return share_never_fits(state, job.share, job.gpu_type)
+    if job.gpus <= 0:
+        return "CPU-only: holds no GPU, not forecast"
+    most = state.max_gpus(job.gpu_type, multi_node)
+    if job.gpus > most:
+        of = f" {job.gpu_type}" if job.gpu_type else ""
+        where = "" if multi_node else " on one node (this executor runs a job on one node)"
+        return f"asks for {job.gpus}{of} GPUs, more than the cluster's {most}{where}"
+    return None
 
 
 def forecast(
@@ -320,30 +379,35 @@ def forecast(
     config: SimConfig | None = None,
     shown: dict[int, float] | None = None,
     ranges: bool = True,
+    cluster: Callable[[], ClusterState] | None = None,
+    multi_node: bool = True,
 ) -> dict[int, Prediction]:
     """Predictions for ``jobs``: running ones first (any order), then queued ones in queue order.
 
     ``make`` builds the policy in force (a fresh one per forward run). ``shown``: job id -> the whole
     run time the server's policy assumes for it (its history estimator's), which decides backfill
-    and preemption as on the server; without it the policy sees the forecast's own run times. Jobs
-    holding no whole GPU
-    (CPU-only, GPU shares) and jobs larger than the cluster get an unknown prediction saying so.
+    and preemption as on the server; without it the policy sees the forecast's own run times.
+    ``cluster`` builds the empty cluster each forward run starts from (the server's packing policy and
+    task mix, its drained nodes; default ``ClusterState(nodes)``); ``multi_node`` whether the server's
+    executor may spread one job over several nodes. GPU shares, MIG slices and typed
+    jobs are placed as the server places them; running jobs with a placement hold it. CPU-only jobs
+    and jobs that could never start here get no start or end, with the reason in their note.
     """
     config = config or SimConfig()
-    total = sum(n.gpus - len(n.excluded) for n in nodes)
-    sized = [j for j in jobs if 0 < j.gpus <= total]
-    runs = {"point": _forward(sized, nodes, make, lambda r: r.point, HORIZON_S, now, config, shown)}
+    empty = cluster() if cluster is not None else ClusterState(nodes)
+    why = {j.id: never_starts(j, empty, multi_node) for j in jobs}
+    sized = [j for j in jobs if why[j.id] is None]
+    args = (now, config, shown, cluster, multi_node)
+    runs = {"point": _forward(sized, nodes, make, lambda r: r.point, HORIZON_S, *args)}
     if ranges:
-        runs["low"] = _forward(sized, nodes, make, lambda r: r.low, 1.0, now, config, shown)
-        runs["high"] = _forward(sized, nodes, make, lambda r: r.high, HORIZON_S, now, config, shown)
+        runs["low"] = _forward(sized, nodes, make, lambda r: r.low, 1.0, *args)
+        runs["high"] = _forward(sized, nodes, make, lambda r: r.high, HORIZON_S, *args)
     out: dict[int, Prediction] = {}
     for job in jobs:
-        if not 0 < job.gpus <= total:
-            why = "holds no whole GPU (CPU-only or a GPU share): not forecast"
-            if job.gpus > total:
-                why = f"asks for {job.gpus} GPUs, more than the cluster's {total}"
+        reason = why[job.id]
+        if reason is not None:
             start = job.started_at
-            out[job.id] = Prediction(start, None, (start, start), (None, None), job.run.basis, why)
+            out[job.id] = Prediction(start, None, (start, start), (None, None), job.run.basis, reason)
             continue
         got = {k: v.get(job.id) for k, v in runs.items()}
         out[job.id] = _combine(job, {"low": got["point"], "high": got["point"], **got}, now)
@@ -432,8 +496,16 @@ class Forecaster:
         try:
             if self._cached is not None and self._cached[0] == version:
                 return self._cached[1]
-            jobs, _ = self._live(now)
-            result = forecast(jobs, self.service.nodes, self._policy, now, SimConfig())
+            jobs, _, shapes = self._live(now)
+            result = forecast(
+                jobs,
+                self.service.nodes,
+                self._policy,
+                now,
+                SimConfig(),
+                cluster=self._cluster(shapes),
+                multi_node=self._multi_node,
+            )
             self._cached = (version, result)
             return result
         finally:
@@ -446,8 +518,10 @@ class Forecaster:
         end (scaling a run time by GPU count would be a guess).
         """
         now = time.time() if now is None else now
-        jobs, history = self._live(now)
+        jobs, history, shapes = self._live(now)
         asked, out = spec.resources.gpus, []
+        kind = spec.resources.gpu_type
+        empty = ClusterState(self.service.nodes)
         base = max((j.id for j in jobs), default=0) + 1
         doc = spec.model_dump()
         for gpus in gpu_counts:
@@ -455,24 +529,58 @@ class Forecaster:
             run = self._run_time(trial, gpus, spec.user, spec.name, history, None)
             if gpus != asked and run.basis != "step_model" and run.known:
                 run = RunTime.unknown(f"{run.basis} gives the run time on {asked} GPUs only")
-            job = LiveJob(base, gpus, run, spec.team, spec.user, spec.priority, now)
+            job = LiveJob(base, gpus, run, spec.team, spec.user, spec.priority, now, gpu_type=kind)
             both = [*jobs, job]
-            pred = forecast(both, self.service.nodes, self._policy, now, SimConfig())[base]
-            out.append({"gpus": gpus, "shape": self._shape(gpus), **pred.to_dict()})
+            mine = task_shapes([job_view(base, JobState.QUEUED, gpus, spec)], empty)
+            build = self._cluster(shapes + mine)
+            pred = forecast(
+                both,
+                self.service.nodes,
+                self._policy,
+                now,
+                SimConfig(),
+                cluster=build,
+                multi_node=self._multi_node,
+            )[base]
+            out.append({"gpus": gpus, "shape": self._shape(gpus, kind), **pred.to_dict()})
         return out
 
-    def _shape(self, gpus: int) -> str:
-        """How ``gpus`` GPUs sit on the cluster when consolidated (one node, N nodes, ...)."""
+    @property
+    def _multi_node(self) -> bool:
+        """Whether the server's executor may spread one job over several nodes (as its tick places)."""
+        return bool(getattr(getattr(self.service, "executor", None), "multi_node", True))
+
+    def _cluster(self, shapes: Counter[tuple[Any, ...]]) -> Callable[[], ClusterState]:
+        """What each forward run starts from: the server's cluster with nothing held, its packing
+        policy (``ServiceConfig.packing``) having observed ``shapes`` (the jobs known now, as the
+        server's tick observes them), its drained nodes drained."""
+        nodes, packing = self.service.nodes, self.service.config.packing
+        live = getattr(self.service, "state", None)
+        drained = set(np.flatnonzero(live.drained).tolist()) if live is not None else set()
+
+        def build() -> ClusterState:
+            state = ClusterState(nodes, packing)
+            if drained:
+                state.set_drained(drained)
+            state.observe(shapes)
+            return state
+
+        return build
+
+    def _shape(self, gpus: int, gpu_type: str | None = None) -> str:
+        """How ``gpus`` GPUs (of ``gpu_type``) sit on the cluster when consolidated (one node, ...)."""
         from gpuyard.scheduler.fabric_placement import shape_of
         from gpuyard.scheduler.placement import place
 
         state = ClusterState(self.service.nodes)
-        p = place(state, gpus, None)
+        p = place(state, gpus, gpu_type, multi_node=self._multi_node)
         if p is None:
             return "does not fit"
         return str(shape_of(state, p).describe())
 
-    def _live(self, now: float) -> tuple[list[LiveJob], History]:
+    def _live(self, now: float) -> tuple[list[LiveJob], History, Counter[tuple[Any, ...]]]:
+        """The queued and running jobs (running first, queued in the policy's order), the history of
+        finished ones, and the jobs known now as the packing policy's task shapes."""
         from gpuyard.store.tables.jobs import JobRow
 
         with self.service.store.read() as s:
@@ -495,16 +603,29 @@ class Forecaster:
                     priority=j.priority,
                     submit_time=j.submit_time,
                     estimate=j.run.point if j.run.point is not None else 3600.0,
+                    gpu_type=j.gpu_type,
                     attained=j.attained_s,
+                    share=j.share,
                 )
             )
             for j in queued
         }
         queued.sort(key=lambda j: order[j.id])
-        return [*sorted(running, key=lambda j: (j.started_at or 0.0, j.id)), *queued], history
+        views = []
+        for r in [*holding, *pending]:
+            try:
+                spec = JobSpec.model_validate(r.spec)
+            except ValidationError:  # a spec of an older version: no shape for the packing mix
+                continue
+            views.append(job_view(r.id, JobState(r.state), r.gpus, spec))
+        shapes = task_shapes(views, ClusterState(self.service.nodes))
+        jobs = [*sorted(running, key=lambda j: (j.started_at or 0.0, j.id)), *queued]
+        return jobs, history, shapes
 
     def _live_job(self, row: Any, history: History, started: datetime | None) -> LiveJob:
-        run = self._run_time(row.spec or {}, row.gpus, row.user, row.name, history, row.id)
+        spec = row.spec or {}
+        resources = spec.get("resources") or {}
+        run = self._run_time(spec, row.gpus, row.user, row.name, history, row.id)
         return LiveJob(
             id=row.id,
             gpus=row.gpus,
@@ -516,6 +637,9 @@ class Forecaster:
             started_at=started.timestamp() if started is not None else None,
             attained_s=float(row.attained_s or 0.0),
             stopping=bool(row.stop_requested),
+            gpu_type=resources.get("gpu_type") or None,
+            share=share_of(resources),
+            placement=held_placement(row.placement, self.service.nodes) if started is not None else None,
         )
 
     def _run_time(
@@ -556,6 +680,57 @@ class Forecaster:
         state = ClusterState(self.service.nodes)
         ideal = placer.ideal(state, gpus, gpu_type)
         return placer.step(wl, shape_of(state, ideal)) if ideal is not None else None
+
+
+def held_placement(record: Any, nodes: Sequence[NodeSpec]) -> Placement | None:
+    """Where a running job runs, from its placement record (``JobRow.placement``, read as the
+    server's :class:`gpuyard.scheduler.core.PlacedPart` reads it): whole GPUs, CPU slots, shares and
+    MIG slices on ``nodes``. None when there is none, when it is not a placement record, or when it
+    names a node this cluster does not have or a GPU that node does not have (then the forward run
+    places the job anew)."""
+    index = {n.name: i for i, n in enumerate(nodes)}
+    try:
+        parts = [PlacedPart.of_record(p) for p in (record or {}).get("nodes", [])]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    if not parts or any(p.node not in index for p in parts):
+        return None
+    held: list[tuple[int, int]] = []
+    shares: list[SharePart] = []
+    cpus = 0
+    for p in parts:
+        i = index[p.node]
+        gpus = [g for g, _, _ in p.mig] if p.mig else list(p.gpus)
+        if any(not 0 <= g < nodes[i].gpus for g in gpus):
+            return None
+        if p.mig:
+            shares += [SharePart(i, gpu, 0.0, 0.0, uuid, profile) for gpu, profile, uuid in p.mig]
+        elif p.share is not None:
+            shares += [SharePart(i, g, p.share[0], p.share[1]) for g in p.gpus]
+        else:
+            held.append((i, len(p.gpus)))
+            cpus = max(cpus, p.cpus) if not p.gpus else cpus
+    return Placement(tuple(held), "running", cpus=cpus, parts=tuple(shares))
+
+
+def job_view(job_id: int, state: JobState, gpus: int, spec: JobSpec) -> JobView:
+    """A job as the scheduling core sees it, as far as its task shape goes (what
+    :func:`gpuyard.scheduler.core.task_shapes` reads): its state, GPUs, spec and share."""
+    share = share_of(spec.resources.model_dump())
+    return JobView(
+        job_id,
+        state,
+        spec.name,
+        spec.team,
+        spec.user,
+        spec.priority,
+        gpus,
+        spec,
+        (gpus,),
+        0.0,
+        0.0,
+        share=share,
+    )
 
 
 def whatif_counts(asked: int, largest: int, most: int | None = None) -> list[int]:

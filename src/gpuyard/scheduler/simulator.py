@@ -26,7 +26,15 @@ from gpuyard.scheduler.elastic import ElasticConfig, ElasticJob
 from gpuyard.scheduler.estimator import RuntimeEstimator
 from gpuyard.scheduler.executors.base import ExitStatus
 from gpuyard.scheduler.fabric_placement import FabricPlacer, shape_of
-from gpuyard.scheduler.placement import ClusterState, NodeSpec, Placement
+from gpuyard.scheduler.openb import MILLI, GpuTask
+from gpuyard.scheduler.placement import (
+    ClusterState,
+    GpuShare,
+    NodeSpec,
+    Placement,
+    _hide_taken,
+    share_never_fits,
+)
 from gpuyard.scheduler.policies import Policy
 from gpuyard.scheduler.queue import JobQueue, QueuedJob, RunningJob
 from gpuyard.scheduler.spec import JobSpec, JobState, parse_spec
@@ -102,6 +110,8 @@ class _Run:
     multi_node: bool = False
     multi_leaf: bool = False
     slowed: bool = False
+    gpu_type: str | None = None  # the GPU type it must run on (None: any)
+    share: GpuShare | None = None  # part of one GPU or MIG slices (then its trace ``gpus`` is 0)
 
 
 @dataclass
@@ -147,6 +157,11 @@ def simulate(
     workloads: dict[int, Any] | None = None,
     fabric: Any = None,
     elastic: dict[int, tuple[int, int]] | None = None,
+    cluster: ClusterState | None = None,
+    gpu_types: dict[int, str] | None = None,
+    shares: dict[int, GpuShare] | None = None,
+    held: dict[int, Placement] | None = None,
+    multi_node: bool = True,
 ) -> SimResult:
     """Replay ``trace`` on ``nodes`` under ``policy``: the scheduling core the server runs
     (:class:`gpuyard.scheduler.core.SchedulerCore`) decides on a virtual clock, and a fake executor
@@ -167,18 +182,36 @@ def simulate(
             the least time between a job's start and its resize, ``restart_overhead_s`` a restart's
             cost). A resize is a checkpoint on demand (no work lost), a requeue and a restart at the
             new size.
+        cluster: the virtual cluster to start from, built on ``nodes`` (its packing policy with the
+            task mix it observed, its drained nodes); changed by the replay, so a fresh one per call.
+            None: ``ClusterState(nodes)``.
+        gpu_types: job id -> the GPU type it must run on (the server's typed placement).
+        shares: job id -> its part of one GPU or MIG slices (its trace ``gpus`` is 0), placed by the
+            cluster's packing policy on the share model as the server places them; like the server's
+            tick, the policy neither counts nor preempts them once they run.
+        held: job id -> where it already runs: it holds that placement from time 0 (submit 0), not
+            placed by the policy (the forward run of a live cluster, :mod:`gpuyard.scheduler.eta`).
+        multi_node: whether one job may span several nodes (the executor's reach: the local
+            executor's may not); jobs larger than one node are then rejected.
 
     Raises:
         CapacityError: no job of the trace fits on the cluster.
-        ConfigError: workloads without a fabric cluster.
+        ConfigError: workloads without a fabric cluster; a ``cluster`` of other nodes.
     """
     config = config or SimConfig()
     workloads = workloads or {}
     if workloads and fabric is None:
         raise ConfigError("simulating workloads needs the fabric cluster of the nodes")
-    state = ClusterState(nodes)
+    if cluster is not None and len(cluster.nodes) != len(nodes):
+        raise ConfigError(f"the cluster to start from has {len(cluster.nodes)} nodes, not {len(nodes)}")
+    state = cluster if cluster is not None else ClusterState(nodes)
     total = state.total_gpus
-    runs = {j.id: _Run(j, j.duration) for j in trace if 0 < j.gpus <= total}
+    gpu_types, shares, held = gpu_types or {}, shares or {}, held or {}
+    runs = {}
+    for j in trace:
+        kind, share = gpu_types.get(j.id), shares.get(j.id)
+        if j.id in held or _fits_empty(state, j.gpus, kind, share, multi_node):
+            runs[j.id] = _Run(j, j.duration, gpu_type=kind, share=share)
     for jid, (low, high) in (elastic or {}).items():
         if jid in runs:
             if not 1 <= low <= high:
@@ -193,15 +226,28 @@ def simulate(
         restart_cost_s=config.restart_overhead_s,
         alpha=config.elastic_alpha,
     )
-    core = SchedulerCore(nodes, policy, RuntimeEstimator(), resizing)
+    core = SchedulerCore(nodes, policy, RuntimeEstimator(), resizing, multi_node)
     replay = _Replay(core, state, runs, config, workloads, FabricPlacer(fabric) if workloads else None)
-    replay.run(sorted(runs.values(), key=lambda r: (r.job.submit, r.job.id)))
+    for jid, placement in sorted(held.items()):
+        if jid in runs:
+            replay.hold(runs[jid], placement)
+    arrivals = [r for r in runs.values() if r.job.id not in held]
+    replay.run(sorted(arrivals, key=lambda r: (r.job.submit, r.job.id)))
     result = _result(policy.name, list(runs.values()), len(trace) - len(runs), total, replay.preemptions)
     result.fabric_waits, result.failures = len(replay.waited), replay.failures
     result.failed_jobs = sum(r.failed for r in runs.values())
     result.elastic_jobs = sum(r.bounds is not None for r in runs.values())
     result.resizes = sum(r.resizes for r in runs.values())
     return result
+
+
+def _fits_empty(
+    state: ClusterState, gpus: int, gpu_type: str | None, share: GpuShare | None, multi_node: bool
+) -> bool:
+    """Whether a job could ever start on the cluster (the server refuses the others at submit)."""
+    if share is not None:
+        return share_never_fits(state, share, gpu_type) is None
+    return 0 < gpus <= state.max_gpus(gpu_type, multi_node)
 
 
 class _Replay:
@@ -233,6 +279,8 @@ class _Replay:
         self.estimates: dict[tuple[str, str, int], float] = {}  # history's estimates, until a job ends
         self.elastic_seen: dict[int, tuple[int, ElasticJob]] = {}  # job -> (its run's version, record)
         self.specs: dict[bool, JobSpec] = {}  # the exit rules' spec of rigid and elastic jobs
+        self.pin = any(r.share is not None for r in runs.values())  # shares: pin whole GPUs (_start)
+        self.pinned: dict[int, list[tuple[int, tuple[int, ...]]]] = {}  # job -> whole GPUs pinned
 
     def run(self, arrivals: list[_Run]) -> None:
         nxt, ends, queue = 0, self.ends, self.queue
@@ -253,6 +301,19 @@ class _Replay:
                 nxt += 1
             self._tick(now)
 
+    def hold(self, run: _Run, placement: Placement) -> None:
+        """``run`` already holds ``placement`` at time 0 (a live job): it starts there, unplaced."""
+        self.queue.add(_queued(run, self.core.estimator, 0.0, self.workloads))
+        self._start(run, placement, 0.0)
+
+    def _release(self, jid: int) -> None:
+        """Give back what job ``jid`` holds: its placement, and the whole GPUs pinned for it."""
+        model = self.state._model() if self.pinned.get(jid) else None
+        for node, gpus in self.pinned.pop(jid, ()):
+            assert model is not None
+            model.release(GpuTask("taken", 0, 0, len(gpus), MILLI), (node, gpus))
+        self.state.release(self.running.pop(jid).placement)
+
     def _tick(self, now: float) -> None:
         """Let the core decide at ``now``, and carry out its plan; again at once after a resize (the
         resized job is queued and starts at its new size, as on the server's next tick)."""
@@ -269,10 +330,12 @@ class _Replay:
             elastic = self._resizable(now) if self.elastic_running else []
             if check and self.queue:
                 self.next_check = now + self.config.preempt_check_s
+            # As on the server (SchedulerCore.tick): share and MIG jobs are not counted nor preempted.
+            running = [r for jid, r in self.running.items() if self.runs[jid].share is None]
             plan = self.core.decide(
                 self.state,
                 self.queue,
-                list(self.running.values()),
+                running,
                 elastic,
                 now,
                 preempt=check,
@@ -342,6 +405,11 @@ class _Replay:
         estimate = run.remaining if self.policy.needs_oracle else qjob.estimate - qjob.attained
         config = self.config
         self.state.take(placement)
+        if self.pin:
+            # A whole-GPU start's GPUs, held in the share model as the server's records hold them
+            # (each node's first whole free ones, as the launch gives them); else every share
+            # placement after it would hold and give them back again (placement._hide_taken).
+            self.pinned[run.job.id] = _hide_taken(self.state, self.state._model())
         run.alloc, run.resize_to = placement.gpus, None
         run.started_at, run.version = now, run.version + 1
         speed = _speed(run, config)
@@ -353,6 +421,7 @@ class _Replay:
             now,
             now + max(estimate, 1.0) * run.ratio / speed,
             placement,
+            gpu_type=run.gpu_type,
             attained=run.attained,
         )
         end = now + run.overhead + run.remaining * run.ratio * config.stall_factor / speed
@@ -417,7 +486,7 @@ class _Replay:
 
     def _end(self, run: _Run, now: float) -> None:
         """A job that ended failed: its GPUs are free, its work since the last checkpoint lost."""
-        self.state.release(self.running.pop(run.job.id).placement)
+        self._release(run.job.id)
         self.elastic_running.discard(run.job.id)
         self.elastic_seen.pop(run.job.id, None)
         _stop(run, now, self.config, keep_all=False)
@@ -425,14 +494,14 @@ class _Replay:
 
     def _stop(self, run: _Run, now: float, keep_all: bool, resize_to: int | None = None) -> None:
         """Stop a running job (preempted, failed, or resized with ``keep_all``): queued again."""
-        self.state.release(self.running.pop(run.job.id).placement)
+        self._release(run.job.id)
         self.elastic_running.discard(run.job.id)
         _stop(run, now, self.config, keep_all=keep_all)
         run.resize_to = resize_to
         self.queue.add(_queued(run, self.core.estimator, now, self.workloads))
 
     def _finish(self, run: _Run, now: float) -> None:
-        self.state.release(self.running.pop(run.job.id).placement)
+        self._release(run.job.id)
         self.elastic_running.discard(run.job.id)
         self.elastic_seen.pop(run.job.id, None)
         _account(run, now - run.started_at, run.remaining, self.config)
@@ -509,6 +578,8 @@ def _queued(run: _Run, estimator: RuntimeEstimator, now: float, workloads: dict[
         attained=run.attained,
         enqueued_at=now,
         workload=workloads.get(j.id),
+        gpu_type=run.gpu_type,
+        share=run.share,
         sizes=run.sizes,
         resize_to=run.resize_to,
     )

@@ -66,6 +66,12 @@ def test_queued_job_gets_a_prediction_through_the_api_and_the_cli(
     text = subprocess.run([*cli, "whatif", str(spec)], env=env, capture_output=True, text=True, check=True)
     assert text.stdout.startswith("   1 GPUs, one node: starts unknown"), text.stdout
     assert [j["id"] for j in client.list_jobs()].count(queued) == 1 and len(client.list_jobs()) == 3
+    # A GPU share is forecast as the server would place it: its GPU is the blocker's, whole.
+    half = client.submit(parse_spec({**_job("half", 300), "resources": {"gpus": 0.5}}))["id"]
+    doc = client.get(half)
+    assert doc["state"] == "queued" and doc["prediction"]["start"] is None, doc
+    assert "unknown run time" in doc["prediction"]["note"], doc["prediction"]
+    client.cancel(half)
 
     client.cancel(blocker)  # out of the way: the queued job starts and its end is known
     wait_for(lambda: client.get(queued)["state"] == "running", timeout=60)

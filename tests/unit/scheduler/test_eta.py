@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import partial
 
 import pytest
@@ -122,7 +123,7 @@ def test_unknown_run_time_gives_no_made_up_point() -> None:
     assert got[2].start is None and got[2].start_range[1] is None
     assert got[2].start_range[0] is not None and got[2].start_range[0] < NOW + 60.0
     assert "unknown run time" in got[2].note
-    assert got[3].start is None and "no whole GPU" in got[3].note
+    assert got[3].start is None and got[3].note.startswith("CPU-only")
 
 
 def test_backfill_starts_a_short_job_ahead_of_a_blocked_one() -> None:
@@ -174,7 +175,7 @@ def test_whatif_compares_shapes_by_the_step_model(monkeypatch: pytest.MonkeyPatc
     forecaster = Forecaster(service)
     # 4 GPUs of node 0 are busy for another hour: 8 GPUs fit node 1 now, 16 wait for that hour.
     busy = LiveJob(1, 4, _known(3600.0), started_at=NOW)
-    monkeypatch.setattr(forecaster, "_live", lambda now: ([busy], History()))
+    monkeypatch.setattr(forecaster, "_live", lambda now: ([busy], History(), Counter()))
     small = {"layers": 8, "hidden": 2048, "heads": 16, "ffn_hidden": 8192, "vocab": 32000, "seq_len": 2048}
     workload = {"model": small, "global_batch": 64, "steps": 500}
     spec = parse_spec({"name": "w", "command": ["true"], "resources": {"gpus": 8}, "workload": workload})
@@ -194,7 +195,7 @@ def test_whatif_without_a_step_model_gives_other_counts_no_end(monkeypatch: pyte
 
     forecaster = Forecaster(_FakeService(uniform_cluster(2, 8), None))
     like = History({("ann", "w"): LikeRuns((600.0, 900.0))})
-    monkeypatch.setattr(forecaster, "_live", lambda now: ([], like))
+    monkeypatch.setattr(forecaster, "_live", lambda now: ([], like, Counter()))
     spec = parse_spec({"name": "w", "user": "ann", "command": ["true"], "resources": {"gpus": 8}})
     shapes = {s["gpus"]: s for s in forecaster.whatif(spec, [4, 8], now=NOW)}
     assert shapes[8]["basis"] == "history" and shapes[8]["end"] is not None
@@ -210,7 +211,7 @@ def test_a_forecast_under_way_serves_the_last_one_and_a_change_recomputes(
     version = ["v1"]
     monkeypatch.setattr(forecaster, "_version", lambda now: version[0])
     jobs = [LiveJob(1, 8, _known(600.0), started_at=NOW), LiveJob(2, 8, _known(60.0))]
-    monkeypatch.setattr(forecaster, "_live", lambda now: (jobs, History()))
+    monkeypatch.setattr(forecaster, "_live", lambda now: (jobs, History(), Counter()))
     first = forecaster.predictions(now=NOW)
     assert first[2].start == pytest.approx(NOW + 600.0)
     assert forecaster.predictions(now=NOW) is first  # same queue: the cache
@@ -220,3 +221,212 @@ def test_a_forecast_under_way_serves_the_last_one_and_a_change_recomputes(
         assert forecaster.predictions(now=NOW) is first
     fresh = forecaster.predictions(now=NOW)
     assert fresh is not first and fresh[2].start == NOW
+
+
+# -- shares, MIG slices and GPU types: placed as the server places them ----------------------------
+
+
+def _share_record(node: str, gpu: int, fraction: float) -> dict:  # type: ignore[type-arg]
+    """A running share's placement record, as the server writes it (placement.record_part)."""
+    from gpuyard.scheduler.placement import GpuShare, SharePart, record_part
+
+    part = SharePart(0, gpu, fraction, 0.0)
+    assert GpuShare(fraction=fraction).fraction == fraction
+    return {"nodes": [record_part(node, (gpu,), 0, [part])]}
+
+
+def test_a_queued_share_is_forecast_and_takes_the_free_gpu_beside_a_whole_gpu_job() -> None:
+    from gpuyard.scheduler.eta import held_placement
+    from gpuyard.scheduler.placement import GpuShare
+
+    nodes = uniform_cluster(1, 2)
+    whole = held_placement({"nodes": [{"node": "node0000", "gpus": [0], "cpus": 0}]}, nodes)
+    jobs = [
+        LiveJob(1, 1, _known(3600.0), started_at=NOW, placement=whole),
+        LiveJob(2, 0, _known(600.0), share=GpuShare(fraction=0.5)),
+        LiveJob(3, 0, _known(600.0), share=GpuShare(fraction=0.5)),
+        LiveJob(4, 0, _known(60.0), share=GpuShare(fraction=0.75)),
+    ]
+    got = forecast(jobs, nodes, FIFO, NOW)
+    # Two halves share GPU 1 at once; the 0.75 share waits for one of them (GPU 0 is held whole).
+    assert got[2].start == NOW and got[2].end == pytest.approx(NOW + 600.0)
+    assert got[3].start == NOW
+    assert got[4].start == pytest.approx(NOW + 600.0) and got[4].end == pytest.approx(NOW + 660.0)
+
+
+def test_running_shares_hold_their_gpus_where_their_records_say() -> None:
+    from gpuyard.scheduler.eta import held_placement
+    from gpuyard.scheduler.placement import GpuShare
+
+    nodes = uniform_cluster(1, 2)
+    # Two quarter shares, one on each GPU (the packing policy would have put both on one GPU).
+    a = held_placement(_share_record("node0000", 0, 0.25), nodes)
+    b = held_placement(_share_record("node0000", 1, 0.25), nodes)
+    assert a is not None and a.parts[0].gpu == 0 and b is not None and b.parts[0].gpu == 1
+    quarter = GpuShare(fraction=0.25)
+    jobs = [
+        LiveJob(1, 0, _known(600.0), started_at=NOW, share=quarter, placement=a),
+        LiveJob(2, 0, _known(1800.0), started_at=NOW, share=quarter, placement=b),
+        LiveJob(3, 1, _known(60.0)),  # a whole GPU: free when the first share ends
+        LiveJob(4, 2, _known(60.0)),  # both whole: after the second share, and job 3
+    ]
+    got = forecast(jobs, nodes, FIFO, NOW)
+    assert got[1].end == pytest.approx(NOW + 600.0) and got[2].end == pytest.approx(NOW + 1800.0)
+    assert got[3].start == pytest.approx(NOW + 600.0)
+    assert got[4].start == pytest.approx(NOW + 1800.0)
+
+
+def test_mig_slices_are_forecast_slice_by_slice_and_never_as_whole_gpus() -> None:
+    from gpuyard.scheduler.eta import held_placement
+    from gpuyard.scheduler.placement import GpuShare, MigSlice, NodeSpec
+
+    slices = (MigSlice(0, "3g.40gb", "MIG-a"), MigSlice(0, "3g.40gb", "MIG-b"))
+    nodes = [NodeSpec("n0", 2, "A100-80GB", gpu_memory_gb=80.0, mig_mode=(0,), mig=slices)]
+    record = {
+        "nodes": [
+            {"node": "n0", "gpus": [], "cpus": 0, "mig": [{"gpu": 0, "profile": "3g.40gb", "uuid": "MIG-a"}]}
+        ]
+    }
+    held = held_placement(record, nodes)
+    mig = GpuShare(mig="3g.40gb")
+    jobs = [
+        LiveJob(1, 0, _known(600.0), started_at=NOW, share=mig, placement=held),
+        LiveJob(2, 0, _known(300.0), share=mig),  # the other slice: now
+        LiveJob(4, 1, _known(60.0)),  # GPU 1, the one not in MIG mode: now
+        LiveJob(3, 0, _known(300.0), share=mig),  # the first slice to free: job 2's, at +300
+        LiveJob(5, 2, _known(60.0)),  # GPU 0 is never whole
+        LiveJob(6, 0, _known(60.0), share=GpuShare(mig="1g.10gb")),
+    ]
+    got = forecast(jobs, nodes, FIFO, NOW)
+    assert got[2].start == NOW and got[4].start == NOW
+    assert got[3].start == pytest.approx(NOW + 300.0) and got[3].end == pytest.approx(NOW + 600.0)
+    assert got[5].start is None and got[5].note == "asks for 2 GPUs, more than the cluster's 1"
+    assert got[6].start is None and got[6].note.startswith("resources.mig: no GPU here has a 1g.10gb slice")
+
+
+def _typed_nodes() -> list:  # type: ignore[type-arg]
+    from gpuyard.scheduler.placement import NodeSpec
+
+    return [NodeSpec("a0", 8, "A100", leaf="l0"), NodeSpec("h0", 8, "H100", leaf="l0")]
+
+
+def test_a_typed_job_waits_for_its_type_not_for_any_free_gpu() -> None:
+    from gpuyard.scheduler.eta import held_placement
+
+    nodes = _typed_nodes()
+    on_h100 = held_placement({"nodes": [{"node": "h0", "gpus": list(range(8)), "cpus": 0}]}, nodes)
+    jobs = [
+        LiveJob(1, 8, _known(3600.0), started_at=NOW, gpu_type="H100", placement=on_h100),
+        LiveJob(2, 8, _known(600.0), gpu_type="H100"),  # the A100 node is free, and not its type
+        LiveJob(3, 4, _known(600.0), gpu_type="A100"),
+        LiveJob(4, 16, _known(60.0), gpu_type="H100"),
+        LiveJob(5, 4, _known(60.0), gpu_type="MI300X"),
+    ]
+    got = forecast(jobs, nodes, partial(make_policy, "fifo-backfill"), NOW)
+    assert got[2].start == pytest.approx(NOW + 3600.0)
+    assert got[3].start == NOW
+    assert got[4].start is None and got[4].note == "asks for 16 H100 GPUs, more than the cluster's 8"
+    assert got[5].start is None and got[5].note == "asks for 4 MI300X GPUs, more than the cluster's 0"
+
+
+def test_running_jobs_hold_their_recorded_nodes_and_an_unknown_node_is_placed_anew() -> None:
+    from gpuyard.scheduler.eta import held_placement
+
+    nodes = _typed_nodes()
+    record = {"nodes": [{"node": "a0", "gpus": [0, 1], "cpus": 0}, {"node": "h0", "gpus": [3], "cpus": 0}]}
+    held = held_placement(record, nodes)
+    assert held is not None and held.nodes == ((0, 2), (1, 1)) and held.gpus == 3
+    assert held_placement({"nodes": [{"node": "gone", "gpus": [0]}]}, nodes) is None
+    assert held_placement({"nodes": [{"gpus": [0]}]}, nodes) is None  # no node: not a record
+    assert held_placement({"nodes": "a0"}, nodes) is None
+    assert held_placement(None, nodes) is None
+    # A GPU the node no longer has (a stale record): placed anew, never an index out of range.
+    assert held_placement(_share_record("h0", 8, 0.5), nodes) is None
+    assert held_placement(_share_record("h0", -1, 0.5), nodes) is None
+    # An untyped job held on the H100 node keeps the typed one waiting; placed anew it would have
+    # gone to the A100 node (the first best fit), and the typed job would start at once.
+    whole_h = held_placement({"nodes": [{"node": "h0", "gpus": list(range(8)), "cpus": 0}]}, nodes)
+    jobs = [
+        LiveJob(1, 8, _known(900.0), started_at=NOW, placement=whole_h),
+        LiveJob(2, 8, _known(60.0), gpu_type="H100"),
+    ]
+    assert forecast(jobs, nodes, FIFO, NOW)[2].start == pytest.approx(NOW + 900.0)
+
+
+def test_whatif_of_a_typed_spec_waits_for_its_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuyard.scheduler.eta import Forecaster, held_placement
+    from gpuyard.scheduler.spec import parse_spec
+
+    nodes = _typed_nodes()
+    forecaster = Forecaster(_FakeService(nodes, None))
+    on_h100 = held_placement({"nodes": [{"node": "h0", "gpus": list(range(8)), "cpus": 0}]}, nodes)
+    busy = LiveJob(1, 8, _known(3600.0), started_at=NOW, gpu_type="H100", placement=on_h100)
+    like = History({("ann", "w"): LikeRuns((600.0,))})
+    monkeypatch.setattr(forecaster, "_live", lambda now: ([busy], like, Counter()))
+    res = {"gpus": 8, "gpu_type": "H100"}
+    spec = parse_spec({"name": "w", "user": "ann", "command": ["true"], "resources": res})
+    (shape,) = forecaster.whatif(spec, [8], now=NOW)
+    assert shape["start"] == "1970-01-12T14:46:40+00:00"  # NOW + 1 h: when the H100 node frees
+    assert shape["shape"] == "one node"
+
+
+def test_the_forward_run_starts_from_the_servers_packing_mix_and_drained_nodes() -> None:
+    from gpuyard.scheduler.eta import Forecaster
+    from gpuyard.scheduler.placement import ClusterState
+
+    class _Service(_FakeService):
+        pass
+
+    nodes = uniform_cluster(2, 8)
+    service = _Service(nodes, None)
+    service.state = ClusterState(nodes)  # type: ignore[attr-defined]
+    service.state.set_drained({0})  # type: ignore[attr-defined]
+    build = Forecaster(service)._cluster(Counter({(0, 0, 1, 500, ()): 3}))
+    state = build()
+    assert state.drained.tolist() == [True, False] and state.packing == service.config.packing
+    assert state is not build()  # a fresh one per forward run (each run changes its own)
+    jobs = [LiveJob(1, 8, _known(600.0), started_at=NOW), LiveJob(2, 8, _known(60.0))]
+    got = forecast(jobs, nodes, FIFO, NOW, cluster=build)
+    assert got[2].start == pytest.approx(NOW + 600.0)  # node 0 drained: one node's GPUs for both
+
+
+def test_step_model_range_holds_the_corpus_worst_error_both_ways() -> None:
+    from gpuyard.scheduler.eta import STEP_MODEL_ERROR
+
+    rt = estimate_run_time(None, None, steps=100, step_s=1.0)
+    assert rt.low is not None and rt.high is not None
+    # A prediction off by the worst error either way still has the true time inside its range.
+    assert rt.low == pytest.approx(100.0 / (1 + STEP_MODEL_ERROR))
+    assert rt.high == pytest.approx(100.0 / (1 - STEP_MODEL_ERROR))
+
+
+def test_an_executor_that_runs_a_job_on_one_node_is_forecast_so() -> None:
+    from gpuyard.scheduler.eta import Forecaster, held_placement
+
+    nodes = uniform_cluster(2, 8)
+    on = [
+        held_placement({"nodes": [{"node": n.name, "gpus": [0, 1, 2, 3], "cpus": 0}]}, nodes) for n in nodes
+    ]
+    jobs = [
+        LiveJob(1, 4, _known(600.0), started_at=NOW, placement=on[0]),
+        LiveJob(2, 4, _known(900.0), started_at=NOW, placement=on[1]),
+        LiveJob(3, 8, _known(60.0)),
+        LiveJob(4, 16, _known(60.0)),
+    ]
+    spread = forecast(jobs, nodes, FIFO, NOW)
+    assert spread[3].start == NOW and spread[4].start == pytest.approx(NOW + 900.0)
+    local = forecast(jobs, nodes, FIFO, NOW, multi_node=False)  # the local executor's reach
+    assert local[3].start == pytest.approx(NOW + 600.0)
+    assert local[4].start is None
+    assert (
+        local[4].note
+        == "asks for 16 GPUs, more than the cluster's 8 on one node (this executor runs a job on one node)"
+    )
+
+    class _Local:
+        multi_node = False
+
+    service = _FakeService(nodes, None)
+    assert Forecaster(service)._multi_node  # no executor known: as the simulator
+    service.executor = _Local()  # type: ignore[attr-defined]
+    assert not Forecaster(service)._multi_node

@@ -215,8 +215,9 @@ def whatif(
         _echo_json(doc)
         return
     for shape in doc["shapes"]:
+        size = f"{shape['gpus']:>4} GPUs, " if shape["gpus"] else ""  # a share: its shape says it all
         typer.echo(
-            f"{shape['gpus']:>4} GPUs, {shape['shape']}: starts {_when(shape['start'])}"
+            f"{size}{shape['shape']}: starts {_when(shape['start'])}"
             f"{_span(shape['start_range'])}, ends {_when(shape['end'])}{_span(shape['end_range'])} UTC"
             f" [{shape['basis']}{': ' + shape['note'] if shape.get('note') else ''}]"
         )

@@ -521,6 +521,9 @@ class Forecaster:
         jobs, history, shapes = self._live(now)
         asked, out = spec.resources.gpus, []
         kind = spec.resources.gpu_type
+        share = share_of(spec.resources.model_dump())
+        if share is not None:  # a share or MIG slices: one shape, what it asks for
+            gpu_counts = [asked]
         empty = ClusterState(self.service.nodes)
         base = max((j.id for j in jobs), default=0) + 1
         doc = spec.model_dump()
@@ -529,7 +532,9 @@ class Forecaster:
             run = self._run_time(trial, gpus, spec.user, spec.name, history, None)
             if gpus != asked and run.basis != "step_model" and run.known:
                 run = RunTime.unknown(f"{run.basis} gives the run time on {asked} GPUs only")
-            job = LiveJob(base, gpus, run, spec.team, spec.user, spec.priority, now, gpu_type=kind)
+            job = LiveJob(
+                base, gpus, run, spec.team, spec.user, spec.priority, now, gpu_type=kind, share=share
+            )
             both = [*jobs, job]
             mine = task_shapes([job_view(base, JobState.QUEUED, gpus, spec)], empty)
             build = self._cluster(shapes + mine)
@@ -542,8 +547,13 @@ class Forecaster:
                 cluster=build,
                 multi_node=self._multi_node,
             )[base]
-            out.append({"gpus": gpus, "shape": self._shape(gpus, kind), **pred.to_dict()})
+            shape = self._shape(gpus, kind) if share is None else _share_shape(share)
+            out.append({"gpus": gpus, "shape": shape, **pred.to_dict()})
         return out
+
+    def largest(self, gpu_type: str | None = None) -> int:
+        """The most whole GPUs one job of ``gpu_type`` could get here (the executor's reach)."""
+        return ClusterState(self.service.nodes).max_gpus(gpu_type, self._multi_node)
 
     @property
     def _multi_node(self) -> bool:
@@ -711,6 +721,17 @@ def held_placement(record: Any, nodes: Sequence[NodeSpec]) -> Placement | None:
             held.append((i, len(p.gpus)))
             cpus = max(cpus, p.cpus) if not p.gpus else cpus
     return Placement(tuple(held), "running", cpus=cpus, parts=tuple(shares))
+
+
+def _share_shape(share: GpuShare) -> str:
+    """How a share sits: MIG slices of one GPU, or part of one GPU."""
+    if share.mig:
+        return f"{share.slices} MIG {share.mig} slice(s) on one node"
+    parts = [
+        f"{share.fraction:g} of a GPU" if share.fraction is not None else "",
+        f"{share.memory_gb:g} GB of its memory" if share.memory_gb is not None else "",
+    ]
+    return "share: " + ", ".join(p for p in parts if p)
 
 
 def job_view(job_id: int, state: JobState, gpus: int, spec: JobSpec) -> JobView:

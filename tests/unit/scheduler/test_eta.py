@@ -430,3 +430,23 @@ def test_an_executor_that_runs_a_job_on_one_node_is_forecast_so() -> None:
     assert Forecaster(service)._multi_node  # no executor known: as the simulator
     service.executor = _Local()  # type: ignore[attr-defined]
     assert not Forecaster(service)._multi_node
+
+
+def test_whatif_of_a_share_gives_its_one_shape_behind_the_share_holding_its_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpuyard.scheduler.eta import Forecaster, held_placement
+    from gpuyard.scheduler.placement import GpuShare
+    from gpuyard.scheduler.spec import parse_spec
+
+    nodes = uniform_cluster(1, 1)
+    forecaster = Forecaster(_FakeService(nodes, None))
+    held = held_placement(_share_record("node0000", 0, 0.75), nodes)
+    busy = LiveJob(1, 0, _known(900.0), started_at=NOW, share=GpuShare(fraction=0.75), placement=held)
+    like = History({("ann", "w"): LikeRuns((600.0,))})
+    monkeypatch.setattr(forecaster, "_live", lambda now: ([busy], like, Counter()))
+    spec = parse_spec({"name": "w", "user": "ann", "command": ["true"], "resources": {"gpus": 0.5}})
+    (shape,) = forecaster.whatif(spec, [1, 2], now=NOW)  # the counts do not apply to a share
+    assert shape["gpus"] == 0 and shape["shape"] == "share: 0.5 of a GPU"
+    assert shape["start"] == "1970-01-12T14:01:40+00:00"  # NOW + 900 s: the 0.75 share leaves room for 0.25
+    assert forecaster.largest() == 1 and forecaster.largest("H100") == 0

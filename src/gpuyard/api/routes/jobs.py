@@ -146,13 +146,13 @@ def whatif(
     spec = _as_caller(parse_spec_body(body), principal)
     service = _service(request)
     service.check(spec)
-    if spec.resources.gpus < 1 or spec.resources.shared:
-        raise ConfigError(
-            "whatif forecasts jobs on whole GPUs; this one asks for none (CPU-only or a GPU share)"
-        )
-    largest = max(1, sum(n.gpus - len(n.excluded) for n in service.nodes))
+    if spec.resources.gpus < 1 and not spec.resources.shared:
+        raise ConfigError("whatif forecasts jobs that use GPUs; this one is CPU-only")
+    forecaster = _forecaster(request, service)
+    # Counts past what one job of this type could get on this executor would only say "never".
+    largest = max(1, forecaster.largest(spec.resources.gpu_type))
     counts = whatif_counts(spec.resources.gpus, largest, spec.resources.gpus_max)
-    return {"shapes": _forecaster(request, service).whatif(spec, counts)}
+    return {"shapes": forecaster.whatif(spec, counts or [spec.resources.gpus])}
 
 
 @router.get("")

@@ -31,9 +31,20 @@ Contenders, each in its best idiom, in a fresh process (imports excluded from th
 - DuckDB (all its threads): one ``COPY (SELECT ...) TO`` statement, the one-hot an ``array_value``
   of the 20 flags.
 
+What the outputs share (checked on 2026-11-29 with each file's Parquet metadata, 3M rows): snappy
+on every side; the one-hot column dictionary-encoded on every side (Polars chooses it for the
+binary column itself; gpuyard marks the column as having few values); 49-59 MB of output. What
+differs, each side in its own default: Polars and pandas/pyarrow write min/max statistics (gpuyard
+does not), gpuyard writes a CRC32 per page, checks the input pages' CRC32 and the input shards'
+SHA-256, leaves uncompressed the float columns snappy would not shrink by a third, and delta-encodes
+``id``.
+
 ``vs_best`` is against the fastest of pandas, Polars and DuckDB in each round (the fastest
 configuration of each competitor is the one compared against). Rounds run every contender once, the
 order rotated each round; ratios are per round, reported as the median and the spread.
+``cpu_vs_best``: the same per CPU-second of the timed section (every thread of the contender's
+process; the lowest of the baselines' configurations), which a busy shared machine inflates less
+than wall time.
 
 Usage: python benchmarks/transform.py [--quick] [--rows N] [--workers W]
 
@@ -118,7 +129,17 @@ def _onehot_vectors(codes: np.ndarray, k: int) -> pa.Array:
     return pa.FixedSizeBinaryArray.from_buffers(pa.binary(k), len(codes), [None, pa.py_buffer(eye[codes])])
 
 
-def run_pandas(src: Path, dest: Path, stats: Path) -> float:
+def _clock() -> tuple[float, float]:
+    """(wall, CPU of every thread of this process) now: each side's timed section is measured by both."""
+    return time.perf_counter(), time.process_time()
+
+
+def _since(start: tuple[float, float]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) since ``start`` (from :func:`_clock`)."""
+    return time.perf_counter() - start[0], time.process_time() - start[1]
+
+
+def run_pandas(src: Path, dest: Path, stats: Path) -> tuple[float, float]:
     import pandas as pd
 
     # Modules read_parquet and to_parquet import on their first call (Arrow's dataset and filesystem
@@ -126,7 +147,7 @@ def run_pandas(src: Path, dest: Path, stats: Path) -> float:
     for module in ("pandas.io.parquet", "pyarrow.dataset", "pyarrow.pandas_compat", "pyarrow.parquet"):
         importlib.import_module(module)
 
-    t0 = time.perf_counter()
+    t0 = _clock()
     shifts, cats = _read_fitted(stats)
     df = pd.read_parquet(src, engine="pyarrow", read_dictionary=["cat"])  # the folder of shards
     for col, (shift, scale) in shifts.items():
@@ -136,16 +157,16 @@ def run_pandas(src: Path, dest: Path, stats: Path) -> float:
     # built in Arrow and written with pyarrow (what to_parquet calls).
     table = pa.Table.from_pandas(df.drop(columns=["cat"]), preserve_index=False)
     pq.write_table(table.append_column("cat", _onehot_vectors(codes, len(cats))), dest)
-    return time.perf_counter() - t0
+    return _since(t0)
 
 
-def run_polars(src: Path, dest: Path, stats: Path, idiom: str) -> float:
+def run_polars(src: Path, dest: Path, stats: Path, idiom: str) -> tuple[float, float]:
     """Polars, all its threads; ``idiom``: ``array`` (``concat_arr`` of the 20 flags: a native
     ``Array(UInt8, 20)`` column) or ``binary`` (the category's physical code turned into one 20-byte
     vector, as pandas' side does)."""
     import polars as pl
 
-    t0 = time.perf_counter()
+    t0 = _clock()
     shifts, cats = _read_fitted(stats)
     frame = pl.read_parquet(src / "*.parquet")
     scaled = [
@@ -161,15 +182,15 @@ def run_polars(src: Path, dest: Path, stats: Path, idiom: str) -> float:
         vectors = pl.from_arrow(_onehot_vectors(codes.astype(np.int64), len(cats)))
         frame = frame.with_columns(scaled).with_columns(vectors.alias("cat"))
     frame.write_parquet(dest, compression="snappy")
-    return time.perf_counter() - t0
+    return _since(t0)
 
 
-def run_duckdb(src: Path, dest: Path, stats: Path) -> float:
+def run_duckdb(src: Path, dest: Path, stats: Path) -> tuple[float, float]:
     """DuckDB, all its threads: one SQL statement, the one-hot an ``array_value`` of 20 flags."""
     import duckdb
 
     con = duckdb.connect()
-    t0 = time.perf_counter()
+    t0 = _clock()
     shifts, cats = _read_fitted(stats)
     exprs = ", ".join(
         f'CAST(("{c}" - {s!r}) * {1.0 / (k or 1.0)!r} AS FLOAT) AS "{c}"' for c, (s, k) in shifts.items()
@@ -177,11 +198,13 @@ def run_duckdb(src: Path, dest: Path, stats: Path) -> float:
     flags = ", ".join(f"CAST(coalesce(cat = '{v}', false) AS UTINYINT)" for v in cats)
     query = f"SELECT id, {exprs}, array_value({flags}) AS cat FROM read_parquet('{src}/*.parquet')"
     con.sql(f"COPY ({query}) TO '{dest}' (FORMAT parquet, COMPRESSION snappy)")
-    return time.perf_counter() - t0
+    return _since(t0)
 
 
-def run_gpuyard(engine: str, workers: int, source_ref: str, pandas_out: Path) -> tuple[float, int]:
-    """(seconds, peak RSS KiB of the transform itself: driver or largest worker, before the check)."""
+def run_gpuyard(engine: str, workers: int, source_ref: str, pandas_out: Path) -> tuple[float, float, int]:
+    """(seconds, CPU seconds of this process, peak RSS KiB of the transform itself: driver or largest
+    worker, before the check). The CPU leaves out the pool's worker processes (``engine="thread"``:
+    none)."""
     # pyarrow imports pandas (when installed) on its first NumPy conversion, and the first catalog
     # access imports the SQLite driver and fsspec's local files: imports, excluded from the timing as
     # the pandas side's own imports are (opening the catalog and everything after it is timed).
@@ -191,9 +214,9 @@ def run_gpuyard(engine: str, workers: int, source_ref: str, pandas_out: Path) ->
     from gpuyard.store import get_artifacts
 
     pa.array(np.zeros(1))
-    t0 = time.perf_counter()
+    t0 = _clock()
     result = transform(source_ref, load_recipe(RECIPE), engine=engine, workers=workers, output="bench-out")
-    dt = time.perf_counter() - t0
+    dt, cpu = _since(t0)
     peak = _peak_kib()
     # Same answer as pandas: compare a slice of the two outputs.
     mine = next(result.iter_tables(["id", "a", "d", "cat"]))
@@ -215,7 +238,7 @@ def run_gpuyard(engine: str, workers: int, source_ref: str, pandas_out: Path) ->
     # them so every round writes its output, as pandas does.
     for shard in result.shards:
         get_artifacts().delete(shard.key)
-    return dt, peak
+    return dt, cpu, peak
 
 
 def _peak_kib() -> int:
@@ -374,15 +397,17 @@ def compare_engines(rows: int, rounds: int) -> None:
 
 
 def child(which: str, argv: list[str]) -> None:
-    """Run one contender in this (fresh) process; print seconds and peak RSS (KiB, self and children)."""
+    """Run one contender in this (fresh) process; print seconds, peak RSS (KiB, self and children)
+    and CPU seconds: of the timed section for the contenders (every thread of this process), of the
+    whole process (imports included) for ``--engines``."""
     if which == "pandas":
-        dt = run_pandas(Path(argv[0]), Path(argv[1]), Path(argv[2]))
+        dt, cpu = run_pandas(Path(argv[0]), Path(argv[1]), Path(argv[2]))
         peak = _peak_kib()
     elif which.startswith("polars-"):
-        dt = run_polars(Path(argv[0]), Path(argv[1]), Path(argv[2]), which.split("-", 1)[1])
+        dt, cpu = run_polars(Path(argv[0]), Path(argv[1]), Path(argv[2]), which.split("-", 1)[1])
         peak = _peak_kib()
     elif which == "duckdb":
-        dt = run_duckdb(Path(argv[0]), Path(argv[1]), Path(argv[2]))
+        dt, cpu = run_duckdb(Path(argv[0]), Path(argv[1]), Path(argv[2]))
         peak = _peak_kib()
     elif which.startswith("engine-"):
         import json
@@ -390,15 +415,15 @@ def child(which: str, argv: list[str]) -> None:
         engine, part = which.split("-", 1)[1].rsplit("-", 1)
         dt = run_engine(engine, part, Path(argv[0]), Path(argv[1]), json.loads(argv[2]))
         peak = _peak_kib()
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
     else:
-        dt, peak = run_gpuyard(which.split("-")[1], int(argv[0]), argv[1], Path(argv[2]))
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+        dt, cpu, peak = run_gpuyard(which.split("-")[1], int(argv[0]), argv[1], Path(argv[2]))
     print(f"{dt} {peak} {cpu}")
 
 
 def _spawn(*argv: str) -> tuple[float, float, float]:
-    """(wall seconds, peak RSS KiB, CPU seconds of the whole process incl. imports) of one child run."""
+    """(wall seconds, peak RSS KiB, CPU seconds: see :func:`child`) of one child run."""
     out = subprocess.run([sys.executable, __file__, *argv], check=True, capture_output=True, text=True)
     seconds, peak_kib, cpu = (float(x) for x in out.stdout.split()[-3:])
     return seconds, peak_kib, cpu
@@ -493,6 +518,11 @@ def main() -> None:
     best_of = [min(("pandas", "polars", "duckdb"), key=lambda k: rd[k][0]) for rd in rounds]
     vs_pandas = [rd["pandas"][0] / rd["gpuyard"][0] for rd in rounds]
     vs_best = [min(rd[k][0] for k in ("pandas", "polars", "duckdb")) / rd["gpuyard"][0] for rd in rounds]
+    # CPU of the timed sections (every thread of the contender's process): what a busy shared
+    # machine does not inflate as much as wall time. The pool's workers are other processes, so the
+    # pool has no CPU figure here.
+    cpu_vs_best = [min(rd[k][2] for k in baselines) / rd["gpuyard"][2] for rd in rounds]
+    cpu = {name: statistics.median(rd[name][2] for rd in rounds) for name in names}
     pool_vs_best = [
         min(rd[k][0] for k in ("pandas", "polars", "duckdb")) / rd["gpuyard_pool"][0] for rd in rounds
     ]
@@ -503,6 +533,7 @@ def main() -> None:
         all_s = ", ".join(f"{x:.2f}" for x in sec[name])
         print(
             f"{name:>13}: median {med[name]:.2f} s = {rows / med[name]:,.0f} rows/s (rounds: {all_s}), "
+            f"CPU {cpu[name]:.2f} s{' (driver only)' if name == 'gpuyard_pool' else ''}, "
             f"peak RSS {peak[name]:.0f} MiB"
         )
     print(f"gpuyard: {args.workers} threads (pool: processes), {shards} output shards")
@@ -516,7 +547,10 @@ def main() -> None:
         f"transform: vs_pandas={statistics.median(vs_pandas):.2f}x vs_best={statistics.median(vs_best):.2f}x "
         f"vs_best_min={min(vs_best):.2f}x vs_best_max={max(vs_best):.2f}x "
         f"pool_vs_best={statistics.median(pool_vs_best):.2f}x "
+        f"cpu_vs_best={statistics.median(cpu_vs_best):.2f}x "
         + " ".join(f"{name}_s={med[name]:.2f}" for name in ("gpuyard", "gpuyard_pool", *baselines))
+        + " "
+        + " ".join(f"{name}_cpu_s={cpu[name]:.2f}" for name in ("gpuyard", *baselines))
         + f" rows={rows} workers={args.workers} rounds={args.rounds} "
         f"gpuyard_peak_rss_mib={peak['gpuyard']:.0f} pandas_peak_rss_mib={peak['pandas']:.0f} "
         f"load_avg={os.getloadavg()[0]:.1f}"

@@ -235,13 +235,18 @@ def split_table(table: pa.Table, target_bytes: int) -> Iterator[pa.Table]:
         yield table.slice(start, step)
 
 
-def open_parquet(source: Any, name: str, dictionary: list[str] | None = None) -> pq.ParquetFile:
+def open_parquet(
+    source: Any, name: str, dictionary: list[str] | None = None, metadata: pq.FileMetaData | None = None
+) -> pq.ParquetFile:
     """Open a Parquet shard (a path or a file object), naming ``name`` in every error.
 
-    ``dictionary`` names text columns to read dictionary-encoded (as stored: no hashing).
+    ``dictionary`` names text columns to read dictionary-encoded (as stored: no hashing);
+    ``metadata``: the footer of the same file, already read by an earlier open (not read again).
     """
     try:
-        return pq.ParquetFile(source, page_checksum_verification=True, read_dictionary=dictionary)
+        return pq.ParquetFile(
+            source, page_checksum_verification=True, read_dictionary=dictionary, metadata=metadata
+        )
     except FileNotFoundError as exc:
         raise NotFoundError(f"shard {name} does not exist") from exc
     except (pa.ArrowException, OSError) as exc:

@@ -8,7 +8,9 @@ them and writes the output shards. The fitted statistics are saved in the manife
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import math
 import threading
 from collections import Counter, deque
@@ -20,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gpuyard.data.catalog import check_new_version_team, record_version
+from gpuyard.data.catalog import canonical_json, check_new_version_team, record_version
 from gpuyard.data.columns import tensor_spec
 from gpuyard.data.dataset import DatasetVersion, open_dataset
 from gpuyard.data.features import numeric
@@ -41,6 +43,12 @@ READ_THREADS = 2
 
 def _open(task: dict[str, Any]) -> tuple[Any, str, FittedTransform]:
     """The task's shard opened for reading and its fitted transform."""
+    pf, name, _, ft = _open_shard(task)
+    return pf, name, ft
+
+
+def _open_shard(task: dict[str, Any]) -> tuple[Any, str, str, FittedTransform]:
+    """:func:`_open`, and the local path the shard was opened from (checked against its SHA-256)."""
     from pathlib import Path
 
     from gpuyard.data.cache import ShardCache
@@ -56,7 +64,7 @@ def _open(task: dict[str, Any]) -> tuple[Any, str, FittedTransform]:
     path = shard_location(artifacts, shard, cache)
     name = artifacts.url(shard.key)
     pf = open_parquet(path, name, dictionary=encoded)
-    return pf, name, FittedTransform(recipe, task.get("fitted", {}))
+    return pf, name, path, FittedTransform(recipe, task.get("fitted", {}))
 
 
 def _piece_plan(pf: Any) -> list[tuple[int, list[int]]]:
@@ -120,21 +128,24 @@ def apply_shard(task: dict[str, Any]) -> dict[str, Any]:
     encodes the transformed pieces, in order, into the output shard. Memory holds a few pieces and
     the encoded output, never the decoded shard; and a lone shard still keeps every core busy.
     """
-    from gpuyard.data.shards import ShardWriter, declare_required, read_groups, store_encoded
+    from gpuyard.data.shards import ShardWriter, declare_required, open_parquet, read_groups, store_encoded
     from gpuyard.data.stats import merge
     from gpuyard.store.artifacts import ArtifactStore
 
-    pf, name, ft = _open(task)
+    pf, name, path, ft = _open_shard(task)
     plan = _piece_plan(pf)
     names = np.array(task.get("split_names") or [], dtype=object)
     local = threading.local()
+    encoded = [e.column for e in ft.recipe.encode]
 
     kept = task.get("kept_columns") or []
     required = task.get("required") or []
 
     def piece(start: int, groups: list[int]) -> tuple[pa.Table, dict[str, Any]]:
         if not hasattr(local, "pf"):  # a Parquet reader is not shared between threads
-            local.pf = _open(task)[0]
+            # Each thread opens the file the task checked, with the footer already parsed: the
+            # recipe, stores and footer are not built again per thread (0.57 -> 0.08 ms each).
+            local.pf = open_parquet(path, name, dictionary=encoded, metadata=pf.metadata)
         table = _with_split(ft.features(read_groups(local.pf, name, groups)), task, names, start)
         table, known = ft.finish_counted(table)
         return declare_required(table, required), _piece_stats(table, known, kept)
@@ -429,5 +440,10 @@ def transform(
         fitted=fitted,
         extra={"splits": split_counts, "kfold": recipe.split.kfold if recipe.split else None},
     )
+    doc = canonical_json(manifest)
     row = record_version(manifest, team)
+    if row.manifest_sha256 == hashlib.sha256(doc).hexdigest():
+        # The catalog holds these very bytes (recorded now, or earlier by an equal run): the version
+        # is the manifest as stored, without resolving it and reading it back from the store.
+        return DatasetVersion(name=row.dataset, version=row.version, manifest=json.loads(doc))
     return open_dataset(f"{row.dataset}@{row.version}")

@@ -174,3 +174,42 @@ def test_without_a_split_fitted_statistics_come_from_the_manifest(gpuyard_home: 
     meta = pq.ParquetFile(threaded.shard_paths()[0]).metadata
     column = meta.schema.names.index("c")
     assert "RLE_DICTIONARY" in meta.row_group(0).column(column).encodings
+
+
+def test_returned_version_is_the_catalogs_for_a_new_and_a_repeated_transform(
+    gpuyard_home: Path, tmp_path: Path
+) -> None:
+    from gpuyard.data import open_dataset
+
+    src = tmp_path / "r.csv"
+    src.write_text("v,c\n" + "".join(f"{i * 0.5},{'ab'[i % 2]}\n" for i in range(300)))
+    ingest(src, "rep", IngestOptions(shard_bytes=2000))
+    recipe = load_recipe("normalize: [{columns: [v]}]\nencode: [{column: c}]")
+    first = transform("rep", recipe, engine="thread", workers=2, output="rep-out")
+    # Built from the manifest just recorded, without reading it back: the same document as stored.
+    stored = open_dataset(first.ref)
+    assert first.manifest == stored.manifest and first.ref == stored.ref
+    # An equal run finds its version recorded already (an earlier created_at): it returns the
+    # catalog's manifest, not the one it just built.
+    again = transform("rep", recipe, engine="thread", workers=2, output="rep-out")
+    assert again.ref == first.ref and again.manifest == stored.manifest
+    assert len(list_versions("rep-out")) == 1
+
+
+def test_a_reopened_shard_with_a_shared_footer_still_checks_page_checksums(
+    gpuyard_home: Path, tmp_path: Path
+) -> None:
+    from gpuyard.data.shards import encode_shard, open_parquet, read_groups
+    from gpuyard.errors import IntegrityError
+
+    table = pa.table({"x": np.arange(50_000, dtype=np.float64) * 0.37})
+    good, bad = tmp_path / "good.parquet", tmp_path / "bad.parquet"
+    data = bytearray(encode_shard(table))
+    good.write_bytes(data)
+    data[len(data) // 3] ^= 0xFF  # inside a data page; the footer is untouched
+    bad.write_bytes(data)
+    footer = open_parquet(str(good), "good").metadata
+    assert read_groups(open_parquet(str(good), "good", metadata=footer), "good", [0]).equals(table)
+    reopened = open_parquet(str(bad), "bad", metadata=footer)
+    with pytest.raises(IntegrityError, match="shard bad is truncated or corrupt"):
+        read_groups(reopened, "bad", [0])

@@ -187,3 +187,42 @@ def test_kernel_dispatch_is_the_calibrations_else_the_measured_gpu_figure() -> N
     layer = _layer(PRESETS["qwen3-30b-a3b"], STACKS["torchtitan"], 8, measured)
     kernels = 2 * step_layer.KERNELS_PER_LAYER_FWD + step_layer.EXPERT_GEMMS_BWD * 128 / 8
     assert layer.bwd == pytest.approx(kernels * 1e-3)
+
+
+def test_expert_gemms_slow_per_token_as_each_expert_sees_fewer_tokens() -> None:
+    """Per-expert GEMM efficiency falls with the rows each expert gets (the device's GEMM shape law)."""
+    from gpuyard.fabric.stacks import STACKS
+
+    # torchtitan (no host sync) on an H100 whose launches cost next to nothing: only the GEMMs' shapes differ.
+    h100 = load_cluster("dgx-h100")
+    data = h100.model_dump()
+    quiet = h100.model_validate({**data, "compute": {**data["compute"], "op_overhead_us": 1e-6}})
+    m = PRESETS["qwen3-30b-a3b"]
+    per_token = {}
+    for ep in (1, 8):  # each token's 8 routed copies land on 128 or 16 local experts: same FLOPs per GPU
+        per_token[ep] = _layer(m, STACKS["torchtitan"], ep, quiet).fwd
+    # ep 8: each local expert sees 8x the rows, so its GEMMs run nearer the large-GEMM efficiency.
+    assert per_token[8] < per_token[1]
+    # The same FLOPs split over twice the experts of half the width take longer still.
+    finer = replace(m, experts=2 * m.experts, top_k=2 * m.top_k, ffn_hidden=m.ffn_hidden // 2)
+    # (the router, h x experts, doubles: under 1% of the layer)
+    assert finer.active_layer_params == pytest.approx(m.active_layer_params, rel=1e-2)
+    assert _layer(finer, STACKS["torchtitan"], 8, quiet).fwd > per_token[8]
+
+
+def test_moe_gaps_spread_a_rows_miss_over_its_micro_batches_layers_and_local_experts() -> None:
+    from gpuyard.fabric.accuracy import RunError, moe_gaps
+    from gpuyard.fabric.published.runs import load_runs
+
+    runs = {r.id: r for r in load_runs()}
+    moe = runs["megatron-bridge-25.11/dgx-b200/qwen3_30b_a3b-8gpus-fp8mx"]  # 48 layers, pp 1, ep 8
+    dense = next(r for r in runs.values() if r.model == "llama2-70b")
+    gaps = moe_gaps([RunError(moe, 20.0, 12.0), RunError(dense, 10.0, 9.0)])
+    assert [g.error.run.id for g in gaps] == [moe.id]  # dense rows have no experts to spread over
+    (g,) = gaps
+    assert g.micro_batches == 512 // (8 * 1) and g.layers_per_stage == 48 and g.local_experts == 128 // 8
+    assert g.tokens_per_micro_batch == 4096
+    assert g.per_layer_s * g.micro_batches * g.layers_per_stage == pytest.approx(8.0)
+    assert g.per_local_expert_s == pytest.approx(g.per_layer_s / 16)
+    # Predicted slow: the gap is negative.
+    assert moe_gaps([RunError(moe, 10.0, 12.0)])[0].per_layer_s < 0

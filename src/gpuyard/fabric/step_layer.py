@@ -345,8 +345,13 @@ def _layer_times_cached(
     launches = KERNELS_PER_LAYER_FWD * launch_s
     expert_fwd = expert_bwd = 0.0
     if model.is_moe:
-        expert_fwd = EXPERT_GEMMS_FWD * ffn_count * launch_s
-        expert_bwd = EXPERT_GEMMS_BWD * ffn_count * launch_s
+        # Each expert GEMM costs the host a launch, or the stack's grouped-GEMM issue time where that is
+        # longer (Transformer Engine's multi-stream cuBLASLt loop: stacks.TE_MULTI_STREAM_GEMM_US).
+        per_gemm = launch_s
+        if launch_s > 0 and cluster.compute.async_dispatch:
+            per_gemm = max(launch_s, stack.expert_gemm_issue_us * 1e-6)
+        expert_fwd = EXPERT_GEMMS_FWD * ffn_count * per_gemm
+        expert_bwd = EXPERT_GEMMS_BWD * ffn_count * per_gemm
     if cluster.compute.async_dispatch:
         if model.is_moe and stack.moe_host_sync and model.capacity_factor is None:
             # The dropless dispatcher copies each layer's per-expert token counts to the host before the

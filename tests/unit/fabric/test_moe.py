@@ -226,3 +226,29 @@ def test_moe_gaps_spread_a_rows_miss_over_its_micro_batches_layers_and_local_exp
     assert g.per_local_expert_s == pytest.approx(g.per_layer_s / 16)
     # Predicted slow: the gap is negative.
     assert moe_gaps([RunError(moe, 10.0, 12.0)])[0].per_layer_s < 0
+
+
+def test_transformer_engine_stacks_pay_the_multi_stream_issue_time_per_expert_gemm() -> None:
+    from gpuyard.fabric.stacks import STACKS, TE_MULTI_STREAM_GEMM_US
+
+    nemo = STACKS["nemo"]
+    assert nemo.expert_gemm_issue_us == STACKS["megatron-lm"].expert_gemm_issue_us == TE_MULTI_STREAM_GEMM_US
+    assert STACKS["torchtitan"].expert_gemm_issue_us == 0.0  # torch._grouped_mm: one kernel, a launch
+    launch_only = replace(nemo, expert_gemm_issue_us=0.0)
+    m = PRESETS["qwen3-30b-a3b"]  # 16 local experts at ep 8, GEMMs of 512 rows at micro-batch 1
+    te, plain = _layer(m, nemo, 8), _layer(m, launch_only, 8)
+    issue = (TE_MULTI_STREAM_GEMM_US - step_layer.GPU_DISPATCH_US) * 1e-6
+    # Forward: the sync leaves the expert GEMMs' issue on the critical path, up to its whole extra time.
+    assert 0 < te.fwd - plain.fwd <= step_layer.EXPERT_GEMMS_FWD * 16 * issue + 1e-12
+    # Backward: the host-bound max grows by at most the extra issue time (and never shrinks).
+    assert 0 <= te.bwd - plain.bwd <= step_layer.EXPERT_GEMMS_BWD * 16 * issue + 1e-12
+    # Expert GEMMs long enough to hide it (DeepSeek-V3 at ep 64: 4 local experts of 1,024 rows): no change.
+    big = PRESETS["deepseek-v3"]
+    assert _layer(big, nemo, 64) == _layer(big, replace(nemo, expert_gemm_issue_us=0.0), 64)
+    # A dense model has no expert GEMMs, and a TPU no host launches: nothing changes.
+    dense = PRESETS["llama3-8b"]
+    assert _layer(dense, nemo, 1) == _layer(dense, launch_only, 1)
+    tpu = load_cluster("tpu-v5p-512")
+    assert _layer(m, nemo, 8, tpu) == _layer(m, launch_only, 8, tpu)
+    with pytest.raises(ValueError, match="expert_gemm_issue_us"):
+        replace(nemo, expert_gemm_issue_us=-1.0)

@@ -132,6 +132,10 @@ class Stack:
     # exceeds a plain kernel launch (gpuyard.fabric.step_layer, TE_MULTI_STREAM_GEMM_US: Transformer
     # Engine's GroupedLinear runs one cuBLASLt GEMM per expert over several CUDA streams). 0: a launch.
     expert_gemm_issue_us: float = 0.0
+    # How MoE layers move tokens to their experts: "alltoall" (NCCL all-to-all of every routed copy, priced
+    # by the collective model) or "hybridep" (DeepEP's Hybrid-EP kernels, Megatron-Core's flex dispatcher:
+    # one copy per destination GPU at Hybrid-EP's measured bandwidth, gpuyard.fabric.step_layer).
+    moe_dispatcher: str = "alltoall"
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FAMILIES:
@@ -143,6 +147,9 @@ class Stack:
         if not 0 <= self.expert_gemm_issue_us < 1e4:
             got = self.expert_gemm_issue_us
             raise ValueError(f"stack {self.name}: expert_gemm_issue_us {got} is not in [0, 10000)")
+        if self.moe_dispatcher not in ("alltoall", "hybridep"):
+            got_d = self.moe_dispatcher
+            raise ValueError(f"stack {self.name}: moe_dispatcher {got_d!r} is not alltoall or hybridep")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"stack {self.name}: grad_bytes {self.grad_bytes} is not 2 or 4")
         if self.tp_overlap_scope not in ("all", "micro-pipeline") or self.selective not in (

@@ -252,3 +252,42 @@ def test_transformer_engine_stacks_pay_the_multi_stream_issue_time_per_expert_ge
     assert _layer(m, nemo, 8, tpu) == _layer(m, launch_only, 8, tpu)
     with pytest.raises(ValueError, match="expert_gemm_issue_us"):
         replace(nemo, expert_gemm_issue_us=-1.0)
+
+
+def test_hybridep_prices_each_token_once_per_destination_gpu_at_its_measured_bandwidth() -> None:
+    from gpuyard.fabric.stacks import STACKS
+
+    # One copy per destination GPU: top-8 over 8 GPUs reaches 5.25 of them on average, over 64 GPUs 7.6.
+    one = step_layer.hybridep_time(4096, 7168, 8, 8)
+    d8, c8 = step_layer.HYBRIDEP_GBPS[8]
+    copies = 8 * (1 - (7 / 8) ** 8)
+    assert one == pytest.approx(4096 * copies * 7168 * 2 * (1 / (d8 * 1e9) + 1 / (c8 * 1e9)))
+    assert step_layer.hybridep_time(4096, 7168, 8, 1) == 0.0
+    # Wider groups: more destinations per token and a lower measured bandwidth, never faster.
+    times = [step_layer.hybridep_time(4096, 7168, 8, ep) for ep in (8, 16, 32, 64, 128)]
+    assert times == sorted(times) and times[0] < times[-1]
+    # In a step: GB200 NVL72 at ep 32 is slower under Hybrid-EP than the NVLink 5 link model prices...
+    nemo = STACKS["nemo"]
+    hep = replace(nemo, moe_dispatcher="hybridep")
+    m = PRESETS["qwen3-235b-a22b"]
+    gb200 = load_cluster("gb200-nvl72")
+    assert _layer(m, hep, 32, gb200).ep_comm > _layer(m, nemo, 32, gb200).ep_comm
+    # ...and never faster than that link model, nor anything but the all-to-all changes.
+    for ep in (8, 16, 32, 64):
+        a, b = _layer(m, hep, ep, gb200), _layer(m, nemo, ep, gb200)
+        assert a.ep_comm >= b.ep_comm and (a.fwd, a.bwd) == (b.fwd, b.bwd)
+    with pytest.raises(ValueError, match="moe_dispatcher"):
+        replace(nemo, moe_dispatcher="deepep-v9")
+
+
+def test_a_published_row_can_name_its_moe_dispatcher() -> None:
+    from gpuyard.fabric.accuracy import predict_at
+    from gpuyard.fabric.published.runs import load_runs
+    from gpuyard.fabric.stacks import STACKS
+
+    runs = {r.id: r for r in load_runs()}
+    row = runs["megatron-bridge-25.11/dgx-gb200/qwen3_235b_a22b-256gpus-bf16"]
+    assert row.moe_dispatcher == "hybridep"
+    assert runs["megatron-bridge-25.11/dgx-b200/qwen3_30b_a3b-8gpus-fp8mx"].moe_dispatcher is None
+    plain = row.model_copy(update={"moe_dispatcher": None})
+    assert predict_at(row, STACKS["nemo"], 0.6) > predict_at(plain, STACKS["nemo"], 0.6)

@@ -172,9 +172,10 @@ def remote_share(model: ModelSpec, ep: int, per_domain: int) -> float | None:
 
 # DeepEP's Hybrid-EP kernels (Megatron-Core's flex dispatcher, backend "hybridep") on GB200 NVL72: algorithm
 # bandwidth of dispatch (bf16) and combine through the Torch API with 32 SMs, 4,096 tokens of 7,168,
-# top-8, 8 local experts, uniform routing, by ranks in the NVLink domain (DeepEP, hybrid-ep branch,
-# Hybrid-EP_Implementation.md, "GB200 Platform"). Bytes are counted as DeepEP counts them: each token once
-# per destination GPU. Measured to 36 ranks; wider groups take the 36-rank figure.
+# top-8, 8 local experts, uniform routing, by ranks in the NVLink domain (Hybrid-EP_Implementation.md of
+# DeepEP's hybrid-ep branch, read in the shifangx/DeepEP fork, "GB200 Platform"). Bytes are counted as
+# DeepEP counts them: each token once per destination GPU. Measured to 36 ranks; wider groups take the
+# 36-rank figure.
 HYBRIDEP_GBPS: dict[int, tuple[float, float]] = {
     8: (545.71, 568.94),
     16: (523.48, 521.55),

@@ -8,6 +8,7 @@ run's layout, precision and the software stack of its source (:mod:`gpuyard.fabr
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -127,6 +128,8 @@ def predict_at(run: PublishedRun, stack: Stack, efficiency: float | None) -> flo
         stack = replace(stack, attention=run.attention)  # the kernel family the source documents
     if run.fp8_recipe is not None and run.fp8_recipe != stack.fp8_recipe:
         stack = replace(stack, fp8_recipe=run.fp8_recipe)  # the float8 recipe the source names
+    if run.moe_dispatcher is not None and run.moe_dispatcher != stack.moe_dispatcher:
+        stack = replace(stack, moe_dispatcher=run.moe_dispatcher)  # the MoE dispatcher its recipe runs
     cfg = replace(run.parallel_config(), stack=stack.name)
     cluster = _cluster_with(run.cluster, run.device, efficiency, run.memory_bw_GBps)
     return estimate_step(
@@ -339,6 +342,56 @@ def fitted_constants(corpus: Corpus) -> list[str]:
     keys for on the whole corpus; a held-out source is always predicted with a refit without it.
     """
     return sorted({efficiency_class(r) for r in corpus.runs})
+
+
+@dataclass(frozen=True)
+class MoEGap:
+    """A mixture-of-experts row's held-out error, spread over what the step repeats.
+
+    ``per_layer_s`` is (published - predicted) / (micro-batches x layers of the busiest stage): the time
+    per layer and micro-batch (forward and backward) that the model misses, positive where it predicts
+    fast. ``per_local_expert_s`` divides it by the experts each GPU holds. A gap that stays the same per
+    local expert whatever the tokens per micro-batch is a fixed per-expert cost (host work, launches),
+    not a per-token one (GEMMs, memory traffic, all-to-all bytes). A diagnostic, never fitted.
+    """
+
+    error: RunError
+    micro_batches: int
+    layers_per_stage: int
+    local_experts: int
+    tokens_per_micro_batch: int
+
+    @property
+    def per_layer_s(self) -> float:
+        """Missed seconds per layer and micro-batch (positive: predicted fast)."""
+        gap = self.error.published_s - self.error.predicted_s
+        return gap / (self.micro_batches * self.layers_per_stage)
+
+    @property
+    def per_local_expert_s(self) -> float:
+        """:attr:`per_layer_s` per expert held by one GPU."""
+        return self.per_layer_s / self.local_experts
+
+
+def moe_gaps(errors: list[RunError]) -> list[MoEGap]:
+    """The :class:`MoEGap` of every mixture-of-experts row among ``errors`` (dense rows are skipped)."""
+    out = []
+    for e in errors:
+        model = model_spec(e.run)
+        if not model.is_moe:
+            continue
+        run = e.run
+        micro_batches = run.global_batch // (run.dp * run.micro_batch)
+        out.append(
+            MoEGap(
+                e,
+                micro_batches,
+                math.ceil(model.layers / run.pp),
+                model.experts // run.ep,
+                run.micro_batch * run.seq_len // run.cp,
+            )
+        )
+    return out
 
 
 # ----- MFU ceilings ----------------------------------------------------------------------------------

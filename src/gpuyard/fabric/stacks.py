@@ -84,6 +84,14 @@ from gpuyard.errors import NotFoundError
 # per element against 4), RoPE through complex fp32 views on q and k, SwiGLU as silu then multiply, and
 # the residual adds; counted per token and layer this is about 2.2 times the fused count.
 EAGER_LLAMA_ELEMENTWISE = 2.2
+# Transformer Engine's grouped GEMM (GroupedLinear -> general_grouped_gemm -> nvte_multi_stream_cublas_gemm)
+# issues one cuBLASLt GEMM per expert, round-robin over CUDA streams. Its cost per expert GEMM where the
+# arithmetic is negligible: 0.267 ms for 8 experts of 128 tokens, N = K = 2048, on an SM100 (B200), the
+# GEMMs alone (operands pre-swizzled), against 0.069 ms for one CUTLASS kernel doing the same 8
+# (NVIDIA/TransformerEngine PR #3134, "Single-launch CUTLASS grouped GEMM for per-tensor NVFP4", its
+# TN fprop table): 0.267 / 8 = 33.4 us per expert GEMM, of which the 1.1 GFLOP each takes about 1 us.
+# The loop, the cuBLASLt calls and the stream hand-offs are per GEMM whatever the dtype.
+TE_MULTI_STREAM_GEMM_US = 33.4
 # Attention kernel families, oldest first (see ``attention`` in the module docstring).
 ATTENTION_FAMILIES = ("unfused", "fa1", "fa2", "fa3", "cudnn")
 
@@ -120,6 +128,14 @@ class Stack:
     # row counts as a host list, ``m_splits``), so the expert GEMMs' launches are not queued ahead
     # (gpuyard.fabric.step_layer). Megatron-Core and the stacks built on it (NeMo, Megatron-Bridge).
     moe_host_sync: bool = False
+    # Host time to issue one expert GEMM of the stack's grouped-GEMM path on a CUDA device, where it
+    # exceeds a plain kernel launch (gpuyard.fabric.step_layer, TE_MULTI_STREAM_GEMM_US: Transformer
+    # Engine's GroupedLinear runs one cuBLASLt GEMM per expert over several CUDA streams). 0: a launch.
+    expert_gemm_issue_us: float = 0.0
+    # How MoE layers move tokens to their experts: "alltoall" (NCCL all-to-all of every routed copy, priced
+    # by the collective model) or "hybridep" (DeepEP's Hybrid-EP kernels, Megatron-Core's flex dispatcher:
+    # one copy per destination GPU at Hybrid-EP's measured bandwidth, gpuyard.fabric.step_layer).
+    moe_dispatcher: str = "alltoall"
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FAMILIES:
@@ -128,6 +144,12 @@ class Stack:
             raise ValueError(f"stack {self.name}: dropout {self.dropout} is not in [0, 1)")
         if self.fp8_recipe not in ("tensorwise", "rowwise"):
             raise ValueError(f"stack {self.name}: fp8_recipe {self.fp8_recipe!r} is not tensorwise/rowwise")
+        if not 0 <= self.expert_gemm_issue_us < 1e4:
+            got = self.expert_gemm_issue_us
+            raise ValueError(f"stack {self.name}: expert_gemm_issue_us {got} is not in [0, 10000)")
+        if self.moe_dispatcher not in ("alltoall", "hybridep"):
+            got_d = self.moe_dispatcher
+            raise ValueError(f"stack {self.name}: moe_dispatcher {got_d!r} is not alltoall or hybridep")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"stack {self.name}: grad_bytes {self.grad_bytes} is not 2 or 4")
         if self.tp_overlap_scope not in ("all", "micro-pipeline") or self.selective not in (
@@ -149,6 +171,7 @@ STACKS: dict[str, Stack] = {
             "Megatron-LM / Megatron-Core with Transformer Engine (cuDNN fused attention)",
             loss_bytes_per_logit=12.0,
             moe_host_sync=True,
+            expert_gemm_issue_us=TE_MULTI_STREAM_GEMM_US,
         ),
         # Megatron-LM v2 (2021) and Megatron-DeepSpeed (MT-NLG, BLOOM, 2021-22): no FlashAttention; QK^T and
         # softmax x V as batched GEMMs over the whole s x s square, the fused scale-mask-softmax kernel
@@ -173,6 +196,7 @@ STACKS: dict[str, Stack] = {
             tp_comm_overlap=True,
             grad_bytes=2,
             moe_host_sync=True,
+            expert_gemm_issue_us=TE_MULTI_STREAM_GEMM_US,
         ),
         Stack(
             "torchtitan",

@@ -170,6 +170,37 @@ def remote_share(model: ModelSpec, ep: int, per_domain: int) -> float | None:
     return min(float(model.route_nodes), remote) / model.top_k
 
 
+# DeepEP's Hybrid-EP kernels (Megatron-Core's flex dispatcher, backend "hybridep") on GB200 NVL72: algorithm
+# bandwidth of dispatch (bf16) and combine through the Torch API with 32 SMs, 4,096 tokens of 7,168,
+# top-8, 8 local experts, uniform routing, by ranks in the NVLink domain (Hybrid-EP_Implementation.md of
+# DeepEP's hybrid-ep branch, read in the shifangx/DeepEP fork, "GB200 Platform"). Bytes are counted as
+# DeepEP counts them: each token once per destination GPU. Measured to 36 ranks; wider groups take the
+# 36-rank figure.
+HYBRIDEP_GBPS: dict[int, tuple[float, float]] = {
+    8: (545.71, 568.94),
+    16: (523.48, 521.55),
+    24: (507.32, 483.76),
+    32: (484.22, 464.54),
+    36: (479.02, 447.89),
+}
+
+
+def hybridep_time(tokens: float, hidden: int, top_k: int, ep: int, act_bytes: float = 2.0) -> float:
+    """Seconds of one Hybrid-EP dispatch and its combine inside an NVLink domain (both, one pass).
+
+    Each token goes once to every GPU holding one of its ``top_k`` experts: ``ep (1 - (1 - 1/ep)^top_k)``
+    GPUs under uniform routing (the force-balanced rows' routing), at :data:`HYBRIDEP_GBPS` of the
+    nearest measured group size at or below ``ep``.
+    """
+    if ep <= 1:
+        return 0.0
+    sizes = [n for n in sorted(HYBRIDEP_GBPS) if n <= ep] or [min(HYBRIDEP_GBPS)]
+    dispatch_gbps, combine_gbps = HYBRIDEP_GBPS[sizes[-1]]
+    copies = ep * (1 - (1 - 1 / ep) ** top_k)
+    size = tokens * copies * hidden * act_bytes
+    return size / (dispatch_gbps * 1e9) + size / (combine_gbps * 1e9)
+
+
 @dataclass(frozen=True)
 class _Layer:
     """Seconds for one layer and one micro-batch on one GPU."""
@@ -345,8 +376,13 @@ def _layer_times_cached(
     launches = KERNELS_PER_LAYER_FWD * launch_s
     expert_fwd = expert_bwd = 0.0
     if model.is_moe:
-        expert_fwd = EXPERT_GEMMS_FWD * ffn_count * launch_s
-        expert_bwd = EXPERT_GEMMS_BWD * ffn_count * launch_s
+        # Each expert GEMM costs the host a launch, or the stack's grouped-GEMM issue time where that is
+        # longer (Transformer Engine's multi-stream cuBLASLt loop: stacks.TE_MULTI_STREAM_GEMM_US).
+        per_gemm = launch_s
+        if launch_s > 0 and cluster.compute.async_dispatch:
+            per_gemm = max(launch_s, stack.expert_gemm_issue_us * 1e-6)
+        expert_fwd = EXPERT_GEMMS_FWD * ffn_count * per_gemm
+        expert_bwd = EXPERT_GEMMS_BWD * ffn_count * per_gemm
     if cluster.compute.async_dispatch:
         if model.is_moe and stack.moe_host_sync and model.capacity_factor is None:
             # The dropless dispatcher copies each layer's per-expert token counts to the host before the
@@ -439,4 +475,8 @@ def _layer_times_cached(
         routed_bytes = tokens * model.top_k * imbalance * h * 2 / (tp if seqpar else 1)
         share = remote_share(model, ep, per_domain)
         ep_comm = 2 * passes * comm_time(cluster, "all_to_all", routed_bytes, ep, per_domain, share)
+        if stack.moe_dispatcher == "hybridep" and ep <= per_domain and not cluster.is_tpu:
+            # Hybrid-EP inside the NVLink domain: its measured bandwidth where the link model is faster.
+            routed_tokens = tokens * imbalance / (tp if seqpar else 1)
+            ep_comm = max(ep_comm, passes * hybridep_time(routed_tokens, h, model.top_k, ep))
     return _Layer(fwd, bwd, recompute_s, attention, tp_comm, cp_comm, ep_comm, cp_exposed, tp_exposed)

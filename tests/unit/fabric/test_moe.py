@@ -187,3 +187,107 @@ def test_kernel_dispatch_is_the_calibrations_else_the_measured_gpu_figure() -> N
     layer = _layer(PRESETS["qwen3-30b-a3b"], STACKS["torchtitan"], 8, measured)
     kernels = 2 * step_layer.KERNELS_PER_LAYER_FWD + step_layer.EXPERT_GEMMS_BWD * 128 / 8
     assert layer.bwd == pytest.approx(kernels * 1e-3)
+
+
+def test_expert_gemms_slow_per_token_as_each_expert_sees_fewer_tokens() -> None:
+    """Per-expert GEMM efficiency falls with the rows each expert gets (the device's GEMM shape law)."""
+    from gpuyard.fabric.stacks import STACKS
+
+    # torchtitan (no host sync) on an H100 whose launches cost next to nothing: only the GEMMs' shapes differ.
+    h100 = load_cluster("dgx-h100")
+    data = h100.model_dump()
+    quiet = h100.model_validate({**data, "compute": {**data["compute"], "op_overhead_us": 1e-6}})
+    m = PRESETS["qwen3-30b-a3b"]
+    per_token = {}
+    for ep in (1, 8):  # each token's 8 routed copies land on 128 or 16 local experts: same FLOPs per GPU
+        per_token[ep] = _layer(m, STACKS["torchtitan"], ep, quiet).fwd
+    # ep 8: each local expert sees 8x the rows, so its GEMMs run nearer the large-GEMM efficiency.
+    assert per_token[8] < per_token[1]
+    # The same FLOPs split over twice the experts of half the width take longer still.
+    finer = replace(m, experts=2 * m.experts, top_k=2 * m.top_k, ffn_hidden=m.ffn_hidden // 2)
+    # (the router, h x experts, doubles: under 1% of the layer)
+    assert finer.active_layer_params == pytest.approx(m.active_layer_params, rel=1e-2)
+    assert _layer(finer, STACKS["torchtitan"], 8, quiet).fwd > per_token[8]
+
+
+def test_moe_gaps_spread_a_rows_miss_over_its_micro_batches_layers_and_local_experts() -> None:
+    from gpuyard.fabric.accuracy import RunError, moe_gaps
+    from gpuyard.fabric.published.runs import load_runs
+
+    runs = {r.id: r for r in load_runs()}
+    moe = runs["megatron-bridge-25.11/dgx-b200/qwen3_30b_a3b-8gpus-fp8mx"]  # 48 layers, pp 1, ep 8
+    dense = next(r for r in runs.values() if r.model == "llama2-70b")
+    gaps = moe_gaps([RunError(moe, 20.0, 12.0), RunError(dense, 10.0, 9.0)])
+    assert [g.error.run.id for g in gaps] == [moe.id]  # dense rows have no experts to spread over
+    (g,) = gaps
+    assert g.micro_batches == 512 // (8 * 1) and g.layers_per_stage == 48 and g.local_experts == 128 // 8
+    assert g.tokens_per_micro_batch == 4096
+    assert g.per_layer_s * g.micro_batches * g.layers_per_stage == pytest.approx(8.0)
+    assert g.per_local_expert_s == pytest.approx(g.per_layer_s / 16)
+    # Predicted slow: the gap is negative.
+    assert moe_gaps([RunError(moe, 10.0, 12.0)])[0].per_layer_s < 0
+
+
+def test_transformer_engine_stacks_pay_the_multi_stream_issue_time_per_expert_gemm() -> None:
+    from gpuyard.fabric.stacks import STACKS, TE_MULTI_STREAM_GEMM_US
+
+    nemo = STACKS["nemo"]
+    assert nemo.expert_gemm_issue_us == STACKS["megatron-lm"].expert_gemm_issue_us == TE_MULTI_STREAM_GEMM_US
+    assert STACKS["torchtitan"].expert_gemm_issue_us == 0.0  # torch._grouped_mm: one kernel, a launch
+    launch_only = replace(nemo, expert_gemm_issue_us=0.0)
+    m = PRESETS["qwen3-30b-a3b"]  # 16 local experts at ep 8, GEMMs of 512 rows at micro-batch 1
+    te, plain = _layer(m, nemo, 8), _layer(m, launch_only, 8)
+    issue = (TE_MULTI_STREAM_GEMM_US - step_layer.GPU_DISPATCH_US) * 1e-6
+    # Forward: the sync leaves the expert GEMMs' issue on the critical path, up to its whole extra time.
+    assert 0 < te.fwd - plain.fwd <= step_layer.EXPERT_GEMMS_FWD * 16 * issue + 1e-12
+    # Backward: the host-bound max grows by at most the extra issue time (and never shrinks).
+    assert 0 <= te.bwd - plain.bwd <= step_layer.EXPERT_GEMMS_BWD * 16 * issue + 1e-12
+    # Expert GEMMs long enough to hide it (DeepSeek-V3 at ep 64: 4 local experts of 1,024 rows): no change.
+    big = PRESETS["deepseek-v3"]
+    assert _layer(big, nemo, 64) == _layer(big, replace(nemo, expert_gemm_issue_us=0.0), 64)
+    # A dense model has no expert GEMMs, and a TPU no host launches: nothing changes.
+    dense = PRESETS["llama3-8b"]
+    assert _layer(dense, nemo, 1) == _layer(dense, launch_only, 1)
+    tpu = load_cluster("tpu-v5p-512")
+    assert _layer(m, nemo, 8, tpu) == _layer(m, launch_only, 8, tpu)
+    with pytest.raises(ValueError, match="expert_gemm_issue_us"):
+        replace(nemo, expert_gemm_issue_us=-1.0)
+
+
+def test_hybridep_prices_each_token_once_per_destination_gpu_at_its_measured_bandwidth() -> None:
+    from gpuyard.fabric.stacks import STACKS
+
+    # One copy per destination GPU: top-8 over 8 GPUs reaches 5.25 of them on average, over 64 GPUs 7.6.
+    one = step_layer.hybridep_time(4096, 7168, 8, 8)
+    d8, c8 = step_layer.HYBRIDEP_GBPS[8]
+    copies = 8 * (1 - (7 / 8) ** 8)
+    assert one == pytest.approx(4096 * copies * 7168 * 2 * (1 / (d8 * 1e9) + 1 / (c8 * 1e9)))
+    assert step_layer.hybridep_time(4096, 7168, 8, 1) == 0.0
+    # Wider groups: more destinations per token and a lower measured bandwidth, never faster.
+    times = [step_layer.hybridep_time(4096, 7168, 8, ep) for ep in (8, 16, 32, 64, 128)]
+    assert times == sorted(times) and times[0] < times[-1]
+    # In a step: GB200 NVL72 at ep 32 is slower under Hybrid-EP than the NVLink 5 link model prices...
+    nemo = STACKS["nemo"]
+    hep = replace(nemo, moe_dispatcher="hybridep")
+    m = PRESETS["qwen3-235b-a22b"]
+    gb200 = load_cluster("gb200-nvl72")
+    assert _layer(m, hep, 32, gb200).ep_comm > _layer(m, nemo, 32, gb200).ep_comm
+    # ...and never faster than that link model, nor anything but the all-to-all changes.
+    for ep in (8, 16, 32, 64):
+        a, b = _layer(m, hep, ep, gb200), _layer(m, nemo, ep, gb200)
+        assert a.ep_comm >= b.ep_comm and (a.fwd, a.bwd) == (b.fwd, b.bwd)
+    with pytest.raises(ValueError, match="moe_dispatcher"):
+        replace(nemo, moe_dispatcher="deepep-v9")
+
+
+def test_a_published_row_can_name_its_moe_dispatcher() -> None:
+    from gpuyard.fabric.accuracy import predict_at
+    from gpuyard.fabric.published.runs import load_runs
+    from gpuyard.fabric.stacks import STACKS
+
+    runs = {r.id: r for r in load_runs()}
+    row = runs["megatron-bridge-25.11/dgx-gb200/qwen3_235b_a22b-256gpus-bf16"]
+    assert row.moe_dispatcher == "hybridep"
+    assert runs["megatron-bridge-25.11/dgx-b200/qwen3_30b_a3b-8gpus-fp8mx"].moe_dispatcher is None
+    plain = row.model_copy(update={"moe_dispatcher": None})
+    assert predict_at(row, STACKS["nemo"], 0.6) > predict_at(plain, STACKS["nemo"], 0.6)

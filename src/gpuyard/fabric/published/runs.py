@@ -113,6 +113,11 @@ class PublishedRun(BaseModel):
         description="float8 scaling recipe of an fp8 row where the source names it (torchao's tensorwise or "
         "rowwise); None: tensorwise, the stacks' default (gpuyard.fabric.stacks.Stack.fp8_recipe).",
     )
+    moe_dispatcher: Literal["alltoall", "hybridep"] | None = Field(
+        default=None,
+        description="MoE token dispatcher backend where the source's recipe names it (Megatron-Core's flex "
+        "dispatcher with HybridEP); None: the stack's (gpuyard.fabric.stacks.Stack.moe_dispatcher).",
+    )
     power_limit_w: float | None = Field(
         default=None,
         gt=0,

@@ -56,11 +56,11 @@ from gpuyard.scheduler.trace import TraceJob
 log = logging.getLogger(__name__)
 
 # The step model's largest leave-one-source-out error on the published corpus, as predicted /
-# published - 1 (gpuyard.fabric.accuracy.RunError.error): loso_max_pct=68.6 in BENCHMARKS.md's
+# published - 1 (gpuyard.fabric.accuracy.RunError.error): loso_max_pct=56.8 in BENCHMARKS.md's
 # fabric_accuracy table, its latest row (2026-11-29, benchmarks/fabric_accuracy.py; the worst row is a
-# Megatron-Bridge 25.11 one). With |error| <= e the published time is within predicted / (1 + e) ..
-# predicted / (1 - e): a step-model run time spans /1.69 .. x3.18 (estimate_run_time).
-STEP_MODEL_ERROR = 0.686
+# Megatron-Bridge 25.11 MoE one). With |error| <= e the published time is within predicted / (1 + e) ..
+# predicted / (1 - e): a step-model run time spans /1.57 .. x2.31 (estimate_run_time).
+STEP_MODEL_ERROR = 0.568
 LIMIT_LOW = 0.1  # a job with only a time limit may end this early (a tenth of its limit)
 HORIZON_S = 10 * 365 * 86400.0  # "never ends" in the forward run; anything past half of it is unknown
 QUEUE_AT_S = 1e-3  # queued jobs enter the forward run just after the running ones have been placed

@@ -109,7 +109,8 @@ def build(tmp: Path, context: int = 512) -> tuple[Any, Any]:
     """The benchmark's random-init Llama and a byte-level BPE trained here (``context`` positions)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from gpuyard.data.tokens import load_tokenizer, train_tokenizer
+    from gpuyard.data.tokenizer_train import train_tokenizer
+    from gpuyard.data.tokens import load_tokenizer
 
     rng = random.Random(0)
     texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40))) for _ in range(500)]

@@ -60,7 +60,8 @@ CONFIG = {
 def prepare(tmp: Path) -> tuple[str, Path]:
     os.environ["GPUYARD_HOME"] = str(tmp / "home")
     from gpuyard.data.text import ingest_text
-    from gpuyard.data.tokens import load_tokenizer, tokenize, train_tokenizer
+    from gpuyard.data.tokenizer_train import train_tokenizer
+    from gpuyard.data.tokens import load_tokenizer, tokenize
 
     words = "the a cat dog bird sat ran on under mat tree roof and then red blue green small big old"
     rng = random.Random(0)

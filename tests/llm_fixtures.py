@@ -57,7 +57,7 @@ def corpus(n: int = 200, seed: int = 0) -> list[str]:
 
 def tokenizer_folder(tmp: Path, vocab_size: int = 200) -> Path:
     """A byte-level BPE tokenizer folder trained on :func:`corpus`."""
-    from gpuyard.data.tokens import train_tokenizer
+    from gpuyard.data.tokenizer_train import train_tokenizer
 
     return train_tokenizer(corpus(300, seed=1), tmp / "tokenizer", vocab_size=vocab_size)
 

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gpuyard.data.tokens import DEFAULT_CHAT_TEMPLATE, render_chat, train_tokenizer
+from gpuyard.data.tokenizer import DEFAULT_CHAT_TEMPLATE, render_chat
+from gpuyard.data.tokenizer_train import train_tokenizer
 
 ANIMALS = ["cat", "dog", "bird", "fox", "horse", "rabbit", "owl", "mouse"]
 COLOURS = ["red", "blue", "green", "small", "old", "young", "quick", "lazy"]

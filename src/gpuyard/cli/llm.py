@@ -169,13 +169,8 @@ def tokenizer_train_cmd(
     The folder is what `gpuyard data tokenize --tokenizer` and transformers' AutoTokenizer read:
     <|endoftext|> ends a sequence, <pad> pads, and the chat template is gpuyard's.
     """
-    from gpuyard.data.tokens import (
-        CHAT_MARKERS,
-        check_vocab_size,
-        corpus_texts,
-        load_tokenizer,
-        train_tokenizer,
-    )
+    from gpuyard.data.tokenizer import load_tokenizer
+    from gpuyard.data.tokenizer_train import CHAT_MARKERS, check_vocab_size, corpus_texts, train_tokenizer
     from gpuyard.errors import ConfigError
 
     if not data and not files:

@@ -113,7 +113,7 @@ def iter_shipments(
     """Shipments of ``workers`` thread workers, round-robin from logical worker ``first``.
 
     Args:
-        ds: the :class:`~gpuyard.data.loader.ShardDataset` (copied per thread).
+        ds: the :class:`~gpuyard.data.loader_dataset.ShardDataset` (copied per thread).
         rank: this process's rank; world: the world size.
         workers: number of logical workers (threads).
         starts: rows already emitted per logical worker (from a resumed state).

@@ -173,7 +173,7 @@ def build_service(
     service = JobService(store, nodes, executor, config, role=role, fabric=fabric)
     service.train_sizes = train_sizes
     if role == "server" and slurm:
-        from gpuyard.scheduler.executors.slurm import SlurmNodeMonitor
+        from gpuyard.scheduler.executors.slurm_monitor import SlurmNodeMonitor
 
         service.health = SlurmNodeMonitor(service, slurm_executor)
     elif role == "server" and ray_address:

@@ -638,7 +638,7 @@ def save_hf(
 def write_tokenizer(tokenizer: Path | bytes | None, out: Path, meta: dict[str, Any] | None = None) -> None:
     """Copy a tokenizer (a folder, a tokenizer.json, or its bytes) into ``out`` with a tokenizer_config.json
     that ``AutoTokenizer`` reads (end-of-sequence and pad tokens, chat template)."""
-    from gpuyard.data.tokens import DEFAULT_CHAT_TEMPLATE, load_tokenizer
+    from gpuyard.data.tokenizer import DEFAULT_CHAT_TEMPLATE, load_tokenizer
 
     if tokenizer is None:
         return

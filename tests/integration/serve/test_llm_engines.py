@@ -51,7 +51,8 @@ def tiny_chat_model(tmp: Path) -> tuple[Path, int]:
     (folder, that id)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from gpuyard.data.tokens import load_tokenizer, train_tokenizer
+    from gpuyard.data.tokenizer_train import train_tokenizer
+    from gpuyard.data.tokens import load_tokenizer
     from gpuyard.train.hf import CausalLM, save_hf
 
     tok_dir = train_tokenizer(

@@ -201,26 +201,67 @@ def test_hostile_requests_are_refused_in_one_line(served: Served) -> None:
     assert bad.status_code == 400
 
 
+class DecodeGate:
+    """The engine's executor with its decoding steps held until the test allows them (prefills run
+    freely), so what the test sees does not depend on how fast the engine thread decodes."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.permits = threading.Semaphore(0)
+        self.opened = False
+
+    def decode(self, reqs: list[Any]) -> Any:
+        if not self.opened and not self.permits.acquire(timeout=120):
+            raise RuntimeError("the test's gate held a decoding step for 120 s")
+        return self.inner.decode(reqs)
+
+    def allow(self, steps: int) -> None:
+        for _ in range(steps):
+            self.permits.release()
+
+    def open(self) -> None:
+        self.opened = True
+        self.permits.release()  # a step held now goes through
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 def test_dropped_stream_frees_its_slot_and_short_requests_pass_long_ones(served: Served) -> None:
     engine = served.engine
-    body = {"model": "tiny", "prompt": "the", "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.stream("POST", served.url + "/completions", json=body, timeout=30, headers=AUTH) as resp:
-        lines = resp.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        assert json.loads(first[6:])["choices"][0]["text"] is not None
-        [long_req] = wait_for(lambda: list(engine.running) or None)
-        # A short request joins the running batch and finishes while the long one still decodes.
-        short = httpx.post(
-            served.url + "/completions",
-            json={"model": "tiny", "prompt": "a", "max_tokens": 3, "temperature": 0},
-            timeout=30,
-            headers=AUTH,
-        )
-        assert short.status_code == 200
-        assert long_req.finish_reason is None and len(long_req.generated) < 200
-    # The client closed the stream: the request leaves the batch without running to 200 tokens.
-    wait_for(lambda: not engine.running, timeout=30)
-    assert long_req.cancelled and len(long_req.generated) < 200
+    gate = DecodeGate(engine.executor)
+    engine.executor = gate
+    try:
+        body = {"model": "tiny", "prompt": "the", "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.stream("POST", served.url + "/completions", json=body, timeout=30, headers=AUTH) as resp:
+            assert resp.status_code == 200
+            # Prefilled (its first token sampled), it joins the batch; its first decoding step is held.
+            # (Its text is not read: it may be held back a few tokens, for a character or a stop string.)
+            [long_req] = wait_for(lambda: list(engine.running) or None)
+            # A short request joins the running batch and finishes while the long one still decodes:
+            # it queues behind the held step, then 3 steps let the long one make at most 3 tokens more.
+            answer: dict[str, httpx.Response] = {}
+            short = {"model": "tiny", "prompt": "a", "max_tokens": 3, "temperature": 0}
+            poster = threading.Thread(
+                target=lambda: answer.setdefault(
+                    "short", httpx.post(served.url + "/completions", json=short, timeout=60, headers=AUTH)
+                )
+            )
+            poster.start()
+            wait_for(lambda: len(engine.waiting) == 1)
+            gate.allow(3)  # the held step, then the 2 that decode the short one beside the long one
+            wait_for(lambda: not poster.is_alive(), timeout=60)
+            assert answer["short"].status_code == 200
+            assert long_req.finish_reason is None and len(long_req.generated) <= 4
+        # The client closed the stream: the request is cancelled while its next step is held, and it
+        # leaves the batch without running to 200 tokens.
+        wait_for(lambda: long_req.cancelled, timeout=30)
+        gate.open()
+        wait_for(lambda: not engine.running, timeout=30)
+        assert long_req.cancelled and len(long_req.generated) <= 5
+    finally:
+        gate.open()
+        engine.executor = gate.inner
     assert httpx.get(f"http://127.0.0.1:{served.port}/metrics").status_code == 401  # a key, here too
     metrics = httpx.get(f"http://127.0.0.1:{served.port}/metrics", headers=AUTH).text
     assert 'gpuyard_llm_requests_total{outcome="cancelled"}' in metrics

@@ -74,7 +74,7 @@ def _end_jobs(cluster: LocalSlurm) -> None:
 def slurm_components(cluster: LocalSlurm, prefix: str, job_id: int, attempt: int = 1) -> list[dict[str, str]]:
     """``scontrol show job`` of the Slurm job of a gpuyard job's attempt (named PREFIX-ID-ATTEMPT): one
     row, or one per component of a heterogeneous job (in their order)."""
-    from gpuyard.scheduler.executors.slurm import parse_kv_line
+    from gpuyard.scheduler.executors.slurm_states import parse_kv_line
 
     name = f"{prefix}{job_id}-{attempt}"
     rows = [parse_kv_line(x) for x in cluster.run("scontrol", "show", "job", "-o").splitlines()]

@@ -277,7 +277,7 @@ def test_a_job_runs_as_its_unix_user_with_the_allow_listed_environment(
 def test_drains_go_both_ways(
     slurm_cluster: LocalSlurm, time_limited: dict[str, Any], gpuyard_home: Path
 ) -> None:
-    from gpuyard.scheduler.executors.slurm import SlurmNodeMonitor
+    from gpuyard.scheduler.executors.slurm_monitor import SlurmNodeMonitor
 
     service = make_slurm_service(gpuyard_home, nodes=["n1", "n2", "n3"])
     monitor = SlurmNodeMonitor(service, service.executor)
@@ -355,7 +355,7 @@ def test_gpuyard_server_slurm_runs_a_job_through_the_api(
 
         wait_for(up, timeout=60, every=0.1)
         from gpuyard.scheduler.client import JobClient
-        from gpuyard.scheduler.executors.slurm import instance_tag
+        from gpuyard.scheduler.executors.slurm_config import instance_tag
         from gpuyard.store import get_store
 
         prefix = f"gpuyard-{instance_tag(get_store().url)}-"

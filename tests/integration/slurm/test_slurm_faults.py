@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from tests.waiting import free_port, wait_for
 
-from gpuyard.scheduler.executors import slurm as slurm_mod
+from gpuyard.scheduler.executors import slurm_tools
 from gpuyard.scheduler.executors.slurm_local import LocalSlurm
 from gpuyard.scheduler.spec import parse_spec
 
@@ -180,7 +180,7 @@ def test_a_frozen_controller_whose_tools_time_out_is_unknown_not_gone(
     """slurmctld frozen (SIGSTOP): its port accepts and nothing answers, so every tool runs into
     gpuyard's own timeout (2 s here, CALL_TIMEOUT_S); a job finishing meanwhile is seen to have
     finished once it answers."""
-    monkeypatch.setattr(slurm_mod, "CALL_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(slurm_tools, "CALL_TIMEOUT_S", 2.0)
     release = tmp_path / "release"
     long = server.submit("long", f"while [ ! -e {release} ]; do sleep 0.1; done")
     short = server.submit("short", "sleep 4")
@@ -284,7 +284,7 @@ def test_a_slurmd_killed_under_a_gang_ends_the_attempt_everywhere_before_its_ret
     node, but cannot reach the silent one, whose task runs on. gpuyard holds the attempt's end (and
     its GPUs) until that slurmd answers again and has ended it, then runs the job once more
     (max_restarts 1). The retry's tasks look for the first attempt's: none may still run."""
-    from gpuyard.scheduler.executors.slurm import SlurmNodeMonitor
+    from gpuyard.scheduler.executors.slurm_monitor import SlurmNodeMonitor
 
     marker = server.markers / "gang"
     overlap = server.markers / "overlap"

@@ -11,7 +11,8 @@ import torch
 from gpuyard.data import IngestOptions, ingest, load_recipe, transform
 from gpuyard.data.cache import ShardCache
 from gpuyard.data.dataset import DatasetVersion
-from gpuyard.data.loader import POSITION_KEY, LoaderConfig, ShardDataset, ShardLoader, topology
+from gpuyard.data.loader import LoaderConfig, ShardDataset, ShardLoader
+from gpuyard.data.loader_config import POSITION_KEY, topology
 from gpuyard.errors import ConfigError
 
 pytestmark = pytest.mark.unit

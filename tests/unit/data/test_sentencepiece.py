@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tests.llm_fixtures import corpus
 
-from gpuyard.data import tokens as tokens_mod
+from gpuyard.data import tokenizer as tokenizer_mod
 from gpuyard.data.text import ingest_text
 from gpuyard.data.tokens import load_tokenizer, tokenize, tokenizer_bytes
 from gpuyard.errors import ConfigError
@@ -92,7 +92,7 @@ def test_corrupt_or_unsupported_sentencepiece_files_are_refused_in_one_line(
     char = train_spm(tmp_path / "char.model", "char", byte_fallback=False)
     with pytest.raises(ConfigError, match="is a SentencePiece char model; gpuyard reads unigram and BPE"):
         load_tokenizer(char)
-    monkeypatch.setattr(tokens_mod, "MAX_SENTENCEPIECE_BYTES", 1000)
+    monkeypatch.setattr(tokenizer_mod, "MAX_SENTENCEPIECE_BYTES", 1000)
     with pytest.raises(ConfigError, match=r"bytes is too large for a tokenizer \(at most 1000\)"):
         load_tokenizer(good)
 

@@ -12,8 +12,9 @@ import pytest
 from tests.llm_fixtures import corpus, tokenizer_folder
 
 from gpuyard.data import open_dataset
+from gpuyard.data.packing import IGNORE, pack
 from gpuyard.data.text import TextOptions, ingest_text
-from gpuyard.data.tokens import IGNORE, load_tokenizer, pack, packed_batches, tokenize
+from gpuyard.data.tokens import load_tokenizer, packed_batches, tokenize
 from gpuyard.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -192,7 +193,7 @@ def test_pack_truncates_or_drops_over_long_documents_and_keeps_masks() -> None:
 
 
 def _chat_tokenizer(tmp_path: Path) -> Path:
-    from gpuyard.data.tokens import train_tokenizer
+    from gpuyard.data.tokenizer_train import train_tokenizer
 
     markers = ("<|system|>", "<|user|>", "<|assistant|>")
     return train_tokenizer(corpus(300, seed=1), tmp_path / "chat-tok", vocab_size=220, extra_tokens=markers)

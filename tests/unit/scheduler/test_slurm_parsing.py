@@ -7,13 +7,9 @@ from pathlib import Path
 import pytest
 
 from gpuyard.errors import ConfigError
-from gpuyard.scheduler.executors.slurm import (
-    SlurmConfig,
-    exit_from_state,
-    instance_tag,
-    parse_gres_gpus,
-    parse_kv_line,
-)
+from gpuyard.scheduler.executors.slurm_config import SlurmConfig, instance_tag
+from gpuyard.scheduler.executors.slurm_nodes import parse_gres_gpus
+from gpuyard.scheduler.executors.slurm_states import exit_from_state, parse_kv_line
 
 pytestmark = pytest.mark.unit
 

@@ -13,8 +13,10 @@ import pytest
 
 from gpuyard.errors import ConfigError, StoreError
 from gpuyard.scheduler.executors.base import LaunchPlan, NodeSlots
-from gpuyard.scheduler.executors.slurm import RDZV_PLACEHOLDER, SlurmConfig, SlurmExecutor, exit_from_state
+from gpuyard.scheduler.executors.slurm import SlurmConfig, SlurmExecutor
 from gpuyard.scheduler.executors.slurm_batch import SlurmBatch
+from gpuyard.scheduler.executors.slurm_script import RDZV_PLACEHOLDER
+from gpuyard.scheduler.executors.slurm_states import exit_from_state
 from gpuyard.scheduler.spec import parse_spec
 
 pytestmark = pytest.mark.unit

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gpuyard.scheduler.executors import slurm as slurm_mod
+from gpuyard.scheduler.executors import slurm_poll, slurm_states, slurm_tools
 from gpuyard.scheduler.executors.base import ExecutorUnreachable
 from gpuyard.scheduler.executors.slurm import SlurmExecutor
 from gpuyard.scheduler.spec import parse_spec
@@ -77,7 +77,7 @@ class FakeSlurm:
         return self._done(argv, f"{job.id}\n")
 
     def _squeue(self, argv: list[str]) -> Any:
-        active = [j for j in self.jobs.values() if j.state in slurm_mod.ACTIVE]
+        active = [j for j in self.jobs.values() if j.state in slurm_states.ACTIVE]
         if "-j" in argv:
             wanted = {int(x) for x in argv[argv.index("-j") + 1].split(",")}
             if not wanted & set(self.jobs):
@@ -138,10 +138,10 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
         run = staticmethod(slurm.run)
         TimeoutExpired = subprocess.TimeoutExpired
 
-    monkeypatch.setattr(slurm_mod, "subprocess", Subprocess)
-    monkeypatch.setattr(slurm_mod.shutil, "which", lambda tool, path=None: f"/usr/bin/{tool}")
-    monkeypatch.setattr(slurm_mod, "STATES_TTL_S", -1.0)  # every poll asks: the test sets each answer
-    monkeypatch.setattr(slurm_mod, "UNREACHABLE_RETRY_S", -1.0)
+    monkeypatch.setattr(slurm_tools, "subprocess", Subprocess)
+    monkeypatch.setattr(slurm_poll.shutil, "which", lambda tool, path=None: f"/usr/bin/{tool}")
+    monkeypatch.setattr(slurm_poll, "STATES_TTL_S", -1.0)  # every poll asks: the test sets each answer
+    monkeypatch.setattr(slurm_poll, "UNREACHABLE_RETRY_S", -1.0)
     return slurm
 
 
@@ -189,7 +189,7 @@ def test_a_failing_scontrol_after_squeue_answered_is_unknown_too(
     monkeypatch.setattr(fake, "_scontrol", lambda argv: fake._done(argv, rc=1, err="Permission denied\n"))
     assert ex.poll(handle) is None  # any failure that is not "no such job" is no answer
     monkeypatch.setattr(fake, "_scontrol", original)
-    assert ex.poll(handle) == slurm_mod.exit_from_state("COMPLETED", "0:0", "Unknown")
+    assert ex.poll(handle) == slurm_states.exit_from_state("COMPLETED", "0:0", "Unknown")
 
 
 def test_a_job_still_ending_is_not_ended(fake: FakeSlurm, tmp_path: Path) -> None:
@@ -236,11 +236,11 @@ def test_a_failed_attempt_ends_only_once_its_silent_node_answers(
     assert status is not None and status.describe() == "a node of the job failed (Slurm NODE_FAIL)"
     assert status.notes == ()
     fake.node_states["n2"] = "DOWN+NOT_RESPONDING"
-    monkeypatch.setattr(slurm_mod, "SILENT_NODE_WAIT_S", 0.0)
+    monkeypatch.setattr(slurm_poll, "SILENT_NODE_WAIT_S", 0.0)
     status = ex.poll(handle)
     assert status is not None and status.notes[0].startswith("its tasks on n2 may still run")
     fake.jobs[1].state, fake.jobs[1].exit = "COMPLETED", "0:0"  # a success is never held
-    monkeypatch.setattr(slurm_mod, "SILENT_NODE_WAIT_S", 300.0)
+    monkeypatch.setattr(slurm_poll, "SILENT_NODE_WAIT_S", 300.0)
     assert ex.poll(handle).code == 0  # type: ignore[union-attr]
 
 
@@ -308,7 +308,7 @@ def test_the_service_polls_slurm_outside_the_stores_write_lock(
         return run(argv, **kwargs)
 
     fake.down = "refused"
-    slurm_mod.subprocess.run = staticmethod(watching)  # type: ignore[attr-defined]
+    slurm_tools.subprocess.run = staticmethod(watching)  # type: ignore[attr-defined]
     for _ in range(3):
         service.tick()
     assert seen and not any(seen)  # every Slurm call ran with the store free for the API
@@ -415,7 +415,7 @@ def test_an_outside_scancel_is_cancelled_in_slurm_and_restarts_only_as_the_spec_
 
 
 def test_node_states_stay_as_they_are_while_slurm_does_not_answer(service: Any, fake: FakeSlurm) -> None:
-    from gpuyard.scheduler.executors.slurm import SlurmNodeMonitor
+    from gpuyard.scheduler.executors.slurm_monitor import SlurmNodeMonitor
 
     monitor = SlurmNodeMonitor(service, service.executor)
     fake.node_states["n2"] = "DOWN+NOT_RESPONDING"

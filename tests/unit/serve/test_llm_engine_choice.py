@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 
 
 def _folder(tmp: Path, head: int = 32, eos: object = 0) -> Path:
-    from gpuyard.data.tokens import train_tokenizer
+    from gpuyard.data.tokenizer_train import train_tokenizer
 
     folder = train_tokenizer(corpus(60), tmp / "m", vocab_size=120, extra_tokens=["<|user|>"])
     cfg = {"hidden_size": head * 2, "num_attention_heads": 2, "max_position_embeddings": 128}

@@ -249,6 +249,30 @@ def test_a_cancelled_request_frees_its_slot_and_row_and_a_prefilling_one_its_kv(
     assert isinstance(third.emit.end, Finished) and d.ex.rows == []
 
 
+def test_a_short_request_passes_a_long_one_and_a_dropped_stream_leaves_before_its_max_tokens() -> None:
+    """The server's dropped stream, step by step: a short request joins a long one's running batch and
+    finishes first; the client of the long one hangs up (the app cancels it) and it leaves the batch
+    at the next iteration, far from its max_tokens, with no end event."""
+    d = make(max_batch=2)
+    long = request("long", 4, 200)
+    d.sched.submit(long)
+    d.step(3)
+    assert d.ex.rows == [long] and len(long.generated) == 4
+    short = request("short", 2, 3)
+    d.sched.submit(short)
+    d.step()  # admitted, prefilled (its first token) and decoded beside the long one
+    assert d.ex.rows == [long, short] and len(short.generated) == 2
+    d.step()  # its third token: it finishes and leaves within this iteration
+    assert short.emit.end == Finished(FinishReason.LENGTH, 2, 3) and short.emit.text == "hhh"
+    assert d.ex.rows == [long] and long.finish_reason is None and len(long.generated) == 6
+    d.sched.cancel(long)  # the client closed its stream
+    assert d.sched.admitted == []
+    d.ex.calls.clear()
+    d.until_idle()
+    assert d.ex.calls == [("remove", 0)]  # it leaves before any further decoding step
+    assert d.ex.rows == [] and len(long.generated) == 6 and long.emit.end is None
+
+
 @pytest.mark.parametrize(
     ("tokens", "params", "stop_ids", "text", "reason", "completion"),
     [

@@ -10,7 +10,8 @@ import pytest
 import torch
 from tests.llm_fixtures import corpus
 
-from gpuyard.data.tokens import load_tokenizer, train_tokenizer
+from gpuyard.data.tokenizer_train import train_tokenizer
+from gpuyard.data.tokens import load_tokenizer
 from gpuyard.train.hf import causal_lm, save_hf
 
 pytestmark = pytest.mark.unit

@@ -60,7 +60,7 @@ class Engine:
 
     Args:
         model: a transformers causal LM (eval mode, on ``device``).
-        tokenizer: gpuyard's :class:`~gpuyard.data.tokens.LoadedTokenizer`.
+        tokenizer: gpuyard's :class:`~gpuyard.data.tokenizer.LoadedTokenizer`.
         context_length: most tokens (prompt + generated) of a request.
         max_batch: most requests decoding (or being prefilled) at once.
         max_queue: most requests waiting to join; more are refused (:class:`QueueFull`).

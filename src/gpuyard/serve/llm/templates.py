@@ -177,7 +177,7 @@ def main() -> None:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     head = json.loads(stdin.readline())
     max_chars = int(head["max_chars"])
-    # The environment gpuyard.data.tokens.render_chat renders chat datasets with. Compiling may fail
+    # The environment gpuyard.data.tokenizer.render_chat renders chat datasets with. Compiling may fail
     # like rendering does (jinja folds constant expressions such as 'x' * 10**10 while compiling).
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     compiled = _guarded(lambda: env.from_string(head["template"]), max_chars)

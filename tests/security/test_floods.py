@@ -170,13 +170,11 @@ def test_half_sent_headers_are_cut_off_and_an_address_over_its_cap_gets_429_with
     # Half a request (no blank line after the headers), and a connection that sends nothing.
     half, idle = _connect(port), _connect(port)
     half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
-    t0 = time.monotonic()
     for sock in (half, idle):
-        answer = _read_all(sock, timeout=15)  # returns at the server's close (EOF)
+        answer = _read_all(sock, timeout=15)  # returns at the server's close (EOF), else empty
         assert answer.startswith(b"HTTP/1.1 408"), answer
         assert b"request headers not received within 1.5 s" in answer
         sock.close()
-    assert time.monotonic() - t0 < 15
     # 20 connections without a token are the address's share; the 21st and later are in the reserve.
     share = [_connect(port) for _ in range(20)]
     try:

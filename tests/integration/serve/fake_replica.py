@@ -73,6 +73,9 @@ class FakeReplica:
                 head = await r.readuntil(b"\r\n\r\n")
                 lines = head.decode().split("\r\n")
                 hdr = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+                if "content-length" not in hdr:  # a GET (the gateway's /metrics scrape): nothing here
+                    w.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    continue
                 if self.keep_keys:
                     self.keys.append(hdr.get("authorization", ""))
                 body = json.loads(await r.readexactly(int(hdr["content-length"])))

@@ -176,3 +176,15 @@ def test_hostile_clients_are_refused_or_bounded_without_wedging_others(
 
 def _metrics(g: Gatewayed) -> bytes:
     return httpx.get(f"{g.url}/metrics", headers=AUTH, timeout=30).content
+
+
+def test_a_pooled_connection_too_old_to_reuse_is_closed(served: tuple[Gatewayed, FakeReplica]) -> None:
+    g, replica = served
+    r = httpx.post(f"{g.url}/v1/completions", json=_body("stream"), headers=AUTH, timeout=30)
+    assert r.status_code == 200
+    assert replica.open == 1 and len(g.gw._pools[0].idle) == 1
+    # Past the reuse window (3 s) the watcher closes it: the replica sees its connection end, and the
+    # gateway holds no descriptor for it.
+    wait_for(lambda: replica.open == 0, timeout=60)
+    assert not g.gw._pools[0].idle
+    assert b'gpuyard_gateway_pooled_connections{replica="0"} 0.0' in _metrics(g)

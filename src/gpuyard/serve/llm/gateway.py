@@ -194,14 +194,16 @@ class Gateway:
 
     # ----- replicas --------------------------------------------------------------------------------
     async def watch(self) -> None:
-        """Replace each replica whose process exits, and cut streams whose client stopped reading,
-        until the gateway stops."""
+        """Replace each replica whose process exits, cut streams whose client stopped reading, and
+        close pooled connections too old to reuse, until the gateway stops."""
         loop = asyncio.get_running_loop()
         while not self.stopping:
             now = loop.time()
             for relayed in list(self._relays):
                 if relayed.sending_since and now - relayed.sending_since > self.write_stall_s:
                     relayed.cut()
+            for pool in self._pools.values():
+                pool.reap()
             for replica in self.replicas:
                 code = replica.exited()
                 if code is not None and replica.index not in self._replacing and not self.stopping:

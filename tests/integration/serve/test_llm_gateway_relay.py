@@ -37,6 +37,7 @@ class Gatewayed:
         cfg = VllmConfig(folder=Path("/nonexistent"), name="m", context=256)
         self.gw = Gateway(cfg, [rep], GatewayLimits(max_body_bytes=4096, vocab=1000))
         self.gw.write_stall_s = 1.0
+        self.gw.body_timeout_s = 2.0
         app = KeyGate(build_gateway_app(self.gw), Access(key_hash(KEY), None, False), openai_body)
         self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical", lifespan="on")
@@ -188,3 +189,17 @@ def test_a_pooled_connection_too_old_to_reuse_is_closed(served: tuple[Gatewayed,
     wait_for(lambda: replica.open == 0, timeout=60)
     assert not g.gw._pools[0].idle
     assert b'gpuyard_gateway_pooled_connections{replica="0"} 0.0' in _metrics(g)
+
+
+def test_a_body_sent_too_slowly_is_answered_408_and_its_connection_closed(
+    served: tuple[Gatewayed, FakeReplica],
+) -> None:
+    g, replica = served
+    with socket.create_connection(("127.0.0.1", g.port), timeout=120) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b'\r\nContent-Length: 100\r\n\r\n{"model"'
+        )
+        got = b"".join(iter(lambda: s.recv(65536), b""))  # until the gateway closes it
+    assert got.startswith(b"HTTP/1.1 408 ") and b"request body not received within 2 s" in got
+    assert g.outstanding() == 0 and replica.connections == 0

@@ -41,7 +41,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from gpuyard.api.limits import DEFAULT_HEADER_TIMEOUT_S
+from gpuyard.api.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 from gpuyard.errors import ConfigError, GpuyardError
 from gpuyard.serve.access import read_body
 from gpuyard.serve.llm import vllm_engine
@@ -121,6 +121,7 @@ class Gateway:
         )
         self.stopping = False
         self.write_stall_s = WRITE_STALL_S
+        self.body_timeout_s = DEFAULT_BODY_TIMEOUT_S
         self._pools: dict[int, Upstream] = {}
         self._relays: set[_Relayed] = set()
         self._replacing: set[int] = set()
@@ -423,6 +424,12 @@ class Unavailable(GpuyardError):
     http_status = 503
 
 
+class BodyTimeout(GpuyardError):
+    """The request's body did not arrive in time (408; the connection is closed)."""
+
+    http_status = 408
+
+
 def build_gateway_app(gw: Gateway, created: int | None = None) -> FastAPI:
     """The gateway's HTTP API (module docstring); the key check wraps it (KeyGate). Its lifespan runs
     :meth:`Gateway.watch` (serve it with ``lifespan="on"``)."""
@@ -454,10 +461,17 @@ def build_gateway_app(gw: Gateway, created: int | None = None) -> FastAPI:
 
     @app.exception_handler(GpuyardError)
     async def _bad(request: Request, exc: GpuyardError) -> JSONResponse:
-        return error_response(exc, gw.requests)
+        answer = error_response(exc, gw.requests)
+        if isinstance(exc, BodyTimeout):
+            answer.headers["connection"] = "close"  # the rest of the body would be read as a request
+        return answer
 
     async def _checked(request: Request, cls: type[_Body]) -> tuple[bytes, Any]:
-        raw = await read_body(request, gw.limits.max_body_bytes)
+        try:  # a client sending its body slowly, or not at all, holds its connection this long at most
+            async with asyncio.timeout(gw.body_timeout_s):  # inline: a refusal is sent at once
+                raw = await read_body(request, gw.limits.max_body_bytes)
+        except asyncio.TimeoutError:
+            raise BodyTimeout(f"request body not received within {gw.body_timeout_s:g} s") from None
         body = await asyncio.to_thread(_parse_body, raw, cls)
         if body.model not in cards:
             serving = ", ".join(map(repr, cards))

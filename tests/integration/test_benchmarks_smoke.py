@@ -67,6 +67,7 @@ SMOKE: dict[str, tuple[Callable[[], list[str]], Callable[[], str | None]]] = {
     "eta_accuracy": (list, lambda: None),
     "fabric_accuracy": (list, lambda: None),
     "fabric_placement": (_trace_args("--trace", philly=True), _no_traces),
+    "llm_gateway_soak": (list, lambda: None),
     "llm_long_prompt": (list, lambda: _missing_modules("transformers")),
     "llm_serve": (list, lambda: _missing_modules("transformers")),
     "llm_train": (list, lambda: _missing_modules("transformers", "accelerate")),

@@ -35,6 +35,11 @@ team's jobs and clients, so caps counted by address alone let one team's job ref
 
 What the guard did is logged at most once per ``LOG_EVERY_S`` as one line per holder, never per
 connection.
+
+The model servers gpuyard starts (the vLLM gateway and the language-model server of ``gpuyard serve``
+and ``gpuyard deploy``) are served through the same guard (:func:`model_server_guard`,
+:func:`guarded_uvicorn`): the header timeout and the total and per-address caps, no teams (their key
+gate says who may call) and no cap on requests in flight beyond the connections.
 """
 
 from __future__ import annotations
@@ -177,6 +182,7 @@ class ConnectionGuard:
         identify: Callable[[str], str] | None = None,
         per_team: int = DEFAULT_MAX_PER_TEAM,
         per_team_requests: int = DEFAULT_MAX_REQUESTS_PER_TEAM,
+        command: str | None = "gpuyard server",
     ) -> None:
         if (
             min(max_connections, per_address, reserve, per_team, per_team_requests) < 1
@@ -187,6 +193,8 @@ class ConnectionGuard:
         self.per_team, self.per_team_requests = per_team, per_team_requests
         self.header_timeout_s = header_timeout_s
         self.identify = identify
+        # The command whose options set the caps, named in refusals (None: they are not options).
+        self.command = command
         self.conns: dict[tuple[str, int] | None, _Conn] = {}  # by peer, as in the ASGI scope's client
         self.by_holder: dict[str, OrderedDict[int, _Conn]] = {}  # oldest first
         self.in_flight: Counter[str] = Counter()  # requests being served, by holder
@@ -210,6 +218,7 @@ class ConnectionGuard:
         identify: Callable[[str], str] | None = None,
         per_team: int = DEFAULT_MAX_PER_TEAM,
         per_team_requests: int = DEFAULT_MAX_REQUESTS_PER_TEAM,
+        command: str | None = "gpuyard server",
     ) -> tuple[ConnectionGuard, str | None]:
         """A guard whose caps fit ``nofile`` descriptors, and a note when they had to be lowered.
 
@@ -218,29 +227,52 @@ class ConnectionGuard:
         """
         budget = max(nofile - FD_MARGIN, nofile // 2)
         notes = []
+
+        def named(option: str, cap: str) -> str:  # the option that sets a cap, else the cap's name
+            return option if command else cap
+
+        total = named("--max-connections", "the connection cap")
         if max_connections + reserve > budget:
             reserve = max(1, min(reserve, budget // 16))
             lowered = max(1, budget - reserve)
             notes.append(
-                f"--max-connections {max_connections} lowered to {lowered}: the open-file limit is {nofile} "
+                f"{total} {max_connections} lowered to {lowered}: the open-file limit is {nofile} "
                 "(raise the hard limit, e.g. LimitNOFILE= in the systemd unit, for more)"
             )
             max_connections = lowered
         half = max(1, max_connections // 2)
         for option, value in (("per-address", per_address), ("per-team", per_team)):
-            if value > half:
+            if value > half and (command is not None or option == "per-address"):
                 notes.append(
-                    f"--max-connections-{option} {value} lowered to {half}: one holder's share is at most "
-                    f"half of --max-connections ({max_connections})"
+                    f"{named('--max-connections-' + option, 'the cap ' + option.replace('-', ' '))} {value} "
+                    f"lowered to {half}: one holder's share is at most half of {total} ({max_connections})"
                 )
         per_address, per_team = min(per_address, half), min(per_team, half)
         guard = cls(
-            max_connections, per_address, reserve, header_timeout_s, identify, per_team, per_team_requests
+            max_connections,
+            per_address,
+            reserve,
+            header_timeout_s,
+            identify,
+            per_team,
+            per_team_requests,
+            command,
         )
         return guard, "; ".join(notes) or None
 
+    def _via(self, option: str, otherwise: str = "") -> str:
+        """`` (COMMAND OPTION)`` naming what sets a cap, or `` (OTHERWISE)`` where no option does."""
+        if self.command is not None:
+            return f" ({self.command} {option})"
+        return f" ({otherwise})" if otherwise else ""
+
     def describe(self) -> str:
         """One phrase for the server's startup line."""
+        if self.identify is None:
+            return (
+                f"connections: {self.per_address} per client address, at most {self.max_connections} "
+                f"(+{self.reserve}), request headers within {self.header_timeout_s:g} s"
+            )
         return (
             f"connections: {self.per_team} per team and {self.per_team_requests} of its requests in flight, "
             f"{self.per_address} per address until a token names the team, at most "
@@ -332,8 +364,7 @@ class ConnectionGuard:
         self._sweep = None
         now = time.monotonic()
         detail = (
-            f"request headers not received within {self.header_timeout_s:g} s "
-            "(gpuyard server --header-timeout)"
+            f"request headers not received within {self.header_timeout_s:g} s{self._via('--header-timeout')}"
         )
         closed = 0
         while self.waiting and closed < SWEEP_BATCH:
@@ -366,8 +397,8 @@ class ConnectionGuard:
 
     def _full_detail(self) -> str:
         return (
-            f"server busy: {len(self.conns)} connections open, every one with a request in flight "
-            f"(gpuyard server --max-connections {self.max_connections})"
+            f"server busy: {len(self.conns)} connections open, every one with a request in flight"
+            + self._via(f"--max-connections {self.max_connections}", f"at most {self.max_connections}")
         )
 
     # -- the application side ----------------------------------------------------------------------
@@ -429,28 +460,35 @@ class ConnectionGuard:
             return (
                 429,
                 f"too many requests of {who} in flight: {self.in_flight[holder]}, at most "
-                f"{self.per_team_requests} (gpuyard server --max-requests-per-team); retry when they end",
+                f"{self.per_team_requests}{self._via('--max-requests-per-team')}; retry when they end",
             ), None
         self.in_flight[holder] += 1
         return None, holder
 
     def _over_detail(self, conn: _Conn) -> tuple[int, str]:
         mine = len(self.by_holder.get(conn.holder, ()))
+        tokens = self.identify is not None  # a token can charge the connection to a team
+        if conn.over == "total" and self.identify is None:
+            return 503, (
+                f"server at its connection cap: {len(self.conns)} open, at most {self.max_connections}"
+                f"{self._via('--max-connections')}; retry shortly"
+            )
         if conn.over == "total":
             return 503, (
                 f"server at its connection cap: {len(self.conns)} open, at most {self.max_connections} "
-                "without a token (gpuyard server --max-connections); retry shortly, with a token"
+                f"without a token{self._via('--max-connections')}; retry shortly, with a token"
             )
         if conn.holder.startswith(TEAM_PREFIX):
             return 429, (
                 f"too many connections of team {conn.holder[len(TEAM_PREFIX) :]}: {mine} open, at most "
-                f"{self.per_team} per team (gpuyard server --max-connections-per-team); close idle ones "
+                f"{self.per_team} per team{self._via('--max-connections-per-team')}; close idle ones "
                 "and retry"
             )
         return 429, (
-            f"too many connections from {conn.address}: {mine} open without a token, at most "
-            f"{self.per_address} per address (gpuyard server --max-connections-per-address); close idle "
-            "ones and retry, or send a token: a team's requests count against its own share"
+            f"too many connections from {conn.address}: {mine} open{' without a token' if tokens else ''}, "
+            f"at most {self.per_address} per address{self._via('--max-connections-per-address')}; close "
+            "idle ones and retry"
+            + (", or send a token: a team's requests count against its own share" if tokens else "")
         )
 
     async def _holder(self, scope: Scope) -> str | None:
@@ -572,3 +610,26 @@ async def _answer(send: Send, status: int, detail: str) -> None:
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def model_server_guard(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> ConnectionGuard:
+    """The connection limits of a model server (the vLLM gateway, the language-model server): request
+    headers within ``header_timeout_s``, the total and per-address caps fitted to the open-file limit
+    (raised to its hard limit), no teams and no cap on requests in flight beyond the connections (the
+    server's key gate says who may call; its engine queues the work)."""
+    guard, note = ConnectionGuard.fitted(
+        raise_nofile_limit(),
+        header_timeout_s=header_timeout_s,
+        per_team_requests=DEFAULT_MAX_CONNECTIONS + DEFAULT_RESERVE,
+        command=None,
+    )
+    if note is not None:
+        logging.getLogger("gpuyard.serve").warning("%s", note)
+    return guard
+
+
+def guarded_uvicorn(app: Any, guard: ConnectionGuard) -> dict[str, Any]:
+    """The ``app`` and ``http`` arguments of ``uvicorn.Config`` that serve ``app`` under ``guard``."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    return {"app": guard.wrap(app), "http": guarded_protocol(AutoHTTPProtocol, guard)}

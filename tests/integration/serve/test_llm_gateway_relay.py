@@ -6,7 +6,6 @@ event), a client that never reads (cut, others served), malformed answers, hosti
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import threading
@@ -16,103 +15,11 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.integration.serve.fake_replica import AUTH, KEY, FakeReplica
+from tests.integration.serve.fake_replica import event as _event
 from tests.waiting import free_port, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-
-KEY = "gyk_gateway-relay-key-0123456789"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def _event(i: int, pad: int = 0) -> bytes:
-    ev = {
-        "id": "cmpl-1",
-        "object": "text_completion",
-        "choices": [{"index": 0, "text": f" t{i}" + "x" * pad}],
-    }
-    return b"data: " + json.dumps(ev).encode() + b"\n\n"
-
-
-def _chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-class FakeReplica:
-    """A replica on a loopback port: the prompt says how it answers (``stream``, ``die``, ``hold``,
-    ``flood``, ``badhead``, ``json``, ``refuse``); it records the key it was sent and its connections."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.key = "gyv_replica-key"
-        self.connections = 0
-        self.open = 0
-        self.keys: list[str] = []
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-        assert self.ready.wait(30)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-
-        async def main() -> None:
-            await asyncio.start_server(self._handle, "127.0.0.1", self.port)
-            self.ready.set()
-            await asyncio.Event().wait()
-
-        self.loop.run_until_complete(main())
-
-    async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        self.open += 1
-        try:
-            while True:
-                head = await r.readuntil(b"\r\n\r\n")
-                lines = head.decode().split("\r\n")
-                hdr = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
-                self.keys.append(hdr.get("authorization", ""))
-                body = json.loads(await r.readexactly(int(hdr["content-length"])))
-                how = body["prompt"]
-                if how == "json" or how == "refuse":
-                    data = json.dumps({"choices": [{"text": "whole"}]} if how == "json" else {"error": "no"})
-                    status = b"200 OK" if how == "json" else b"400 Bad Request"
-                    w.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                            % (status, len(data), data.encode()))  # fmt: skip
-                    continue
-                if how == "badhead":
-                    w.write(b"SPDY/9 nonsense\r\n\r\n")
-                    await w.drain()
-                    return
-                w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-                        b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
-                if how == "stream":
-                    # Several events in one write and one event split over two: the relay's framing.
-                    w.write(_chunk(_event(0)) + _chunk(_event(1)))
-                    split = _chunk(_event(2))
-                    w.write(split[:7])
-                    await w.drain()
-                    w.write(split[7:] + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
-                    await w.drain()
-                    continue
-                if how == "die":
-                    w.write(_chunk(_event(0)))
-                    await w.drain()
-                    return
-                if how == "hold":
-                    w.write(_chunk(_event(0)))
-                    await w.drain()
-                    await r.read()  # until the gateway closes the connection
-                    return
-                if how == "flood":
-                    for i in range(100_000):  # until the gateway stops reading or closes
-                        w.write(_chunk(_event(i, pad=2000)))
-                        await w.drain()
-                    return
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            self.open -= 1
-            w.close()
 
 
 class Gatewayed:
@@ -130,6 +37,7 @@ class Gatewayed:
         cfg = VllmConfig(folder=Path("/nonexistent"), name="m", context=256)
         self.gw = Gateway(cfg, [rep], GatewayLimits(max_body_bytes=4096, vocab=1000))
         self.gw.write_stall_s = 1.0
+        self.gw.body_timeout_s = 2.0
         app = KeyGate(build_gateway_app(self.gw), Access(key_hash(KEY), None, False), openai_body)
         self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical", lifespan="on")
@@ -269,3 +177,29 @@ def test_hostile_clients_are_refused_or_bounded_without_wedging_others(
 
 def _metrics(g: Gatewayed) -> bytes:
     return httpx.get(f"{g.url}/metrics", headers=AUTH, timeout=30).content
+
+
+def test_a_pooled_connection_too_old_to_reuse_is_closed(served: tuple[Gatewayed, FakeReplica]) -> None:
+    g, replica = served
+    r = httpx.post(f"{g.url}/v1/completions", json=_body("stream"), headers=AUTH, timeout=30)
+    assert r.status_code == 200
+    assert replica.open == 1 and len(g.gw._pools[0].idle) == 1
+    # Past the reuse window (3 s) the watcher closes it: the replica sees its connection end, and the
+    # gateway holds no descriptor for it.
+    wait_for(lambda: replica.open == 0, timeout=60)
+    assert not g.gw._pools[0].idle
+    assert b'gpuyard_gateway_pooled_connections{replica="0"} 0.0' in _metrics(g)
+
+
+def test_a_body_sent_too_slowly_is_answered_408_and_its_connection_closed(
+    served: tuple[Gatewayed, FakeReplica],
+) -> None:
+    g, replica = served
+    with socket.create_connection(("127.0.0.1", g.port), timeout=120) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b'\r\nContent-Length: 100\r\n\r\n{"model"'
+        )
+        got = b"".join(iter(lambda: s.recv(65536), b""))  # until the gateway closes it
+    assert got.startswith(b"HTTP/1.1 408 ") and b"request body not received within 2 s" in got
+    assert g.outstanding() == 0 and replica.connections == 0

@@ -15,6 +15,11 @@ the gateway holds. For every request it:
   comes (server-sent events pass through chunk by chunk; a client that hangs up closes the upstream
   request, which vLLM aborts).
 
+Connections are those of every gpuyard model server (:func:`gpuyard.api.connections.model_server_guard`):
+a request's headers must be complete within the header timeout of the connection opening or of its
+previous answer (else 408 and closed: a client that sends half a request head and idles holds nothing),
+and the open connections are capped in total and per client address, fitted to the open-file limit.
+
 A replica whose process exits is reported in one line, its requests in flight answered 503 (or, in a
 stream already begun, one error event), and a replacement is started; ``on_replaced`` records it (a
 deployment's record). ``/metrics`` serves the gateway's own series and every replica's (vLLM's, with a
@@ -36,6 +41,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from gpuyard.api.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 from gpuyard.errors import ConfigError, GpuyardError
 from gpuyard.serve.access import read_body
 from gpuyard.serve.llm import vllm_engine
@@ -107,8 +113,15 @@ class Gateway:
         self.restarts = Counter(
             "gpuyard_gateway_replica_restarts", "Replicas replaced", registry=self.registry
         )
+        self.pooled = Gauge(
+            "gpuyard_gateway_pooled_connections",
+            "Idle kept-alive connections to each replica",
+            ["replica"],
+            registry=self.registry,
+        )
         self.stopping = False
         self.write_stall_s = WRITE_STALL_S
+        self.body_timeout_s = DEFAULT_BODY_TIMEOUT_S
         self._pools: dict[int, Upstream] = {}
         self._relays: set[_Relayed] = set()
         self._replacing: set[int] = set()
@@ -182,14 +195,16 @@ class Gateway:
 
     # ----- replicas --------------------------------------------------------------------------------
     async def watch(self) -> None:
-        """Replace each replica whose process exits, and cut streams whose client stopped reading,
-        until the gateway stops."""
+        """Replace each replica whose process exits, cut streams whose client stopped reading, and
+        close pooled connections too old to reuse, until the gateway stops."""
         loop = asyncio.get_running_loop()
         while not self.stopping:
             now = loop.time()
             for relayed in list(self._relays):
                 if relayed.sending_since and now - relayed.sending_since > self.write_stall_s:
                     relayed.cut()
+            for pool in self._pools.values():
+                pool.reap()
             for replica in self.replicas:
                 code = replica.exited()
                 if code is not None and replica.index not in self._replacing and not self.stopping:
@@ -248,6 +263,8 @@ class Gateway:
             except Exception:  # a replica being replaced has no metrics for now
                 return ""
 
+        for index, pool in list(self._pools.items()):
+            self.pooled.labels(str(index)).set(len(pool.idle))
         texts = await asyncio.gather(*(scrape(r) for r in self.replicas))
         merged: dict[str, Any] = {}
         for r, text in zip(self.replicas, texts, strict=True):
@@ -407,6 +424,12 @@ class Unavailable(GpuyardError):
     http_status = 503
 
 
+class BodyTimeout(GpuyardError):
+    """The request's body did not arrive in time (408; the connection is closed)."""
+
+    http_status = 408
+
+
 def build_gateway_app(gw: Gateway, created: int | None = None) -> FastAPI:
     """The gateway's HTTP API (module docstring); the key check wraps it (KeyGate). Its lifespan runs
     :meth:`Gateway.watch` (serve it with ``lifespan="on"``)."""
@@ -438,10 +461,17 @@ def build_gateway_app(gw: Gateway, created: int | None = None) -> FastAPI:
 
     @app.exception_handler(GpuyardError)
     async def _bad(request: Request, exc: GpuyardError) -> JSONResponse:
-        return error_response(exc, gw.requests)
+        answer = error_response(exc, gw.requests)
+        if isinstance(exc, BodyTimeout):
+            answer.headers["connection"] = "close"  # the rest of the body would be read as a request
+        return answer
 
     async def _checked(request: Request, cls: type[_Body]) -> tuple[bytes, Any]:
-        raw = await read_body(request, gw.limits.max_body_bytes)
+        try:  # a client sending its body slowly, or not at all, holds its connection this long at most
+            async with asyncio.timeout(gw.body_timeout_s):  # inline: a refusal is sent at once
+                raw = await read_body(request, gw.limits.max_body_bytes)
+        except asyncio.TimeoutError:
+            raise BodyTimeout(f"request body not received within {gw.body_timeout_s:g} s") from None
         body = await asyncio.to_thread(_parse_body, raw, cls)
         if body.model not in cards:
             serving = ", ".join(map(repr, cards))
@@ -506,6 +536,38 @@ def build_gateway_app(gw: Gateway, created: int | None = None) -> FastAPI:
     return app
 
 
+def serve_gateway(
+    gw: Gateway,
+    access: Any,
+    sock: Any,
+    drain_s: float,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+) -> None:
+    """Serve ``gw`` on the listening socket ``sock`` to callers ``access`` accepts, under the model
+    servers' connection limits (module docstring), until SIGTERM/SIGINT; then wait at most ``drain_s``
+    for requests in flight."""
+    import uvicorn
+
+    from gpuyard.api.connections import guarded_uvicorn, model_server_guard
+    from gpuyard.serve.access import KeyGate, draining_server, openai_body
+
+    guard = model_server_guard(header_timeout_s)
+    print(f"gpuyard serve: {guard.describe()}", file=sys.stderr, flush=True)
+    config = uvicorn.Config(
+        **guarded_uvicorn(KeyGate(build_gateway_app(gw), access, openai_body), guard),
+        log_level="warning",
+        lifespan="on",
+        access_log=False,
+        timeout_graceful_shutdown=drain_s,  # type: ignore[arg-type]  # a float works (wait_for)
+        backlog=2048,
+    )
+
+    def inflight() -> str:
+        return ", ".join(f"{r.outstanding} on replica {r.index}" for r in gw.replicas if r.outstanding)
+
+    draining_server(config, inflight).run(sockets=[sock])
+
+
 def _loopback_port() -> int:
     import socket
 
@@ -535,10 +597,7 @@ def serve_vllm(
     import tempfile
     from pathlib import Path
 
-    import uvicorn
-
     from gpuyard.models.llm import serving_tokenizer as load_tokenizer
-    from gpuyard.serve.access import KeyGate, draining_server, openai_body
     from gpuyard.serve.listen import bind, url_of, watch_ready
     from gpuyard.settings import load_settings
 
@@ -587,15 +646,6 @@ def serve_vllm(
         specials = tuple(sorted({t.content for t in added if getattr(t, "special", False) and t.content}))
         limits = GatewayLimits(opts.max_body_bytes, tok.vocab_size, specials, opts.special_tokens)
         gw = Gateway(cfg, replicas, limits, on_replaced)
-        app = build_gateway_app(gw)
-        config = uvicorn.Config(
-            KeyGate(app, access, openai_body),
-            log_level="warning",
-            lifespan="on",
-            access_log=False,
-            timeout_graceful_shutdown=opts.drain_s,  # type: ignore[arg-type]  # a float works (wait_for)
-            backlog=2048,
-        )
         url = url_of(sock)
         pids: dict[str, Any] = {"server": os.getpid(), "replicas": [r.pid for r in replicas]}
         pids |= {"devices": [device] * len(replicas), "engine": "vllm"}
@@ -604,10 +654,7 @@ def serve_vllm(
         print(f"gpuyard serve: {ref} (language model, vLLM, {len(replicas)} replica(s), context "
               f"{cfg.context}) at {url}/v1 (OpenAI API)", file=sys.stderr, flush=True)  # fmt: skip
 
-        def inflight() -> str:
-            return ", ".join(f"{r.outstanding} on replica {r.index}" for r in replicas if r.outstanding)
-
-        draining_server(config, inflight).run(sockets=[sock])
+        serve_gateway(gw, access, sock, opts.drain_s)
     finally:
         if gw is not None:
             gw.stopping = True

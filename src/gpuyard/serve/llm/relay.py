@@ -12,7 +12,8 @@ vLLM needed (benchmarks/llm_serve.py, BENCHMARKS.md).
 Every read is bounded: a response head over :data:`MAX_HEAD_BYTES`, a malformed status line or chunk
 size, and a connection that ends before the last chunk are a failed replica (:class:`UpstreamError`).
 A connection goes back to its replica's pool only after a complete response; one that was idle longer
-than vLLM's keep-alive window is not reused.
+than vLLM's keep-alive window is not reused but closed (:meth:`Upstream.reap`, on every return to the
+pool and every half second from the gateway's watcher), so the pool holds no replica's closed ends.
 """
 
 from __future__ import annotations
@@ -216,10 +217,22 @@ class Upstream:
 
     def put_back(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         """Keep a connection whose response was read completely for the next request."""
+        self.reap()
         if len(self.idle) < POOL_SIZE and not w.is_closing() and not r.at_eof():
             self.idle.append((r, w, time.monotonic()))
         else:
             w.transport.abort()
+
+    def reap(self) -> None:
+        """Close the idle connections too old to reuse (the oldest are first: :meth:`_connect` takes
+        the newest), so that a pool that was once large does not hold the replica's closed ends."""
+        now = time.monotonic()
+        stale = 0
+        while stale < len(self.idle) and now - self.idle[stale][2] >= IDLE_REUSE_S:
+            self.idle[stale][1].transport.abort()
+            stale += 1
+        if stale:
+            del self.idle[:stale]
 
     def close(self) -> None:
         """Drop every idle connection (the replica is being replaced, or the gateway stops)."""

@@ -56,6 +56,7 @@ def serve_lm(
     ``access`` accepts. On SIGTERM it waits at most ``opts.drain_s`` for requests in flight."""
     import uvicorn
 
+    from gpuyard.api.connections import guarded_uvicorn, model_server_guard
     from gpuyard.serve.access import KeyGate, draining_server, openai_body
     from gpuyard.serve.llm.app import Limits, Metrics, build_app
     from gpuyard.serve.llm.engine import load_engine
@@ -65,8 +66,9 @@ def serve_lm(
     engine, info = load_engine(folder, opts.device, max_batch, max_queue or 8 * max_batch, metrics)
     limits = Limits(opts.max_body_bytes, opts.max_prompt_tokens, opts.special_tokens)
     app = build_app(engine, ref, info, limits)
+    # The connection limits of every model server: a request head within the header timeout, caps.
     config = uvicorn.Config(
-        KeyGate(app, access, openai_body),
+        **guarded_uvicorn(KeyGate(app, access, openai_body), model_server_guard()),
         host=opts.host,
         port=opts.port,
         log_level="warning",

@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse
 
 import gpuyard
 from gpuyard.api.body import BodyLimit
-from gpuyard.api.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from gpuyard.errors import GpuyardError, StoreError
+from gpuyard.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 # How long /ready waits for the database (a PostgreSQL that does not answer hangs a connect).
 READY_TIMEOUT_S = 5.0

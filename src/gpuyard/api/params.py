@@ -1,4 +1,4 @@
-"""Path and query parameter types with the bounds of :mod:`gpuyard.api.limits`."""
+"""Path and query parameter types with the bounds of :mod:`gpuyard.limits`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Path, Query
 
-from gpuyard.api.limits import MAX_ID, MAX_OFFSET, NAME_LEN, REF_LEN
+from gpuyard.limits import MAX_ID, MAX_OFFSET, NAME_LEN, REF_LEN
 
 JobId = Annotated[int, Path(ge=1, le=MAX_ID, description="a job id")]
 DeploymentId = Annotated[int, Path(ge=1, le=MAX_ID, description="a deployment id")]

@@ -8,14 +8,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from gpuyard.api.connections import (
+from gpuyard.connections import (
     ADMINS,
     ConnectionGuard,
     guarded_protocol,
     raise_nofile_limit,
     team_holder,
 )
-from gpuyard.api.limits import (
+from gpuyard.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,

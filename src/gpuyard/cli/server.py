@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import typer
 
-from gpuyard.api.limits import (
+from gpuyard.fabric.presets import list_presets
+from gpuyard.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -14,7 +15,6 @@ from gpuyard.api.limits import (
     DEFAULT_MAX_PER_TEAM,
     DEFAULT_MAX_REQUESTS_PER_TEAM,
 )
-from gpuyard.fabric.presets import list_presets
 from gpuyard.scheduler.executors.limits import DEFAULT_LOG_MB, DEFAULT_NOFILE, DEFAULT_PIDS
 from gpuyard.scheduler.fabric_placement import DEFAULT_MAX_WAIT_S
 from gpuyard.scheduler.policies import POLICIES

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from gpuyard.api.limits import DEFAULT_MAX_BODY_BYTES
+from gpuyard.limits import DEFAULT_MAX_BODY_BYTES
 
 from .conftest import LiveApi
 

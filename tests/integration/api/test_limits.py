@@ -11,7 +11,7 @@ import httpx
 import pytest
 from tests.waiting import wait_for
 
-from gpuyard.api.limits import MAX_OFFSET
+from gpuyard.limits import MAX_OFFSET
 
 from .conftest import LiveApi
 

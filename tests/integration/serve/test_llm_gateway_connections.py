@@ -1,5 +1,5 @@
 """The gateway's connections as a process of its own serves them (the model servers' connection guard,
-gpuyard.api.connections): clients that send half a request head and idle, or dribble it, are answered
+gpuyard.connections): clients that send half a request head and idle, or dribble it, are answered
 408 and closed once the header timeout passes, while an ordinary client is answered all along; a
 kept-alive connection's next head is due within the same timeout."""
 

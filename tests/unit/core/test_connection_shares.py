@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gpuyard.api.connections import ADMINS, ConnectionGuard, team_holder
+from gpuyard.connections import ADMINS, ConnectionGuard, team_holder
 
 pytestmark = pytest.mark.unit
 

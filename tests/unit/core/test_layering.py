@@ -19,8 +19,21 @@ pytestmark = pytest.mark.unit
 
 SRC = Path(gpuyard.__file__).parent
 # Modules every package may use: the package root (its version), errors, exit codes, settings,
-# references and state enums. They import nothing but each other.
-CORE = frozenset({"gpuyard", "errors", "exitcodes", "settings", "refs", "states", "textfiles", "privileged"})
+# references, state enums, request limits and the connection guard. They import nothing but each other.
+CORE = frozenset(
+    {
+        "gpuyard",
+        "errors",
+        "exitcodes",
+        "settings",
+        "refs",
+        "states",
+        "textfiles",
+        "privileged",
+        "limits",
+        "connections",
+    }
+)
 _FRONT = frozenset({"api", "web", "cli"})
 # Which packages each package may import besides CORE and itself: docs/architecture.md's picture.
 ALLOWED: dict[str, frozenset[str]] = {

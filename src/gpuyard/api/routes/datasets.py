@@ -11,9 +11,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 
 from gpuyard.api.auth import authenticated, team_listing
-from gpuyard.api.limits import NAME_LEN
 from gpuyard.api.params import Ref
 from gpuyard.auth import Principal, check_team, visible_team
+from gpuyard.limits import NAME_LEN
 
 router = APIRouter(prefix="/datasets", tags=["datasets"])
 

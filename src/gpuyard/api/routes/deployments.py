@@ -13,9 +13,9 @@ import httpx
 from fastapi import APIRouter, Depends, Query, Request
 
 from gpuyard.api.auth import authenticated, team_listing
-from gpuyard.api.limits import NAME_LEN, REF_LEN
 from gpuyard.api.params import DeploymentId
 from gpuyard.auth import Principal, check_team, visible_team
+from gpuyard.limits import NAME_LEN, REF_LEN
 from gpuyard.states import DeploymentState
 
 router = APIRouter(prefix="/deployments", tags=["deployments"])

@@ -11,10 +11,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuyard.api.auth import authenticated, team_listing
-from gpuyard.api.limits import NAME_LEN
 from gpuyard.api.params import JobId, Offset
 from gpuyard.auth import Principal, check_team, visible_team
 from gpuyard.errors import ConfigError, StoreError
+from gpuyard.limits import NAME_LEN
 from gpuyard.scheduler.eta import Forecaster, add_predictions, whatif_counts
 from gpuyard.scheduler.goodput import add_goodput
 from gpuyard.scheduler.spec import JobSpec, JobState

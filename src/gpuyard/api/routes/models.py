@@ -12,9 +12,9 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuyard.api.auth import authenticated, team_listing
-from gpuyard.api.limits import NAME_LEN, WORD_LEN
 from gpuyard.api.params import Ref, Version
 from gpuyard.auth import Principal, check_team, visible_team
+from gpuyard.limits import NAME_LEN, WORD_LEN
 from gpuyard.refs import ModelRef
 
 router = APIRouter(prefix="/models", tags=["models"])

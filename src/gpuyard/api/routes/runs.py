@@ -8,10 +8,10 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response
 
 from gpuyard.api.auth import authenticated, team_listing
-from gpuyard.api.limits import ARTIFACT_NAME_LEN, NAME_LEN, REF_LEN, WORD_LEN
 from gpuyard.api.params import Ref
 from gpuyard.auth import Principal, check_team, visible_team
 from gpuyard.errors import ConfigError, NotFoundError
+from gpuyard.limits import ARTIFACT_NAME_LEN, NAME_LEN, REF_LEN, WORD_LEN
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 

@@ -8,9 +8,9 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuyard.api.auth import authenticated
-from gpuyard.api.limits import NAME_LEN, WORD_LEN
 from gpuyard.api.params import Name, TokenId
 from gpuyard.auth import MAX_TOKEN_DAYS, Principal, require_admin
+from gpuyard.limits import NAME_LEN, WORD_LEN
 
 router = APIRouter(tags=["users"])
 

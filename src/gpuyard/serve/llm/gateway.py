@@ -15,7 +15,7 @@ the gateway holds. For every request it:
   comes (server-sent events pass through chunk by chunk; a client that hangs up closes the upstream
   request, which vLLM aborts).
 
-Connections are those of every gpuyard model server (:func:`gpuyard.api.connections.model_server_guard`):
+Connections are those of every gpuyard model server (:func:`gpuyard.connections.model_server_guard`):
 a request's headers must be complete within the header timeout of the connection opening or of its
 previous answer (else 408 and closed: a client that sends half a request head and idles holds nothing),
 and the open connections are capped in total and per client address, fitted to the open-file limit.
@@ -41,8 +41,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from gpuyard.api.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 from gpuyard.errors import ConfigError, GpuyardError
+from gpuyard.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 from gpuyard.serve.access import read_body
 from gpuyard.serve.llm import vllm_engine
 from gpuyard.serve.llm.relay import READ_CHUNK, Dechunker, Head, Upstream, UpstreamError, abort, request_bytes
@@ -548,7 +548,7 @@ def serve_gateway(
     for requests in flight."""
     import uvicorn
 
-    from gpuyard.api.connections import guarded_uvicorn, model_server_guard
+    from gpuyard.connections import guarded_uvicorn, model_server_guard
     from gpuyard.serve.access import KeyGate, draining_server, openai_body
 
     guard = model_server_guard(header_timeout_s)

@@ -56,7 +56,7 @@ def serve_lm(
     ``access`` accepts. On SIGTERM it waits at most ``opts.drain_s`` for requests in flight."""
     import uvicorn
 
-    from gpuyard.api.connections import guarded_uvicorn, model_server_guard
+    from gpuyard.connections import guarded_uvicorn, model_server_guard
     from gpuyard.serve.access import KeyGate, draining_server, openai_body
     from gpuyard.serve.llm.app import Limits, Metrics, build_app
     from gpuyard.serve.llm.engine import load_engine

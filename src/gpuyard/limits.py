@@ -27,7 +27,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # A body must have arrived this long after the request started: a slow sender is cut off with 408.
 DEFAULT_BODY_TIMEOUT_S = 30.0
 
-# Connections (gpuyard.api.connections): a request's headers must arrive within this many seconds of
+# Connections (gpuyard.connections): a request's headers must arrive within this many seconds of
 # the connection opening (or of its previous response); open connections served as usual without a
 # token in total and per client address; how many more are let in (probes, admins, teams under their
 # share); connections of one team; requests of one team (or address) in flight at once, under the 40

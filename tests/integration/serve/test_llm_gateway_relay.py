@@ -99,7 +99,9 @@ def test_a_client_that_hangs_up_frees_its_slot_and_the_replicas_request(
         httpx.Client(base_url=g.url, timeout=30) as client,
         client.stream("POST", "/v1/completions", json=_body("hold"), headers=AUTH) as s,
     ):
-        first = next(s.iter_raw())
+        # Hold the iterator: a dropped one closes httpx's stream (GeneratorExit), a hang-up too early.
+        raw = s.iter_raw()
+        first = next(raw)
         assert first.startswith(b"data: ")
         assert g.outstanding() == 1 and replica.open == 1
     wait_for(lambda: g.outstanding() == 0 and replica.open == 0, timeout=30)

@@ -47,6 +47,9 @@ RESCAN_S = 60.0
 # Left out of each attempt's allowance: its job, pid, exit and allowance files and the cut's own lines,
 # written past the allowance (a few KiB), so that the team's files together stay within its quota.
 ATTEMPT_FILES_BYTES = 16 << 10
+# The most one write of the shim adds to a log (it copies the job's output in reads of this size,
+# gpuyard.scheduler.executors.shim._copy): a write it decided before it saw a smaller allowance.
+SHIM_WRITE_BYTES = 1 << 16
 MAX_ENTRIES = 100_000  # files counted per job folder per measure (a folder of millions is "at least")
 ACTIVE = ("scheduled", "running")
 
@@ -239,7 +242,15 @@ class DiskShares:
 
     def _allot(self, team: str) -> None:
         """Rewrite the allowance of each attempt of ``team``: its log now plus an equal part of what
-        the team has left."""
+        the team has left.
+
+        The shim checks its allowance before each write, but an attempt writes on under its old
+        allowance until it sees the new one: measured at 8 MiB with 16 allowed, it may be at 15 by the
+        time a smaller allowance lands. So the allowances that shrink are written first, the logs
+        measured again (plus one write the shim may have decided before it looked), and the attempts
+        whose allowance grows (a new one) share only what those left: the team's files never pass its
+        quota, however fast a job writes.
+        """
         quota = self.policy.team_bytes
         if quota is None:
             return
@@ -248,15 +259,30 @@ class DiskShares:
         ]
         if not mine:
             return
+        logs = {j: self.active[j][2] for j, _ in mine}
+        sizes = {j: _size_of(logs[j]) for j in logs}
         used = self.used(team)
-        part = max(0, quota - used - ATTEMPT_FILES_BYTES * len(mine)) // len(mine)
+        files = ATTEMPT_FILES_BYTES * len(mine)
+        part = max(0, quota - used - files) // len(mine)
         running = f"{len(mine)} attempts" if len(mine) > 1 else "1 attempt"
         why = (
             f"its share of team {team}'s disk quota, {format_bytes(quota)} under GPUYARD_HOME (gpuyard "
             f"server --team-disk-gb): the team had used {format_bytes(used)}, {running} sharing the rest"
         )
-        for job_id, path in mine:
-            _write_budget(path, _size_of(self.active[job_id][2]) + part, why)
+        shrinking = [(j, path) for j, path in mine if _read_budget(path) > sizes[j] + part]
+        growing = [(j, path) for j, path in mine if (j, path) not in shrinking]
+        held = 0  # what the shrunk attempts' logs may hold now
+        for job_id, path in shrinking:
+            _write_budget(path, sizes[job_id] + part, why)
+        for job_id, _ in shrinking:
+            held += max(sizes[job_id] + part, _size_of(logs[job_id]) + SHIM_WRITE_BYTES)
+        if not growing:
+            return
+        others = used - sum(sizes.values())  # finished jobs, files besides the logs
+        left = quota - others - files - held - sum(sizes[j] for j, _ in growing)
+        share = min(part, max(0, left) // len(growing))
+        for job_id, path in growing:
+            _write_budget(path, sizes[job_id] + share, why)
 
     def _rescan(self, s: Any, active: set[int]) -> None:
         """List the job folders: count new finished ones (their teams read in one query), drop removed."""
@@ -312,6 +338,15 @@ def _size_of(path: str) -> int:
     try:
         return os.stat(path).st_size if path else 0
     except OSError:
+        return 0
+
+
+def _read_budget(path: str) -> int:
+    """The allowance an attempt's file grants now (0: none written yet, or unreadable)."""
+    try:
+        with open(path) as fh:
+            return int(json.loads(fh.read(4096))["size"])
+    except (OSError, ValueError, TypeError, KeyError):
         return 0
 
 

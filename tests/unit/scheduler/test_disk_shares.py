@@ -175,3 +175,48 @@ def test_the_shim_keeps_the_disks_reserve(tmp_path: Path) -> None:
     assert "done" not in text  # the rest, stderr included, was discarded
     notes = _ended(handle, lost=False).notes
     assert len(notes) == 1 and "(--disk-reserve-mb)" in notes[0], notes
+
+
+def test_a_job_writing_before_its_smaller_allowance_lands_leaves_the_newcomer_only_the_rest(
+    gpuyard_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuyard.scheduler import diskshare
+    from gpuyard.store.db import get_store
+
+    store = get_store()
+    jobs = gpuyard_home / "jobs"
+    jid = _job(store, "a", "running")
+    folder = jobs / str(jid)
+    handle = {
+        "exit_file": str(folder / "attempt-1.exit"),
+        "log": str(folder / "output.log"),
+        "log_budget": str(folder / "attempt-1.exit.budget"),
+    }
+    _write(folder / "output.log", MIB)
+    with store.session() as s:
+        s.get(JobRow, jid).handle = handle  # type: ignore[union-attr]
+    quota = 16 * MIB
+    shares = DiskShares(jobs, DiskPolicy(team_bytes=quota, reserve_bytes=24 * MIB))
+    shares.refresh(store)
+    alone = json.loads(Path(handle["log_budget"]).read_text())["size"]
+    assert alone > 15 * MIB  # alone, it may take nearly all of the quota
+    # A second attempt starts. The running job writes 9 MiB more under its old allowance after its log
+    # was measured (1 MiB) and before it sees the smaller one: the shim's race, played here in order.
+    written = diskshare._write_budget
+
+    def late(path: str, size: int, why: str) -> None:
+        if path == handle["log_budget"]:
+            with open(handle["log"], "ab") as fh:
+                fh.write(b"x" * 9 * MIB)
+        written(path, size, why)
+
+    monkeypatch.setattr(diskshare, "_write_budget", late)
+    extra: dict[str, Any] = {"exit_file": str(jobs / "99" / "attempt-1.exit")}
+    shares.grant(99, extra, str(jobs / "99" / "output.log"), "a")
+    newcomer = json.loads(Path(extra["log_budget"]).read_text())["size"]
+    first = os.stat(handle["log"]).st_size
+    assert first == 10 * MIB
+    # The team's files stay within its quota: the newcomer gets what the first job left, less one
+    # write the first job's shim may still land and the attempts' small files.
+    assert first + diskshare.SHIM_WRITE_BYTES + newcomer + 2 * 16384 <= quota
+    assert newcomer > 5 * MIB - diskshare.SHIM_WRITE_BYTES - 3 * 16384

@@ -325,6 +325,17 @@ class ClusterState:
             self._shares, self._owned = self._shares.copy(), True
         return self._shares
 
+    def pin_whole(self) -> list[tuple[int, tuple[int, ...]]]:
+        """Hold in the share model the whole GPUs that ``free`` counts as taken but the model does not
+        (whole-GPU starts since): each node's first whole free ones, as a launch gives them. Returns
+        what it held, for :meth:`unpin`."""
+        return _hide_taken(self, self._model())
+
+    def unpin(self, pinned: list[tuple[int, tuple[int, ...]]]) -> None:
+        """Give back to the share model the whole GPUs :meth:`pin_whole` held."""
+        if pinned:
+            _show_taken(self._model(), pinned)
+
     def observe(self, shapes: Counter[tuple[Any, ...]]) -> None:
         """The jobs the scheduler knows now, as task shapes (``GpuTask.shape``: the share policy's
         task mix; FGD measures fragmentation against it)."""
@@ -623,8 +634,7 @@ def place_share(state: ClusterState, share: GpuShare, gpu_type: str | None = Non
                 )
         return None
     finally:
-        for node, gpus in hidden:
-            model.release(GpuTask("taken", 0, 0, len(gpus), MILLI), (node, gpus))
+        _show_taken(model, hidden)
 
 
 def _choose(
@@ -649,6 +659,12 @@ def _hide_taken(state: ClusterState, model: SharedCluster) -> list[tuple[int, tu
         model.place(GpuTask("taken", 0, 0, len(gpus), MILLI), (int(node), gpus))
         hidden.append((int(node), gpus))
     return hidden
+
+
+def _show_taken(model: SharedCluster, hidden: list[tuple[int, tuple[int, ...]]]) -> None:
+    """Give back what :func:`_hide_taken` held."""
+    for node, gpus in hidden:
+        model.release(GpuTask("taken", 0, 0, len(gpus), MILLI), (node, gpus))
 
 
 def share_never_fits(state: ClusterState, share: GpuShare, gpu_type: str | None = None) -> str | None:

@@ -26,13 +26,11 @@ from gpuyard.scheduler.elastic import ElasticConfig, ElasticJob
 from gpuyard.scheduler.estimator import RuntimeEstimator
 from gpuyard.scheduler.executors.base import ExitStatus
 from gpuyard.scheduler.fabric_placement import FabricPlacer, shape_of
-from gpuyard.scheduler.openb import MILLI, GpuTask
 from gpuyard.scheduler.placement import (
     ClusterState,
     GpuShare,
     NodeSpec,
     Placement,
-    _hide_taken,
     share_never_fits,
 )
 from gpuyard.scheduler.policies import Policy
@@ -308,10 +306,7 @@ class _Replay:
 
     def _release(self, jid: int) -> None:
         """Give back what job ``jid`` holds: its placement, and the whole GPUs pinned for it."""
-        model = self.state._model() if self.pinned.get(jid) else None
-        for node, gpus in self.pinned.pop(jid, ()):
-            assert model is not None
-            model.release(GpuTask("taken", 0, 0, len(gpus), MILLI), (node, gpus))
+        self.state.unpin(self.pinned.pop(jid, []))
         self.state.release(self.running.pop(jid).placement)
 
     def _tick(self, now: float) -> None:
@@ -408,8 +403,8 @@ class _Replay:
         if self.pin:
             # A whole-GPU start's GPUs, held in the share model as the server's records hold them
             # (each node's first whole free ones, as the launch gives them); else every share
-            # placement after it would hold and give them back again (placement._hide_taken).
-            self.pinned[run.job.id] = _hide_taken(self.state, self.state._model())
+            # placement after it would hold and give them back again (place_share).
+            self.pinned[run.job.id] = self.state.pin_whole()
         run.alloc, run.resize_to = placement.gpus, None
         run.started_at, run.version = now, run.version + 1
         speed = _speed(run, config)

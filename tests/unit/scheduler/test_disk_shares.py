@@ -33,6 +33,22 @@ def _job(store: Any, team: str, state: str, handle: dict[str, Any] | None = None
         return int(row.id)
 
 
+def _running(store: Any, jobs: Path, team: str, log_bytes: int) -> tuple[int, dict[str, Any]]:
+    """A running job of ``team`` whose attempt's log holds ``log_bytes``, with the handle the local
+    executor records (its exit file, log and allowance file)."""
+    jid = _job(store, team, "running")
+    folder = jobs / str(jid)
+    handle = {
+        "exit_file": str(folder / "attempt-1.exit"),
+        "log": str(folder / "output.log"),
+        "log_budget": str(folder / "attempt-1.exit.budget"),
+    }
+    _write(folder / "output.log", log_bytes)
+    with store.session() as s:
+        s.get(JobRow, jid).handle = handle  # type: ignore[union-attr]
+    return jid, handle
+
+
 def _write(path: Path, n: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as fh:
@@ -58,17 +74,7 @@ def test_allowances_split_a_teams_remaining_quota_and_cuts_become_events(gpuyard
     _write(jobs / str(done) / "output.log", 3 * MIB)
     running = []
     for _ in range(2):
-        jid = _job(store, "a", "running")
-        folder = jobs / str(jid)
-        handle = {
-            "exit_file": str(folder / "attempt-1.exit"),
-            "log": str(folder / "output.log"),
-            "log_budget": str(folder / "attempt-1.exit.budget"),
-        }
-        _write(folder / "output.log", MIB)
-        with store.session() as s:
-            s.get(JobRow, jid).handle = handle  # type: ignore[union-attr]
-        running.append((jid, handle))
+        running.append(_running(store, jobs, "a", MIB))
     other = _job(store, "b", "succeeded")
     _write(jobs / str(other) / "output.log", 2 * MIB)
     shares = DiskShares(jobs, DiskPolicy(team_bytes=8 * MIB, reserve_bytes=24 * MIB))
@@ -185,16 +191,7 @@ def test_a_job_writing_before_its_smaller_allowance_lands_leaves_the_newcomer_on
 
     store = get_store()
     jobs = gpuyard_home / "jobs"
-    jid = _job(store, "a", "running")
-    folder = jobs / str(jid)
-    handle = {
-        "exit_file": str(folder / "attempt-1.exit"),
-        "log": str(folder / "output.log"),
-        "log_budget": str(folder / "attempt-1.exit.budget"),
-    }
-    _write(folder / "output.log", MIB)
-    with store.session() as s:
-        s.get(JobRow, jid).handle = handle  # type: ignore[union-attr]
+    _, handle = _running(store, jobs, "a", MIB)
     quota = 16 * MIB
     shares = DiskShares(jobs, DiskPolicy(team_bytes=quota, reserve_bytes=24 * MIB))
     shares.refresh(store)

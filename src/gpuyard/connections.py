@@ -356,6 +356,14 @@ class ConnectionGuard:
     def _disarm(self, conn: _Conn) -> None:
         self.waiting.pop(conn, None)
 
+    def head_received(self, protocol: Any) -> None:
+        """A request's head on ``protocol``'s connection is complete: its header clock stops now, not
+        when the request's task first runs (on a loaded event loop that can be seconds later, and the
+        sweep would then answer 408 to a request whose head came in time)."""
+        conn = self.conns.get(protocol.client)
+        if conn is not None and conn.protocol is protocol:
+            self._disarm(conn)
+
     def _sweep_every(self) -> float:
         return min(max(self.header_timeout_s / 4, 0.05), 1.0)
 
@@ -579,6 +587,14 @@ def guarded_protocol(base: type[asyncio.Protocol], guard: ConnectionGuard) -> ty
         def connection_lost(self, exc: Exception | None) -> None:
             guard.closed(self)
             super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            # uvicorn's protocols (httptools and h11 alike) make a new request cycle when a request's
+            # head is complete, and only then schedule the application's task.
+            before = getattr(self, "cycle", None)
+            super().data_received(data)
+            if getattr(self, "cycle", None) is not before:
+                guard.head_received(self)
 
     return GuardedProtocol
 

@@ -198,3 +198,42 @@ def test_fitted_keeps_each_share_under_half_of_the_total() -> None:
     guard, note = ConnectionGuard.fitted(1 << 20, max_connections=100, per_address=80, per_team=90)
     assert (guard.per_address, guard.per_team) == (50, 50)
     assert note is not None and "--max-connections-per-team 90 lowered to 50" in note
+
+
+def test_a_head_received_in_time_is_not_timed_out_before_its_task_runs() -> None:
+    """The header clock stops when uvicorn's protocol has the whole head (it makes the request's cycle),
+    not when the request's task first runs: on a loaded event loop the sweep can come between the two,
+    and must not answer 408 to a request that came in time. A head still partial is answered 408."""
+    from gpuyard.connections import guarded_protocol
+
+    class _Uvicorn(asyncio.Protocol):  # what the guard relies on: a new ``cycle`` once a head is whole
+        def __init__(self) -> None:
+            self.client: tuple[str, int] | None = None
+            self.transport: Any = None
+            self.cycle: object | None = None
+            self.buffer = b""
+
+        def connection_made(self, transport: Any) -> None:
+            _Protocol.port += 1
+            self.client, self.transport = ("127.0.0.1", _Protocol.port), transport
+
+        def data_received(self, data: bytes) -> None:
+            self.buffer += data
+            if b"\r\n\r\n" in self.buffer:
+                self.cycle, self.buffer = object(), b""
+
+    async def main() -> None:
+        guard = _guard(header_timeout_s=0.05)
+        protocol = guarded_protocol(_Uvicorn, guard)
+        whole, partial = protocol(), protocol()
+        for p in (whole, partial):
+            p.connection_made(_Transport())
+        whole.data_received(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n\r\n")
+        partial.data_received(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+        deadline = max(guard.waiting.values(), default=0.0)
+        while asyncio.get_running_loop().time() <= deadline + 0.01 or guard.waiting:
+            await asyncio.sleep(0.01)  # the sweep runs; the whole head's task never has
+        assert partial.transport.closed and b"408" in partial.transport.written
+        assert not whole.transport.closed and whole.client in guard.conns
+
+    asyncio.run(main())

@@ -644,8 +644,22 @@ def model_server_guard(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> Co
     return guard
 
 
+def keep_alive_s(guard: ConnectionGuard) -> int:
+    """uvicorn's ``timeout_keep_alive`` under ``guard``: past the guard's header timeout, so that an idle
+    kept-alive connection is closed by the guard (a 408 the client can read before reusing it), never
+    silently by uvicorn at its default 5 s, the very age at which httpx (and the OpenAI client built on
+    it) still reuses a pooled connection: a request sent as the server closes is reset (a lost request
+    the client cannot tell from a crash; seen under load as ``httpx.ReadError``)."""
+    return int(guard.header_timeout_s) + 5
+
+
 def guarded_uvicorn(app: Any, guard: ConnectionGuard) -> dict[str, Any]:
-    """The ``app`` and ``http`` arguments of ``uvicorn.Config`` that serve ``app`` under ``guard``."""
+    """The ``app``, ``http`` and ``timeout_keep_alive`` arguments of ``uvicorn.Config`` that serve
+    ``app`` under ``guard``."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    return {"app": guard.wrap(app), "http": guarded_protocol(AutoHTTPProtocol, guard)}
+    return {
+        "app": guard.wrap(app),
+        "http": guarded_protocol(AutoHTTPProtocol, guard),
+        "timeout_keep_alive": keep_alive_s(guard),
+    }

@@ -12,6 +12,7 @@ from gpuyard.connections import (
     ADMINS,
     ConnectionGuard,
     guarded_protocol,
+    keep_alive_s,
     raise_nofile_limit,
     team_holder,
 )
@@ -154,6 +155,7 @@ def serve(app: Any, options: ServerOptions, guard: ConnectionGuard) -> None:
         port=options.port,
         log_level=options.log_level,
         http=guarded_protocol(AutoHTTPProtocol, guard),
+        timeout_keep_alive=keep_alive_s(guard),  # idle connections: the guard's 408, not a silent close
         ws="none",
         proxy_headers=False,
         backlog=4096,  # handshakes the kernel completes before accept (capped by net.core.somaxconn)

@@ -54,7 +54,10 @@ runs on each side in turn; closed-loop streaming clients (httpx), 64 greedy toke
 stop token biased away), output tokens from each answer's usage; time to first token and the p99 gap
 between streamed chunks per side; every level quiet, then again beside three busy processes per core.
 Last line: ``vs_vllm_direct`` (gateway / direct output tok/s at 32 clients, quiet) and
-``contended_vs_vllm`` (the same ratio beside the busy processes). Side ``gpuyard_base`` with
+``contended_vs_vllm`` (the same ratio beside the busy processes). With ``--rounds N`` the whole
+quiet-then-busy sequence runs N times, the order of the sides reversed every other round; each ratio
+is then the median of the N rounds' paired ratios (side and vLLM direct in the same round), with its
+``_min`` and ``_max``, and each figure the median of its N runs. Side ``gpuyard_base`` with
 ``--baseline-src OTHER/src`` runs another checkout's gateway in the same run (a change's before and
 after, side by side): ``base_vs_vllm_direct`` and ``base_contended_vs_vllm`` on the last line.
 """
@@ -444,6 +447,7 @@ async def _http_level(
 
     ttft: list[float] = []
     gaps: list[float] = []
+    failed: list[str] = []  # one line per request that got no answer (its tokens count as none)
     tokens = 0
     it = iter(work)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as http:
@@ -463,30 +467,42 @@ async def _http_level(
                 t0 = time.perf_counter()
                 last = None
                 headers = {"Authorization": f"Bearer {key}"}
-                async with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
-                    if r.status_code != 200:
-                        raise SystemExit(
-                            f"llm_serve: {url} answered {r.status_code}: {(await r.aread())[:300]!r}"
-                        )
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: {"):
+                try:
+                    async with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+                        if r.status_code != 200:
+                            failed.append(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
                             continue
-                        ev = json.loads(line[6:])
-                        now = time.perf_counter()
-                        if ev.get("choices") and ev["choices"][0].get("text"):
-                            if last is None:
-                                ttft.append(now - t0)
-                            else:
-                                gaps.append(now - last)
-                            last = now
-                        if ev.get("usage"):
-                            tokens += int(ev["usage"]["completion_tokens"])
+                        async for line in r.aiter_lines():
+                            if not line.startswith("data: {"):
+                                continue
+                            ev = json.loads(line[6:])
+                            now = time.perf_counter()
+                            if ev.get("choices") and ev["choices"][0].get("text"):
+                                if last is None:
+                                    ttft.append(now - t0)
+                                else:
+                                    gaps.append(now - last)
+                                last = now
+                            if ev.get("usage"):
+                                tokens += int(ev["usage"]["completion_tokens"])
+                except httpx.HTTPError as e:  # counted and shown, not a crash of the whole run
+                    failed.append(f"{type(e).__name__}: {e}")
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
         wall = time.perf_counter() - t0
     p99 = lambda xs: sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] * 1000 if xs else math.nan  # noqa: E731
-    return {"tok_s": tokens / wall, "ttft_p99_ms": p99(ttft), "itl_p99_ms": p99(gaps)}
+    if failed:
+        print(f"{url}: {len(failed)} of {len(work)} requests failed, the first: {failed[0]}", flush=True)
+    return {"tok_s": tokens / wall, "ttft_p99_ms": p99(ttft), "itl_p99_ms": p99(gaps), "errors": len(failed)}
+
+
+def _show_logs(side: str, tmp: Path) -> None:
+    """The last lines of a side's logs (after a level with failed requests)."""
+    pattern = "vllm-replica-*.log" if side == "vllm" else f"{side}.log"
+    for log in sorted(tmp.glob(pattern)) + sorted((tmp / "logs").glob("*.log") if side != "vllm" else []):
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        print(f"{side}: {log.name}, last lines:", *tail, sep="\n  ", flush=True)
 
 
 def http_main(args: Any) -> None:
@@ -528,47 +544,79 @@ def http_main(args: Any) -> None:
                 if "vllm" in sides:
                     up["vllm"] = start("vllm")
                 up |= {side: fut.result() for side, fut in starting.items()}
-            for busy in (False, True):
-                hog = [sys.executable, "-c", "while True: pass"]
-                hogs = [subprocess.Popen(hog) for _ in range(busy_n if busy else 0)]
-                cond = "busy" if busy else "quiet"
-                try:
-                    for clients in levels:
-                        work = workload(tok, clients * rpc, seed=clients)
-                        for side in sides:
-                            _, url, key = up[side]
-                            name = "bench" if side == "vllm" else str(folder)
-                            r = asyncio.run(_http_level(url, key, name, work, clients, bias))
-                            res[(side, cond, clients)] = r
-                            print(
-                                f"{side:>8} {cond:>5} clients={clients:>3}: {r['tok_s']:8.1f} tok/s  "
-                                f"ttft p99 {r['ttft_p99_ms']:8.1f} ms  "
-                                f"inter-token p99 {r['itl_p99_ms']:7.1f} ms",
-                                flush=True,
-                            )
-                finally:
-                    for h in hogs:
-                        h.kill()
-                        h.wait()
+            for rnd in range(args.rounds):
+                # The order of the sides alternates round to round, so that neither always runs first
+                # (a level right after another one's meets a warmer cache and a different load).
+                order = sides if rnd % 2 == 0 else sides[::-1]
+                for busy in (False, True):
+                    hog = [sys.executable, "-c", "while True: pass"]
+                    hogs = [subprocess.Popen(hog) for _ in range(busy_n if busy else 0)]
+                    cond = "busy" if busy else "quiet"
+                    try:
+                        for clients in levels:
+                            work = workload(tok, clients * rpc, seed=clients)
+                            for side in order:
+                                _, url, key = up[side]
+                                name = "bench" if side == "vllm" else str(folder)
+                                r = asyncio.run(_http_level(url, key, name, work, clients, bias))
+                                res.setdefault((side, cond, clients), []).append(r)
+                                if r["errors"]:
+                                    _show_logs(side, Path(tmp))
+                                print(
+                                    f"round {rnd + 1} {side:>8} {cond:>5} clients={clients:>3}: "
+                                    f"{r['tok_s']:8.1f} tok/s  ttft p99 {r['ttft_p99_ms']:8.1f} ms  "
+                                    f"inter-token p99 {r['itl_p99_ms']:7.1f} ms",
+                                    flush=True,
+                                )
+                    finally:
+                        for h in hogs:
+                            h.kill()
+                            h.wait()
         finally:
             for handle, _, _ in up.values():
                 handle.stop()
     at = 32 if 32 in levels else max(levels)
 
+    def paired(cond: str, side: str = "gpuyard") -> list[float]:
+        """Each round's ratio of side over vLLM direct (the two ran minutes apart at most)."""
+        g, v = res.get((side, cond, at), []), res.get(("vllm", cond, at), [])
+        return [a["tok_s"] / b["tok_s"] for a, b in zip(g, v, strict=True)]
+
     def ratio(cond: str, side: str = "gpuyard") -> float:
-        g, v = res.get((side, cond, at)), res.get(("vllm", cond, at))
-        return g["tok_s"] / v["tok_s"] if g and v else math.nan
+        rs = paired(cond, side)
+        return statistics.median(rs) if rs else math.nan
 
     base = ""
     if "gpuyard_base" in sides:
         base = f"base_vs_vllm_direct={ratio('quiet', 'gpuyard_base'):.2f} "
         base += f"base_contended_vs_vllm={ratio('busy', 'gpuyard_base'):.2f} "
 
-    figures = " ".join(f"{s}_{c}_tok_s={r['tok_s']:.1f}" for (s, c, n), r in res.items() if n == at)
+    figures = " ".join(
+        f"{s}_{c}_tok_s={statistics.median(r['tok_s'] for r in rs):.1f}"
+        for (s, c, n), rs in res.items()
+        if n == at
+    )
+    spread = ""
+    if args.rounds > 1:
+        for cond, key in (("quiet", "vs_vllm_direct"), ("busy", "contended_vs_vllm")):
+            rs = paired(cond)
+            if rs:
+                spread += f"{key}_min={min(rs):.2f} {key}_max={max(rs):.2f} "
+        print(
+            "per-round gpuyard / vllm at",
+            at,
+            "clients:",
+            {c: [round(x, 3) for x in paired(c)] for c in ("quiet", "busy")},
+        )
+    errors = " ".join(
+        f"{side}_errors={sum(r['errors'] for (s, _, _), rs in res.items() if s == side for r in rs)}"
+        for side in sides
+    )
     end = os.getloadavg()[0]
     print(
         f"llm_serve: vs_vllm_direct={ratio('quiet'):.2f} contended_vs_vllm={ratio('busy'):.2f} clients={at} "
-        f"{base}{figures} busy_processes={busy_n} load1_at_start={load:.2f} load1_at_end={end:.2f}"
+        f"rounds={args.rounds} {spread}{base}{figures} {errors} busy_processes={busy_n} "
+        f"load1_at_start={load:.2f} load1_at_end={end:.2f}"
     )
 
 

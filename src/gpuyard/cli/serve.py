@@ -80,8 +80,14 @@ def _flags(port: int, port_help: str) -> dict[str, tuple[type, Any]]:
         "engine": _SERVE.engine,
         "adapters": list(_SERVE.adapters),
     }
+    metavars = {"adapters": "NAME:VERSION"}
     return {
-        name: (kind, typer.Option(defaults[name], flag, help=port_help if name == "port" else text))
+        name: (
+            kind,
+            typer.Option(
+                defaults[name], flag, help=port_help if name == "port" else text, metavar=metavars.get(name)
+            ),
+        )
         for name, kind, flag, text in _FLAGS
     }
 

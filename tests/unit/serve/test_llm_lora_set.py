@@ -147,7 +147,7 @@ def test_an_adapter_whose_stored_files_are_gone_is_one_line(reg: SimpleNamespace
 
 
 def test_gpuyards_own_engine_refuses_adapters_by_name_and_deploy_records_them(
-    reg: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+    reg: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from gpuyard.serve.llm import vllm_engine
     from gpuyard.serve.options import ServeOptions
@@ -173,6 +173,12 @@ def test_gpuyards_own_engine_refuses_adapters_by_name_and_deploy_records_them(
     assert recorded_options(doc["id"]).adapters == (reg.a, reg.b)
     plain = create_record(reg.base, ServeOptions(device="cpu"))
     assert plain["adapters"] == [] and recorded_options(plain["id"]).adapters == ()
+    from gpuyard.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["deployments", "ls"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if f" {reg.base}" in line]
+    assert len(rows) == 2 and sum(f"{reg.base} + {reg.a} + {reg.b} " in row for row in rows) == 1, rows
 
 
 def test_the_options_refuse_a_repeated_or_overlong_adapter_list() -> None:

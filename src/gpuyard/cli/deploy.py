@@ -35,9 +35,10 @@ def _table(docs: list[dict[str, Any]]) -> None:
     for d in docs:
         pids = d["pids"].get("replicas") or ([d["pids"]["server"]] if d["pids"].get("server") else [])
         placed = (d["pids"].get("gpus") or "", "" if d["job"] is None else str(d["job"]))
+        adapters = d.get("adapters") or []  # LoRA adapters served by name beside the model
         table.add_row(
             str(d["id"]),
-            f"{d['model']}:{d['version']}",
+            f"{d['model']}:{d['version']}" + "".join(f" + {a}" for a in adapters),
             str(d["replicas"]),
             d["device"],
             *(placed if scheduled else ()),
@@ -71,6 +72,9 @@ def deploy(
 
     With GPUs (--device cuda, or auto when the gpuyard server has GPUs): a scheduler job, one GPU a replica.
     Otherwise: processes on this machine. `gpuyard deployments show ID` prints the recorded options.
+
+    A language model with --adapter A:1 --adapter B:2 (vLLM): its base serves the registered LoRA
+    adapters by name, all in one deployment; the record lists them (`adapters`).
     """
     from gpuyard.serve.deploy import deploy as run_deploy
     from gpuyard.serve.scheduled import Scheduling
@@ -86,8 +90,14 @@ def deploy(
     from gpuyard.models.llm import ADAPTER_FLAVOR, FLAVOR
     from gpuyard.models.registry import get_version
 
-    if get_version(f"{doc['model']}:{doc['version']}").flavor in (FLAVOR, ADAPTER_FLAVOR):
-        use = f"OpenAI API at {doc['url']}/v1 (model {doc['ref']!r}: /v1/completions, /v1/chat/completions)"
+    mv = get_version(f"{doc['model']}:{doc['version']}")
+    if mv.flavor in (FLAVOR, ADAPTER_FLAVOR):
+        models = f"model {doc['ref']!r}"
+        if doc["adapters"]:  # vLLM serves the base, and each adapter by name on it
+            base = mv.config["base"] if mv.flavor == ADAPTER_FLAVOR else mv.ref
+            ads = ([mv.ref] if mv.flavor == ADAPTER_FLAVOR else []) + doc["adapters"]
+            models = f"model {base!r}, or a LoRA adapter of it: {', '.join(map(repr, ads))}"
+        use = f"OpenAI API at {doc['url']}/v1 ({models}: /v1/completions, /v1/chat/completions)"
     else:
         use = f"predict: POST {doc['url']}/v1/models/{doc['model']}/predict"
     typer.echo(f"  {use}  stop: gpuyard undeploy {doc['id']}")
@@ -168,9 +178,10 @@ def alerts(
     )
     for d in docs:
         retrain = "" if d["retrain"] is None else ("error" if "error" in d["retrain"] else "called")
+        adapters = d.get("adapters") or []  # LoRA adapters served by name beside the model
         table.add_row(
             str(d["id"]),
-            f"{d['model']}:{d['version']}",
+            f"{d['model']}:{d['version']}" + "".join(f" + {a}" for a in adapters),
             d["kind"],
             d["feature"] or "",
             d["metric"],

@@ -49,6 +49,13 @@ _FLAGS = (
         "--special-tokens-in-chat",
         "Language models: special-token strings in chat messages act as control tokens (off: text).",
     ),
+    (
+        "adapters",
+        list[str],
+        "--adapter",
+        "Language models, vLLM: a registered LoRA adapter (NAME:VERSION) of MODEL's base, served by name "
+        "beside it (a request's model picks it); repeat for several.",
+    ),
 )
 
 
@@ -71,9 +78,16 @@ def _flags(port: int, port_help: str) -> dict[str, tuple[type, Any]]:
         "max_prompt_tokens": _SERVE.max_prompt_tokens,
         "special_tokens": _SERVE.special_tokens,
         "engine": _SERVE.engine,
+        "adapters": list(_SERVE.adapters),
     }
+    metavars = {"adapters": "NAME:VERSION"}
     return {
-        name: (kind, typer.Option(defaults[name], flag, help=port_help if name == "port" else text))
+        name: (
+            kind,
+            typer.Option(
+                defaults[name], flag, help=port_help if name == "port" else text, metavar=metavars.get(name)
+            ),
+        )
         for name, kind, flag, text in _FLAGS
     }
 
@@ -96,6 +110,7 @@ def serve_options(
     max_prompt_tokens: int = _SERVE.max_prompt_tokens,
     special_tokens: bool = _SERVE.special_tokens,
     engine: str = _SERVE.engine,
+    adapters: list[str] | tuple[str, ...] | None = _SERVE.adapters,
 ) -> ServeOptions:
     """The server's options from the shared flags (one place, so neither command can drop one)."""
     return ServeOptions(
@@ -113,6 +128,7 @@ def serve_options(
         max_prompt_tokens=max_prompt_tokens,
         special_tokens=special_tokens,
         engine=engine,
+        adapters=tuple(adapters or ()),
     )
 
 
@@ -168,6 +184,8 @@ def serve(
 
     A language model (a registered causal LM or adapter, or a Hugging Face folder) is served with
     the OpenAI API instead: /v1/completions, /v1/chat/completions, /v1/models. See docs/llm.md.
+    With vLLM, --adapter A:1 --adapter B:2 serves registered LoRA adapters of MODEL's base by name
+    beside it, on one base: /v1/models lists each, a request's model picks one.
 
     Every request but /health and /ready needs 'Authorization: Bearer KEY': the server's key, or a
     gpuyard API token of the model's team (or an admin's).
@@ -183,6 +201,10 @@ def serve(
     from gpuyard.serve.access import Access, announce_key, hand_key, key_hash
     from gpuyard.serve.llm.run import language_model, serve_language_model
 
+    if opts.adapters:  # LoRA adapters by name: refused in one line before anything starts
+        from gpuyard.serve.llm.vllm_engine import check_lora
+
+        check_lora(model, opts)
     folder = language_model(model)
     # A registered model's team may call it with their tokens; a plain folder belongs to no team.
     team = None if folder is not None and Path(model).expanduser().is_dir() else get_version(model).team

@@ -174,6 +174,10 @@ def deploy(
         raise ConfigError("deploy() assigns the deployment id itself")
     check_files(ref)
     rt = scheduled.route(opts, scheduling)
+    if opts.adapters:  # LoRA adapters by name: checked now, recorded as NAME:VERSION
+        from gpuyard.serve.llm.vllm_engine import check_lora
+
+        opts = replace(opts, adapters=check_lora(ref, opts, rt.serve_device))
     if not rt.scheduled:
         doc = create_record(ref, opts)
         return _deploy_here(doc, timeout_s) | {"api_key": doc["api_key"]}

@@ -13,6 +13,9 @@ from gpuyard.errors import ConfigError
 
 MODES = ("inline", "thread")
 ENGINES = ("auto", "vllm", "gpuyard")  # a language model's engine (docs/llm.md)
+# The most LoRA adapters (--adapter) one deployment serves by name: vLLM keeps a slot of each in every
+# batch (--max-loras), sized by the largest rank, on the GPU or in the CPU replica's memory.
+MAX_ADAPTERS = 32
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ class ServeOptions:
             strings typed in a message's content act as the tokens (off: they stay text).
         engine: a language model's engine: ``vllm``, ``gpuyard`` (its own) or ``auto`` (vLLM when
             installed, see :mod:`gpuyard.serve.llm.vllm_engine`).
+        adapters: registered LoRA adapters (references) served by name beside a language model, on
+            its base (``--adapter``; vLLM only: :func:`gpuyard.serve.llm.vllm_engine.lora_set`).
     """
 
     host: str = "127.0.0.1"
@@ -113,6 +118,7 @@ class ServeOptions:
     max_prompt_tokens: int = 0
     special_tokens: bool = False
     engine: str = "auto"
+    adapters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= 64:
@@ -129,6 +135,18 @@ class ServeOptions:
             raise ConfigError(f"--engine {self.engine!r}: use one of {', '.join(ENGINES)}")
         if self.max_prompt_tokens < 0:
             raise ConfigError(f"--max-prompt-tokens {self.max_prompt_tokens}: must be >= 0 (0: the context)")
+        object.__setattr__(self, "adapters", tuple(self.adapters))  # a list given in Python, or from JSON
+        if len(self.adapters) > MAX_ADAPTERS:
+            raise ConfigError(
+                f"--adapter: {len(self.adapters)} given; one deployment serves {MAX_ADAPTERS} at most"
+            )
+        for i, given in enumerate(self.adapters):
+            if not isinstance(given, str) or not given.strip():
+                raise ConfigError(
+                    f"--adapter {str(given)[:200]!r}: name a registered LoRA adapter (NAME:VERSION)"
+                )
+            if given in self.adapters[:i]:
+                raise ConfigError(f"--adapter {given[:200]!r}: given twice")
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict (nested configs included)."""
@@ -140,4 +158,5 @@ class ServeOptions:
         doc = dict(doc)
         doc["batch"] = BatchConfig(**doc["batch"])
         doc["drift_config"] = DriftConfig(**doc["drift_config"])
+        doc["adapters"] = tuple(doc.get("adapters") or ())  # JSON keeps a list; older records have none
         return cls(**doc)

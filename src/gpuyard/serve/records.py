@@ -40,6 +40,8 @@ def deployment_doc(r: DeploymentRow) -> dict[str, Any]:
         "log": r.log_path,
         "error": r.error,
         "job": r.job_id,
+        # LoRA adapters served by name beside the model (`--adapter`), as NAME:VERSION.
+        "adapters": list((r.config or {}).get("adapters") or ()),
         "config": {k: v for k, v in (r.config or {}).items() if k != KEY_SHA256},
         "created_at": r.created_at.isoformat(),
         "stopped_at": r.stopped_at.isoformat() if r.stopped_at else None,

@@ -156,11 +156,15 @@ def serve(
     from gpuyard.serve.model import resolve_device
 
     get_version(ref)  # an unknown model or version is said before anything is bound or printed
+    if opts.adapters:  # LoRA adapters by name (vLLM): refused in one line before anything starts
+        from gpuyard.serve.llm.vllm_engine import check_lora
+
+        check_lora(ref, opts)
     folder = language_model(ref)
     if folder is not None:
         from gpuyard.serve.llm.vllm_engine import choose_engine, placement
 
-        if choose_engine(opts.engine, folder, placement(opts.device)[0]) == "vllm":
+        if choose_engine(opts.engine, folder, placement(opts.device)[0], opts.adapters) == "vllm":
             from gpuyard.serve.llm.gateway import serve_vllm
 
             serve_vllm(ref, folder, opts, access, on_ready, on_replaced)

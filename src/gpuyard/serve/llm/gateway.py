@@ -603,13 +603,13 @@ def serve_vllm(
 
     folder = Path(folder)
     adapters: tuple[vllm_engine.Adapter, ...] = ()
-    lora = vllm_engine.adapter_of(ref)
-    if lora is not None:  # a registered LoRA adapter: its base served, the adapter by name on it
-        base_ref, folder, adapter = lora
-        adapters = (adapter,)
+    lora = vllm_engine.lora_set(ref, opts.adapters)
+    if lora is not None:  # registered LoRA adapters: their base served, each adapter by name on it
+        base_ref, folder, adapters = lora
+        names = ", ".join(repr(a.name) for a in adapters)
         print(
-            f"gpuyard serve: {ref} is a LoRA adapter of {base_ref}: vLLM serves {base_ref} with the adapter "
-            f"by name (model {ref!r}; {base_ref!r} answers without it)",
+            f"gpuyard serve: vLLM serves {base_ref} with LoRA adapter(s) by name (model {names}; "
+            f"{base_ref!r} answers without them)",
             file=sys.stderr,
             flush=True,
         )

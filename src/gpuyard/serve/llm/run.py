@@ -34,7 +34,7 @@ def serve_language_model(ref: str, folder: Path, opts: Any, access: Access) -> N
     (``opts.engine``; :func:`~gpuyard.serve.llm.vllm_engine.choose_engine`)."""
     from gpuyard.serve.llm.vllm_engine import choose_engine, placement
 
-    if choose_engine(opts.engine, folder, placement(opts.device)[0]) == "vllm":
+    if choose_engine(opts.engine, folder, placement(opts.device)[0], opts.adapters) == "vllm":
         from gpuyard.serve.llm.gateway import serve_vllm
 
         serve_vllm(ref, folder, opts, access)

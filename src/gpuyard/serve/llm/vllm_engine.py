@@ -26,10 +26,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuyard.errors import ConfigError
 from gpuyard.serve.options import ENGINES
+
+if TYPE_CHECKING:
+    from gpuyard.models.registry import ModelVersion
 
 ENV_VAR = "GPUYARD_VLLM_ENV"
 INSTALL = "make vllm"
@@ -91,15 +94,32 @@ def unservable(folder: Path, device: str) -> str | None:
     return None
 
 
-def resolve_engine(requested: str, folder: Path | None = None, device: str = "cpu") -> tuple[str, str | None]:
+def resolve_engine(
+    requested: str, folder: Path | None = None, device: str = "cpu", adapters: tuple[str, ...] = ()
+) -> tuple[str, str | None]:
     """(``vllm`` or ``gpuyard``, a one-line warning or None) for ``--engine requested`` serving the
     model in ``folder`` on ``device``: ``auto`` is vLLM when it is installed and can serve the model.
 
+    Args:
+        adapters: LoRA adapters served by name beside the model (``--adapter``): only vLLM does that.
+
     Raises:
-        ConfigError: an unknown engine, or ``vllm`` asked for and not installed or unable to serve it.
+        ConfigError: an unknown engine; ``vllm`` asked for and not installed or unable to serve it;
+            ``adapters`` where gpuyard's own engine would serve.
     """
     if requested not in ENGINES:
         raise ConfigError(f"--engine {requested!r}: use one of {', '.join(ENGINES)}")
+    engine, warning = _resolve_engine(requested, folder, device)
+    if engine == "gpuyard" and adapters:
+        why = "" if warning is None else f" ({warning.removeprefix('gpuyard serve: ')})"
+        raise ConfigError(
+            f"--adapter {', '.join(adapters)}: gpuyard's own engine serves one model, an adapter merged into "
+            f"its base on load, not a base with adapters by name; that needs vLLM (--engine vllm){why}"
+        )
+    return engine, warning
+
+
+def _resolve_engine(requested: str, folder: Path | None, device: str) -> tuple[str, str | None]:
     if requested == "gpuyard":
         return "gpuyard", None
     if vllm_python() is None:
@@ -121,11 +141,13 @@ def resolve_engine(requested: str, folder: Path | None = None, device: str = "cp
     return "gpuyard", f"gpuyard serve: gpuyard's own engine serves this model, as vLLM cannot: {why}"
 
 
-def choose_engine(requested: str, folder: Path | None = None, device: str = "cpu") -> str:
+def choose_engine(
+    requested: str, folder: Path | None = None, device: str = "cpu", adapters: tuple[str, ...] = ()
+) -> str:
     """:func:`resolve_engine`'s engine, its warning printed (one line on stderr)."""
     import sys
 
-    engine, warning = resolve_engine(requested, folder, device)
+    engine, warning = resolve_engine(requested, folder, device, adapters)
     if warning:
         print(warning, file=sys.stderr, flush=True)
     return engine
@@ -173,11 +195,11 @@ def adapter_of(ref: str) -> tuple[str, Path, Adapter] | None:
     (served by vLLM on its base, unmerged), else None.
 
     Raises:
-        ConfigError: its adapter_config.json is unreadable or names no rank.
+        ConfigError: its files cannot be read, or its adapter_config.json names no rank.
     """
     from gpuyard.errors import GpuyardError
     from gpuyard.models.llm import ADAPTER_FLAVOR, fetch_lm
-    from gpuyard.models.registry import fetch, get_version
+    from gpuyard.models.registry import get_version
 
     if Path(ref).expanduser().is_dir():  # a local folder, not a reference
         return None
@@ -187,13 +209,112 @@ def adapter_of(ref: str) -> tuple[str, Path, Adapter] | None:
         return None
     if mv.flavor != ADAPTER_FLAVOR:
         return None
-    folder = fetch(mv)
-    try:
-        rank = int(json.loads((folder / "adapter_config.json").read_text())["r"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ConfigError(f"{mv.ref}: its adapter_config.json names no LoRA rank 'r'") from None
     base = str(mv.config["base"])
-    return base, fetch_lm(base), Adapter(mv.ref, folder, rank)
+    return base, fetch_lm(base), registered_adapter(mv)
+
+
+def registered_adapter(mv: ModelVersion) -> Adapter:
+    """The LoRA adapter of registry version ``mv``: named by its reference, its folder the registry's
+    copy of its stored files (fetched and checked against their SHA-256, its weights checked as data).
+
+    Raises:
+        ConfigError: its files cannot be fetched or read, or its adapter_config.json names no rank.
+    """
+    from gpuyard.errors import GpuyardError
+    from gpuyard.models.registry import fetch
+    from gpuyard.models.safety import check_model_safety
+
+    try:
+        folder = fetch(mv)
+        check_model_safety(folder, mv.flavor, mv.config)
+        text = (folder / "adapter_config.json").read_text()
+    except (GpuyardError, OSError, UnicodeDecodeError) as exc:
+        from gpuyard.data.sources import one_line
+
+        raise ConfigError(f"{mv.ref}: its adapter files cannot be read: {one_line(str(exc))}") from None
+    try:
+        rank = int(json.loads(text)["r"])
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{mv.ref}: its adapter_config.json names no LoRA rank 'r'") from None
+    if rank < 1:
+        raise ConfigError(f"{mv.ref}: its adapter_config.json gives LoRA rank {rank}; a rank is at least 1")
+    return Adapter(mv.ref, folder, rank)
+
+
+def lora_set(ref: str, extra: tuple[str, ...] = ()) -> tuple[str, Path, tuple[Adapter, ...]] | None:
+    """What vLLM serves for model ``ref`` with the LoRA adapters ``extra`` (``--adapter``), or None
+    when no adapter is involved (``ref`` is served as it is).
+
+    (the base's reference, the base's folder, the adapters: ``ref`` first when it is an adapter itself,
+    then ``extra`` in order). Each of ``extra`` is looked up in the registry only (never as a path):
+    it must be a LoRA adapter of ``ref``'s base (``ref`` itself when it is a causal LM), of the same
+    team as ``ref``, and given once (two references to one version are one adapter twice). The rank
+    they need must be one vLLM serves (:func:`lora_rank`).
+
+    Raises:
+        ConfigError: one line naming the adapter at fault (its base, team, files or rank), or a model
+            that cannot take adapters.
+        NotFoundError: an adapter not registered.
+    """
+    from gpuyard.errors import GpuyardError, NotFoundError
+    from gpuyard.models.llm import ADAPTER_FLAVOR, FLAVOR
+    from gpuyard.models.registry import get_version
+
+    if not extra:
+        lora = adapter_of(ref)
+        return None if lora is None else (lora[0], lora[1], (lora[2],))
+    if Path(ref).expanduser().is_dir():
+        raise ConfigError(
+            f"--adapter: {ref[:200]!r} is a local folder; adapters are served on a registered base model "
+            "(serve it by its registry reference)"
+        )
+    served = get_version(ref)
+    if served.flavor not in (FLAVOR, ADAPTER_FLAVOR):
+        raise ConfigError(f"--adapter: {served.ref} is a {served.flavor} model, not a language model")
+    base = str(served.config["base"]) if served.flavor == ADAPTER_FLAVOR else served.ref
+    adapters = [registered_adapter(served)] if served.flavor == ADAPTER_FLAVOR else []
+    for given in extra:
+        try:
+            mv = get_version(given)
+        except (GpuyardError, ValueError) as exc:
+            from gpuyard.data.sources import one_line
+
+            kind = NotFoundError if isinstance(exc, NotFoundError) else ConfigError
+            raise kind(f"--adapter {given[:200]!r}: {one_line(str(exc))}") from None
+        if mv.flavor != ADAPTER_FLAVOR:
+            raise ConfigError(f"--adapter {mv.ref}: a {mv.flavor} model, not a LoRA adapter")
+        if str(mv.config.get("base")) != base:
+            raise ConfigError(
+                f"--adapter {mv.ref}: an adapter of {mv.config.get('base')}, not of {base} (the base served)"
+            )
+        if mv.team != served.team:
+            raise ConfigError(
+                f"--adapter {mv.ref}: belongs to team {mv.team!r}, and {served.ref} (the model served) to "
+                f"team {served.team!r}: a deployment serves its own team's adapters"
+            )
+        if any(a.name == mv.ref for a in adapters):
+            raise ConfigError(f"--adapter {given[:200]!r}: {mv.ref} is served already (given twice)")
+        adapters.append(registered_adapter(mv))
+    lora_rank(tuple(adapters))  # a rank vLLM does not serve is said before anything starts
+    from gpuyard.models.llm import fetch_lm
+
+    return base, fetch_lm(base), tuple(adapters)
+
+
+def check_lora(ref: str, opts: Any, device: str | None = None) -> tuple[str, ...]:
+    """Refuse ``opts.adapters`` (``--adapter``) that cannot be served beside ``ref`` on ``device``
+    (default ``opts.device``), in one line, before anything starts: :func:`lora_set`'s checks, and an
+    engine that is not vLLM (:func:`resolve_engine`). Returns their registry references (NAME:VERSION,
+    what a deployment records: an alias moved later does not change what it serves).
+    """
+    if not opts.adapters:
+        return ()
+    found = lora_set(ref, opts.adapters)
+    if found is None:  # not reached: adapters were given
+        return ()
+    _base, folder, adapters = found
+    resolve_engine(opts.engine, folder, placement(device or opts.device)[0], opts.adapters)
+    return tuple(a.name for a in adapters[len(adapters) - len(opts.adapters) :])
 
 
 def lora_rank(adapters: tuple[Adapter, ...]) -> int:
@@ -202,10 +323,12 @@ def lora_rank(adapters: tuple[Adapter, ...]) -> int:
     Raises:
         ConfigError: an adapter's rank is over the largest vLLM takes.
     """
-    top = max(a.rank for a in adapters)
-    fit = next((r for r in LORA_RANKS if r >= top), None)
+    top = max(adapters, key=lambda a: a.rank)
+    fit = next((r for r in LORA_RANKS if r >= top.rank), None)
     if fit is None:
-        raise ConfigError(f"LoRA rank {top} is over the largest vLLM serves ({LORA_RANKS[-1]})")
+        raise ConfigError(
+            f"{top.name}: LoRA rank {top.rank} is over the largest vLLM serves ({LORA_RANKS[-1]})"
+        )
     return fit
 
 

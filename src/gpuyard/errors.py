@@ -53,3 +53,9 @@ class PermissionDenied(GpuyardError):
     """The caller is authenticated but not allowed to do this."""
 
     http_status = 403
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """``text`` on one line of printable characters, at most ``limit`` long (for error messages)."""
+    flat = " ".join("".join(c if c.isprintable() or c.isspace() else "?" for c in text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."

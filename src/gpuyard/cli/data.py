@@ -137,7 +137,8 @@ def ingest_cmd(
 
     from gpuyard.data import IngestOptions, ValidationSpec, ingest
     from gpuyard.data.infer import schema_summary
-    from gpuyard.data.sources import check_text_file, one_line
+    from gpuyard.data.sources import check_text_file
+    from gpuyard.errors import one_line
 
     spec = ValidationSpec()
     if checks is not None:

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from gpuyard.data.columns import tensor_array, tensor_field, with_tensor
-from gpuyard.errors import ConfigError, IntegrityError, NotFoundError
+from gpuyard.errors import ConfigError, IntegrityError, NotFoundError, one_line
 
 FORMATS = ("csv", "parquet", "jsonl", "npy", "npz", "images")
 # Suffixes the CSV and JSON readers decompress by themselves: their bytes are not text.
@@ -116,12 +116,6 @@ def check_text_file(path: Path, what: str) -> None:
             f"{path} is not {what} text: bytes at offset {exc.start} are not UTF-8 (binary, or another "
             "encoding: convert it to UTF-8)"
         ) from exc
-
-
-def one_line(text: str, limit: int = 300) -> str:
-    """``text`` on one line of printable characters, at most ``limit`` long (for error messages)."""
-    flat = " ".join("".join(c if c.isprintable() or c.isspace() else "?" for c in text).split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def _read_numpy(src: Path, fmt: str) -> pa.Table:

@@ -229,7 +229,7 @@ def registered_adapter(mv: ModelVersion) -> Adapter:
         check_model_safety(folder, mv.flavor, mv.config)
         text = (folder / "adapter_config.json").read_text()
     except (GpuyardError, OSError, UnicodeDecodeError) as exc:
-        from gpuyard.data.sources import one_line
+        from gpuyard.errors import one_line
 
         raise ConfigError(f"{mv.ref}: its adapter files cannot be read: {one_line(str(exc))}") from None
     try:
@@ -277,7 +277,7 @@ def lora_set(ref: str, extra: tuple[str, ...] = ()) -> tuple[str, Path, tuple[Ad
         try:
             mv = get_version(given)
         except (GpuyardError, ValueError) as exc:
-            from gpuyard.data.sources import one_line
+            from gpuyard.errors import one_line
 
             kind = NotFoundError if isinstance(exc, NotFoundError) else ConfigError
             raise kind(f"--adapter {given[:200]!r}: {one_line(str(exc))}") from None

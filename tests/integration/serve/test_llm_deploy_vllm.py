@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from tests.integration.serve.test_llm_engines import VLLM_START_S, need_vllm, tiny_chat_model
+from tests.integration.serve.test_llm_engines import VLLM_START_S, VLLM_TEST_ENV, need_vllm, tiny_chat_model
 from tests.waiting import wait_for
 
 from gpuyard.serve.deploy import deploy, undeploy
@@ -36,8 +36,12 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_two_vllm_replicas_one_killed_and_replaced_then_undeployed(serve_home: Path, tmp_path: Path) -> None:
+def test_two_vllm_replicas_one_killed_and_replaced_then_undeployed(
+    serve_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     need_vllm()
+    for key, value in VLLM_TEST_ENV.items():  # the deployment's process and its replicas inherit it
+        monkeypatch.setenv(key, value)
     from gpuyard.models.llm import register_lm
 
     register_lm("chatlm", tiny_chat_model(tmp_path)[0])

@@ -32,6 +32,11 @@ CONTEXT = 256
 ROLE_MARKERS = ["<|system|>", "<|user|>", "<|assistant|>"]
 # vLLM starts in minutes on a busy 2-core machine (imports, then its model warm-up).
 VLLM_START_S = 1200.0
+# vLLM's own setting for its CPU test runs (vllm/platforms/cpu.py, cpu_worker.py): a replica runs the
+# model without inductor's compilation and skips the warm-up pass (a minute or more of each start on
+# 2 busy cores); what gpuyard starts, sends and answers is the same. gpuyard hands every VLLM_*
+# variable of its environment to its replicas.
+VLLM_TEST_ENV = {"VLLM_CPU_CI_ENV": "1"}
 
 
 def need_vllm() -> None:
@@ -85,7 +90,7 @@ class Running:
             [sys.executable, "-m", "gpuyard.cli.main", "serve", str(folder), "--engine", engine,
              "--device", "cpu", "--port", str(self.port), "--max-body-bytes", "65536", "--max-batch", "8"],
             stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-            env={**os.environ, "GPUYARD_HOME": str(home), "GPUYARD_SERVE_KEY": KEY},
+            env={**os.environ, **VLLM_TEST_ENV, "GPUYARD_HOME": str(home), "GPUYARD_SERVE_KEY": KEY},
         )  # fmt: skip
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = str(folder)

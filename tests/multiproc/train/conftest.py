@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -78,6 +81,29 @@ def finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[int, str,
         out, err = proc.communicate()
         pytest.fail(f"job did not finish within {timeout} s:\n{err[-3000:]}")
     return proc.returncode, out, err
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """Final weights of the default spec's run (2 ranks, storage checkpoints every 4 steps), never
+    interrupted: what test_fault_tolerance's and test_memory_checkpoint's interrupted runs must end
+    with. Trained once per test session: the first pytest-xdist worker to ask trains it in a folder all
+    workers share while it holds a lock; the others wait for the lock and read the same run."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's folder, which holds each worker's own
+    folder = shared / "multiproc-reference"
+    with open(shared / "multiproc-reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this worker dies
+        done = folder / "trained"
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker that failed here left it half done
+            code, out, err = finish(start_train(write_spec(folder), env_for(folder)))
+            assert code == 0, err[-3000:]
+            doc = json.loads(out)
+            assert doc["status"] == "completed" and doc["step"] == 24
+            done.touch()
+        return final_weights(folder / "run")
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -28,18 +28,6 @@ def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0, msg=key)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """Final weights of the run that is never interrupted."""
-    folder = tmp_path_factory.mktemp("reference")
-    spec = write_spec(folder)
-    code, out, err = finish(start_train(spec, env_for(folder)))
-    assert code == 0, err[-3000:]
-    doc = json.loads(out)
-    assert doc["status"] == "completed" and doc["step"] == 24
-    return final_weights(folder / "run")
-
-
 def test_sigkill_of_a_rank_restarts_and_resumes_from_last_checkpoint(tmp_path: Path, reference) -> None:
     spec = write_spec(tmp_path)
     proc = start_train(spec, env_for(tmp_path, mode="kill", step="10"))

@@ -22,16 +22,6 @@ pytestmark = pytest.mark.multiproc
 MEMORY = {"every_steps": 0, "memory_every": 2, "persist_every": 4, "keep": 2}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """Final weights of a run never interrupted, with storage checkpoints only."""
-    folder = tmp_path_factory.mktemp("reference")
-    code, out, err = finish(start_train(write_spec(folder), env_for(folder)))
-    assert code == 0, err[-3000:]
-    assert json.loads(out)["step"] == 24
-    return final_weights(folder / "run")
-
-
 def _killed_run(tmp_path: Path, mode: str) -> list[dict[str, object]]:
     spec = write_spec(tmp_path, checkpoint=MEMORY, callbacks=["memory_hooks:kill_rank1"])
     proc = start_train(spec, env_for(tmp_path, mode=mode, step="11"))

@@ -57,12 +57,15 @@ vllm:
 demo: $(STAMP)
 	$(BIN)/gpuyard demo
 
+# The tests start hundreds of Python processes (CLI commands, servers, torchrun ranks): each reads
+# gpuyard's compiled bytecode instead of compiling its sources again, even where the environment
+# says not to write it (PYTHONDONTWRITEBYTECODE).
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not bench" $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not bench" $(PYTEST_ARGS)
 
 # Every benchmark script once in its --smoke mode, its last line checked (CI runs it after make test).
 bench-smoke: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist load -m bench tests/integration/test_benchmarks_smoke.py $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -n 2 --dist load -m bench tests/integration/test_benchmarks_smoke.py $(PYTEST_ARGS)
 
 # The unit tier alone (no processes, no servers): under a minute on 2 cores.
 test-unit: $(STAMP)

@@ -86,6 +86,23 @@ def _fusable(param: torch.Tensor) -> bool:
     )
 
 
+def scheduler_state_for(state: dict[str, Any], groups: int) -> dict[str, Any]:
+    """A schedule's saved ``state`` for an optimizer of ``groups`` parameter groups.
+
+    Checkpoints written before weight decay 0 made one group have two groups of the same learning
+    rate; their per-group lists are cut to the first ``groups`` (every value the same), so they resume
+    into the one group. Any other state is returned as it is.
+    """
+    lrs = state.get("base_lrs")
+    if not isinstance(lrs, list) or len(lrs) <= groups or len(set(lrs)) != 1:
+        return state
+    cut = dict(state)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        if isinstance(cut.get(key), list):
+            cut[key] = cut[key][:groups]
+    return cut
+
+
 def lr_factor(spec: ScheduleSpec, total_steps: int) -> Callable[[int], float]:
     """The multiplier of the base learning rate at each step, for LambdaLR."""
 

@@ -51,7 +51,7 @@ def build_optimizer(params: Any, spec: OptimizerSpec) -> torch.optim.Optimizer:
     Without weight decay every parameter has the same settings: one group, so each step makes one
     optimizer call instead of two (measured 0.14 ms a step on the CPU MLP of
     ``benchmarks/train_overhead.py``); checkpoints name each parameter's state, so one written with
-    the two groups (earlier versions) resumes into the one.
+    the two groups (earlier versions) resumes into the one (its schedule: :func:`scheduler_state_for`).
     """
     params = [p for p in params if p.requires_grad]
     if spec.weight_decay:

@@ -234,7 +234,8 @@ class Persistence(TrainerState):
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.batches_in_epoch = int(state["batches_in_epoch"])
         self.best, self.bad_validations = state["best"], int(state["bad_validations"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        groups = len(self.optimizer.param_groups)
+        self.scheduler.load_state_dict(comp.scheduler_state_for(state["scheduler"], groups))
         comp.set_rng_state(state["rng"])
         self.train_source.load_state_dict(state["data"])
 

@@ -86,10 +86,11 @@ def accuracy_counts(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     """``[right predictions, counted labels]`` (int64, on the outputs' device) of class scores
     ``[..., C]`` against integer labels ``[...]``; labels equal to ``IGNORE_INDEX`` are not counted.
 
-    Six tensor operations (the trainer counts every step): a prediction is a class index, never
-    ``IGNORE_INDEX``, so an ignored label is never a right prediction without masking it."""
-    right = (outputs.detach().argmax(-1) == targets).sum()
-    return torch.stack([right, (targets != IGNORE_INDEX).sum()])
+    Five tensor operations (the trainer counts every step): a prediction is a class index, never
+    ``IGNORE_INDEX``, so an ignored label is never a right prediction without masking it. ``argmax``
+    records nothing for autograd (its output is an index), so the scores need no ``detach``."""
+    pair = torch.stack([outputs.argmax(-1) == targets, targets != IGNORE_INDEX])
+    return pair.sum(dim=tuple(range(1, pair.dim())))
 
 
 def is_classification(outputs: Any, targets: Any) -> bool:

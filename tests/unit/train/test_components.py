@@ -95,6 +95,51 @@ def test_weight_decay_skips_biases() -> None:
     assert decays == [(0.0, False), (0.1, True)]
 
 
+def test_without_weight_decay_one_group_holds_every_parameter() -> None:
+    from gpuyard.train.spec import OptimizerSpec
+
+    model = ex.mlp()
+    opt = comp.build_optimizer(model.parameters(), OptimizerSpec(weight_decay=0.0))
+    assert len(opt.param_groups) == 1
+    assert opt.param_groups[0]["weight_decay"] == 0.0
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+
+
+def test_a_two_group_optimizer_state_resumes_into_one_group() -> None:
+    """A checkpoint written when weight decay 0 still made two groups loads into the one group."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from gpuyard.train.spec import OptimizerSpec
+
+    torch.manual_seed(0)
+    model = ex.mlp()
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.0},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    old = torch.optim.AdamW(groups, lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(8, 16)).sum().backward()
+        old.step()
+        old.zero_grad(set_to_none=True)
+    model_sd, optim_sd = get_state_dict(model, old)
+    new = comp.build_optimizer(model.parameters(), OptimizerSpec(lr=1e-3, weight_decay=0.0))
+    set_state_dict(model, new, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    assert len(new.param_groups) == 1
+    for p in params:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(new.state[p][key], old.state[p][key]), key
+
+
+def test_accuracy_counts_of_scores_that_need_gradients() -> None:
+    from gpuyard.train.validation import accuracy_counts
+
+    scores = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 5.0]], requires_grad=True)
+    counts = accuracy_counts(scores * 1.0, torch.tensor([1, 2, 2]))  # predicts 1, 0, 2
+    assert counts.tolist() == [2, 3] and counts.dtype == torch.int64 and not counts.requires_grad
+
+
 def test_cross_entropy_flattens_sequences() -> None:
     logits, targets = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
     expected = torch.nn.functional.cross_entropy(logits.reshape(10, 7), targets.reshape(10))

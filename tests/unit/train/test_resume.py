@@ -198,3 +198,31 @@ def test_non_finite_gradients_with_finite_loss_stop_before_the_update(spec_facto
     result = trainer.fit()
     assert result.status == "diverged" and result.step == 1
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())  # the update was skipped
+
+
+def test_a_checkpoint_with_two_optimizer_groups_resumes_into_one(spec_factory, monkeypatch) -> None:
+    """Without weight decay the optimizer has one group; a checkpoint written when it had two groups
+    (decay, no decay) with the same settings resumes exactly into it."""
+    from gpuyard.train import components as comp
+
+    optimizer = {"weight_decay": 0.0}
+    whole_t, whole = run(spec_factory("whole", optimizer=optimizer))
+    stopped_spec = spec_factory("stopped", optimizer=optimizer)
+
+    def two_groups(params: Any, spec: Any) -> torch.optim.Optimizer:
+        params = [p for p in params if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.0},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, fused=True)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(comp, "build_optimizer", two_groups)
+        old, first = run(stopped_spec, callbacks=[stop_at(4)])
+    assert len(old.optimizer.param_groups) == 2 and first.status == "preempted"
+    resumed, second = run(stopped_spec)
+    assert len(resumed.optimizer.param_groups) == 1 and resumed.resumed_from is not None
+    assert second.status == "completed" and second.step == whole.step
+    _assert_same(weights(resumed), weights(whole_t))
+    assert second.metrics["lr"] == pytest.approx(whole.metrics["lr"], abs=1e-12)

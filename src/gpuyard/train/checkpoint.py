@@ -243,6 +243,20 @@ def read_marker(path: str | Path) -> dict[str, Any]:
     return doc
 
 
+def optimizer_groups(path: str | Path, key: str) -> int | None:
+    """How many optimizer parameter groups the checkpoint at ``path`` holds under ``key`` (None when its
+    metadata cannot tell: the load then reports what is wrong)."""
+    try:
+        meta = _dcp().FileSystemReader(str(path)).read_metadata()
+    except Exception:  # unreadable metadata: the load itself says so, in its words
+        return None
+    prefix = f"{key}.param_groups."
+    found = {
+        name[len(prefix) :].split(".", 1)[0] for name in meta.state_dict_metadata if name.startswith(prefix)
+    }
+    return len(found) if found else None
+
+
 def _dcp() -> Any:
     """torch.distributed.checkpoint, imported when first used: the launcher lists and reads
     checkpoint markers without paying for it (0.7 s: it pulls in DTensor and sympy)."""

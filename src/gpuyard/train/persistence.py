@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpuyard.errors import ConfigError
 from gpuyard.train import components as comp
 from gpuyard.train.checkpoint import (
     CheckpointSaveError,
@@ -26,6 +27,7 @@ from gpuyard.train.checkpoint import (
     has_hashes,
     latest_checkpoint,
     list_checkpoints,
+    optimizer_groups,
     read_marker,
     set_aside,
     step_dirname,
@@ -172,6 +174,7 @@ class Persistence(TrainerState):
         if path is None:
             return
         start = time.perf_counter()
+        self._check_groups(path)
         app = self._app_state()
         state = self.checkpointer.load(path, app)
         meta, layout = read_marker(path), [self.ctx.layout.pp, self.ctx.layout.dp, self.ctx.layout.tp]
@@ -200,6 +203,20 @@ class Persistence(TrainerState):
             world_size=meta.get("world_size"),
             seconds=round(time.perf_counter() - start, 6),
         )
+
+    def _check_groups(self, path: Path) -> None:
+        """A checkpoint written with fewer optimizer groups than this run's optimizer has (weight decay
+        turned on since: one group without it, decay and no-decay groups with it) cannot fill it: a
+        configuration error in one line rather than DCP's missing-key traceback on every rank."""
+        saved, now = optimizer_groups(path, self._optim_key), len(self.optimizer.param_groups)
+        if saved is not None and saved < now:
+            raise ConfigError(
+                f"checkpoint {path} was written with {saved} optimizer parameter group(s) and this run's "
+                f"optimizer has {now} (one without weight decay, decay and no-decay groups with it; "
+                f"optimizer.weight_decay is {self.spec.optimizer.weight_decay:g} now): resume with the "
+                "settings it was written with, or start a new run "
+                "(checkpoint.resume: false, or another run_dir)"
+            )
 
     def _intact_checkpoint(self) -> Path | None:
         """The newest complete checkpoint whose files match their hashes (collective: each rank

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from gpuyard.errors import ConfigError
 from gpuyard.tracking.files import read_metrics
 from gpuyard.train import examples as ex
 from gpuyard.train.checkpoint import MARKER, latest_checkpoint, list_checkpoints
@@ -226,3 +227,17 @@ def test_a_checkpoint_with_two_optimizer_groups_resumes_into_one(spec_factory, m
     assert second.status == "completed" and second.step == whole.step
     _assert_same(weights(resumed), weights(whole_t))
     assert second.metrics["lr"] == pytest.approx(whole.metrics["lr"], abs=1e-12)
+
+
+def test_a_one_group_checkpoint_is_refused_in_one_line_when_weight_decay_is_turned_on(spec_factory) -> None:
+    """A checkpoint written without weight decay (one optimizer group) cannot fill an optimizer with
+    weight decay (decay and no-decay groups): a configuration error naming both counts, not DCP's
+    missing-key traceback."""
+    stopped = spec_factory("stopped", optimizer={"weight_decay": 0.0})
+    old, first = run(stopped, callbacks=[stop_at(4)])
+    assert len(old.optimizer.param_groups) == 1 and first.status == "preempted"
+    on = spec_factory("stopped", optimizer={"weight_decay": 0.1})
+    with pytest.raises(
+        ConfigError, match=r"written with 1 optimizer parameter group\(s\) and this run's optimizer has 2"
+    ):
+        run(on)

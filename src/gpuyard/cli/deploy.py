@@ -24,6 +24,11 @@ def _print(table: Any) -> None:
     Console(width=max(Console().width, 160)).print(table)
 
 
+def _served(d: dict[str, Any]) -> str:
+    """A deployment's model, and the LoRA adapters it serves by name beside it (``base:1 + a:1``)."""
+    return f"{d['model']}:{d['version']}" + "".join(f" + {a}" for a in d.get("adapters") or ())
+
+
 def _table(docs: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
@@ -35,10 +40,9 @@ def _table(docs: list[dict[str, Any]]) -> None:
     for d in docs:
         pids = d["pids"].get("replicas") or ([d["pids"]["server"]] if d["pids"].get("server") else [])
         placed = (d["pids"].get("gpus") or "", "" if d["job"] is None else str(d["job"]))
-        adapters = d.get("adapters") or []  # LoRA adapters served by name beside the model
         table.add_row(
             str(d["id"]),
-            f"{d['model']}:{d['version']}" + "".join(f" + {a}" for a in adapters),
+            _served(d),
             str(d["replicas"]),
             d["device"],
             *(placed if scheduled else ()),
@@ -178,10 +182,9 @@ def alerts(
     )
     for d in docs:
         retrain = "" if d["retrain"] is None else ("error" if "error" in d["retrain"] else "called")
-        adapters = d.get("adapters") or []  # LoRA adapters served by name beside the model
         table.add_row(
             str(d["id"]),
-            f"{d['model']}:{d['version']}" + "".join(f" + {a}" for a in adapters),
+            _served(d),
             d["kind"],
             d["feature"] or "",
             d["metric"],

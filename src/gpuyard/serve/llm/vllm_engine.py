@@ -310,8 +310,7 @@ def check_lora(ref: str, opts: Any, device: str | None = None) -> tuple[str, ...
     if not opts.adapters:
         return ()
     found = lora_set(ref, opts.adapters)
-    if found is None:  # not reached: adapters were given
-        return ()
+    assert found is not None  # with adapters given, lora_set returns the set or raises
     _base, folder, adapters = found
     resolve_engine(opts.engine, folder, placement(device or opts.device)[0], opts.adapters)
     return tuple(a.name for a in adapters[len(adapters) - len(opts.adapters) :])

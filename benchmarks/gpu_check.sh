@@ -19,7 +19,20 @@ if [ -d wheels ] && ls wheels/*.whl >/dev/null 2>&1; then
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" wheels/*.whl \
     || { echo "gpu-check: installing wheels/ failed" >&2; exit 2; }
 fi
-export PYTHONPATH="$PWD/src:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# gpuyard as installed, not through PYTHONPATH: the programs it runs as itself (the GPU self-test)
+# get a clean environment with no PYTHON* variables. A venv holds a .pth that adds the machine
+# interpreter's own packages (its PyTorch; that interpreter may itself be a venv, which
+# --system-site-packages would skip) and puts src/ and the wheels first, as PYTHONPATH did.
+venv=${GPU_CHECK_VENV:-/tmp/gpuyard-venv}
+rm -rf "$venv"
+"$py" -m venv --without-pip "$venv" || { echo "gpu-check: making $venv failed" >&2; exit 2; }
+parent=$("$py" -c 'import sysconfig as s; p = s.get_paths(); print(repr(sorted({p["purelib"], p["platlib"]})))')
+purelib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+printf 'import site, sys; list(map(site.addsitedir, %s)); sys.path[:0] = [%s, %s]\n' \
+  "$parent" "'$PWD/src'" "'$site'" >"$purelib/gpuyard-check.pth"
+"$venv/bin/python" -c 'import torch, gpuyard' || { echo "gpu-check: $venv sees no torch or gpuyard" >&2; exit 2; }
+py=$venv/bin/python
+export PYTHONUNBUFFERED=1
 gy() { "$py" -m gpuyard.cli.main "$@"; }
 
 failed=()

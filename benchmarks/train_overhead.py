@@ -1,4 +1,4 @@
-"""gpuyard's Trainer vs a hand-written PyTorch loop: same model, data, seed, batch and optimizer (CPU).
+"""gpuyard's Trainer vs a hand-written PyTorch loop: same model, data, seed, batch, optimizer and device.
 
 Both run one process with one intra-op thread; the Trainer runs with its per-step work on (loss
 agreement, NaN check, metrics to metrics.jsonl each step, LR schedule) and checkpoints off (they
@@ -10,6 +10,10 @@ with ``fused=True`` (the Trainer's optimizer: ``gpuyard.train.components.build_o
 AdamW wherever every parameter is a plain CPU/CUDA float tensor; the default foreach kernel is
 several times slower on a CPU), LambdaLR, fp32 (the Trainer's ``precision: auto`` on a CPU), no
 ``torch.compile`` on either side (the Trainer's default), ``loss.item()`` every step for logging.
+Device: the one the Trainer picks (``gpuyard.train.parallel.init_distributed``: the first CUDA GPU
+when one is visible, else the CPU); on a GPU both sides run there with bf16 autocast (the Trainer's
+``precision: auto`` on CUDA) and move each batch with ``non_blocking=True`` as the Trainer does. Hide
+the GPUs (``CUDA_VISIBLE_DEVICES=``) for the CPU figure on a GPU machine; the last line names the device.
 Runs alternate (baseline, Trainer, baseline, ...) so load on a shared machine hits both alike;
 the median wall time of each is compared and the spread of the per-pair ratios is printed, with
 ``cpu_slowdown`` (the median per-pair ratio of the process's CPU time, all threads: waiting for a
@@ -42,6 +46,8 @@ from gpuyard.train.spec import TrainSpec
 from gpuyard.train.trainer import Trainer
 
 SEED, LR, BATCH, IN, HIDDEN, CLASSES = 0, 1e-3, 64, 256, 512, 10
+# The Trainer's device rule (parallel.init_distributed) and its precision: auto (bf16 on CUDA).
+DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def make_model() -> nn.Module:
@@ -58,7 +64,7 @@ def baseline(n: int, epochs: int, stamps: list[float] | None = None) -> tuple[fl
     stamps = [] if stamps is None else stamps
     start, cpu = time.perf_counter(), time.process_time()
     torch.manual_seed(SEED)
-    model = make_model()
+    model = make_model().to(DEVICE)
     # fused=True: what the Trainer builds for plain CPU/CUDA float parameters (build_optimizer).
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
@@ -70,7 +76,9 @@ def baseline(n: int, epochs: int, stamps: list[float] | None = None) -> tuple[fl
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
-            loss = nn.functional.cross_entropy(model(x), y)
+            x, y = x.to(DEVICE, non_blocking=True), y.to(DEVICE, non_blocking=True)
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=DEVICE.type == "cuda"):
+                loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
             sched.step()
@@ -180,7 +188,7 @@ def main() -> None:
     b, o = statistics.median(base_t), statistics.median(ours_t)
     print(
         f"model {comp.count_parameters(make_model())} params, {steps} steps x batch {BATCH}, "
-        f"{repeats} alternating runs, 1 thread"
+        f"{repeats} alternating runs, 1 thread, device {DEVICE}"
     )
     print(f"baseline  median {b:.3f} s  ({steps / b:.0f} steps/s)  final loss {base_loss:.4f}")
     print(f"gpuyard   median {o:.3f} s  ({steps / o:.0f} steps/s)  final loss {our_loss:.4f}")
@@ -202,7 +210,7 @@ def main() -> None:
         f"same_final_loss={abs(base_loss - our_loss) < 1e-5} "
         f"pair_min={pairs[0]:.4f} pair_max={pairs[-1]:.4f} cpu_slowdown={cpu:.4f} "
         f"step_cpu_slowdown={per_step:.4f} fixed_cpu_s={fixed_s:.3f} "
-        f"optimizer=adamw-fused load_avg={os.getloadavg()[0]:.1f}"
+        f"optimizer=adamw-fused device={DEVICE.type} load_avg={os.getloadavg()[0]:.1f}"
     )
 
 

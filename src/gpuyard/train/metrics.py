@@ -17,13 +17,24 @@ __all__ = [
 
 
 class DeviceStats:
-    """GPU memory (torch) and utilization (NVML) for the local device; empty on CPU."""
+    """GPU memory (torch) and utilization (NVML) for the local device; empty on CPU.
 
-    def __init__(self, device: Any) -> None:
+    Read at most once per ``every_s`` seconds: NVML's utilization is itself an average over the
+    driver's sample period (1/6 s to 1 s by product), and reading it every step cost a launch-bound
+    step on an H200 about 1 ms of host time (BENCHMARKS.md, train overhead). The memory peak spans
+    every step since the previous reading, so a step between readings is not lost from it.
+    """
+
+    def __init__(self, device: Any, every_s: float = 1.0) -> None:
+        import time
+
         import torch
 
         self._torch = torch
         self._device = device
+        self._clock = time.monotonic
+        self._every_s = every_s
+        self._due = float("-inf")
         self._nvml_handle = None
         if getattr(device, "type", "cpu") == "cuda":
             try:
@@ -37,9 +48,14 @@ class DeviceStats:
                 self._nvml_handle = None
 
     def sample(self) -> dict[str, float]:
-        """Current readings: gpu_mem_gb (peak since last sample), gpu_util (%)."""
+        """Current readings: gpu_mem_gb (peak since the last reading), gpu_util (%); empty on a CPU
+        and when the last reading is under ``every_s`` old (the first call always reads)."""
         if getattr(self._device, "type", "cpu") != "cuda":
             return {}
+        now = self._clock()
+        if now < self._due:
+            return {}
+        self._due = now + self._every_s
         cuda = self._torch.cuda
         out = {"gpu_mem_gb": cuda.max_memory_allocated(self._device) / 2**30}
         cuda.reset_peak_memory_stats(self._device)

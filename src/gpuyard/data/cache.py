@@ -22,14 +22,16 @@ CACHE_ENV = "GPUYARD_DATA_CACHE_BYTES"
 
 
 # Local files whose content this process has checked against the catalog's SHA-256, by identity
-# (path, inode, size, modification time): a shard is hashed once per process, not once per epoch.
-_VERIFIED: dict[tuple[str, int, int, int], str] = {}
+# (path, device, inode, size, modification and change time): a shard is hashed once per process, not
+# once per epoch. The change time is in it because a file's owner can set the modification time back
+# after rewriting it (utime), while only the kernel sets the change time.
+_VERIFIED: dict[tuple[str, int, int, int, int, int], str] = {}
 _VERIFIED_MAX = 100_000
 
 
-def _identity(path: str) -> tuple[str, int, int, int]:
+def _identity(path: str) -> tuple[str, int, int, int, int, int]:
     st = os.stat(path)
-    return (path, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def mark_verified(path: str | os.PathLike[str], sha256: str) -> None:

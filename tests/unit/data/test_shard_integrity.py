@@ -129,3 +129,27 @@ def test_gc_removes_only_unreferenced_blobs_and_only_when_told(
     assert version.to_arrow().num_rows == 300 and version.quarantine().num_rows == 1
     code, _, _ = _run(capsys, "data", "gc", "--grace", "soon")
     assert code == 2
+
+
+def test_a_rewrite_with_the_old_modification_time_is_not_taken_as_verified(tmp_path: Path) -> None:
+    """A file checked once per process is trusted later only while unchanged; an owner who rewrites it
+    in place (same inode and size) and sets the modification time back is still caught (change time)."""
+    import os
+
+    from gpuyard.data.cache import is_verified, mark_verified
+
+    shard = tmp_path / "shard.parquet"
+    shard.write_bytes(b"a" * 64)
+    before = os.stat(shard)
+    mark_verified(shard, "digest")
+    assert is_verified(str(shard), "digest")
+    with open(shard, "r+b") as f:  # same inode, same size
+        f.write(b"b" * 64)
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(shard)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_size,
+        before.st_mtime_ns,
+    )
+    assert not is_verified(str(shard), "digest")

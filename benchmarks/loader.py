@@ -10,7 +10,10 @@ Baselines, each in its best configuration that we know of, doing the same work:
   Parquet records, over gpuyard's own shard files (:class:`PyarrowEpochs`): row groups shuffled
   per epoch, read with ``read_row_group``, rows permuted in blocks of 16,384 (gpuyard's shuffle
   buffer), batches as tensor views; run in the main process and in 2 DataLoader worker processes,
-  the faster of the two in each round counts.
+  the faster of the two in each round counts. pyarrow's default read verifies nothing; gpuyard
+  verifies every data page's CRC32 on each read (and a shard's SHA-256 on a process's first read),
+  so the same loop with ``page_checksum_verification=True`` in the main process
+  (``pyarrow_checked``, ``vs_pyarrow_checked``) is the baseline doing the same checking.
 
 - numpy (against gpuyard's whole mode, ``whole_vs_numpy``): the same decoded arrays in memory, a
   permutation per epoch, one ``ndarray.take`` per column per batch, wrapped as tensors without a
@@ -265,16 +268,17 @@ class PyarrowEpochs(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """The loop a competent user writes for Parquet records, over the very shard files gpuyard reads:
     every epoch the (file, row group) pairs are shuffled (seeded by seed and epoch), each DataLoader
     worker takes every ``num_workers``-th pair, reads it with ``ParquetFile.read_row_group``
-    (pyarrow's defaults: no page-checksum verification, which gpuyard's reads do), and the rows are
+    (pyarrow's defaults: no page-checksum verification, which gpuyard's reads do; ``checked``
+    turns it on), and the rows are
     permuted in blocks of ``buffer`` rows (gpuyard's default shuffle buffer) and cut into batches of
     256 as tensors (no copy). Run in the main process (``PyarrowEpochs`` iterated directly) and in
     DataLoader worker processes (``batch_size=None``, persistent workers: each worker counts its own
     epochs)."""
 
-    def __init__(self, paths: list[str], seed: int = 0, buffer: int = 16384) -> None:
+    def __init__(self, paths: list[str], seed: int = 0, buffer: int = 16384, checked: bool = False) -> None:
         import pyarrow.parquet as pq
 
-        self.paths, self.seed, self.buffer, self.epoch = paths, seed, buffer, 0
+        self.paths, self.seed, self.buffer, self.epoch, self.checked = paths, seed, buffer, 0, checked
         self.pieces = [(i, g) for i, p in enumerate(paths) for g in range(pq.ParquetFile(p).num_row_groups)]
 
     def set_epoch(self, epoch: int) -> None:
@@ -289,7 +293,10 @@ class PyarrowEpochs(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             self.epoch += 1
         rng = np.random.default_rng([self.seed, self.epoch])
         order = [self.pieces[i] for i in rng.permutation(len(self.pieces))][worker::workers]
-        files = {i: pq.ParquetFile(self.paths[i]) for i in {i for i, _ in order}}
+        files = {
+            i: pq.ParquetFile(self.paths[i], page_checksum_verification=self.checked)
+            for i in {i for i, _ in order}
+        }
         images: list[np.ndarray] = []
         labels: list[np.ndarray] = []
         held = 0
@@ -393,6 +400,9 @@ def main() -> None:
     def make_pyarrow() -> Any:
         return PyarrowEpochs(shard_paths)
 
+    def make_pyarrow_checked() -> Any:
+        return PyarrowEpochs(shard_paths, checked=True)
+
     def make_pyarrow_workers() -> Any:
         return DataLoader(PyarrowEpochs(shard_paths), batch_size=None, num_workers=w, persistent_workers=True)
 
@@ -425,6 +435,7 @@ def main() -> None:
         ("webdataset", make_wds, lambda b: (b[0], b[1])),
         ("pyarrow", make_pyarrow, lambda b: (b[0], b[1])),
         ("pyarrow_workers", make_pyarrow_workers, lambda b: (b[0], b[1])),
+        ("pyarrow_checked", make_pyarrow_checked, lambda b: (b[0], b[1])),
     ]
     if ray_path is not None:
         contenders.append(("ray_data", RayEpochs, lambda b: (b["image"], b["label"])))
@@ -501,6 +512,7 @@ def main() -> None:
         "vs_pyarrow": ratio(["gpuyard", "gpuyard_main"], ["pyarrow", "pyarrow_workers"]),
         "threads_vs_pyarrow": ratio("gpuyard", ["pyarrow", "pyarrow_workers"]),
         "main_vs_pyarrow": ratio("gpuyard_main", ["pyarrow", "pyarrow_workers"]),
+        "vs_pyarrow_checked": ratio(["gpuyard", "gpuyard_main"], "pyarrow_checked"),
         "proc_vs_pyarrow": ratio("gpuyard_proc", ["pyarrow", "pyarrow_workers"]),
         "vs_files": ratio("gpuyard", "files"),
         "vs_best_streaming": ratio("gpuyard", streaming),

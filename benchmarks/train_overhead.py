@@ -115,41 +115,6 @@ def gpuyard_run(
     return time.perf_counter() - start, time.process_time() - cpu, result.metrics["loss"]
 
 
-def mfu_1b(run_dir: Path, steps: int) -> float | None:
-    """On CUDA: a ~1B-parameter decoder in bf16 through the Trainer; returns the median-step MFU.
-
-    MFU uses 6 x params FLOPs per token against the catalog's dense bf16 peak for the detected GPU
-    (None when there is no GPU or the catalog does not know it).
-    """
-    if not torch.cuda.is_available():
-        return None
-    seq, vocab = 1024, 32000
-    kwargs = {"vocab": vocab, "dim": 2048, "heads": 16, "layers": 18, "seq_len": seq}  # ~1.04e9 params
-    spec = TrainSpec.model_validate(
-        {
-            "run_dir": str(run_dir),
-            "seed": SEED,
-            "epochs": 1,
-            "max_steps": steps,
-            "precision": "bf16",
-            "data": {"batch_size": 4},
-            "optimizer": {"name": "adamw", "lr": 1e-4},
-            "checkpoint": {"at_epoch_end": False, "final": False, "resume": False},
-        }
-    )
-    mfus: list[float] = []
-    trainer = Trainer(
-        spec,
-        model=lambda: ex.TinyTransformer(**kwargs),
-        train_data=ex.token_data(4 * (steps + 1), seq_len=seq, vocab=vocab),
-        callbacks=[lambda t, e: mfus.append(t.last_metrics.get("mfu", 0.0)) if e == "step" else None],
-    )
-    trainer.fit()
-    if not trainer.peak_tflops:
-        return None
-    return statistics.median(mfus[2:])  # the first steps include CUDA/allocator warm-up
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="about a minute")

@@ -67,8 +67,8 @@ def tensor_array(values: np.ndarray, *, copy: bool = True) -> tuple[pa.Array, Te
     return arr, spec
 
 
-def tensor_to_numpy(column: pa.Array | pa.ChunkedArray, spec: TensorSpec) -> np.ndarray:
-    """Decode a tensor column into a ``(N, *shape)`` array (a view when the column is one chunk)."""
+def tensor_chunks(column: pa.Array | pa.ChunkedArray, spec: TensorSpec) -> list[np.ndarray]:
+    """A tensor column as one ``(n, *shape)`` view per Arrow chunk (no copy)."""
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
     parts = []
     for chunk in chunks:
@@ -78,9 +78,35 @@ def tensor_to_numpy(column: pa.Array | pa.ChunkedArray, spec: TensorSpec) -> np.
         flat = np.frombuffer(data, dtype=np.uint8, count=(chunk.offset + len(chunk)) * spec.nbytes)
         flat = flat[chunk.offset * spec.nbytes :]
         parts.append(flat.view(spec.dtype).reshape((len(chunk), *spec.shape)))
+    return parts
+
+
+def tensor_to_numpy(column: pa.Array | pa.ChunkedArray, spec: TensorSpec) -> np.ndarray:
+    """Decode a tensor column into a ``(N, *shape)`` array (a view when the column is one chunk)."""
+    parts = tensor_chunks(column, spec)
     if not parts:
         return np.empty((0, *spec.shape), dtype=spec.dtype)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def permuted(parts: list[np.ndarray], perm: np.ndarray) -> np.ndarray:
+    """``np.concatenate(parts)[perm]`` in one pass over the rows: each part is written straight to
+    its rows' places in the output (the inverse permutation), with no concatenated copy between.
+
+    ``perm`` must be a permutation of ``range(sum(len(p) for p in parts))``; the parts share their
+    dtype and row shape.
+    """
+    if len(parts) == 1:
+        return parts[0][perm]
+    n = len(perm)
+    where = np.empty(n, dtype=np.intp)
+    where[perm] = np.arange(n, dtype=np.intp)
+    out = np.empty((n, *parts[0].shape[1:]), dtype=parts[0].dtype)
+    lo = 0
+    for part in parts:
+        out[where[lo : lo + len(part)]] = part
+        lo += len(part)
+    return out
 
 
 def with_tensor(table: pa.Table, name: str, values: np.ndarray) -> pa.Table:

@@ -14,7 +14,7 @@ import torch
 
 from gpuyard.data.augment import augment, batch_generator
 from gpuyard.data.cache import ShardCache
-from gpuyard.data.columns import tensor_to_numpy
+from gpuyard.data.columns import permuted, tensor_chunks, tensor_to_numpy
 from gpuyard.data.dataset import DatasetVersion, open_dataset, shard_location
 from gpuyard.data.loader_config import LoaderConfig, rank_share, topology
 from gpuyard.data.loader_threads import OPEN_GROUPS, RowGroups
@@ -170,7 +170,7 @@ class ShardReader:
         shared = self.__dict__.get("shared_groups")
         self.__dict__["_groups"] = shared if shared is not None else RowGroups(OPEN_GROUPS)
 
-    def _read(self, shard: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+    def _read(self, shard: int, rows: np.ndarray) -> dict[str, list[np.ndarray]]:
         self._file(shard)
         pf, bounds, path = self.__dict__["_files"][shard]
         groups: RowGroups = self.__dict__.setdefault("_groups", RowGroups(OPEN_GROUPS))
@@ -190,13 +190,23 @@ class ShardReader:
             table = table.slice(int(local[0]), len(local))
         else:
             table = table.take(pa.array(local))
-        return {c: self._to_numpy(table, c) for c in self._columns}
+        return {c: self._column_parts(table, c) for c in self._columns}
 
     def _to_numpy(self, table: pa.Table, name: str) -> np.ndarray:
         col = table.column(name)
         if name in self._specs:
             return tensor_to_numpy(col, self._specs[name])
         return np.asarray(col.to_numpy(zero_copy_only=False))
+
+    def _column_parts(self, table: pa.Table, name: str) -> list[np.ndarray]:
+        """Column ``name`` as one array per Arrow chunk (tensor columns as views): a block gathers
+        its rows from them in one pass (:func:`~gpuyard.data.columns.permuted`)."""
+        col = table.column(name)
+        if name in self._specs:
+            return tensor_chunks(col, self._specs[name])
+        if col.num_chunks == 1:
+            return [np.asarray(col.chunk(0).to_numpy(zero_copy_only=False))]
+        return [np.asarray(col.to_numpy(zero_copy_only=False))]
 
     def _block(
         self, pieces: list[tuple[int, np.ndarray]], k: int, key: tuple[int, ...], permute: bool = True
@@ -210,17 +220,14 @@ class ShardReader:
             if a < b:
                 parts.append(self._read(shard, rows[a - pos : b - pos]))
             pos += len(rows)
+        chunks = {c: [a for p in parts for a in p[c]] for c in self._columns}
         if not permute:
-            return {
-                c: np.concatenate([p[c] for p in parts]) if len(parts) > 1 else parts[0][c]
-                for c in self._columns
-            }
-        n = sum(len(next(iter(p.values()))) for p in parts) if parts else 0
-        perm = np.random.default_rng([*key, k]).permutation(n) if self.config.shuffle else np.arange(n)
-        return {
-            c: (np.concatenate([p[c] for p in parts]) if len(parts) > 1 else parts[0][c])[perm]
-            for c in self._columns
-        }
+            return {c: np.concatenate(a) if len(a) > 1 else a[0] for c, a in chunks.items()}
+        if not self.config.shuffle:  # a block of its own: never a view of the shared decoded groups
+            return {c: np.concatenate(a) if len(a) > 1 else a[0].copy() for c, a in chunks.items()}
+        n = sum(len(a) for a in next(iter(chunks.values())))
+        perm = np.random.default_rng([*key, k]).permutation(n)
+        return {c: permuted(a, perm) for c, a in chunks.items()}
 
     def _augment_batch(self, images: torch.Tensor, pos: int, key: tuple[int, ...]) -> torch.Tensor:
         assert self._augment is not None  # callers check

@@ -207,3 +207,21 @@ def test_splits_of_an_ingested_split_column(gpuyard_home: Path, tmp_path: Path) 
         ConfigError, match=r"no split 'test' \(splits present in own@\w+: train, fresh, holdout\)"
     ):
         load_arrays("own#split=test")
+
+
+def test_permuted_equals_concatenate_then_index_for_every_layout() -> None:
+    """The loader's one-pass block gather is ``np.concatenate(parts)[perm]`` for tensor rows, scalars
+    and strings, one part or several of unequal lengths; a single part is gathered, not viewed."""
+    from gpuyard.data.columns import permuted
+
+    rng = np.random.default_rng(3)
+    rows = rng.integers(0, 255, (23, 4, 3), dtype=np.uint8)
+    labels = np.arange(23, dtype=np.int64)
+    names = np.array([f"s{i}" for i in range(23)], dtype=object)
+    perm = rng.permutation(23)
+    for whole in (rows, labels, names):
+        for cuts in ([], [5], [1, 2, 20]):
+            parts = np.split(whole, cuts)
+            got = permuted(parts, perm)
+            assert got.dtype == whole.dtype and np.array_equal(got, whole[perm])
+            assert not np.shares_memory(got, whole)

@@ -311,23 +311,23 @@ def test_thread_workers_decode_a_row_group_their_ranges_share_once(
 def test_a_page_corrupted_after_the_hash_check_stops_thread_workers_sharing_row_groups(
     ids_version: DatasetVersion,
 ) -> None:
-    """The SHA-256 is checked once per process while size and mtime hold; a page changed later under
-    the same size and mtime is caught by its checksum, in whichever worker decodes the shared row
-    group, and the workers waiting for it raise too (no hang, no thread left)."""
-    import os
-
+    """The SHA-256 is checked once per process while the file's identity holds (inode, size, times);
+    a page that changes later without any of them changing (the storage corrupting it: nothing a
+    write through the file system can do, since it moves the change time) is caught by its checksum,
+    in whichever worker decodes the shared row group, and the workers waiting for it raise too (no
+    hang, no thread left)."""
+    from gpuyard.data.cache import mark_verified
     from gpuyard.errors import IntegrityError
 
     cfg = LoaderConfig(batch_size=16, shuffle_buffer=120, seed=6)
     loader = ShardLoader(ids_version, cfg, num_workers=3, worker_mode="thread")
     assert sorted(int(x) for b in loader for x in b["id"]) == list(range(N))  # hashes every shard
-    for path in ids_version.shard_paths():
-        st = os.stat(path)
+    for shard, path in zip(ids_version.shards, ids_version.shard_paths(), strict=True):
         data = bytearray(Path(path).read_bytes())
         data[len(data) // 2] ^= 0xFF
         with open(path, "r+b") as fh:
             fh.write(bytes(data))
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        mark_verified(path, shard.sha256)  # as if no stat showed the change: only the pages can tell
     loader.set_epoch(1)
     with pytest.raises(IntegrityError, match="is truncated or corrupt"):
         list(loader)

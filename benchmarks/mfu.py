@@ -117,7 +117,13 @@ def main() -> int:
     predicted = 0.0
     if cluster is not None:
         est = estimate_step(
-            model, cluster, 1, batch, shape["seq_len"], ParallelConfig(micro_batch=batch, stack="gpuyard")
+            model,
+            cluster,
+            1,
+            batch,
+            shape["seq_len"],
+            # the mode whose step is reported: compiled kernels stream, eager ones run at the eager share
+            ParallelConfig(micro_batch=batch, stack="gpuyard", compiled=compiled),
         )
         predicted = est.mfu
         print(

@@ -118,7 +118,7 @@ def _cluster_with(
     if efficiency is not None:
         data["compute"] = {**data["compute"], "gemm_efficiency": efficiency}
     if memory_bw_GBps is not None:  # the source's own GPUs differ from the catalog entry
-        data["compute"] = {**data["compute"], "memory_bw_GBps": memory_bw_GBps}
+        data["compute"] = {**data["compute"], "datasheet_memory_bw_GBps": memory_bw_GBps}
     return Cluster.model_validate(data)
 
 

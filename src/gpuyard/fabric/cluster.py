@@ -20,6 +20,17 @@ from gpuyard.hardware.catalog import AcceleratorSpec, get_spec
 # allocator, and the allocator's peak reserved over peak allocated.
 DEFAULT_RESERVED_BYTES = 2 * 1024**3
 DEFAULT_FRAGMENTATION = 1.05
+# Share of a GPU's datasheet memory bandwidth that memory-bound kernels reach, where nothing on the
+# cluster was measured. Measured on an H100 SXM (torch 2.11, `gpuyard fabric calibrate`, BENCHMARKS.md
+# "Fabric: calibration on an H100"): a streaming add ran at 2.92-3.02 TB/s of the 3.35 datasheet
+# (0.87-0.90; an H200 4.32 of 4.8 TB/s, 0.90), so no memory-bound kernel (a fused operator, the
+# optimizer, the loss, MoE permutation) is priced above 0.89 of the datasheet; eager PyTorch layer norm,
+# GELU, dropout and residual add, one kernel each and their bytes counted as the step model counts them,
+# ran at 1.91-1.98 TB/s (0.57-0.59; the H200 2.45 of 4.8 TB/s, 0.51), so a stack that runs those
+# operators as eager kernels (``Stack.eager_elementwise``, not compiled) moves them at 0.58. A
+# calibration measures the rate itself (``Compute.memory_bw_GBps``) and replaces both shares.
+GPU_STREAM_SHARE = 0.89
+GPU_EAGER_ELEMENTWISE_SHARE = 0.58
 
 
 class _Frozen(BaseModel):
@@ -117,7 +128,15 @@ class Compute(_Frozen):
         description="Measured large-GEMM efficiency per precision (fp32, bf16); others use gemm_efficiency.",
     )
     memory_bw_GBps: float | None = Field(
-        default=None, gt=0, description="Measured memory bandwidth per device (None: the datasheet's)."
+        default=None,
+        gt=0,
+        description="Measured rate of memory-bound kernels per device (None: a share of the datasheet's).",
+    )
+    datasheet_memory_bw_GBps: float | None = Field(
+        default=None,
+        gt=0,
+        description="Datasheet memory bandwidth of this cluster's parts where they differ from the catalog "
+        "entry (e.g. a 96 GB HBM2e H100 at 2.4 TB/s); None: the catalog's.",
     )
     op_overhead_us: float = Field(
         default=0.0, ge=0, description="Host dispatch cost of one kernel (measured by calibration)."
@@ -326,10 +345,26 @@ class Cluster(_Frozen):
 
     @property
     def memory_bw_GBps(self) -> float:
-        """Memory bandwidth of one accelerator."""
+        """Memory bandwidth of one accelerator: measured, else the datasheet's."""
         if self.compute.memory_bw_GBps:
             return self.compute.memory_bw_GBps
+        if self.compute.datasheet_memory_bw_GBps:
+            return self.compute.datasheet_memory_bw_GBps
         return self.device.memory_bw_GBps if self.device else get_spec(self.accelerator).memory_bw_GBps
+
+    def memory_bound_bw_GBps(self, eager_elementwise: bool = False) -> float:
+        """GB/s at which memory-bound kernels move bytes on one accelerator.
+
+        Measured (``Compute.memory_bw_GBps``): that rate. On a catalog GPU otherwise, the datasheet's
+        bandwidth times the share kernels were measured to reach (``GPU_STREAM_SHARE``, or
+        ``GPU_EAGER_ELEMENTWISE_SHARE`` for eager norm, activation, dropout and residual kernels). Other
+        devices (a TPU, whose operators XLA fuses; a custom device) keep their figure: no measurement.
+        """
+        bw = self.memory_bw_GBps
+        spec = self.spec
+        if self.compute.memory_bw_GBps or spec is None or spec.kind != "gpu":
+            return bw
+        return bw * (GPU_EAGER_ELEMENTWISE_SHARE if eager_elementwise else GPU_STREAM_SHARE)
 
     @property
     def gemm_halves(self) -> tuple[float, float, float]:

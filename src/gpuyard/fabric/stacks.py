@@ -11,6 +11,12 @@ overlap) is the same for every stack; a profile says how a stack runs the parts 
 * ``elementwise_factor``: bytes moved by the memory-bound operators against the step model's count
   (``ELEMENTWISE_BYTES_PER_H``: unfused norms, residuals and dropouts). Megatron/NeMo with Transformer
   Engine fuse norm+GEMM, bias+GELU and bias+dropout+add: about 0.6 of the unfused traffic.
+* ``eager_elementwise``: the stack runs norms, activations, dropouts and residual adds as one eager
+  PyTorch kernel each (torchtitan unless compiled, llm-foundry's MPT with its low-precision layer norm,
+  DeepSpeed on Hugging Face models, gpuyard's trainer unless compiled), which reach a lower share of the
+  memory bandwidth than a streaming kernel (measured: ``gpuyard.fabric.cluster``,
+  ``GPU_EAGER_ELEMENTWISE_SHARE``); Megatron's and Transformer Engine's fused kernels, XLA and
+  torch.compile stream them.
 * ``fp32_elementwise``: autocast runs layer norms and the residual stream in fp32, so a bf16 run moves
   their bytes at 4 bytes per element (plain PyTorch autocast, as gpuyard's trainer uses).
 * ``loss_bytes_per_logit``: the output layer's cross-entropy, per logit. ``F.cross_entropy`` on bf16
@@ -106,6 +112,7 @@ class Stack:
     attention: str  # one of ATTENTION_FAMILIES
     summary: str
     fp32_elementwise: bool = False
+    eager_elementwise: bool = False
     loss_bytes_per_logit: float = 24.0
     tp_comm_overlap: bool = False
     fused_loss: bool = False
@@ -207,6 +214,7 @@ STACKS: dict[str, Stack] = {
             tp_overlap_scope="micro-pipeline",
             selective="op",
             dropout=0.0,
+            eager_elementwise=True,
         ),
         # llm-foundry with flash-attn 2 (its `gpu-flash2` extra, `attn_impl: flash`). Older benchmark rows
         # ran FlashAttention 1 or its Triton port: the corpus marks them (runs.yaml, `attention: fa1`).
@@ -218,8 +226,9 @@ STACKS: dict[str, Stack] = {
             "MosaicML llm-foundry / Composer: FSDP1, flash-attn 2, fused norms and cross-entropy",
             fused_loss=True,
             dropout=0.0,
+            eager_elementwise=True,
         ),
-        Stack("deepspeed", 30.0, 1.0, "fa2", "DeepSpeed ZeRO with FusedAdam"),
+        Stack("deepspeed", 30.0, 1.0, "fa2", "DeepSpeed ZeRO with FusedAdam", eager_elementwise=True),
         # MaxText (JAX/XLA on TPU): optax AdamW compiled by XLA into fused passes (fp32 weight, gradient,
         # m, v read; weight, m, v written: 28 bytes, 30 with the bf16 copy), XLA-fused elementwise
         # operators, Pallas splash/flash attention (no FA2-on-Hopper penalty applies off NVIDIA).
@@ -249,6 +258,7 @@ STACKS: dict[str, Stack] = {
             "gpuyard's trainer: eager PyTorch, autocast (fp32 norms), fused AdamW, SDPA",
             fp32_elementwise=True,
             dropout=0.0,
+            eager_elementwise=True,
         ),
     )
 }

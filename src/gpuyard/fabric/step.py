@@ -233,7 +233,7 @@ class _StepModel:
         self.precision, self.profile = precision, profile
         self.memory = _memory_model(model, seq, profile)
         self.peak = cluster.peak_for(precision) * 1e12
-        self.bw = cluster.memory_bw_GBps * 1e9
+        self.bw = cluster.memory_bound_bw_GBps() * 1e9  # loss and optimizer: streaming kernels
         self.domain = cluster.domain
         self.device_memory = cluster.device_memory_bytes
         # Kept from tensors on every device: measured by calibration, else assumed (gpuyard.fabric.cluster).

@@ -35,13 +35,16 @@ FP8_CAST_BYTES = 9
 # layout (tensorwise / bf16 1.250, tensorwise / rowwise 1.136), on an H100 at the bf16 GEMM efficiency
 # measured here (0.72: 710-721 TFLOP/s of 989.5 with cuBLAS, BENCHMARKS.md "Fabric: calibration on an
 # H100"): figures from outside the corpus, not fitted to its rows (tests/unit/fabric/test_step_properties.py
-# checks both ratios). At bf16's efficiency against the fp8 peak the model gives +30.9% where torchao
-# measured +25.0%. FP8_GEMM applies to every fp8 recipe (Transformer Engine's GEMMs run on cuBLAS fp8 as
+# checks both ratios). At bf16's efficiency against the fp8 peak the model gives +28.9% where torchao
+# measured +25.0%. (The factor was 0.89 before memory-bound kernels were priced at their measured share
+# of the memory bandwidth, gpuyard.fabric.cluster.GPU_STREAM_SHARE: slower memory-bound terms leave the
+# GEMMs a smaller part of the step, so the same published ratio takes a faster fp8 GEMM.) FP8_GEMM
+# applies to every fp8 recipe (Transformer Engine's GEMMs run on cuBLAS fp8 as
 # torchao's tensorwise does); a calibration that measures fp8 GEMMs (``Compute.dtype_efficiency["fp8"]``)
 # replaces it. Rowwise runs a CUTLASS kernel with a scale per row where tensorwise calls cuBLAS
 # (pytorch/pytorch#147971: most shapes at 90-100% of tensorwise with fast accumulation, a long tail down to
 # 50%), and its small linears lose most (ao PR #2410).
-FP8_GEMM = 0.89
+FP8_GEMM = 0.92
 FP8_ROWWISE_GEMM = 0.75
 # Bytes each token moves through memory-bound kernels per layer in the forward pass, per unit of
 # hidden width: two norms (read+write, 4h), two residual adds (6h), two dropouts with masks (5h each).
@@ -238,7 +241,7 @@ def _unfused_attention(
         return seqs * heads * 2 * m * n * k / (peak * e)
 
     scores = tokens * seq * heads  # score elements of this GPU's heads
-    bw = cluster.memory_bw_GBps * 1e9
+    bw = cluster.memory_bound_bw_GBps() * 1e9  # Megatron's fused scale-mask-softmax: a streaming kernel
     fwd = bmm(rows, seq, d) + bmm(rows, d, seq) + scores * UNFUSED_FWD_BYTES / bw
     bwd = (
         bmm(rows, seq, d) + bmm(seq, d, rows) + bmm(rows, d, seq) + bmm(seq, d, rows)
@@ -363,11 +366,15 @@ def _layer_times_cached(
     moved = factor * width * tokens * (ELEMENTWISE_BYTES_PER_H * h / sp + act_bytes)
     if precision == "fp8":  # each linear layer's input is cast to fp8: read 2 bytes, write 1
         moved += FP8_CAST_BYTES * tokens * (3 * h + routed * model.ffn_hidden) / tp
-    elementwise = moved / (cluster.memory_bw_GBps * 1e9)
+    # Eager stacks run each norm, activation, dropout and add as its own PyTorch kernel (their measured
+    # rate); fused and compiled ones stream (gpuyard.fabric.cluster, GPU_EAGER_ELEMENTWISE_SHARE).
+    eager = stack.eager_elementwise and not compiled
+    elementwise = moved / (cluster.memory_bound_bw_GBps(eager) * 1e9)
     fwd = gemm_fwd + attention + elementwise
     bwd = gemm_bwd + attention_bwd + 2 * elementwise
     if model.is_moe:  # tokens gathered into expert order and back: memory-bound, twice over backward
-        permute = tokens / sp * permutation_bytes_per_token(model, imbalance) / (cluster.memory_bw_GBps * 1e9)
+        permute_bw = cluster.memory_bound_bw_GBps() * 1e9
+        permute = tokens / sp * permutation_bytes_per_token(model, imbalance) / permute_bw
         fwd, bwd = fwd + permute, bwd + 2 * permute
     # Kernel dispatch: a GPU runs queued kernels while the host issues the next, so dispatch shows only
     # where it is the slower; a CPU rank dispatches and computes on one thread. A MoE layer's expert

@@ -126,3 +126,43 @@ def test_the_corpus_names_the_rowwise_rows_it_has() -> None:
 
     rowwise = [r for r in load_runs() if r.fp8_recipe == "rowwise"]
     assert len(rowwise) == 4 and all("rowwise" in r.id and r.precision == "fp8" for r in rowwise)
+
+
+def test_memory_bound_kernels_run_at_their_measured_share_of_the_datasheet() -> None:
+    # An H100 streamed 2.92-3.02 of 3.35 TB/s and ran eager norm/GELU/dropout/add at 1.91-1.98 TB/s
+    # (BENCHMARKS.md): memory-bound terms use those shares where nothing was measured on the cluster.
+    from gpuyard.fabric.cluster import GPU_EAGER_ELEMENTWISE_SHARE, GPU_STREAM_SHARE, Cluster
+    from gpuyard.fabric.stacks import get_stack
+
+    h100 = load_cluster("dgx-h100")
+    assert h100.memory_bound_bw_GBps() == pytest.approx(3350 * GPU_STREAM_SHARE)
+    assert h100.memory_bound_bw_GBps(eager_elementwise=True) == pytest.approx(
+        3350 * GPU_EAGER_ELEMENTWISE_SHARE
+    )
+    data = h100.model_dump()
+    # A datasheet figure for the cluster's own parts (torchtitan's 2.4 TB/s HBM2e H100s) takes the shares too.
+    data["compute"]["datasheet_memory_bw_GBps"] = 2400.0
+    hbm2e = Cluster.model_validate(data)
+    assert hbm2e.memory_bound_bw_GBps() == pytest.approx(2400 * GPU_STREAM_SHARE)
+    # A calibration's measured rate replaces both shares; a TPU (XLA fuses its operators) keeps its figure.
+    data["compute"]["memory_bw_GBps"] = 1950.0
+    measured = Cluster.model_validate(data)
+    assert measured.memory_bound_bw_GBps() == measured.memory_bound_bw_GBps(True) == 1950.0
+    tpu = load_cluster("tpu-v5p-512")
+    assert tpu.memory_bound_bw_GBps(True) == tpu.memory_bw_GBps
+    # An eager stack's layer is slower than the same stack compiled, and a fused stack's is not slowed
+    # by the eager share: only the memory-bound operators differ.
+    model = PRESETS["llama3-8b"]
+    titan = get_stack("torchtitan")
+    assert titan.eager_elementwise and not get_stack("megatron-lm").eager_elementwise
+
+    def step(stack: str, compiled: bool, cluster: Cluster) -> float:
+        cfg = ParallelConfig(dp=8, micro_batch=1, zero=3, stack=stack, compiled=compiled)
+        return estimate_step(model, cluster, 8, 8, 8192, cfg).step_time_s
+
+    eager, compiled = step("torchtitan", False, h100), step("torchtitan", True, h100)
+    assert eager > compiled
+    # A calibration that measured the eager rate prices a fused stack's operators at it too.
+    data["compute"]["memory_bw_GBps"] = 3350 * GPU_EAGER_ELEMENTWISE_SHARE
+    slow = Cluster.model_validate(data)
+    assert step("megatron-lm", False, slow) > step("megatron-lm", False, h100)

@@ -9,7 +9,10 @@ cd "$(dirname "$0")/.."
 out=${GPU_CHECK_OUT:-gpu-check}
 py=${PYTHON:-python3}
 mkdir -p "$out"
-site=${GPU_CHECK_SITE:-/tmp/gpuyard-site}
+# The wheels and the venv go to a private folder of this run (mktemp -d: 0700, a fresh name), never
+# to a fixed /tmp path another user could have prepared; GPU_CHECK_SITE / GPU_CHECK_VENV name others.
+work=$(mktemp -d -t gpuyard-check.XXXXXXXX) || { echo "gpu-check: mktemp failed" >&2; exit 2; }
+site=${GPU_CHECK_SITE:-$work/site}
 
 if ! "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   echo "gpu-check: no CUDA device visible to $py's PyTorch; this path is for an NVIDIA machine" >&2
@@ -23,9 +26,8 @@ fi
 # get a clean environment with no PYTHON* variables. A venv holds a .pth that adds the machine
 # interpreter's own packages (its PyTorch; that interpreter may itself be a venv, which
 # --system-site-packages would skip) and puts src/ and the wheels first, as PYTHONPATH did.
-venv=${GPU_CHECK_VENV:-/tmp/gpuyard-venv}
-rm -rf "$venv"
-"$py" -m venv --without-pip "$venv" || { echo "gpu-check: making $venv failed" >&2; exit 2; }
+venv=${GPU_CHECK_VENV:-$work/venv}
+"$py" -m venv --clear --without-pip "$venv" || { echo "gpu-check: making $venv failed" >&2; exit 2; }
 parent=$("$py" -c 'import sysconfig as s; p = s.get_paths(); print(repr(sorted({p["purelib"], p["platlib"]})))')
 purelib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 printf 'import site, sys; list(map(site.addsitedir, %s)); sys.path[:0] = [%s, %s]\n' \
@@ -61,5 +63,5 @@ printf 'layers: 22\nhidden: 2048\nheads: 16\nkv_heads: 16\nffn_hidden: 8192\nvoc
 step plan-calibrated gy plan --model "$model" --cluster local --gpus "$ngpu" --global-batch 4 \
   --calibration "$out/calibration.json"
 
-if [ ${#failed[@]} -gt 0 ]; then echo "gpu-check: failed steps: ${failed[*]}"; exit 1; fi
-echo "gpu-check: all steps passed; logs in $out/"
+if [ ${#failed[@]} -gt 0 ]; then echo "gpu-check: failed steps: ${failed[*]}; gpuyard's interpreter: $venv/bin/python"; exit 1; fi
+echo "gpu-check: all steps passed; logs in $out/; gpuyard's interpreter: $venv/bin/python"

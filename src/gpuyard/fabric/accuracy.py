@@ -130,6 +130,8 @@ def predict_at(run: PublishedRun, stack: Stack, efficiency: float | None) -> flo
         stack = replace(stack, fp8_recipe=run.fp8_recipe)  # the float8 recipe the source names
     if run.moe_dispatcher is not None and run.moe_dispatcher != stack.moe_dispatcher:
         stack = replace(stack, moe_dispatcher=run.moe_dispatcher)  # the MoE dispatcher its recipe runs
+    if run.selective is not None and run.selective != stack.selective:
+        stack = replace(stack, selective=run.selective)  # the selective checkpointing the source ran
     cfg = replace(run.parallel_config(), stack=stack.name)
     cluster = _cluster_with(run.cluster, run.device, efficiency, run.memory_bw_GBps)
     return estimate_step(

@@ -118,7 +118,8 @@ class Stack:
     fused_loss: bool = False
     pp_scatter_gather: bool = False
     tp_overlap_scope: str = "all"  # "all" | "micro-pipeline" (see tp_comm_overlap in the module docstring)
-    # "megatron" | "op" | "dots-except-mlpwi": what recompute="selective" reruns (module docstring)
+    # "megatron" | "op" | "dots-except-mlpwi" | "every-2nd-layer": what recompute="selective" reruns
+    # (module docstring)
     selective: str = "megatron"
     dropout: float = 0.1  # hidden and attention dropout of the models it trains (memory: masks kept)
     grad_bytes: int = 4  # gradient bytes per parameter (buffer and reduction): fp32 (4) or bf16 (2)
@@ -163,6 +164,7 @@ class Stack:
             "megatron",
             "op",
             "dots-except-mlpwi",
+            "every-2nd-layer",
         ):
             raise ValueError(f"stack {self.name}: bad tp_overlap_scope or selective")
 

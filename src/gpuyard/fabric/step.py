@@ -420,6 +420,8 @@ class _StepModel:
         model, seq_len, global_batch = self.model, self.seq, self.global_batch
         model_flops = self.model_flops
         recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[cfg.recompute]
+        if cfg.recompute == "selective" and self.profile.selective == "every-2nd-layer":
+            recompute_extra = 1 / 6  # half the layers rerun their forward
         recompute_extra += (1 / 3 - recompute_extra) * (share or 0.0)
         recomputed = recompute_extra * 6 * model.layers * model.active_layer_params * global_batch * seq_len
         hw_flops = model_flops + recomputed

@@ -403,6 +403,10 @@ def _layer_times_cached(
     else:
         fwd, bwd = fwd + launches + expert_fwd, bwd + 2 * launches + expert_bwd
     op_sac = recompute == "selective" and stack.selective == "op"
+    layer_sac = recompute == "selective" and stack.selective == "every-2nd-layer"
+    # Forward passes per step of a layer's collectives and GEMMs: the forward, and the recomputed one
+    # where the layer reruns (half the layers under layer-wise selective checkpointing).
+    reruns = 1.0 if recompute == "full" else 0.5 if layer_sac else 0.0
     dots_sac = (
         recompute == "selective"
         and stack.selective == "dots-except-mlpwi"
@@ -425,6 +429,12 @@ def _layer_times_cached(
         recompute_s = elementwise + sum(
             gemm_s(m, n, k)[0] * (ffn_count if i == 2 else 1) for i, (m, n, k) in enumerate(second)
         )
+    elif layer_sac:
+        # torchtitan's layer-wise selective checkpointing (selective_ac_option "2", "checkpoint every
+        # other layer": pytorch/torchtitan torchtitan/config_manager.py, and parallelize_llama.py wraps
+        # every second block in ptd_checkpoint_wrapper, the others in nothing): on average over the
+        # layers, half a forward is rerun.
+        recompute_s = fwd / 2
     else:
         recompute_s = {"none": 0.0, "selective": elementwise, "full": fwd}[recompute]
         if recompute == "selective" and stack.attention == "unfused":
@@ -434,7 +444,7 @@ def _layer_times_cached(
     tp_comm = tp_exposed = 0.0
     if tp > 1:
         size = tokens * h * ACT_BYTES[precision]  # activations of the micro-batch
-        passes = 3 if recompute == "full" else 2  # forward, backward (and the recomputed forward)
+        passes = 2 + reruns  # forward, backward (and the recomputed forward)
         if seqpar:
             ag = comm_time(cluster, "all_gather", size, tp)
             rs = comm_time(cluster, "reduce_scatter", size, tp)
@@ -457,7 +467,7 @@ def _layer_times_cached(
                 hidden_able = tp_comm - fixed
             # Split into tp chunks pipelined with the adjacent GEMMs (ring exchange): the first chunk of
             # each collective shows, and whatever the layer's GEMMs cannot cover.
-            gemms = gemm_fwd + gemm_bwd + (gemm_fwd if recompute == "full" else 0.0)
+            gemms = gemm_fwd + gemm_bwd + reruns * gemm_fwd
             tp_exposed = fixed + max(0.0, hidden_able - gemms) + hidden_able / tp
             tp_exposed = min(tp_comm, tp_exposed)
     cp_comm = cp_exposed = 0.0
@@ -467,7 +477,7 @@ def _layer_times_cached(
         hop = comm_time(cluster, "send_recv", kv_bytes, cp, per_domain)
         # Ring attention: cp - 1 exchanges of K and V forward, twice that (K, V, dK, dV) backward; each
         # step's exchange hides behind that step's attention block (1/cp of the attention) or shows.
-        passes = 2 if recompute == "full" else 1
+        passes = 1 + reruns
         overhead = (passes + 1) * cp * RING_STEP_OVERHEAD_S
         cp_comm = (passes + 2) * (cp - 1) * hop + overhead
         step_fwd = attention / cp
@@ -477,7 +487,7 @@ def _layer_times_cached(
     ep_comm = 0.0
     if model.is_moe and ep > 1:
         # Token dispatch and combine: two all-to-alls of the routed activations per pass, not overlapped.
-        passes = 3 if recompute == "full" else 2
+        passes = 2 + reruns
         per_domain = max(1, min(ep, cluster.domain // (tp * cp)))
         routed_bytes = tokens * model.top_k * imbalance * h * 2 / (tp if seqpar else 1)
         share = remote_share(model, ep, per_domain)

@@ -36,7 +36,8 @@ def _activation_bytes_per_token(
     """Activation bytes one layer keeps per token for the backward pass (Korthikanti et al. 2022).
 
     ``dropout``: the stack's models run dropout, so its masks are kept (``Stack.dropout``); ``op_sac``:
-    selective recomputation is torchtitan's per-op policy (True) or MaxText's ``save_dot_except_mlpwi``
+    selective recomputation is torchtitan's per-op policy (True) or layer-wise one ("every-2nd-layer"),
+    or MaxText's ``save_dot_except_mlpwi``
     ("dots-except-mlpwi"), from ``Stack.selective``. For a model with dense
     and MoE layers, the average over its layers.
     """
@@ -97,6 +98,10 @@ def _activation_bytes_one(
     sp = tp if seqpar else 1
     if recompute == "full":
         return 2 * h / sp  # only the layer input
+    if recompute == "selective" and op_sac == "every-2nd-layer":
+        # torchtitan's layer-wise policy: every other block keeps only its input, the others everything
+        full = _activation_bytes_one(model, tp, seqpar, "full", dropout)
+        return (full + _activation_bytes_one(model, tp, seqpar, "none", dropout)) / 2
     if recompute == "selective" and op_sac == "dots-except-mlpwi" and not model.is_moe and not model.is_mla:
         return _dots_sac_bytes(model, tp, seqpar)
     if recompute == "selective" and op_sac is True and not model.is_moe and not model.is_mla:
@@ -143,12 +148,15 @@ class _MemoryModel:
         rate = model.dropout if model.dropout is not None else profile.dropout
         self.dropout = rate > 0
         self.score_bytes = 5.0 if self.dropout else 2.0
-        # What recompute="selective" keeps: torchtitan's per-op policy (True), MaxText's named policy.
+        # What recompute="selective" keeps: torchtitan's per-op policy (True) or layer-wise one, MaxText's
+        # named policy.
         self.op_sac: bool | str = (
             True
             if profile.selective == "op"
             else "dots-except-mlpwi"
             if profile.selective == "dots-except-mlpwi"
+            else "every-2nd-layer"
+            if profile.selective == "every-2nd-layer"
             else False
         )
         # The loss keeps fp32 log-probabilities of the micro-batch (4 bytes per logit), or with a fused
@@ -241,6 +249,10 @@ class _MemoryModel:
         if recompute == "none":
             acts += in_flight * tokens * scores
         if recompute == "full":  # one layer is rebuilt in full during its backward
+            acts += tokens * (self.activation_bytes(tp, seqpar, "none") + scores)
+        elif recompute == "selective" and self.op_sac == "every-2nd-layer":
+            # Half the layers keep everything (their scores too); a checkpointed one is rebuilt in full.
+            acts += in_flight * tokens * scores / 2
             acts += tokens * (self.activation_bytes(tp, seqpar, "none") + scores)
         logits = tokens * model.vocab * self.logit_bytes / tp
         # The optimizer step's fp32 gradient copy (16-bit gradients) lives while the activations do not.

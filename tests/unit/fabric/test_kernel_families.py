@@ -141,6 +141,46 @@ def test_torchtitan_selective_recompute_reruns_every_second_matmul() -> None:
     assert 0.25 < (op.recompute - layer.recompute) / full.recompute < 0.5
 
 
+def test_torchtitan_layer_wise_selective_checkpointing_reruns_every_other_layer() -> None:
+    """selective_ac_option "2": every second block fully checkpointed, the others keep everything."""
+    h100 = load_cluster("dgx-h100")
+    model = PRESETS["llama3-8b"]
+    cfg = ParallelConfig(dp=8, micro_batch=1, zero=3, recompute="selective", stack="torchtitan")
+    layer_wise: Stack = replace(STACKS["torchtitan"], selective="every-2nd-layer")
+    none_cfg, full_cfg = replace(cfg, recompute="none"), replace(cfg, recompute="full")
+    half = _layer_times(model, h100, 8192, cfg, layer_wise)
+    full = _layer_times(model, h100, 8192, full_cfg, layer_wise)
+    assert half.recompute == pytest.approx(full.recompute / 2)
+    assert half.fwd == pytest.approx(full.fwd) and half.bwd == pytest.approx(full.bwd)
+    # Memory: the average of a layer that keeps only its input and one that keeps everything, and one
+    # checkpointed layer rebuilt in full during its backward (as under full recomputation).
+    kept = memory_per_gpu(model, 8192, cfg, 1, layer_wise)["activations"]
+    none = memory_per_gpu(model, 8192, none_cfg, 1, layer_wise)["activations"]
+    only_input = memory_per_gpu(model, 8192, full_cfg, 1, layer_wise)["activations"]
+    rebuilt = (none - only_input) / model.layers  # about one layer's full activations
+    assert kept == pytest.approx((none + only_input) / 2 + rebuilt / 2, rel=0.01)
+    assert only_input < kept < none
+    # Hardware FLOPs count half a recomputed forward; model FLOPs do not change.
+    step = estimate_step(model, h100, 8, 8, 8192, cfg, stack=layer_wise)
+    step_full = estimate_step(model, h100, 8, 8, 8192, full_cfg, stack=layer_wise)
+    step_op = estimate_step(model, h100, 8, 8, 8192, cfg)
+    extra = step.hardware_tflops_per_gpu * step.step_time_s - step.model_tflops_per_gpu * step.step_time_s
+    extra_full = (step_full.hardware_tflops_per_gpu - step_full.model_tflops_per_gpu) * step_full.step_time_s
+    assert extra == pytest.approx(extra_full / 2)
+    assert step_op.step_time_s < step.step_time_s < step_full.step_time_s
+    with pytest.raises(ValueError, match="selective"):
+        replace(STACKS["torchtitan"], selective="every-3rd-layer")
+
+
+def test_only_torchtitans_selective_layer_rows_carry_the_layer_wise_policy() -> None:
+    marked = {r.id for r in load_runs() if r.selective == "every-2nd-layer"}
+    assert marked == {
+        "torchtitan-2024-08/llama3-8b-64-a100-selective-layer",
+        "torchtitan-2024-08/llama2-13b-64-a100-selective-layer-lbs2",
+    }
+    assert all(r.recompute == "selective" for r in load_runs() if r.id in marked)
+
+
 def test_corpus_rows_marked_fa1_are_the_ones_measured_before_flashattention_2() -> None:
     marked = {r.id for r in load_runs() if r.attention == "fa1"}
     expected = {

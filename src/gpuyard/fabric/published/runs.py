@@ -118,6 +118,12 @@ class PublishedRun(BaseModel):
         description="MoE token dispatcher backend where the source's recipe names it (Megatron-Core's flex "
         "dispatcher with HybridEP); None: the stack's (gpuyard.fabric.stacks.Stack.moe_dispatcher).",
     )
+    selective: Literal["op", "every-2nd-layer"] | None = Field(
+        default=None,
+        description="What recompute='selective' means in a torchtitan row whose source names it: 'op' (the "
+        "per-op policy) or 'every-2nd-layer' (torchtitan's selective_ac_option '2', \"selective layer\": "
+        "every other block fully checkpointed); None: the stack's (gpuyard.fabric.stacks.Stack.selective).",
+    )
     power_limit_w: float | None = Field(
         default=None,
         gt=0,

@@ -51,13 +51,19 @@ def _run_on_import(tree: ast.AST) -> list[ast.AST]:
     return nodes
 
 
-def _static_reach(names: list[str]) -> dict[str, list[str]]:
-    """For each module, the gpuyard modules its source imports when it runs, directly or through others.
+# Third-party libraries that make a process large: a fork of one that holds them costs tens of ms.
+_BIG_LIBS = {"torch", "numpy", "pyarrow", "pandas", "safetensors", "tokenizers", "transformers"}
+
+
+def _static_reach(names: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """For each module, the gpuyard modules its source imports when it runs, directly or through others;
+    and the modules that import a library of ``_BIG_LIBS`` so, themselves or through those.
 
     Only a guess for the import tree below, checked there against what each import really loaded: what the
     test proves does not depend on it."""
     known = set(names)
     direct: dict[str, set[str]] = {}
+    heavy = set()
     for name in names:
         spec = importlib.util.find_spec(name)
         is_package = spec is not None and spec.submodule_search_locations is not None
@@ -76,6 +82,8 @@ def _static_reach(names: list[str]) -> dict[str, list[str]]:
         # Importing a module first imports the packages above it.
         found.update(name.rsplit(".", i)[0] for i in range(1, name.count(".")))
         direct[name] = {m for m in found if m in known and m != name}
+        if {m.split(".")[0] for m in found} & _BIG_LIBS:
+            heavy.add(name)
     reach = {}
     for name in names:
         seen, stack = set(), [name]
@@ -84,7 +92,7 @@ def _static_reach(names: list[str]) -> dict[str, list[str]]:
                 seen.add(dep)
                 stack.append(dep)
         reach[name] = sorted(seen - {name})
-    return reach
+    return reach, sorted(n for n in names if heavy.intersection([n, *reach[n]]))
 
 
 # Imports every gpuyard module in a child forked from a parent that holds only third-party libraries and
@@ -100,24 +108,36 @@ def _static_reach(names: list[str]) -> dict[str, list[str]]:
 # import runs as it would first in a fresh process whenever the modules held pass their own test, and each
 # of those is tested where fewer are held, so a failing module is always reported by a child whose held
 # modules import cleanly (an injected cycle that fails only when one side is imported first is reported).
-# Each module's own code runs a few times in all instead of once per module that imports it (measured on
-# 287 modules, 2 busy cores: the test's CPU 55-61 s -> 45-47 s, its time 51-90 s -> 45-72 s).
+# Modules that do not import the heavy libraries are forked from a parent that does not hold them (a
+# smaller process forks faster). Each module's own code runs a few times in all instead of once per module
+# that imports it (measured on 287 modules, 2 cores at load ~2: the children's CPU 48-55 s -> 37-40 s, their
+# time 32-35 s -> 20-22 s).
 _CHILD_SCRIPT = r"""
 import gc, importlib, json, os, sys, traceback
 # The third-party libraries gpuyard's modules use, paid for once here instead of in every child (measured:
 # 22 s of the children's CPU with the first seven, 12 s with all of them).
-for lib in (
-    "torch", "torch.distributed.checkpoint", "numpy", "sqlalchemy", "sqlalchemy.orm", "pydantic", "typer",
-    "fastapi", "starlette", "uvicorn", "httpx", "yaml", "jinja2", "psutil", "alembic", "pyarrow",
-    "pyarrow.parquet", "pyarrow.dataset", "pandas", "safetensors", "safetensors.torch", "tokenizers",
-    "fsspec", "concurrent.futures.process", "statistics", "getpass",
-):
-    try:
-        importlib.import_module(lib)
-    except ImportError:
-        pass
-gc.freeze()
-REACH = json.load(sys.stdin)
+LIGHT_LIBS = (
+    "sqlalchemy", "sqlalchemy.orm", "pydantic", "typer", "fastapi", "starlette", "uvicorn", "httpx", "yaml",
+    "jinja2", "psutil", "alembic", "fsspec", "concurrent.futures.process", "statistics", "getpass",
+)
+HEAVY_LIBS = (
+    "torch", "torch.distributed.checkpoint", "numpy", "pyarrow", "pyarrow.parquet", "pyarrow.dataset",
+    "pandas", "safetensors", "safetensors.torch", "tokenizers",
+)
+
+
+def preload(libs):
+    for lib in libs:
+        try:
+            importlib.import_module(lib)
+        except ImportError:
+            pass
+    gc.freeze()
+
+
+preload(LIGHT_LIBS)
+REACH, HEAVY = json.load(sys.stdin)
+HEAVY = set(HEAVY)
 
 
 def ours(name):
@@ -188,7 +208,13 @@ def serve(todo):
 
 
 # Widest first: a child that holds much is handed little, so the tree stays shallow.
-sys.exit(serve(sorted(REACH, key=lambda m: (-len(REACH[m]), m))))
+order = sorted(REACH, key=lambda m: (-len(REACH[m]), m))
+heavy_root = os.fork()
+if heavy_root == 0:
+    preload(HEAVY_LIBS)
+    os._exit(serve([m for m in order if m in HEAVY]))
+failed = serve([m for m in order if m not in HEAVY])
+sys.exit(1 if os.waitpid(heavy_root, 0)[1] or failed else 0)
 """
 
 

@@ -161,3 +161,15 @@ def test_models_it_does_not_know_keep_their_own_forward(make: Callable[[], Any])
         outputs, _, ex = run(model, work, lean=True)
         assert ex._lean is None
         assert_generate(model, work, outputs)
+
+
+def test_a_non_finite_row_fails_its_own_request_alone() -> None:
+    ex = TorchExecutor(tiny("Llama"), torch.device("cpu"), 3)
+    reqs = [Request([3], SamplingParams(max_tokens=1, temperature=0), lambda ev: None) for _ in range(3)]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        rows = torch.tensor([[0.0, 2.0, 1.0], [0.0, bad, 1.0], [5.0, 2.0, 1.0]])
+        first, second, third = ex._sample(reqs, rows)
+        assert (first, third) == (1, 0)
+        assert isinstance(second, FloatingPointError) and "non-finite" in str(second)
+    with pytest.raises(FloatingPointError):
+        ex._sample(reqs[:1], torch.tensor([[0.0, float("nan")]]))

@@ -286,8 +286,7 @@ class TorchExecutor:
         return logits
 
     def _sample_batch(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        bad = ~torch.isfinite(logits).all(dim=-1)
-        if bool(bad.any()):
+        if not bool(torch.isfinite(logits).all()):
             raise FloatingPointError("the model produced non-finite logits")
         tokens = torch.argmax(logits, dim=-1)
         rows = [i for i, r in enumerate(reqs) if r.params.temperature > 0]

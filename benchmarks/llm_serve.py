@@ -44,7 +44,11 @@ round's ratios are printed too, and the last line has their median). Each level 
 process's CPU time: tokens per CPU-second (``_cpu`` ratios, medians over rounds) is what a server
 does with the CPU it gets, which the other work on a shared machine changes far less than the wall
 time. Last line: ratios at the largest client count, and at 1 client gpuyard over the plain
-``generate()`` loop (``single_vs_generate``: the engine's per-token overhead, no batching to gain from).
+``generate()`` loop (``single_vs_generate``: the engine's per-token overhead, no batching to gain from),
+and ``single_vs_ct2_int8_cpu`` / ``single_vs_ct2_fp32_cpu`` (gpuyard over CTranslate2 per CPU-second at
+one client, medians over rounds). ``--only ct2_int8,ct2_fp32`` runs gpuyard and just those (the
+others' figures are nan): e.g. ``--clients 1 --requests-per-client 3 --rounds 2 --only
+ct2_int8,ct2_fp32`` is the one-client comparison with CTranslate2 alone.
 
 ``--sides gpuyard,vllm,own`` measures over HTTP instead, the same model saved as a Hugging Face folder:
 ``gpuyard`` is `gpuyard serve --engine vllm` (one vLLM replica behind gpuyard's gateway: key check,
@@ -225,6 +229,7 @@ class HFContinuous:
             done()
 
 
+IN_PROCESS = ("sequential", "static", "hf_continuous", "gpuyard", "ct2_int8", "ct2_fp32")
 STREAMING = ("gpuyard", "hf_continuous", "ct2_int8", "ct2_fp32")  # report their first token's time
 
 
@@ -641,6 +646,11 @@ def ct2_figures(results: dict[str, dict[int, dict[str, float]]], top: int) -> st
     return " ".join(out)
 
 
+def median_of(rounds: list[dict[str, float]], key: str) -> float:
+    """The median of ``key`` over the rounds' ratios (nan where that server did not run)."""
+    return statistics.median(r.get(key, math.nan) for r in rounds)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -651,6 +661,12 @@ def main() -> None:
     )
     ap.add_argument("--gather-ms", type=float, default=20.0, help="the static batcher's gather window")
     ap.add_argument("--smoke", action="store_true", help="CI: 1 and 2 clients, one request each (no figure)")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="in-process: run gpuyard and only these of the others (comma list: sequential, static, "
+        "hf_continuous, ct2_int8, ct2_fp32); the figures of the others are nan",
+    )
     ap.add_argument(
         "--sides",
         default="",
@@ -672,6 +688,9 @@ def main() -> None:
         args.quick, args.clients = True, "1,2"
     levels = [int(x) for x in args.clients.split(",")]
     rpc = 1 if args.quick else args.requests_per_client
+    only = {x for x in args.only.split(",") if x}
+    if only - set(IN_PROCESS):
+        raise SystemExit(f"--only: no in-process server {sorted(only - set(IN_PROCESS))} (of {IN_PROCESS})")
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         model, tok = build(Path(tmp))
@@ -683,6 +702,10 @@ def main() -> None:
             "gpuyard": Gpuyard(model, tok, batch),
             **ct2_servers(model, Path(tmp) / "tok", Path(tmp), batch, args.gather_ms / 1000),
         }
+        for name in [k for k in servers if only and k not in only and k != "gpuyard"]:
+            if name == "hf_continuous":
+                servers[name].close()
+            del servers[name]
         names = list(servers)
         results: dict[str, dict[int, dict[str, float]]] = {k: {} for k in servers}
         rounds: dict[int, list[dict[str, float]]] = {}  # per level, each round's ratios (same load)
@@ -716,28 +739,33 @@ def main() -> None:
                 print(
                     "     round: " + " ".join(f"gpuyard/{k}={v:.2f}" for k, v in ratios.items()), flush=True
                 )
-        servers["hf_continuous"].close()
+        if "hf_continuous" in servers:
+            servers["hf_continuous"].close()
     top = max(levels)
-    g, s, st = results["gpuyard"][top], results["sequential"].get(top), results["static"][top]
-    hf, hf_one = results["hf_continuous"][top], results["hf_continuous"].get(1)
+    none = {"tok_s": math.nan, "ttft_p99_ms": math.nan}
+    g, s = results["gpuyard"][top], results.get("sequential", {}).get(top)
+    st, hf = results.get("static", {}).get(top, none), results.get("hf_continuous", {}).get(top, none)
+    hf_one = results.get("hf_continuous", {}).get(1)
     vs_seq = g["tok_s"] / s["tok_s"] if s else float("nan")
-    one = results["sequential"].get(1)
+    one = results.get("sequential", {}).get(1)
     single = results["gpuyard"][1]["tok_s"] / one["tok_s"] if one else float("nan")
     single_cpu = statistics.median(r.get("sequential_cpu", math.nan) for r in rounds.get(1, [{}]))
     single_hf = results["gpuyard"][1]["tok_s"] / hf_one["tok_s"] if hf_one else float("nan")
     ct2 = ct2_figures(results, top)
     print(
         f"llm_serve: vs_hf_continuous={g['tok_s'] / hf['tok_s']:.2f} "
-        f"vs_hf_continuous_round_median={statistics.median(r['hf_continuous'] for r in rounds[top]):.2f} "
+        f"vs_hf_continuous_round_median={median_of(rounds[top], 'hf_continuous'):.2f} "
         f"single_vs_hf_continuous={single_hf:.2f} hf_continuous_tok_s={hf['tok_s']:.1f} "
         f"hf_continuous_ttft_p99_ms={hf['ttft_p99_ms']:.0f} "
         f"vs_sequential={vs_seq:.2f} vs_static_batch={g['tok_s'] / st['tok_s']:.2f} "
         f"ttft_p99_ms={g['ttft_p99_ms']:.0f} clients={top} gpuyard_tok_s={g['tok_s']:.1f} "
         f"static_tok_s={st['tok_s']:.1f} sequential_tok_s={s['tok_s'] if s else float('nan'):.1f} "
         f"static_ttft_p99_ms={st['ttft_p99_ms']:.0f} single_vs_generate={single:.2f} "
-        f"vs_static_batch_round_median={statistics.median(r['static'] for r in rounds[top]):.2f} "
-        f"vs_static_batch_cpu={statistics.median(r['static_cpu'] for r in rounds[top]):.2f} "
+        f"vs_static_batch_round_median={median_of(rounds[top], 'static'):.2f} "
+        f"vs_static_batch_cpu={median_of(rounds[top], 'static_cpu'):.2f} "
         f"single_vs_generate_cpu={single_cpu:.2f} {ct2} "
+        f"single_vs_ct2_int8_cpu={median_of(rounds.get(1, [{}]), 'ct2_int8_cpu'):.2f} "
+        f"single_vs_ct2_fp32_cpu={median_of(rounds.get(1, [{}]), 'ct2_fp32_cpu'):.2f} "
         f"gather_ms={args.gather_ms:g} load1_at_start={load:.2f} load1_at_end={os.getloadavg()[0]:.2f}"
     )
 

@@ -13,6 +13,12 @@ new keys and values are written at column ``hi``: nothing is concatenated or reb
 request that leaves gives its row to the batch's last row (one row copied); the buffer is compacted
 or grown only when its columns run out (amortised over as many steps as the batch is wide).
 
+For transformers' Llama, Mistral and Qwen2 models a decoding step skips the model's forward: a lean
+step (:class:`_LeanDecode`) runs the same operations on the same weights and cache, bit for bit the
+same logits, without transformers' per-step mask building, output capture and module plumbing (about
+half of a small model's step on the CPU, where the matrix products are the rest). Any other model, or
+one with a hook or a replaced layer, runs its own forward.
+
 Sampling is batched: one argmax over the batch for greedy rows, one softmax (temperature, top-p) for
 sampling rows, one multinomial for unseeded rows and the request's own seeded generator for seeded
 ones (the same seed gives the same text whatever else runs in the batch, up to float rounding of
@@ -144,6 +150,7 @@ class TorchExecutor:
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._lean = _LeanDecode.of(model)  # None: decoding steps run the model's own forward
 
     def prefill(self, group: list[Request]) -> list[Sampled]:
         """``group``'s prompts in one left-padded forward; each one's first token sampled."""
@@ -210,18 +217,22 @@ class TorchExecutor:
         mask = None
         if min(slots.lens) < width:  # some rows are padded: a mask of each row's columns (and the new one)
             cols = torch.arange(width + 1, device=self.device)[None, :]
-            mask = (cols >= width - positions).long()
-        out = self.model(
-            input_ids=tokens,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            **{self._cache_arg: self._cache},
-            **self._last_only,
-        )
+            mask = cols >= width - positions
+        if self._lean is not None:
+            logits = self._lean(tokens, positions, mask, self._cache.layers)
+        else:
+            out = self.model(
+                input_ids=tokens,
+                attention_mask=None if mask is None else mask.long(),
+                position_ids=positions,
+                use_cache=True,
+                **{self._cache_arg: self._cache},
+                **self._last_only,
+            )
+            logits = out.logits[:, -1]
         slots.hi += 1
         slots.lens = [n + 1 for n in slots.lens]
-        return self._sample(reqs, out.logits[:, -1])
+        return self._sample(reqs, logits)
 
     def remove(self, row: int) -> None:
         self.slots.remove(row)
@@ -275,8 +286,7 @@ class TorchExecutor:
         return logits
 
     def _sample_batch(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        bad = ~torch.isfinite(logits).all(dim=-1)
-        if bool(bad.any()):
+        if not bool(torch.isfinite(logits).all()):
             raise FloatingPointError("the model produced non-finite logits")
         tokens = torch.argmax(logits, dim=-1)
         rows = [i for i, r in enumerate(reqs) if r.params.temperature > 0]
@@ -312,6 +322,132 @@ class TorchExecutor:
             tokens = tokens.cpu()
             tokens[rows] = drawn
         return [int(t) for t in tokens.tolist()]
+
+
+# The model families whose decoding step _LeanDecode runs: transformers' Llama, Mistral and Qwen2, whose
+# modules share one forward code (pre-norm attention with rotary embeddings and a gated MLP; Qwen2's
+# query, key and value projections have biases).
+_LEAN_FAMILIES = ("Llama", "Mistral", "Qwen2")
+
+
+class _LeanDecode:
+    """A decoding step (one new token per row) of a Llama-family model: the same operations as the
+    model's own forward, in the same order, on the same weights and the same slot cache (its logits are
+    bit for bit those of ``model(...)``), without what transformers adds around them per step (mask
+    building, output capture, keyword plumbing, module calls and attribute lookups).
+
+    :meth:`of` gives one only for a model it knows module for module; any other (another architecture,
+    another attention implementation, a sliding window, a replaced or hooked module: an adapter, a
+    quantized layer, an offloading hook) keeps the model's own forward.
+    """
+
+    def __init__(self, model: Any) -> None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        base = model.model
+        self.embed, self.rotary = base.embed_tokens, base.rotary_emb
+        self.attend = ALL_ATTENTION_FUNCTIONS["sdpa"]  # what the model's attention calls (same GQA path)
+        self.norm, self.head = _norm(base.norm), _linear(model.lm_head)
+        self.layers = []
+        for layer in base.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            self.layers.append((
+                _norm(layer.input_layernorm), at, at.head_dim, at.scaling,
+                _linear(at.q_proj), _linear(at.k_proj), _linear(at.v_proj), _linear(at.o_proj),
+                _norm(layer.post_attention_layernorm), mlp.act_fn,
+                _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj),
+            ))  # fmt: skip
+
+    @classmethod
+    def of(cls, model: Any) -> _LeanDecode | None:
+        """The lean step of ``model``, or None where it would not be exactly the model's own."""
+        name = type(model).__name__
+        fam = next((f for f in _LEAN_FAMILIES if name == f"{f}ForCausalLM"), None)
+        cfg, base = getattr(model, "config", None), getattr(model, "model", None)
+        if fam is None or cfg is None or base is None or model.training:
+            return None
+        if getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(cfg, "sliding_window", None):
+            return None
+        if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+            return None
+        layers = list(base.layers)
+        if not layers or len(layers) != cfg.num_hidden_layers:
+            return None
+        expected: list[tuple[Any, str]] = [
+            (base.norm, "RMSNorm"), (base.rotary_emb, "RotaryEmbedding"), (base, "Model")
+        ]  # fmt: skip
+        linears = [model.lm_head]
+        for layer in layers:
+            at, mlp = layer.self_attn, layer.mlp
+            expected += [(layer, "DecoderLayer"), (at, "Attention"), (mlp, "MLP")]
+            expected += [(layer.input_layernorm, "RMSNorm"), (layer.post_attention_layernorm, "RMSNorm")]
+            linears += [at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if any(type(m).__name__ != fam + kind for m, kind in expected):
+            return None
+        if (
+            any(type(m) is not torch.nn.Linear for m in linears)
+            or type(base.embed_tokens) is not torch.nn.Embedding
+        ):
+            return None
+        if _hooked(model):
+            return None
+        return cls(model)
+
+    def __call__(
+        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: list[Any]
+    ) -> torch.Tensor:
+        linear, rms, attend = torch.nn.functional.linear, _rms_norm, self.attend
+        h = self.embed(tokens)
+        rows = tokens.shape[0]
+        # Rotary embedding, with transformers' x * cos + rotate_half(x) * sin written as
+        # x * cos + roll(x) * sin' (sin' is sin with its first half negated: the same products, as
+        # -(a * b) == (-a) * b exactly), on the queries and keys of a layer at once.
+        cos, sin = self.rotary(h, positions)
+        half = cos.shape[-1] // 2
+        cos, sin = cos[:, :, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, :, None]
+        if mask is not None:
+            mask = mask[:, None, None, :]
+        for (n1, at, dim, scale, q, k, v, o, n2, act, gate, up, down), slot in zip(
+            self.layers, cache, strict=True
+        ):
+            x = rms(h, *n1)
+            qk = torch.cat((linear(x, *q), linear(x, *k)), dim=-1).view(rows, 1, -1, dim)
+            qk = qk * cos + qk.roll(half, -1) * sin
+            heads = qk.shape[2] - (k[0].shape[0] // dim)
+            qs, ks = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
+            vs = linear(x, *v).view(rows, 1, -1, dim).transpose(1, 2)
+            ks, vs = slot.update(ks, vs)
+            a, _ = attend(at, qs, ks, vs, mask, dropout=0.0, scaling=scale)
+            h = h + linear(a.reshape(rows, 1, -1).contiguous(), *o)
+            x = rms(h, *n2)
+            h = h + linear(act(linear(x, *gate)) * linear(x, *up), *down)
+        return linear(rms(h, *self.norm), *self.head)[:, -1]
+
+
+def _hooked(model: Any) -> bool:
+    """Whether a forward hook or a replaced forward may change what a module of ``model`` computes."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in model.modules())
+
+
+def _linear(m: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return m.weight, m.bias
+
+
+def _norm(m: Any) -> tuple[torch.Tensor, float]:
+    return m.weight, m.variance_epsilon
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward, operation for operation."""
+    dtype = x.dtype
+    if dtype != torch.float32:
+        x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x if dtype == torch.float32 else x.to(dtype))
 
 
 def _new_cache() -> Any:

@@ -94,14 +94,15 @@ def permuted(parts: list[np.ndarray], perm: np.ndarray) -> np.ndarray:
     its rows' places in the output (the inverse permutation), with no concatenated copy between.
 
     ``perm`` must be a permutation of ``range(sum(len(p) for p in parts))``; the parts share their
-    dtype and row shape.
+    row shape. Their dtypes may differ (a chunk with nulls decodes as float, another as int): the
+    output takes the type ``np.concatenate`` would, so no value is cast down.
     """
     if len(parts) == 1:
         return parts[0][perm]
     n = len(perm)
     where = np.empty(n, dtype=np.intp)
     where[perm] = np.arange(n, dtype=np.intp)
-    out = np.empty((n, *parts[0].shape[1:]), dtype=parts[0].dtype)
+    out = np.empty((n, *parts[0].shape[1:]), dtype=np.result_type(*(p.dtype for p in parts)))
     lo = 0
     for part in parts:
         out[where[lo : lo + len(part)]] = part

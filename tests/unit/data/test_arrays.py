@@ -225,3 +225,8 @@ def test_permuted_equals_concatenate_then_index_for_every_layout() -> None:
             got = permuted(parts, perm)
             assert got.dtype == whole.dtype and np.array_equal(got, whole[perm])
             assert not np.shares_memory(got, whole)
+    # A chunk with nulls decodes as float beside an int chunk: nothing is cast down to int.
+    mixed = [np.arange(4, dtype=np.int64), np.array([np.nan, 5.0, 6.0])]
+    got = permuted(mixed, perm[perm < 7])
+    want = np.concatenate(mixed)[perm[perm < 7]]
+    assert got.dtype == np.float64 and np.array_equal(got, want, equal_nan=True)

@@ -749,7 +749,7 @@ def main() -> None:
     vs_seq = g["tok_s"] / s["tok_s"] if s else float("nan")
     one = results.get("sequential", {}).get(1)
     single = results["gpuyard"][1]["tok_s"] / one["tok_s"] if one else float("nan")
-    single_cpu = statistics.median(r.get("sequential_cpu", math.nan) for r in rounds.get(1, [{}]))
+    single_cpu = median_of(rounds.get(1, [{}]), "sequential_cpu")
     single_hf = results["gpuyard"][1]["tok_s"] / hf_one["tok_s"] if hf_one else float("nan")
     ct2 = ct2_figures(results, top)
     print(

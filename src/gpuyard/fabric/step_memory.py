@@ -150,15 +150,8 @@ class _MemoryModel:
         self.score_bytes = 5.0 if self.dropout else 2.0
         # What recompute="selective" keeps: torchtitan's per-op policy (True) or layer-wise one, MaxText's
         # named policy.
-        self.op_sac: bool | str = (
-            True
-            if profile.selective == "op"
-            else "dots-except-mlpwi"
-            if profile.selective == "dots-except-mlpwi"
-            else "every-2nd-layer"
-            if profile.selective == "every-2nd-layer"
-            else False
-        )
+        named = profile.selective in ("dots-except-mlpwi", "every-2nd-layer")
+        self.op_sac: bool | str = True if profile.selective == "op" else profile.selective if named else False
         # The loss keeps fp32 log-probabilities of the micro-batch (4 bytes per logit), or with a fused
         # cross-entropy only the bf16 logits it writes the gradient into (2 bytes): gpuyard.fabric.stacks.
         self.logit_bytes = LOSS_BYTES_PER_LOGIT[profile.fused_loss]

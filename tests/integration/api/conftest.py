@@ -67,6 +67,14 @@ def live_api(gpuyard_home: Path, request: pytest.FixtureRequest) -> Iterator[Liv
     old_level = root.level
     root.addHandler(handler)
     root.setLevel(logging.DEBUG)
+    # An in-process uvicorn.Config built with its default log_config (an earlier test in this worker)
+    # leaves uvicorn's loggers with their own handlers and propagate=False: the access log would
+    # never reach the root handler. Each record goes to the root here, restored afterwards.
+    uv_loggers = [logging.getLogger(n) for n in ("uvicorn", "uvicorn.error", "uvicorn.access")]
+    uv_saved = [(lg, lg.propagate, lg.handlers[:]) for lg in uv_loggers]
+    for lg in uv_loggers:
+        lg.propagate = True
+        lg.handlers.clear()
     service = build_service(teams={"research": 1.0, "vision": 1.0}, fake_gpus=1, cpus=2, grace_s=1.0)
     app = create_app(jobs=service, **getattr(request, "param", {}))
     port = free_port()  # below the ephemeral range (tests.waiting)
@@ -96,3 +104,6 @@ def live_api(gpuyard_home: Path, request: pytest.FixtureRequest) -> Iterator[Liv
         service.executor.close()
         root.removeHandler(handler)
         root.setLevel(old_level)
+        for lg, propagate, handlers in uv_saved:
+            lg.propagate = propagate
+            lg.handlers[:] = handlers

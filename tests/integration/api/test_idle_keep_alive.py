@@ -32,7 +32,7 @@ def test_an_idle_kept_alive_connection_gets_the_guards_408_not_a_silent_close() 
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(**guarded_uvicorn(_app, guard), lifespan="off", log_level="warning")
+        uvicorn.Config(**guarded_uvicorn(_app, guard), lifespan="off", log_level="warning", log_config=None)
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -40,7 +40,9 @@ class Gatewayed:
         self.gw.body_timeout_s = 2.0
         app = KeyGate(build_gateway_app(self.gw), Access(key_hash(KEY), None, False), openai_body)
         self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical", lifespan="on")
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="critical", lifespan="on", log_config=None
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -82,7 +82,12 @@ class Served:
         self.app = build_app(self.engine, "tiny", limits=Limits(**limits))
         gate = KeyGate(self.app, access or Access(key_hash(KEY), None, tokens=False), openai_body)
         config = uvicorn.Config(
-            gate, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=drain_s
+            gate,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            log_config=None,
+            timeout_graceful_shutdown=drain_s,
         )
         self.server = draining_server(config, self.engine.inflight)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -46,10 +46,12 @@ def workload(seed: int) -> list[tuple[list[int], int]]:
     ]
 
 
-def run(model: Any, work: list[tuple[list[int], int]], lean: bool) -> tuple[list[list[int]], list[Any], Any]:
+def run(
+    model: Any, work: list[tuple[list[int], int]], lean: bool, device: str = "cpu"
+) -> tuple[list[list[int]], list[Any], Any]:
     """The work through a scheduler of 3 slots (prompts over 8 tokens prefilled in chunks) stepped here:
-    each request's tokens, the logits of every sampling, and the executor."""
-    ex = TorchExecutor(model, torch.device("cpu"), 3)
+    each request's tokens, the logits of every sampling, and the executor (``model`` on ``device``)."""
+    ex = TorchExecutor(model, torch.device(device), 3)
     if not lean:
         ex._lean = None
     logits: list[Any] = []
@@ -75,7 +77,7 @@ def run(model: Any, work: list[tuple[list[int], int]], lean: bool) -> tuple[list
 def assert_generate(model: Any, work: list[tuple[list[int], int]], outputs: list[list[int]]) -> None:
     for (ids, n), got in zip(work, outputs, strict=True):
         with torch.inference_mode():
-            ids_t = torch.tensor([ids])
+            ids_t = torch.tensor([ids], device=model.device)
             ref = model.generate(input_ids=ids_t, max_new_tokens=n, do_sample=False, pad_token_id=0)
         assert got == ref[0, len(ids) :].tolist()
 

@@ -132,6 +132,8 @@ def predict_at(run: PublishedRun, stack: Stack, efficiency: float | None) -> flo
         stack = replace(stack, moe_dispatcher=run.moe_dispatcher)  # the MoE dispatcher its recipe runs
     if run.selective is not None and run.selective != stack.selective:
         stack = replace(stack, selective=run.selective)  # the selective checkpointing the source ran
+    if run.pp_async is not None and run.pp_async != stack.pp_async:
+        stack = replace(stack, pp_async=run.pp_async)  # asynchronous pipeline sends the source describes
     cfg = replace(run.parallel_config(), stack=stack.name)
     cluster = _cluster_with(run.cluster, run.device, efficiency, run.memory_bw_GBps)
     return estimate_step(

@@ -73,6 +73,10 @@ overlap) is the same for every stack; a profile says how a stack runs the parts 
   behind the forward) and pipeline send/recv (exposed) are modelled the same for every stack here: each
   stack named has them on by default (Megatron's ``--overlap-grad-reduce``/``--overlap-param-gather``
   in the recipes that set them, FSDP's prefetch).
+* ``pp_async``: pipeline sends and receives posted asynchronously, each hidden behind the stage's next
+  micro-batch but for the pp - 1 hops each way that fill and drain the pipeline. Llama 3's training
+  stack does it ("we adopt asynchronous point-to-point communication in PP", arXiv:2407.21783, section
+  3.3.2; its corpus rows carry ``pp_async``); no profiled stack is given it by default.
 * Dispatch overlap and the cost of overlapped communication are properties of the device
   (``Compute.async_dispatch``, ``Compute.overlap_slowdown``), not of the stack.
 
@@ -144,6 +148,11 @@ class Stack:
     # by the collective model) or "hybridep" (DeepEP's Hybrid-EP kernels, Megatron-Core's flex dispatcher:
     # one copy per destination GPU at Hybrid-EP's measured bandwidth, gpuyard.fabric.step_layer).
     moe_dispatcher: str = "alltoall"
+    # Pipeline sends and receives posted asynchronously, so a stage computes its next micro-batch while
+    # the last one's activations (or gradients) cross: only the hops that fill and drain the pipeline wait
+    # (gpuyard.fabric.step, _StepModel.terms). Llama 3's pipeline: "we adopt asynchronous point-to-point
+    # communication in PP" (arXiv:2407.21783, section 3.3.2); no profiled stack turns it on by default.
+    pp_async: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FAMILIES:

@@ -202,6 +202,7 @@ class _Terms(NamedTuple):
     cp_exposed: float
     dp_exposed: float
     overlap: float
+    pp_exposed: float
 
 
 class _StepModel:
@@ -364,11 +365,15 @@ class _StepModel:
         else:
             t_mb, comm_mb = last_stage, last * layer_comm
         # Pipeline: activations cross to the next stage forward and gradients come back, per model chunk.
-        pp_comm = 0.0
+        pp_comm = pp_exposed = 0.0
         if cfg.pp > 1:
             same_domain = cfg.tp * cfg.cp * cfg.dp < self.domain
             p2p = self.hop(cfg.micro_batch, cfg.cp, cfg.tp, cfg.sequence_parallel, same_domain)
-            pp_comm = 2 * (m * cfg.virtual_stages + cfg.pp - 1) * p2p
+            pp_comm = pp_exposed = 2 * (m * cfg.virtual_stages + cfg.pp - 1) * p2p
+            if self.profile.pp_async:
+                # Posted asynchronously, a hop overlaps the stage's next micro-batch; the pp - 1 hops each
+                # way that fill and drain the pipeline have nothing to overlap and stay on its path.
+                pp_exposed = 2 * (cfg.pp - 1) * p2p
         grad_comm, param_comm = self.dp_comm(cfg, m)
         mb_fwd = per_stage * layer.fwd
         if cfg.zero == 3:
@@ -379,7 +384,8 @@ class _StepModel:
         hidden_cp = m * per_stage * max(0.0, layer.cp_comm - layer.cp_exposed)
         hidden_tp = m * per_stage * max(0.0, layer.tp_comm - layer.tp_exposed)
         dp_total, dp_exposed = grad_comm + param_comm, exposed_dp
-        overlap = self.overlap_slowdown * (max(0.0, dp_total - exposed_dp) + hidden_cp + hidden_tp)
+        hidden = max(0.0, dp_total - exposed_dp) + hidden_cp + hidden_tp + (pp_comm - pp_exposed)
+        overlap = self.overlap_slowdown * hidden
         exposed_dp += overlap
         dense, experts = self.memory.stage_params(cfg.tp, cfg.pp, cfg.ep)
         shard = cfg.dp * cfg.cp if cfg.zero >= 1 else 1
@@ -389,7 +395,7 @@ class _StepModel:
         compute = m * (t_mb - comm_mb) + optimizer
         straggle = self.straggle
         compute, bubble = compute * straggle, bubble * straggle
-        exposed = m * comm_mb + pp_comm + exposed_dp
+        exposed = m * comm_mb + pp_exposed + exposed_dp
         return _Terms(
             compute + bubble + exposed,
             compute,
@@ -404,6 +410,7 @@ class _StepModel:
             m * per_stage * min(layer.cp_comm, layer.cp_exposed),
             min(dp_total, dp_exposed),
             overlap,
+            pp_exposed,
         )
 
     def estimate(self, cfg: ParallelConfig, m: int, memory: dict[str, float] | None = None) -> StepEstimate:
@@ -447,6 +454,7 @@ class _StepModel:
                 cp_exposed_s=t.cp_exposed,
                 dp_exposed_s=t.dp_exposed,
                 overlap_cost_s=t.overlap,
+                pp_exposed_s=t.pp_exposed,
             ),
             memory_gib={k: v / GIB for k, v in mem.items()},
             memory_reserved_gib=self.reserved / GIB,

@@ -57,11 +57,14 @@ class Breakdown:
     exposed_comm_s: float
     ep_comm_s: float = 0.0
     # Exposed part of each family's time (the rest overlaps compute, whose slowdown from sharing the
-    # GPU is ``overlap_cost_s``); pipeline send/recv and expert all-to-all are exposed whole.
+    # GPU is ``overlap_cost_s``); expert all-to-all is exposed whole, pipeline send/recv unless asynchronous.
     tp_exposed_s: float = 0.0
     cp_exposed_s: float = 0.0
     dp_exposed_s: float = 0.0
     overlap_cost_s: float = 0.0
+    # Exposed part of the pipeline's send/recv time (None: all of it; asynchronous sends overlap compute
+    # but for the hops that fill and drain the pipeline, Stack.pp_async).
+    pp_exposed_s: float | None = None
 
     @property
     def collectives(self) -> dict[str, dict[str, float]]:
@@ -70,7 +73,7 @@ class Breakdown:
             "tp": (self.tp_comm_s, self.tp_exposed_s),
             "cp": (self.cp_comm_s, self.cp_exposed_s),
             "ep": (self.ep_comm_s, self.ep_comm_s),
-            "pp": (self.pp_comm_s, self.pp_comm_s),
+            "pp": (self.pp_comm_s, self.pp_comm_s if self.pp_exposed_s is None else self.pp_exposed_s),
             "dp": (self.dp_comm_s, self.dp_exposed_s),
         }
         return {

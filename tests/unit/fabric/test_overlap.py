@@ -70,3 +70,27 @@ def test_plan_json_shows_exposed_and_overlapped_time_per_collective() -> None:
     coll = top["breakdown"]["collectives"]
     assert {"tp", "dp"} <= set(coll) and coll["tp"]["overlapped_s"] > 0
     assert top["tp_overlap"] is None  # the stack's default
+
+
+def test_asynchronous_pipeline_sends_hide_all_but_the_fill_and_drain_hops() -> None:
+    """Llama 3's asynchronous P2P (arXiv:2407.21783, 3.3.2): a hop overlaps the next micro-batch's compute,
+    except the pp - 1 hops each way that fill and drain the pipeline; hidden sends still cost."""
+    assert not any(s.pp_async for s in STACKS.values())  # no profiled stack does it by default
+    cfg = ParallelConfig(tp=8, pp=4, dp=2, micro_batch=1, virtual_stages=2, zero=1, sequence_parallel=True)
+    model, cluster = PRESETS["llama3-70b"], load_cluster("dgx-h100")
+    sync = estimate_step(model, cluster, 64, 32, 8192, cfg, stack=STACKS["other"])
+    asyn = estimate_step(model, cluster, 64, 32, 8192, cfg, stack=replace(STACKS["other"], pp_async=True))
+    pp_sync, pp_async = sync.breakdown.collectives["pp"], asyn.breakdown.collectives["pp"]
+    assert pp_sync["overlapped_s"] == 0 and pp_async["total_s"] == pytest.approx(pp_sync["total_s"])
+    m = 32 // 2  # micro-batches per pipeline: global batch over data parallelism, micro-batch 1
+    hops = 2 * (m * cfg.virtual_stages + cfg.pp - 1)  # every send, forward and backward
+    assert pp_async["exposed_s"] == pytest.approx(pp_sync["total_s"] * 2 * (cfg.pp - 1) / hops)
+    saved = sync.step_time_s - asyn.step_time_s
+    assert 0 < saved < pp_async["overlapped_s"]  # hidden, it still slows the compute it shares the GPU with
+    assert asyn.breakdown.overlap_cost_s > sync.breakdown.overlap_cost_s
+    no_pp = replace(cfg, pp=1, dp=8, virtual_stages=1)
+    assert estimate_step(model, cluster, 64, 32, 8192, no_pp, stack=STACKS["other"]).step_time_s == (
+        estimate_step(
+            model, cluster, 64, 32, 8192, no_pp, stack=replace(STACKS["other"], pp_async=True)
+        ).step_time_s
+    )

@@ -124,6 +124,12 @@ class PublishedRun(BaseModel):
         "per-op policy) or 'every-2nd-layer' (torchtitan's selective_ac_option '2', \"selective layer\": "
         "every other block fully checkpointed); None: the stack's (gpuyard.fabric.stacks.Stack.selective).",
     )
+    pp_async: bool | None = Field(
+        default=None,
+        description="Whether the source's pipeline posts its sends and receives asynchronously, overlapping "
+        "compute, where the source says so (Llama 3: section 3.3.2); None: the stack's "
+        "(gpuyard.fabric.stacks.Stack.pp_async).",
+    )
     power_limit_w: float | None = Field(
         default=None,
         gt=0,

@@ -16,6 +16,16 @@ import pytest
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
+# Property tests assert what they generate, never how fast: no per-example deadline, and no health
+# check that fails a test because generating its inputs was slow on a loaded machine.
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("gpuyard", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("gpuyard")
+except ImportError:  # hypothesis is in the dev extra; without it no property test runs
+    pass
+
 
 # `make test` runs the suite on pytest-xdist workers, one test file at a time per worker, handed out in
 # collection order (`--dist loadfile --no-loadscope-reorder`). Files that start processes and servers

@@ -43,6 +43,7 @@ from gpuyard.fabric.accuracy import (
     Corpus,
     HeldOut,
     RunError,
+    borrowed_efficiency,
     efficiency_class,
     errors_with,
     fit_efficiencies,
@@ -195,7 +196,8 @@ def main() -> int:
             g_med, g_max, g_bias = _pct(rows)
             print(
                 f"  {h.source}: its {len(rows)} {gen} rows are measured by no other source; predicted "
-                f"with the {near} fit ({h.fit[near]:.2f}): median {g_med:.1f}% worst {g_max:.1f}% "
+                f"with the {near} fit ({h.fit[near]:.2f}) scaled by the measured GEMM efficiencies "
+                f"({borrowed_efficiency(gen, h.fit):.3f}): median {g_med:.1f}% worst {g_max:.1f}% "
                 f"bias {g_bias:+.1f}%"
             )
     if args.plot:

@@ -219,6 +219,33 @@ def borrowed_generation(gen: str, fitted: dict[str, float]) -> str | None:
     return min(candidates, key=lambda g: (abs(GENERATION_ORDER.index(g) - here), GENERATION_ORDER.index(g)))
 
 
+# Large bf16 GEMM efficiency per GPU generation measured outside the corpus, as a share of the dense
+# datasheet peak, with the step model's shape law divided out (the asymptote a large GEMM tends to):
+# Hopper 0.72, `gpuyard fabric calibrate` on an H100 SXM (710.5-721.4 of 989.5 TFLOP/s in two runs,
+# BENCHMARKS.md "Fabric: calibration on an H100"); Blackwell 0.71, vLLM's benchmarks/kernels/
+# bench_fp8_gemm.py on a B200 (torch-bf16, i.e. cuBLAS, at M 16,384, N 6,144, K 4,096: 1,512.8 of
+# 2,250 TFLOP/s, vllm-project/vllm PR #19566; its first run, PR #18778, 1,433.0 at M 1,024), the shape
+# law's 0.944 at that shape divided out. A generation no other source measures borrows the nearest
+# generation's fit scaled by the ratio of the two: the fit carries what the corpus's stacks lose to
+# cuBLAS, the ratio what the newer device's GEMMs lose to its datasheet (0.98: the B200 reaches a hair
+# less of its peak than the H100, and not the H100's share of it exactly).
+MEASURED_GEMM_EFFICIENCY = {"hopper": 0.72, "blackwell": 0.71}
+
+
+def borrowed_efficiency(gen: str, fitted: dict[str, float]) -> float | None:
+    """The GEMM efficiency rows of ``gen`` are predicted with under ``fitted``: its own fit, else the nearest
+    generation's (:func:`borrowed_generation`) scaled by :data:`MEASURED_GEMM_EFFICIENCY` where both
+    generations have a measurement outside the corpus; None where ``gen`` is not a fitted generation."""
+    near = borrowed_generation(gen, fitted)
+    if near is None:
+        return None
+    eff = fitted[near]
+    mine, theirs = gen.split("@", 1)[0], near.split("@", 1)[0]
+    if mine != theirs and mine in MEASURED_GEMM_EFFICIENCY and theirs in MEASURED_GEMM_EFFICIENCY:
+        eff *= MEASURED_GEMM_EFFICIENCY[mine] / MEASURED_GEMM_EFFICIENCY[theirs]
+    return eff
+
+
 def _fitted_generations(corpus: Corpus) -> set[str]:
     """Generations whose preset GEMM efficiency is fitted to the whole corpus (never used held out)."""
     return {efficiency_class(r) for r in corpus.runs if generation(r.device) in GENERATION_ORDER}
@@ -227,9 +254,10 @@ def _fitted_generations(corpus: Corpus) -> set[str]:
 def errors_with(corpus: Corpus, runs: list[PublishedRun], fitted: dict[str, float]) -> list[RunError]:
     """RunErrors of ``runs`` under the fitted efficiencies.
 
-    A generation of the corpus that ``fitted`` lacks takes the nearest fitted generation's value
-    (:func:`borrowed_generation`), never its preset: the preset is fitted on every source, so using it
-    for a held-out source would predict that source with a constant fitted on itself.
+    A generation of the corpus that ``fitted`` lacks takes the nearest fitted generation's value, scaled
+    by the measured GEMM efficiencies (:func:`borrowed_efficiency`), never its preset: the preset is
+    fitted on every source, so using it for a held-out source would predict that source with a constant
+    fitted on itself.
     """
     out = []
     corpus_gens = _fitted_generations(corpus)
@@ -238,10 +266,9 @@ def errors_with(corpus: Corpus, runs: list[PublishedRun], fitted: dict[str, floa
         if gen in fitted:
             eff: float | None = fitted[gen]
         elif gen in corpus_gens:
-            near = borrowed_generation(gen, fitted)
-            if near is None:
+            eff = borrowed_efficiency(gen, fitted)
+            if eff is None:
                 raise ConfigError(f"{r.id}: no fitted GPU generation to predict a {gen} run with")
-            eff = fitted[near]
         elif any(efficiency_class(x) == gen for x in corpus.runs):
             # A TPU (no GPU generation to borrow from) whose preset is fitted to the corpus, its own
             # source included: held out, it takes the unfitted default instead, never its own fit.
@@ -270,7 +297,8 @@ def leave_one_source_out(corpus: Corpus, only: str | None = None) -> dict[str, H
     """For each source (or ``only`` that one): fit on every other source, predict it with that fit only.
 
     A generation only the held-out source measures (Blackwell in megatron-bridge-25.11) takes the
-    nearest generation's fit, and :attr:`HeldOut.borrowed` says which.
+    nearest generation's fit, scaled by the measured GEMM efficiencies (:func:`borrowed_efficiency`),
+    and :attr:`HeldOut.borrowed` says which.
     """
     names = sorted(corpus.sources)
     out = {}

@@ -14,6 +14,7 @@ import pytest
 from gpuyard.fabric import accuracy
 from gpuyard.fabric.accuracy import (
     Corpus,
+    borrowed_efficiency,
     borrowed_generation,
     fit_efficiencies,
     flops_per_step,
@@ -123,6 +124,18 @@ def test_a_missing_generation_borrows_the_nearest_fitted_one() -> None:
     assert borrowed_generation("hopper@500W", {"hopper": 0.6, "ampere": 0.7}) == "hopper"
     assert borrowed_generation("hopper@500W", {"ampere": 0.7}) == "ampere"
     assert borrowed_generation("hopper@500W", {"hopper@500W": 0.5, "hopper": 0.6}) == "hopper@500W"
+
+
+def test_a_borrowed_generation_is_scaled_by_the_measured_gemm_efficiencies() -> None:
+    # A generation's own fit is used as fitted; a borrowed one is scaled by the ratio of the two
+    # generations' large-GEMM efficiencies measured outside the corpus (B200 0.71 against H100 0.72).
+    ratio = accuracy.MEASURED_GEMM_EFFICIENCY["blackwell"] / accuracy.MEASURED_GEMM_EFFICIENCY["hopper"]
+    assert 0.9 < ratio < 1.0
+    assert borrowed_efficiency("blackwell", {"hopper": 0.68}) == pytest.approx(0.68 * ratio)
+    assert borrowed_efficiency("blackwell", {"blackwell": 0.63, "hopper": 0.68}) == 0.63
+    assert borrowed_efficiency("hopper@500W", {"hopper": 0.68}) == 0.68  # same generation: no ratio
+    assert borrowed_efficiency("blackwell", {"ampere": 0.78}) == 0.78  # no Ampere measurement: unscaled
+    assert borrowed_efficiency("ada", {"hopper": 0.68}) is None
 
 
 def test_power_limited_rows_have_their_own_constant_fitted_without_their_source(corpus: Corpus) -> None:

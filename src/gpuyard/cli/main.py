@@ -15,7 +15,7 @@ import gpuyard
 from gpuyard.errors import GpuyardError
 from gpuyard.exitcodes import exit_now
 
-app = typer.Typer(
+_app = typer.Typer(
     name="gpuyard",
     help="gpuyard: a GPU backend for AI (hardware, fabric, data, training, jobs, models, serving).",
     no_args_is_help=True,
@@ -32,7 +32,7 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
+@_app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show the full traceback when a command fails."),
     version: bool = typer.Option(
@@ -42,29 +42,64 @@ def _root(
     _state["debug"] = debug
 
 
-def _register_commands() -> None:
-    # Every module in gpuyard.cli but this one contributes its commands through register(app).
+# Commands a module of another name registers; every other command is registered by the module of
+# its name. Only a shortcut: a command not found where this says is looked for in every module.
+_REGISTERED_BY = {"undeploy": "deploy", "deployments": "deploy", "cv": "tune"}
+_registered: set[str] = set()
+_module_of: dict[int, str] = {}  # a registered command's (or group's) module
+
+
+def _command_modules() -> list[str]:
+    """The modules of gpuyard.cli that may contribute commands, in the order they are registered."""
     import gpuyard.cli as pkg
 
-    for mod in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
-        if mod.name in ("main",) or mod.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"gpuyard.cli.{mod.name}")
-        register = getattr(module, "register", None)
-        if register is not None:
-            register(app)
+    names = (m.name for m in pkgutil.iter_modules(pkg.__path__))
+    return sorted(n for n in names if n != "main" and not n.startswith("_"))
 
 
-_register_commands()
+def _register(name: str) -> None:
+    """Add module ``name``'s commands to the app (through its register(app)), once."""
+    if name in _registered:
+        return
+    _registered.add(name)
+    register = getattr(importlib.import_module(f"gpuyard.cli.{name}"), "register", None)
+    if register is None:
+        return
+    before = len(_app.registered_commands), len(_app.registered_groups)
+    register(_app)
+    for info in [*_app.registered_commands[before[0] :], *_app.registered_groups[before[1] :]]:
+        _module_of[id(info)] = name
+
+
+def _register_commands(args: list[str] | None = None) -> None:
+    """Register the commands ``args`` runs: those of the module registering its command (the first
+    word not an option) when it is found there, else every module's (help, a mistyped command), as
+    the app always had them. A command then imports what it needs alone, not every other command's
+    libraries (scheduler, fabric model, numpy: most of the CLI's start-up)."""
+    args = list(args or ())
+    at = next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))
+    command = args[at] if at < len(args) and "--help" not in args[:at] else None
+    modules = _command_modules()
+    if command is not None and (module := _REGISTERED_BY.get(command, command)) in modules:
+        _register(module)
+        known = {c.name for c in _app.registered_commands} | {g.name for g in _app.registered_groups}
+        if command in known:
+            return
+    for module in modules:
+        _register(module)
+    # Listed (help) in the modules' order, as when every module is registered at once.
+    _app.registered_commands.sort(key=lambda info: _module_of.get(id(info), "~"))
+    _app.registered_groups.sort(key=lambda info: _module_of.get(id(info), "~"))
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; user errors print one line on stderr and exit 2 (a traceback with --debug)."""
     args = sys.argv[1:] if argv is None else argv
     _state["debug"] = "--debug" in args
+    _register_commands(args)
     try:
         # Not standalone: click's usage errors come here, to be said in one line like ours.
-        code = app(args=args, prog_name="gpuyard", standalone_mode=False)
+        code = _app(args=args, prog_name="gpuyard", standalone_mode=False)
     except typer.Abort:  # Ctrl-C at a prompt or in a command
         err.print("interrupted")
         sys.exit(130)
@@ -99,5 +134,16 @@ def fast_exit() -> None:
     _state["fast_exit"] = True
 
 
+def __getattr__(name: str) -> typer.Typer:
+    # `from gpuyard.cli.main import app` (CliRunner in tests, docs tools): the app with every command.
+    if name == "app":
+        _register_commands()
+        return _app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 if __name__ == "__main__":
+    # `python -m gpuyard.cli.main`: this module is also the one commands import as gpuyard.cli.main
+    # (fast_exit() above is then this run's, as under the `gpuyard` script), not a second copy.
+    sys.modules.setdefault("gpuyard.cli.main", sys.modules[__name__])
     main()

@@ -28,8 +28,6 @@ def tracked_dataset(spec: TrainSpec) -> str | None:
     """``NAME@<version id>[#split=...]`` of the gpuyard dataset ``spec`` reads (``tracking.dataset``, or
     ``data.train``'s ``dataset`` argument): ``@latest`` resolved, a split selection kept, so the run's
     lineage names the rows read; an explicit reference the catalog does not know is kept as it is."""
-    from gpuyard.data.arrays import pin
-
     ref = spec.tracking.dataset
     explicit = ref is not None
     if ref is None and spec.data.train is not None:
@@ -37,6 +35,8 @@ def tracked_dataset(spec: TrainSpec) -> str | None:
         ref = candidate if isinstance(candidate, str) else None
     if ref is None:
         return None
+    from gpuyard.data.arrays import pin  # pyarrow: only for a run that reads a dataset (0.4 s)
+
     try:
         return pin(ref)
     except GpuyardError:  # not a catalog name after all (or a version or split this store lacks)

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from tests.integration.serve.test_llm_engines import VLLM_START_S, need_vllm, tiny_chat_model
+from tests.integration.serve.test_llm_engines import VLLM_START_S, VLLM_TEST_ENV, need_vllm, tiny_chat_model
 
 from gpuyard.serve.deploy import undeploy
 
@@ -51,9 +51,11 @@ def _peft(folder: Path, out: Path, seed: int, rank: int, modules: list[str]) -> 
 
 
 def test_two_lora_adapters_are_served_by_name_on_their_base(
-    serve_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    serve_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     need_vllm()
+    for key, value in VLLM_TEST_ENV.items():  # the deployment's process and its replica inherit it
+        monkeypatch.setenv(key, value)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

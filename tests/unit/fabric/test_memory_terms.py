@@ -240,10 +240,11 @@ def test_the_plan_memory_breakdown_sums_to_the_memory_per_gpu() -> None:
 
 
 def test_no_more_corpus_layouts_that_ran_are_refused_than_docs_fabric_md_explains() -> None:
-    # docs/fabric.md ("The loss's memory by stack"): 13 of the corpus rows are refused, each for a cause
-    # named there; a change that refuses more layouts that ran must say why there too.
+    # docs/fabric.md ("The loss's memory by stack"): 17 of the corpus rows are refused, each for a cause
+    # named there (5 of them tpu-recipes' v6e rows whose MaxText configs offload to host memory); a
+    # change that refuses more layouts that ran must say why there too.
     refused = _refused(*(run.id for run in load_runs()))
-    assert len(refused) <= 13, refused
-    explained = {"llama3-paper", "nemo-24.07", "megatron-bridge-25.11", "maxtext-tiering"}
+    assert len(refused) <= 17, refused
+    explained = {"llama3-paper", "nemo-24.07", "megatron-bridge-25.11", "maxtext-tiering", "tpu-recipes"}
     mpt30 = {"llm-foundry/h100/mpt-30b-s8192-g8-mb1", "llm-foundry/a100-80gb/mpt-30b-s8192-g8-mb1"}
     assert all(r.split("/")[0] in explained or r in mpt30 for r in refused), refused

@@ -137,8 +137,9 @@ def test_cli_compares_a_gpu_cluster_and_a_tpu_pod(capsys: pytest.CaptureFixture[
 
 
 def test_held_out_tpu_rows_never_use_the_fit_made_on_themselves() -> None:
-    # The TPU presets hold efficiencies fitted on maxtext-tiering, the only TPU source. Held out, its rows
-    # must take the unfitted default: halving its published figures leaves its predictions unchanged.
+    # Restricted to maxtext-tiering as the only TPU source (the corpus also has tpu-recipes' v6e rows):
+    # the TPU presets hold efficiencies fitted on it. Held out, its rows must take the unfitted default:
+    # halving its published figures leaves its predictions unchanged.
     from gpuyard.fabric.accuracy import UNFITTED_EFFICIENCY, Corpus, leave_one_source_out
 
     held = "maxtext-tiering"
@@ -158,6 +159,31 @@ def test_held_out_tpu_rows_never_use_the_fit_made_on_themselves() -> None:
     assert preset != UNFITTED_EFFICIENCY  # the shipped preset is fitted; held out it is not used
     row = next(e for e in base.errors if e.run.device == "TPU-v6e")
     assert row.predicted_s == pytest.approx(corpus.predicted(row.run, UNFITTED_EFFICIENCY))
+
+
+def test_a_held_out_tpu_source_takes_the_other_tpu_sources_fit_and_never_its_own() -> None:
+    # maxtext-tiering and tpu-recipes both measure v6e; only maxtext-tiering measures v5p. Held out, each
+    # source's v6e rows are predicted with the other's v6e fit, its v5p rows with the unfitted default.
+    from gpuyard.fabric.accuracy import UNFITTED_EFFICIENCY, Corpus, fit_efficiencies, leave_one_source_out
+
+    corpus = Corpus.load()
+    corpus.runs = [r for r in corpus.runs if r.source in ("maxtext-tiering", "tpu-recipes")]
+    held = leave_one_source_out(corpus, only="maxtext-tiering")["maxtext-tiering"]
+    other = fit_efficiencies(corpus, {"tpu-recipes"})
+    assert held.fit == other and set(other) == {"TPU-v6e"}
+    v6e = next(e for e in held.errors if e.run.device == "TPU-v6e")
+    assert v6e.predicted_s == pytest.approx(corpus.predicted(v6e.run, other["TPU-v6e"]))
+    v5p = next(e for e in held.errors if e.run.device == "TPU-v5p")
+    assert v5p.predicted_s == pytest.approx(corpus.predicted(v5p.run, UNFITTED_EFFICIENCY))
+    # Halving maxtext-tiering's own figures moves nothing when it is held out.
+    skewed = Corpus(
+        corpus.runs,
+        corpus.sources,
+        {k: v * (0.5 if k.startswith("maxtext-tiering/") else 1.0) for k, v in corpus.published.items()},
+        corpus._cache,
+    )
+    again = leave_one_source_out(skewed, only="maxtext-tiering")["maxtext-tiering"]
+    assert [e.predicted_s for e in again.errors] == [e.predicted_s for e in held.errors]
 
 
 def test_tpu_memory_has_no_cuda_allocator_reserve_or_overhead() -> None:

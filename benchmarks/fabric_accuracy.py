@@ -100,7 +100,7 @@ def plot(in_sample: list[RunError], loso: dict[str, list[RunError]], path: Path)
     worst = max(per_source, key=per_source.__getitem__)
     ax.set_title(
         f"gpuyard step model vs {len(every)} published runs, each source held out: median over sources "
-        f"{statistics.median(per_source.values()):.1%}\nworst source {per_source[worst]:.1%} ({worst}); "
+        f"{statistics.median(per_source.values()):.2%}\nworst source {per_source[worst]:.1%} ({worst}); "
         f"every row alike {statistics.median(abs(e.error) for e in every):.1%} "
         f"(in-sample {statistics.median(abs(e.error) for e in in_sample):.1%}); dashed: ±15%",
         fontsize=9,
@@ -140,8 +140,8 @@ def main() -> int:
         )
     met = figures.median_pct <= GOAL_MEDIAN_PCT and worst.median_pct <= GOAL_WORST_SOURCE_PCT
     print(
-        f"over {len(figures.sources)} sources, each weighing the same: median {figures.median_pct:.1f}%, "
-        f"worst source {worst.source} {worst.median_pct:.1f}%; goal (median <= {GOAL_MEDIAN_PCT:.0f}%, "
+        f"over {len(figures.sources)} sources, each weighing the same: median {figures.median_pct:.2f}%, "
+        f"worst source {worst.source} {worst.median_pct:.2f}%; goal (median <= {GOAL_MEDIAN_PCT:.0f}%, "
         f"worst source <= {GOAL_WORST_SOURCE_PCT:.0f}%) {'met' if met else 'NOT met'}"
     )
     print(
@@ -208,8 +208,8 @@ def main() -> int:
         f"own_gen_median_pct={o_med:.1f} own_gen_max_pct={o_max:.1f} "
         f"borrowed_median_pct={b_med:.1f} borrowed_max_pct={b_max:.1f} borrowed_runs={len(lent_rows)} "
         f"goal_met={'yes' if met else 'no'} in_sample_median_pct={i_med:.1f} runs={len(in_sample)} "
-        f"sources={len(names)} source_median_pct={figures.median_pct:.1f} "
-        f"source_worst_pct={worst.median_pct:.1f} source_worst={worst.source} "
+        f"sources={len(names)} source_median_pct={figures.median_pct:.2f} "
+        f"source_worst_pct={worst.median_pct:.2f} source_worst={worst.source} "
         f"fitted_constants={len(constants)}"
     )
     return 0

@@ -122,8 +122,8 @@ class Stack:
     fused_loss: bool = False
     pp_scatter_gather: bool = False
     tp_overlap_scope: str = "all"  # "all" | "micro-pipeline" (see tp_comm_overlap in the module docstring)
-    # "megatron" | "op" | "dots-except-mlpwi" | "every-2nd-layer": what recompute="selective" reruns
-    # (module docstring)
+    # "megatron" | "op" | "dots-except-mlpwi" | "dots" | "every-2nd-layer": what recompute="selective"
+    # reruns (module docstring; "dots" is MaxText's remat_policy "minimal")
     selective: str = "megatron"
     dropout: float = 0.1  # hidden and attention dropout of the models it trains (memory: masks kept)
     grad_bytes: int = 4  # gradient bytes per parameter (buffer and reduction): fp32 (4) or bf16 (2)
@@ -132,6 +132,12 @@ class Stack:
     # xla/service/hlo_rematerialization.h): a layout a little over the memory still compiles, and pays
     # for what it recomputes (gpuyard.fabric.step, _StepModel.remat_share).
     compiler_remat: bool = False
+    # Activations of width h (a layer's input, the attention output projection's and the MLP output's) are
+    # kept sharded over the tensor-parallel ranks, as Megatron's sequence parallelism keeps them, whatever
+    # the layout's sequence_parallel says: MaxText's logical_axis_rules map 'activation_embed' to the
+    # 'tensor' mesh axis (MaxText/configs/base.yml), so a saved (batch, length, embed) value is split over
+    # it. Memory only (gpuyard.fabric.step_memory); the collectives are the layout's.
+    activation_embed_sharded: bool = False
     # float8 scaling recipe of fp8 runs (torchao.float8): "tensorwise" (cuBLAS, one scale per tensor) or
     # "rowwise" (a CUTLASS kernel with a scale per row; gpuyard.fabric.step_layer, FP8_ROWWISE_GEMM).
     fp8_recipe: str = "tensorwise"
@@ -173,6 +179,7 @@ class Stack:
             "megatron",
             "op",
             "dots-except-mlpwi",
+            "dots",
             "every-2nd-layer",
         ):
             raise ValueError(f"stack {self.name}: bad tp_overlap_scope or selective")
@@ -259,6 +266,7 @@ STACKS: dict[str, Stack] = {
             # get_remat_policy: query/key/value/out projections and mlpwo saved, mlpwi recomputed).
             selective="dots-except-mlpwi",
             compiler_remat=True,
+            activation_embed_sharded=True,
         ),
         Stack("other", 30.0, 1.0, "fa3", "a stack the corpus does not profile: fused optimizer and kernels"),
         Stack(

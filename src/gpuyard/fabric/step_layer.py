@@ -409,7 +409,7 @@ def _layer_times_cached(
     reruns = 1.0 if recompute == "full" else 0.5 if layer_sac else 0.0
     dots_sac = (
         recompute == "selective"
-        and stack.selective == "dots-except-mlpwi"
+        and stack.selective in ("dots-except-mlpwi", "dots")
         and not model.is_moe
         and not model.is_mla
     )
@@ -417,7 +417,8 @@ def _layer_times_cached(
         # MaxText's save_dot_except_mlpwi reruns the MLP input projections (gate and up), attention and the
         # memory-bound operators; the other projections' outputs are saved.
         recompute_s = elementwise + attention
-        recompute_s += ffn_count * gemm_s(ffn_rows, up / tp, h)[0]
+        if stack.selective == "dots-except-mlpwi":  # "dots" (MaxText's minimal) keeps every matmul's output
+            recompute_s += ffn_count * gemm_s(ffn_rows, up / tp, h)[0]
     elif op_sac:
         # torchtitan's per-op policy saves every compute op's output except every second matmul of a
         # block (wq, wk, wv, wo, w1, w3, w2: wk, wo and w3 are recomputed; w2 without a gate), and the

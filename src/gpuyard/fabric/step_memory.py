@@ -37,8 +37,8 @@ def _activation_bytes_per_token(
 
     ``dropout``: the stack's models run dropout, so its masks are kept (``Stack.dropout``); ``op_sac``:
     selective recomputation is torchtitan's per-op policy (True) or layer-wise one ("every-2nd-layer"),
-    or MaxText's ``save_dot_except_mlpwi``
-    ("dots-except-mlpwi"), from ``Stack.selective``. For a model with dense
+    or MaxText's ``save_dot_except_mlpwi`` ("dots-except-mlpwi") or ``minimal`` ("dots"), from
+    ``Stack.selective``. For a model with dense
     and MoE layers, the average over its layers.
     """
     return sum(
@@ -70,7 +70,7 @@ def _op_sac_bytes(model: ModelSpec, tp: int, seqpar: bool) -> float:
     return kept
 
 
-def _dots_sac_bytes(model: ModelSpec, tp: int, seqpar: bool) -> float:
+def _dots_sac_bytes(model: ModelSpec, tp: int, seqpar: bool, mlpwi: bool = False) -> float:
     """Bytes per token one dense layer keeps under MaxText's ``save_dot_except_mlpwi`` remat policy.
 
     ``jax.checkpoint_policies.save_only_these_names("query_proj", "value_proj", "key_proj", "qkv_proj",
@@ -78,11 +78,19 @@ def _dots_sac_bytes(model: ModelSpec, tp: int, seqpar: bool) -> float:
     (the scan carry), the query, key and value projections, the attention output projection and the MLP's
     down projection are kept; the MLP's input projections (mlpwi), norms, RoPE and attention are
     recomputed. XLA reuses the recomputed buffers across layers (liveness-based buffer assignment).
+
+    ``mlpwi``: MaxText's ``minimal`` policy instead, ``jax.checkpoint_policies.
+    checkpoint_dots_with_no_batch_dims`` (MaxText/layers/models.py at 04262f3cf, lines 216-217): every
+    weight matmul's output is kept, the MLP's input projections (wi_0 and wi_1 of a gated MLP, 2 bytes per
+    element of ``ffn_hidden`` each, sharded over 'tensor' as 'activation_mlp') too; attention (a batched
+    dot, or the flash kernel), norms and the MLP activation are recomputed.
     """
     h, sp = model.hidden, (tp if seqpar else 1)
     kept = 2 * h / sp  # the layer input
     kept += 2 * (model.heads + 2 * model.kv_heads) * model.head_dim / tp  # query, key, value projections
     kept += 2 * 2 * h / sp  # out_proj and mlpwo outputs
+    if mlpwi:
+        kept += 2 * model.ffn_hidden * (2 if model.gated_mlp else 1) / tp
     return kept
 
 
@@ -102,8 +110,13 @@ def _activation_bytes_one(
         # torchtitan's layer-wise policy: every other block keeps only its input, the others everything
         full = _activation_bytes_one(model, tp, seqpar, "full", dropout)
         return (full + _activation_bytes_one(model, tp, seqpar, "none", dropout)) / 2
-    if recompute == "selective" and op_sac == "dots-except-mlpwi" and not model.is_moe and not model.is_mla:
-        return _dots_sac_bytes(model, tp, seqpar)
+    if (
+        recompute == "selective"
+        and op_sac in ("dots-except-mlpwi", "dots")
+        and not model.is_moe
+        and not model.is_mla
+    ):
+        return _dots_sac_bytes(model, tp, seqpar, mlpwi=op_sac == "dots")
     if recompute == "selective" and op_sac is True and not model.is_moe and not model.is_mla:
         return _op_sac_bytes(model, tp, seqpar)
     shared = 10 * h / sp  # norm inputs, GEMM inputs, dropout masks: replicated unless sequence-parallel
@@ -150,11 +163,14 @@ class _MemoryModel:
         self.score_bytes = 5.0 if self.dropout else 2.0
         # What recompute="selective" keeps: torchtitan's per-op policy (True) or layer-wise one, MaxText's
         # named policy.
-        named = profile.selective in ("dots-except-mlpwi", "every-2nd-layer")
+        named = profile.selective in ("dots-except-mlpwi", "dots", "every-2nd-layer")
         self.op_sac: bool | str = True if profile.selective == "op" else profile.selective if named else False
         # The loss keeps fp32 log-probabilities of the micro-batch (4 bytes per logit), or with a fused
         # cross-entropy only the bf16 logits it writes the gradient into (2 bytes): gpuyard.fabric.stacks.
         self.logit_bytes = LOSS_BYTES_PER_LOGIT[profile.fused_loss]
+        # A stack that keeps width-h activations sharded over 'tensor' (Stack.activation_embed_sharded,
+        # MaxText) stores them as sequence parallelism does.
+        self.embed_sharded = profile.activation_embed_sharded
         self._stages: dict[int, tuple[int, int]] = {}
         self._params: dict[tuple[int, int, int], tuple[float, float]] = {}
         self._states: dict[tuple[int, int, int, int, int], tuple[float, float, float, float]] = {}
@@ -177,6 +193,7 @@ class _MemoryModel:
 
     def activation_bytes(self, tp: int, seqpar: bool, recompute: str) -> float:
         """:func:`_activation_bytes_per_token` of this model."""
+        seqpar = seqpar or self.embed_sharded
         key = (tp, seqpar, recompute)
         got = self._acts.get(key)
         if got is None:

@@ -264,6 +264,47 @@ def test_maxtext_v5p_llama2_70b_row_is_no_longer_counted_at_gpu_memory() -> None
     assert est.step_time_s == pytest.approx(planned.step_time_s + est.remat_to_fit * gap)
 
 
+def test_maxtext_minimal_remat_under_tensor_sharding_keeps_what_maxtext_saves_and_the_32b_v5p_run_fits() -> (
+    None
+):
+    # MaxText README (commit 04262f3cf), TPU v5p: 32B on v5p-128 (64 chips), MaxText/configs/v5p/32b.sh:
+    # per_device_batch_size 6, global_parameter_scale 32 (emb 8192, 64 heads of 128, mlp 28672, 32
+    # layers, vocab 32000), ici_fsdp -1 with ici_tensor 4, sequence 2048, remat_policy minimal.
+    from dataclasses import replace
+
+    from gpuyard.fabric.models import ModelSpec
+    from gpuyard.fabric.stacks import get_stack
+    from gpuyard.fabric.step import ParallelConfig, estimate_step
+    from gpuyard.fabric.step_memory import _activation_bytes_per_token
+
+    h, f, tp = 8192, 28672, 4
+    model = ModelSpec(
+        name="maxtext-32b", layers=32, hidden=h, heads=64, kv_heads=64, ffn_hidden=f, vocab=32000,
+        seq_len=2048, gated_mlp=True, head_size=128,
+    )  # fmt: skip
+    minimal = replace(get_stack("maxtext"), selective="dots")
+    # checkpoint_dots_with_no_batch_dims keeps every weight matmul's output, each sharded over 'tensor'
+    # (base.yml logical_axis_rules: activation_embed, activation_heads and activation_mlp -> tensor): the
+    # layer input, q, k, v, out_proj, wi_0, wi_1 and wo; norms, the MLP activation and attention rerun.
+    saved = 2 * (h + 3 * h + h + 2 * f + h) / tp
+    tpu = load_cluster("tpu-v5p-512")
+    cfg = ParallelConfig(tp=tp, dp=16, micro_batch=24, recompute="selective", zero=3, stack="maxtext")
+    est = estimate_step(model, tpu, 64, 384, 2048, cfg, stack=minimal)
+    per_token = _activation_bytes_per_token(model, tp, True, "selective", False, "dots")
+    assert per_token == saved
+    acts = 32 * 24 * 2048 * saved / GIB
+    logits = 24 * 2048 * 32000 * 4 / tp / GIB  # fp32 logits (logits_dot_in_fp32), sharded over 'vocab'
+    assert est.memory_gib["activations"] == pytest.approx(acts + logits)  # type: ignore[attr-defined]
+    # The run ran: it fits in the v5p's 95 GB (88.5 GiB) as configured, with no remat to fit.
+    assert est.fits and est.remat_to_fit == 0.0
+    assert est.memory_gib_per_gpu < tpu.device_memory_bytes / GIB
+    # Counted the way a GPU stack keeps them (width-h activations whole on every tensor rank), the same
+    # layout was over HBM and rematerialised two thirds of the way to full recomputation.
+    unsharded = replace(minimal, activation_embed_sharded=False, selective="megatron")
+    over = estimate_step(model, tpu, 64, 384, 2048, replace(cfg, recompute="none"), stack=unsharded)
+    assert over.remat_to_fit > 0.5 and over.step_time_s > est.step_time_s
+
+
 def test_compiler_remat_only_where_the_compiler_does_it_and_only_as_far_as_full_recomputation() -> None:
     from gpuyard.fabric.models import PRESETS
     from gpuyard.fabric.step import ParallelConfig, estimate_step

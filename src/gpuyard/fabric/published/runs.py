@@ -118,11 +118,12 @@ class PublishedRun(BaseModel):
         description="MoE token dispatcher backend where the source's recipe names it (Megatron-Core's flex "
         "dispatcher with HybridEP); None: the stack's (gpuyard.fabric.stacks.Stack.moe_dispatcher).",
     )
-    selective: Literal["op", "every-2nd-layer"] | None = Field(
+    selective: Literal["op", "every-2nd-layer", "dots"] | None = Field(
         default=None,
-        description="What recompute='selective' means in a torchtitan row whose source names it: 'op' (the "
-        "per-op policy) or 'every-2nd-layer' (torchtitan's selective_ac_option '2', \"selective layer\": "
-        "every other block fully checkpointed); None: the stack's (gpuyard.fabric.stacks.Stack.selective).",
+        description="What recompute='selective' means in a row whose source names it: 'op' (torchtitan's "
+        "per-op policy), 'every-2nd-layer' (torchtitan's selective_ac_option '2', \"selective layer\": "
+        "every other block fully checkpointed) or 'dots' (MaxText's remat_policy 'minimal', "
+        "checkpoint_dots_with_no_batch_dims); None: the stack's (gpuyard.fabric.stacks.Stack.selective).",
     )
     pp_async: bool | None = Field(
         default=None,

@@ -91,12 +91,13 @@ def test_float8_factors_reproduce_torchaos_published_ratios() -> None:
     # the corpus-fitted preset.
     from dataclasses import replace
 
+    from gpuyard.fabric.accuracy import MEASURED_GEMM_EFFICIENCY
     from gpuyard.fabric.cluster import Cluster
     from gpuyard.fabric.stacks import get_stack
 
     model, titan = PRESETS["llama3-8b"], get_stack("torchtitan")
     data = load_cluster("dgx-h100").model_dump()
-    data["compute"]["gemm_efficiency"] = 0.72
+    data["compute"]["gemm_efficiency"] = MEASURED_GEMM_EFFICIENCY["hopper"]
     h100 = Cluster.model_validate(data)
     rowwise = replace(titan, fp8_recipe="rowwise")
 
